@@ -1,0 +1,24 @@
+"""speedkit: climb the quick-win ladder on your PyTorch training loop, and prove every step.
+
+Plain PyTorch (no Lightning needed)::
+
+    import speedkit
+    sk = speedkit.apply(model, optimizer, loader, rungs=["tf32", "autocast", "fused_optimizer", "compile"])
+    for i, batch in enumerate(sk.batches()):   # or your own loop: use sk.model / sk.optimizer / sk.autocast()
+        loss = sk.step(batch, i)
+    sk.undo()                                  # everything back as it was
+
+With Lightning: ``Trainer(callbacks=[speedkit.lightning.SpeedLadder(rungs=[...])])``.
+To measure which rungs pay off on your model: ``speedkit optimize recipe.yaml``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speedkit.api import Applied, apply
+from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
+
+__version__ = "0.1.0"
+
+__all__ = ["Applied", "ConfigError", "SpeedkitError", "UnsupportedError", "__version__", "apply"]

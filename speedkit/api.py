@@ -1,0 +1,124 @@
+"""``speedkit.apply``: the rungs on plain PyTorch objects, with one handle to revert them all."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedkit import rungs as rung_registry
+from speedkit.rungs.base import Handle, Rung
+from speedkit.state import LossFn, TrainState, default_loss_fn, train_step
+
+
+class Applied:
+    """The wrapped training objects and the handle that reverts them.
+
+    Attributes:
+        model, optimizer, loader: the (possibly modified in place) objects to train with.
+        state: the underlying :class:`~speedkit.state.TrainState`.
+        applied: names of the rungs applied; ``skipped``: rung name -> reason it did not apply.
+    """
+
+    def __init__(self, state: TrainState, handles: list[Handle], skipped: dict[str, str]) -> None:
+        self.state = state
+        self.handles = handles
+        self.skipped = skipped
+
+    @property
+    def model(self) -> nn.Module:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def loader(self) -> Iterable[Any] | None:
+        return self.state.loader
+
+    @property
+    def applied(self) -> list[str]:
+        return [h.rung for h in self.handles if h.active]
+
+    @property
+    def changes(self) -> list[str]:
+        return [c for h in self.handles for c in h.changes]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward-pass context for your own loop (autocast when the autocast rung is on)."""
+        return self.state.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled when fp16 autocast needs a GradScaler."""
+        (self.state.scaler.scale(loss) if self.state.scaler is not None else loss).backward()
+
+    def optimizer_step(self) -> None:
+        """``optimizer.step()`` through the GradScaler when there is one, then zero the gradients."""
+        if self.state.scaler is not None:
+            self.state.scaler.step(self.state.optimizer)
+            self.state.scaler.update()
+        else:
+            self.state.optimizer.step()
+        self.state.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        """One whole training step on ``batch`` (already on the device); returns the detached loss."""
+        return train_step(self.state, batch, batch_idx)
+
+    def batches(self) -> Iterator[Any]:
+        """The loader's batches, moved to the device."""
+        return self.state.batches()
+
+    def undo(self) -> None:
+        """Revert every applied rung, last first."""
+        while self.handles:
+            self.handles.pop().undo()
+
+    def __enter__(self) -> Applied:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+
+def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Any] | None = None, *,
+          rungs: Sequence[str | dict | Rung], device: torch.device | str | None = None,
+          loss_fn: LossFn = default_loss_fn) -> Applied:
+    """Apply rungs to plain PyTorch objects, without trials (use ``speedkit optimize`` to measure).
+
+    Rungs that do not apply are skipped with a warning naming the reason; a rung that raises is
+    undone along with the ones before it, and the error propagates.
+
+    Args:
+        model: the module to train (a LightningModule works too).
+        optimizer: its optimizer, kept as the same object.
+        loader: optional iterable of batches.
+        rungs: rung names, ``{name, options}`` mappings or Rung instances, in order.
+        device: where training runs; defaults to the model's parameters' device.
+        loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
+    """
+    built = rung_registry.make_all(list(rungs), "rungs")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    state = TrainState(model=model, optimizer=optimizer, device=torch.device(device), loader=loader, loss_fn=loss_fn)
+    handles: list[Handle] = []
+    skipped: dict[str, str] = {}
+    for rung in built:
+        reason = rung.check(state)
+        if reason is not None:
+            skipped[rung.name] = reason
+            warnings.warn(f"speedkit: rung {rung.name!r} not applied: {reason}", stacklevel=2)
+            continue
+        try:
+            handles.append(rung.apply(state))
+        except Exception:
+            for h in reversed(handles):
+                h.undo()
+            raise
+    return Applied(state, handles, skipped)

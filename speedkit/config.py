@@ -1,0 +1,55 @@
+"""Loading of the YAML files in ``configs/`` (defaults, GPU peaks, parity tolerances)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: Numerics classes from strictest to loosest; a run's effective precision is the loosest applied.
+PRECISION_ORDER = ("fp32", "tf32", "fp16", "bf16")
+
+
+def config_dir() -> Path:
+    """Where the YAML configs live: ``$SPEEDKIT_CONFIG_DIR`` or the ones shipped with the package."""
+    override = os.environ.get("SPEEDKIT_CONFIG_DIR")
+    return Path(override) if override else Path(__file__).resolve().parent / "configs"
+
+
+@functools.cache
+def load(name: str) -> dict[str, Any]:
+    """Parse ``configs/<name>.yaml`` once per process."""
+    path = config_dir() / f"{name}.yaml"
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def measure_defaults() -> dict[str, Any]:
+    return dict(load("defaults")["measure"])
+
+
+def tolerance(precision: str, device_type: str) -> float:
+    """Relative per-step loss tolerance for ``precision`` on ``device_type`` ('cpu' or 'cuda')."""
+    table = load("tolerances")
+    entry = table[precision]
+    return float(entry.get(device_type, entry.get("cuda")))
+
+
+def loosest(a: str, b: str) -> str:
+    """The looser of two precisions (the one whose numerics differ more from fp32)."""
+    return max(a, b, key=PRECISION_ORDER.index)
+
+
+def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of a GPU by name and precision, or ``None`` if the GPU is not in the table."""
+    best = None
+    for entry in load("gpu_peaks")["gpus"]:
+        match = entry["match"].lower()
+        if match in device_name.lower() and (best is None or len(match) > len(best["match"])):
+            best = entry
+    if best is None:
+        return None
+    return float(best["peaks"][precision])

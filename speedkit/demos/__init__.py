@@ -1,0 +1,7 @@
+"""Reference models used by recipes, tests and benchmarks (written naively on purpose)."""
+
+from speedkit.demos.data import SyntheticTokens, SyntheticVectors
+from speedkit.demos.gpt2 import NaiveGPT
+from speedkit.demos.mlp import LaunchBoundMLP
+
+__all__ = ["LaunchBoundMLP", "NaiveGPT", "SyntheticTokens", "SyntheticVectors"]

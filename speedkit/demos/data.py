@@ -1,0 +1,82 @@
+"""Synthetic data modules: deterministic random batches, generated on the fly on the CPU.
+
+Generated per index from a seeded generator, so any two loaders over the same module yield the
+same batches (the ladder's parity check relies on the same batches, not on the same loader).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class _TokenDataset(Dataset):
+    def __init__(self, length: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        self.length, self.seq_len, self.vocab_size, self.seed = length, seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        seq = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
+        return seq[:-1], seq[1:]  # (T,), (T,)  inputs and next-token targets
+
+
+class _VectorDataset(Dataset):
+    def __init__(self, length: int, features: int, classes: int, seed: int) -> None:
+        self.length, self.features, self.classes, self.seed = length, features, classes, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randn(self.features, generator=g), torch.randint(0, self.classes, (), generator=g)
+
+
+class SyntheticTokens(pl.LightningDataModule):
+    """Random token sequences for language models: batches of ``(inputs, targets)``, each (B, T).
+
+    Args:
+        batch_size: sequences per batch.
+        seq_len: tokens per sequence (T).
+        vocab_size: token ids are drawn uniformly from ``[0, vocab_size)``.
+        length: sequences per epoch.
+        num_workers: DataLoader worker processes.
+        pin_memory: DataLoader ``pin_memory`` (left off: a naive user's loader).
+        seed: base seed of the per-index generators.
+    """
+
+    def __init__(self, batch_size: int = 8, seq_len: int = 64, vocab_size: int = 512, length: int = 4096,
+                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size), ("length", length)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, found {value}")
+        self.batch_size, self.seq_len, self.vocab_size = batch_size, seq_len, vocab_size
+        self.length, self.num_workers, self.pin_memory, self.seed = length, num_workers, pin_memory, seed
+
+    def train_dataloader(self) -> DataLoader:
+        ds = _TokenDataset(self.length, self.seq_len, self.vocab_size, self.seed)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+
+class SyntheticVectors(pl.LightningDataModule):
+    """Random feature vectors with class labels: batches of ``(x (B, F), y (B,))``."""
+
+    def __init__(self, batch_size: int = 64, features: int = 256, classes: int = 10, length: int = 65536,
+                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("features", features), ("classes", classes), ("length", length)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, found {value}")
+        self.batch_size, self.features, self.classes = batch_size, features, classes
+        self.length, self.num_workers, self.pin_memory, self.seed = length, num_workers, pin_memory, seed
+
+    def train_dataloader(self) -> DataLoader:
+        ds = _VectorDataset(self.length, self.features, self.classes, self.seed)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers, pin_memory=self.pin_memory)

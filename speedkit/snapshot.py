@@ -1,0 +1,95 @@
+"""Save and restore the training state around trial steps, so that trials never leak.
+
+A snapshot keeps, by object identity, a copy of every parameter and buffer of the model, the
+optimizer's per-parameter state and hyper-parameters, and the RNG states. Restoring copies values
+back *into the same tensors* (never replaces them), so the optimizer, Lightning and any rung still
+point at the live parameters. Implementation flags of the optimizer (fused/foreach/capturable)
+are left as they are now: those belong to the rungs, not to the training state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import torch
+from torch import nn
+
+_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _clone(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return t.detach().to(device if device is not None else t.device, copy=True)
+
+
+class Snapshot:
+    """A copy of model + optimizer + RNG state; ``restore()`` puts it back in place, any number of times.
+
+    Args:
+        model, optimizer: what to save.
+        device: where to keep the copy ("cpu" keeps GPU memory figures honest; None = same device).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str | None = "cpu") -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = torch.device(device) if device is not None else None
+        pin = self.device is not None and self.device.type == "cpu" and torch.cuda.is_available()
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) in seen:
+                continue  # tied weights
+            seen.add(id(t))
+            copy_ = _clone(t, self.device)
+            if pin and t.is_cuda:
+                copy_ = copy_.pin_memory()
+            self.tensors.append((t, copy_))
+        self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        self.opt_groups: list[dict[str, Any]] = []
+        if optimizer is not None:
+            for p, st in optimizer.state.items():
+                self.opt_state.append((p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                                           for k, v in st.items()}))
+            self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS}
+                               for g in optimizer.param_groups]
+        self.rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+            "python": random.getstate(),
+        }
+
+    @torch.no_grad()
+    def restore(self, rng: bool = True) -> None:
+        for live, saved in self.tensors:
+            live.copy_(saved, non_blocking=True)
+            if isinstance(live, nn.Parameter) or live.requires_grad:
+                live.grad = None
+        opt = self.optimizer
+        if opt is not None:
+            opt.state.clear()
+            flags = {id(p): g for g in opt.param_groups for p in g["params"]}
+            for p, st in self.opt_state:
+                group = flags.get(id(p), {})
+                restored = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        # step counters live on the CPU except for fused/capturable optimizers
+                        on_device = k != "step" or group.get("fused") or group.get("capturable")
+                        target = p.device if on_device else torch.device("cpu")
+                        restored[k] = v.to(target, copy=True)
+                    else:
+                        restored[k] = copy.deepcopy(v)
+                opt.state[p] = restored
+            for group, saved in zip(opt.param_groups, self.opt_groups):
+                group.update(copy.deepcopy(saved))
+            opt.zero_grad(set_to_none=True)
+        if rng:
+            self.restore_rng()
+
+    def restore_rng(self) -> None:
+        torch.set_rng_state(self.rng["torch"])
+        if self.rng["cuda"] is not None:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        random.setstate(self.rng["python"])
