@@ -172,6 +172,7 @@ class Ladder:
 
         handle: Handle | None = None
         losses: list[float] = reference
+        result_precision_before = state.precision
         try:
             handle = rung.apply(state)
             result.changes = list(handle.changes)
@@ -182,6 +183,8 @@ class Ladder:
             diffs = [_rel_diff(a, b) for a, b in zip(losses, reference)]
             worst = max(diffs) if diffs else 0.0
             result.parity = Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
+            if worst == 0.0 and state.precision != result_precision_before:
+                result.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
             if handle.problem():
                 raise _RungProblem(handle.problem())
             if not result.parity.passed:
@@ -220,9 +223,13 @@ class Ladder:
 
     def _decide(self, m: Measurement, previous: Measurement) -> tuple[str, str]:
         cfg = self.cfg
-        noise = max(m.spread, previous.spread)
-        needed = max(cfg.min_gain, noise)
+        # noise of the difference of two independent measurements
+        noise = math.hypot(m.spread, previous.spread)
         speedup = previous.step_ms / m.step_ms
+        if noise >= 0.5:
+            return "reverted", (f"measurement too noisy to decide ({noise:.0%} noise, {speedup:.2f}x): "
+                                "run on a quiet machine or raise measure.repeats/steps")
+        needed = max(cfg.min_gain, noise)
         if m.step_ms < previous.step_ms * (1 - needed):
             return "kept", f"{speedup:.2f}x faster (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, noise {noise:.1%})"
         if (m.peak_memory_bytes is not None and previous.peak_memory_bytes

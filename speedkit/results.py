@@ -19,7 +19,7 @@ class Measurement:
     """Timing of one configuration: ``repeats`` windows of ``steps`` steps after ``warmup`` steps."""
 
     step_ms: float                     # median over windows of the mean step time in a window
-    spread: float                      # (max - min) / median of the window means: the noise estimate
+    spread: float                      # noise: 1.4826 * MAD / median of the window means (robust relative std)
     window_ms: list[float]             # each window's mean step time
     warmup: int
     steps: int

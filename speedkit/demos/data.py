@@ -1,7 +1,7 @@
 """Synthetic data modules: deterministic random batches, generated on the fly on the CPU.
 
-Generated per index from a seeded generator, so any two loaders over the same module yield the
-same batches (the ladder's parity check relies on the same batches, not on the same loader).
+Each *batch* is generated from a generator seeded by its index, so any two loaders over the same
+module yield the same batches, and making one costs one small random draw (cheap next to a step).
 """
 
 from __future__ import annotations
@@ -11,29 +11,33 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 
-class _TokenDataset(Dataset):
-    def __init__(self, length: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        self.length, self.seq_len, self.vocab_size, self.seed = length, seq_len, vocab_size, seed
+class _TokenBatches(Dataset):
+    """Item ``i`` is batch ``i``: ``(inputs (B, T), targets (B, T))``, targets shifted by one token."""
+
+    def __init__(self, batches: int, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        self.batches, self.batch_size, self.seq_len, self.vocab_size, self.seed = batches, batch_size, seq_len, vocab_size, seed
 
     def __len__(self) -> int:
-        return self.length
+        return self.batches
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        seq = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
-        return seq[:-1], seq[1:]  # (T,), (T,)  inputs and next-token targets
+        seq = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-class _VectorDataset(Dataset):
-    def __init__(self, length: int, features: int, classes: int, seed: int) -> None:
-        self.length, self.features, self.classes, self.seed = length, features, classes, seed
+class _VectorBatches(Dataset):
+    """Item ``i`` is batch ``i``: ``(x (B, F) float32, y (B,) int64)``."""
+
+    def __init__(self, batches: int, batch_size: int, features: int, classes: int, seed: int) -> None:
+        self.batches, self.batch_size, self.features, self.classes, self.seed = batches, batch_size, features, classes, seed
 
     def __len__(self) -> int:
-        return self.length
+        return self.batches
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return torch.randn(self.features, generator=g), torch.randint(0, self.classes, (), generator=g)
+        return torch.randn(self.batch_size, self.features, generator=g), torch.randint(0, self.classes, (self.batch_size,), generator=g)
 
 
 class SyntheticTokens(pl.LightningDataModule):
@@ -43,7 +47,7 @@ class SyntheticTokens(pl.LightningDataModule):
         batch_size: sequences per batch.
         seq_len: tokens per sequence (T).
         vocab_size: token ids are drawn uniformly from ``[0, vocab_size)``.
-        length: sequences per epoch.
+        length: sequences per epoch (rounded down to whole batches).
         num_workers: DataLoader worker processes.
         pin_memory: DataLoader ``pin_memory`` (left off: a naive user's loader).
         seed: base seed of the per-index generators.
@@ -55,13 +59,15 @@ class SyntheticTokens(pl.LightningDataModule):
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size), ("length", length)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, found {value}")
+        if length < batch_size:
+            raise ValueError(f"length ({length}) must be >= batch_size ({batch_size})")
         self.batch_size, self.seq_len, self.vocab_size = batch_size, seq_len, vocab_size
         self.length, self.num_workers, self.pin_memory, self.seed = length, num_workers, pin_memory, seed
 
     def train_dataloader(self) -> DataLoader:
-        ds = _TokenDataset(self.length, self.seq_len, self.vocab_size, self.seed)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.num_workers, pin_memory=self.pin_memory)
+        ds = _TokenBatches(self.length // self.batch_size, self.batch_size, self.seq_len, self.vocab_size, self.seed)
+        # batch_size=None: the dataset yields whole batches
+        return DataLoader(ds, batch_size=None, shuffle=False, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
 
 class SyntheticVectors(pl.LightningDataModule):
@@ -73,10 +79,11 @@ class SyntheticVectors(pl.LightningDataModule):
         for name, value in (("batch_size", batch_size), ("features", features), ("classes", classes), ("length", length)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, found {value}")
+        if length < batch_size:
+            raise ValueError(f"length ({length}) must be >= batch_size ({batch_size})")
         self.batch_size, self.features, self.classes = batch_size, features, classes
         self.length, self.num_workers, self.pin_memory, self.seed = length, num_workers, pin_memory, seed
 
     def train_dataloader(self) -> DataLoader:
-        ds = _VectorDataset(self.length, self.features, self.classes, self.seed)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.num_workers, pin_memory=self.pin_memory)
+        ds = _VectorBatches(self.length // self.batch_size, self.batch_size, self.features, self.classes, self.seed)
+        return DataLoader(ds, batch_size=None, shuffle=False, num_workers=self.num_workers, pin_memory=self.pin_memory)

@@ -120,12 +120,16 @@ class StepClock:
 
 
 def summarize(window_means_ms: Sequence[float]) -> tuple[float, float]:
-    """Median of the windows' mean step times, and their spread ``(max - min) / median``.
+    """Median of the windows' mean step times, and their noise: a robust relative standard deviation.
 
-    The spread is the noise estimate: a change smaller than it is not a measured change.
+    The noise is ``1.4826 * MAD / median`` (the median absolute deviation scaled to estimate a
+    standard deviation), so one window disturbed by another process does not swamp it, as it
+    would a max-min range. A change smaller than the noise is not a measured change.
     """
     if not window_means_ms:
         raise ValueError("no timed windows")
     median = statistics.median(window_means_ms)
-    spread = (max(window_means_ms) - min(window_means_ms)) / median if median > 0 else 0.0
-    return median, spread
+    if median <= 0:
+        return median, 0.0
+    mad = statistics.median(abs(w - median) for w in window_means_ms)
+    return median, 1.4826 * mad / median

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from speedkit.rungs.base import Handle, Rung
+from speedkit.config import loosest
+from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
 
 
@@ -73,4 +74,6 @@ class TF32Rung(Rung):
         return check_tf32(state.device)
 
     def apply(self, state: TrainState) -> Handle:
-        return apply_tf32(state.device, cudnn=self.options.cudnn)
+        handle = apply_tf32(state.device, cudnn=self.options.cudnn)
+        set_attr(handle, state, "precision", loosest(state.precision, "tf32"), "numerics: tf32 matmuls")
+        return handle

@@ -1,0 +1,567 @@
+"""Recipes: one YAML file that says what to train and which quick wins to try.
+
+A recipe follows LightningCLI's convention for the model, the data and the Trainer, and adds
+the ladder of rungs and how to measure them::
+
+    model:
+      class_path: speedkit.demos.NaiveGPT          # any LightningModule by import path
+      init_args: {size: tiny}
+    data: {synthetic: tokens, batch_size: 8}       # or {class_path: ..., init_args: {...}}
+    trainer: {max_steps: 50, logger: false}        # lightning.pytorch.Trainer keyword arguments
+    ladder: [tf32, autocast, {name: compile, options: {mode: default}}]
+    measure: {steps: 10}                           # overrides configs/defaults.yaml `measure:`
+    report: {formats: [json, md], title: my run}
+    seed: 0
+
+:func:`load_recipe` validates everything before any work starts (classes are imported and their
+arguments checked against the constructor's signature, but nothing is built) and raises
+:class:`~speedkit.errors.ConfigError` naming the offending field, e.g. ``ladder[2].options.mode``.
+The ``build_*`` methods of :class:`Recipe` then construct the objects. :func:`dump_recipe` writes
+a recipe back with a new ladder (the ``optimized.yaml`` of a run).
+
+User classes are imported from the directory of the recipe file or the current directory as well
+as from installed packages.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import importlib
+import inspect
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from speedkit.config import measure_defaults
+from speedkit.errors import ConfigError
+
+if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is loaded
+    import lightning.pytorch as pl
+
+    from speedkit.rungs import Rung
+
+TOP_LEVEL_KEYS = ("model", "data", "trainer", "ladder", "measure", "report", "seed")
+SYNTHETIC_DATA = {"tokens": "speedkit.demos.SyntheticTokens", "vectors": "speedkit.demos.SyntheticVectors"}
+REPORT_FORMATS = ("json", "md", "html")
+REPORT_DEFAULTS: dict[str, Any] = {"formats": ["json", "md"], "title": None}
+
+#: measure keys: (annotation, lowest allowed, whether the lowest is excluded, highest excluded)
+_MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
+    "warmup": (int, 0, False, None),
+    "steps": (int, 1, False, None),
+    "repeats": (int, 1, False, None),
+    "parity_steps": (int, 1, False, None),
+    "min_gain": (float, 0.0, False, 1.0),
+    "memory_gain": (float, 0.0, False, 1.0),
+    "throughput_unit": (Literal["auto", "tokens", "samples"], None, False, None),
+    "mfu_precision": (Literal["bf16", "fp16", "tf32", "fp32"], None, False, None),
+    "peak_tflops": (typing.Optional[float], 0.0, True, None),
+    "telemetry": (bool, None, False, None),
+}
+
+#: Trainer arguments that may be given as class_path specs, and the base class each must extend
+_TRAINER_OBJECTS = {
+    "callbacks": "lightning.pytorch.callbacks.Callback",
+    "logger": "lightning.pytorch.loggers.Logger",
+    "profiler": "lightning.pytorch.profilers.Profiler",
+    "strategy": "lightning.pytorch.strategies.Strategy",
+    "accelerator": "lightning.pytorch.accelerators.Accelerator",
+    "plugins": None,
+}
+
+_EXAMPLE = "e.g. model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}"
+
+
+# -- the recipe ------------------------------------------------------------------------------
+
+
+@dataclass
+class ClassSpec:
+    """A class named by import path and the keyword arguments to construct it with."""
+
+    class_path: str
+    cls: type
+    init_args: dict[str, Any]
+    #: field path of ``init_args`` in the recipe (``model.init_args``), named by :meth:`build`'s errors
+    where: str = "init_args"
+
+    def build(self) -> Any:
+        """Construct the class; an exception of its constructor becomes a one-line ConfigError."""
+        try:
+            return self.cls(**copy.deepcopy(self.init_args))
+        except Exception as exc:  # the user's constructor rejected its arguments
+            raise ConfigError(self.where, f"{self.cls.__name__}(...) raised {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+@dataclass
+class Recipe:
+    """A validated recipe. Nothing in it is built until a ``build_*`` method is called."""
+
+    #: the recipe file, or None when loaded from a mapping or text
+    path: Path | None
+    #: the parsed YAML mapping, untouched (written back by :func:`dump_recipe`)
+    raw: dict[str, Any]
+    model: ClassSpec
+    #: None only when the model class defines its own ``train_dataloader``
+    data: ClassSpec | None
+    #: Trainer keyword arguments; class_path specs (callbacks, logger) are built by build_trainer_kwargs
+    trainer: dict[str, Any]
+    ladder: list[Rung]
+    #: configs/defaults.yaml ``measure:`` overridden by the recipe
+    measure: dict[str, Any]
+    report: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REPORT_DEFAULTS))
+    seed: int = 0
+
+    def build_model(self) -> pl.LightningModule:
+        """A fresh model; call ``lightning.seed_everything(recipe.seed)`` first for repeatable weights."""
+        return self.model.build()
+
+    def build_datamodule(self) -> pl.LightningDataModule | None:
+        """A fresh datamodule, or None when the model brings its own ``train_dataloader``."""
+        return None if self.data is None else self.data.build()
+
+    def build_trainer_kwargs(self) -> dict[str, Any]:
+        """The Trainer keyword arguments, with callbacks and other class_path specs instantiated."""
+        out: dict[str, Any] = {}
+        for key, value in self.trainer.items():
+            if isinstance(value, ClassSpec):
+                out[key] = value.build()
+            elif isinstance(value, list) and any(isinstance(v, ClassSpec) for v in value):
+                out[key] = [v.build() if isinstance(v, ClassSpec) else copy.deepcopy(v) for v in value]
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+
+
+def embedded_default_path() -> Path:
+    """The recipe shipped with speedkit and used when none is given (a tiny GPT on the CPU)."""
+    return Path(__file__).resolve().parent / "recipes" / "tiny-cpu.yaml"
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_recipe(source: str | Path | dict[str, Any]) -> Recipe:
+    """Load and fully validate a recipe from a YAML file path or an already parsed mapping.
+
+    Raises:
+        ConfigError: on any problem, naming the field (``measure.steps``), what was expected
+            and what was found, in one line.
+    """
+    if isinstance(source, dict):
+        return _validate(copy.deepcopy(source), None)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError("recipe", f"expected a path to a YAML file or a mapping, found {type(source).__name__}")
+    path = Path(source).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("recipe", f"file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError("recipe", f"expected a YAML file, found a directory: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("recipe", f"cannot read {path}: {_one_line(exc)}") from None
+    return _validate(_parse_yaml(text), path.resolve())
+
+
+def load_recipe_text(text: str) -> Recipe:
+    """Load and validate a recipe from YAML text (``Recipe.path`` is None)."""
+    return _validate(_parse_yaml(text), None)
+
+
+def dump_recipe(raw: dict[str, Any], ladder_specs: list[Any], path: Path, header: str = "") -> None:
+    """Write ``raw`` back as YAML with its ladder replaced by ``ladder_specs``.
+
+    Key order and every other section are kept. ``ladder_specs`` holds rung names, ``{name, options}``
+    mappings or Rung instances (written as a bare name when their options are the defaults).
+    ``header`` becomes leading ``# `` comment lines.
+    """
+    from speedkit import rungs
+
+    specs = [_rung_spec(s) for s in ladder_specs]
+    rungs.make_all(specs, "ladder")  # the file written must load again
+    out = {key: (specs if key == "ladder" else copy.deepcopy(value)) for key, value in raw.items()}
+    out.setdefault("ladder", specs)
+    body = yaml.dump(out, Dumper=_Dumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) if header else ""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(comments + body, encoding="utf-8")
+
+
+# -- YAML ------------------------------------------------------------------------------------
+
+# PyYAML follows YAML 1.1, which reads `1e-3` as a string; read (and quote) it as a float instead.
+_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-3 as a float and refuses duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may override keys on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                mark = key_node.start_mark
+                raise ConfigError("recipe", f"duplicate key {key!r} at line {mark.line + 1}, column {mark.column + 1}; give each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings _Loader would read as floats."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789"))
+
+
+def _parse_yaml(text: str) -> dict[str, Any]:
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "an unknown position"
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError("recipe", f"invalid YAML at {where}: {_one_line(problem)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("recipe", f"invalid YAML: {_one_line(exc)}") from None
+    if data is None:
+        raise ConfigError("recipe", "the recipe is empty; expected a mapping with at least model: and ladder:")
+    if not isinstance(data, dict):
+        raise ConfigError("recipe", f"expected a mapping at the top level (model:, ladder:, ...), found {_describe(data)}")
+    return data
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
+    from speedkit import rungs
+
+    if not isinstance(raw, dict):
+        raise ConfigError("recipe", f"expected a mapping at the top level, found {_describe(raw)}")
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(str(key), _unknown("top-level key", key, TOP_LEVEL_KEYS))
+    _extend_import_path(path)
+
+    model = _class_spec(raw.get("model"), "model", "lightning.pytorch.LightningModule", required=True)
+    data = _data_spec(raw.get("data"), model)
+    trainer = _trainer(raw.get("trainer"))
+    if "ladder" not in raw:
+        raise ConfigError("ladder", f"missing; list the rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
+    if raw["ladder"] is None or (isinstance(raw["ladder"], list) and not raw["ladder"]):
+        raise ConfigError("ladder", f"is empty; list at least one rung, e.g. ladder: [{', '.join(rungs.names())}]")
+    ladder = rungs.make_all(raw["ladder"], "ladder")
+    measure = _measure(raw.get("measure"))
+    report = _report(raw.get("report"))
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ConfigError("seed", f"expected an integer in [0, 2**32), found {_describe(seed)}")
+    return Recipe(path=path, raw=raw, model=model, data=data, trainer=trainer, ladder=ladder,
+                  measure=measure, report=report, seed=seed)
+
+
+def _extend_import_path(path: Path | None) -> None:
+    """Let class_path name modules next to the recipe or in the current directory."""
+    added = False
+    for directory in ([str(path.parent)] if path is not None else []) + [os.getcwd()]:
+        if directory not in sys.path:
+            sys.path.append(directory)
+            added = True
+    if added or path is not None:
+        importlib.invalidate_caches()  # a module written after the directory was first scanned
+
+
+def _class_spec(value: Any, where: str, base: str | None, required: bool = False) -> ClassSpec:
+    """Validate ``{class_path, init_args}`` (or a bare class path string) at ``where``."""
+    if value is None:
+        raise ConfigError(where, f"missing; {_EXAMPLE}" if where == "model" else "missing; expected {class_path: ..., init_args: {...}}")
+    if isinstance(value, str):
+        value = {"class_path": value}
+    if not isinstance(value, dict):
+        raise ConfigError(where, f"expected a mapping {{class_path: ..., init_args: {{...}}}}, found {_describe(value)}")
+    for key in value:
+        if key not in ("class_path", "init_args"):
+            raise ConfigError(f"{where}.{key}", _unknown("key", key, ("class_path", "init_args")))
+    if "class_path" not in value:
+        raise ConfigError(f"{where}.class_path", "missing; expected 'package.module.ClassName'")
+    cls = _import_class(value["class_path"], f"{where}.class_path", base)
+    init_args = _init_args(cls, value.get("init_args"), f"{where}.init_args")
+    return ClassSpec(value["class_path"], cls, init_args, f"{where}.init_args")
+
+
+def _data_spec(value: Any, model: ClassSpec) -> ClassSpec | None:
+    import lightning.pytorch as pl
+
+    if value is None:
+        if getattr(model.cls, "train_dataloader", None) is pl.LightningModule.train_dataloader:
+            raise ConfigError("data", f"missing, and {model.cls.__name__} defines no train_dataloader; give "
+                              "data: {class_path: ..., init_args: {...}} or data: {synthetic: tokens|vectors, ...}")
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError("data", f"expected {{class_path: ..., init_args: ...}} or {{synthetic: tokens|vectors, ...}}, found {_describe(value)}")
+    if "synthetic" not in value:
+        return _class_spec(value, "data", "lightning.pytorch.LightningDataModule")
+    kind = value["synthetic"]
+    if "class_path" in value or "init_args" in value:
+        raise ConfigError("data.synthetic", "give either synthetic: ... with its arguments beside it, or class_path/init_args, not both")
+    if not isinstance(kind, str) or kind not in SYNTHETIC_DATA:
+        raise ConfigError("data.synthetic", f"expected one of {', '.join(SYNTHETIC_DATA)}, found {_describe(kind)}")
+    class_path = SYNTHETIC_DATA[kind]
+    cls = _import_class(class_path, "data.synthetic", None)
+    args = {k: v for k, v in value.items() if k != "synthetic"}
+    return ClassSpec(class_path, cls, _init_args(cls, args, "data"), "data")
+
+
+def _trainer(value: Any) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("trainer", f"expected a mapping of Trainer arguments, found {_describe(value)}")
+    params, hints, _ = _signature(pl.Trainer)
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        where = f"trainer.{key}"
+        if key not in params:
+            raise ConfigError(where, _unknown("Trainer argument", key, params))
+        if key in _TRAINER_OBJECTS:
+            base = _TRAINER_OBJECTS[key]
+            if key == "callbacks" and isinstance(item, list):
+                out[key] = [_trainer_object(c, f"{where}[{i}]", base, required=True) for i, c in enumerate(item)]
+                continue
+            if key == "plugins" and isinstance(item, list):
+                out[key] = [_trainer_object(c, f"{where}[{i}]", base) for i, c in enumerate(item)]
+                continue
+            out[key] = _trainer_object(item, where, base, required=key == "callbacks" and item is not None)
+            if isinstance(out[key], ClassSpec):
+                continue
+        if key in hints:
+            _check(item, hints[key], where)
+        out[key] = item
+    return out
+
+
+def _trainer_object(value: Any, where: str, base: str | None, required: bool = False) -> Any:
+    """A class_path spec becomes a ClassSpec; other values (``logger: false``) pass through."""
+    if isinstance(value, dict) and "class_path" in value or required:
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"expected {{class_path: ..., init_args: {{...}}}}, found {_describe(value)}")
+        return _class_spec(value, where, base)
+    return value
+
+
+def _measure(value: Any) -> dict[str, Any]:
+    defaults = measure_defaults()
+    if value is None:
+        return defaults
+    if not isinstance(value, dict):
+        raise ConfigError("measure", f"expected a mapping, found {_describe(value)}")
+    allowed = list(dict.fromkeys([*defaults, *_MEASURE_RULES]))
+    out = dict(defaults)
+    for key, item in value.items():
+        where = f"measure.{key}"
+        if key not in allowed:
+            raise ConfigError(where, _unknown("key", key, allowed))
+        if key not in _MEASURE_RULES:  # a default added to configs/defaults.yaml without a rule here
+            out[key] = item
+            continue
+        tp, low, low_open, high = _MEASURE_RULES[key]
+        item = _check(item, tp, where)
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            too_low = low is not None and (item <= low if low_open else item < low)
+            too_high = high is not None and item >= high
+            if too_low or too_high:
+                kind = "an integer" if tp is int else "a number"
+                rng = f"> {low}" if low_open else f">= {low}" if high is None else f"in [{low}, {high})"
+                raise ConfigError(where, f"expected {kind} {rng}, found {item!r}")
+        out[key] = item
+    return out
+
+
+def _report(value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(REPORT_DEFAULTS)
+    if value is None:
+        return out
+    if not isinstance(value, dict):
+        raise ConfigError("report", f"expected a mapping, found {_describe(value)}")
+    for key, item in value.items():
+        if key not in REPORT_DEFAULTS:
+            raise ConfigError(f"report.{key}", _unknown("key", key, REPORT_DEFAULTS))
+    if "formats" in value:
+        formats = value["formats"]
+        if not isinstance(formats, list):
+            raise ConfigError("report.formats", f"expected a list of formats ({', '.join(REPORT_FORMATS)}), found {_describe(formats)}")
+        for i, fmt in enumerate(formats):
+            if fmt not in REPORT_FORMATS:
+                raise ConfigError(f"report.formats[{i}]", f"expected one of {', '.join(REPORT_FORMATS)}, found {_describe(fmt)}")
+        out["formats"] = list(dict.fromkeys(formats))
+    if "title" in value:
+        out["title"] = _check(value["title"], typing.Optional[str], "report.title")
+    return out
+
+
+# -- classes and their arguments -------------------------------------------------------------
+
+
+def _import_class(class_path: Any, where: str, base: str | None) -> type:
+    """Import ``package.module.ClassName``, telling a missing module from a missing attribute."""
+    if not isinstance(class_path, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", class_path):
+        raise ConfigError(where, f"class_path must be 'package.module.ClassName', found {_describe(class_path)}")
+    parts = class_path.split(".")
+    missing: str | None = None  # the deepest module that does not exist
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                missing = missing or module_name
+                continue
+            raise ConfigError(where, f"importing module '{module_name}' failed: No module named '{exc.name}' (a dependency is not installed)") from None
+        except Exception as exc:  # the user's module raised while importing
+            raise ConfigError(where, f"importing module '{module_name}' failed: {type(exc).__name__}: {_one_line(exc)}") from None
+        owner = module_name
+        for j, attr in enumerate(parts[i:]):
+            if not hasattr(obj, attr):
+                if j == 0 and missing is not None:
+                    break
+                close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")], n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(where, f"module '{owner}' has no attribute '{attr}'{hint}")
+            obj = getattr(obj, attr)
+            owner = f"{owner}.{attr}"
+        else:
+            return _check_class(obj, class_path, where, base)
+        break
+    raise ConfigError(where, f"module '{missing}' not found; install it, or put it next to the recipe or in the current directory")
+
+
+def _check_class(obj: Any, class_path: str, where: str, base: str | None) -> type:
+    if not inspect.isclass(obj):
+        raise ConfigError(where, f"expected a class, found {type(obj).__name__} '{class_path}'")
+    if base is not None:
+        base_cls = _import_base(base)
+        if not issubclass(obj, base_cls):
+            bases = ", ".join(b.__name__ for b in obj.__bases__)
+            raise ConfigError(where, f"expected a subclass of {base_cls.__name__}, found '{class_path}' (a subclass of {bases})")
+    return obj
+
+
+@functools.cache
+def _import_base(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _init_args(cls: type, value: Any, where: str) -> dict[str, Any]:
+    """Check ``init_args`` against ``cls``'s constructor: names, required ones, simple types."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(where, f"expected a mapping of {cls.__name__} arguments, found {_describe(value)}")
+    params, hints, sig = _signature(cls)
+    if sig is None:  # no introspectable signature: the constructor will judge
+        return dict(value)
+    for key in value:
+        if params is not None and key not in params:
+            raise ConfigError(f"{where}.{key}", _unknown(f"argument of {cls.__name__}", key, params))
+    try:
+        sig.bind(**value)
+    except TypeError as exc:
+        raise ConfigError(where, f"{cls.__name__}: {_one_line(exc)}") from None
+    for key, item in value.items():
+        if key in hints:
+            _check(item, hints[key], f"{where}.{key}")
+    return dict(value)
+
+
+@functools.cache
+def _signature(cls: type) -> tuple[tuple[str, ...] | None, dict[str, Any], inspect.Signature | None]:
+    """Keyword parameter names of ``cls``'s constructor (None if it takes ``**kwargs``), their type
+    hints, and the signature itself (None if it cannot be introspected)."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return None, {}, None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        names = None
+    else:
+        names = tuple(n for n, p in sig.parameters.items() if p.kind in kinds)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # unresolvable forward references: judge only the annotations that are real types
+        hints = {n: p.annotation for n, p in sig.parameters.items()
+                 if p.annotation is not inspect.Parameter.empty and not isinstance(p.annotation, str)}
+    hints.pop("return", None)
+    return names, hints, sig
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """``check_value`` for simple annotations; annotations it cannot judge accept anything."""
+    from speedkit.rungs.base import check_value
+
+    if not _judgeable(tp):
+        return value
+    return check_value(value, tp, where)
+
+
+def _judgeable(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal or tp in (bool, int, float, str, type(None), Any):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        # a union with a class check_value cannot judge would accept anything anyway
+        return all(_judgeable(a) or typing.get_origin(a) in (list, dict) or a in (list, dict) for a in typing.get_args(tp))
+    return origin in (list, dict) or tp in (list, dict)
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def _rung_spec(spec: Any) -> Any:
+    """A ladder entry as plain YAML data: a name, or {name, options} when options differ from defaults."""
+    from speedkit.rungs import Rung
+
+    if isinstance(spec, Rung):
+        options = spec.options_dict()
+        return spec.name if options == type(spec)().options_dict() else {"name": spec.name, "options": options}
+    return copy.deepcopy(spec)
+
+
+def _unknown(what: str, key: Any, allowed: Iterable[Any]) -> str:
+    allowed = [str(a) for a in allowed]
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    if close and len(allowed) > 12:  # a long list would bury the likely fix
+        return f"unknown {what} {str(key)!r}; did you mean '{close[0]}'?"
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown {what} {str(key)!r}; {hint}allowed: {', '.join(allowed) or 'none'}"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'} {_one_line(repr(value))[:80]}"
+    return f"{_one_line(repr(value))[:80]} ({type(value).__name__})"
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())

@@ -1,0 +1,160 @@
+"""The report of a ladder run: ``report.json`` (for machines) and ``report.md`` (for people).
+
+``report.json`` is :meth:`speedkit.results.LadderResult.to_dict`, made JSON-safe (a NaN or
+infinite float is written as ``null``; tuples become lists; anything else unknown becomes its
+``str``). Schema version 1, field by field:
+
+* ``schema_version`` (int) — ``1``. :func:`load_report` refuses any other value.
+* ``recipe`` (str | null) — the recipe's name, or null when the ladder ran without one.
+* ``device`` (str) — the torch device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
+* ``environment`` (object) — :func:`speedkit.report.environment.collect_environment`; every key is
+  present, null where it does not apply:
+
+  - ``device``, ``python``, ``platform``, ``speedkit`` (``"0+unknown"`` in an uninstalled
+    checkout), ``torch``, ``torch_cuda`` (the CUDA torch was built with), ``triton``,
+    ``lightning`` (versions; null where not installed);
+  - ``cpu_model``, ``cpu_count``, ``cpu_usable`` (CPUs this process may run on),
+    ``torch_threads``;
+  - on CUDA: ``gpu_name``, ``gpu_compute_capability`` (``"9.0"``), ``gpu_memory_bytes``,
+    ``gpu_count`` (visible to CUDA), ``gpu_driver`` (via NVML; null without it), ``cudnn``.
+
+* ``flops`` (object) — how MFU is counted, one convention for every rung:
+
+  - ``per_step`` (int | null) — model FLOPs of one training step;
+  - ``convention`` (str) — what ``per_step`` counts and what MFU divides by;
+  - ``peak_tflops`` (float | null) — the peak MFU is reported against; null: no MFU;
+  - ``peak_source`` (str) — where that peak came from (datasheet table, recipe override) or why
+    there is none.
+
+* ``measure`` (object) — the measurement settings used: ``configs/defaults.yaml``'s ``measure``
+  section after the recipe's overrides (``warmup``, ``steps``, ``repeats``, ``parity_steps``,
+  ``min_gain``, ``memory_gain``, ``throughput_unit``, ``mfu_precision``, ``peak_tflops``,
+  ``telemetry``).
+* ``rungs`` (list) — the baseline first, then one entry per ladder rung in the order tried:
+
+  - ``name`` (str); ``status`` — ``"baseline"``, ``"kept"``, ``"reverted"`` (applied and
+    measured, but slower, not faster beyond noise, or off parity; undone), ``"not_applicable"``
+    (its check said why it cannot help here; never applied) or ``"failed"`` (raised; undone);
+  - ``options`` (object) — the rung's options as used;
+  - ``reason`` (str | null) — why it was kept, reverted, not applicable or failed;
+  - ``changes`` (list of str) — what applying it changed, one line each;
+  - ``precision`` (str) — effective numerics with the rung applied (``"fp32"``, ``"tf32"``,
+    ``"bf16"``...), which picks the parity tolerance;
+  - ``measurement`` (object | null) — null when not measured:
+    ``step_ms`` (median over windows of the mean step time), ``spread`` (the noise estimate, a
+    fraction: 1.4826 · MAD / median of the window means, a robust relative standard deviation), ``window_ms`` (each window's mean), ``warmup``, ``steps``
+    (per window), ``throughput`` and ``throughput_unit`` (``"tokens/s"`` or ``"samples/s"``, at
+    the median step time), ``items_per_step``, ``mfu`` (fraction 0..1 | null), ``tflops``
+    (achieved | null), ``peak_memory_bytes`` (``torch.cuda.max_memory_allocated`` over the timed
+    steps | null), ``clock`` (``"cuda_events"`` or ``"perf_counter"``) and ``telemetry`` — null
+    without a GPU, else the NVML summary of :class:`speedkit.measure.nvml.NvmlSampler`:
+    ``samples``, ``util_mean``, ``util_max`` (%), ``mem_used_max_bytes``, ``power_mean_w``,
+    ``power_max_w``, ``sm_clock_mean_mhz``, ``sm_clock_min_mhz``, ``clock_event_reasons`` (every
+    reason seen, ``gpu_idle`` included), ``slowdown_reasons`` (power/thermal/hardware slowdowns
+    only), ``slowdown_fraction`` (of samples), ``duration_s``, ``error`` (null, or why sampling
+    stopped early);
+  - ``parity`` (object | null) — the loss trajectory against the state before the rung, same
+    weights, batches and RNG: ``steps``, ``tolerance``, ``precision`` (whose tolerance),
+    ``reference_losses``, ``losses``, ``max_rel_diff``, ``passed``;
+  - ``gain_vs_previous`` (float | null) — previous kept step time / this step time;
+  - ``gain_vs_baseline`` (float | null) — baseline step time / this step time;
+  - ``seconds`` (float) — wall time spent on the rung, compilation included.
+
+* ``summary`` (object) — ``baseline_step_ms``, ``final_step_ms`` (the last kept rung's, else the
+  baseline's), ``speedup`` (baseline / final step time), ``kept`` (names, in order),
+  ``throughput_unit``, ``baseline_throughput``, ``final_throughput``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from speedkit.errors import ConfigError
+from speedkit.report.markdown import render_markdown
+from speedkit.results import SCHEMA_VERSION, LadderResult
+
+__all__ = ["FORMATS", "load_report", "render_markdown", "to_json_safe", "write_report"]
+
+#: what :func:`write_report` can write, and the file name of each
+FORMATS = {"json": "report.json", "md": "report.md"}
+
+
+def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
+                 formats: Iterable[str] = ("json", "md")) -> dict[str, Path]:
+    """Write ``report.json`` and/or ``report.md`` into ``out_dir`` (created if missing).
+
+    Returns:
+        The path written for each format, e.g. ``{"json": out_dir / "report.json", ...}``.
+
+    Raises:
+        ConfigError: a format other than those in :data:`FORMATS`, before anything is written.
+    """
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ConfigError("report.formats", f"unknown format(s) {unknown}; allowed: {sorted(FORMATS)}")
+    d = to_json_safe(result.to_dict() if isinstance(result, LadderResult) else dict(result))
+    texts = {}
+    if "json" in formats:
+        texts["json"] = json.dumps(d, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    if "md" in formats:
+        texts["md"] = render_markdown(d)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for fmt, text in texts.items():
+        path = out_dir / FORMATS[fmt]
+        path.write_text(text, encoding="utf-8")
+        written[fmt] = path
+    return written
+
+
+def load_report(path: Path | str) -> dict[str, Any]:
+    """Read a ``report.json`` (or the one in a directory) written by this schema version.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or has another ``schema_version``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / FORMATS["json"]
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("report", f"{path} does not exist; pass a report.json or the directory "
+                                    "speedkit wrote it to") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("report", f"{path} is not a JSON report ({exc})") from None
+    found = d.get("schema_version") if isinstance(d, dict) else None
+    if found != SCHEMA_VERSION:
+        raise ConfigError("report", f"{path} has schema_version {found!r}; this speedkit reads "
+                                    f"schema_version {SCHEMA_VERSION}. Re-run the ladder, or read it "
+                                    "with the speedkit version that wrote it")
+    return d
+
+
+def to_json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None`` and every container a dict or list."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): to_json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [to_json_safe(v) for v in items]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        try:
+            return to_json_safe(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)

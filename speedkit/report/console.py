@@ -1,0 +1,41 @@
+"""The ladder table on the terminal, with rich: the same cells as ``report.md``, colored by status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from speedkit.report.markdown import STATUS_LABELS, TABLE_COLUMNS, rung_cells, summary_line
+
+STATUS_STYLES = {
+    "baseline": "bold cyan",
+    "kept": "bold green",
+    "reverted": "yellow",
+    "not_applicable": "dim",
+    "failed": "bold red",
+}
+
+
+def render_console(d: dict[str, Any], console: Console | None = None) -> None:
+    """Print the ladder table and the one-line summary of a report dict."""
+    console = console or Console()
+    recipe = f": {d['recipe']}" if d.get("recipe") else ""
+    title = f"speedkit ladder{recipe} on {d.get('device') or '?'}"
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(TABLE_COLUMNS):
+        table.add_column(column, justify="left" if i < 2 or i == len(TABLE_COLUMNS) - 1 else "right")
+    for rung in d.get("rungs") or []:
+        style = STATUS_STYLES.get(rung.get("status"), "")
+        # Text, not markup strings: a reason or a name with "[...]" must print as written.
+        table.add_row(*(Text(cell) for cell in rung_cells(rung)), style=style)
+    console.print(table)
+    console.print(Text("Summary: " + summary_line(d)))
+    for rung in d.get("rungs") or []:
+        if rung.get("status") in ("failed", "reverted") and rung.get("reason"):
+            label = STATUS_LABELS.get(rung["status"], rung["status"])
+            reason = " ".join(str(rung["reason"]).split())  # one line per rung
+            console.print(Text(f"  {rung.get('name')} ({label}): {reason}",
+                               style=STATUS_STYLES.get(rung["status"], "")))

@@ -1,0 +1,271 @@
+"""``report.md``: the ladder as one table plus a details section per rung.
+
+Renders the dict of :meth:`speedkit.results.LadderResult.to_dict` (or a loaded ``report.json``),
+never the dataclasses, so an old report renders the same way as a fresh one. The cell formatting
+(:data:`TABLE_COLUMNS`, :func:`rung_cells`) is shared with the console table. Missing values render
+as "—".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+MISSING = "—"
+
+#: how each status is shown
+STATUS_LABELS = {
+    "baseline": "baseline",
+    "kept": "kept",
+    "reverted": "reverted",
+    "not_applicable": "n/a",
+    "failed": "failed",
+}
+
+TABLE_COLUMNS = (
+    "rung", "status", "step time (ms)", "throughput", "MFU", "peak memory",
+    "vs previous", "vs baseline", "parity (max rel diff)",
+)
+
+
+# -- cell formatting (shared with console.py) ---------------------------------------------------
+
+def _known(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
+def format_step(ms: Any, spread: Any = None) -> str:
+    """``12.34 ± 1.2%``: the median step time and its relative noise (``spread``)."""
+    if not _known(ms):
+        return MISSING
+    text = f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+    return f"{text} ± {spread * 100:.1f}%" if _known(spread) else text
+
+
+def format_throughput(value: Any, unit: str | None = None) -> str:
+    """``123.4k tokens/s``."""
+    if not _known(value):
+        return MISSING
+    for scale, suffix, digits in ((1e9, "G", 2), (1e6, "M", 2), (1e3, "k", 1)):
+        if abs(value) >= scale:
+            text = f"{value / scale:.{digits}f}{suffix}"
+            break
+    else:
+        text = f"{value:.1f}"
+    return f"{text} {unit}" if unit else text
+
+
+def format_percent(fraction: Any) -> str:
+    return f"{fraction * 100:.1f}%" if _known(fraction) else MISSING
+
+
+def format_bytes(n: Any) -> str:
+    """Decimal gigabytes, as ``nvidia-smi``-style tables and ANCHORS.md quote them."""
+    return f"{n / 1e9:.2f} GB" if _known(n) else MISSING
+
+
+def format_gain(gain: Any) -> str:
+    return f"{gain:.2f}×" if _known(gain) else MISSING
+
+
+def format_parity(parity: dict[str, Any] | None) -> str:
+    """``✓ 1.2e-03 (tol 1e-02)``; ✗ when the trajectory left the tolerance."""
+    if not parity:
+        return MISSING
+    mark = "✓" if parity.get("passed") else "✗"
+    diff = parity.get("max_rel_diff")
+    diff_text = f"{diff:.1e}" if _known(diff) else MISSING
+    tol = parity.get("tolerance")
+    tol_text = f" (tol {tol:.0e})" if _known(tol) else ""
+    return f"{mark} {diff_text}{tol_text}"
+
+
+def rung_cells(rung: dict[str, Any]) -> list[str]:
+    """One table row, in the order of :data:`TABLE_COLUMNS`."""
+    m = rung.get("measurement") or {}
+    return [
+        str(rung.get("name", MISSING)),
+        STATUS_LABELS.get(rung.get("status"), str(rung.get("status", MISSING))),
+        format_step(m.get("step_ms"), m.get("spread")),
+        format_throughput(m.get("throughput"), m.get("throughput_unit")),
+        format_percent(m.get("mfu")),
+        format_bytes(m.get("peak_memory_bytes")),
+        format_gain(rung.get("gain_vs_previous")),
+        format_gain(rung.get("gain_vs_baseline")),
+        format_parity(rung.get("parity")),
+    ]
+
+
+def summary_line(d: dict[str, Any]) -> str:
+    """``44.8k → 580.0k tokens/s (12.95× the baseline); kept: tf32, compile``."""
+    s = d.get("summary") or {}
+    unit = s.get("throughput_unit")
+    before = format_throughput(s.get("baseline_throughput"))
+    after = format_throughput(s.get("final_throughput"), unit)
+    kept = ", ".join(s.get("kept") or []) or "none"
+    steps = f"step {format_step(s.get('baseline_step_ms'))} → {format_step(s.get('final_step_ms'))} ms"
+    return f"{before} → {after} ({format_gain(s.get('speedup'))} the baseline; {steps}); kept: {kept}"
+
+
+# -- the document ---------------------------------------------------------------------------
+
+def render_markdown(d: dict[str, Any]) -> str:
+    """The whole ``report.md`` for a report dict."""
+    recipe = d.get("recipe")
+    lines = [f"# speedkit report{f': {recipe}' if recipe else ''}", ""]
+    lines += [f"**Summary:** {_escape(summary_line(d))}", ""]
+    lines += _environment(d)
+    lines += _flops(d)
+    lines += _measure(d)
+    lines += ["## Ladder", ""]
+    lines += _table(d.get("rungs") or [])
+    lines += ["", "## Details", ""]
+    for i, rung in enumerate(d.get("rungs") or []):
+        lines += _details(i, rung)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _environment(d: dict[str, Any]) -> list[str]:
+    env = d.get("environment") or {}
+    device = d.get("device") or env.get("device") or MISSING
+    if env.get("gpu_name"):
+        hw = (f"{env['gpu_name']} (compute capability {env.get('gpu_compute_capability') or MISSING}, "
+              f"{format_bytes(env.get('gpu_memory_bytes'))}), driver {env.get('gpu_driver') or MISSING}, "
+              f"{env.get('gpu_count') or MISSING} GPU(s) visible")
+    else:
+        hw = (f"{env.get('cpu_model') or 'unknown CPU'}, {env.get('cpu_usable') or env.get('cpu_count') or MISSING} "
+              f"CPUs usable, {env.get('torch_threads') or MISSING} torch threads")
+    cuda = f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else ""
+    software = " · ".join(
+        f"{name} {env.get(key) or MISSING}{cuda if key == 'torch' else ''}"
+        for name, key in (("python", "python"), ("torch", "torch"), ("triton", "triton"),
+                          ("lightning", "lightning"), ("speedkit", "speedkit"))
+    )
+    return [
+        "## Environment", "",
+        f"- Device: `{device}` — {_escape(hw)}",
+        f"- Software: {software}",
+        f"- Platform: {env.get('platform') or MISSING}",
+        "",
+    ]
+
+
+def _flops(d: dict[str, Any]) -> list[str]:
+    f = d.get("flops") or {}
+    per_step = f.get("per_step")
+    peak = f.get("peak_tflops")
+    return [
+        "## FLOPs and MFU", "",
+        f"- FLOPs per step: {f'{per_step / 1e12:.3f} TFLOP ({per_step:,})' if _known(per_step) else MISSING}",
+        f"- Peak: {f'{peak:g} TFLOP/s' if _known(peak) else MISSING} — {f.get('peak_source') or MISSING}",
+        f"- Convention: {f.get('convention') or MISSING}",
+        "",
+    ]
+
+
+def _measure(d: dict[str, Any]) -> list[str]:
+    settings = d.get("measure") or {}
+    if not settings:
+        return []
+    text = ", ".join(f"`{k}={_value(v)}`" for k, v in settings.items())
+    return [
+        "## Measurement", "",
+        f"Settings: {text}.",
+        "Step time is the median over timed windows of the mean step time in a window; "
+        "± is the measured noise of the window means (`spread`, relative to the median).",
+        "",
+    ]
+
+
+def _table(rungs: list[dict[str, Any]]) -> list[str]:
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |",
+             "|" + "|".join(["---"] * 2 + ["---:"] * (len(TABLE_COLUMNS) - 3) + ["---"]) + "|"]
+    for rung in rungs:
+        lines.append("| " + " | ".join(_escape(c) for c in rung_cells(rung)) + " |")
+    return lines
+
+
+def _details(i: int, rung: dict[str, Any]) -> list[str]:
+    status = STATUS_LABELS.get(rung.get("status"), str(rung.get("status")))
+    lines = [f"### {i}. {rung.get('name', MISSING)} — {status}", ""]
+    if rung.get("reason"):
+        lines.append(f"- Reason: {_escape(rung['reason'])}")
+    options = rung.get("options") or {}
+    lines.append(f"- Options: {', '.join(f'`{k}={_value(v)}`' for k, v in options.items()) or MISSING}")
+    lines.append(f"- Precision: {rung.get('precision') or MISSING}")
+    if rung.get("seconds") is not None:
+        lines.append(f"- Time spent: {rung['seconds']:.1f} s")
+    changes = rung.get("changes") or []
+    if changes:
+        lines.append("- Changes:")
+        lines += [f"  - {_escape(c)}" for c in changes]
+    lines += _measurement_details(rung.get("measurement"))
+    lines += _parity_details(rung.get("parity"))
+    return lines + [""]
+
+
+def _measurement_details(m: dict[str, Any] | None) -> list[str]:
+    if not m:
+        return []
+    windows = ", ".join(f"{w:.3f}" if _known(w) else MISSING for w in m.get("window_ms") or [])
+    lines = [
+        f"- Measurement: {m.get('warmup', MISSING)} warm-up steps, windows of {m.get('steps', MISSING)} "
+        f"steps timed by {m.get('clock', MISSING)}; window means (ms): {windows or MISSING}; "
+        f"{m.get('items_per_step', MISSING)} {(m.get('throughput_unit') or 'items').split('/')[0]} per step; "
+        f"{_num(m.get('tflops'), '.2f')} TFLOP/s achieved",
+    ]
+    t = m.get("telemetry")
+    if t:
+        reasons = ", ".join(t.get("clock_event_reasons") or []) or "none"
+        lines.append(
+            f"- Telemetry (NVML, {t.get('samples', 0)} samples over {_num(t.get('duration_s'), '.1f')} s): "
+            f"utilization {_num(t.get('util_mean'), '.1f')}% mean / {_num(t.get('util_max'), '.0f')}% max; "
+            f"power {_num(t.get('power_mean_w'), '.0f')} W mean / {_num(t.get('power_max_w'), '.0f')} W max; "
+            f"SM clock {_num(t.get('sm_clock_mean_mhz'), '.0f')} MHz mean / "
+            f"{_num(t.get('sm_clock_min_mhz'), '.0f')} MHz min; "
+            f"memory used {format_bytes(t.get('mem_used_max_bytes'))} max; clock events: {reasons}"
+        )
+        if t.get("slowdown_reasons"):
+            lines.append(f"  - Slowed down by {', '.join(t['slowdown_reasons'])} in "
+                         f"{format_percent(t.get('slowdown_fraction'))} of samples")
+        if t.get("error"):
+            lines.append(f"  - Telemetry stopped early: {_escape(t['error'])}")
+    return lines
+
+
+def _parity_details(p: dict[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    verdict = "passed" if p.get("passed") else "FAILED"
+    lines = [
+        f"- Parity: {verdict}: max relative difference {_num(p.get('max_rel_diff'), '.2e')} against "
+        f"tolerance {_num(p.get('tolerance'), '.0e')} ({p.get('precision') or MISSING}) over "
+        f"{p.get('steps', MISSING)} steps",
+        "",
+        "  | step | reference loss | loss | rel diff |",
+        "  |---:|---:|---:|---:|",
+    ]
+    ref, got = p.get("reference_losses") or [], p.get("losses") or []
+    for step in range(max(len(ref), len(got))):
+        r = ref[step] if step < len(ref) else None
+        g = got[step] if step < len(got) else None
+        rel = abs(g - r) / abs(r) if _known(r) and _known(g) and r != 0 else None
+        lines.append(f"  | {step} | {_num(r, '.6f')} | {_num(g, '.6f')} | {_num(rel, '.2e')} |")
+    return lines
+
+
+def _num(value: Any, spec: str) -> str:
+    return format(value, spec) if _known(value) else MISSING
+
+
+def _value(v: Any) -> str:
+    try:
+        return json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _escape(text: Any) -> str:
+    """Keep a cell on one line and its pipes from splitting the table."""
+    return str(text).replace("\r", " ").replace("\n", " ").replace("|", "\\|")

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny models and a clean torch global state around every test."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_globals():
+    """Every rung must restore the flags it changes; this makes a leak in one test not break others."""
+    matmul = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+@pytest.fixture(autouse=True)
+def _quiet_self_log():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
+        yield
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+def tiny_gpt_state(batch_size: int = 4, seq_len: int = 32, device: str = "cpu", **model_kwargs):
+    """A TrainState over the tiny naive GPT with synthetic tokens."""
+    from speedkit.demos import NaiveGPT, SyntheticTokens
+    from speedkit.state import TrainState
+
+    torch.manual_seed(0)
+    model = NaiveGPT("tiny", **model_kwargs).to(device)
+    dm = SyntheticTokens(batch_size=batch_size, seq_len=seq_len, vocab_size=512, length=batch_size * 64)
+    return TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device(device), loader=dm.train_dataloader())
+
+
+def mlp_state(device: str = "cpu", **kwargs):
+    from speedkit.demos import LaunchBoundMLP, SyntheticVectors
+    from speedkit.state import TrainState
+
+    torch.manual_seed(0)
+    model = LaunchBoundMLP(depth=2, hidden=32, features=16, **kwargs).to(device)
+    dm = SyntheticVectors(batch_size=8, features=16, classes=10, length=8 * 64)
+    return TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device(device), loader=dm.train_dataloader())

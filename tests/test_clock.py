@@ -1,0 +1,88 @@
+"""The step clock: exact step times from a fake clock, and no per-step synchronization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedkit.measure import StepClock, summarize
+
+
+class FakeDeviceBackend:
+    """Marks are integers of a fake device timeline; counts host waits like CUDA events would."""
+
+    name = "fake"
+
+    def __init__(self, step_ms):
+        self.step_ms = list(step_ms)
+        self.now = 0.0
+        self.marks = 0
+        self.waits = 0
+
+    def mark(self):
+        t = self.now
+        if self.marks < len(self.step_ms):
+            self.now += self.step_ms[self.marks]
+        self.marks += 1
+        return t
+
+    def synchronize(self, mark):
+        self.waits += 1
+
+    def elapsed_ms(self, a, b):
+        return b - a
+
+
+def test_window_returns_each_step_time_exactly():
+    backend = FakeDeviceBackend([2.0, 3.0, 5.0, 7.0])
+    clock = StepClock(torch.device("cpu"), backend=backend)
+    clock.start()
+    for _ in range(3):
+        clock.step()
+    assert clock.stop() == [2.0, 3.0, 5.0]
+
+
+@pytest.mark.parametrize("steps", [1, 10, 500])
+def test_no_synchronization_per_step(steps):
+    backend = FakeDeviceBackend([1.0] * (steps + 1))
+    clock = StepClock(torch.device("cpu"), backend=backend)
+    clock.start()
+    for _ in range(steps):
+        clock.step()
+        assert backend.waits == 0, "the clock waited for the device inside a window"
+    clock.stop()
+    assert backend.waits == 1 and clock.syncs == 1
+
+
+def test_ladder_measurement_waits_once_per_window(monkeypatch):
+    """The ladder's whole measurement path (warm-up + windows) syncs once per timed window."""
+    from speedkit.ladder import Ladder
+    from conftest import mlp_state
+
+    state = mlp_state()
+    ladder = Ladder(state, [], {"warmup": 1, "steps": 7, "repeats": 3, "parity_steps": 1, "telemetry": False})
+    backend = FakeDeviceBackend([1.0] * 1000)
+    ladder.clock = StepClock(torch.device("cpu"), backend=backend)
+    result = ladder.run()
+    assert backend.waits == 3
+    assert backend.marks == 3 * (7 + 1)
+    assert result.baseline.measurement.window_ms == [1.0, 1.0, 1.0]
+
+
+def test_stop_without_steps_raises():
+    clock = StepClock(torch.device("cpu"))
+    clock.start()
+    with pytest.raises(RuntimeError):
+        clock.stop()
+
+
+def test_cpu_uses_perf_counter():
+    assert StepClock(torch.device("cpu")).name == "perf_counter"
+
+
+def test_summarize_median_and_robust_noise():
+    median, noise = summarize([10.0, 11.0, 9.0, 10.0, 30.0])
+    assert median == 10.0
+    # MAD = median(|0|,|1|,|1|,|0|,|20|) = 1 -> 1.4826 * 1 / 10; the 30 ms outlier does not swamp it
+    assert noise == pytest.approx(0.14826)
+    assert summarize([5.0]) == (5.0, 0.0)

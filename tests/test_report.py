@@ -1,0 +1,180 @@
+"""report.json / report.md / console table, from a hand-built LadderResult."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from speedkit.errors import ConfigError
+from speedkit.report import load_report, to_json_safe, write_report
+from speedkit.report.console import render_console
+from speedkit.report.environment import collect_environment
+from speedkit.report.markdown import MISSING, render_markdown
+from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, Parity, RungResult
+
+CONVENTION = "FLOPs per step = what torch.utils.flop_counter counts; MFU against the bf16 peak."
+
+
+def _measurement(step_ms: float, *, mfu: float | None = 0.1, memory: int | None = 2_000_000_000,
+                 telemetry: dict | None = None) -> Measurement:
+    tokens = 16 * 1024
+    return Measurement(
+        step_ms=step_ms, spread=0.012, window_ms=[step_ms * 0.99, step_ms, step_ms * 1.002],
+        warmup=3, steps=10, throughput=tokens / (step_ms / 1000), throughput_unit="tokens/s",
+        items_per_step=tokens, mfu=mfu, tflops=None if mfu is None else mfu * 784,
+        peak_memory_bytes=memory, telemetry=telemetry, clock="cuda_events",
+    )
+
+
+def _parity(passed: bool, max_rel: float) -> Parity:
+    return Parity(steps=3, tolerance=1e-2, precision="bf16", reference_losses=[10.9, 10.5, 10.1],
+                  losses=[10.9, 10.5 * (1 + max_rel), 10.1], max_rel_diff=max_rel, passed=passed)
+
+
+@pytest.fixture
+def result() -> LadderResult:
+    telemetry = {
+        "samples": 20, "util_mean": 97.5, "util_max": 100.0, "mem_used_max_bytes": 31_000_000_000,
+        "power_mean_w": 650.0, "power_max_w": 700.0, "sm_clock_mean_mhz": 1950.0,
+        "sm_clock_min_mhz": 1755.0, "clock_event_reasons": ["gpu_idle", "sw_power_cap"],
+        "slowdown_reasons": ["sw_power_cap"], "slowdown_fraction": 0.25, "duration_s": 2.0, "error": None,
+    }
+    baseline = RungResult("baseline", "baseline", measurement=_measurement(365.9, telemetry=telemetry),
+                          gain_vs_previous=None, gain_vs_baseline=1.0, seconds=12.0)
+    tf32 = RungResult("tf32", "kept", reason="2.62x faster, parity within tolerance",
+                      changes=["torch.set_float32_matmul_precision('high') (was 'highest')"],
+                      precision="tf32", measurement=_measurement(139.7, mfu=None),
+                      parity=_parity(True, 1.2e-3), gain_vs_previous=2.62, gain_vs_baseline=2.62, seconds=5.0)
+    fused = RungResult("fused_optimizer", "reverted", options={"foreach": False},
+                       reason="not faster beyond noise (1.004x, spread 1.2%)", precision="tf32",
+                       measurement=_measurement(139.2, memory=None), parity=_parity(True, 0.0),
+                       gain_vs_previous=1.004, gain_vs_baseline=2.63, seconds=4.0)
+    autocast = RungResult("autocast", "not_applicable", options={"dtype": "bf16"},
+                          reason="the model already runs in bf16 | nothing to do")
+    compile_ = RungResult("compile", "failed", options={"mode": "default", "fullgraph": False},
+                          reason="torch._dynamo.exc.Unsupported: [graph break]\nsecond line",
+                          changes=["torch.compile(model)"], precision="tf32", seconds=30.5,
+                          parity=_parity(False, float("nan")))
+    return LadderResult(
+        schema_version=SCHEMA_VERSION, recipe="gpt2-naive",
+        environment=collect_environment(torch.device("cpu")), device="cpu",
+        flops={"per_step": 1_745_000_000_000, "convention": CONVENTION, "peak_tflops": 784.0,
+               "peak_source": "measured bf16 GEMM ceiling"},
+        measure={"warmup": 3, "steps": 10, "repeats": 3, "peak_tflops": None},
+        rungs=[baseline, tf32, fused, autocast, compile_],
+    )
+
+
+def test_write_report_writes_both_files_and_json_round_trips(result, tmp_path):
+    paths = write_report(result, tmp_path / "out")
+    assert set(paths) == {"json", "md"}
+    assert paths["json"].name == "report.json" and paths["json"].is_file()
+    assert paths["md"].name == "report.md" and paths["md"].is_file()
+
+    d = load_report(paths["json"])
+    assert d == load_report(tmp_path / "out")  # a directory finds its report.json
+    assert d["schema_version"] == 1
+    assert [r["name"] for r in d["rungs"]] == ["baseline", "tf32", "fused_optimizer", "autocast", "compile"]
+    assert d["summary"]["kept"] == ["tf32"]
+    assert d["summary"]["speedup"] == pytest.approx(2.62)
+    assert d["summary"]["baseline_step_ms"] == pytest.approx(365.9)
+    assert d["summary"]["final_step_ms"] == pytest.approx(139.7)
+    assert d["summary"]["throughput_unit"] == "tokens/s"
+    # NaN is not JSON: it is written as null, and the file is strict JSON.
+    assert d["rungs"][4]["parity"]["max_rel_diff"] is None
+    json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert d["environment"]["gpu_name"] is None and d["environment"]["torch"] == torch.__version__
+
+
+def test_write_report_single_format_and_unknown_format(result, tmp_path):
+    assert set(write_report(result, tmp_path, formats=("json",))) == {"json"}
+    assert not (tmp_path / "report.md").exists()
+    with pytest.raises(ConfigError, match="html"):
+        write_report(result, tmp_path / "never", formats=("json", "html"))
+    assert not (tmp_path / "never").exists()
+
+
+def test_markdown_has_every_rung_status_missing_value_and_convention(result):
+    md = render_markdown(to_json_safe(result.to_dict()))
+    for name in ("baseline", "tf32", "fused_optimizer", "autocast", "compile"):
+        assert f"| {name} |" in md
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 5  # header + one row per rung
+    rows = {line.split(" | ")[0][2:]: line for line in table[1:]}
+    assert "| baseline |" in rows["baseline"]
+    assert "| kept |" in rows["tf32"]
+    assert "| reverted |" in rows["fused_optimizer"]
+    assert "| n/a |" in rows["autocast"]
+    assert "| failed |" in rows["compile"]
+    # tf32 has no MFU, fused_optimizer no peak memory, autocast no measurement at all.
+    assert rows["tf32"].split(" | ")[4] == MISSING
+    assert rows["fused_optimizer"].split(" | ")[5] == MISSING
+    assert rows["autocast"].split(" | ")[2:8] == [MISSING] * 6
+    assert "365.9 ± 1.2%" in rows["baseline"] and "44.8k tokens/s" in rows["baseline"]
+    assert "2.62×" in rows["tf32"] and "✓ 1.2e-03 (tol 1e-02)" in rows["tf32"]
+    assert "✗ —" in rows["compile"]
+    # A pipe in a reason must not split the table; a newline must not end the line.
+    assert "already runs in bf16 \\| nothing to do" in md
+    assert "[graph break] second line" in md
+    assert CONVENTION in md and "measured bf16 GEMM ceiling" in md
+    assert "44.8k → 117.3k tokens/s (2.62× the baseline" in md and "kept: tf32" in md
+    assert "sw_power_cap" in md and "97.5% mean" in md  # telemetry details
+    assert "| 1 | 10.500000 | 10.512600 | 1.20e-03 |" in md  # parity losses
+
+
+def test_markdown_of_minimal_dict_does_not_crash():
+    md = render_markdown({"schema_version": 1, "rungs": [{"name": "baseline", "status": "baseline"}]})
+    assert "| baseline | baseline |" in md and MISSING in md
+
+
+def test_console_table_names_every_rung(result):
+    console = Console(record=True, width=200, color_system=None)
+    render_console(to_json_safe(result.to_dict()), console)
+    text = console.export_text()
+    for name in ("baseline", "tf32", "fused_optimizer", "autocast", "compile"):
+        assert name in text
+    assert "n/a" in text and "reverted" in text and "failed" in text
+    assert "[graph break] second line" in text  # as written, not eaten as rich markup; one line
+
+
+def test_load_report_rejects_other_schema_versions(result, tmp_path):
+    path = write_report(result, tmp_path, formats=("json",))["json"]
+    d = json.loads(path.read_text())
+    for bad in (2, None, "1"):
+        d["schema_version"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(ConfigError, match="schema_version") as info:
+            load_report(path)
+        assert info.value.where == "report"
+    path.write_text("not json")
+    with pytest.raises(ConfigError, match="not a JSON report"):
+        load_report(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_report(tmp_path / "missing.json")
+
+
+def test_to_json_safe():
+    assert to_json_safe({"a": (1, float("inf")), 2: {float("nan")}, "t": torch.tensor(1.5),
+                         "d": torch.float32}) == {"a": [1, None], "2": [None], "t": 1.5, "d": "torch.float32"}
+    assert not math.isnan(to_json_safe(0.5))
+
+
+def test_collect_environment_on_cpu():
+    env = collect_environment(torch.device("cpu"))
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu"
+    assert env["gpu_name"] is None and env["gpu_driver"] is None
+    assert isinstance(env["speedkit"], str) and env["cpu_count"] >= 1
+    json.dumps(env)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_collect_environment_on_gpu():
+    env = collect_environment(torch.device("cuda"))
+    assert env["gpu_name"] == torch.cuda.get_device_name(0)
+    assert env["gpu_count"] == torch.cuda.device_count() and env["gpu_memory_bytes"] > 0
+    json.dumps(env)

@@ -1,0 +1,217 @@
+"""Each rung: check says why not, apply changes what it says, undo restores everything exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import mlp_state, tiny_gpt_state
+
+from speedkit import rungs
+from speedkit.errors import ConfigError
+from speedkit.rungs.compile import GuardedForward
+from speedkit.state import train_step
+
+CPU_RUNGS = ["tf32", "autocast", "fused_optimizer", "compile"]
+
+
+def _fingerprint(state):
+    """Everything a rung might touch, captured by value."""
+    model, opt = state.model, state.optimizer
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "param_ids": [id(p) for p in model.parameters()],
+        "opt_param_ids": [id(p) for g in opt.param_groups for p in g["params"]],
+        "opt_state": copy.deepcopy(opt.state_dict()),
+        "opt_defaults": dict(opt.defaults),
+        "opt_amp": opt.__dict__.get("_step_supports_amp_scaling"),
+        "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
+        "model_dict_keys": sorted(model.__dict__),
+        "repr": repr(model),
+        "state": (state.autocast_dtype, state.scaler, state.precision, state.loss_fn),
+        "flags": (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32),
+    }
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    for key in ("param_ids", "opt_param_ids", "opt_defaults", "opt_amp", "modules", "model_dict_keys", "repr", "state", "flags"):
+        assert a[key] == b[key], key
+    sa, sb = a["opt_state"], b["opt_state"]
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            w = sb["state"][i][k]
+            assert torch.equal(v, w) and v.device == w.device, (i, k)
+
+
+@pytest.mark.parametrize("name", CPU_RUNGS)
+def test_apply_then_undo_restores_everything_exactly(name):
+    state = tiny_gpt_state()
+    batches = state.batches()
+    for i in range(2):  # give the optimizer real state to keep
+        train_step(state, next(batches), i)
+    before = _fingerprint(state)
+    rung = rungs.make(name)
+    reason = rung.check(state)
+    if reason is not None:
+        pytest.skip(f"{name} does not apply on this machine: {reason}")
+    handle = rung.apply(state)
+    assert handle.changes, "a rung must say what it changed"
+    handle.undo()
+    _assert_same(before, _fingerprint(state))
+    handle.undo()  # idempotent
+    _assert_same(before, _fingerprint(state))
+
+
+@pytest.mark.parametrize("name", CPU_RUNGS)
+def test_training_after_undo_matches_never_applied(name):
+    """Apply, train, undo, train: the optimizer still drives the live parameters, the same way."""
+    ref, cand = tiny_gpt_state(), tiny_gpt_state()
+    rung = rungs.make(name)
+    if rung.check(cand) is not None:
+        pytest.skip(rung.check(cand))
+    handle = rung.apply(cand)
+    handle.undo()
+    for state in (ref, cand):
+        batches = state.batches()
+        for i in range(2):
+            train_step(state, next(batches), i)
+    for (k, a), b in zip(ref.model.state_dict().items(), cand.model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_fused_optimizer_keeps_state_hyperparameters_and_updates():
+    ref, cand = tiny_gpt_state(), tiny_gpt_state()
+    for state in (ref, cand):
+        for i, b in zip(range(2), state.batches()):
+            train_step(state, b, i)
+    lr_before = cand.optimizer.param_groups[0]["lr"]
+    state_before = copy.deepcopy(cand.optimizer.state_dict()["state"])
+    handle = rungs.make("fused_optimizer").apply(cand)
+    assert cand.optimizer.param_groups[0]["fused"] is True
+    assert cand.optimizer.param_groups[0]["lr"] == lr_before
+    for i, st in cand.optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v.cpu(), state_before[i][k].cpu())
+    # one more step each: fused and for-loop AdamW compute the same update (fp32 rounding apart)
+    for state in (ref, cand):
+        b = next(iter(state.loader))
+        train_step(state, b, 3)
+    for a, b in zip(ref.model.parameters(), cand.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    handle.undo()
+    assert cand.optimizer.param_groups[0]["fused"] is None
+
+
+def test_fused_optimizer_not_applicable_reasons():
+    state = mlp_state()
+    state.optimizer = torch.optim.AdamW(state.model.parameters(), fused=True)
+    assert "already fused" in rungs.make("fused_optimizer").check(state)
+    state.optimizer = torch.optim.LBFGS(state.model.parameters())
+    assert "neither a fused nor a foreach" in rungs.make("fused_optimizer").check(state)
+
+
+def test_autocast_sets_dtype_and_reverts():
+    state = tiny_gpt_state()
+    rung = rungs.make({"name": "autocast", "options": {"dtype": "bf16"}})
+    if rung.check(state):
+        pytest.skip(rung.check(state))
+    handle = rung.apply(state)
+    assert state.autocast_dtype == torch.bfloat16 and state.precision == "bf16"
+    with state.autocast():
+        out = state.model.lm_head(torch.randn(2, 64))
+    assert out.dtype == torch.bfloat16
+    handle.undo()
+    assert state.autocast_dtype is None and state.precision == "fp32"
+
+
+def test_autocast_fp16_on_cpu_is_refused_with_reason():
+    state = mlp_state()
+    assert "fp16 autocast on CPU" in rungs.make({"name": "autocast", "options": {"dtype": "fp16"}}).check(state)
+
+
+def test_compile_replaces_forward_and_undo_restores_the_class_method():
+    state = mlp_state()
+    rung = rungs.make({"name": "compile", "options": {"backend": "eager"}})
+    handle = rung.apply(state)
+    assert isinstance(state.model.forward, GuardedForward)
+    assert "already compiled" in rung.check(state)
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(state.model(x), state.model.forward.eager(x))
+    handle.undo()
+    assert "forward" not in state.model.__dict__
+    assert rung.check(state) is None
+
+
+def test_compile_falls_back_to_eager_on_a_recompilation_storm():
+    state = mlp_state()
+    rung = rungs.make({"name": "compile", "options": {"backend": "eager", "dynamic": False, "max_recompiles": 1}})
+    handle = rung.apply(state)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="recompilation storm"):
+        for batch in (3, 4, 5, 6, 7):  # each new batch size is a new static graph
+            out = state.model(torch.randn(batch, 16))
+            assert out.shape == (batch, 10)
+    assert "recompilation storm" in handle.problem()
+    handle.undo()
+
+
+def test_compile_falls_back_to_eager_when_compilation_fails():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = []
+
+    def eager(x):
+        calls.append("eager")
+        return x + 1
+
+    def broken(x):
+        # the constructor's signature differs between torch versions; build it without calling it
+        exc = BackendCompilerFailed.__new__(BackendCompilerFailed)
+        Exception.__init__(exc, "inductor exploded")
+        raise exc
+
+    guarded = GuardedForward(eager, broken, max_recompiles=8)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        assert guarded(torch.ones(1)).item() == 2
+    assert "BackendCompilerFailed" in guarded.fallback_reason
+    assert guarded(torch.ones(1)).item() == 2 and calls == ["eager", "eager"]
+
+
+def test_tf32_reverts_global_flags():
+    state = mlp_state()
+    rung = rungs.make("tf32")
+    if rung.check(state):
+        assert "bf16" in rung.check(state) or "already" in rung.check(state)
+        return
+    before = torch.get_float32_matmul_precision()
+    handle = rung.apply(state)
+    assert torch.get_float32_matmul_precision() != before
+    assert state.precision == "tf32"
+    handle.undo()
+    assert torch.get_float32_matmul_precision() == before and state.precision == "fp32"
+
+
+@pytest.mark.parametrize("spec, where", [
+    ("warp_drive", "ladder[0]"),
+    ({"name": "compile", "options": {"mode": "ludicrous"}}, "ladder[0].options.mode"),
+    ({"name": "compile", "options": {"fullgraph": "yes"}}, "ladder[0].options.fullgraph"),
+    ({"name": "compile", "options": {"max_recompiles": -1}}, "ladder[0].options"),
+    ({"name": "autocast", "options": {"dtype": "fp8"}}, "ladder[0].options.dtype"),
+    ({"name": "tf32", "options": {"speed": 11}}, "ladder[0].options.speed"),
+    ({"options": {}}, "ladder[0]"),
+    (42, "ladder[0]"),
+])
+def test_bad_rung_specs_name_the_field(spec, where):
+    with pytest.raises(ConfigError) as err:
+        rungs.make_all([spec])
+    assert str(err.value).startswith(where) and "\n" not in str(err.value)
+
+
+def test_registry_lists_first_rungs_in_ladder_order():
+    assert rungs.names()[:4] == ["tf32", "autocast", "fused_optimizer", "compile"]
