@@ -46,7 +46,8 @@ def _optimize(args: argparse.Namespace) -> int:
 
     recipe = _load(args.recipe)
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
-    console = Console(stderr=False)
+    # a report table needs room; rich assumes 80 columns when the output is not a terminal
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}")
     result, written = optimize(recipe, out, on_event=lambda line: console.print(f"[dim]{line}[/dim]"))
     render_console(result.to_dict(), console)

@@ -113,10 +113,11 @@ class Ladder:
 
         state, cfg = self.state, self.cfg
         state.model.train()
-        self._batches = state.batches()
-        self._parity_batches = [next(self._batches) for _ in range(cfg.parity_steps)]
+        # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
         snapshot = Snapshot(state.model, state.optimizer)
         self._snapshot = snapshot
+        self._batches = state.batches()
+        self._parity_batches = [next(self._batches) for _ in range(cfg.parity_steps)]
         results: list[RungResult] = []
         try:
             self._flops = count_step_flops(state.model, self._parity_batches[0], state.loss_fn)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is load
 
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "ladder", "measure", "report", "seed")
 SYNTHETIC_DATA = {"tokens": "speedkit.demos.SyntheticTokens", "vectors": "speedkit.demos.SyntheticVectors"}
-REPORT_FORMATS = ("json", "md", "html")
+REPORT_FORMATS = ("json", "md")
 REPORT_DEFAULTS: dict[str, Any] = {"formats": ["json", "md"], "title": None}
 
 #: measure keys: (annotation, lowest allowed, whether the lowest is excluded, highest excluded)

@@ -70,6 +70,7 @@ class LadderResult:
     flops: dict[str, Any]              # {"per_step": int|None, "convention": str, "peak_tflops": float|None, "peak_source": str}
     measure: dict[str, Any]            # the measurement settings used
     rungs: list[RungResult]            # the baseline first, then one entry per ladder rung, in order
+    title: str | None = None           # the report's heading (recipe report.title)
 
     @property
     def baseline(self) -> RungResult:

@@ -93,7 +93,8 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
         result = ladder.run()
     ladder.revert()
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
-    written = write_report(result, out_dir, formats=tuple(recipe.report.get("formats", ("json", "md"))), title=title)
+    result.title = title
+    written = write_report(result, out_dir, formats=tuple(recipe.report.get("formats", ("json", "md"))))
     kept = [{"name": r.name, "options": r.options} if r.options else r.name for r in result.kept]
     optimized = out_dir / "optimized.yaml"
     final = result.final.measurement

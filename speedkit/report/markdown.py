@@ -113,7 +113,8 @@ def summary_line(d: dict[str, Any]) -> str:
 def render_markdown(d: dict[str, Any]) -> str:
     """The whole ``report.md`` for a report dict."""
     recipe = d.get("recipe")
-    lines = [f"# speedkit report{f': {recipe}' if recipe else ''}", ""]
+    title = d.get("title") or f"speedkit report{f': {recipe}' if recipe else ''}"
+    lines = [f"# {title}", ""]
     lines += [f"**Summary:** {_escape(summary_line(d))}", ""]
     lines += _environment(d)
     lines += _flops(d)
