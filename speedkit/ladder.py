@@ -28,6 +28,7 @@ import torch
 from speedkit import config
 from speedkit.measure import StepClock, count_step_flops, mfu, peak_tflops, summarize
 from speedkit.measure.flops import CONVENTION
+from speedkit.measure.timing import time_windows
 from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, Parity, RungResult
 from speedkit.rungs.base import Handle, Rung
 from speedkit.snapshot import Snapshot
@@ -259,27 +260,19 @@ class Ladder:
         self._snapshot.restore(rng=False)
         self._seed()
         cuda = state.device.type == "cuda"
-        step = 0
-        for _ in range(cfg.warmup):
-            train_step(state, next(self._batches), step)
-            step += 1
+        counter = iter(range(1 << 62))
+
+        def run_step() -> None:
+            train_step(state, next(self._batches), next(counter))
+
         if cuda:
-            torch.cuda.synchronize(state.device)
             torch.cuda.reset_peak_memory_stats(state.device)
         sampler = NvmlSampler.create(state.device) if cfg.telemetry else None
         if sampler is not None:
             sampler.start()
-        windows: list[float] = []
         items, unit = count_items(self._parity_batches[0], cfg.throughput_unit)
         try:
-            for _ in range(cfg.repeats):
-                clock.start()
-                for _ in range(cfg.steps):
-                    train_step(state, next(self._batches), step)
-                    step += 1
-                    clock.step()
-                times = clock.stop()
-                windows.append(sum(times) / len(times))
+            windows = time_windows(run_step, clock, warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
         finally:
             telemetry = sampler.stop() if sampler is not None else None
         median, spread = summarize(windows)

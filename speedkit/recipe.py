@@ -264,8 +264,9 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     trainer = _trainer(raw.get("trainer"))
     if "ladder" not in raw:
         raise ConfigError("ladder", f"missing; list the rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
-    if raw["ladder"] is None or (isinstance(raw["ladder"], list) and not raw["ladder"]):
-        raise ConfigError("ladder", f"is empty; list at least one rung, e.g. ladder: [{', '.join(rungs.names())}]")
+    if raw["ladder"] is None:
+        raise ConfigError("ladder", f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none)")
+    # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
     ladder = rungs.make_all(raw["ladder"], "ladder")
     measure = _measure(raw.get("measure"))
     report = _report(raw.get("report"))

@@ -83,8 +83,11 @@ def _quiet_lightning_outside_trainer():
 
 def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
     """Run the ladder of a recipe; write report.json, report.md and optimized.yaml into ``out_dir``."""
+    from speedkit import rungs
     from speedkit.report import write_report
 
+    if not recipe.ladder:
+        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
     out_dir.mkdir(parents=True, exist_ok=True)
     state = build_state(recipe)
     ladder = Ladder(state, recipe.ladder, recipe.measure, seed=recipe.seed,

@@ -46,6 +46,16 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "measure.steps" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_optimize_refuses_an_empty_ladder_but_validate_accepts_it(tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {class_path: speedkit.demos.NaiveGPT}\ndata: {synthetic: tokens}\nladder: []\n")
+    assert main(["validate", str(path)]) == 0
+    assert main(["optimize", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "ladder: is empty" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_all_shipped_recipes_validate(capsys):
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err

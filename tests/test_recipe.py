@@ -53,7 +53,7 @@ BAD_RECIPES = [
     ("unknown_rung_option", recipe_text(ladder="ladder: [{name: compile, options: {modee: default}}]\n"), "ladder[0].options.modee"),
     ("rung_listed_twice", recipe_text(ladder="ladder: [tf32, autocast, tf32]\n"), "ladder[2]"),
     ("ladder_not_a_list", recipe_text(ladder="ladder: tf32\n"), "ladder"),
-    ("empty_ladder", recipe_text(ladder="ladder: []\n"), "ladder"),
+    ("null_ladder", recipe_text(ladder="ladder:\n"), "ladder"),
     ("missing_ladder", recipe_text(ladder=None), "ladder"),
     # model
     ("class_path_no_dot", recipe_text(model="model: {class_path: NaiveGPT}\n"), "model.class_path"),

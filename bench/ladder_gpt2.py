@@ -1,0 +1,185 @@
+"""The naive GPT-2 ladder, side by side in one process on one GPU (ANCHORS.md, main benchmark).
+
+Variants:
+  hand/*       the ladder of ANCHORS.md applied by hand, step by step, in a plain training loop
+  speedkit     `speedkit optimize recipes/gpt2-small-naive.yaml` (the CLI's own code path), per rung
+  lightning/*  Lightning's own switches: precision="32-true"; precision="bf16-mixed" + torch.compile + TF32
+  speedkit-fit the kept rungs through Lightning (`speedkit fit optimized.yaml`, SpeedLadder callback)
+
+The Lightning rows and speedkit-fit are timed the same way (StepTimer callback: CUDA events after
+each batch, one wait per window, median of windows), so they compare like for like.
+
+Usage: python bench/ladder_gpt2.py [--parts hand,speedkit,lightning] [--out runs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import Results, gemm_ceiling_tflops  # noqa: E402
+from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
+from speedkit.measure import StepClock, count_step_flops, summarize  # noqa: E402
+from speedkit.measure.timing import time_windows  # noqa: E402
+from speedkit.state import default_loss_fn, move_to_device  # noqa: E402
+
+RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"
+BATCH, SEQ, VOCAB = 16, 1024, 50304
+WARMUP, STEPS, REPEATS = 3, 10, 5
+
+
+def _record(res: Results, variant: str, step_ms: float, spread: float, flops: int, ceiling: float, peak_bytes: int | None) -> None:
+    tokens = BATCH * SEQ
+    res.add(variant, "tokens_per_s", tokens / (step_ms / 1e3), "tokens/s")
+    res.add(variant, "step_ms", step_ms, "ms", noise=spread)
+    res.add(variant, "mfu", flops / (step_ms / 1e3) / 1e12 / ceiling, "fraction of measured bf16 GEMM ceiling")
+    if peak_bytes is not None:
+        res.add(variant, "peak_memory_gb", peak_bytes / 1e9, "GB")
+    print(f"{variant:32s} {tokens / (step_ms / 1e3):>12,.0f} tok/s  {step_ms:8.1f} ms ±{spread:5.1%}  "
+          f"MFU {flops / (step_ms / 1e3) / 1e12 / ceiling:6.1%}  peak {peak_bytes / 1e9 if peak_bytes else float('nan'):5.1f} GB", flush=True)
+
+
+def hand_ladder(res: Results, flops: int, ceiling: float) -> None:
+    """ANCHORS.md's hand ladder: each step adds one change to the previous, applied by hand."""
+    loader = SyntheticTokens(batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, length=BATCH * 4096).train_dataloader()
+    steps = [
+        ("hand/eager-fp32", {}),
+        ("hand/+tf32", {"tf32": True}),
+        ("hand/+bf16-autocast", {"tf32": True, "bf16": True}),
+        ("hand/+sdpa", {"tf32": True, "bf16": True, "sdpa": True}),
+        ("hand/+fused-adamw", {"tf32": True, "bf16": True, "sdpa": True, "fused": True}),
+        ("hand/+compile", {"tf32": True, "bf16": True, "sdpa": True, "fused": True, "compile": True}),
+    ]
+    for variant, cfg in steps:
+        torch.manual_seed(0)
+        torch.set_float32_matmul_precision("high" if cfg.get("tf32") else "highest")
+        model = NaiveGPT("small", attention="sdpa" if cfg.get("sdpa") else "naive").cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cfg.get("fused", None))
+        fwd = torch.compile(model) if cfg.get("compile") else model
+        it = iter(loader)
+
+        def step() -> None:
+            idx, tgt = move_to_device(next(it), torch.device("cuda"))
+            with torch.autocast("cuda", torch.bfloat16) if cfg.get("bf16") else contextlib.nullcontext():
+                loss = fwd(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        torch.cuda.reset_peak_memory_stats()
+        windows = time_windows(step, StepClock(torch.device("cuda")), warmup=WARMUP, steps=STEPS, repeats=REPEATS)
+        _record(res, variant, *summarize(windows), flops, ceiling, torch.cuda.max_memory_allocated())
+        del model, opt, fwd
+        torch.cuda.empty_cache()
+    torch.set_float32_matmul_precision("highest")
+
+
+def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list:
+    """`speedkit optimize` on the naive recipe, through the CLI entry point itself."""
+    from speedkit.cli import main
+    from speedkit.report import load_report
+
+    t0 = time.perf_counter()
+    code = main(["optimize", str(RECIPE), "--out", str(out / "gpt2")])
+    if code != 0:
+        raise SystemExit(f"speedkit optimize failed with exit code {code}")
+    report = load_report(out / "gpt2" / "report.json")
+    res.add("speedkit", "ladder_wall_s", time.perf_counter() - t0, "s")
+    for rung in report["rungs"]:
+        m = rung["measurement"]
+        if m is None:
+            res.add(f"speedkit/{rung['name']}", "status", None, rung["status"], reason=rung["reason"])
+            continue
+        _record(res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"])
+    final = next((r for r in reversed(report["rungs"]) if r["status"] in ("kept", "baseline")), None)
+    _record(res, "speedkit", final["measurement"]["step_ms"], final["measurement"]["spread"], flops, ceiling,
+            final["measurement"]["peak_memory_bytes"])
+    return report["summary"]["kept"]
+
+
+def lightning_runs(res: Results, flops: int, ceiling: float, kept: list) -> None:
+    """Lightning's switches and speedkit's kept rungs, through the same Trainer loop and timer."""
+    import lightning.pytorch as pl
+
+    from speedkit.lightning import SpeedLadder, StepTimer
+
+    def run(variant: str, precision: str, *, compile_model: bool = False, tf32: bool = False, callbacks=()) -> None:
+        torch.manual_seed(0)
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        model = NaiveGPT("small")
+        timer = StepTimer(warmup=WARMUP + 2, window=STEPS)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, precision=precision, max_steps=WARMUP + 2 + STEPS * REPEATS,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[timer, *callbacks])
+        torch.cuda.reset_peak_memory_stats()
+        trainer.fit(torch.compile(model) if compile_model else model,
+                    datamodule=SyntheticTokens(batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, length=BATCH * 4096))
+        _record(res, variant, timer.step_ms, timer.spread, flops, ceiling, torch.cuda.max_memory_allocated())
+        torch.set_float32_matmul_precision("highest")
+        torch.cuda.empty_cache()
+
+    variants = [("lightning/32-true", "32-true", {}),
+                ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True})]
+    if kept:
+        variants.append(("speedkit-fit", "32-true", {"callbacks": [SpeedLadder(rungs=kept)]}))
+    for variant, precision, kwargs in variants:
+        try:
+            run(variant, precision, **kwargs)
+        except Exception as exc:  # a variant that breaks is a result too; the others still run
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            res.add(variant, "status", None, "failed", reason=reason)
+            print(f"{variant:32s} FAILED: {reason}", flush=True)
+            torch.set_float32_matmul_precision("highest")
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="speedkit,lightning,hand")
+    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--kept", default=None, help="comma-separated rungs for speedkit-fit when the speedkit part is skipped")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/ladder_gpt2.py needs a CUDA GPU")
+    warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
+    parts = args.parts.split(",")
+    res = Results("ladder_gpt2")
+    ceiling = gemm_ceiling_tflops()
+    res.add("machine", "bf16_gemm_8192_tflops", ceiling, "TFLOP/s")
+    torch.manual_seed(0)
+    probe = NaiveGPT("small").cuda()
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+    flops = count_step_flops(probe, (idx, idx), default_loss_fn)
+    res.add("model", "flops_per_step", flops, "FLOP")
+    del probe
+    torch.cuda.empty_cache()
+    print(f"{res.device}: bf16 GEMM ceiling {ceiling:.0f} TFLOP/s, {flops / 1e12:.2f} TFLOP per step", flush=True)
+
+    kept = args.kept.split(",") if args.kept else []
+    if "speedkit" in parts:
+        kept = speedkit_ladder(res, flops, ceiling, Path(args.out))
+    if "lightning" in parts:
+        lightning_runs(res, flops, ceiling, kept)
+    if "hand" in parts:
+        hand_ladder(res, flops, ceiling)
+
+    print("\nsummary (tokens/s):")
+    for variant in ("lightning/32-true", "lightning/bf16-mixed+compile+tf32", "speedkit", "speedkit-fit",
+                    "hand/eager-fp32", "hand/+compile"):
+        v = res.value(variant, "tokens_per_s")
+        if v:
+            print(f"  {variant:36s} {v:>12,.0f}")
+    print(f"results appended to {res.path}")
+
+
+if __name__ == "__main__":
+    main()
