@@ -178,6 +178,12 @@ def main() -> None:
         v = res.value(variant, "tokens_per_s")
         if v:
             print(f"  {variant:36s} {v:>12,.0f}")
+    anchor = res.value("lightning/bf16-mixed+compile+tf32", "tokens_per_s")
+    for ours in ("speedkit", "speedkit-fit"):
+        v = res.value(ours, "tokens_per_s")
+        if v and anchor:
+            res.add(ours, "ratio_vs_lightning_switches", v / anchor, "x")
+            print(f"  {ours} / lightning switches = {v / anchor:.3f}x")
     print(f"results appended to {res.path}")
 
 

@@ -8,7 +8,8 @@ For every rung, in the recipe's order:
    loss trajectory must stay within the tolerance of the numerics now in effect
    (``configs/tolerances.yaml``) of the trajectory before the rung.
 4. measure — warm-up, then ``repeats`` windows of ``steps`` steps on the step clock.
-5. keep if faster beyond noise (or leaner in memory without being slower); else undo.
+5. keep if faster by more than max(min_gain, 2 x noise) (or leaner in memory without being
+   slower beyond noise); else undo.
 
 Every trial starts from the snapshot taken before the ladder and the snapshot is restored at the
 end, so none of the trial steps leak into the user's training. A rung that raises is undone and
@@ -231,15 +232,17 @@ class Ladder:
         if noise >= 0.5:
             return "reverted", (f"measurement too noisy to decide ({noise:.0%} noise, {speedup:.2f}x): "
                                 "run on a quiet machine or raise measure.repeats/steps")
-        needed = max(cfg.min_gain, noise)
+        # faster beyond noise = by more than two standard deviations of the difference, and by
+        # at least min_gain (a sub-percent "win" is not worth a change to the user's run)
+        needed = max(cfg.min_gain, 2 * noise)
         if m.step_ms < previous.step_ms * (1 - needed):
-            return "kept", f"{speedup:.2f}x faster (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, noise {noise:.1%})"
+            return "kept", f"{speedup:.3f}x faster (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, 2x noise {2 * noise:.1%})"
         if (m.peak_memory_bytes is not None and previous.peak_memory_bytes
                 and m.peak_memory_bytes < previous.peak_memory_bytes * (1 - cfg.memory_gain)
                 and m.step_ms <= previous.step_ms * (1 + noise)):
             saved = 1 - m.peak_memory_bytes / previous.peak_memory_bytes
             return "kept", f"{saved:.0%} less peak memory at the same speed ({speedup:.2f}x, noise {noise:.1%})"
-        return "reverted", f"not faster beyond noise: {speedup:.3f}x (needed > {1 / (1 - needed):.3f}x; noise {noise:.1%})"
+        return "reverted", f"not faster beyond noise: {speedup:.3f}x (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, 2x noise {2 * noise:.1%})"
 
     # -- trials ------------------------------------------------------------------------------
     def _seed(self) -> None:

@@ -202,9 +202,10 @@ def _m(step_ms, spread=0.0, mem=None):
 
 @pytest.mark.parametrize("new, prev, status", [
     (_m(90), _m(100), "kept"),                       # 10% faster, no noise
-    (_m(99), _m(100), "reverted"),                   # 1% < min_gain 2%
-    (_m(90, 0.08), _m(100, 0.08), "reverted"),       # 10% faster but noise hypot(8%, 8%) = 11%
-    (_m(80, 0.08), _m(100, 0.08), "kept"),
+    (_m(98.5), _m(100), "kept"),                     # 1.5% > min_gain 1%, no noise
+    (_m(99.5), _m(100), "reverted"),                 # 0.5% < min_gain 1%
+    (_m(90, 0.04), _m(100, 0.04), "reverted"),       # 10% faster but 2 x hypot(4%, 4%) = 11.3%
+    (_m(85, 0.04), _m(100, 0.04), "kept"),
     (_m(100, 0.01, mem=80), _m(100, 0.01, mem=100), "kept"),    # 20% less memory, same speed
     (_m(110, 0.01, mem=80), _m(100, 0.01, mem=100), "reverted"),  # leaner but slower
     (_m(50, 0.6), _m(100, 0.01), "reverted"),        # too noisy to decide anything
@@ -216,7 +217,7 @@ def test_keep_decision(new, prev, status):
 
 def test_measure_config_defaults_come_from_configs():
     cfg = MeasureConfig.from_dict({"steps": 4})
-    assert cfg.steps == 4 and cfg.warmup == 3 and cfg.min_gain == 0.02
+    assert cfg.steps == 4 and cfg.warmup == 3 and cfg.min_gain == 0.01
 
 
 def test_count_items_tokens_and_samples():
