@@ -54,7 +54,7 @@ def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
     torch.set_float32_matmul_precision(wanted)
     handle.record(f"torch.set_float32_matmul_precision({wanted!r}) (was {previous!r})",
                   lambda: torch.set_float32_matmul_precision(previous))
-    if cudnn and device.type == "cuda":
+    if cudnn and device.type == "cuda" and not torch.backends.cudnn.allow_tf32:
         prev_cudnn = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = True
 
