@@ -61,6 +61,22 @@ _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
 
 
+def init_nvml() -> Any:
+    """``pynvml`` after a successful ``nvmlInit()``, or ``None`` where NVML is not there.
+
+    The caller owns the init and must end it with ``nvmlShutdown()``.
+    """
+    try:
+        import pynvml
+    except (ImportError, OSError):
+        return None
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError):
+        return None
+    return pynvml
+
+
 def decode_clock_event_reasons(mask: int, pynvml: Any = None) -> list[str]:
     """Names of the reason bits set in ``mask``; unknown bits come back as ``"0x..."``."""
     names = []
@@ -151,13 +167,8 @@ class NvmlSampler:
         device = torch.device(device)
         if device.type != "cuda":
             return None
-        try:
-            import pynvml
-        except (ImportError, OSError):
-            return None
-        try:
-            pynvml.nvmlInit()
-        except (pynvml.NVMLError, OSError):
+        pynvml = init_nvml()
+        if pynvml is None:
             return None
         try:
             cuda_index = device.index if device.index is not None else _current_cuda_index()

@@ -100,13 +100,10 @@ def _cpu_model() -> str | None:
 
 
 def _driver_version() -> str | None:
-    try:
-        import pynvml
-    except (ImportError, OSError):
-        return None
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError, OSError):
+    from speedkit.measure.nvml import init_nvml
+
+    pynvml = init_nvml()
+    if pynvml is None:
         return None
     try:
         version = pynvml.nvmlSystemGetDriverVersion()
