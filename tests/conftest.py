@@ -60,3 +60,17 @@ def mlp_state(device: str = "cpu", **kwargs):
     model = LaunchBoundMLP(depth=2, hidden=32, features=16, **kwargs).to(device)
     dm = SyntheticVectors(batch_size=8, features=16, classes=10, length=8 * 64)
     return TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device(device), loader=dm.train_dataloader())
+
+
+def assert_rel_close(actual, expected, tol: float = 1e-5, msg: str = "") -> None:
+    """‖actual − expected‖ / ‖expected‖ ≤ tol, computed in float64; NaN never passes.
+
+    Element-wise tolerances fail on near-zero entries of long reductions (gradients) whose
+    absolute error is set by the large entries; the relative norm is the measure METHOD.md uses.
+    """
+    assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
+    a, e = actual.detach().double(), expected.detach().double()
+    assert torch.isfinite(a).all(), f"{msg}: non-finite values"
+    denom = e.norm().item()
+    rel = (a - e).norm().item() / (denom if denom > 0 else 1.0)
+    assert rel <= tol, f"{msg}: relative error {rel:.3e} > {tol:.0e}"

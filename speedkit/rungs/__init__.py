@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -15,6 +15,7 @@ from speedkit.rungs.autocast import AutocastRung
 from speedkit.rungs.base import Handle, NoOptions, Rung, parse_options
 from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
+from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
 
 _REGISTRY: dict[str, type[Rung]] = {}
@@ -28,7 +29,7 @@ def register(cls: type[Rung]) -> type[Rung]:
     return cls
 
 
-for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung):
+for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung):
     register(_cls)
 
 

@@ -1,0 +1,177 @@
+"""Reversible rewriting of a module's ``forward``: the one model-surgery utility of speedkit.
+
+Rungs that change *what a model computes how* (attention to SDPA, loops of GEMMs to one batched
+GEMM, …) do not swap modules or parameters: they rewrite the Python source of the class's
+``forward`` (found by :mod:`inspect`, transformed as an :mod:`ast`), compile the new function, and
+bind it to the *instance* as ``module.forward`` — the same place Lightning's own compile puts a
+compiled forward. Parameters, buffers, submodules, hooks and the state dict are untouched, so
+optimizers keep pointing at the live parameters and checkpoints load into the user's original
+model. ``undo()`` removes the instance attribute again.
+
+The new function keeps the original's globals (live, not copied), closure values, ``super()``
+support, file name and line numbers, so tracebacks still point into the user's file.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from speedkit.rungs.base import Handle
+
+#: name under which rewritten code reaches :mod:`speedkit.ops`
+OPS_NAME = "__speedkit_ops"
+
+
+class NotRewritable(Exception):
+    """The forward cannot be rewritten; the message says why (for the report)."""
+
+
+@dataclass
+class ParsedForward:
+    """The source of a class's ``forward`` as an AST, with what is needed to compile it back."""
+
+    cls: type
+    function: Callable[..., Any]
+    tree: ast.FunctionDef
+    filename: str
+    first_line: int
+
+    @property
+    def self_name(self) -> str:
+        args = self.tree.args.posonlyargs + self.tree.args.args
+        if not args:
+            raise NotRewritable("forward takes no self argument")
+        return args[0].arg
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_cached(cls: type) -> ParsedForward:
+    function = cls.__dict__.get("forward")
+    if function is None:  # inherited: rewrite the class that defines it
+        for base in cls.__mro__[1:]:
+            if "forward" in base.__dict__:
+                function = base.__dict__["forward"]
+                break
+    if function is None or not isinstance(function, types.FunctionType):
+        raise NotRewritable(f"{cls.__name__}.forward is not a plain Python function")
+    try:
+        lines, first_line = inspect.getsourcelines(function)
+        filename = inspect.getsourcefile(function) or "<unknown>"
+    except (OSError, TypeError) as exc:
+        raise NotRewritable(f"source of {cls.__name__}.forward is not available ({exc})") from None
+    source = textwrap.dedent("".join(lines))
+    try:
+        module = ast.parse(source)
+    except SyntaxError as exc:
+        raise NotRewritable(f"source of {cls.__name__}.forward does not parse on its own ({exc.msg})") from None
+    tree = module.body[0]
+    if not isinstance(tree, ast.FunctionDef):
+        raise NotRewritable(f"{cls.__name__}.forward is not a def (async or a lambda)")
+    if tree.decorator_list:
+        raise NotRewritable(f"{cls.__name__}.forward is decorated; decorators could change its meaning")
+    ast.increment_lineno(module, first_line - 1)
+    return ParsedForward(cls, function, tree, filename, first_line)
+
+
+def parse_forward(cls: type) -> ParsedForward:
+    """Parse ``cls.forward`` (cached per class). Raises :class:`NotRewritable` with the reason."""
+    return _parse_cached(cls)
+
+
+def copy_tree(parsed: ParsedForward) -> ast.FunctionDef:
+    """A fresh deep copy of the forward's AST, to transform."""
+    import copy
+
+    return copy.deepcopy(parsed.tree)
+
+
+def compile_forward(parsed: ParsedForward, tree: ast.FunctionDef, tag: str) -> Callable[..., Any]:
+    """Compile a transformed forward into a function with the original's globals and closure."""
+    import speedkit.ops as ops
+
+    fn = parsed.function
+    freevars = list(fn.__code__.co_freevars)
+    closure_values = {name: cell.cell_contents for name, cell in zip(freevars, fn.__closure__ or ())}
+    # a factory supplies the closure: __class__ (zero-argument super()), the original's free
+    # variables, and speedkit's ops; the inner function keeps the user's module globals, live
+    params = ["__class__", OPS_NAME, *[v for v in freevars if v != "__class__"]]
+    fields = {
+        "name": "__speedkit_factory",
+        "args": ast.arguments(posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        "body": [tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
+        "decorator_list": [], "returns": None, "type_params": [],
+    }
+    factory = ast.FunctionDef(**{k: v for k, v in fields.items() if k in ast.FunctionDef._fields})
+    module = ast.Module(body=[factory], type_ignores=[])
+    ast.fix_missing_locations(module)
+    code = compile(module, f"{parsed.filename}", "exec")
+    namespace: dict[str, Any] = {}
+    exec(code, fn.__globals__, namespace)  # noqa: S102 - our own transformed copy of the user's forward
+    new = namespace["__speedkit_factory"](parsed.cls, ops, *[closure_values[v] for v in freevars if v != "__class__"])
+    new.__qualname__ = f"{fn.__qualname__}[speedkit:{tag}]"
+    new.__defaults__ = fn.__defaults__
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__speedkit_rewrite__ = tag
+    new.__speedkit_source__ = ast.unparse(tree)  # what runs instead of the user's forward, for debugging
+    return new
+
+
+def bind_forward(handle: Handle, module: nn.Module, function: Callable[..., Any], description: str) -> None:
+    """Set ``module.forward`` to ``function`` bound to it; ``handle`` undoes it."""
+    if "forward" in module.__dict__:
+        raise NotRewritable(f"{type(module).__name__} already has an instance-level forward (compiled or patched)")
+    module.forward = types.MethodType(function, module)
+
+    def restore() -> None:
+        module.__dict__.pop("forward", None)
+
+    handle.record(description, restore)
+
+
+def is_user_module(module: nn.Module) -> bool:
+    """Modules whose code is the user's (torch's own modules are never rewritten)."""
+    mod = type(module).__module__
+    return not (mod.startswith("torch.") or mod == "torch" or mod.startswith("lightning.") or mod.startswith("pytorch_lightning."))
+
+
+def call_ops(name: str, *args: ast.expr, **kwargs: ast.expr) -> ast.Call:
+    """The AST of ``__speedkit_ops.<name>(*args, **kwargs)``."""
+    return ast.Call(func=ast.Attribute(value=ast.Name(id=OPS_NAME, ctx=ast.Load()), attr=name, ctx=ast.Load()),
+                    args=list(args), keywords=[ast.keyword(arg=k, value=v) for k, v in kwargs.items()])
+
+
+def names_loaded(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def names_stored(node: ast.AST) -> set[str]:
+    out = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    for n in ast.walk(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+    return out
+
+
+def self_attribute(node: ast.AST, self_name: str) -> str | None:
+    """``'attr'`` if ``node`` is ``self.attr``, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name:
+        return node.attr
+    return None
+
+
+def where(parsed: ParsedForward, node: ast.AST) -> str:
+    """``file.py:LINE`` of a node, for reports."""
+    import os
+
+    return f"{os.path.basename(parsed.filename)}:{getattr(node, 'lineno', parsed.first_line)}"
