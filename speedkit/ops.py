@@ -194,10 +194,25 @@ def fused_linear(x: Tensor, linears: Sequence[nn.Linear]) -> tuple[Tensor, ...]:
     return F.linear(x, weight, bias).split([lin.out_features for lin in linears], dim=-1)
 
 
-def _empty_like_loop(*operands: Any) -> Tensor:
-    """What a zero-trip loop leaves for the rewritten code to unbind/store: nothing."""
-    device = next((t.device for t in operands if isinstance(t, Tensor)), None)
-    return torch.empty(0, device=device)
+def _loop_results(outs: list[Any]) -> Tensor | list[Any]:
+    """The per-slice results of a replayed loop: stacked when they stack, else the list itself.
+
+    A list (ragged slices, or no slice at all) is what :func:`unstack` and :func:`store_slices`
+    take as it is, and what :func:`stack` hands to ``torch.stack`` to fail as the user's code would.
+    """
+    if outs and all(isinstance(o, Tensor) for o in outs) and len({(o.shape, o.dtype, o.device) for o in outs}) == 1:
+        return torch.stack(outs)
+    return outs
+
+
+def unstack(value: Tensor | list[Any]) -> Sequence[Any]:
+    """The slices of a batched result, for ``outs.extend(...)``."""
+    return value.unbind(0) if isinstance(value, Tensor) else value
+
+
+def stack(value: Tensor | list[Any]) -> Tensor:
+    """A batched result where the user's code had ``torch.stack(outs)`` after the loop."""
+    return value if isinstance(value, Tensor) else torch.stack(value)
 
 
 def _batch_operand(t: Any, n: int, indexed: bool) -> Tensor | None:
@@ -217,7 +232,7 @@ def _batch_operand(t: Any, n: int, indexed: bool) -> Tensor | None:
     return t
 
 
-def loop_matmul(a: Any, b: Any, n: int, a_indexed: bool, b_indexed: bool) -> Tensor:
+def loop_matmul(a: Any, b: Any, n: int, a_indexed: bool, b_indexed: bool) -> Tensor | list[Any]:
     """``torch.stack([a[i] @ b[i] for i in range(n)])`` (an operand not indexed is shared) as one matmul.
 
     Per slice, ``a_i (*ba, m, k) @ b_i (*bb, k, p)`` broadcasts ``ba`` against ``bb`` from the right;
@@ -227,8 +242,7 @@ def loop_matmul(a: Any, b: Any, n: int, a_indexed: bool, b_indexed: bool) -> Ten
     a2 = _batch_operand(a, n, a_indexed) if n > 0 else None
     b2 = _batch_operand(b, n, b_indexed) if n > 0 else None
     if a2 is None or b2 is None:  # do what the loop did
-        outs = [(a[i] if a_indexed else a) @ (b[i] if b_indexed else b) for i in range(n)]
-        return torch.stack(outs) if outs else _empty_like_loop(a, b)
+        return _loop_results([(a[i] if a_indexed else a) @ (b[i] if b_indexed else b) for i in range(n)])
     # a shared operand with batch dims gets a loop dim of 1 to broadcast over
     if not a_indexed and a2.dim() > 2:
         a2 = a2.unsqueeze(0)
@@ -241,16 +255,15 @@ def loop_matmul(a: Any, b: Any, n: int, a_indexed: bool, b_indexed: bool) -> Ten
     return torch.matmul(a2, b2)
 
 
-def loop_linear(linears: Sequence[nn.Linear], x: Any, n: int, x_indexed: bool) -> Tensor:
+def loop_linear(linears: Sequence[nn.Linear], x: Any, n: int, x_indexed: bool) -> Tensor | list[Any]:
     """``torch.stack([linears[i](x[i] if x_indexed else x) for i in range(n)])`` as one batched GEMM.
 
     The slices are flattened to ``(n, M, in)`` (a shared x is expanded, not copied) and multiplied
     by the stacked, transposed weights ``(n, in, out)`` with the biases added in the same call.
     """
 
-    def loop() -> Tensor:
-        outs = [linears[i](x[i] if x_indexed else x) for i in range(n)]
-        return torch.stack(outs) if outs else _empty_like_loop(x)
+    def loop() -> Tensor | list[Any]:
+        return _loop_results([linears[i](x[i] if x_indexed else x) for i in range(n)])
 
     if n <= 0 or len(linears) < n or not isinstance(x, Tensor):
         return loop()
@@ -282,7 +295,7 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def store_slices(target: Any, n: int, value: Tensor) -> None:
+def store_slices(target: Any, n: int, value: Tensor | list[Any]) -> None:
     """``for i in range(n): target[i] = value[i]``, as one slice assignment where that is the same."""
     if n <= 0:
         return
@@ -297,7 +310,7 @@ def store_slices(target: Any, n: int, value: Tensor) -> None:
 def _identical_members(modules: Sequence[nn.Module]) -> bool:
     base = modules[0]
     for m in modules:
-        if type(m) is not type(base) or m.training != base.training:
+        if type(m) is not type(base) or m.training != base.training or _hooked(m):
             return False
     return True
 

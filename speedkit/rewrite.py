@@ -15,6 +15,7 @@ support, file name and line numbers, so tracebacks still point into the user's f
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import inspect
 import textwrap
@@ -35,9 +36,14 @@ class NotRewritable(Exception):
     """The forward cannot be rewritten; the message says why (for the report)."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: analyses are cached per parsed forward
 class ParsedForward:
-    """The source of a class's ``forward`` as an AST, with what is needed to compile it back."""
+    """The source of a class's ``forward`` as an AST, with what is needed to compile it back.
+
+    ``function`` is always the user's original function (its globals, closure and defining
+    class); ``tree`` is its source, or the already rewritten source when another rung rewrote
+    this instance's forward before (rewrites stack).
+    """
 
     cls: type
     function: Callable[..., Any]
@@ -87,10 +93,20 @@ def parse_forward(cls: type) -> ParsedForward:
     return _parse_cached(cls)
 
 
+def parse_module_forward(module: nn.Module) -> ParsedForward:
+    """What a rung should transform for this instance: the class's forward, or — when a speedkit
+    rung already rewrote this instance — that rewritten source, so rewrites stack."""
+    bound = module.__dict__.get("forward")
+    if bound is None:
+        return parse_forward(type(module))
+    parsed = getattr(getattr(bound, "__func__", None), "__speedkit_parsed__", None)
+    if parsed is None:
+        raise NotRewritable(f"{type(module).__name__} already has an instance-level forward (compiled or patched)")
+    return parsed
+
+
 def copy_tree(parsed: ParsedForward) -> ast.FunctionDef:
     """A fresh deep copy of the forward's AST, to transform."""
-    import copy
-
     return copy.deepcopy(parsed.tree)
 
 
@@ -101,38 +117,63 @@ def compile_forward(parsed: ParsedForward, tree: ast.FunctionDef, tag: str) -> C
     fn = parsed.function
     freevars = list(fn.__code__.co_freevars)
     closure_values = {name: cell.cell_contents for name, cell in zip(freevars, fn.__closure__ or ())}
-    # a factory supplies the closure: __class__ (zero-argument super()), the original's free
-    # variables, and speedkit's ops; the inner function keeps the user's module globals, live
+    # the class that *defines* forward: zero-argument super() must see it (not a subclass), and
+    # private names (self.__x) are mangled with its name
+    defining = closure_values.get("__class__") or _defining_class(parsed)
+    # a factory supplies the closure: __class__, the original's free variables, and speedkit's
+    # ops; it sits in a class body named like the defining class so that the compiler mangles
+    # private names the same way; the inner function keeps the user's module globals, live
     params = ["__class__", OPS_NAME, *[v for v in freevars if v != "__class__"]]
     fields = {
-        "name": "__speedkit_factory",
+        "name": "speedkit_factory_",
         "args": ast.arguments(posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
         "body": [tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
         "decorator_list": [], "returns": None, "type_params": [],
     }
     factory = ast.FunctionDef(**{k: v for k, v in fields.items() if k in ast.FunctionDef._fields})
-    module = ast.Module(body=[factory], type_ignores=[])
+    class_fields = {"name": defining.__name__, "bases": [], "keywords": [], "body": [factory], "decorator_list": [], "type_params": []}
+    holder = ast.ClassDef(**{k: v for k, v in class_fields.items() if k in ast.ClassDef._fields})
+    module = ast.Module(body=[holder], type_ignores=[])
     ast.fix_missing_locations(module)
     code = compile(module, f"{parsed.filename}", "exec")
     namespace: dict[str, Any] = {}
     exec(code, fn.__globals__, namespace)  # noqa: S102 - our own transformed copy of the user's forward
-    new = namespace["__speedkit_factory"](parsed.cls, ops, *[closure_values[v] for v in freevars if v != "__class__"])
+    make = namespace[defining.__name__].__dict__["speedkit_factory_"]
+    new = make(defining, ops, *[closure_values[v] for v in freevars if v != "__class__"])
     new.__qualname__ = f"{fn.__qualname__}[speedkit:{tag}]"
     new.__defaults__ = fn.__defaults__
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__speedkit_rewrite__ = tag
     new.__speedkit_source__ = ast.unparse(tree)  # what runs instead of the user's forward, for debugging
+    # a later rung transforms this source, not the class's, so rewrites of one instance stack
+    new.__speedkit_parsed__ = ParsedForward(parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line)
     return new
 
 
+def _defining_class(parsed: ParsedForward) -> type:
+    """The class in whose body ``forward`` was written (for name mangling)."""
+    for klass in parsed.cls.__mro__:
+        if klass.__dict__.get("forward") is parsed.function:
+            return klass
+    return parsed.cls
+
+
 def bind_forward(handle: Handle, module: nn.Module, function: Callable[..., Any], description: str) -> None:
-    """Set ``module.forward`` to ``function`` bound to it; ``handle`` undoes it."""
-    if "forward" in module.__dict__:
+    """Set ``module.forward`` to ``function`` bound to it; ``handle`` puts back what was there.
+
+    An earlier speedkit rewrite of the instance may be replaced (``function`` was built on its
+    source); anything else at instance level (a compiled or patched forward) is refused.
+    """
+    previous = module.__dict__.get("forward")
+    if previous is not None and not hasattr(getattr(previous, "__func__", None), "__speedkit_parsed__"):
         raise NotRewritable(f"{type(module).__name__} already has an instance-level forward (compiled or patched)")
     module.forward = types.MethodType(function, module)
 
     def restore() -> None:
-        module.__dict__.pop("forward", None)
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
 
     handle.record(description, restore)
 

@@ -68,7 +68,7 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["schema_version"] == 1
     rungs = report["rungs"]
-    assert [r["name"] for r in rungs] == ["baseline", "tf32", "autocast", "fused_optimizer", "compile"]
+    assert [r["name"] for r in rungs] == ["baseline", "tf32", "autocast", "fused_optimizer", "sdpa", "batched", "compile"]
     for r in rungs:
         assert r["status"] in ("baseline", "kept", "reverted", "not_applicable"), (r["name"], r["reason"])
     measured = [r["name"] for r in rungs[1:] if r["measurement"] is not None]
@@ -79,7 +79,7 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
         assert len(measured) >= 4, rungs
     assert report["environment"]["torch"] and report["flops"]["per_step"] > 0
     md = (out / "report.md").read_text()
-    for name in ("baseline", "tf32", "autocast", "fused_optimizer", "compile"):
+    for name in ("baseline", "tf32", "autocast", "fused_optimizer", "sdpa", "batched", "compile"):
         assert name in md
 
     optimized = yaml.safe_load((out / "optimized.yaml").read_text())
@@ -97,5 +97,5 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
 def test_rungs_lists_every_rung(capsys):
     assert main(["rungs"]) == 0
     out = capsys.readouterr().out
-    for name in ("tf32", "autocast", "fused_optimizer", "compile"):
+    for name in ("tf32", "autocast", "fused_optimizer", "compile", "sdpa", "batched"):
         assert name in out

@@ -88,3 +88,54 @@ def test_lightning_callback_uses_mixed_precision_plugin_on_cuda():
     assert set(ladder.applied_changes) == {"tf32", "autocast", "fused_optimizer"}
     assert timer.step_ms > 0 and timer._clock.syncs == 2
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_sdpa_rewrite_on_cuda_bf16_matches_and_uses_is_causal():
+    """The naive GPT on CUDA under bf16 autocast: the rewrite is within bf16 tolerance of the original."""
+    import copy
+
+    from speedkit.demos import NaiveGPT
+    from speedkit.rungs.sdpa import SdpaRung
+    from speedkit.state import TrainState
+
+    torch.manual_seed(0)
+    model = NaiveGPT("mini").cuda()
+    reference = copy.deepcopy(model)
+    handle = SdpaRung().apply(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda")))
+    assert handle.sites["rewritten"] == 4 and "causal" in handle.changes[0]
+    idx = torch.randint(0, 2048, (3, 127), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        a, b = model(idx, idx), reference(idx, idx)
+    a.backward(), b.backward()
+    assert abs(a.item() - b.item()) / abs(b.item()) < 1e-2
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        rel = ((p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()).item()
+        assert rel < 3e-2, (name, rel)
+
+
+def test_sdpa_fused_float_masks_on_cuda_match_outside_fully_masked_rows():
+    import attention_models as am
+
+    from speedkit.rungs.sdpa import SdpaRung
+    from speedkit.state import TrainState
+
+    torch.manual_seed(0)
+    B, T, D = 3, 37, 24
+    for left in (False, True):
+        model = am.HFStyleAttention().cuda()
+        import copy
+
+        reference = copy.deepcopy(model)
+        SdpaRung().apply(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda")))
+        mask = torch.full((T, T), float("-inf"), device="cuda").triu(1)[None, None].expand(B, 1, T, T).clone()
+        if left:
+            mask[1, :, :, :4] = torch.finfo(torch.float32).min
+        x = torch.randn(B, T, D, device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = model(xa, attention_mask=mask)[0], reference(xb, attention_mask=mask)[0]
+        g = torch.randn_like(out)
+        g[1, :4] = 0  # padded query rows are ignored by a padding-aware loss
+        out.backward(g), ref.backward(g)
+        for a, b in ((out, ref), (xa.grad, xb.grad)):
+            rel = ((a - b).norm() / b.norm()).item()
+            assert rel < 1e-5 if torch.backends.cuda.matmul.allow_tf32 is False else rel < 1e-3, (left, rel)

@@ -13,7 +13,7 @@ from speedkit.errors import ConfigError
 from speedkit.rungs.compile import GuardedForward
 from speedkit.state import train_step
 
-CPU_RUNGS = ["tf32", "autocast", "fused_optimizer", "compile"]
+CPU_RUNGS = ["tf32", "autocast", "fused_optimizer", "sdpa", "compile"]
 
 
 def _fingerprint(state):

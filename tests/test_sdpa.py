@@ -248,3 +248,25 @@ def test_sdpa_in_the_ladder_on_the_naive_gpt_is_kept_or_measured():
     r = result.rungs[1]
     assert r.status in ("kept", "reverted") and r.parity.passed, (r.status, r.reason)
     assert r.parity.max_rel_diff < 1e-5
+
+
+@pytest.mark.parametrize("order", [("sdpa", "batched"), ("batched", "sdpa")])
+def test_sdpa_and_batched_stack_on_one_forward(order):
+    """HF-style attention has hand-written attention AND separate q/k/v Linears: both rewrites apply,
+    in either order, and undoing them last-first restores the original forward."""
+    from speedkit import rungs
+
+    torch.manual_seed(0)
+    model = am.HFStyleAttention()
+    reference = copy.deepcopy(model)
+    state = _state(model)
+    handles = [rungs.make(name).apply(state) for name in order]
+    source = model.forward.__func__.__speedkit_source__
+    assert "__speedkit_ops.attention" in source and "fused_linear" in source
+    x = torch.randn(B, T, D)
+    mask = _hf_mask(left_padding=False)
+    assert_rel_close(model(x, attention_mask=mask)[0], reference(x, attention_mask=mask)[0], 1e-5, "output")
+    handles[1].undo()
+    assert model.forward.__func__.__speedkit_rewrite__ == order[0]
+    handles[0].undo()
+    assert "forward" not in model.__dict__

@@ -13,6 +13,7 @@ from typing import Any
 from speedkit.errors import ConfigError
 from speedkit.rungs.autocast import AutocastRung
 from speedkit.rungs.base import Handle, NoOptions, Rung, parse_options
+from speedkit.rungs.batched import BatchedRung
 from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.sdpa import SdpaRung
@@ -29,7 +30,7 @@ def register(cls: type[Rung]) -> type[Rung]:
     return cls
 
 
-for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung):
+for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung):
     register(_cls)
 
 

@@ -723,24 +723,24 @@ class SdpaRung(Rung):
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        self._cache: dict[type, _ClassAnalysis] = {}
+        self._cache: dict[ParsedForward, _ClassAnalysis] = {}
 
-    def _analyze_class(self, cls: type) -> _ClassAnalysis:
-        if cls in self._cache:
-            return self._cache[cls]
+    def _analyze_module(self, module: nn.Module) -> _ClassAnalysis:
+        """The analysis of what this instance runs: its class's forward or an earlier rung's rewrite."""
+        cls = type(module)
         try:
-            parsed = rewrite.parse_forward(cls)
+            parsed = rewrite.parse_module_forward(module)
         except NotRewritable as exc:
-            result = _ClassAnalysis(None, [], [], str(exc))
-        else:
+            return _ClassAnalysis(None, [], [], str(exc))
+        if parsed not in self._cache:
             tree = rewrite.copy_tree(parsed)
             analyzer = _Analyzer(tree, parsed.self_name)
             analyzer.run()
             notes = [f"{cls.__name__} ({rewrite.where(parsed, ast.Pass(lineno=line))}): {why}" for line, why in analyzer.left_alone]
             result = _ClassAnalysis(parsed, analyzer.sites, notes)
             result.tree = tree  # type: ignore[attr-defined]
-        self._cache[cls] = result
-        return result
+            self._cache[parsed] = result
+        return self._cache[parsed]
 
     def plan(self, model: nn.Module) -> tuple[list[tuple[nn.Module, _ClassAnalysis, list[tuple[_Site, bool]]]], list[str]]:
         """Which instances get which sites (with their causal decision), and what is left alone."""
@@ -749,15 +749,12 @@ class SdpaRung(Rung):
         for module in model.modules():
             if not rewrite.is_user_module(module):
                 continue
-            analysis = self._analyze_class(type(module))
+            analysis = self._analyze_module(module)
             for note in analysis.left_alone:
                 if note not in seen_notes:
                     seen_notes.add(note)
                     left_alone.append(note)
             if not analysis.sites:
-                continue
-            if "forward" in module.__dict__:
-                left_alone.append(f"{type(module).__name__}: forward already replaced on the instance (compiled or patched)")
                 continue
             decisions = []
             self_name = analysis.parsed.self_name
@@ -792,7 +789,7 @@ class SdpaRung(Rung):
         compiled: dict[tuple, Any] = {}
         per_class: dict[str, list[int]] = {}
         for module, analysis, decisions in planned:
-            key = (type(module), tuple((id(site), causal) for site, causal in decisions))
+            key = (analysis.parsed, tuple((id(site), causal) for site, causal in decisions))
             if key not in compiled:
                 import copy
 
