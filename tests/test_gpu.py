@@ -114,6 +114,11 @@ def test_sdpa_rewrite_on_cuda_bf16_matches_and_uses_is_causal():
 
 
 def test_sdpa_fused_float_masks_on_cuda_match_outside_fully_masked_rows():
+    """Fused kernels agree with the hand-written code everywhere but on query rows whose every key is
+    masked (left padding under a causal mask); there the CUDA kernels return other values (seen on
+    an H200: relative difference 0.26 over the whole output). A padding-aware loss ignores those rows."""
+    import copy
+
     import attention_models as am
 
     from speedkit.rungs.sdpa import SdpaRung
@@ -123,19 +128,18 @@ def test_sdpa_fused_float_masks_on_cuda_match_outside_fully_masked_rows():
     B, T, D = 3, 37, 24
     for left in (False, True):
         model = am.HFStyleAttention().cuda()
-        import copy
-
         reference = copy.deepcopy(model)
         SdpaRung().apply(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda")))
         mask = torch.full((T, T), float("-inf"), device="cuda").triu(1)[None, None].expand(B, 1, T, T).clone()
+        valid = torch.ones(B, T, 1, dtype=torch.bool, device="cuda")
         if left:
             mask[1, :, :, :4] = torch.finfo(torch.float32).min
+            valid[1, :4] = False  # query rows that see only padded keys
         x = torch.randn(B, T, D, device="cuda")
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, ref = model(xa, attention_mask=mask)[0], reference(xb, attention_mask=mask)[0]
-        g = torch.randn_like(out)
-        g[1, :4] = 0  # padded query rows are ignored by a padding-aware loss
-        out.backward(g), ref.backward(g)
-        for a, b in ((out, ref), (xa.grad, xb.grad)):
+        g = torch.randn_like(out) * valid  # a padding-aware loss: no gradient from padded query rows
+        (out * valid).backward(g), (ref * valid).backward(g)
+        for a, b in ((out * valid, ref * valid), (xa.grad * valid, xb.grad * valid)):
             rel = ((a - b).norm() / b.norm()).item()
-            assert rel < 1e-5 if torch.backends.cuda.matmul.allow_tf32 is False else rel < 1e-3, (left, rel)
+            assert rel < 1e-4, (left, rel)

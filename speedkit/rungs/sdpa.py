@@ -701,11 +701,12 @@ class _Emitter:
 class SdpaOptions:
     """Options of the sdpa rung."""
 
-    #: "fused": additive float masks go to SDPA's fused kernels (fast; a query row whose every key
-    #: is masked by a huge finite negative gets a different gradient, as with Hugging Face's own
-    #: SDPA attention). "exact": such attention runs on SDPA's math backend, bit-for-bit the
-    #: hand-written function everywhere, without the speed-up. Causal and boolean masks are
-    #: always fused.
+    #: "fused": additive float masks go to SDPA's fused kernels (fast). A query row whose every key
+    #: is masked by a huge finite negative (left padding under a causal mask) then differs from the
+    #: hand-written code: its gradient on CPU, its output too on CUDA — as with Hugging Face's own
+    #: SDPA attention; everywhere else, and for any loss that ignores padded positions, the
+    #: function is the same. "exact": such attention runs on SDPA's math backend, the hand-written
+    #: function everywhere, without the speed-up. Causal and boolean masks are always fused.
     float_masks: Literal["fused", "exact"] = "fused"
 
 
