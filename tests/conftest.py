@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+# speedkit's Triton kernels run on CPU tensors through Triton's interpreter; it is chosen when the
+# kernels are defined (at import), so it must be set before anything imports them.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import random
 import warnings
 

@@ -1,0 +1,25 @@
+"""speedkit's Triton kernels for the memory-bound layers of training.
+
+Each op is a ``torch.library.custom_op`` (``speedkit::<op>``) with a fake (meta) implementation and
+a registered autograd formula, so ``torch.compile(fullgraph=True)`` traces through it and a whole
+training step using it can be captured in a CUDA graph. None of them synchronizes with the host.
+
+Functional API (same semantics as the PyTorch functions they stand in for, statistics in fp32):
+
+* :func:`layer_norm` ``(x, weight, bias, eps)`` — over the last dim; weight/bias optional.
+* :func:`rms_norm` ``(x, weight, eps)`` — ``x * rsqrt(mean(x²) + eps) * weight`` over the last dim.
+* :func:`cross_entropy` ``(logits (N, V), target (N,), reduction, ignore_index, label_smoothing)`` —
+  softmax cross-entropy computed in fp32 whatever the logits' dtype (as ``F.cross_entropy(logits.float(), …)``);
+  returns an fp32 loss.
+* :func:`bias_gelu` ``(x, bias, approximate)`` — ``gelu(x + bias)``, exact or tanh.
+* :func:`swiglu` ``(gate, up)`` — ``silu(gate) * up``.
+
+Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+"""
+
+from speedkit.kernels.activations import bias_gelu, swiglu
+from speedkit.kernels.cross_entropy import cross_entropy
+from speedkit.kernels.norms import layer_norm, rms_norm
+from speedkit.kernels.support import kernels_available
+
+__all__ = ["bias_gelu", "cross_entropy", "kernels_available", "layer_norm", "rms_norm", "swiglu"]

@@ -1,0 +1,206 @@
+"""Softmax cross-entropy over logits (N, V), with the gradient computed in the forward pass.
+
+Per row i with target t (math in fp32 whatever the logits' dtype; ε = label smoothing)::
+
+    lse_i  = log Σ_j exp(x_ij)                              (online max / sum over chunks)
+    loss_i = lse_i - (1-ε)·x_it - (ε/V)·Σ_j x_ij            (0 for rows with t == ignore_index)
+    dx_ij  = s · (softmax_ij - (ε/V) - (1-ε)·[j == t])      (0 for ignored rows)
+
+with s = 1/n_valid for ``reduction="mean"`` (n_valid counted on the device: no host sync) and 1
+otherwise. The forward reads each row twice (the second read mostly from L2) and writes the
+gradient once, into a buffer the op allocates itself: the user's logits are never written to, and
+the only memory beyond the logits is the gradient that backward needs anyway.
+
+Backward multiplies that stored gradient by the incoming gradient in place — the buffer is the
+op's own and nothing else holds it — and a row whose incoming gradient is exactly 1 (the usual
+``loss.backward()``) is skipped on the device, so the common backward moves no data at all.
+A second backward through the same loss (``retain_graph=True``) is refused with an error rather
+than silently scaling twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from speedkit.kernels.support import runs_triton
+
+BLOCK_V = 4096
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, NVALID, stride_l, stride_g, V, ignore_index, smoothing,
+                   MEAN: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGET + row).to(tl.int64)
+    x_row = LOGITS + row * stride_l
+    g_row = GRAD + row * stride_g
+    cols0 = tl.arange(0, BLOCK)
+    if target == ignore_index:
+        zero = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + cols0
+            tl.store(g_row + cols, zero.to(GRAD.dtype.element_ty), mask=cols < V)
+        tl.store(LOSS + row, 0.0)
+        return
+    # pass 1: per-lane running max and sum of exp (merged at the end), and Σx for smoothing
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    sx = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        ok = cols < V
+        x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # lanes that have seen only -inf keep s = 0 (avoid inf - inf)
+        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        m = m_new
+        if SMOOTH:
+            sx += tl.where(ok, x, 0.0)
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max)), axis=0)
+    lse = row_max + tl.log(total)
+    x_t = tl.load(x_row + target).to(tl.float32)
+    if SMOOTH:
+        loss = lse - (1.0 - smoothing) * x_t - smoothing / V * tl.sum(sx, axis=0)
+    else:
+        loss = lse - x_t
+    tl.store(LOSS + row, loss)
+    scale = 1.0
+    if MEAN:
+        scale = 1.0 / tl.load(NVALID).to(tl.float32)
+    # pass 2: the gradient
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        ok = cols < V
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse)
+        if SMOOTH:
+            g = g - smoothing / V
+            g = tl.where(cols == target, g - (1.0 - smoothing), g)
+        else:
+            g = tl.where(cols == target, g - 1.0, g)
+        tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _ce_bwd_kernel(GRAD, GOUT, stride_g, V, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """grad_row *= grad_output (in place, on the op's own buffer); rows scaled by exactly 1 are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    if PER_ROW:
+        scale = tl.load(GOUT + row).to(tl.float32)
+    else:
+        scale = tl.load(GOUT).to(tl.float32)
+    if scale != 1.0:
+        g_row = GRAD + row * stride_g
+        cols0 = tl.arange(0, BLOCK)
+        for start in range(0, V, BLOCK):
+            cols = start + cols0
+            ok = cols < V
+            g = tl.load(g_row + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok)
+
+
+def _block(V: int) -> tuple[int, int]:
+    block = min(BLOCK_V, triton.next_power_of_2(V))
+    return block, (4 if block <= 1024 else 8 if block <= 2048 else 16)
+
+
+def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float,
+                          grad_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(per-row losses (N,) fp32, gradient (N, V) in the logits' dtype)`` for ``dL/dloss = 1``."""
+    N, V = logits.shape
+    grad = grad_out if grad_out is not None else torch.empty_like(logits)
+    losses = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return losses, grad
+    # counted on the device: the kernel reads it, the host never does
+    n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
+    block, warps = _block(V)
+    _ce_fwd_kernel[(N,)](logits, target, grad, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
+                         float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0,
+                         BLOCK=block, num_warps=warps)
+    return losses, grad
+
+
+def _reduce(losses: Tensor, target: Tensor, reduction: str, ignore_index: int) -> Tensor:
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum()
+
+
+# -- custom ops --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("speedkit::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
+    losses, grad = cross_entropy_forward(logits, target, reduction, ignore_index, label_smoothing)
+    return _reduce(losses, target, reduction, ignore_index), grad
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, reduction, ignore_index, label_smoothing):
+    loss = logits.new_empty((logits.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+    return loss, torch.empty_like(logits)
+
+
+@torch.library.custom_op("speedkit::cross_entropy_bwd_", mutates_args={"grad"})
+def _ce_bwd_op(grad: Tensor, grad_output: Tensor) -> None:
+    N, V = grad.shape
+    if N == 0:
+        return
+    block, warps = _block(V)
+    gout = grad_output.reshape(-1)
+    _ce_bwd_kernel[(N,)](grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
+
+
+@_ce_bwd_op.register_fake
+def _(grad, grad_output):
+    return None
+
+
+def _setup(ctx, inputs, output):
+    _, grad = output
+    ctx.mark_non_differentiable(grad)
+    ctx.save_for_backward(grad)
+    ctx.consumed = False
+
+
+def _backward(ctx, grad_loss, _grad_grad):
+    if ctx.consumed:
+        raise RuntimeError("speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
+                           "its gradient buffer is scaled in place, so recompute the loss for a second backward")
+    ctx.consumed = True
+    (grad,) = ctx.saved_tensors
+    torch.ops.speedkit.cross_entropy_bwd_(grad, grad_loss)
+    return grad, None, None, None, None
+
+
+_ce_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# -- public function ------------------------------------------------------------------------------------
+
+
+def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100,
+                  label_smoothing: float = 0.0) -> Tensor:
+    """``F.cross_entropy(logits.float(), target, …)`` for 2-D logits, fused (see the module doc)."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, found {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], found {label_smoothing}")
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(f"expected logits (N, V) and target (N,), found {tuple(logits.shape)} and {tuple(target.shape)}")
+    if not runs_triton(logits):
+        return torch.nn.functional.cross_entropy(logits.float(), target, reduction=reduction, ignore_index=ignore_index,
+                                                 label_smoothing=label_smoothing)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    loss, _ = torch.ops.speedkit.cross_entropy_fwd(logits, target, reduction, int(ignore_index), float(label_smoothing))
+    return loss

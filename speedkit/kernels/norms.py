@@ -1,0 +1,373 @@
+"""LayerNorm and RMSNorm: Triton forward and backward, one custom op each.
+
+Forward, per row of ``x`` (M, N) — statistics always in fp32::
+
+    LayerNorm: mean = Σx/N,  rstd = 1/sqrt(Σ(x-mean)²/N + eps),  y = (x-mean)·rstd·w + b
+    RMSNorm:                 rstd = 1/sqrt(Σx²/N + eps),           y = x·rstd·w
+
+Backward, with x̂ = (x-mean)·rstd (RMS: x·rstd) and g = dy·w (dy when there is no weight)::
+
+    LayerNorm: dx = rstd·(g - x̂·mean(x̂·g) - mean(g))
+    RMSNorm:   dx = rstd·(g - x̂·mean(x̂·g))
+    dw = Σ_rows dy·x̂,  db = Σ_rows dy
+
+Rows up to ``MAX_FUSED`` wide are held in registers (one read of x per pass); wider rows are
+walked in chunks, with Chan's parallel update for the statistics (still one read for them). The
+backward runs a persistent grid: each program walks a strided set of rows and keeps its share of
+dw/db in fp32 registers (narrow rows) or in its own row of a partial buffer (wide rows), so the
+weight gradients cost one small (programs × N) sum at the end, not a second pass over dy.
+Row offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from speedkit.kernels.support import next_power_of_2, num_sms, runs_triton
+
+#: widest row kept in registers; wider rows loop over chunks of CHUNK
+MAX_FUSED = 16384
+CHUNK = 4096
+
+
+# -- kernels -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps,
+                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows that fit in one block: BLOCK_M rows × BLOCK_N (>= N) columns per program."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xc = x
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_B:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
+                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One wide row per program: statistics in one pass, then y.
+
+    Each lane keeps a running (count, mean, M2) over the elements it sees (Welford), and the lanes
+    are merged at the end (Chan et al.), so the variance never subtracts two large sums.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    y_row = Y + row * stride_y
+    cols0 = tl.arange(0, BLOCK_N)
+    cnt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    avg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        ok = cols < N
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        if IS_RMS:
+            m2 += x * x
+        else:
+            cnt += ok.to(tl.float32)
+            delta = x - avg
+            avg += tl.where(ok, delta / tl.maximum(cnt, 1.0), 0.0)
+            m2 += tl.where(ok, delta * (x - avg), 0.0)
+    if IS_RMS:
+        mean = 0.0
+        var = tl.sum(m2, axis=0) / N
+    else:
+        mean = tl.sum(cnt * avg, axis=0) / N
+        var = (tl.sum(m2, axis=0) + tl.sum(cnt * (avg - mean) * (avg - mean), axis=0)) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        ok = cols < N
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, stride_x, stride_dx, M, N,
+                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Persistent: program p takes row blocks p, p+P, …; dw/db partials stay in registers."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, nprog * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+            dw += tl.sum(dy * xhat, axis=0)
+        else:
+            g = dy
+        if HAS_B:
+            db += tl.sum(dy, axis=0)
+        c1 = tl.sum(xhat * g, axis=1) / N
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_W:
+        tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
+    if HAS_B:
+        tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, stride_x, stride_dx, M, N,
+                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Persistent over wide rows: per row one pass for the two means, one for dx; the program's own
+    row of the partial buffers accumulates dw/db (no other program touches it)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols0 = tl.arange(0, BLOCK_N)
+    part = pid.to(tl.int64) * N
+    for row in range(pid, M, nprog):
+        row64 = tl.cast(row, tl.int64)
+        rstd = tl.load(RSTD + row64)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(MEAN + row64)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            ok = cols < N
+            x = tl.load(X + row64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+            xhat = tl.where(ok, (x - mean) * rstd, 0.0)
+            g = dy
+            if HAS_W:
+                g = dy * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+            acc1 += xhat * g
+            acc2 += g
+        c1 = tl.sum(acc1, axis=0) / N
+        c2 = tl.sum(acc2, axis=0) / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            ok = cols < N
+            x = tl.load(X + row64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+            xhat = tl.where(ok, (x - mean) * rstd, 0.0)
+            g = dy
+            if HAS_W:
+                g = dy * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+                acc = tl.load(DW_PART + part + cols, mask=ok, other=0.0)
+                tl.store(DW_PART + part + cols, acc + dy * xhat, mask=ok)
+            if HAS_B:
+                acc_b = tl.load(DB_PART + part + cols, mask=ok, other=0.0)
+                tl.store(DB_PART + part + cols, acc_b + dy, mask=ok)
+            if IS_RMS:
+                dx = (g - xhat * c1) * rstd
+            else:
+                dx = (g - (xhat * c1 + c2)) * rstd
+            tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+
+
+# -- launch configuration --------------------------------------------------------------------------
+
+
+def _block_config(N: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for rows that fit in registers."""
+    block_n = next_power_of_2(N)
+    # aim for ~4-8K elements per program iteration: several narrow rows, one wide row
+    block_m = max(1, min(16, 4096 // block_n))
+    elems = block_m * block_n
+    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    return block_m, block_n, num_warps
+
+
+def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
+                 out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` for ``x`` of shape (M, N) with a contiguous last dim."""
+    M, N = x.shape
+    y = out if out is not None else torch.empty_like(x)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, mean, rstd
+    w = weight if weight is not None else x  # placeholders: never read when HAS_W/HAS_B are False
+    b = bias if bias is not None else x
+    if N <= MAX_FUSED:
+        block_m, block_n, warps = _block_config(N)
+        grid = (triton.cdiv(M, block_m),)
+        _norm_fwd_kernel[grid](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
+                               IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
+                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    else:
+        _norm_fwd_looped_kernel[(M,)](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), N, eps,
+                                      IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
+                                      BLOCK_N=CHUNK, num_warps=16)
+    return y, mean, rstd
+
+
+def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool, has_bias: bool,
+                  dx_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(dx, dw, db)``; dw/db are None when there is no weight/bias."""
+    M, N = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = dx_out if dx_out is not None else torch.empty_like(x)
+    has_w = weight is not None
+    if M == 0:
+        zero = lambda: torch.zeros(N, dtype=torch.float32, device=x.device)  # noqa: E731
+        return dx, (zero().to(weight.dtype) if has_w else None), (zero().to(weight.dtype if has_w else x.dtype) if has_bias else None)
+    w = weight if has_w else x
+    wide = N > MAX_FUSED
+    if wide:
+        programs = min(M, num_sms(x.device) * 2)
+    else:
+        block_m, block_n, warps = _block_config(N)
+        programs = min(triton.cdiv(M, block_m), num_sms(x.device) * (8 if block_n <= 1024 else 4 if block_n <= 4096 else 2))
+    # partials: one fp32 row per program; the wide kernel accumulates into them, so they start at 0
+    alloc = torch.zeros if wide else torch.empty
+    dw_part = alloc((programs, N), dtype=torch.float32, device=x.device) if has_w else x
+    db_part = alloc((programs, N), dtype=torch.float32, device=x.device) if has_bias else x
+    if wide:
+        _norm_bwd_looped_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
+                                             M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, BLOCK_N=CHUNK, num_warps=16)
+    else:
+        _norm_bwd_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
+                                      M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    param_dtype = weight.dtype if has_w else x.dtype
+    dw = dw_part.sum(0).to(param_dtype) if has_w else None
+    db = db_part.sum(0).to(param_dtype) if has_bias else None
+    return dx, dw, db
+
+
+# -- custom ops ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("speedkit::norm_fwd", mutates_args=())
+def _norm_fwd_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return norm_forward(x, weight, bias, eps, rms)
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, eps, rms):
+    M = x.shape[0]
+    return torch.empty_like(x), x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("speedkit::norm_bwd", mutates_args=())
+def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool,
+                 has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = norm_backward(dy, x, weight, mean, rstd, rms, has_bias)
+    empty = x.new_empty(0)  # custom ops return tensors: absent gradients travel as empty ones
+    return dx, dw if dw is not None else empty, db if db is not None else empty
+
+
+@_norm_bwd_op.register_fake
+def _(dy, x, weight, mean, rstd, rms, has_bias):
+    N = x.shape[1]
+    pdt = weight.dtype if weight is not None else x.dtype
+    return (torch.empty_like(x), x.new_empty(N if weight is not None else 0, dtype=pdt),
+            x.new_empty(N if has_bias else 0, dtype=pdt))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, eps, rms = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.rms, ctx.has_bias = rms, bias is not None
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.speedkit.norm_bwd(dy, x, weight, mean, rstd, ctx.rms, ctx.has_bias)
+    return dx, (dw if weight is not None else None), (db if ctx.has_bias else None), None, None
+
+
+_norm_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+# -- public functions ------------------------------------------------------------------------------
+
+
+def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    N = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (N,):
+            raise ValueError(f"{name} must have shape ({N},) for normalization over the last dim, found {tuple(p.shape)}")
+    if not runs_triton(x):
+        return _reference(x, weight, bias, eps, rms)
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y, _, _ = torch.ops.speedkit.norm_fwd(x2, weight, bias, float(eps), rms)
+    return y.view(x.shape)
+
+
+def _reference(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """The same function in PyTorch (fp32 statistics), where the kernels cannot run."""
+    xf = x.float()
+    if rms:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        mean = xf.mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim, output in ``x``'s dtype, statistics in fp32."""
+    return _norm(x, weight, bias, eps, rms=False)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x²) + eps) * weight``, output in ``x``'s dtype."""
+    return _norm(x, weight, None, eps, rms=True)
