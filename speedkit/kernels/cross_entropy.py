@@ -110,11 +110,11 @@ def _block(V: int) -> tuple[int, int]:
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float,
-                          grad_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                          grad_out: Tensor | None = None, losses_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(per-row losses (N,) fp32, gradient (N, V) in the logits' dtype)`` for ``dL/dloss = 1``."""
     N, V = logits.shape
     grad = grad_out if grad_out is not None else torch.empty_like(logits)
-    losses = torch.empty(N, dtype=torch.float32, device=logits.device)
+    losses = losses_out if losses_out is not None else torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return losses, grad
     # counted on the device: the kernel reads it, the host never does

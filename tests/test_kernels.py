@@ -1,0 +1,240 @@
+"""speedkit's Triton kernels against float64 references, on the CPU through TRITON_INTERPRET.
+
+Every check draws fresh random inputs of odd shapes, poisons the outputs with NaN before the run
+(so an element the kernel forgets to write fails), feeds non-uniform upstream gradients, and
+compares by relative norm in float64. Tolerances, per dtype:
+  fp32: 1e-5;
+  bf16: 1e-2 (8-bit mantissa: one rounding of the output is ~4e-3);
+  fp16: 5e-3 (11-bit mantissa);
+or, where the problem itself is ill-conditioned (the RMSNorm gradient of a 1-wide row cancels to
+~eps/x² inside any fp32 computation), no worse than twice PyTorch's own fp32 error on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel_close
+
+from speedkit.kernels import bias_gelu, cross_entropy, kernels_available, layer_norm, rms_norm, swiglu
+from speedkit.kernels.activations import bias_gelu_backward, bias_gelu_forward, swiglu_backward, swiglu_forward
+from speedkit.kernels.cross_entropy import cross_entropy_forward
+from speedkit.kernels.norms import MAX_FUSED, norm_backward, norm_forward
+
+pytestmark = pytest.mark.skipif(kernels_available(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (set by conftest) or a GPU")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# hidden sizes: degenerate, odd, just past a power of two, wider than one register block
+HIDDEN = [1, 7, 123, 4097, MAX_FUSED + 3]
+
+
+def _rand(*shape, dtype=torch.float32, seed=None, scale=1.0):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def _close(actual, expected64, dtype, msg, torch_fp32=None):
+    """Within the dtype's tolerance of the float64 result, or no worse than 2x PyTorch's own fp32."""
+    tol = TOL[dtype]
+    if torch_fp32 is not None:
+        e = expected64.double()
+        own = ((torch_fp32.double() - e).norm() / max(e.norm().item(), 1e-6)).item()
+        tol = max(tol, 2 * own)
+    assert_rel_close(actual, expected64, tol, msg)
+
+
+def _rows(N):
+    return 5 if N < 1000 else 3  # the interpreter is slow: fewer rows for wide ones
+
+
+# -- LayerNorm / RMSNorm --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", HIDDEN)
+@pytest.mark.parametrize("kind", ["layer_norm", "layer_norm_no_bias", "layer_norm_no_affine", "rms_norm", "rms_norm_no_weight"])
+def test_norms_forward_and_backward_launchers(kind, N, dtype):
+    rms = kind.startswith("rms")
+    M = _rows(N)
+    x = _rand(M, N, dtype=dtype, scale=3.0) + 0.5  # a nonzero mean: LayerNorm must subtract it
+    w = _rand(N, dtype=dtype) if kind not in ("layer_norm_no_affine", "rms_norm_no_weight") else None
+    b = _rand(N, dtype=dtype) if kind in ("layer_norm",) else None
+    eps = 1e-5
+    y, mean, rstd = norm_forward(x, w, b, eps, rms, out=_nan_like(x))
+    dy = _rand(M, N, dtype=dtype)
+    dx, dw, db = norm_backward(dy, x, w, mean, rstd, rms, b is not None, dx_out=_nan_like(x))
+
+    def reference(x_, w_, b_):
+        return F.rms_norm(x_, (N,), w_, eps) if rms else F.layer_norm(x_, (N,), w_, b_, eps)
+
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ref = reference(*leaves)
+    ref_grads = torch.autograd.grad(ref, [t for t in leaves if t is not None], dy.double())
+    fp32 = [t.float().requires_grad_() if t is not None else None for t in (x, w, b)]
+    own = reference(*fp32)
+    own_grads = torch.autograd.grad(own, [t for t in fp32 if t is not None], dy.float())
+    _close(y, ref, dtype, "y", own)
+    _close(dx, ref_grads[0], dtype, "dx", own_grads[0])
+    i = 1
+    for name, got in (("dw", dw), ("db", db)):
+        if got is not None:
+            assert got.dtype == dtype
+            _close(got, ref_grads[i], dtype, name, own_grads[i])
+            i += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_functions_on_3d_inputs_with_autograd(dtype):
+    x = _rand(3, 5, 123, dtype=dtype).requires_grad_()
+    w = _rand(123, dtype=dtype).requires_grad_()
+    b = _rand(123, dtype=dtype).requires_grad_()
+    g = _rand(3, 5, 123, dtype=dtype)
+    for fn, ref_fn, params in ((lambda *a: layer_norm(*a, 1e-5), lambda x_, w_, b_: F.layer_norm(x_, (123,), w_, b_, 1e-5), (w, b)),
+                               (lambda x_, w_: rms_norm(x_, w_, 1e-6), lambda x_, w_: F.rms_norm(x_, (123,), w_, 1e-6), (w,))):
+        out = fn(x, *params)
+        assert out.shape == x.shape and out.dtype == dtype
+        grads = torch.autograd.grad(out, (x, *params), g)
+        leaves = [t.detach().double().requires_grad_() for t in (x, *params)]
+        ref = ref_fn(*leaves)
+        ref_grads = torch.autograd.grad(ref, leaves, g.double())
+        _close(out, ref, dtype, "out")
+        for a, e in zip(grads, ref_grads):
+            _close(a, e, dtype, "grad")
+
+
+def test_norm_rejects_a_mismatched_weight():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm(_rand(2, 8), _rand(7))
+
+
+# -- cross-entropy --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("V", [7, 301, 4097 + 2])
+def test_cross_entropy_all_reductions_with_ignored_rows(dtype, reduction, smoothing, V):
+    N = 7
+    logits = _rand(N, V, dtype=dtype, scale=4.0)
+    target = torch.randint(0, V, (N,)).to(DEVICE)
+    target[[1, 4]] = -100  # ignored rows: zero loss and zero gradient, not counted by the mean
+    losses, grad = cross_entropy_forward(logits, target, reduction, -100, smoothing,
+                                         grad_out=_nan_like(logits), losses_out=torch.full((N,), float("nan"), device=DEVICE))
+    leaf = logits.double().requires_grad_()
+    ref = F.cross_entropy(leaf, target, reduction=reduction, ignore_index=-100, label_smoothing=smoothing)
+    (ref_grad,) = torch.autograd.grad(ref.sum() if reduction == "none" else ref, leaf)
+    per_row = F.cross_entropy(logits.double(), target, reduction="none", ignore_index=-100, label_smoothing=smoothing)
+    assert_rel_close(losses, per_row, 1e-5, "per-row losses (fp32 math on any dtype)")
+    assert torch.equal(grad[[1, 4]], torch.zeros_like(grad[[1, 4]]))
+    _close(grad, ref_grad, dtype, "gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_function_matches_pytorch_with_nonuniform_upstream(dtype, reduction):
+    N, V = 9, 257
+    logits = _rand(N, V, dtype=dtype, scale=3.0).requires_grad_()
+    target = torch.randint(0, V, (N,)).to(DEVICE)
+    target[0] = 5
+    target[3] = -1
+    loss = cross_entropy(logits, target, reduction=reduction, ignore_index=-1, label_smoothing=0.05)
+    assert loss.dtype == torch.float32
+    upstream = _rand(N) if reduction == "none" else torch.tensor(0.37, device=DEVICE)
+    (grad,) = torch.autograd.grad(loss, logits, upstream)
+    leaf = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(leaf, target, reduction=reduction, ignore_index=-1, label_smoothing=0.05)
+    (ref_grad,) = torch.autograd.grad(ref, leaf, upstream.double())
+    assert_rel_close(loss, ref, 1e-5, "loss")
+    _close(grad, ref_grad, dtype, "grad")
+    assert grad.dtype == dtype
+
+
+def test_cross_entropy_never_writes_into_the_logits_and_refuses_a_second_backward():
+    logits = _rand(4, 33).requires_grad_()
+    before = logits.detach().clone()
+    target = torch.randint(0, 33, (4,)).to(DEVICE)
+    loss = cross_entropy(logits, target) * 2.0
+    loss.backward(retain_graph=True)
+    assert torch.equal(logits.detach(), before)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_cross_entropy_mean_with_every_row_ignored_is_nan_like_pytorch():
+    logits = _rand(3, 11)
+    target = torch.full((3,), -100, device=DEVICE)
+    assert torch.isnan(cross_entropy(logits, target)) and torch.isnan(F.cross_entropy(logits, target))
+
+
+# -- bias + GELU, SwiGLU ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("N", [1, 7, 123, 1029])
+def test_bias_gelu_launchers(dtype, approximate, N):
+    M = 5
+    x = _rand(M, N, dtype=dtype, scale=2.0)
+    b = _rand(N, dtype=dtype)
+    y = bias_gelu_forward(x, b, approximate == "tanh", out=_nan_like(x))
+    dy = _rand(M, N, dtype=dtype)
+    dx, db = bias_gelu_backward(dy, x, b, approximate == "tanh", dx_out=_nan_like(x))
+    xl, bl = x.double().requires_grad_(), b.double().requires_grad_()
+    ref = F.gelu(xl + bl, approximate=approximate)
+    rdx, rdb = torch.autograd.grad(ref, (xl, bl), dy.double())
+    _close(y, ref, dtype, "y")
+    _close(dx, rdx, dtype, "dx")
+    _close(db, rdb, dtype, "db")
+    assert db.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu_launchers(dtype):
+    g, u = _rand(3, 5, 123, dtype=dtype, scale=2.0), _rand(3, 5, 123, dtype=dtype)
+    y = swiglu_forward(g, u, out=_nan_like(g))
+    dy = _rand(3, 5, 123, dtype=dtype)
+    dg, du = swiglu_backward(dy, g, u, dg_out=_nan_like(g), du_out=_nan_like(u))
+    gl, ul = g.double().requires_grad_(), u.double().requires_grad_()
+    ref = F.silu(gl) * ul
+    rdg, rdu = torch.autograd.grad(ref, (gl, ul), dy.double())
+    _close(y, ref, dtype, "y")
+    _close(dg, rdg, dtype, "dg")
+    _close(du, rdu, dtype, "du")
+
+
+def test_activation_functions_with_autograd_on_3d_inputs():
+    x = _rand(3, 5, 33).requires_grad_()
+    b = _rand(33).requires_grad_()
+    gate, up = _rand(3, 5, 33).requires_grad_(), _rand(3, 5, 33).requires_grad_()
+    out = bias_gelu(x, b, "tanh") + swiglu(gate, up)
+    g = _rand(3, 5, 33)
+    grads = torch.autograd.grad(out, (x, b, gate, up), g)
+    leaves = [t.detach().double().requires_grad_() for t in (x, b, gate, up)]
+    ref = F.gelu(leaves[0] + leaves[1], approximate="tanh") + F.silu(leaves[2]) * leaves[3]
+    for a, e in zip(grads, torch.autograd.grad(ref, leaves, g.double())):
+        assert_rel_close(a, e, 1e-5)
+
+
+def test_custom_ops_have_fake_implementations():
+    """What torch.compile needs: every op runs on meta tensors with the right output shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w = torch.empty(6, 10), torch.empty(10)
+        y, mean, rstd = torch.ops.speedkit.norm_fwd(x, w, w, 1e-5, False)
+        assert y.shape == (6, 10) and mean.shape == rstd.shape == (6,)
+        dx, dw, db = torch.ops.speedkit.norm_bwd(x, x, w, mean, rstd, False, True)
+        assert dx.shape == (6, 10) and dw.shape == db.shape == (10,)
+        loss, grad = torch.ops.speedkit.cross_entropy_fwd(x, torch.empty(6, dtype=torch.long), "none", -100, 0.0)
+        assert loss.shape == (6,) and grad.shape == (6, 10)
+        assert torch.ops.speedkit.bias_gelu(x, w, True).shape == (6, 10)
+        assert torch.ops.speedkit.swiglu(x, x).shape == (6, 10)
