@@ -110,6 +110,16 @@ def test_norm_functions_on_3d_inputs_with_autograd(dtype):
             _close(a, e, dtype, "grad")
 
 
+def test_norms_without_weight_or_bias_backpropagate():
+    x = _rand(4, 33).requires_grad_()
+    g = _rand(4, 33)
+    for fn, ref in ((layer_norm, lambda t: F.layer_norm(t, (33,))), (rms_norm, lambda t: F.rms_norm(t, (33,), eps=1e-6))):
+        (dx,) = torch.autograd.grad(fn(x), x, g)
+        leaf = x.detach().double().requires_grad_()
+        (rdx,) = torch.autograd.grad(ref(leaf), leaf, g.double())
+        assert_rel_close(dx, rdx, 1e-5)
+
+
 def test_norm_rejects_a_mismatched_weight():
     with pytest.raises(ValueError, match="weight must have shape"):
         layer_norm(_rand(2, 8), _rand(7))

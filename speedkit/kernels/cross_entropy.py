@@ -72,9 +72,10 @@ def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, NVALID, stride_l, stride_g, V, ig
     scale = 1.0
     if MEAN:
         scale = 1.0 / tl.load(NVALID).to(tl.float32)
-    # pass 2: the gradient
-    for start in range(0, V, BLOCK):
-        cols = start + cols0
+    # pass 2: the gradient, last chunk first: the chunks pass 1 read last are likeliest still in L2
+    n_chunks = tl.cdiv(V, BLOCK)
+    for i in range(0, n_chunks):
+        cols = (n_chunks - 1 - i) * BLOCK + cols0
         ok = cols < V
         x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
         g = tl.exp(x - lse)
@@ -106,7 +107,8 @@ def _ce_bwd_kernel(GRAD, GOUT, stride_g, V, PER_ROW: tl.constexpr, BLOCK: tl.con
 
 def _block(V: int) -> tuple[int, int]:
     block = min(BLOCK_V, triton.next_power_of_2(V))
-    return block, (4 if block <= 1024 else 8 if block <= 2048 else 16)
+    # wide rows: 32 warps = 2 programs per SM, so the rows in flight (pass 2 re-reads them) fit in L2
+    return block, (4 if block <= 1024 else 8 if block <= 2048 else 32)
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float,

@@ -216,14 +216,29 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_d
 # -- launch configuration --------------------------------------------------------------------------
 
 
-def _block_config(N: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows that fit in registers."""
+def _fwd_config(N: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows that fit in registers."""
     block_n = next_power_of_2(N)
-    # aim for ~4-8K elements per program iteration: several narrow rows, one wide row
+    # ~4K elements per program: several narrow rows, one wide row; ≤16 fp32 values per thread
     block_m = max(1, min(16, 4096 // block_n))
     elems = block_m * block_n
-    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+    num_warps = max(4, min(32, elems // 512))
     return block_m, block_n, num_warps
+
+
+def _bwd_config(N: int, M: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, programs) of the persistent backward.
+
+    The backward holds x, dy, x̂, g and the dw/db accumulators per element: fewer elements per
+    thread than the forward (≤8), and enough programs per SM to keep loads in flight.
+    """
+    block_n = next_power_of_2(N)
+    block_m = max(1, min(16, 2048 // block_n))
+    elems = block_m * block_n
+    num_warps = max(4, min(32, elems // 256))
+    per_sm = max(1, 2048 // (num_warps * 32))  # as many programs as fit 2048 threads per SM
+    programs = min(triton.cdiv(M, block_m), num_sms(device) * per_sm)
+    return block_m, block_n, num_warps, programs
 
 
 def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
@@ -238,7 +253,7 @@ def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     w = weight if weight is not None else x  # placeholders: never read when HAS_W/HAS_B are False
     b = bias if bias is not None else x
     if N <= MAX_FUSED:
-        block_m, block_n, warps = _block_config(N)
+        block_m, block_n, warps = _fwd_config(N)
         grid = (triton.cdiv(M, block_m),)
         _norm_fwd_kernel[grid](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
                                IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
@@ -265,8 +280,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     if wide:
         programs = min(M, num_sms(x.device) * 2)
     else:
-        block_m, block_n, warps = _block_config(N)
-        programs = min(triton.cdiv(M, block_m), num_sms(x.device) * (8 if block_n <= 1024 else 4 if block_n <= 4096 else 2))
+        block_m, block_n, warps, programs = _bwd_config(N, M, x.device)
     # partials: one fp32 row per program; the wide kernel accumulates into them, so they start at 0
     alloc = torch.zeros if wide else torch.empty
     dw_part = alloc((programs, N), dtype=torch.float32, device=x.device) if has_w else x
@@ -302,8 +316,8 @@ def _(x, weight, bias, eps, rms):
 def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool,
                  has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = norm_backward(dy, x, weight, mean, rstd, rms, has_bias)
-    empty = x.new_empty(0)  # custom ops return tensors: absent gradients travel as empty ones
-    return dx, dw if dw is not None else empty, db if db is not None else empty
+    # custom ops return tensors: absent gradients travel as empty ones (distinct: outputs may not alias)
+    return dx, dw if dw is not None else x.new_empty(0), db if db is not None else x.new_empty(0)
 
 
 @_norm_bwd_op.register_fake
