@@ -100,10 +100,11 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
             res.add(f"speedkit/{rung['name']}", "status", None, rung["status"], reason=rung["reason"])
             continue
         _record(res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"])
+    kept = [{"name": r["name"], "options": r["options"]} for r in report["rungs"] if r["status"] == "kept"]
     final = next((r for r in reversed(report["rungs"]) if r["status"] in ("kept", "baseline")), None)
     _record(res, "speedkit", final["measurement"]["step_ms"], final["measurement"]["spread"], flops, ceiling,
             final["measurement"]["peak_memory_bytes"])
-    return report["summary"]["kept"]
+    return kept
 
 
 def lightning_runs(res: Results, flops: int, ceiling: float, kept: list) -> None:
@@ -131,6 +132,10 @@ def lightning_runs(res: Results, flops: int, ceiling: float, kept: list) -> None
                 ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True})]
     if kept:
         variants.append(("speedkit-fit", "32-true", {"callbacks": [SpeedLadder(rungs=kept)]}))
+        # what triton_layers adds on top of compile, through the same Trainer loop and timer
+        without = [k for k in kept if (k if isinstance(k, str) else k["name"]) != "triton_layers"]
+        if len(without) < len(kept):
+            variants.append(("speedkit-fit/without-triton_layers", "32-true", {"callbacks": [SpeedLadder(rungs=without)]}))
     for variant, precision, kwargs in variants:
         try:
             run(variant, precision, **kwargs)
@@ -174,7 +179,7 @@ def main() -> None:
 
     print("\nsummary (tokens/s):")
     for variant in ("lightning/32-true", "lightning/bf16-mixed+compile+tf32", "speedkit", "speedkit-fit",
-                    "hand/eager-fp32", "hand/+compile"):
+                    "speedkit-fit/without-triton_layers", "hand/eager-fp32", "hand/+compile"):
         v = res.value(variant, "tokens_per_s")
         if v:
             print(f"  {variant:36s} {v:>12,.0f}")

@@ -344,3 +344,29 @@ def ensemble(modules: Sequence[nn.Module], *args: Any) -> list[Any]:
     if isinstance(out, Tensor):
         return list(out.unbind(0))
     return [tree_map(lambda t, i=i: t[i], out) for i in range(len(modules))]
+
+
+# -- fused layers (the triton_layers rung) ------------------------------------------------------
+# Entry points for rewritten code; checks and fallbacks live in speedkit.layers, imported on first
+# call (it needs Triton, and imports _hooked from this module).
+
+
+def cross_entropy(input: Any, target: Any, **kwargs: Any) -> Tensor:
+    """``F.cross_entropy(input.float() if upcast else input, target, …)``, fused where it applies."""
+    from speedkit import layers
+
+    return layers.cross_entropy(input, target, **kwargs)
+
+
+def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: str = "none") -> Tensor:
+    """``act(linear(x))`` / ``F.gelu(linear(x), approximate=…)`` with the bias added in the GELU kernel."""
+    from speedkit import layers
+
+    return layers.linear_gelu(linear, act, x, approximate)
+
+
+def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
+    """``F.silu(gate) * up`` (or ``act(gate) * up`` for an ``nn.SiLU``) in one kernel."""
+    from speedkit import layers
+
+    return layers.silu_mul(gate, up, act)

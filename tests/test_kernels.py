@@ -126,6 +126,44 @@ def test_norms_without_weight_or_bias_backpropagate():
         assert_rel_close(dx, rdx, 1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_norm_backward_with_a_single_program(rows):
+    """One row block: a grid of one program (Triton specializes an argument equal to 1)."""
+    x, w, b, dy = _rand(rows, 19), _rand(19), _rand(19), _rand(rows, 19)
+    y, mean, rstd = norm_forward(x, w, b, 1e-5, False)
+    dx, dw, db = norm_backward(dy, x, w, mean, rstd, False, True)
+    leaves = [t.double().requires_grad_() for t in (x, w, b)]
+    ref = F.layer_norm(leaves[0], (19,), leaves[1], leaves[2], 1e-5)
+    for got, exp in zip((dx, dw, db), torch.autograd.grad(ref, leaves, dy.double())):
+        _close(got, exp, torch.float32, "grad", floor=1.0)
+
+
+def test_compiled_functions_use_the_custom_ops():
+    """Under torch.compile the functions route through the registered ops (fake impls, no graph
+    break); eagerly they take the autograd.Function path. Both give the same result and gradients."""
+    x, w, b = _rand(3, 9).requires_grad_(), _rand(9).requires_grad_(), _rand(9).requires_grad_()
+    g = _rand(3, 9)
+    logits, target = _rand(3, 9).requires_grad_(), torch.randint(0, 9, (3,)).to(DEVICE)
+
+    def step(t, lg):
+        return layer_norm(t, w, b), rms_norm(t, w), bias_gelu(t, b, "tanh"), swiglu(t, t * 2), cross_entropy(lg, target)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for fn in (step, compiled):
+        outs = fn(x, logits)
+        loss = sum((o * g).sum() for o in outs[:4]) + outs[4]
+        grads = torch.autograd.grad(loss, (x, w, b, logits))
+        if fn is step:
+            expected = [o.detach() for o in outs], [gr.detach() for gr in grads]
+        else:
+            for a, e in zip(outs, expected[0]):
+                assert_rel_close(a, e, 1e-5)
+            for a, e in zip(grads, expected[1]):
+                assert_rel_close(a, e, 1e-5)
+    torch._dynamo.reset()
+
+
 def test_norm_rejects_a_mismatched_weight():
     with pytest.raises(ValueError, match="weight must have shape"):
         layer_norm(_rand(2, 8), _rand(7))

@@ -228,6 +228,34 @@ def _swiglu_backward(ctx, dy):
 _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
+class _BiasGeluFunction(torch.autograd.Function):
+    """The eager path: the launchers without the op dispatcher's overhead."""
+
+    @staticmethod
+    def forward(ctx, x, bias, tanh):
+        ctx.save_for_backward(x, bias)
+        ctx.tanh = tanh
+        return bias_gelu_forward(x, bias, tanh)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dx, db = bias_gelu_backward(dy, x, bias, ctx.tanh)
+        return dx, db, None
+
+
+class _SwigluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dy, gate, up)
+
+
 # -- public functions -----------------------------------------------------------------------------------------
 
 
@@ -243,7 +271,9 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return torch.ops.speedkit.bias_gelu(x2, bias, approximate == "tanh").view(x.shape)
+    if torch.compiler.is_compiling():  # traced: the custom op, with its fake implementation
+        return torch.ops.speedkit.bias_gelu(x2, bias, approximate == "tanh").view(x.shape)
+    return _BiasGeluFunction.apply(x2, bias, approximate == "tanh").view(x.shape)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -252,4 +282,6 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         raise ValueError(f"gate and up must have the same shape, found {tuple(gate.shape)} and {tuple(up.shape)}")
     if not runs_triton(gate):
         return torch.nn.functional.silu(gate) * up
-    return torch.ops.speedkit.swiglu(gate.contiguous(), up.contiguous())
+    if torch.compiler.is_compiling():
+        return torch.ops.speedkit.swiglu(gate.contiguous(), up.contiguous())
+    return _SwigluFunction.apply(gate.contiguous(), up.contiguous())

@@ -152,14 +152,19 @@ def _(logits, target, reduction, ignore_index, label_smoothing):
     return loss, torch.empty_like(logits)
 
 
-@torch.library.custom_op("speedkit::cross_entropy_bwd_", mutates_args={"grad"})
-def _ce_bwd_op(grad: Tensor, grad_output: Tensor) -> None:
+def scale_gradient_(grad: Tensor, grad_output: Tensor) -> None:
+    """``grad *= grad_output`` in place (per row for reduction="none"), skipping rows scaled by 1."""
     N, V = grad.shape
     if N == 0:
         return
     block, warps = _block(V)
     gout = grad_output.reshape(-1)
     _ce_bwd_kernel[(N,)](grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
+
+
+@torch.library.custom_op("speedkit::cross_entropy_bwd_", mutates_args={"grad"})
+def _ce_bwd_op(grad: Tensor, grad_output: Tensor) -> None:
+    scale_gradient_(grad, grad_output)
 
 
 @_ce_bwd_op.register_fake
@@ -180,11 +185,29 @@ def _backward(ctx, grad_loss, _grad_grad):
                            "its gradient buffer is scaled in place, so recompute the loss for a second backward")
     ctx.consumed = True
     (grad,) = ctx.saved_tensors
-    torch.ops.speedkit.cross_entropy_bwd_(grad, grad_loss)
+    if torch.compiler.is_compiling():
+        torch.ops.speedkit.cross_entropy_bwd_(grad, grad_loss)
+    else:
+        scale_gradient_(grad, grad_loss)
     return grad, None, None, None, None
 
 
 _ce_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """The eager path: the same launchers as the custom ops, without the op dispatcher's overhead."""
+
+    @staticmethod
+    def forward(ctx, logits, target, reduction, ignore_index, label_smoothing):
+        losses, grad = cross_entropy_forward(logits, target, reduction, ignore_index, label_smoothing)
+        ctx.save_for_backward(grad)
+        ctx.consumed = False
+        return _reduce(losses, target, reduction, ignore_index)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _backward(ctx, grad_loss, None)
 
 
 # -- public function ------------------------------------------------------------------------------------
@@ -204,5 +227,7 @@ def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean", ignor
                                                  label_smoothing=label_smoothing)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    loss, _ = torch.ops.speedkit.cross_entropy_fwd(logits, target, reduction, int(ignore_index), float(label_smoothing))
-    return loss
+    if torch.compiler.is_compiling():  # traced: the custom op, with its fake implementation
+        loss, _ = torch.ops.speedkit.cross_entropy_fwd(logits, target, reduction, int(ignore_index), float(label_smoothing))
+        return loss
+    return _CrossEntropyFunction.apply(logits, target, reduction, int(ignore_index), float(label_smoothing))

@@ -217,37 +217,71 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_d
 
 
 def _fwd_config(N: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows that fit in registers."""
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows that fit in registers.
+
+    From a sweep on an H200 (bench/tune_kernels.py, bf16, 16384×768 / 16384×4096 / 8192×8192):
+    ~8K elements per program and ~8 elements per thread were best or within 2% of it.
+    """
     block_n = next_power_of_2(N)
-    # ~4K elements per program: several narrow rows, one wide row; ≤16 fp32 values per thread
-    block_m = max(1, min(16, 4096 // block_n))
-    elems = block_m * block_n
-    num_warps = max(4, min(32, elems // 512))
+    block_m = max(1, min(16, 8192 // block_n))
+    num_warps = max(4, min(16, block_m * block_n // 1024))
     return block_m, block_n, num_warps
 
 
-def _bwd_config(N: int, M: int, device: torch.device) -> tuple[int, int, int, int]:
+def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the persistent backward.
 
-    The backward holds x, dy, x̂, g and the dw/db accumulators per element: fewer elements per
-    thread than the forward (≤8), and enough programs per SM to keep loads in flight.
+    From the same sweep: few warps and 2 programs per SM for LayerNorm (two row reductions per
+    row, each a barrier: smaller programs wait less), more warps for RMSNorm (one reduction).
     """
     block_n = next_power_of_2(N)
-    block_m = max(1, min(16, 2048 // block_n))
-    elems = block_m * block_n
-    num_warps = max(4, min(32, elems // 256))
-    per_sm = max(1, 2048 // (num_warps * 32))  # as many programs as fit 2048 threads per SM
+    if block_n <= 1024:
+        block_m, num_warps, per_sm = (1, 8, 4) if rms else (4, 4, 2)
+    elif block_n <= 4096:
+        block_m, num_warps, per_sm = 2, (8 if rms else 4), 2
+    else:
+        block_m, num_warps, per_sm = (2 if block_n <= 8192 else 1), (16 if rms else 8), 1
+    # no more than 32 fp32 values of a tensor per thread: beyond that registers spill
+    num_warps = max(num_warps, min(32, block_m * block_n // (32 * 32)))
     programs = min(triton.cdiv(M, block_m), num_sms(device) * per_sm)
     return block_m, block_n, num_warps, programs
 
 
+@triton.jit
+def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw = Σ_p part[0, p], db = Σ_p part[-1, p], written in the parameters' dtype, one launch for both."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_plane = tl.cast(P, tl.int64) * N if HAS_W else 0
+    for p in range(0, P):
+        row = tl.cast(p, tl.int64) * N
+        if HAS_W:
+            acc_w += tl.load(PART + row + cols, mask=ok, other=0.0)
+        if HAS_B:
+            acc_b += tl.load(PART + b_plane + row + cols, mask=ok, other=0.0)
+    if HAS_W:
+        tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=ok)
+    if HAS_B:
+        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=ok)
+
+
 def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
-                 out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, mean, rstd)`` for ``x`` of shape (M, N) with a contiguous last dim."""
+                 out: Tensor | None = None, separate_stats: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` for ``x`` of shape (M, N) with a contiguous last dim.
+
+    ``mean`` and ``rstd`` are two views of one allocation (small problems are host-bound: every
+    allocation counts) unless ``separate_stats`` (custom-op outputs may not alias each other).
+    """
     M, N = x.shape
     y = out if out is not None else torch.empty_like(x)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if separate_stats:
+        mean = torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    else:
+        stats = torch.empty((2, M), dtype=torch.float32, device=x.device)
+        mean, rstd = stats[0], stats[1]
     if M == 0:
         return y, mean, rstd
     w = weight if weight is not None else x  # placeholders: never read when HAS_W/HAS_B are False
@@ -266,8 +300,11 @@ def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
 
 
 def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool, has_bias: bool,
-                  dx_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(dx, dw, db)``; dw/db are None when there is no weight/bias."""
+                  dx_out: Tensor | None = None, separate_grads: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(dx, dw, db)``; dw/db are None when there is no weight/bias.
+
+    dw and db are two views of one allocation unless ``separate_grads`` (custom-op outputs may
+    not alias each other)."""
     M, N = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = dx_out if dx_out is not None else torch.empty_like(x)
@@ -280,11 +317,13 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     if wide:
         programs = min(M, num_sms(x.device) * 2)
     else:
-        block_m, block_n, warps, programs = _bwd_config(N, M, x.device)
-    # partials: one fp32 row per program; the wide kernel accumulates into them, so they start at 0
-    alloc = torch.zeros if wide else torch.empty
-    dw_part = alloc((programs, N), dtype=torch.float32, device=x.device) if has_w else x
-    db_part = alloc((programs, N), dtype=torch.float32, device=x.device) if has_bias else x
+        block_m, block_n, warps, programs = _bwd_config(N, M, x.device, rms)
+    # partials: one fp32 row per program (plane 0: dw, last plane: db); the wide kernel
+    # accumulates into them, so they start at 0
+    planes = int(has_w) + int(has_bias)
+    part = (torch.zeros if wide else torch.empty)((max(planes, 1), programs, N), dtype=torch.float32, device=x.device)
+    dw_part = part[0] if has_w else x
+    db_part = part[planes - 1] if has_bias else x
     if wide:
         _norm_bwd_looped_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
                                              M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, BLOCK_N=CHUNK, num_warps=16)
@@ -292,9 +331,20 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
         _norm_bwd_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
                                       M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias,
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    if not planes:
+        return dx, None, None
     param_dtype = weight.dtype if has_w else x.dtype
-    dw = dw_part.sum(0).to(param_dtype) if has_w else None
-    db = db_part.sum(0).to(param_dtype) if has_bias else None
+    if separate_grads:
+        dw = torch.empty(N, dtype=param_dtype, device=x.device) if has_w else None
+        db = torch.empty(N, dtype=param_dtype, device=x.device) if has_bias else None
+        grads = dw if dw is not None else db
+    else:
+        grads = torch.empty((planes, N), dtype=param_dtype, device=x.device)
+        dw = grads[0] if has_w else None
+        db = grads[planes - 1] if has_bias else None
+    block = min(1024, next_power_of_2(N))
+    _sum_partials_kernel[(triton.cdiv(N, block),)](part, dw if has_w else grads, db if has_bias else grads, programs, N,
+                                                   HAS_W=has_w, HAS_B=has_bias, BLOCK_N=block, num_warps=4)
     return dx, dw, db
 
 
@@ -303,7 +353,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
 
 @torch.library.custom_op("speedkit::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return norm_forward(x, weight, bias, eps, rms)
+    return norm_forward(x, weight, bias, eps, rms, separate_stats=True)
 
 
 @_norm_fwd_op.register_fake
@@ -315,7 +365,7 @@ def _(x, weight, bias, eps, rms):
 @torch.library.custom_op("speedkit::norm_bwd", mutates_args=())
 def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool,
                  has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = norm_backward(dy, x, weight, mean, rstd, rms, has_bias)
+    dx, dw, db = norm_backward(dy, x, weight, mean, rstd, rms, has_bias, separate_grads=True)
     # custom ops return tensors: absent gradients travel as empty ones (distinct: outputs may not alias)
     return dx, dw if dw is not None else x.new_empty(0), db if db is not None else x.new_empty(0)
 
@@ -345,6 +395,24 @@ def _backward(ctx, dy, _dmean, _drstd):
 _norm_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
+class _NormFunction(torch.autograd.Function):
+    """The eager path: the same launchers as the custom ops, without the op dispatcher's overhead
+    (tens of microseconds a call, as much as the kernel itself at 16384×768)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        y, mean, rstd = norm_forward(x, weight, bias, eps, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.rms, ctx.has_bias = rms, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = norm_backward(dy, x, weight, mean, rstd, ctx.rms, ctx.has_bias)
+        return dx, dw, db, None, None
+
+
 # -- public functions ------------------------------------------------------------------------------
 
 
@@ -358,7 +426,10 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y, _, _ = torch.ops.speedkit.norm_fwd(x2, weight, bias, float(eps), rms)
+    if torch.compiler.is_compiling():  # traced: the custom op, with its fake implementation
+        y, _, _ = torch.ops.speedkit.norm_fwd(x2, weight, bias, float(eps), rms)
+    else:
+        y = _NormFunction.apply(x2, weight, bias, float(eps), rms)
     return y.view(x.shape)
 
 

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -18,6 +18,7 @@ from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
+from speedkit.rungs.triton_layers import TritonLayersRung
 
 _REGISTRY: dict[str, type[Rung]] = {}
 
@@ -30,7 +31,7 @@ def register(cls: type[Rung]) -> type[Rung]:
     return cls
 
 
-for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung):
+for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung):
     register(_cls)
 
 

@@ -1,0 +1,228 @@
+"""Modules and functions that run speedkit's Triton kernels in place of PyTorch's layers.
+
+The modules subclass the PyTorch module they stand in for and add nothing to it (no parameter,
+buffer or attribute), so a model whose ``nn.LayerNorm`` became :class:`LayerNorm` has the same
+state dict, and ``module.__class__ = nn.LayerNorm`` turns it back exactly: that is how the
+``triton_layers`` rung swaps them. The functions are what the rung's rewritten ``forward`` /
+``training_step`` code calls (through :mod:`speedkit.ops`) in place of a PyTorch expression.
+
+Each one checks at run time that the kernel computes what the PyTorch code would, and runs the
+PyTorch code itself otherwise (a device the kernels do not run on, a dtype or shape they do not
+take, a module that gained a hook): a swap decided at apply time never changes the result.
+
+Inside a region ``torch.compile`` traces they also run the PyTorch code, for speed: Inductor fuses
+these layers with their neighbours (the residual add into the norm, the upcast into the loss),
+which an opaque kernel call prevents. Measured on an H200, GPT-2 small (bf16 autocast, 16×1024
+tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph cost 10% of the step
+(norms 4.5%, bias+GELU 2.6%, cross-entropy ±0 with 1.5 GB more peak memory) against Inductor's code.
+Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
+``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speedkit import kernels
+from speedkit.kernels.support import interpreting
+from speedkit.ops import _hooked
+
+#: dtypes the kernels take
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
+#: chosen once, like the kernels themselves (Triton reads TRITON_INTERPRET when they are defined);
+#: a module constant also keeps the check a constant for torch.compile
+_INTERPRETING = interpreting()
+
+
+def runs_kernels(t: Any, *, under_compile: bool = False) -> bool:
+    """``t`` is a tensor the kernels run on (CUDA, or CPU under Triton's interpreter; a kernel dtype).
+
+    Inside code that torch.compile traces, the norms and activations are left to Inductor, which
+    fuses them with their neighbours (residual adds, casts) better than an opaque kernel can;
+    ``under_compile=True`` (cross-entropy: nothing to fuse it with, and the fp32 upcast it saves
+    is a whole copy of the logits) keeps the kernel there too."""
+    return isinstance(t, Tensor) and t.dtype in _KERNEL_DTYPES and (t.is_cuda or (_INTERPRETING and t.device.type == "cpu")) \
+        and (under_compile or not torch.compiler.is_compiling())
+
+
+def hooked(module: nn.Module) -> bool:
+    """The module (or every module: global hooks) has hooks that a fused call would skip."""
+    return _hooked(module)
+
+
+#: (device type, norm op) -> whether autocast runs that op in fp32 there (its output is fp32 for
+#: half inputs). It differs between ops and versions (CUDA: layer_norm always; rms_norm in none we
+#: saw, although autocast_test_lists.py lists it): probed, not assumed, by :func:`probe_autocast`.
+_AUTOCAST_FP32: dict[tuple[str, str], bool] = {}
+
+
+def probe_autocast(device_type: str) -> None:
+    """Find out how autocast treats the norms on ``device_type`` (one tiny op each; not under compile)."""
+    for op in ("layer_norm", "rms_norm"):
+        if (device_type, op) not in _AUTOCAST_FP32:
+            x = torch.ones(1, 2, device=device_type, dtype=torch.bfloat16)
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                out = getattr(F, op)(x, (2,))
+            _AUTOCAST_FP32[(device_type, op)] = out.dtype == torch.float32
+
+
+def _norm_input(x: Tensor, op: str) -> tuple[Tensor, bool]:
+    """``x`` as PyTorch's norm op sees it under autocast (fp32 where autocast upcasts it), and
+    whether it was upcast."""
+    if x.dtype in _HALF and torch.is_autocast_enabled(x.device.type):
+        if (x.device.type, op) not in _AUTOCAST_FP32:  # eager only: runs_kernels is False under compile
+            probe_autocast(x.device.type)
+        if _AUTOCAST_FP32[(x.device.type, op)]:
+            return x.float(), True
+    return x, False
+
+
+def _params_match(x: Tensor, upcast: bool, *params: Tensor | None) -> bool:
+    """Outside autocast PyTorch's norms want parameters of the input's dtype (the kernels would take any)."""
+    return upcast or all(p is None or p.dtype == x.dtype for p in params)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` through :func:`speedkit.kernels.layer_norm` (over one last dim; else PyTorch's)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if len(self.normalized_shape) != 1 or not runs_kernels(input) or input.dim() == 0 \
+                or input.shape[-1] != self.normalized_shape[0]:
+            return super().forward(input)
+        x, upcast = _norm_input(input, "layer_norm")
+        if not _params_match(x, upcast, self.weight, self.bias):
+            return super().forward(input)
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def _get_name(self) -> str:  # repr: speedkit.LayerNorm((768,), eps=1e-05, elementwise_affine=True)
+        return "speedkit.LayerNorm"
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` through :func:`speedkit.kernels.rms_norm` (over one last dim; else PyTorch's)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if len(self.normalized_shape) != 1 or not runs_kernels(x) or x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
+            return super().forward(x)
+        xk, upcast = _norm_input(x, "rms_norm")
+        if not _params_match(xk, upcast, self.weight):
+            return super().forward(x)
+        # eps=None: PyTorch adds the epsilon of the op's math type (fp32 for fp32/bf16/fp16 inputs)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps
+        return kernels.rms_norm(xk, self.weight, eps)
+
+    def _get_name(self) -> str:
+        return "speedkit.RMSNorm"
+
+
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss`` (without class weights) through :func:`cross_entropy`."""
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        if self.weight is not None:
+            return super().forward(input, target)
+        return cross_entropy(input, target, reduction=self.reduction, ignore_index=self.ignore_index,
+                             label_smoothing=self.label_smoothing)
+
+    def _get_name(self) -> str:
+        return "speedkit.CrossEntropyLoss"
+
+
+#: the speedkit module that stands in for each exact PyTorch class
+SWAPS: dict[type[nn.Module], type[nn.Module]] = {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.CrossEntropyLoss: CrossEntropyLoss}
+
+
+# -- functions the rewritten code calls ------------------------------------------------------------------
+
+
+def cross_entropy(input: Any, target: Any, *, upcast: bool = False, reduction: str = "mean", ignore_index: int = -100,
+                  label_smoothing: float = 0.0, **other: Any) -> Tensor:
+    """``F.cross_entropy(input.float() if upcast else input, target, …)``, fused where the kernel applies.
+
+    ``upcast`` stands for a ``.float()`` the rewriter removed from the user's logits: the kernel
+    computes in fp32 from the logits as they are, without materializing an fp32 copy of them (the
+    loss equals the upcast version's up to fp32 rounding). Class-index targets over the last dim
+    of 2-D logits only; probability targets, class weights, other layouts and devices run PyTorch.
+    """
+    if other or reduction not in ("mean", "sum", "none") or not runs_kernels(input, under_compile=True) or input.dim() != 2 \
+            or not isinstance(target, Tensor) or target.dtype != torch.int64 or target.dim() != 1 \
+            or target.shape[0] != input.shape[0] or target.device != input.device:
+        logits = input.float() if upcast else input
+        return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing, **other)
+    loss = kernels.cross_entropy(input, target, reduction, ignore_index, label_smoothing)  # fp32
+    if upcast or input.dtype == torch.float32 or torch.is_autocast_enabled(input.device.type):
+        return loss
+    return loss.to(input.dtype)  # half logits outside autocast: PyTorch returns a half loss
+
+
+def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: str = "none") -> Tensor:
+    """``act(linear(x))`` (``F.gelu(linear(x), approximate=…)`` when ``act`` is None) as one GEMM
+    without bias followed by one fused bias + GELU kernel.
+
+    Fused only while ``linear`` is a plain ``nn.Linear`` with a bias, ``act`` a plain ``nn.GELU``,
+    and neither has hooks; anything else calls them as the user's code did.
+    """
+    if act is not None:
+        if type(act) is not nn.GELU or hooked(act):
+            return act(linear(x))
+        approximate = act.approximate
+    if type(linear) is not nn.Linear or linear.bias is None or hooked(linear) or not runs_kernels(x) \
+            or approximate not in ("none", "tanh") or linear.bias.dtype != linear.weight.dtype:
+        h = linear(x)
+        return act(h) if act is not None else F.gelu(h, approximate=approximate)
+    h = F.linear(x, linear.weight)  # (…, out): the bias is added inside the GELU kernel
+    return kernels.bias_gelu(h, linear.bias, approximate)
+
+
+def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
+    """``F.silu(gate) * up`` (``act(gate) * up`` for an ``nn.SiLU`` module ``act``) in one kernel.
+
+    Fused for two tensors of one shape, dtype and device (no broadcasting), else computed as written.
+    """
+    if act is not None and (type(act) is not nn.SiLU or act.inplace or hooked(act)):
+        return act(gate) * up
+    if not (runs_kernels(gate) and isinstance(up, Tensor) and gate.shape == up.shape and gate.dtype == up.dtype
+            and gate.device == up.device):
+        return F.silu(gate) * up
+    return kernels.swiglu(gate, up)
+
+
+def rms_like_forward(param: str, eps: float, original: Any) -> Any:
+    """A ``forward(self, x)`` for a user RMSNorm recognised by what it computes (fp32 inputs).
+
+    The result has the dtype the user's ``original`` forward returns for the same input dtype,
+    weight dtype and autocast state: found on the first call with each, by one call of the
+    original on a one-row input. Inputs the kernel does not take run the original.
+    """
+    out_dtypes: dict[tuple[Any, ...], torch.dtype | None] = {}
+
+    def forward(self: nn.Module, x: Any) -> Any:
+        weight = getattr(self, param)
+        if not runs_kernels(x) or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+            return original(self, x)
+        device = x.device.type
+        key = (device, x.dtype, weight.dtype, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        if key not in out_dtypes:  # eager only (runs_kernels is False under compile)
+            out_dtypes[key] = _output_dtype(original, self, x)
+        out_dtype = out_dtypes[key]
+        if out_dtype is None:
+            return original(self, x)
+        return kernels.rms_norm(x, weight, eps).to(out_dtype)
+
+    forward.__qualname__ = f"rms_like_forward[{param}, eps={eps:g}]"
+    return forward
+
+
+def _output_dtype(original: Any, module: nn.Module, x: Tensor) -> torch.dtype | None:
+    try:
+        with torch.no_grad():
+            out = original(module, torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device))
+    except Exception:  # the original cannot take this input: it runs as it is, and raises as it would
+        return None
+    return out.dtype if isinstance(out, Tensor) and out.is_floating_point() else None

@@ -1,0 +1,413 @@
+"""triton_layers rung: each swapped layer computes what the user's layer computed (outputs and
+gradients of inputs and parameters), through the kernel; the near misses are left alone with their
+reason; undo, state dicts and optimizers are exact. Kernels run in Triton's interpreter on CPU
+here, so shapes are tiny (and odd, to exercise the masks)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_rel_close
+from torch import nn
+
+import speedkit.kernels as kernels
+from speedkit import layers
+from speedkit.demos import NaiveGPT
+from speedkit.rungs import triton_layers
+from speedkit.rungs.triton_layers import NOTHING_FOUND, TritonLayersOptions, TritonLayersRung
+from speedkit.state import TrainState, default_loss_fn, train_step
+
+# fp32 throughout: the kernels reduce in another order than PyTorch's, nothing more
+TOL = 1e-5
+D = 33
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter (conftest)
+
+
+# -- models --------------------------------------------------------------------------------------------
+
+
+class LlamaRMSNorm(nn.Module):
+    """As in transformers' Llama: statistics in fp32, cast back before the weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class ScaleNorm(nn.Module):
+    """An RMSNorm under another name, parameter name and eps attribute."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.tolerance = 1e-5
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.tolerance) * self.scale
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma scales by (1 + weight): not an RMSNorm of its weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        output = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (output * (1.0 + self.weight.float())).type_as(x)
+
+
+class MyLayerNorm(nn.LayerNorm):
+    """A user subclass: its class is the user's code, never swapped."""
+
+
+class TinyLM(nn.Module):
+    """Three cross-entropy spellings (two see through .float() around a view), a 3-D one the
+    kernel does not take (class dim 1: it must run PyTorch's), and an nn.CrossEntropyLoss."""
+
+    def __init__(self, vocab: int = 37, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+        self.loss = nn.CrossEntropyLoss(label_smoothing=0.2)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))  # (B, T, V)
+        V = logits.size(-1)
+        a = F.cross_entropy(logits.float().view(-1, V), targets.view(-1))
+        b = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), reduction="sum", ignore_index=3)
+        c = nn.functional.cross_entropy(input=logits.flatten(0, -2), target=targets.flatten(), label_smoothing=0.1,
+                                        reduction="none")
+        d = F.cross_entropy(logits.transpose(1, 2), targets)
+        return a + b / 100 + c.mean() + d + self.loss(logits.view(-1, V), targets.view(-1))
+
+
+class LitClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(9, 13)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).float(), y, ignore_index=0, label_smoothing=0.05)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.out = nn.Linear(D, 47), nn.GELU(), nn.Linear(47, 21), nn.Linear(21, 5)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))  # exact GELU module
+        h = F.gelu(self.fc2(h), approximate="tanh")
+        return self.out(h)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(D, 45, bias=False), nn.Linear(D, 45, bias=False), nn.Linear(45, D)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x)) + self.down(self.up(x) * self.act(self.gate(x)))
+
+
+class NearMisses(nn.Module):
+    """Everything here must be left alone, each with its reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln2d = nn.LayerNorm((5, D))
+        self.mine = MyLayerNorm(D)
+        self.gemma = GemmaRMSNorm(D)
+        self.fc, self.act = nn.Linear(D, D), nn.GELU()
+        self.fc.register_forward_hook(lambda module, args, out: out * 2)
+        self.seq = nn.Sequential(nn.Linear(D, D), nn.GELU())
+        self.register_buffer("class_weight", torch.rand(D))
+
+    def forward(self, x, y):
+        h = self.act(self.fc(self.gemma(self.mine(self.ln2d(x)))))
+        return F.cross_entropy(self.seq(h).view(-1, D), y.view(-1), weight=self.class_weight)
+
+
+def _state(model):
+    params = list(model.parameters()) or [nn.Parameter(torch.zeros(1))]  # an optimizer needs one
+    return TrainState(model=model, optimizer=torch.optim.SGD(params, lr=0.1), device=DEVICE)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the kernel calls the swapped layers make (the point: not a fallback to PyTorch)."""
+    calls = Counter()
+    for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu"):
+        def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(layers.kernels, name, spy)
+    return calls
+
+
+def _compare(model, args, seed=0):
+    """Apply the rung to ``model``; outputs and gradients (inputs and all parameters) must match a
+    copy of the original on the same inputs. Returns the handle."""
+    torch.manual_seed(seed)
+    model.to(DEVICE)
+    for p in model.parameters():  # random affine parameters: ones/zeros would hide weight-gradient bugs
+        with torch.no_grad():
+            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    reference = copy.deepcopy(model)
+    handle = TritonLayersRung().apply(_state(model))
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    out, expected = model(*args), reference(*ref_args)
+    cotangent = torch.randn_like(expected)
+    (out * cotangent).sum().backward()
+    (expected * cotangent).sum().backward()
+    assert_rel_close(out, expected, TOL, "output")
+    for a, r in zip(args, ref_args):
+        if a.requires_grad:
+            assert_rel_close(a.grad, r.grad, TOL, "input grad")
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
+    return handle
+
+
+def _x(*shape):
+    return torch.randn(*shape, device=DEVICE, requires_grad=True)
+
+
+# -- swaps: the same function, through the kernels ------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda: nn.LayerNorm(D), "layer_norm"),
+    (lambda: nn.LayerNorm(D, elementwise_affine=False), "layer_norm"),
+    (lambda: nn.LayerNorm(D, bias=False), "layer_norm"),
+    (lambda: nn.RMSNorm(D), "rms_norm"),
+    (lambda: nn.RMSNorm(D, eps=1e-4), "rms_norm"),
+])
+def test_torch_norms_are_swapped_in_place(make, kind, kernel_calls):
+    model = nn.Sequential(make())
+    norm = model[0]
+    params = list(norm.parameters())
+    handle = _compare(model, [_x(3, 5, D)])
+    assert handle.sites[kind] == 1 and kernel_calls[kind] == 1
+    assert model[0] is norm and list(norm.parameters()) == params and type(norm) is layers.SWAPS[type(make())]
+    assert repr(norm).startswith(f"speedkit.{type(make()).__name__}(({D},), eps=")
+    handle.undo()
+    assert type(norm) is type(make()) and repr(norm) == repr(make())
+
+
+@pytest.mark.parametrize("make, eps", [(lambda: LlamaRMSNorm(D), 1e-6), (lambda: ScaleNorm(D), 1e-5)])
+def test_rmsnorm_like_user_modules_are_recognised_by_computation(make, eps, kernel_calls):
+    model = make()
+    handle = _compare(model, [_x(3, 5, D)])
+    assert handle.sites["rms_like"] == 1 and kernel_calls["rms_norm"] == 1, handle.changes
+    assert f"eps={eps:g}" in " ".join(handle.changes)
+    x = _x(7, D)  # eps matters at this scale: the eps read must be the module's
+    x_small = (x * 1e-3).detach()
+    handle.undo()
+    assert "forward" not in model.__dict__
+    expected = model(x_small)
+    TritonLayersRung().apply(_state(model))
+    assert_rel_close(model(x_small), expected, TOL, "eps-sized input")
+
+
+@pytest.mark.parametrize("make", [lambda: LlamaRMSNorm(D), lambda: ScaleNorm(D)])
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
+def test_rmsnorm_like_returns_the_dtype_of_the_original(make, dtype, autocast):
+    """Llama casts back before the weight, the plain form promotes: each keeps its own output dtype."""
+    model = make().to(DEVICE)
+    reference = copy.deepcopy(model)
+    TritonLayersRung().apply(_state(model))
+    x = torch.randn(3, 5, D, device=DEVICE).to(dtype)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        out, expected = model(x), reference(x)
+    assert out.dtype == expected.dtype
+    assert_rel_close(out, expected, 1e-2, "output")  # one bf16 rounding, at another point
+
+
+def test_cross_entropy_calls_in_forward(kernel_calls):
+    model = TinyLM()
+    idx, targets = torch.randint(0, 37, (3, 7), device=DEVICE), torch.randint(0, 37, (3, 7), device=DEVICE)
+    targets[0, :2] = 3  # ignored rows in the second loss
+    handle = _compare(model, [idx, targets])
+    assert handle.sites["cross_entropy"] == 5 and type(model.loss) is layers.CrossEntropyLoss
+    assert kernel_calls["cross_entropy"] == 4  # the 3-D call ran PyTorch's, as it must (class dim 1)
+    assert ".float()" not in model.forward.__speedkit_source__
+
+
+def test_cross_entropy_drops_the_upcast_of_half_logits():
+    logits = torch.randn(13, 37, device=DEVICE).bfloat16().requires_grad_()
+    target = torch.randint(0, 37, (13,), device=DEVICE)
+    loss = layers.cross_entropy(logits, target, upcast=True)
+    ref_logits = logits.detach().clone().requires_grad_()
+    expected = F.cross_entropy(ref_logits.float(), target)
+    loss.backward()
+    expected.backward()
+    assert loss.dtype == torch.float32
+    assert_rel_close(loss, expected, 1e-6, "loss")  # fp32 math on the same bf16 values
+    assert logits.grad.dtype == torch.bfloat16
+    assert_rel_close(logits.grad, ref_logits.grad, 1e-2, "grad")  # one bf16 rounding of the gradient
+
+
+def test_naive_gpt_tiny(kernel_calls):
+    torch.manual_seed(0)
+    model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
+    idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
+    handle = _compare(model, [idx, targets])
+    assert {k: handle.sites[k] for k in ("layer_norm", "cross_entropy", "gelu")} == {"layer_norm": 3, "cross_entropy": 1, "gelu": 1}
+    assert kernel_calls == Counter(layer_norm=3, cross_entropy=1, bias_gelu=1)
+
+
+def test_lightning_training_step_cross_entropy(kernel_calls):
+    torch.manual_seed(0)
+    model = LitClassifier().to(DEVICE)
+    reference = copy.deepcopy(model)
+    state = TrainState(model=model, optimizer=model.configure_optimizers(), device=DEVICE)
+    handle = TritonLayersRung().apply(state)
+    assert handle.sites["cross_entropy"] == 1 and "training_step" in model.__dict__
+    x, y = torch.randn(11, 9, device=DEVICE), torch.randint(0, 13, (11,), device=DEVICE)
+    y[:3] = 0  # ignored
+    loss, expected = default_loss_fn(model, (x, y), 0), default_loss_fn(reference, (x, y), 0)
+    loss.backward()
+    expected.backward()
+    assert kernel_calls["cross_entropy"] == 1
+    assert_rel_close(loss, expected, TOL, "loss")
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, "grad")
+    model.zero_grad()
+    assert torch.isfinite(train_step(state, (x, y)))
+    handle.undo()
+    assert "training_step" not in model.__dict__
+
+
+def test_linear_gelu_pairs(kernel_calls):
+    handle = _compare(GeluMLP(), [_x(3, 5, D)])
+    assert handle.sites["gelu"] == 2 and kernel_calls["bias_gelu"] == 2
+
+
+def test_swiglu(kernel_calls):
+    handle = _compare(SwiGLU(), [_x(3, 5, D)])
+    assert handle.sites["swiglu"] == 2 and kernel_calls["swiglu"] == 2
+
+
+# -- near misses: left alone, each with its reason -----------------------------------------------------------
+
+
+def test_near_misses_are_left_alone_with_reasons():
+    torch.manual_seed(0)
+    model = NearMisses().to(DEVICE)
+    with torch.no_grad():
+        model.gemma.weight.normal_()
+    gemma_weight = model.gemma.weight.detach().clone()
+    reason = TritonLayersRung().check(_state(model))
+    assert reason.startswith(NOTHING_FOUND)
+    for expected in ("normalizes over 2 dims", "MyLayerNorm subclasses nn.LayerNorm",
+                     "GemmaRMSNorm: computes something other than", "weight=", "hooks on the Linear",
+                     "inside nn.Sequential"):
+        assert expected in reason, (expected, reason)
+    assert torch.equal(model.gemma.weight, gemma_weight)  # the probe put the weight back bit for bit
+    handle = TritonLayersRung().apply(_state(model))
+    assert not any(v for k, v in handle.sites.items() if k != "left_alone")
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert type(model.ln2d) is nn.LayerNorm and type(model.mine) is MyLayerNorm
+
+
+def test_options_turn_kinds_off():
+    model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
+    handle = TritonLayersRung(TritonLayersOptions(norms=False, gelu=False)).apply(_state(model))
+    assert (handle.sites["layer_norm"], handle.sites["gelu"], handle.sites["cross_entropy"]) == (0, 0, 1)
+    assert type(model.ln_f) is nn.LayerNorm and "forward" not in model.h[0].mlp.__dict__
+
+
+# -- undo, checkpoints, optimizers, training, check ------------------------------------------------------
+
+
+def _forward_state(model):
+    return [(type(m), m.__dict__.get("forward"), m.__dict__.get("training_step")) for m in model.modules()]
+
+
+def test_apply_undo_apply_is_stable():
+    torch.manual_seed(0)
+    model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
+    model.h[0].ln_1 = LlamaRMSNorm(64).to(DEVICE)
+    before = _forward_state(model)
+    idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
+    first = TritonLayersRung().apply(_state(model))
+    loss_first = model(idx, targets)
+    changes = list(first.changes)
+    first.undo()
+    assert _forward_state(model) == before
+    second = TritonLayersRung().apply(_state(model))
+    assert second.changes == changes and second.sites["rms_like"] == 1
+    assert torch.equal(model(idx, targets), loss_first)
+    second.undo()
+    second.undo()  # idempotent
+    assert _forward_state(model) == before
+
+
+def test_state_dict_and_optimizer_references():
+    torch.manual_seed(0)
+    model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
+    original = copy.deepcopy(model)
+    state = TrainState(model=model, optimizer=model.configure_optimizers(), device=DEVICE)
+    params = [p for g in state.optimizer.param_groups for p in g["params"]]
+    TritonLayersRung().apply(state)
+    assert [p for g in state.optimizer.param_groups for p in g["params"]] == params
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
+    for i in range(2):  # trains
+        loss = train_step(state, (idx, targets), i)
+        assert torch.isfinite(loss)
+    saved = model.state_dict()
+    assert list(saved) == list(original.state_dict())
+    original.load_state_dict(saved, strict=True)
+    assert torch.equal(original(idx, targets), model(idx, targets)) or \
+        abs(original(idx, targets).item() - model(idx, targets).item()) < 1e-5
+
+
+def test_check_says_why_without_kernels(monkeypatch):
+    monkeypatch.setattr(triton_layers, "kernels_available", lambda device: "Triton kernels do not run on mps")
+    assert TritonLayersRung().check(_state(nn.Sequential(nn.LayerNorm(D)))) == "Triton kernels do not run on mps"
+
+
+def test_check_nothing_to_swap():
+    assert TritonLayersRung().check(_state(nn.Sequential(nn.Linear(D, D), nn.ReLU()))) == NOTHING_FOUND
+
+
+def test_compiled_regions_leave_the_norms_to_inductor_and_keep_the_loss_kernel(kernel_calls):
+    """Under torch.compile the swapped norms trace as PyTorch's ops (Inductor fuses them with their
+    neighbours); the cross-entropy kernel stays (it saves the fp32 copy of the logits). One graph."""
+    torch._dynamo.reset()
+    model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
+    reference = copy.deepcopy(model)
+    TritonLayersRung().apply(_state(model))
+    idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert_rel_close(compiled(idx, targets), reference(idx, targets), TOL, "loss")
+    assert {k: v for k, v in kernel_calls.items() if v} == {"cross_entropy": 1}, kernel_calls
+    torch._dynamo.reset()
