@@ -247,7 +247,8 @@ def test_bias_gelu_launchers(dtype, approximate, N):
     rdx, rdb = torch.autograd.grad(ref, (xl, bl), dy.double())
     _close(y, ref, dtype, "y")
     _close(dx, rdx, dtype, "dx")
-    _close(db, rdb, dtype, "db")
+    # db sums dz over rows: judged against the terms it sums (a sum of few rows can cancel)
+    _close(db, rdb, dtype, "db", floor=rdx.norm().item())
     assert db.dtype == dtype
 
 
