@@ -9,7 +9,7 @@ Variants:
 The Lightning rows and speedkit-fit are timed the same way (StepTimer callback: CUDA events after
 each batch, one wait per window, median of windows), so they compare like for like.
 
-Usage: python bench/ladder_gpt2.py [--parts hand,speedkit,lightning] [--out runs/bench]
+Usage: python bench/ladder_gpt2.py [--parts hand,speedkit,lightning|fit] [--out runs/bench]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
     return kept
 
 
-def lightning_runs(res: Results, flops: int, ceiling: float, kept: list) -> None:
+def lightning_runs(res: Results, flops: int, ceiling: float, kept: list, only_fit: bool = False) -> None:
     """Lightning's switches and speedkit's kept rungs, through the same Trainer loop and timer."""
     import lightning.pytorch as pl
 
@@ -128,8 +128,8 @@ def lightning_runs(res: Results, flops: int, ceiling: float, kept: list) -> None
         torch.set_float32_matmul_precision("highest")
         torch.cuda.empty_cache()
 
-    variants = [("lightning/32-true", "32-true", {}),
-                ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True})]
+    variants = [] if only_fit else [("lightning/32-true", "32-true", {}),
+                                    ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True})]
     if kept:
         variants.append(("speedkit-fit", "32-true", {"callbacks": [SpeedLadder(rungs=kept)]}))
         # what triton_layers adds on top of compile, through the same Trainer loop and timer
@@ -172,8 +172,8 @@ def main() -> None:
     kept = args.kept.split(",") if args.kept else []
     if "speedkit" in parts:
         kept = speedkit_ladder(res, flops, ceiling, Path(args.out))
-    if "lightning" in parts:
-        lightning_runs(res, flops, ceiling, kept)
+    if "lightning" in parts or "fit" in parts:  # "fit": only speedkit's kept rungs through Lightning
+        lightning_runs(res, flops, ceiling, kept, only_fit="lightning" not in parts)
     if "hand" in parts:
         hand_ladder(res, flops, ceiling)
 

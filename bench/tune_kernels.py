@@ -18,8 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from speedkit.kernels import cross_entropy as ce_mod  # noqa: E402
-from speedkit.kernels import norms  # noqa: E402
+import importlib  # noqa: E402
+
+ce_mod = importlib.import_module("speedkit.kernels.cross_entropy")
+norms = importlib.import_module("speedkit.kernels.norms")
 from speedkit.measure import StepClock, summarize  # noqa: E402
 from speedkit.measure.timing import time_windows  # noqa: E402
 
@@ -98,7 +100,7 @@ def tune_ce() -> None:
         results = []
         original = ce_mod._block
         try:
-            for block in (2048, 4096, 8192):
+            for block in (4096, 8192, 16384, 32768):
                 for warps in (8, 16, 32):
                     ce_mod._block = lambda v, bl=block, wp=warps: (bl, wp)
                     try:

@@ -11,11 +11,12 @@ otherwise. The forward reads each row twice (the second read mostly from L2) and
 gradient once, into a buffer the op allocates itself: the user's logits are never written to, and
 the only memory beyond the logits is the gradient that backward needs anyway.
 
-Backward multiplies that stored gradient by the incoming gradient in place — the buffer is the
-op's own and nothing else holds it — and a row whose incoming gradient is exactly 1 (the usual
-``loss.backward()``) is skipped on the device, so the common backward moves no data at all.
-A second backward through the same loss (``retain_graph=True``) is refused with an error rather
-than silently scaling twice.
+Eager backward multiplies that stored gradient by the incoming gradient in place — the buffer
+is the op's own and nothing else holds it — and a row whose incoming gradient is exactly 1 (the
+usual ``loss.backward()``) is skipped on the device, so the common backward moves no data at all.
+A second eager backward through the same loss (``retain_graph=True``) is refused with an error
+rather than silently scaling twice. Under torch.compile a traced backward may not mutate a saved
+tensor, so there the scaling is out of place (one pass over the gradient, fused by Inductor).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch import Tensor
 
 from speedkit.kernels.support import runs_triton
 
-BLOCK_V = 4096
+#: the largest chunk of a row one program handles at a time (elements)
+BLOCK_V = 32768
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -46,26 +48,24 @@ def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, NVALID, stride_l, stride_g, V, ig
             tl.store(g_row + cols, zero.to(GRAD.dtype.element_ty), mask=cols < V)
         tl.store(LOSS + row, 0.0)
         return
-    # pass 1: per-lane running max and sum of exp (merged at the end), and Σx for smoothing
-    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK], dtype=tl.float32)
-    sx = tl.zeros([BLOCK], dtype=tl.float32)
+    # pass 1: online max and sum of exp over large chunks (scalars: few registers, so a chunk can
+    # be tens of KB — that many bytes in flight per program is what keeps the loads streaming)
+    m = float("-inf")
+    s = 0.0
+    sx = 0.0
     for start in range(0, V, BLOCK):
         cols = start + cols0
         ok = cols < V
         x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # lanes that have seen only -inf keep s = 0 (avoid inf - inf)
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
         if SMOOTH:
-            sx += tl.where(ok, x, 0.0)
-    row_max = tl.max(m, axis=0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max)), axis=0)
-    lse = row_max + tl.log(total)
+            sx += tl.sum(tl.where(ok, x, 0.0), axis=0)
+    lse = m + tl.log(s)
     x_t = tl.load(x_row + target).to(tl.float32)
     if SMOOTH:
-        loss = lse - (1.0 - smoothing) * x_t - smoothing / V * tl.sum(sx, axis=0)
+        loss = lse - (1.0 - smoothing) * x_t - smoothing / V * sx
     else:
         loss = lse - x_t
     tl.store(LOSS + row, loss)
@@ -106,9 +106,10 @@ def _ce_bwd_kernel(GRAD, GOUT, stride_g, V, PER_ROW: tl.constexpr, BLOCK: tl.con
 
 
 def _block(V: int) -> tuple[int, int]:
+    """(chunk, num_warps): a whole vocabulary row in one or a few chunks of up to 32K elements, 32
+    warps for wide rows (one program per SM: the rows in flight, which pass 2 re-reads, fit in L2)."""
     block = min(BLOCK_V, triton.next_power_of_2(V))
-    # wide rows: 32 warps = 2 programs per SM, so the rows in flight (pass 2 re-reads them) fit in L2
-    return block, (4 if block <= 1024 else 8 if block <= 2048 else 32)
+    return block, (4 if block <= 1024 else 8 if block <= 4096 else 16 if block <= 8192 else 32)
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float,
@@ -180,15 +181,17 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_grad):
+    (grad,) = ctx.saved_tensors
+    if torch.compiler.is_compiling():
+        # a traced backward may not mutate a tensor saved by the forward: scale out of place
+        # (Inductor emits one pass for it; a repeated backward is then correct as well)
+        scale = grad_loss.reshape(-1, 1) if grad_loss.dim() else grad_loss
+        return (grad * scale).to(grad.dtype), None, None, None, None
     if ctx.consumed:
         raise RuntimeError("speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
                            "its gradient buffer is scaled in place, so recompute the loss for a second backward")
     ctx.consumed = True
-    (grad,) = ctx.saved_tensors
-    if torch.compiler.is_compiling():
-        torch.ops.speedkit.cross_entropy_bwd_(grad, grad_loss)
-    else:
-        scale_gradient_(grad, grad_loss)
+    scale_gradient_(grad, grad_loss)
     return grad, None, None, None, None
 
 

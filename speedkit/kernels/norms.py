@@ -248,23 +248,27 @@ def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tupl
 
 
 @triton.jit
-def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dw = Σ_p part[0, p], db = Σ_p part[-1, p], written in the parameters' dtype, one launch for both."""
+def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw = Σ_p part[0, p], db = Σ_p part[-1, p] for one column block, BLOCK_P partial rows at a
+    time, written in the parameters' dtype: one launch for both, many programs (narrow blocks)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
-    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     b_plane = tl.cast(P, tl.int64) * N if HAS_W else 0
-    for p in range(0, P):
-        row = tl.cast(p, tl.int64) * N
+    for p0 in range(0, P, BLOCK_P):
+        prow = p0 + tl.arange(0, BLOCK_P)
+        mask = (prow < P)[:, None] & ok[None, :]
+        offs = prow.to(tl.int64)[:, None] * N + cols[None, :]
         if HAS_W:
-            acc_w += tl.load(PART + row + cols, mask=ok, other=0.0)
+            acc_w += tl.load(PART + offs, mask=mask, other=0.0)
         if HAS_B:
-            acc_b += tl.load(PART + b_plane + row + cols, mask=ok, other=0.0)
+            acc_b += tl.load(PART + b_plane + offs, mask=mask, other=0.0)
     if HAS_W:
-        tl.store(DW + cols, acc_w.to(DW.dtype.element_ty), mask=ok)
+        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=ok)
     if HAS_B:
-        tl.store(DB + cols, acc_b.to(DB.dtype.element_ty), mask=ok)
+        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=ok)
 
 
 def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
@@ -342,9 +346,9 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
         grads = torch.empty((planes, N), dtype=param_dtype, device=x.device)
         dw = grads[0] if has_w else None
         db = grads[planes - 1] if has_bias else None
-    block = min(1024, next_power_of_2(N))
+    block = min(64, next_power_of_2(N))  # narrow column blocks: N/64 programs share the (P, N) read
     _sum_partials_kernel[(triton.cdiv(N, block),)](part, dw if has_w else grads, db if has_bias else grads, programs, N,
-                                                   HAS_W=has_w, HAS_B=has_bias, BLOCK_N=block, num_warps=4)
+                                                   HAS_W=has_w, HAS_B=has_bias, BLOCK_P=32, BLOCK_N=block, num_warps=4)
     return dx, dw, db
 
 
