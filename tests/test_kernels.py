@@ -293,3 +293,17 @@ def test_custom_ops_have_fake_implementations():
         assert loss.shape == (6,) and grad.shape == (6, 10)
         assert torch.ops.speedkit.bias_gelu(x, w, True).shape == (6, 10)
         assert torch.ops.speedkit.swiglu(x, x).shape == (6, 10)
+
+
+def test_cross_entropy_under_compile_traces_a_functional_backward():
+    """Tracing runs the op's registered backward on fake tensors: it must not launch a kernel or
+    mutate the saved gradient (seen failing on an H200 under Inductor before this was fixed)."""
+    logits = _rand(6, 29).requires_grad_()
+    target = torch.randint(0, 29, (6,)).to(DEVICE)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda lg: cross_entropy(lg, target) * 0.5, backend="aot_eager", fullgraph=True)
+    (grad,) = torch.autograd.grad(fn(logits), logits)
+    leaf = logits.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(F.cross_entropy(leaf, target) * 0.5, leaf)
+    assert_rel_close(grad, ref, 1e-5)
+    torch._dynamo.reset()

@@ -163,36 +163,19 @@ def scale_gradient_(grad: Tensor, grad_output: Tensor) -> None:
     _ce_bwd_kernel[(N,)](grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
 
 
-@torch.library.custom_op("speedkit::cross_entropy_bwd_", mutates_args={"grad"})
-def _ce_bwd_op(grad: Tensor, grad_output: Tensor) -> None:
-    scale_gradient_(grad, grad_output)
-
-
-@_ce_bwd_op.register_fake
-def _(grad, grad_output):
-    return None
-
-
 def _setup(ctx, inputs, output):
     _, grad = output
     ctx.mark_non_differentiable(grad)
     ctx.save_for_backward(grad)
-    ctx.consumed = False
 
 
 def _backward(ctx, grad_loss, _grad_grad):
+    """The custom op's backward — what torch.compile traces. A traced backward may not mutate a
+    tensor saved by the forward (and runs on fake tensors while tracing: no kernel launch here),
+    so the scaling is out of place: one pass over the gradient, fused by Inductor."""
     (grad,) = ctx.saved_tensors
-    if torch.compiler.is_compiling():
-        # a traced backward may not mutate a tensor saved by the forward: scale out of place
-        # (Inductor emits one pass for it; a repeated backward is then correct as well)
-        scale = grad_loss.reshape(-1, 1) if grad_loss.dim() else grad_loss
-        return (grad * scale).to(grad.dtype), None, None, None, None
-    if ctx.consumed:
-        raise RuntimeError("speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
-                           "its gradient buffer is scaled in place, so recompute the loss for a second backward")
-    ctx.consumed = True
-    scale_gradient_(grad, grad_loss)
-    return grad, None, None, None, None
+    scale = grad_loss.reshape(-1, 1) if grad_loss.dim() else grad_loss
+    return (grad * scale).to(grad.dtype), None, None, None, None
 
 
 _ce_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -210,7 +193,13 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return _backward(ctx, grad_loss, None)
+        if ctx.consumed:
+            raise RuntimeError("speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
+                               "its gradient buffer is scaled in place, so recompute the loss for a second backward")
+        ctx.consumed = True
+        (grad,) = ctx.saved_tensors
+        scale_gradient_(grad, grad_loss)  # in place on the op's own buffer; rows scaled by 1 are skipped
+        return grad, None, None, None, None
 
 
 # -- public function ------------------------------------------------------------------------------------
