@@ -94,32 +94,38 @@ def _split_einsum(eq: str) -> tuple[str, str, str] | None:
     return a, b, out
 
 
-def _canonical_scores_eq(eq: str) -> bool:
-    """'<P>id,<P>jd-><P>ij' (P shared batch letters or '...'): q (..., L, E), k (..., S, E)."""
+def _einsum_tails(eq: str) -> tuple[str, str, str] | None:
+    """The last two subscripts of each operand and of the output, when all three share one batch
+    prefix (letters or '...') that the tails do not reuse; None otherwise."""
     parts = _split_einsum(eq)
-    if not parts:
-        return False
+    if not parts or min(len(x) for x in parts) < 2:
+        return None
     a, b, out = parts
-    if len(a) < 2 or len(b) < 2 or len(out) < 2:
+    prefix = a[:-2]
+    if b[:-2] != prefix or out[:-2] != prefix:
+        return None
+    tails = a[-2:], b[-2:], out[-2:]
+    if set("".join(tails)) & set(prefix.replace(".", "")):
+        return None
+    return tails
+
+
+def _canonical_scores_eq(eq: str) -> bool:
+    """'<P>id,<P>jd-><P>ij': q (..., L, E), k (..., S, E) -> scores (..., L, S)."""
+    tails = _einsum_tails(eq)
+    if tails is None:
         return False
-    p, (i, d) = a[:-2], a[-2:]
-    j = b[-2]
-    return (b[:-2] == p and b[-1] == d and out == p + i + j and len({i, j, d}) == 3
-            and not ({i, j, d} & set(p.replace(".", ""))))
+    (i, d), (j, d2), out = tails
+    return d2 == d and out == i + j and len({i, j, d}) == 3
 
 
 def _canonical_output_eq(eq: str) -> bool:
     """'<P>ij,<P>jd-><P>id': weights (..., L, S) times v (..., S, E)."""
-    parts = _split_einsum(eq)
-    if not parts:
+    tails = _einsum_tails(eq)
+    if tails is None:
         return False
-    a, b, out = parts
-    if len(a) < 2 or len(b) < 2 or len(out) < 2:
-        return False
-    p, (i, j) = a[:-2], a[-2:]
-    d = b[-1]
-    return (b[:-2] == p and b[-2] == j and out == p + i + d and len({i, j, d}) == 3
-            and not ({i, j, d} & set(p.replace(".", ""))))
+    (i, j), (j2, d), out = tails
+    return j2 == j and out == i + d and len({i, j, d}) == 3
 
 
 def _is_neg_inf(node: ast.AST) -> bool:
