@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit import layers, ops, rewrite
+from speedkit import layers, rewrite
 from speedkit.kernels import kernels_available
 from speedkit.rewrite import NotRewritable, ParsedForward
 from speedkit.rungs.base import Handle, Rung
