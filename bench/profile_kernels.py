@@ -37,6 +37,9 @@ from speedkit.measure import StepClock, summarize
 from speedkit.measure.timing import time_windows
 
 SHAPES = [(16384, 768), (16384, 4096), (8192, 8192)]
+CE_CONFIGS = [(32768, 32), (16384, 16), (65536, 32)]
+CE_GRIDS = ["rows", "1/sm", "2/sm", "4/sm"]
+CE_HINTS = [(0, 0, 0), (1, 1, 0), (0, 0, 1), (1, 1, 1), (1, 0, 1)]
 DEV = torch.device("cuda")
 
 
@@ -184,9 +187,10 @@ def ce_variants() -> None:
             print(f"== ce {M}x{V}: speedkit forward now {step_ms(cur):.3f} ms", flush=True)
         ref = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
         results = []
-        for block, warps in ((32768, 32), (16384, 16), (65536, 32)):
-            for grid_name, grid in (("rows", M), ("1/sm", sms), ("2/sm", 2 * sms), ("4/sm", 4 * sms)):
-                for ev1, ev2, cs in ((0, 0, 0), (1, 1, 0), (0, 0, 1), (1, 1, 1), (1, 0, 1)):
+        for block, warps in CE_CONFIGS:
+            grids = {"rows": M, "1/sm": sms, "2/sm": 2 * sms, "4/sm": 4 * sms}
+            for grid_name, grid in ((g, grids[g]) for g in CE_GRIDS):
+                for ev1, ev2, cs in CE_HINTS:
                     if grid_name == "4/sm" and warps * 4 > 64:
                         continue
 
@@ -217,7 +221,21 @@ def main() -> None:
     parser.add_argument("--ops", default="ln,rms")
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--ce", action="store_true")
+    parser.add_argument("--host", action="store_true", help="only the host-overhead breakdown")
+    parser.add_argument("--ce-configs", default=None, help="BLOCKxWARPS,... e.g. 16384x16,8192x8")
+    parser.add_argument("--ce-grids", default=None, help="subset of rows,1/sm,2/sm,4/sm")
+    parser.add_argument("--ce-hints", default=None, help="evict-last,evict-first,streaming-store triples, e.g. 111,000")
     args = parser.parse_args()
+    global CE_CONFIGS, CE_GRIDS, CE_HINTS
+    if args.ce_configs:
+        CE_CONFIGS = [tuple(int(v) for v in c.split("x")) for c in args.ce_configs.split(",")]
+    if args.ce_grids:
+        CE_GRIDS = args.ce_grids.split(",")
+    if args.ce_hints:
+        CE_HINTS = [tuple(int(c) for c in h) for h in args.ce_hints.split(",")]
+    if args.host:
+        host_breakdown()
+        return
     wanted = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")} if args.shapes else None
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     for op in [o for o in args.ops.split(",") if o]:
@@ -226,6 +244,72 @@ def main() -> None:
                 norm_case(op, M, N)
     if args.ce:
         ce_variants()
+
+
+
+# -- host overhead, piece by piece ----------------------------------------------------------------------
+
+
+def host_breakdown() -> None:
+    """µs the host spends on each piece of speedkit's LayerNorm forward+backward (16384×4096 bf16)."""
+    import inspect
+
+    M, N = 16384, 4096
+    x = torch.randn(M, N, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    w = torch.ones(N, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    b = torch.zeros(N, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    y, mean, rstd = norms.norm_forward(xd, wd, bd, 1e-5, False)
+    bm, bn, warps = norms._fwd_config(N)
+    grid = (triton.cdiv(M, bm),)
+
+    def launch():
+        return norms._norm_fwd_kernel[grid](xd, wd, bd, y, mean, rstd, N, N, M, N, 1e-5, IS_RMS=False, HAS_W=True,
+                                            HAS_B=True, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+
+    compiled = launch()
+    kc, kkc, target, backend, binder = norms._norm_fwd_kernel.device_caches[torch.cuda.current_device()]
+    args = (xd, wd, bd, y, mean, rstd, N, N, M, N, 1e-5)
+    consts = {"IS_RMS": False, "HAS_W": True, "HAS_B": True, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps}
+    all_args = args + (False, True, True, bm, bn)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct():
+        compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *all_args)
+
+    pieces = {
+        "torch.empty_like(x)": lambda: torch.empty_like(xd),
+        "torch.empty((2, M)) fp32": lambda: torch.empty((2, M), dtype=torch.float32, device=DEV),
+        "triton fwd launch fn[grid](...)": launch,
+        "  its binder(*args, **constexprs)": lambda: binder(*args, **consts),
+        "  compiled.run(...) direct": direct,
+        "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
+        "torch._C._cuda_getCurrentRawStream(0)": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "norm_forward (launcher)": lambda: norms.norm_forward(xd, wd, bd, 1e-5, False),
+        "norm_backward (launcher)": lambda: norms.norm_backward(dy, xd, wd, mean, rstd, False, True),
+        "sk.layer_norm no_grad": lambda: sk.layer_norm(xd, wd, bd),
+        "sk.layer_norm with grad (fwd only)": lambda: sk.layer_norm(x, w, b),
+        "F.layer_norm with grad (fwd only)": lambda: F.layer_norm(x, (N,), w, b),
+    }
+    for name, fn in pieces.items():
+        fn()
+        print(f"  host {host_us(fn, 200):7.1f} us  {name}", flush=True)
+    for name, f in (("sk", lambda: sk.layer_norm(x, w, b)), ("eager", lambda: F.layer_norm(x, (N,), w, b))):
+        ys = [f() for _ in range(30)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for yy in ys:
+            yy.backward(dy)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"  host {(t1 - t0) / 30 * 1e6:7.1f} us  {name} y.backward(dy) alone", flush=True)
+        x.grad = w.grad = b.grad = None
+    print("  knobs launch hooks:", triton.knobs.runtime.launch_enter_hook if hasattr(triton, "knobs") else "n/a")
+    from triton.compiler import compiler as tc
+    print(inspect.getsource(tc.CompiledKernel.__getitem__))
+    src = inspect.getsource(type(norms._norm_fwd_kernel).run)
+    print(src[:4000])
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_norm_rejects_a_mismatched_weight():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("V", [7, 301, 4097 + 2])
+@pytest.mark.parametrize("V", [7, 301, 4097 + 2, 2 * 8192 + 5])  # the last spans three 8K chunks
 def test_cross_entropy_all_reductions_with_ignored_rows(dtype, reduction, smoothing, V):
     N = 7
     logits = _rand(N, V, dtype=dtype, scale=4.0)
