@@ -153,6 +153,37 @@ def measure(step: Callable[[], object], device: torch.device, *, warmup: int, st
     return summarize(windows)
 
 
+def measure_graphed(step: Callable[[], object], device: torch.device, sets: int, *, warmup: int, steps: int,
+                    repeats: int) -> tuple[float, float]:
+    """(median ms per step, noise) with the host out of the way: ``sets`` steps (one per input set)
+    captured in one CUDA graph, the graph replayed on the step clock, its time divided by ``sets``.
+
+    The steps are warmed up on a side stream first (autograd, compiled code, allocator). Raises
+    what capture raises for a step that cannot be captured (a host sync, say)."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(sets):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(sets):
+            step()
+    try:
+        ms, noise = measure(graph.replay, device, warmup=warmup, steps=max(1, steps // sets), repeats=repeats)
+    finally:
+        del graph
+        free_memory()
+    return ms / sets, noise
+
+
+def graph_note(exc: BaseException) -> str:
+    return f"not capturable in a CUDA graph: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+
+
 def peak_extra_bytes(step: Callable[[], object], clear: Callable[[], None], device: torch.device) -> int | None:
     """Peak allocated during one ``step`` beyond what was allocated before it (None off CUDA)."""
     if device.type != "cuda":
@@ -268,6 +299,21 @@ class Bench:
             (self.speedkit_failures if name == "speedkit" else self.other_failures).append(line)
         return ok
 
+    def graphed(self, step: Callable[[], object], clear: Callable[[], None]) -> tuple[float | None, float | None, str]:
+        """(ms, noise, "") of ``step`` replayed from a CUDA graph, or (None, None, why not)."""
+        if self.device.type != "cuda":
+            return None, None, "CUDA graphs need a CUDA device"
+        try:
+            ms, noise = measure_graphed(step, self.device, self.args.sets, warmup=self.warmup, steps=self.steps * 3,
+                                        repeats=self.repeats)
+            return ms, noise, ""
+        except Exception as exc:  # noqa: BLE001 - the variant cannot be captured: say why, go on
+            torch.cuda.synchronize(self.device)
+            return None, None, graph_note(exc)
+        finally:
+            clear()
+            free_memory()
+
     # norms -------------------------------------------------------------------------------------------
 
     def run_norm(self, op: str, M: int, N: int) -> None:
@@ -333,7 +379,15 @@ class Bench:
                 continue
             finally:
                 clear()
+            g_ms, g_noise, g_note = self.graphed(fwd_bwd, clear)
             f_tbs, fb_tbs = bytes_f / f_ms / 1e9, bytes_fb / fb_ms / 1e9
+            g_tbs = bytes_fb / g_ms / 1e9 if g_ms else None
+            if g_ms:
+                self.add(name, "fwdbwd_graphed_ms", g_ms, "ms", op, shape, noise=g_noise)
+                self.add(name, "fwdbwd_graphed_tbs", g_tbs, "TB/s", op, shape, bytes=bytes_fb,
+                         **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+            else:
+                self.add(name, "fwdbwd_graphed_ms", None, "ms", op, shape, reason=g_note)
             self.add(name, "fwd_ms", f_ms, "ms", op, shape, noise=f_noise)
             self.add(name, "fwd_tbs", f_tbs, "TB/s", op, shape, bytes=bytes_f)
             self.add(name, "fwdbwd_ms", fb_ms, "ms", op, shape, noise=fb_noise)
@@ -343,10 +397,13 @@ class Bench:
             self.add(name, "fwd_of_floor", floor_f_ms / f_ms, "fraction", op, shape)
             if mem is not None:
                 self.add(name, "fwdbwd_peak_extra_gb", mem / 1e9, "GB", op, shape)
-            row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fwd_tbs": f_tbs, "fb_tbs": fb_tbs, "mem": mem}
+            row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fwd_tbs": f_tbs, "fb_tbs": fb_tbs, "mem": mem,
+                                     "g_ms": g_ms, "g_tbs": g_tbs}
             mem_text = f" +{mem / 1e9:.2f} GB" if mem is not None else ""
+            g_text = f"{g_ms:8.4f} ms {g_tbs:5.2f} TB/s" if g_ms else "n/a"
             print(f"{op} {shape} {name:9s} fwd {f_ms:8.4f} ms {f_tbs:5.2f} TB/s | fwd+bwd {fb_ms:8.4f} ms "
-                  f"{fb_tbs:5.2f} TB/s ({floor_fb_ms / fb_ms:4.0%} of floor){mem_text}{'' if ok else '  [WRONG]'}", flush=True)
+                  f"{fb_tbs:5.2f} TB/s ({floor_fb_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}"
+                  f"{'' if ok else '  [WRONG]'}", flush=True)
             del fwd, fwd_bwd, clear, my_dys
         del xs, dys, ref
         free_memory()
@@ -448,6 +505,12 @@ class Bench:
                 continue
             finally:
                 clear()
+            g_ms, g_noise, g_note = self.graphed(fwd_bwd, clear) if not in_place else (None, None, "writes its gradient into the logits and syncs with the host (.item())")
+            if g_ms:
+                self.add(name, "fwdbwd_graphed_ms", g_ms, "ms", op, shape, noise=g_noise,
+                         **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+            else:
+                self.add(name, "fwdbwd_graphed_ms", None, "ms", op, shape, reason=g_note)
             fb_tbs = bytes_fb / fb_ms / 1e9
             self.add(name, "fwd_ms", f_ms, "ms", op, shape, noise=f_noise)
             self.add(name, "fwdbwd_ms", fb_ms, "ms", op, shape, noise=fb_noise,
@@ -456,10 +519,11 @@ class Bench:
             self.add(name, "fwdbwd_of_floor", floor_ms / fb_ms, "fraction", op, shape)
             if mem is not None:
                 self.add(name, "fwdbwd_peak_extra_gb", mem / 1e9, "GB", op, shape, gradient_gb=grad_gb)
-            row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fb_tbs": fb_tbs, "mem": mem}
+            row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fb_tbs": fb_tbs, "mem": mem, "g_ms": g_ms}
             mem_text = f" +{mem / 1e9:.2f} GB" if mem is not None else ""
+            g_text = f"{g_ms:8.3f} ms" if g_ms else "n/a"
             print(f"{op} {shape} {name:13s} fwd {f_ms:8.3f} ms | fwd+bwd {fb_ms:8.3f} ms {fb_tbs:5.2f} TB/s "
-                  f"({floor_ms / fb_ms:4.0%} of floor){mem_text}{'' if ok else '  [WRONG]'}", flush=True)
+                  f"({floor_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}{'' if ok else '  [WRONG]'}", flush=True)
             del fwd, fwd_bwd, refresh, clear, my_logits  # the closures hold Liger's own logits sets
             free_memory()
         del logits, targets, ref
@@ -504,18 +568,20 @@ class Bench:
 
     def table(self) -> None:
         names_all = ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit"]
-        for title, norm_key, ce_key in (("forward+backward", "fb_tbs", "fb_ms"), ("forward (no_grad)", "fwd_tbs", "fwd_ms")):
+        sections = (("forward+backward, a Python loop of steps (host overhead included)", "fb_tbs", "fb_ms", True),
+                    ("forward+backward replayed from a CUDA graph (kernel time, host out of the way)", "g_tbs", "g_ms", True),
+                    ("forward (no_grad)", "fwd_tbs", "fwd_ms", False))
+        for title, norm_key, time_key, has_target in sections:
             print(f"\n== {title}: norms effective TB/s (higher is better), ce ms (lower is better); "
                   f"sk/best = best other variant's time / speedkit's ==")
             print(f"{'op':4s} {'shape':12s} " + " ".join(f"{n:>13s}" for n in names_all) + f" {'sk/best':>8s} {'target':>8s} {'floor':>9s}")
             for row in self.summary:
                 is_ce = row["op"] == "ce"
-                key = ce_key if is_ce else norm_key
-                time_key = "fb_ms" if title.startswith("forward+") else "fwd_ms"
+                key = time_key if is_ce else norm_key
                 cells = []
                 for n in names_all:
                     v = row["variants"].get(n)
-                    if v is None:
+                    if v is None or v.get(key) is None:
                         cells.append(f"{'-':>13s}")
                         continue
                     text = f"{v[key]:.3f}ms" if is_ce else f"{v[key]:.3g}"
@@ -523,18 +589,19 @@ class Bench:
                         text += f"+{v['mem'] / 1e9:.1f}G"
                     cells.append(f"{text + ('' if v['ok'] else '!'):>13s}")
                 sk = row["variants"].get("speedkit")
-                others = [v[time_key] for n, v in row["variants"].items() if n != "speedkit" and v["ok"]]
-                ratio = f"{min(others) / sk[time_key]:.2f}x" if sk and others else "-"
+                others = [v[time_key] for n, v in row["variants"].items() if n != "speedkit" and v["ok"] and v.get(time_key)]
+                ratio = f"{min(others) / sk[time_key]:.2f}x" if sk and sk.get(time_key) and others else "-"
                 target, floor = "-", "-"
-                if time_key == "fb_ms":
+                if has_target:
                     if row["target"]:
                         target = f"<={row['target']}ms" if is_ce else f">={row['target']}"
-                        if sk:
-                            met = sk["fb_ms"] <= row["target"] if is_ce else sk["fb_tbs"] >= row["target"]
+                        if sk and sk.get(key):
+                            met = sk[key] <= row["target"] if is_ce else sk[key] >= row["target"]
                             target += " ok" if met else " no"
                     floor = f"{row['floor_ms']:.3f}ms"
                 print(f"{row['op']:4s} {row['shape']:12s} " + " ".join(cells) + f" {ratio:>8s} {target:>8s} {floor:>9s}")
-        print("('!' = failed the correctness check; ce cells under forward+backward: ms + peak extra GB, gradient included)")
+        print("('!' = failed the correctness check; '-' = not run or not capturable; ce cells of the first table: "
+              "ms + peak extra GB, gradient included)")
 
 
 def parse_shapes(text: str | None) -> set[tuple[int, int]] | None:

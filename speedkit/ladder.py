@@ -136,14 +136,17 @@ class Ladder:
                                   gain_vs_previous=1.0, gain_vs_baseline=1.0, seconds=time.perf_counter() - t0)
             results.append(baseline)
             previous = base_m
+            kept: list[tuple[Rung, RungResult]] = []  # parallel to self.handles
             for i, rung in enumerate(self.rungs, 1):
                 self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
                 result, handle, losses = self._try(rung, reference, previous, base_m)
                 results.append(result)
                 if result.status == "kept":
                     self.handles.append(handle)
+                    kept.append((rung, result))
                     reference, previous = losses, result.measurement
                 self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {result.status}" + (f" ({result.reason})" if result.reason else ""))
+            results += self._closing_check(kept, reference, previous, base_m)
         finally:
             snapshot.restore()  # trial steps never leak into the user's training
         return LadderResult(
@@ -152,6 +155,85 @@ class Ladder:
             flops={"per_step": self._flops, "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
                    "peak_tflops": self._peak, "peak_source": peak_source, "precision": cfg.mfu_precision},
             measure=asdict(cfg), rungs=results)
+
+    # -- closing check -----------------------------------------------------------------------------
+    def _closing_check(self, kept: list[tuple[Rung, RungResult]], reference: list[float], current: Measurement,
+                       base: Measurement) -> list[RungResult]:
+        """Re-test each kept rung that asks for it (``Rung.recheck``) and has kept rungs after it:
+        undo it and the rungs above it, re-apply those above, and measure. Faster without it beyond
+        noise: it is reverted (its entry says by how much it lost) and a "closing" entry records
+        the final configuration; otherwise it is put back as it was.
+        """
+        out: list[RungResult] = []
+        j = 0
+        while j < len(kept) - 1:
+            rung, entry = kept[j]
+            if not rung.recheck:
+                j += 1
+                continue
+            above = [r for r, _ in kept[j + 1:]]
+            names = ", ".join(r.name for r in above)
+            self.on_event(f"closing check: {rung.name} with {names} on top")
+            t0 = time.perf_counter()
+            closing = RungResult(f"closing check: without {rung.name}", "closing", changes=[f"reverted {rung.name}"])
+            try:
+                self._unwind(j)
+                self.handles += [self._reapply(r) for r in above]
+                closing.precision = self.state.precision
+                losses = self._trajectory()
+                tol = config.tolerance(self.state.precision, self.state.device.type)
+                worst = max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
+                closing.parity = Parity(len(losses), tol, self.state.precision, reference, losses, worst, worst <= tol)
+                m = self._measure() if closing.parity.passed else None
+                status, why = self._decide(m, current) if m is not None else ("reverted", "numerics differ")
+            except Exception as exc:  # put the configuration back as it was and say why the check failed
+                status, why, m = "failed", f"{type(exc).__name__}: {str(exc).strip()[:200]}", None
+            finally:
+                self._snapshot.restore()
+            if status == "kept":  # faster without the rung: it stays reverted
+                lost = m.step_ms / current.step_ms
+                entry.status = "reverted"
+                entry.reason = (f"reverted by the closing check: with {names} on top, the step took {current.step_ms:.2f} ms "
+                                f"with it and {m.step_ms:.2f} ms without ({lost - 1:+.1%} without it; earlier: {entry.reason})")
+                closing.reason = f"final configuration without {rung.name}: {why}"
+                closing.measurement = m
+                closing.gain_vs_previous = current.step_ms / m.step_ms
+                closing.gain_vs_baseline = base.step_ms / m.step_ms
+                closing.seconds = time.perf_counter() - t0
+                out.append(closing)
+                kept.pop(j)
+                reference, current = losses, m
+                self.on_event(f"closing check: {rung.name} reverted ({why})")
+                continue
+            try:  # not faster without it (or the check failed): put it back under the rungs above
+                self._unwind(j)
+                self.handles += [self._reapply(r) for r in [rung, *above]]
+            except Exception as exc:
+                entry.reason = f"{entry.reason}; closing check could not restore it: {type(exc).__name__}: {exc}"
+                raise
+            finally:
+                self._snapshot.restore()
+            note = (f"closing check with {names} on top: {m.step_ms:.2f} ms without it vs {current.step_ms:.2f} ms with it, kept"
+                    if m is not None else f"closing check with {names} on top did not complete ({why}), kept")
+            entry.reason = f"{entry.reason}; {note}" if entry.reason else note
+            self.on_event(f"closing check: {rung.name} kept")
+            j += 1
+        return out
+
+    def _unwind(self, j: int) -> None:
+        """Undo the kept handles from the last down to index ``j``."""
+        while len(self.handles) > j:
+            self.handles.pop().undo()
+
+    def _reapply(self, rung: Rung) -> Handle:
+        reason = rung.check(self.state)
+        if reason is not None:
+            raise RuntimeError(f"{rung.name} no longer applies: {reason}")
+        handle = rung.apply(self.state)
+        if handle.problem():
+            handle.undo()
+            raise RuntimeError(f"{rung.name}: {handle.problem()}")
+        return handle
 
     def revert(self) -> None:
         """Undo every kept rung, last first."""

@@ -11,7 +11,9 @@ from typing import Any, Literal
 
 SCHEMA_VERSION = 1
 
-Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed"]
+#: "closing": the final configuration re-measured by the ladder's closing check after it reverted a
+#: kept rung that no longer paid with the later rungs on top of it
+Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing"]
 
 
 @dataclass
@@ -82,9 +84,12 @@ class LadderResult:
 
     @property
     def final(self) -> RungResult:
-        """The last configuration that stayed: the last kept rung, else the baseline."""
-        kept = self.kept
-        return kept[-1] if kept else self.baseline
+        """The configuration that stayed: the closing check's re-measurement if it changed it, else
+        the last kept rung, else the baseline."""
+        for r in reversed(self.rungs):
+            if r.status in ("kept", "closing"):
+                return r
+        return self.baseline
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

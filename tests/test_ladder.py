@@ -241,3 +241,75 @@ def test_the_ladder_with_real_rungs_on_cpu_reports_each_rung():
     assert result.flops["per_step"] > 0
     d = result.to_dict()
     assert d["schema_version"] == 1 and d["summary"]["speedup"] >= 1.0
+
+
+# -- the closing check ---------------------------------------------------------------------------------
+
+
+def _interacting_state(cost: dict[tuple[bool, bool], float]):
+    """A state whose step sleeps ``cost[(a applied, b applied)]`` seconds: rung "a" pays alone and
+    may not once "b" is on top (as a fused kernel may not under torch.compile)."""
+    state = mlp_state()
+    fast = state.loss_fn
+    state.flags = {"a": False, "b": False}
+
+    def sleepy(m, b, i):
+        time.sleep(cost[(state.flags["a"], state.flags["b"])])
+        return fast(m, b, i)
+
+    state.loss_fn = sleepy
+    return state
+
+
+class FlagRung(Rung):
+    def __init__(self, flag: str, recheck: bool = True):
+        super().__init__()
+        self.name, self.flag, self.recheck = flag, flag, recheck
+        self.applied = 0
+
+    def apply(self, state):
+        self.applied += 1
+        handle = Handle(self.name)
+        state.flags[self.flag] = True
+        handle.record(f"flag {self.flag} on", lambda: state.flags.__setitem__(self.flag, False))
+        return handle
+
+
+def test_closing_check_reverts_a_rung_that_stops_paying_under_a_later_one():
+    # a alone: 30 -> 10 ms; b on top: 8 ms; b without a: 3 ms
+    state = _interacting_state({(False, False): 0.03, (True, False): 0.01, (True, True): 0.008, (False, True): 0.003})
+    a, b = FlagRung("a"), FlagRung("b")
+    ladder = Ladder(state, [a, b], FAST)
+    result = ladder.run()
+    names = [r.name for r in result.rungs]
+    assert names == ["baseline", "a", "b", "closing check: without a"]
+    ra, rb, closing = result.rungs[1:]
+    assert ra.status == "reverted" and "reverted by the closing check" in ra.reason and "b on top" in ra.reason
+    assert rb.status == "kept"
+    assert closing.status == "closing" and closing.measurement.step_ms < rb.measurement.step_ms
+    assert result.final is closing and [r.name for r in result.kept] == ["b"]
+    assert result.to_dict()["summary"]["final_step_ms"] == closing.measurement.step_ms
+    assert state.flags == {"a": False, "b": True}  # what stays applied is the final configuration
+    assert len(ladder.handles) == 1
+    ladder.revert()
+    assert state.flags == {"a": False, "b": False}
+
+
+def test_closing_check_puts_back_a_rung_that_still_pays():
+    state = _interacting_state({(False, False): 0.03, (True, False): 0.01, (True, True): 0.004, (False, True): 0.02})
+    a, b = FlagRung("a"), FlagRung("b")
+    ladder = Ladder(state, [a, b], FAST)
+    result = ladder.run()
+    assert [r.name for r in result.rungs] == ["baseline", "a", "b"]
+    assert [r.status for r in result.rungs[1:]] == ["kept", "kept"]
+    assert "closing check with b on top" in result.rungs[1].reason and "kept" in result.rungs[1].reason
+    assert result.final is result.rungs[2]
+    assert state.flags == {"a": True, "b": True} and len(ladder.handles) == 2
+    assert (a.applied, b.applied) == (2, 3)  # a: first try + put back; b: first try, on top without a, on top with a
+
+
+def test_closing_check_skips_rungs_that_do_not_ask_for_it():
+    state = _interacting_state({(False, False): 0.03, (True, False): 0.01, (True, True): 0.008, (False, True): 0.003})
+    a, b = FlagRung("a", recheck=False), FlagRung("b")
+    result = Ladder(state, [a, b], FAST).run()
+    assert [r.status for r in result.rungs[1:]] == ["kept", "kept"] and a.applied == 1

@@ -21,6 +21,8 @@ Row offsets are computed in int64.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -216,6 +218,7 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_d
 # -- launch configuration --------------------------------------------------------------------------
 
 
+@functools.cache
 def _fwd_config(N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows that fit in registers.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,5 +42,10 @@ def next_power_of_2(n: int) -> int:
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # the interpreter: a few programs are enough to exercise the persistent loops
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # cached: launchers run every step, and the host's time counts
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -16,6 +16,7 @@ STATUS_STYLES = {
     "reverted": "yellow",
     "not_applicable": "dim",
     "failed": "bold red",
+    "closing": "bold green",
 }
 
 

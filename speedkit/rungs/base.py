@@ -78,6 +78,9 @@ class Rung:
     #: when the Lightning callback applies it: "setup" (before the strategy wraps the model and
     #: builds optimizers) or "fit_start" (once optimizers exist)
     lightning_stage: ClassVar[str] = "setup"
+    #: re-tested by the ladder's closing check once later rungs are kept on top of it (its gain may
+    #: depend on them: a fused kernel pays in eager and may not under torch.compile)
+    recheck: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

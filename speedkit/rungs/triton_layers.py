@@ -559,6 +559,7 @@ class TritonLayersRung(Rung):
 
     name = TAG
     Options = TritonLayersOptions
+    recheck = True  # pays in eager; whether it still pays under torch.compile is measured, not assumed
 
     def check(self, state: TrainState) -> str | None:
         reason = kernels_available(state.device)
