@@ -216,12 +216,57 @@ def ce_variants() -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_bwd() -> None:
+    """GPU time (profiler) of the norm backward launcher under candidate configurations."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [("ln", 16384, 4096), ("ln", 8192, 8192), ("rms", 16384, 4096), ("ln", 16384, 768)]
+    for op, M, N in cases:
+        rms = op == "rms"
+        xs = [torch.randn(M, N, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+        dys = [torch.randn(M, N, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+        w = torch.randn(N, device=DEV, dtype=torch.bfloat16)
+        b = None if rms else torch.randn(N, device=DEV, dtype=torch.bfloat16)
+        saved = [norms.norm_forward(x, w, b, 1e-5, rms) for x in xs]
+        bn = norms.next_power_of_2(N)
+        default_cfg, default_pb = norms._bwd_config, norms._partials_block
+        rows = []
+        try:
+            for bm, warps, per_sm in ((1, 4, 4), (1, 8, 2), (2, 4, 2), (2, 8, 2), (2, 8, 1), (4, 8, 2), (4, 16, 1), (1, 16, 2), (2, 16, 1)):
+                if bm * bn > 16384 or warps * per_sm > 64 or (N <= 1024 and bm == 1 and warps > 8):
+                    continue
+                for pb in (16, 32, 64):
+                    norms._bwd_config = lambda n, m, d, r=False, bm=bm, wp=warps, p=per_sm: (bm, bn, wp, min(-(-m // bm), sms * p))
+                    norms._partials_block = lambda n, d, pb=pb: pb
+                    counter = itertools.count()
+
+                    def run() -> None:
+                        i = next(counter) % 3
+                        norms.norm_backward(dys[i], xs[i], w, saved[i][1], saved[i][2], rms, b is not None)
+
+                    try:
+                        gpu, kernels = kernel_profile(run)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {op} {M}x{N} bm {bm} warps {warps} per_sm {per_sm}: {type(exc).__name__}")
+                        break
+                    part = sum(us * c for k, (c, us) in kernels.items() if "partials" in k)
+                    rows.append((gpu, bm, warps, per_sm, pb, part))
+        finally:
+            norms._bwd_config, norms._partials_block = default_cfg, default_pb
+        rows.sort()
+        cur = norms._bwd_config(N, M, DEV, rms)
+        print(f"== {op} {M}x{N} bwd gpu us (default {cur[0]}, {cur[2]} warps, {cur[3]} programs, partials block "
+              f"{norms._partials_block(N, DEV)}):", flush=True)
+        for r in rows[:8]:
+            print(f"  {r[0]:7.1f} us  bm {r[1]} warps {r[2]} per_sm {r[3]} partials block {r[4]} (partials {r[5]:.1f} us)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="ln,rms")
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--ce", action="store_true")
     parser.add_argument("--host", action="store_true", help="only the host-overhead breakdown")
+    parser.add_argument("--sweep", action="store_true", help="only a sweep of the norm backward's launch configuration")
     parser.add_argument("--ce-configs", default=None, help="BLOCKxWARPS,... e.g. 16384x16,8192x8")
     parser.add_argument("--ce-grids", default=None, help="subset of rows,1/sm,2/sm,4/sm")
     parser.add_argument("--ce-hints", default=None, help="evict-last,evict-first,streaming-store triples, e.g. 111,000")
@@ -235,6 +280,9 @@ def main() -> None:
         CE_HINTS = [tuple(int(c) for c in h) for h in args.ce_hints.split(",")]
     if args.host:
         host_breakdown()
+        return
+    if args.sweep:
+        sweep_bwd()
         return
     wanted = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")} if args.shapes else None
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)

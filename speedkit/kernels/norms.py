@@ -250,6 +250,13 @@ def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tupl
     return block_m, block_n, num_warps, programs
 
 
+def _partials_block(N: int, device: torch.device) -> int:
+    """Columns per program of the partials' sum: narrow blocks, so that N/block programs (at least
+    two per SM where N allows) share the read of the (P, N) partials, which are still in L2."""
+    per = 1 << max(0, (N // (2 * num_sms(device))).bit_length() - 1)  # largest power of 2 <= N / (2·SMs)
+    return max(16, min(64, per, next_power_of_2(N)))
+
+
 @triton.jit
 def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -349,7 +356,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
         grads = torch.empty((planes, N), dtype=param_dtype, device=x.device)
         dw = grads[0] if has_w else None
         db = grads[planes - 1] if has_bias else None
-    block = min(64, next_power_of_2(N))  # narrow column blocks: N/64 programs share the (P, N) read
+    block = _partials_block(N, x.device)
     _sum_partials_kernel[(triton.cdiv(N, block),)](part, dw if has_w else grads, db if has_bias else grads, programs, N,
                                                    HAS_W=has_w, HAS_B=has_bias, BLOCK_P=32, BLOCK_N=block, num_warps=4)
     return dx, dw, db
