@@ -234,18 +234,23 @@ def _fwd_config(N: int) -> tuple[int, int, int]:
 def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the persistent backward.
 
-    From the same sweep: few warps and 2 programs per SM for LayerNorm (two row reductions per
-    row, each a barrier: smaller programs wait less), more warps for RMSNorm (one reduction).
+    From sweeps on an H200 of the backward's GPU time (bench/profile_kernels.py --sweep, bf16):
+    LayerNorm 16384×4096 took 118 µs with 4 rows × 16 warps × 1 program per SM against 150 µs
+    with 2 × 8 × 2; 8192×8192 took 142 µs with 2 × 8 × 1 against 154 µs with 2 × 16 × 1; for
+    RMSNorm 16384×4096, 2 × 8 × 2 stayed best (101 µs). Narrow rows: few warps, several
+    programs per SM (LayerNorm has two row reductions per row, each a barrier).
     """
     block_n = next_power_of_2(N)
     if block_n <= 1024:
         block_m, num_warps, per_sm = (1, 8, 4) if rms else (4, 4, 2)
-    elif block_n <= 4096:
+    elif block_n <= 2048:
         block_m, num_warps, per_sm = 2, (8 if rms else 4), 2
+    elif block_n <= 4096:
+        block_m, num_warps, per_sm = (2, 8, 2) if rms else (4, 16, 1)
+    elif block_n <= 8192:
+        block_m, num_warps, per_sm = (2, 16, 1) if rms else (2, 8, 1)
     else:
-        block_m, num_warps, per_sm = (2 if block_n <= 8192 else 1), (16 if rms else 8), 1
-    # no more than 32 fp32 values of a tensor per thread: beyond that registers spill
-    num_warps = max(num_warps, min(32, block_m * block_n // (32 * 32)))
+        block_m, num_warps, per_sm = 1, 16, 1
     programs = min(triton.cdiv(M, block_m), num_sms(device) * per_sm)
     return block_m, block_n, num_warps, programs
 
