@@ -101,7 +101,7 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
             continue
         _record(res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"])
     kept = [{"name": r["name"], "options": r["options"]} for r in report["rungs"] if r["status"] == "kept"]
-    final = next((r for r in reversed(report["rungs"]) if r["status"] in ("kept", "baseline")), None)
+    final = next((r for r in reversed(report["rungs"]) if r["status"] in ("closing", "kept", "baseline")), None)
     _record(res, "speedkit", final["measurement"]["step_ms"], final["measurement"]["spread"], flops, ceiling,
             final["measurement"]["peak_memory_bytes"])
     return kept
