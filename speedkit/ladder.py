@@ -190,11 +190,12 @@ class Ladder:
                 status, why, m = "failed", f"{type(exc).__name__}: {str(exc).strip()[:200]}", None
             finally:
                 self._snapshot.restore()
-            if status == "kept":  # faster without the rung: it stays reverted
-                lost = m.step_ms / current.step_ms
+            if status == "kept":  # faster (or leaner at the same speed) without the rung: it stays reverted
                 entry.status = "reverted"
-                entry.reason = (f"reverted by the closing check: with {names} on top, the step took {current.step_ms:.2f} ms "
-                                f"with it and {m.step_ms:.2f} ms without ({lost - 1:+.1%} without it; earlier: {entry.reason})")
+                entry.reason = (f"reverted by the closing check: with {names} on top it no longer pays: step "
+                                f"{current.step_ms:.2f} ms{_gb(current)} with it, {m.step_ms:.2f} ms{_gb(m)} without "
+                                f"({m.step_ms / current.step_ms - 1:+.1%} step time without it; {why}); "
+                                f"before {names}: {entry.reason}")
                 closing.reason = f"final configuration without {rung.name}: {why}"
                 closing.measurement = m
                 closing.gain_vs_previous = current.step_ms / m.step_ms
@@ -366,6 +367,10 @@ class Ladder:
                            throughput=items / (median / 1e3), throughput_unit=unit, items_per_step=items, mfu=util,
                            tflops=achieved, peak_memory_bytes=torch.cuda.max_memory_allocated(state.device) if cuda else None,
                            telemetry=telemetry, clock=clock.name)
+
+
+def _gb(m: Measurement) -> str:
+    return f", peak {m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes else ""
 
 
 class _RungProblem(Exception):
