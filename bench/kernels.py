@@ -14,6 +14,8 @@ Variants:
                  defaults: casting_mode "llama", in_place=True, LigerCrossEntropyFunction); skipped, with
                  the reason recorded, when liger_kernel does not import
   speedkit       speedkit.kernels.layer_norm / rms_norm / cross_entropy
+  sk_compiled    the same inside torch.compile(fullgraph=True): speedkit's custom ops, as a compiled model
+                 runs them (for ce: the lse-only forward and the gradient-from-lse backward)
 
 Per variant and shape: one correctness check against eager fp32 on fresh random inputs (relative error
 norm of the output and of every gradient < 2e-2), then median ms of the forward (no_grad) and of
@@ -85,8 +87,9 @@ TARGETS = {
     ("rms", (16384, 768)): 2.0, ("rms", (16384, 4096)): 3.0, ("rms", (8192, 8192)): 3.0,
     ("ce", (16384, 50304)): 1.3, ("ce", (8192, 128256)): 1.3,
 }
-VARIANTS = {"ln": ["eager", "compile", "liger", "speedkit"], "rms": ["eager", "compile", "liger", "speedkit"],
-            "ce": ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit"]}
+VARIANTS = {"ln": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
+            "rms": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
+            "ce": ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit", "sk_compiled"]}
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOL = 2e-2  # relative error norm for bf16 against eager fp32
 DTYPE = torch.bfloat16
@@ -247,6 +250,10 @@ def make_variants(op: str, names: list[str], liger: dict | None, liger_note: str
             else:
                 # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction) -> (loss, ...)
                 out[name] = lambda logits, target, f=liger["ce"]: f.apply(logits, target, None, -100, 0.0, 0.0, "mean")[0]
+        elif name == "sk_compiled":  # speedkit's custom ops inside a torch.compile'd function (what a compiled model runs)
+            sk_fn = {"ln": lambda x, w, b: sk.layer_norm(x, w, b, LN_EPS), "rms": lambda x, w, b: sk.rms_norm(x, w, RMS_EPS),
+                     "ce": lambda logits, target: sk.cross_entropy(logits, target)}[op]
+            out[name] = torch.compile(sk_fn, dynamic=False, fullgraph=True)
         elif name == "speedkit":
             if op == "ln":
                 out[name] = lambda x, w, b: sk.layer_norm(x, w, b, LN_EPS)
@@ -296,7 +303,7 @@ class Bench:
         if not ok:
             line = f"CORRECTNESS FAIL {op} {shape} {name}: {text}"
             print(line, flush=True)
-            (self.speedkit_failures if name == "speedkit" else self.other_failures).append(line)
+            (self.speedkit_failures if name in ("speedkit", "sk_compiled") else self.other_failures).append(line)
         return ok
 
     def graphed(self, step: Callable[[], object], clear: Callable[[], None]) -> tuple[float | None, float | None, str]:
@@ -567,7 +574,7 @@ class Bench:
             self.run_norm(op, M, N)
 
     def table(self) -> None:
-        names_all = ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit"]
+        names_all = ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit", "sk_compiled"]
         sections = (("forward+backward, a Python loop of steps (host overhead included)", "fb_tbs", "fb_ms", True),
                     ("forward+backward replayed from a CUDA graph (kernel time, host out of the way)", "g_tbs", "g_ms", True),
                     ("forward (no_grad)", "fwd_tbs", "fwd_ms", False))
@@ -589,7 +596,7 @@ class Bench:
                         text += f"+{v['mem'] / 1e9:.1f}G"
                     cells.append(f"{text + ('' if v['ok'] else '!'):>13s}")
                 sk = row["variants"].get("speedkit")
-                others = [v[time_key] for n, v in row["variants"].items() if n != "speedkit" and v["ok"] and v.get(time_key)]
+                others = [v[time_key] for n, v in row["variants"].items() if n not in ("speedkit", "sk_compiled") and v["ok"] and v.get(time_key)]
                 ratio = f"{min(others) / sk[time_key]:.2f}x" if sk and sk.get(time_key) and others else "-"
                 target, floor = "-", "-"
                 if has_target:
@@ -615,7 +622,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--ops", default="ln,rms,ce", help="comma-separated subset of ln,rms,ce")
     parser.add_argument("--shapes", default=None, help="comma-separated MxN subset, e.g. 16384x768,8192x128256")
-    parser.add_argument("--variants", default=None, help="comma-separated subset of eager,eager_float,compile,compile_float,liger,speedkit")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of eager,eager_float,compile,compile_float,liger,speedkit,sk_compiled")
     parser.add_argument("--quick", action="store_true", help="fewer warm-up steps, steps and windows")
     parser.add_argument("--sets", type=int, default=3, help="random input sets rotated through (>= 3)")
     parser.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<date>_<gpu>.jsonl)")

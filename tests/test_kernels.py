@@ -289,10 +289,56 @@ def test_custom_ops_have_fake_implementations():
         assert y.shape == (6, 10) and mean.shape == rstd.shape == (6,)
         dx, dw, db = torch.ops.speedkit.norm_bwd(x, x, w, mean, rstd, False, True)
         assert dx.shape == (6, 10) and dw.shape == db.shape == (10,)
-        loss, grad = torch.ops.speedkit.cross_entropy_fwd(x, torch.empty(6, dtype=torch.long), "none", -100, 0.0)
-        assert loss.shape == (6,) and grad.shape == (6, 10)
+        t = torch.empty(6, dtype=torch.long)
+        loss, lse = torch.ops.speedkit.cross_entropy_fwd(x, t, "none", -100, 0.0)
+        assert loss.shape == lse.shape == (6,)
+        assert torch.ops.speedkit.cross_entropy_bwd(x, t, lse, loss, "none", -100, 0.0).shape == (6, 10)
         assert torch.ops.speedkit.bias_gelu(x, w, True).shape == (6, 10)
         assert torch.ops.speedkit.swiglu(x, x).shape == (6, 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("V", [7, 4097 + 2, 2 * 8192 + 5])
+def test_cross_entropy_lse_and_gradient_launchers_of_the_compiled_path(dtype, reduction, smoothing, V):
+    """The split torch.compile uses: losses + log-sum-exp in one read, then the gradient from them,
+    scaled by a non-uniform upstream gradient, into a poisoned buffer; ignored rows give zeros."""
+    from speedkit.kernels.cross_entropy import cross_entropy_grad, cross_entropy_lse
+
+    N = 7
+    logits = _rand(N, V, dtype=dtype, scale=4.0)
+    target = torch.randint(0, V, (N,)).to(DEVICE)
+    target[[1, 4]] = -100
+    losses, lse = cross_entropy_lse(logits, target, -100, smoothing)
+    leaf = logits.double().requires_grad_()
+    ref = F.cross_entropy(leaf, target, reduction=reduction, ignore_index=-100, label_smoothing=smoothing)
+    gout = _rand(N) if reduction == "none" else torch.tensor(0.37, device=DEVICE)
+    (ref_grad,) = torch.autograd.grad(ref, leaf, gout.double())
+    per_row = F.cross_entropy(logits.double(), target, reduction="none", ignore_index=-100, label_smoothing=smoothing)
+    assert_rel_close(losses, per_row, 1e-5, "per-row losses")
+    valid = target != -100
+    assert_rel_close(lse[valid], torch.logsumexp(logits.double(), -1)[valid], 1e-5, "log-sum-exp")
+    grad = cross_entropy_grad(logits, target, lse, gout, reduction, -100, smoothing, grad_out=_nan_like(logits))
+    assert torch.equal(grad[[1, 4]], torch.zeros_like(grad[[1, 4]]))
+    _close(grad, ref_grad, dtype, "gradient")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_custom_op_autograd_matches_float64(reduction):
+    """The op torch.compile traces, run through its registered autograd (forward op + backward op)."""
+    N, V = 9, 301
+    logits = _rand(N, V, scale=3.0).requires_grad_()
+    target = torch.randint(0, V, (N,)).to(DEVICE)
+    target[2] = -100
+    loss, _ = torch.ops.speedkit.cross_entropy_fwd(logits, target, reduction, -100, 0.1)
+    gout = _rand(N) if reduction == "none" else torch.tensor(1.7, device=DEVICE)
+    (grad,) = torch.autograd.grad(loss, logits, gout)
+    leaf = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(leaf, target, reduction=reduction, ignore_index=-100, label_smoothing=0.1)
+    (ref_grad,) = torch.autograd.grad(ref, leaf, gout.double())
+    assert_rel_close(loss, ref, 1e-5, "loss")
+    assert_rel_close(grad, ref_grad, 1e-5, "gradient")
 
 
 def test_cross_entropy_under_compile_traces_a_functional_backward():

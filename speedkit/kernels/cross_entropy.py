@@ -15,8 +15,14 @@ Eager backward multiplies that stored gradient by the incoming gradient in place
 is the op's own and nothing else holds it — and a row whose incoming gradient is exactly 1 (the
 usual ``loss.backward()``) is skipped on the device, so the common backward moves no data at all.
 A second eager backward through the same loss (``retain_graph=True``) is refused with an error
-rather than silently scaling twice. Under torch.compile a traced backward may not mutate a saved
-tensor, so there the scaling is out of place (one pass over the gradient, fused by Inductor).
+rather than silently scaling twice.
+
+Under torch.compile (the custom ops, which Inductor cannot look into) the split is different: a
+traced backward may not mutate a tensor saved by the forward, so scaling a stored gradient would
+cost a whole extra pass. There the forward reads each row once and keeps only its log-sum-exp,
+and the backward op reads the saved logits once and writes their gradient, scaled by the incoming
+gradient, once: the same three passes over the data, none of them wasted, and no more memory
+than Inductor's own loss (the logits, saved for backward).
 """
 
 from __future__ import annotations
@@ -34,18 +40,23 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
-def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, NVALID, stride_l, stride_g, V, ignore_index, smoothing,
-                   MEAN: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, LSE, NVALID, stride_l, stride_g, V, ignore_index, smoothing,
+                   MEAN: tl.constexpr, SMOOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row: the loss and, with WRITE_GRAD, the gradient (pass 2); without it, the row's
+    log-sum-exp for :func:`_ce_grad_kernel` (one read of the row, nothing written but scalars)."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGET + row).to(tl.int64)
     x_row = LOGITS + row * stride_l
     g_row = GRAD + row * stride_g
     cols0 = tl.arange(0, BLOCK)
     if target == ignore_index:
-        zero = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + cols0
-            tl.store(g_row + cols, zero.to(GRAD.dtype.element_ty), mask=cols < V)
+        if WRITE_GRAD:
+            zero = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, V, BLOCK):
+                cols = start + cols0
+                tl.store(g_row + cols, zero.to(GRAD.dtype.element_ty), mask=cols < V, cache_modifier=".cs")
+        else:
+            tl.store(LSE + row, 0.0)
         tl.store(LOSS + row, 0.0)
         return
     # pass 1: online max and sum of exp over the chunks (scalar state: few registers, so several
@@ -70,6 +81,9 @@ def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, NVALID, stride_l, stride_g, V, ig
     else:
         loss = lse - x_t
     tl.store(LOSS + row, loss)
+    if not WRITE_GRAD:
+        tl.store(LSE + row, lse)
+        return
     scale = 1.0
     if MEAN:
         scale = 1.0 / tl.load(NVALID).to(tl.float32)
@@ -107,6 +121,38 @@ def _ce_bwd_kernel(GRAD, GOUT, stride_g, V, PER_ROW: tl.constexpr, BLOCK: tl.con
             tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _ce_grad_kernel(LOGITS, TARGET, LSE, GOUT, NVALID, GRAD, stride_l, stride_g, V, ignore_index, smoothing,
+                    MEAN: tl.constexpr, SMOOTH: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """The gradient from the saved log-sum-exp, scaled by the incoming gradient: one read of the
+    logits, one write of the gradient (the backward of the op that torch.compile traces)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGET + row).to(tl.int64)
+    g_row = GRAD + row * stride_g
+    x_row = LOGITS + row * stride_l
+    cols0 = tl.arange(0, BLOCK)
+    if PER_ROW:
+        scale = tl.load(GOUT + row).to(tl.float32)
+    else:
+        scale = tl.load(GOUT).to(tl.float32)
+    if MEAN:
+        scale = scale / tl.load(NVALID).to(tl.float32)
+    if target == ignore_index:
+        scale = 0.0
+    lse = tl.load(LSE + row)
+    for start in range(0, V, BLOCK):
+        cols = start + cols0
+        ok = cols < V
+        x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = tl.exp(x - lse)
+        if SMOOTH:
+            g = g - smoothing / V
+            g = tl.where(cols == target, g - (1.0 - smoothing), g)
+        else:
+            g = tl.where(cols == target, g - 1.0, g)
+        tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok, cache_modifier=".cs")
+
+
 def _block(V: int) -> tuple[int, int]:
     """(chunk, num_warps): rows in chunks of up to 8K elements, 8 warps (32 elements per thread).
 
@@ -130,10 +176,40 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore
     # counted on the device: the kernel reads it, the host never does
     n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
     block, warps = _block(V)
-    _ce_fwd_kernel[(N,)](logits, target, grad, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
-                         float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0,
+    _ce_fwd_kernel[(N,)](logits, target, grad, losses, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
+                         float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0, WRITE_GRAD=True,
                          BLOCK=block, num_warps=warps)
     return losses, grad
+
+
+def cross_entropy_lse(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """``(per-row losses, per-row log-sum-exp)``, both (N,) fp32: one read of the logits, no gradient."""
+    N, V = logits.shape
+    losses = torch.empty(N, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return losses, lse
+    block, warps = _block(V)
+    _ce_fwd_kernel[(N,)](logits, target, logits, losses, lse, losses, logits.stride(0), 0, V, ignore_index,
+                         float(label_smoothing), MEAN=False, SMOOTH=label_smoothing > 0, WRITE_GRAD=False,
+                         BLOCK=block, num_warps=warps)
+    return losses, lse
+
+
+def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, reduction: str, ignore_index: int,
+                       label_smoothing: float, grad_out: Tensor | None = None) -> Tensor:
+    """dL/dlogits from the saved log-sum-exp, scaled by ``grad_loss`` (a scalar, or (N,) for "none")."""
+    N, V = logits.shape
+    grad = grad_out if grad_out is not None else torch.empty_like(logits)
+    if N == 0:
+        return grad
+    n_valid = (target != ignore_index).sum() if reduction == "mean" else lse
+    gout = grad_loss.reshape(-1)
+    block, warps = _block(V)
+    _ce_grad_kernel[(N,)](logits, target, lse, gout, n_valid, grad, logits.stride(0), grad.stride(0), V, ignore_index,
+                          float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0,
+                          PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
+    return grad
 
 
 def _reduce(losses: Tensor, target: Tensor, reduction: str, ignore_index: int) -> Tensor:
@@ -150,14 +226,45 @@ def _reduce(losses: Tensor, target: Tensor, reduction: str, ignore_index: int) -
 
 @torch.library.custom_op("speedkit::cross_entropy_fwd", mutates_args=())
 def _ce_fwd_op(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
-    losses, grad = cross_entropy_forward(logits, target, reduction, ignore_index, label_smoothing)
-    return _reduce(losses, target, reduction, ignore_index), grad
+    losses, lse = cross_entropy_lse(logits, target, ignore_index, label_smoothing)
+    return _reduce(losses, target, reduction, ignore_index), lse
 
 
 @_ce_fwd_op.register_fake
 def _(logits, target, reduction, ignore_index, label_smoothing):
-    loss = logits.new_empty((logits.shape[0],) if reduction == "none" else (), dtype=torch.float32)
-    return loss, torch.empty_like(logits)
+    N = logits.shape[0]
+    loss = logits.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty(N, dtype=torch.float32)
+
+
+@torch.library.custom_op("speedkit::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, reduction: str, ignore_index: int,
+               label_smoothing: float) -> Tensor:
+    return cross_entropy_grad(logits, target, lse, grad_loss, reduction, ignore_index, label_smoothing)
+
+
+@_ce_bwd_op.register_fake
+def _(logits, target, lse, grad_loss, reduction, ignore_index, label_smoothing):
+    return torch.empty_like(logits)
+
+
+def _setup(ctx, inputs, output):
+    logits, target, reduction, ignore_index, label_smoothing = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(logits, target, lse)
+    ctx.args = (reduction, ignore_index, label_smoothing)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    """The custom op's backward — what torch.compile traces: one more op, which reads the saved
+    logits once and writes their gradient once (no tensor saved by the forward is mutated)."""
+    logits, target, lse = ctx.saved_tensors
+    grad = torch.ops.speedkit.cross_entropy_bwd(logits, target, lse, grad_loss.float(), *ctx.args)
+    return grad, None, None, None, None
+
+
+_ce_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 def scale_gradient_(grad: Tensor, grad_output: Tensor) -> None:
@@ -168,24 +275,6 @@ def scale_gradient_(grad: Tensor, grad_output: Tensor) -> None:
     block, warps = _block(V)
     gout = grad_output.reshape(-1)
     _ce_bwd_kernel[(N,)](grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
-
-
-def _setup(ctx, inputs, output):
-    _, grad = output
-    ctx.mark_non_differentiable(grad)
-    ctx.save_for_backward(grad)
-
-
-def _backward(ctx, grad_loss, _grad_grad):
-    """The custom op's backward — what torch.compile traces. A traced backward may not mutate a
-    tensor saved by the forward (and runs on fake tensors while tracing: no kernel launch here),
-    so the scaling is out of place: one pass over the gradient, fused by Inductor."""
-    (grad,) = ctx.saved_tensors
-    scale = grad_loss.reshape(-1, 1) if grad_loss.dim() else grad_loss
-    return (grad * scale).to(grad.dtype), None, None, None, None
-
-
-_ce_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
