@@ -214,7 +214,8 @@ class Ladder:
                 raise
             finally:
                 self._snapshot.restore()
-            note = (f"closing check with {names} on top: {m.step_ms:.2f} ms without it vs {current.step_ms:.2f} ms with it, kept"
+            note = (f"closing check with {names} on top: step {current.step_ms:.2f} ms{_gb(current)} with it, {m.step_ms:.2f} ms"
+                    f"{_gb(m)} without ({m.step_ms / current.step_ms:.3f}x with it, noise {math.hypot(m.spread, current.spread):.1%}), kept"
                     if m is not None else f"closing check with {names} on top did not complete ({why}), kept")
             entry.reason = f"{entry.reason}; {note}" if entry.reason else note
             self.on_event(f"closing check: {rung.name} kept")
