@@ -4,14 +4,17 @@ Speeds up: layers that read and write whole activations for little arithmetic �
 RMSNorm (statistics and affine in one pass, a persistent backward), softmax cross-entropy over a
 large vocabulary (the gradient computed in the forward, no fp32 copy of the logits even where the
 code upcasts them with ``.float()``), the bias + GELU after a Linear, and SwiGLU's ``silu(g) * u``.
-Does not help: compute-bound models (large GEMMs dominate), small activations, and code that
-``torch.compile`` traces: there the swapped layers run PyTorch's ops and leave the fusion to
-Inductor, which fuses them with their neighbours better than an opaque kernel call (see
-:mod:`speedkit.layers`), so on top of compile this rung gains nothing in the compiled forward.
-Measured on an H200 (GPT-2 small, bf16 autocast, TF32, fused AdamW, SDPA, 16×1024 tokens), eager:
-the fused cross-entropy alone takes the step from 48.1 to 40.0 ms and the peak memory from 17.2 to
-11.3 GB, while the norm kernels (51.0 ms) and bias+GELU (49.9 ms) are slower than PyTorch's, so the
-default (everything) gave 51.1 ms; compiled: 34.1 ms without the rung, 34.5 ms with it.
+Does not help: compute-bound models (large GEMMs dominate), small activations, and norms and
+activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
+leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
+call (see :mod:`speedkit.layers`). The cross-entropy kernel stays under compile (a forward op that
+keeps only the log-sum-exp, a backward op that writes the gradient in one pass).
+Measured on an H200 (GPT-2 small, bf16 autocast, TF32, fused AdamW, SDPA, 16×1024 tokens): eager,
+the fused cross-entropy takes the step from 46.9 to 38.4 ms and the peak memory from 17.2 to 10.6 GB
+(an earlier run: the norm kernels alone 51.0 ms and bias+GELU 49.9 ms against 48.1, slower than
+PyTorch's, the host overhead of a Python launch per call dominating at these sizes); with compile on
+top, 32.55 ms with the rung against 33.14 ms without (the ladder's closing check measures this on
+every run: ``recheck``).
 Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors under
 ``TRITON_INTERPRET=1``, for tests).
 
