@@ -231,6 +231,7 @@ def _fwd_config(N: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
+@functools.cache
 def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs) of the persistent backward.
 
@@ -255,6 +256,7 @@ def _bwd_config(N: int, M: int, device: torch.device, rms: bool = False) -> tupl
     return block_m, block_n, num_warps, programs
 
 
+@functools.cache
 def _partials_block(N: int, device: torch.device) -> int:
     """Columns per program of the partials' sum: narrow blocks, so that N/block programs (at least
     two per SM where N allows) share the read of the (P, N) partials, which are still in L2."""
