@@ -22,9 +22,15 @@ from speedkit.kernels.support import launch, next_power_of_2, num_sms, runs_trit
 
 
 @triton.jit
-def _tanh(u):
-    # tanh(u) = 1 - 2/(exp(2u) + 1): exact at both ends, no inf/inf
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+def _half_one_plus_tanh(u):
+    """(s, 1 - s) with s = ½(1 + tanh(u)) = sigmoid(2u), each without cancellation: from
+    a = exp(-2|u|) in (0, 1], never overflowing, 1 - s computed directly rather than subtracted
+    (at u = -4, 1 + tanh(u) computed as 1 + tanh loses 4 digits to rounding)."""
+    a = tl.exp(-2.0 * tl.abs(u))
+    big = 1.0 / (1.0 + a)
+    small = a / (1.0 + a)
+    pos = u >= 0
+    return tl.where(pos, big, small), tl.where(pos, small, big)
 
 
 @triton.jit
@@ -32,10 +38,10 @@ def _gelu_and_grad(z, TANH: tl.constexpr, NEED_GRAD: tl.constexpr):
     if TANH:
         k: tl.constexpr = 0.7978845608028654
         u = k * (z + 0.044715 * z * z * z)
-        t = _tanh(u)
-        y = 0.5 * z * (1.0 + t)
-        if NEED_GRAD:
-            d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * z * z)
+        s, s_c = _half_one_plus_tanh(u)  # ½(1 + t) and ½(1 - t), t = tanh(u)
+        y = z * s
+        if NEED_GRAD:  # ½(1 + t) + ½z(1 - t²)·u', with 1 - t² = 4·s·(1 - s)
+            d = s + 2.0 * z * s * s_c * k * (1.0 + 3.0 * 0.044715 * z * z)
         else:
             d = y
     else:
