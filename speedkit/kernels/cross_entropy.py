@@ -40,6 +40,22 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
+def _grad_chunk(x_row, g_row, cols, V, lse, target, smoothing, scale, SMOOTH: tl.constexpr):
+    """One chunk of a row's gradient: scale · (softmax - ε/V - (1-ε)·[col == target]). The load is
+    the logits' last use (evict_first); the store streams (.cs): the gradient is not read again
+    soon, and must not push logits that are still to be read out of L2."""
+    ok = cols < V
+    x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    g = tl.exp(x - lse)
+    if SMOOTH:
+        g = g - smoothing / V
+        g = tl.where(cols == target, g - (1.0 - smoothing), g)
+    else:
+        g = tl.where(cols == target, g - 1.0, g)
+    tl.store(g_row + cols, (g * scale).to(g_row.dtype.element_ty), mask=ok, cache_modifier=".cs")
+
+
+@triton.jit
 def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, LSE, NVALID, stride_l, stride_g, V, ignore_index, smoothing,
                    MEAN: tl.constexpr, SMOOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: the loss and, with WRITE_GRAD, the gradient (pass 2); without it, the row's
@@ -90,17 +106,7 @@ def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, LSE, NVALID, stride_l, stride_g, 
     # pass 2: the gradient, last chunk first: the chunks pass 1 read last are likeliest still in L2
     n_chunks = tl.cdiv(V, BLOCK)
     for i in range(n_chunks):
-        cols = (n_chunks - 1 - i) * BLOCK + cols0
-        ok = cols < V
-        x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)  # last use
-        g = tl.exp(x - lse)
-        if SMOOTH:
-            g = g - smoothing / V
-            g = tl.where(cols == target, g - (1.0 - smoothing), g)
-        else:
-            g = tl.where(cols == target, g - 1.0, g)
-        # streaming store: the gradient is not read again soon, and must not push the logits out of L2
-        tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok, cache_modifier=".cs")
+        _grad_chunk(x_row, g_row, (n_chunks - 1 - i) * BLOCK + cols0, V, lse, target, smoothing, scale, SMOOTH)
 
 
 @triton.jit
@@ -137,20 +143,15 @@ def _ce_grad_kernel(LOGITS, TARGET, LSE, GOUT, NVALID, GRAD, stride_l, stride_g,
         scale = tl.load(GOUT).to(tl.float32)
     if MEAN:
         scale = scale / tl.load(NVALID).to(tl.float32)
-    if target == ignore_index:
-        scale = 0.0
+    if target == ignore_index:  # zeros, written rather than scaled: exp(x - lse) may be inf here
+        zero = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + cols0
+            tl.store(g_row + cols, zero.to(GRAD.dtype.element_ty), mask=cols < V, cache_modifier=".cs")
+        return
     lse = tl.load(LSE + row)
     for start in range(0, V, BLOCK):
-        cols = start + cols0
-        ok = cols < V
-        x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = tl.exp(x - lse)
-        if SMOOTH:
-            g = g - smoothing / V
-            g = tl.where(cols == target, g - (1.0 - smoothing), g)
-        else:
-            g = tl.where(cols == target, g - 1.0, g)
-        tl.store(g_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=ok, cache_modifier=".cs")
+        _grad_chunk(x_row, g_row, start + cols0, V, lse, target, smoothing, scale, SMOOTH)
 
 
 def _block(V: int) -> tuple[int, int]:
