@@ -181,9 +181,7 @@ class Ladder:
                 self.handles += [self._reapply(r) for r in above]
                 closing.precision = self.state.precision
                 losses = self._trajectory()
-                tol = config.tolerance(self.state.precision, self.state.device.type)
-                worst = max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
-                closing.parity = Parity(len(losses), tol, self.state.precision, reference, losses, worst, worst <= tol)
+                closing.parity = self._parity(losses, reference)
                 m = self._measure() if closing.parity.passed else None
                 status, why = self._decide(m, current) if m is not None else ("reverted", "numerics differ")
             except Exception as exc:  # put the configuration back as it was and say why the check failed
@@ -266,10 +264,8 @@ class Ladder:
             result.precision = state.precision
             self.on_event(f"  {rung.name}: parity over {self.cfg.parity_steps} steps")
             losses = self._trajectory()
-            tol = config.tolerance(state.precision, state.device.type)
-            diffs = [_rel_diff(a, b) for a, b in zip(losses, reference)]
-            worst = max(diffs) if diffs else 0.0
-            result.parity = Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
+            result.parity = self._parity(losses, reference)
+            worst, tol = result.parity.max_rel_diff, result.parity.tolerance
             if worst == 0.0 and state.precision != result_precision_before:
                 result.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
             if handle.problem():
@@ -331,6 +327,13 @@ class Ladder:
     # -- trials ------------------------------------------------------------------------------
     def _seed(self) -> None:
         torch.manual_seed(self.seed)
+
+    def _parity(self, losses: list[float], reference: list[float]) -> Parity:
+        """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
+        state = self.state
+        tol = config.tolerance(state.precision, state.device.type)
+        worst = max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
+        return Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
 
     def _trajectory(self) -> list[float]:
         """Losses of K steps from the initial snapshot on the parity batches (one sync at the end)."""
