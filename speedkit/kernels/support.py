@@ -65,24 +65,27 @@ def _cuda_sms(index: int) -> int:  # cached: launchers run every step, and the h
 _COMPILED: dict[tuple, object] = {}
 
 
-def _launch_knobs() -> object | None:
-    """Triton's runtime knobs (where launch hooks live) when the direct path may be used, else None."""
-    if interpreting() or os.environ.get("SPEEDKIT_FAST_LAUNCH", "1") == "0" or not hasattr(torch._C, "_cuda_getCurrentRawStream"):
-        return None
+def _fast_launch_enabled() -> bool:
+    if interpreting() or os.environ.get("SPEEDKIT_FAST_LAUNCH", "1") == "0":
+        return False
     try:
-        from triton import knobs
-    except ImportError:  # an older Triton: its own path
-        return None
-    return knobs.runtime
+        from triton.compiler.compiler import CompiledKernel
+
+        return all(hasattr(CompiledKernel, a) for a in ("launch_metadata",)) and hasattr(torch._C, "_cuda_getCurrentRawStream")
+    except Exception:  # noqa: BLE001 - any surprise in Triton's internals: the ordinary path
+        return False
 
 
-_KNOBS: object | None = None
 _FAST: bool | None = None
 
 
 def _hooks_idle() -> bool:
     """No launch hook is installed (a profiler such as Proton installs them; then Triton must launch)."""
-    for hook in (_KNOBS.launch_enter_hook, _KNOBS.launch_exit_hook):
+    try:
+        from triton import knobs
+    except ImportError:  # older Triton: its own path
+        return False
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
@@ -113,10 +116,9 @@ def launch(kernel, grid: tuple[int, ...], *args: object, num_warps: int, **const
 
     ``args`` are the kernel's leading (runtime) parameters in order; ``constexprs`` name the rest.
     """
-    global _FAST, _KNOBS
+    global _FAST
     if _FAST is None:
-        _KNOBS = _launch_knobs()
-        _FAST = _KNOBS is not None
+        _FAST = _fast_launch_enabled()
     if not _FAST or not _hooks_idle():
         kernel[grid](*args, num_warps=num_warps, **constexprs)
         return
