@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from speedkit.kernels.support import launch, next_power_of_2, num_sms, runs_triton
-
+from speedkit.kernels.support import next_power_of_2, num_sms, runs_triton
 
 @triton.jit
 def _half_one_plus_tanh(u):
@@ -126,7 +125,7 @@ def bias_gelu_forward(x: Tensor, bias: Tensor, tanh: bool, out: Tensor | None = 
     y = out if out is not None else torch.empty_like(x)
     if M:
         bm, bn, warps = _tiles(N)
-        launch(_bias_gelu_fwd_kernel, (triton.cdiv(M, bm), triton.cdiv(N, bn)), x, bias, y, x.stride(0), y.stride(0), M, N,
+        _bias_gelu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](x, bias, y, x.stride(0), y.stride(0), M, N,
                                                                         TANH=tanh, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return y
 
@@ -141,7 +140,7 @@ def bias_gelu_backward(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool, dx_out: 
     col_blocks = triton.cdiv(N, bn)
     programs = max(1, min(triton.cdiv(M, bm), num_sms(x.device) * 4 // col_blocks))
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    launch(_bias_gelu_bwd_kernel, (programs, col_blocks), dy, x, bias, dx, db_part, dy.stride(0), x.stride(0), dx.stride(0), M, N,
+    _bias_gelu_bwd_kernel[(programs, col_blocks)](dy, x, bias, dx, db_part, dy.stride(0), x.stride(0), dx.stride(0), M, N,
                                                   TANH=tanh, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return dx, db_part.sum(0).to(bias.dtype)
 
@@ -150,7 +149,7 @@ def swiglu_forward(g: Tensor, u: Tensor, out: Tensor | None = None) -> Tensor:
     y = out if out is not None else torch.empty_like(g)
     n = g.numel()
     if n:
-        launch(_swiglu_fwd_kernel, (triton.cdiv(n, 2048),), g, u, y, n, BLOCK=2048, num_warps=8)
+        _swiglu_fwd_kernel[(triton.cdiv(n, 2048),)](g, u, y, n, BLOCK=2048, num_warps=8)
     return y
 
 
@@ -161,7 +160,7 @@ def swiglu_backward(dy: Tensor, g: Tensor, u: Tensor, dg_out: Tensor | None = No
     du = du_out if du_out is not None else torch.empty_like(u)
     n = g.numel()
     if n:
-        launch(_swiglu_bwd_kernel, (triton.cdiv(n, 2048),), dy, g, u, dg, du, n, BLOCK=2048, num_warps=8)
+        _swiglu_bwd_kernel[(triton.cdiv(n, 2048),)](dy, g, u, dg, du, n, BLOCK=2048, num_warps=8)
     return dg, du
 
 

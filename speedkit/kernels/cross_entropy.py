@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from speedkit.kernels.support import launch, runs_triton
+from speedkit.kernels.support import runs_triton
 
 #: the largest chunk of a row one program handles at a time (elements)
 BLOCK_V = 8192
@@ -177,7 +177,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore
     # counted on the device: the kernel reads it, the host never does
     n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
     block, warps = _block(V)
-    launch(_ce_fwd_kernel, (N,), logits, target, grad, losses, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
+    _ce_fwd_kernel[(N,)](logits, target, grad, losses, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
                          float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0, WRITE_GRAD=True,
                          BLOCK=block, num_warps=warps)
     return losses, grad
@@ -191,7 +191,7 @@ def cross_entropy_lse(logits: Tensor, target: Tensor, ignore_index: int, label_s
     if N == 0:
         return losses, lse
     block, warps = _block(V)
-    launch(_ce_fwd_kernel, (N,), logits, target, logits, losses, lse, losses, logits.stride(0), 0, V, ignore_index,
+    _ce_fwd_kernel[(N,)](logits, target, logits, losses, lse, losses, logits.stride(0), 0, V, ignore_index,
                          float(label_smoothing), MEAN=False, SMOOTH=label_smoothing > 0, WRITE_GRAD=False,
                          BLOCK=block, num_warps=warps)
     return losses, lse
@@ -207,7 +207,7 @@ def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: T
     n_valid = (target != ignore_index).sum() if reduction == "mean" else lse
     gout = grad_loss.reshape(-1)
     block, warps = _block(V)
-    launch(_ce_grad_kernel, (N,), logits, target, lse, gout, n_valid, grad, logits.stride(0), grad.stride(0), V, ignore_index,
+    _ce_grad_kernel[(N,)](logits, target, lse, gout, n_valid, grad, logits.stride(0), grad.stride(0), V, ignore_index,
                           float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0,
                           PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
     return grad
@@ -275,7 +275,7 @@ def scale_gradient_(grad: Tensor, grad_output: Tensor) -> None:
         return
     block, warps = _block(V)
     gout = grad_output.reshape(-1)
-    launch(_ce_bwd_kernel, (N,), grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
+    _ce_bwd_kernel[(N,)](grad, gout, grad.stride(0), V, PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from speedkit.kernels.support import launch, next_power_of_2, num_sms, runs_triton
+from speedkit.kernels.support import next_power_of_2, num_sms, runs_triton
 
 #: widest row kept in registers; wider rows loop over chunks of CHUNK
 MAX_FUSED = 16384
@@ -310,11 +310,11 @@ def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     if N <= MAX_FUSED:
         block_m, block_n, warps = _fwd_config(N)
         grid = (triton.cdiv(M, block_m),)
-        launch(_norm_fwd_kernel, grid, x, w, b, y, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
+        _norm_fwd_kernel[grid](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
                                IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     else:
-        launch(_norm_fwd_looped_kernel, (M,), x, w, b, y, mean, rstd, x.stride(0), y.stride(0), N, eps,
+        _norm_fwd_looped_kernel[(M,)](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), N, eps,
                                       IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
                                       BLOCK_N=CHUNK, num_warps=16)
     return y, mean, rstd
@@ -331,7 +331,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     dx = dx_out if dx_out is not None else torch.empty_like(x)
     has_w = weight is not None
     if M == 0:
-        zero = lambda: torch.zeros(N, dtype=torch.float32, device=x.device)
+        zero = lambda: torch.zeros(N, dtype=torch.float32, device=x.device)  # noqa: E731
         return dx, (zero().to(weight.dtype) if has_w else None), (zero().to(weight.dtype if has_w else x.dtype) if has_bias else None)
     w = weight if has_w else x
     wide = N > MAX_FUSED
@@ -346,10 +346,10 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     dw_part = part[0] if has_w else x
     db_part = part[planes - 1] if has_bias else x
     if wide:
-        launch(_norm_bwd_looped_kernel, (programs,), dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
+        _norm_bwd_looped_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
                                              M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, BLOCK_N=CHUNK, num_warps=16)
     else:
-        launch(_norm_bwd_kernel, (programs,), dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
+        _norm_bwd_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
                                       M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias,
                                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     if not planes:
@@ -364,7 +364,7 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
         dw = grads[0] if has_w else None
         db = grads[planes - 1] if has_bias else None
     block = _partials_block(N, x.device)
-    launch(_sum_partials_kernel, (triton.cdiv(N, block),), part, dw if has_w else grads, db if has_bias else grads, programs, N,
+    _sum_partials_kernel[(triton.cdiv(N, block),)](part, dw if has_w else grads, db if has_bias else grads, programs, N,
                                                    HAS_W=has_w, HAS_B=has_bias, BLOCK_P=32, BLOCK_N=block, num_warps=4)
     return dx, dw, db
 
