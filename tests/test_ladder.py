@@ -246,19 +246,27 @@ def test_the_ladder_with_real_rungs_on_cpu_reports_each_rung():
 # -- the closing check ---------------------------------------------------------------------------------
 
 
+REVERT_COSTS = {(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004}
+
+
 def _interacting_state(cost: dict[tuple[bool, bool], float]):
-    """A state whose step sleeps ``cost[(a applied, b applied)]`` seconds: rung "a" pays alone and
+    """A state whose step costs ``cost[(a applied, b applied)]`` seconds: rung "a" pays alone and
     may not once "b" is on top (as a fused kernel may not under torch.compile)."""
     state = mlp_state()
-    fast = state.loss_fn
     state.flags = {"a": False, "b": False}
-
-    def sleepy(m, b, i):
-        time.sleep(cost[(state.flags["a"], state.flags["b"])])
-        return fast(m, b, i)
-
-    state.loss_fn = sleepy
+    state.cost = cost
     return state
+
+
+class FlagLadder(Ladder):
+    """The real engine (apply, parity, decide, undo, re-apply) with a deterministic clock: each
+    configuration measures its cost with 0.5% noise. Sleep-based timing of these decisions was
+    flaky on the 2-core CI machine (a 10 ms sleep measured 12-40 ms); the clock has its own tests."""
+
+    def _measure(self):
+        ms = self.state.cost[(self.state.flags["a"], self.state.flags["b"])] * 1e3
+        return Measurement(step_ms=ms, spread=0.005, window_ms=[ms] * 3, warmup=1, steps=3,
+                           throughput=1e3 / ms, throughput_unit="samples/s", items_per_step=1)
 
 
 class FlagRung(Rung):
@@ -276,10 +284,10 @@ class FlagRung(Rung):
 
 
 def test_closing_check_reverts_a_rung_that_stops_paying_under_a_later_one():
-    # a alone: 40 -> 20 ms; b on top: 10 ms; b without a: 4 ms (every step at least 2x: robust to a noisy CI machine)
-    state = _interacting_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004})
+    # a alone: 40 -> 20 ms; b on top: 10 ms; b without a: 4 ms
+    state = _interacting_state(REVERT_COSTS)
     a, b = FlagRung("a"), FlagRung("b")
-    ladder = Ladder(state, [a, b], FAST)
+    ladder = FlagLadder(state, [a, b], FAST)
     result = ladder.run()
     names = [r.name for r in result.rungs]
     assert names == ["baseline", "a", "b", "closing check: without a"]
@@ -298,7 +306,7 @@ def test_closing_check_reverts_a_rung_that_stops_paying_under_a_later_one():
 def test_closing_check_puts_back_a_rung_that_still_pays():
     state = _interacting_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.008, (False, True): 0.03})
     a, b = FlagRung("a"), FlagRung("b")
-    ladder = Ladder(state, [a, b], FAST)
+    ladder = FlagLadder(state, [a, b], FAST)
     result = ladder.run()
     assert [r.name for r in result.rungs] == ["baseline", "a", "b"]
     assert [r.status for r in result.rungs[1:]] == ["kept", "kept"]
@@ -309,7 +317,7 @@ def test_closing_check_puts_back_a_rung_that_still_pays():
 
 
 def test_closing_check_skips_rungs_that_do_not_ask_for_it():
-    state = _interacting_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004})
+    state = _interacting_state(REVERT_COSTS)
     a, b = FlagRung("a", recheck=False), FlagRung("b")
-    result = Ladder(state, [a, b], FAST).run()
+    result = FlagLadder(state, [a, b], FAST).run()
     assert [r.status for r in result.rungs[1:]] == ["kept", "kept"] and a.applied == 1
