@@ -11,16 +11,19 @@ import torch
 from torch import nn
 
 from speedkit import rungs as rung_registry
-from speedkit.rungs.base import Handle, Rung
-from speedkit.state import LossFn, TrainState, default_loss_fn, train_step
+from speedkit.data.source import LoaderSource
+from speedkit.handle import Handle
+from speedkit.rungs.base import Rung
+from speedkit.state import TrainState
+from speedkit.step import LossFn, PlainStep, default_loss_fn
 
 
 class Applied:
     """The wrapped training objects and the handle that reverts them.
 
     Attributes:
-        model, optimizer, loader: the (possibly modified in place) objects to train with.
-        state: the underlying :class:`~speedkit.state.TrainState`.
+        model, optimizer: the (possibly modified in place) objects to train with.
+        state: the underlying :class:`~speedkit.state.TrainState` (``state.step`` runs one step).
         applied: names of the rungs applied; ``skipped``: rung name -> reason it did not apply.
     """
 
@@ -35,11 +38,8 @@ class Applied:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        assert self.state.optimizer is not None
         return self.state.optimizer
-
-    @property
-    def loader(self) -> Iterable[Any] | None:
-        return self.state.loader
 
     @property
     def applied(self) -> list[str]:
@@ -51,28 +51,30 @@ class Applied:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context for your own loop (autocast when the autocast rung is on)."""
-        return self.state.autocast()
+        step = self.state.step
+        return step.autocast() if isinstance(step, PlainStep) else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when fp16 autocast needs a GradScaler."""
-        (self.state.scaler.scale(loss) if self.state.scaler is not None else loss).backward()
+        scaler = getattr(self.state.step, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def optimizer_step(self) -> None:
-        """``optimizer.step()`` through the GradScaler when there is one, then zero the gradients."""
-        if self.state.scaler is not None:
-            self.state.scaler.step(self.state.optimizer)
-            self.state.scaler.update()
-        else:
-            self.state.optimizer.step()
-        self.state.optimizer.zero_grad(set_to_none=True)
+        """Clip (if asked), ``optimizer.step()`` through the GradScaler when there is one, zero the
+        gradients, step the scheduler."""
+        self.state.step.optimizer_step()  # type: ignore[attr-defined]
 
     def step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
-        """One whole training step on ``batch`` (already on the device); returns the detached loss."""
-        return train_step(self.state, batch, batch_idx)
+        """One whole training step on ``batch`` (already on the device); returns the detached loss.
+        With ``accumulate=N``, pass a list of N micro-batches."""
+        batches = batch if self.state.step.accumulate > 1 else [batch]
+        return self.state.step(batches, batch_idx)
 
     def batches(self) -> Iterator[Any]:
-        """The loader's batches, moved to the device."""
-        return self.state.batches()
+        """The loader's batches, moved to the device, epoch after epoch."""
+        if self.state.data is None:
+            raise ValueError("speedkit.apply was given no loader")
+        return self.state.data.iterator()
 
     def undo(self) -> None:
         """Revert every applied rung, last first."""
@@ -88,8 +90,9 @@ class Applied:
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Any] | None = None, *,
           rungs: Sequence[str | dict | Rung], device: torch.device | str | None = None,
-          loss_fn: LossFn = default_loss_fn) -> Applied:
-    """Apply rungs to plain PyTorch objects, without trials (use ``speedkit optimize`` to measure).
+          loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
+          scheduler: Any = None) -> Applied:
+    """Apply rungs to plain PyTorch objects, without trials (``speedkit optimize`` measures).
 
     Rungs that do not apply are skipped with a warning naming the reason; a rung that raises is
     undone along with the ones before it, and the error propagates.
@@ -101,12 +104,17 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         rungs: rung names, ``{name, options}`` mappings or Rung instances, in order.
         device: where training runs; defaults to the model's parameters' device.
         loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
+        accumulate, clip_grad_norm, scheduler: the step's gradient accumulation, clipping and schedule.
     """
     built = rung_registry.make_all(list(rungs), "rungs")
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-    state = TrainState(model=model, optimizer=optimizer, device=torch.device(device), loader=loader, loss_fn=loss_fn)
+    device = torch.device(device)
+    step = PlainStep(model, optimizer, device, loss_fn=loss_fn, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+                     scheduler=scheduler)
+    state = TrainState(model=model, optimizer=optimizer, device=device, step=step,
+                       data=LoaderSource(loader, device) if loader is not None else None)
     handles: list[Handle] = []
     skipped: dict[str, str] = {}
     for rung in built:

@@ -1,12 +1,16 @@
 """The ``speedkit`` command.
 
-    speedkit optimize [RECIPE] [--out DIR]   climb the ladder, write report.json/.md and optimized.yaml
-    speedkit fit RECIPE                      train with Lightning, the recipe's rungs applied (no trials)
-    speedkit validate RECIPE                 check a recipe without running anything
-    speedkit rungs                           list the rungs
+    speedkit optimize [RECIPE] [--out DIR] [--KEY.PATH VALUE ...]   climb the ladder in the recipe's
+                                       Trainer; write report.json/.md and optimized.yaml
+    speedkit fit RECIPE [--KEY.PATH VALUE ...]   train with Lightning, the recipe's rungs applied (no trials)
+    speedkit validate RECIPE           check a recipe without running anything
+    speedkit rungs                     list the rungs
+    speedkit --version
 
-Without RECIPE, ``optimize`` runs the embedded default (a tiny GPT on CPU). Errors in the input
-print one line and exit with code 2.
+Without RECIPE, ``optimize`` runs the embedded default (a tiny model on CPU). Overrides follow
+LightningCLI: ``--trainer.max_steps 50``, ``--measure.steps=20``, ``--ladder '[tf32, compile]'``
+(values are read as YAML). Errors in the input print one line and exit with code 2; an interrupted
+``optimize`` writes a partial report, prints one line and exits with 130 (Ctrl-C) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -14,16 +18,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-from speedkit.errors import SpeedkitError
+from speedkit.errors import ConfigError, SpeedkitError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from speedkit import __version__
+
     parser = argparse.ArgumentParser(prog="speedkit", description="Make PyTorch training loops fast, and prove it.")
+    parser.add_argument("--version", action="version", version=f"speedkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    opt = sub.add_parser("optimize", help="climb the quick-win ladder on a recipe and report each rung")
+    opt = sub.add_parser("optimize", help="climb the quick-win ladder in the recipe's Trainer and report each rung")
     opt.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny CPU recipe)")
-    opt.add_argument("--out", default=None, help="output directory (default: runs/<recipe name>)")
+    opt.add_argument("--out", default=None, help="output folder (default: runs/<recipe name>)")
     fit = sub.add_parser("fit", help="train a recipe with Lightning, its ladder applied without trials")
     fit.add_argument("recipe", help="recipe YAML, e.g. the optimized.yaml written by optimize")
     val = sub.add_parser("validate", help="check a recipe and build its model and data, without training")
@@ -32,64 +40,94 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str | None):
+def parse_overrides(extra: list[str]) -> list[tuple[str, Any]]:
+    """``--a.b value`` / ``--a.b=value`` pairs; values read as YAML. One-line ConfigError otherwise."""
+    import yaml
+
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(arg, "unexpected argument; overrides look like --trainer.max_steps 50")
+        key, eq, text = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"--{key}", "needs a value, e.g. --trainer.max_steps 50")
+            text = extra[i + 1]
+            i += 1
+        i += 1
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"--{key}", f"cannot read {text!r} as a YAML value") from None
+        out.append((key, value))
+    return out
+
+
+def _load(path: str | None, overrides: list[tuple[str, Any]]):
     from speedkit.recipe import embedded_default_path, load_recipe
 
-    return load_recipe(Path(path) if path else embedded_default_path())
+    return load_recipe(Path(path) if path else embedded_default_path(), overrides=overrides)
 
 
-def _optimize(args: argparse.Namespace) -> int:
+def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from rich.console import Console
 
     from speedkit.report.console import render_console
-    from speedkit.runner import optimize
+    from speedkit.runner import Interrupted, check_output_dir, optimize
 
-    recipe = _load(args.recipe)
+    recipe = _load(args.recipe, overrides)
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
+    check_output_dir(out)
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}")
-    result, written = optimize(recipe, out, on_event=lambda line: console.print(f"[dim]{line}[/dim]"))
+    try:
+        result, written = optimize(recipe, out, on_event=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
+    except Interrupted as exc:
+        print(f"speedkit: {exc}", file=sys.stderr)
+        return exc.exit_code
     render_console(result.to_dict(), console)
     for kind, path in written.items():
         console.print(f"{kind}: {path}")
     return 0
 
 
-def _fit(args: argparse.Namespace) -> int:
+def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit.runner import fit
 
-    recipe = _load(args.recipe)
+    recipe = _load(args.recipe, overrides)
     _, ladder = fit(recipe)
     print(f"speedkit fit: applied {', '.join(ladder.applied_changes) or 'no rungs'}"
           + "".join(f"; skipped {name}: {reason}" for name, reason in ladder.skipped.items()))
     return 0
 
 
-def _validate(args: argparse.Namespace) -> int:
-    recipe = _load(args.recipe)
+def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    recipe = _load(args.recipe, overrides)
     recipe.build_model()
     recipe.build_datamodule()
     print(f"{recipe.path}: ok ({len(recipe.ladder)} rungs: {', '.join(r.name for r in recipe.ladder)})")
     return 0
 
 
-def _rungs(args: argparse.Namespace) -> int:
-    import sys as _sys
-
+def _rungs(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit import rungs
 
     for name in rungs.names():
-        doc = (_sys.modules[rungs.get(name).__module__].__doc__ or "").strip().splitlines()
+        doc = (sys.modules[rungs.get(name).__module__].__doc__ or "").strip().splitlines()
         print(f"{name:18s} {doc[0] if doc else ''}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
     handler = {"optimize": _optimize, "fit": _fit, "validate": _validate, "rungs": _rungs}[args.command]
     try:
-        return handler(args)
+        if extra and args.command == "rungs":
+            raise ConfigError(extra[0], "speedkit rungs takes no arguments")
+        return handler(args, parse_overrides(extra))
     except SpeedkitError as exc:
         where = getattr(args, "recipe", None)
         prefix = f"{where}: " if where else ""

@@ -28,7 +28,13 @@ def load(name: str) -> dict[str, Any]:
 
 
 def measure_defaults() -> dict[str, Any]:
+    """How speedkit measures and decides, unless a recipe or the callback says otherwise."""
     return dict(load("defaults")["measure"])
+
+
+def default_ladder() -> list[Any]:
+    """The rungs ``SpeedLadder()`` climbs when given none."""
+    return list(load("defaults")["ladder"])
 
 
 def tolerance(precision: str, device_type: str) -> float:

@@ -1,19 +1,28 @@
-"""The ladder: baseline, then rung by rung — apply, check numerics, measure, keep or revert.
+"""The ladder: baseline, then rung by rung — check, apply, parity, interleaved timing, keep or revert.
 
-For every rung, in the recipe's order:
+For every rung, in order:
 
 1. ``check`` — does it apply to the run in front of it? If not, say why and go on.
-2. ``apply`` — on top of the rungs kept so far.
-3. parity — from the same initial weights, with the same K batches and the same RNG seed, the
-   loss trajectory must stay within the tolerance of the numerics now in effect
+2. ``apply`` — on top of the rungs kept so far (a handle that can switch it off and on again).
+3. parity — from the snapshot's weights, optimizer, schedule and RNG, on the same host-kept
+   batches, the loss trajectory must stay within the tolerance of the numerics now in effect
    (``configs/tolerances.yaml``) of the trajectory before the rung.
-4. measure — warm-up, then ``repeats`` windows of ``steps`` steps on the step clock.
-5. keep if faster by more than max(min_gain, 2 x noise) (or leaner in memory without being
-   slower beyond noise); else undo.
+4. compare — the configuration with the rung (B) and without it (A) are timed in interleaved
+   A B B A blocks in the same period, and judged on the paired differences with a stated
+   confidence (:mod:`speedkit.measure.stats`); undecided comparisons get more blocks within a
+   time budget.
+5. keep if faster by at least ``min_gain`` with that confidence (or leaner in memory by
+   ``memory_gain`` and not slower); else undo.
 
-Every trial starts from the snapshot taken before the ladder and the snapshot is restored at the
-end, so none of the trial steps leak into the user's training. A rung that raises is undone and
-reported as failed; the ladder goes on.
+After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
+later rungs on top, the same way, and a final check times the final configuration against the
+baseline, interleaved, for the headline figure.
+
+Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
+end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
+steps leak into training. A rung that raises is undone and reported as failed; the ladder goes on.
+An interruption (Ctrl-C, SIGTERM) or an error the ladder cannot attribute to a rung undoes every
+change, restores the snapshot, keeps the rungs finished so far in ``ladder.result`` and re-raises.
 """
 
 from __future__ import annotations
@@ -27,50 +36,50 @@ from typing import Any
 import torch
 
 from speedkit import config
-from speedkit.measure import StepClock, count_step_flops, mfu, peak_tflops, summarize
-from speedkit.measure.flops import CONVENTION
-from speedkit.measure.timing import time_windows
-from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, Parity, RungResult
-from speedkit.rungs.base import Handle, Rung
+from speedkit.data.source import count_items
+from speedkit.handle import Handle
+from speedkit.measure.clock import StepClock
+from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
+from speedkit.measure.session import MeasureSession, Window
+from speedkit.measure.stats import Comparison, block_log_gain, decide, looks, not_slower
+from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, PairedResult, Parity, RungResult
+from speedkit.rungs.base import Rung
 from speedkit.snapshot import Snapshot
-from speedkit.state import TrainState, train_step
+from speedkit.state import TrainState
 
 
 @dataclass
 class MeasureConfig:
-    """How the ladder measures; defaults from ``configs/defaults.yaml``."""
+    """How the ladder measures and decides. Every default lives in ``configs/defaults.yaml``
+    (``measure:``); build with :meth:`from_dict`."""
 
-    warmup: int = 3
-    steps: int = 10
-    repeats: int = 5
-    parity_steps: int = 3
-    min_gain: float = 0.02
-    memory_gain: float = 0.05
-    throughput_unit: str = "auto"
-    mfu_precision: str = "bf16"
-    peak_tflops: float | None = None
-    telemetry: bool = True
+    warmup: int                # untimed steps before a configuration is first timed
+    steps: int                 # optimizer steps per timed window
+    repeats: int               # windows of a configuration timed alone (the baseline, the fit)
+    parity_steps: int          # optimizer steps of the parity trajectory
+    min_gain: float            # a rung must be faster by this much, with `confidence`
+    memory_gain: float         # ... or save this share of peak memory without being slower
+    confidence: float          # of the paired decisions
+    min_blocks: int            # A B B A blocks before a decision
+    max_blocks: int            # blocks before a comparison is called undecided
+    budget_s: float            # seconds one comparison may take before it is called undecided
+    settle: int                # untimed steps after switching configuration
+    final_check: bool          # time the final configuration against the baseline at the end
+    holds_windows: int         # windows of the fit's own steps timed after the trials
+    holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
+    throughput_unit: str
+    mfu_precision: str
+    peak_tflops: float | None
+    telemetry: bool
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None = None) -> MeasureConfig:
         merged = {**config.measure_defaults(), **(values or {})}
         names = {f.name for f in fields(cls)}
+        missing = names - set(merged)
+        if missing:
+            raise KeyError(f"configs/defaults.yaml measure: lacks {sorted(missing)}")
         return cls(**{k: v for k, v in merged.items() if k in names})
-
-
-def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
-    """Tokens or samples in a batch: integer (B, T, ...) inputs count tokens, anything else samples."""
-    first = batch
-    while isinstance(first, (list, tuple)) and first:
-        first = first[0]
-    if isinstance(first, dict):
-        first = next(iter(first.values()))
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        return 1, "samples/s"
-    is_tokens = not torch.is_floating_point(first) and first.dim() >= 2
-    if unit == "tokens" or (unit == "auto" and is_tokens):
-        return first.numel(), "tokens/s"
-    return first.shape[0], "samples/s"
 
 
 def _rel_diff(a: float, b: float) -> float:
@@ -79,255 +88,380 @@ def _rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+class _Slot:
+    """A kept (or candidate) rung in the stack, switched off and on through its handle: suspended
+    and resumed when the handle can redo its changes, else undone and applied again."""
+
+    def __init__(self, rung: Rung, handle: Handle) -> None:
+        self.rung, self.handle = rung, handle
+
+    @property
+    def on(self) -> bool:
+        return self.handle is not None and self.handle.active and not self.handle.suspended
+
+    def disable(self) -> None:
+        if not self.on:
+            return
+        if self.handle.toggleable:
+            self.handle.suspend()
+        else:
+            self.handle.undo()
+
+    def enable(self, state: TrainState) -> None:
+        if self.on:
+            return
+        if self.handle.active and self.handle.suspended:
+            self.handle.resume()
+            return
+        reason = self.rung.check(state)
+        if reason is not None:
+            raise RuntimeError(f"{self.rung.name} no longer applies: {reason}")
+        self.handle = self.rung.apply(state)
+
+    def undo(self) -> None:
+        self.handle.undo()
+
+
 class Ladder:
     """Climb ``rungs`` on ``state``, measuring each.
 
     Args:
-        state: the training objects (model, optimizer, loader, device).
+        state: the training objects (model, optimizer, step, data, device).
         rungs: the rungs to try, in order.
-        measure: a :class:`MeasureConfig` or a dict of its fields.
-        seed: RNG seed set before every trial run, so trials see the same dropout masks.
+        measure: a :class:`MeasureConfig` or a dict of its fields (defaults from configs).
         recipe: the recipe path, recorded in the report.
-        on_event: called with progress lines (the CLI prints them).
+        on_event: called with progress lines (the CLI and the callback print them).
+        clock: the step clock (tests inject a fake backend); host_clock: the host's (likewise).
+        run_info: the run's settings to record (precision, accumulation, clipping, strategy).
 
-    After :meth:`run`, the kept rungs stay applied (``handles``) on the restored initial state;
-    :meth:`revert` undoes them.
+    After :meth:`run`, the kept rungs stay applied on the restored initial state (``handles``);
+    :meth:`revert` undoes them. ``result`` holds the report so far, also after an interruption.
     """
 
     def __init__(self, state: TrainState, rungs: list[Rung], measure: MeasureConfig | dict[str, Any] | None = None, *,
-                 seed: int = 0, recipe: str | None = None, on_event: Callable[[str], None] | None = None) -> None:
+                 recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
+                 host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None) -> None:
         self.state = state
         self.rungs = list(rungs)
         self.cfg = measure if isinstance(measure, MeasureConfig) else MeasureConfig.from_dict(measure)
-        self.seed = seed
         self.recipe = recipe
         self.on_event = on_event or (lambda line: None)
-        self.handles: list[Handle] = []
-        self.clock = StepClock(state.device)
-        self._batches: Iterator[Any] | None = None
+        self.clock = clock or StepClock(state.device)
+        self.host_clock = host_clock
+        self.run_info = dict(run_info or {})
+        self.slots: list[_Slot] = []
+        self.result: LadderResult | None = None
+        self.session: MeasureSession | None = None
+        self._candidate: _Slot | None = None
+        self._iterators: dict[int, Iterator[Any]] = {}
         self._parity_batches: list[Any] = []
-        self._flops: int | None = None
-        self._peak: float | None = None
+        self._current: RungResult | None = None
+
+    @property
+    def handles(self) -> list[Handle]:
+        return [s.handle for s in self.slots]
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> LadderResult:
         from speedkit.report.environment import collect_environment
 
         state, cfg = self.state, self.cfg
+        self.result = LadderResult(
+            schema_version=SCHEMA_VERSION, recipe=self.recipe, environment=collect_environment(state.device),
+            device=str(state.device), flops={}, measure=asdict(cfg), rungs=[], run=self.run_info)
         state.model.train()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
-        snapshot = Snapshot(state.model, state.optimizer)
-        self._snapshot = snapshot
-        self._batches = state.batches()
-        self._parity_batches = [next(self._batches) for _ in range(cfg.parity_steps)]
-        results: list[RungResult] = []
+        self._snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
+        completed = False
         try:
-            self._flops = count_step_flops(state.model, self._parity_batches[0], state.loss_fn)
-            snapshot.restore()
-            self._peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
-
-            self.on_event("baseline: parity reference")
-            t0 = time.perf_counter()
-            reference = self._trajectory()
-            self.on_event("baseline: measuring")
-            base_m = self._measure()
-            baseline = RungResult("baseline", "baseline", precision=state.precision, measurement=base_m,
-                                  parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
-                                  gain_vs_previous=1.0, gain_vs_baseline=1.0, seconds=time.perf_counter() - t0)
-            results.append(baseline)
-            previous = base_m
-            kept: list[tuple[Rung, RungResult]] = []  # parallel to self.handles
-            for i, rung in enumerate(self.rungs, 1):
-                self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
-                result, handle, losses = self._try(rung, reference, previous, base_m)
-                results.append(result)
-                if result.status == "kept":
-                    self.handles.append(handle)
-                    kept.append((rung, result))
-                    reference, previous = losses, result.measurement
-                self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {result.status}" + (f" ({result.reason})" if result.reason else ""))
-            results += self._closing_check(kept, reference, previous, base_m)
+            with state.step.trial():
+                self._climb()
+            completed = True
+        except BaseException as exc:
+            self.result.interrupted = f"{type(exc).__name__} during {self._phase}"
+            if self._current is not None:  # the rung being tried when it happened: undone, said so
+                self._current.status = "interrupted"
+                self._current.reason = f"{type(exc).__name__} while trying it; undone"
+                self.result.rungs.append(self._current)
+            raise
         finally:
-            snapshot.restore()  # trial steps never leak into the user's training
-        return LadderResult(
-            schema_version=SCHEMA_VERSION, recipe=self.recipe, environment=collect_environment(state.device),
-            device=str(state.device),
-            flops={"per_step": self._flops, "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
-                   "peak_tflops": self._peak, "peak_source": peak_source, "precision": cfg.mfu_precision},
-            measure=asdict(cfg), rungs=results)
+            if not completed:  # nothing of the ladder may stay on the user's model
+                for slot in [*self.slots, *([self._candidate] if self._candidate else [])][::-1]:
+                    try:
+                        slot.undo()
+                    except Exception:  # keep undoing the rest
+                        pass
+                self.slots = []
+            self._iterators.clear()
+            self._snapshot.restore()  # trial steps never leak into the user's training
+            if state.data is not None:
+                state.data.release()
+        return self.result
 
-    # -- closing check -----------------------------------------------------------------------------
-    def _closing_check(self, kept: list[tuple[Rung, RungResult]], reference: list[float], current: Measurement,
-                       base: Measurement) -> list[RungResult]:
-        """Re-test each kept rung that asks for it (``Rung.recheck``) and has kept rungs after it:
-        undo it and the rungs above it, re-apply those above, and measure. Faster without it beyond
-        noise: it is reverted (its entry says by how much it lost) and a "closing" entry records
-        the final configuration; otherwise it is put back as it was.
-        """
-        out: list[RungResult] = []
-        j = 0
-        while j < len(kept) - 1:
-            rung, entry = kept[j]
-            if not rung.recheck:
-                j += 1
-                continue
-            above = [r for r, _ in kept[j + 1:]]
-            names = ", ".join(r.name for r in above)
-            self.on_event(f"closing check: {rung.name} with {names} on top")
-            t0 = time.perf_counter()
-            closing = RungResult(f"closing check: without {rung.name}", "closing", changes=[f"reverted {rung.name}"])
-            try:
-                self._unwind(j)
-                self.handles += [self._reapply(r) for r in above]
-                closing.precision = self.state.precision
-                losses = self._trajectory()
-                closing.parity = self._parity(losses, reference)
-                m = self._measure() if closing.parity.passed else None
-                status, why = self._decide(m, current) if m is not None else ("reverted", "numerics differ")
-            except Exception as exc:  # put the configuration back as it was and say why the check failed
-                status, why, m = "failed", f"{type(exc).__name__}: {str(exc).strip()[:200]}", None
-            finally:
-                self._snapshot.restore()
-            if status == "kept":  # faster (or leaner at the same speed) without the rung: it stays reverted
-                entry.status = "reverted"
-                entry.reason = (f"reverted by the closing check: with {names} on top it no longer pays: step "
-                                f"{current.step_ms:.2f} ms{_gb(current)} with it, {m.step_ms:.2f} ms{_gb(m)} without "
-                                f"({m.step_ms / current.step_ms - 1:+.1%} step time without it; {why}); "
-                                f"before {names}: {entry.reason}")
-                closing.reason = f"final configuration without {rung.name}: {why}"
-                closing.measurement = m
-                closing.gain_vs_previous = current.step_ms / m.step_ms
-                closing.gain_vs_baseline = base.step_ms / m.step_ms
-                closing.seconds = time.perf_counter() - t0
-                out.append(closing)
-                kept.pop(j)
-                reference, current = losses, m
-                self.on_event(f"closing check: {rung.name} reverted ({why})")
-                continue
-            try:  # not faster without it (or the check failed): put it back under the rungs above
-                self._unwind(j)
-                self.handles += [self._reapply(r) for r in [rung, *above]]
-            except Exception as exc:
-                entry.reason = f"{entry.reason}; closing check could not restore it: {type(exc).__name__}: {exc}"
-                raise
-            finally:
-                self._snapshot.restore()
-            note = (f"closing check with {names} on top: step {current.step_ms:.2f} ms{_gb(current)} with it, {m.step_ms:.2f} ms"
-                    f"{_gb(m)} without ({m.step_ms / current.step_ms:.3f}x with it, noise {math.hypot(m.spread, current.spread):.1%}), kept"
-                    if m is not None else f"closing check with {names} on top did not complete ({why}), kept")
-            entry.reason = f"{entry.reason}; {note}" if entry.reason else note
-            self.on_event(f"closing check: {rung.name} kept")
-            j += 1
-        return out
+    def _climb(self) -> None:
+        state, cfg, result = self.state, self.cfg, self.result
+        assert result is not None
+        if state.data is None:
+            raise RuntimeError("the ladder needs batches: give the state a data source")
+        self._phase = "the baseline"
+        accumulate = state.step.accumulate
+        self._parity_batches = state.data.parity_batches(cfg.parity_steps * accumulate)
+        first = state.data.to_device(self._parity_batches[0])
+        flops = count_step_flops(state.step, first)
+        self._snapshot.restore()
+        peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
+        items, unit = count_items(self._parity_batches[0], cfg.throughput_unit)
+        result.flops = {"per_step": flops * accumulate if flops else flops,
+                        "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
+                        "peak_tflops": peak, "peak_source": peak_source, "precision": cfg.mfu_precision}
+        self.session = MeasureSession(state.device, clock=self.clock, host_clock=self.host_clock,
+                                      flops_per_step=result.flops["per_step"], peak_tflops=peak,
+                                      items_per_step=items * accumulate, unit=unit, telemetry=cfg.telemetry)
 
-    def _unwind(self, j: int) -> None:
-        """Undo the kept handles from the last down to index ``j``."""
-        while len(self.handles) > j:
-            self.handles.pop().undo()
-
-    def _reapply(self, rung: Rung) -> Handle:
-        reason = rung.check(self.state)
-        if reason is not None:
-            raise RuntimeError(f"{rung.name} no longer applies: {reason}")
-        handle = rung.apply(self.state)
-        if handle.problem():
-            handle.undo()
-            raise RuntimeError(f"{rung.name}: {handle.problem()}")
-        return handle
-
-    def revert(self) -> None:
-        """Undo every kept rung, last first."""
-        while self.handles:
-            self.handles.pop().undo()
+        self.on_event("baseline: parity reference")
+        t0 = self.host_clock()
+        reference = self._trajectory()
+        self.on_event("baseline: measuring")
+        base_m = self._measure_alone()
+        result.rungs.append(RungResult(
+            "baseline", "baseline", precision=state.precision, measurement=base_m,
+            parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
+            gain_vs_previous=1.0, gain_vs_baseline=1.0, seconds=self.host_clock() - t0))
+        chain = 1.0
+        for i, rung in enumerate(self.rungs, 1):
+            self._phase = rung.name
+            self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
+            entry, losses = self._try(rung, reference, chain)
+            result.rungs.append(entry)
+            if entry.status == "kept":
+                reference = losses
+                chain *= entry.gain_vs_previous or 1.0
+            self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
+        self._phase = "the closing check"
+        self._closing_check(reference)
+        if cfg.final_check and self.slots:
+            self._phase = "the final check"
+            self._final_check()
 
     # -- one rung --------------------------------------------------------------------------
-    def _try(self, rung: Rung, reference: list[float], previous: Measurement, base: Measurement
-             ) -> tuple[RungResult, Handle | None, list[float]]:
+    def _try(self, rung: Rung, reference: list[float], chain: float) -> tuple[RungResult, list[float]]:
         state = self.state
-        t0 = time.perf_counter()
-        result = RungResult(rung.name, "not_applicable", options=rung.options_dict(), precision=state.precision)
+        t0 = self.host_clock()
+        entry = self._current = RungResult(rung.name, "not_applicable", options=rung.options_dict(), precision=state.precision)
         try:
             reason = rung.check(state)
         except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
-            result.status, result.reason = "failed", f"check raised {type(exc).__name__}: {exc}"
-            return result, None, reference
+            entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {_first_line(exc)}"
+            self._current = None
+            return entry, reference
         if reason is not None:
-            result.reason = reason
-            return result, None, reference
+            entry.reason = reason
+            self._current = None
+            return entry, reference
 
-        handle: Handle | None = None
-        losses: list[float] = reference
-        result_precision_before = state.precision
+        losses = reference
+        precision_before = state.precision
+        slot: _Slot | None = None
         try:
-            handle = rung.apply(state)
-            result.changes = list(handle.changes)
-            result.precision = state.precision
+            slot = self._candidate = _Slot(rung, rung.apply(state))
+            entry.changes = list(slot.handle.changes)
+            entry.precision = state.precision
             self.on_event(f"  {rung.name}: parity over {self.cfg.parity_steps} steps")
             losses = self._trajectory()
-            result.parity = self._parity(losses, reference)
-            worst, tol = result.parity.max_rel_diff, result.parity.tolerance
-            if worst == 0.0 and state.precision != result_precision_before:
-                result.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
-            if handle.problem():
-                raise _RungProblem(handle.problem())
-            if not result.parity.passed:
-                result.status = "reverted"
-                result.reason = f"numerics changed: loss differs by {worst:.2e} (relative) > tolerance {tol:.0e} for {state.precision}"
+            entry.parity = self._parity(losses, reference)
+            if entry.parity.max_rel_diff == 0.0 and state.precision != precision_before:
+                entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
+            if slot.handle.problem():
+                raise _RungProblem(slot.handle.problem())
+            if not entry.parity.passed:
+                entry.status = "reverted"
+                entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
+                                f"tolerance {entry.parity.tolerance:.0e} for {state.precision}")
             else:
-                self.on_event(f"  {rung.name}: measuring")
-                m = self._measure()
-                result.measurement = m
-                result.gain_vs_previous = previous.step_ms / m.step_ms
-                result.gain_vs_baseline = base.step_ms / m.step_ms
-                if handle.problem():
-                    raise _RungProblem(handle.problem())
-                result.status, result.reason = self._decide(m, previous)
+                paired = self._compare(lambda on: slot.enable(state) if on else slot.disable(), rung.name)
+                if slot.handle.problem():
+                    raise _RungProblem(slot.handle.problem())
+                entry.comparison = paired
+                entry.measurement = paired.b
+                entry.gain_vs_previous = paired.speedup
+                entry.gain_vs_baseline = chain * paired.speedup
+                entry.status, entry.reason = self._decide(paired)
         except Exception as exc:
-            result.status = "failed"
+            entry.status = "failed"
             if isinstance(exc, torch.OutOfMemoryError):
-                result.reason = "out of memory while trying this rung"
+                entry.reason = "out of memory while trying this rung"
             elif isinstance(exc, _RungProblem):
-                result.reason = str(exc)
+                entry.reason = str(exc)
             else:
-                result.reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+                entry.reason = f"{type(exc).__name__}: {_first_line(exc)}"[:300]
         finally:
             self._snapshot.restore()
             if state.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if result.status != "kept" and handle is not None:
+        self._candidate = self._current = None
+        if entry.status == "kept":
+            slot.enable(state)  # type: ignore[union-attr]
+            self.slots.append(slot)  # type: ignore[arg-type]
+        elif slot is not None:
             try:
-                handle.undo()
+                slot.undo()
             except Exception as exc:  # an undo that fails leaves the run in an unknown state: say so loudly
-                result.status = "failed"
-                result.reason = f"{result.reason}; undo raised {type(exc).__name__}: {exc}"
-            result.precision = state.precision
-        result.seconds = time.perf_counter() - t0
-        return result, handle, losses
+                entry.status = "failed"
+                entry.reason = f"{entry.reason}; undo raised {type(exc).__name__}: {exc}"
+            entry.precision = state.precision
+        entry.seconds = self.host_clock() - t0
+        return entry, losses if entry.status == "kept" else reference
 
-    def _decide(self, m: Measurement, previous: Measurement) -> tuple[str, str]:
+    def _decide(self, paired: PairedResult) -> tuple[str, str]:
         cfg = self.cfg
-        # noise of the difference of two independent measurements
-        noise = math.hypot(m.spread, previous.spread)
-        speedup = previous.step_ms / m.step_ms
-        if noise >= 0.5:
-            return "reverted", (f"measurement too noisy to decide ({noise:.0%} noise, {speedup:.2f}x): "
-                                "run on a quiet machine or raise measure.repeats/steps")
-        # faster beyond noise = by more than two standard deviations of the difference, and by
-        # at least min_gain (a sub-percent "win" is not worth a change to the user's run)
-        needed = max(cfg.min_gain, 2 * noise)
-        if m.step_ms < previous.step_ms * (1 - needed):
-            return "kept", f"{speedup:.3f}x faster (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, 2x noise {2 * noise:.1%})"
-        if (m.peak_memory_bytes is not None and previous.peak_memory_bytes
-                and m.peak_memory_bytes < previous.peak_memory_bytes * (1 - cfg.memory_gain)
-                and m.step_ms <= previous.step_ms * (1 + noise)):
-            saved = 1 - m.peak_memory_bytes / previous.peak_memory_bytes
-            return "kept", f"{saved:.0%} less peak memory at the same speed ({speedup:.2f}x, noise {noise:.1%})"
-        return "reverted", f"not faster beyond noise: {speedup:.3f}x (needed > {1 / (1 - needed):.3f}x: min gain {cfg.min_gain:.0%}, 2x noise {2 * noise:.1%})"
+        cmp = Comparison(paired.speedup, paired.low, paired.high, paired.confidence, paired.blocks, paired.verdict, paired.min_gain)  # type: ignore[arg-type]
+        if paired.verdict == "faster":
+            return "kept", cmp.describe()
+        a_mem = paired.a.peak_memory_bytes if paired.a else None
+        b_mem = paired.b.peak_memory_bytes if paired.b else None
+        if a_mem and b_mem is not None and b_mem < a_mem * (1 - cfg.memory_gain) and not_slower(cmp, cfg.min_gain):
+            return "kept", f"{1 - b_mem / a_mem:.0%} less peak memory, not slower ({cmp.describe()})"
+        if paired.verdict == "undecided":
+            return "reverted", f"not shown to pay within the budget: {cmp.describe()}"
+        return "reverted", cmp.describe()
 
-    # -- trials ------------------------------------------------------------------------------
-    def _seed(self) -> None:
-        torch.manual_seed(self.seed)
+    # -- closing and final checks ------------------------------------------------------------
+    def _closing_check(self, reference: list[float]) -> None:
+        """Re-judge each kept rung that asks for it, with the kept rungs after it on top."""
+        result = self.result
+        assert result is not None
+        j = 0
+        while j < len(self.slots) - 1:
+            slot = self.slots[j]
+            if not slot.rung.recheck:
+                j += 1
+                continue
+            entry = next(r for r in result.rungs if r.name == slot.rung.name)
+            names = ", ".join(s.rung.name for s in self.slots[j + 1:])
+            self.on_event(f"closing check: {slot.rung.name} with {names} on top")
+            t0 = self.host_clock()
+            without = [i != j for i in range(len(self.slots))]
+            closing = RungResult(f"closing check: without {slot.rung.name}", "closing", changes=[f"reverted {slot.rung.name}"])
+            try:
+                self._configure(without)
+                closing.precision = self.state.precision
+                losses = self._trajectory()
+                closing.parity = self._parity(losses, reference)
+                if not closing.parity.passed:  # the configuration without it must be the same function
+                    raise RuntimeError("the configuration without it changes numerics")
+                paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name)
+                status, why = self._decide(paired)
+            except Exception as exc:  # put the configuration back and say why the check failed
+                paired, status, why = None, "failed", f"{type(exc).__name__}: {_first_line(exc)}"
+            finally:
+                self._snapshot.restore()
+            if status == "reverted":  # it no longer pays with the later rungs on top
+                self._configure(without)
+                self.slots.pop(j).undo()
+                entry.status = "reverted"
+                entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
+                closing.reason = f"final configuration without {slot.rung.name}"
+                closing.comparison, closing.measurement = paired, paired.a if paired else None
+                closing.seconds = self.host_clock() - t0
+                result.rungs.append(closing)
+                self.on_event(f"closing check: {slot.rung.name} reverted ({why})")
+                reference = losses
+                continue
+            self._configure([True] * len(self.slots))
+            note = f"closing check with {names} on top: {why}" + (", kept" if status == "kept" else ", kept as it was")
+            entry.reason = f"{entry.reason}; {note}" if entry.reason else note
+            self.on_event(f"closing check: {slot.rung.name} kept")
+            j += 1
 
+    def _final_check(self) -> None:
+        """The final configuration against the baseline, interleaved: the headline figure."""
+        assert self.result is not None
+        n = len(self.slots)
+        self.on_event(f"final check: {', '.join(s.rung.name for s in self.slots)} against the baseline")
+        try:
+            self.result.final_check = self._compare(lambda on: self._configure([on] * n), "final")
+        finally:
+            self._configure([True] * n)
+            self._snapshot.restore()
+
+    def _configure(self, mask: list[bool]) -> None:
+        """Switch the kept rungs to ``mask`` (on/off per slot), touching only the slots from the
+        first that changes upward (rungs above it may depend on it)."""
+        current = [s.on for s in self.slots]
+        if current == mask:
+            return
+        first = next(i for i, (c, m) in enumerate(zip(current, mask)) if c != m)
+        for slot in reversed(self.slots[first:]):
+            slot.disable()
+        for slot, on in zip(self.slots[first:], mask[first:]):
+            if on:
+                slot.enable(self.state)
+
+    def revert(self) -> None:
+        """Undo every kept rung, last first."""
+        while self.slots:
+            self.slots.pop().undo()
+
+    # -- measuring -------------------------------------------------------------------------
+    def _runner(self) -> Callable[[], None]:
+        """One step of the current configuration, fed by the current data source's iterator."""
+        state = self.state
+        session = self.session
+        assert session is not None and state.data is not None
+        key = id(state.data)
+        if key not in self._iterators:
+            self._iterators[key] = state.data.iterator()
+        return session.runner(lambda batches, i: state.step(batches, i), self._iterators[key], state.step.accumulate)
+
+    def _measure_alone(self) -> Measurement:
+        cfg, session = self.cfg, self.session
+        assert session is not None
+        self._snapshot.restore(rng=False)
+        return session.measure(self._runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
+
+    def _compare(self, set_candidate: Callable[[bool], None], label: str) -> PairedResult:
+        """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
+        paired decision is made, ``max_blocks`` are spent or ``budget_s`` is out. Leaves A on."""
+        cfg, session = self.cfg, self.session
+        assert session is not None
+        self._snapshot.restore(rng=False)
+        start = self.host_clock()
+        set_candidate(True)
+        session.warm(self._runner(), cfg.warmup)
+        set_candidate(False)
+        session.warm(self._runner(), cfg.settle)
+        on = False
+        a_windows: list[Window] = []
+        b_windows: list[Window] = []
+        gains: list[float] = []
+        verdict: Comparison | None = None
+        stops = looks(cfg.min_blocks, cfg.max_blocks)
+        while True:
+            block: dict[bool, list[Window]] = {False: [], True: []}
+            for candidate in (False, True, True, False):
+                if candidate != on:
+                    set_candidate(candidate)
+                    on = candidate
+                    session.warm(self._runner(), cfg.settle)
+                block[candidate].append(session.window(self._runner(), cfg.steps))
+            a_windows += block[False]
+            b_windows += block[True]
+            gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
+            out_of_budget = len(gains) >= cfg.max_blocks or self.host_clock() - start > cfg.budget_s
+            if len(gains) not in stops and not out_of_budget:
+                continue
+            verdict = decide(gains, min_gain=cfg.min_gain, confidence=cfg.confidence, n_looks=len(stops))
+            self.on_event(f"  {label}: {len(gains)} blocks: {verdict.speedup:.3f}x "
+                          f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
+            if verdict.verdict != "undecided" or out_of_budget:
+                break
+        if on:
+            set_candidate(False)
+        return PairedResult(verdict.speedup, verdict.low, verdict.high, verdict.confidence, verdict.blocks, verdict.verdict,
+                            verdict.min_gain, a=session.measurement(a_windows, warmup=cfg.warmup),
+                            b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
+
+    # -- parity ----------------------------------------------------------------------------
     def _parity(self, losses: list[float], reference: list[float]) -> Parity:
         """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
         state = self.state
@@ -336,45 +470,23 @@ class Ladder:
         return Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
 
     def _trajectory(self) -> list[float]:
-        """Losses of K steps from the initial snapshot on the parity batches (one sync at the end)."""
-        self._snapshot.restore(rng=False)
-        self._seed()
-        losses = [train_step(self.state, batch, i) for i, batch in enumerate(self._parity_batches)]
+        """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end."""
+        self._snapshot.restore()
+        state, n = self.state, self.state.step.accumulate
+        data = state.data
+        assert data is not None
+        losses = []
+        for i in range(self.cfg.parity_steps):
+            micro = [data.to_device(b) for b in self._parity_batches[i * n:(i + 1) * n]]
+            losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
-    def _measure(self) -> Measurement:
-        from speedkit.measure.nvml import NvmlSampler
-
-        state, cfg, clock = self.state, self.cfg, self.clock
-        assert self._batches is not None
-        self._snapshot.restore(rng=False)
-        self._seed()
-        cuda = state.device.type == "cuda"
-        counter = iter(range(1 << 62))
-
-        def run_step() -> None:
-            train_step(state, next(self._batches), next(counter))
-
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(state.device)
-        sampler = NvmlSampler.create(state.device) if cfg.telemetry else None
-        if sampler is not None:
-            sampler.start()
-        items, unit = count_items(self._parity_batches[0], cfg.throughput_unit)
-        try:
-            windows = time_windows(run_step, clock, warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
-        finally:
-            telemetry = sampler.stop() if sampler is not None else None
-        median, spread = summarize(windows)
-        util, achieved = mfu(self._flops, median / 1e3, self._peak)
-        return Measurement(step_ms=median, spread=spread, window_ms=windows, warmup=cfg.warmup, steps=cfg.steps,
-                           throughput=items / (median / 1e3), throughput_unit=unit, items_per_step=items, mfu=util,
-                           tflops=achieved, peak_memory_bytes=torch.cuda.max_memory_allocated(state.device) if cuda else None,
-                           telemetry=telemetry, clock=clock.name)
+    _phase = "the setup"
 
 
-def _gb(m: Measurement) -> str:
-    return f", peak {m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes else ""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class _RungProblem(Exception):

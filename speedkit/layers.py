@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speedkit import kernels
+from speedkit import compat, kernels
 from speedkit.kernels.support import interpreting
-from speedkit.ops import _hooked
 
 #: dtypes the kernels take
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,7 +51,7 @@ def runs_kernels(t: Any, *, under_compile: bool = False) -> bool:
 
 def hooked(module: nn.Module) -> bool:
     """The module (or every module: global hooks) has hooks that a fused call would skip."""
-    return _hooked(module)
+    return compat.has_hooks(module)
 
 
 #: (device type, norm op) -> whether autocast runs that op in fp32 there (its output is fp32 for

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speedkit import compat
+
 Pattern = list[tuple[Any, ...]]
 
 
@@ -155,22 +157,13 @@ def attention(pattern: Pattern, v: Tensor, *, final_eq: str | None = None, is_ca
 # original loop, so a rewrite decided at apply time can never change what the code computes.
 
 
-def _hooked(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_globals
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or module_globals._global_forward_hooks
-                or module_globals._global_forward_pre_hooks or module_globals._global_backward_hooks
-                or module_globals._global_backward_pre_hooks)
-
-
 def _same_linears(linears: Sequence[Any], same_out: bool) -> bool:
     """Plain ``nn.Linear`` modules, no hooks, one in_features/dtype/device, all with a bias or none."""
     first = linears[0]
     if type(first) is not nn.Linear:
         return False
     for lin in linears:
-        if type(lin) is not nn.Linear or _hooked(lin) or lin.in_features != first.in_features \
+        if type(lin) is not nn.Linear or compat.has_hooks(lin) or lin.in_features != first.in_features \
                 or (same_out and lin.out_features != first.out_features) \
                 or lin.weight.dtype != first.weight.dtype or lin.weight.device != first.weight.device \
                 or (lin.bias is None) != (first.bias is None):
@@ -310,7 +303,7 @@ def store_slices(target: Any, n: int, value: Tensor | list[Any]) -> None:
 def _identical_members(modules: Sequence[nn.Module]) -> bool:
     base = modules[0]
     for m in modules:
-        if type(m) is not type(base) or m.training != base.training or _hooked(m):
+        if type(m) is not type(base) or m.training != base.training or compat.has_hooks(m):
             return False
     return True
 
@@ -323,7 +316,6 @@ def ensemble(modules: Sequence[nn.Module], *args: Any) -> list[Any]:
     included: vmap's randomness="error" refuses them rather than draw different numbers).
     """
     from torch.func import functional_call, vmap
-    from torch.utils._pytree import tree_map
 
     modules = list(modules)
     if len(modules) < 2 or not _identical_members(modules):
@@ -343,12 +335,12 @@ def ensemble(modules: Sequence[nn.Module], *args: Any) -> list[Any]:
         return [m(*args) for m in modules]
     if isinstance(out, Tensor):
         return list(out.unbind(0))
-    return [tree_map(lambda t, i=i: t[i], out) for i in range(len(modules))]
+    return [compat.tree_map(lambda t, i=i: t[i], out) for i in range(len(modules))]
 
 
 # -- fused layers (the triton_layers rung) ------------------------------------------------------
 # Entry points for rewritten code; checks and fallbacks live in speedkit.layers, imported on first
-# call (it needs Triton, and imports _hooked from this module).
+# call (it imports Triton).
 
 
 def cross_entropy(input: Any, target: Any, **kwargs: Any) -> Tensor:

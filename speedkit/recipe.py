@@ -63,6 +63,14 @@ _MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
     "parity_steps": (int, 1, False, None),
     "min_gain": (float, 0.0, False, 1.0),
     "memory_gain": (float, 0.0, False, 1.0),
+    "confidence": (float, 0.5, False, 1.0),
+    "min_blocks": (int, 2, False, None),
+    "max_blocks": (int, 2, False, None),
+    "budget_s": (float, 0.0, True, None),
+    "settle": (int, 0, False, None),
+    "final_check": (bool, None, False, None),
+    "holds_windows": (int, 0, False, None),
+    "holds_threshold": (float, 0.0, True, None),
     "throughput_unit": (Literal["auto", "tokens", "samples"], None, False, None),
     "mfu_precision": (Literal["bf16", "fp16", "tf32", "fp32"], None, False, None),
     "peak_tflops": (typing.Optional[float], 0.0, True, None),
@@ -151,15 +159,18 @@ def embedded_default_path() -> Path:
 # -- loading ---------------------------------------------------------------------------------
 
 
-def load_recipe(source: str | Path | dict[str, Any]) -> Recipe:
+def load_recipe(source: str | Path | dict[str, Any], overrides: Iterable[tuple[str, Any]] = ()) -> Recipe:
     """Load and fully validate a recipe from a YAML file path or an already parsed mapping.
+
+    ``overrides`` are ``("trainer.max_steps", 50)`` pairs applied before validation (the CLI's
+    ``--trainer.max_steps 50``).
 
     Raises:
         ConfigError: on any problem, naming the field (``measure.steps``), what was expected
             and what was found, in one line.
     """
     if isinstance(source, dict):
-        return _validate(copy.deepcopy(source), None)
+        return _validate(apply_overrides(copy.deepcopy(source), overrides), None)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError("recipe", f"expected a path to a YAML file or a mapping, found {type(source).__name__}")
     path = Path(source).expanduser()
@@ -171,7 +182,26 @@ def load_recipe(source: str | Path | dict[str, Any]) -> Recipe:
         raise ConfigError("recipe", f"expected a YAML file, found a directory: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("recipe", f"cannot read {path}: {_one_line(exc)}") from None
-    return _validate(_parse_yaml(text), path.resolve())
+    return _validate(apply_overrides(_parse_yaml(text), overrides), path.resolve())
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Set ``a.b.c`` keys of a parsed recipe (creating mappings on the way), LightningCLI-style."""
+    for key, value in overrides:
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"--{key}", "expected a dotted key such as --trainer.max_steps")
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[:depth + 1])
+                raise ConfigError(f"--{key}", f"{where} is {_describe(child)}, not a mapping; cannot set {key}")
+            node = child
+        node[parts[-1]] = value
+    return raw
 
 
 def load_recipe_text(text: str) -> Recipe:
@@ -268,7 +298,7 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
         raise ConfigError("ladder", f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none)")
     # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
     ladder = rungs.make_all(raw["ladder"], "ladder")
-    measure = _measure(raw.get("measure"))
+    measure = validate_measure(raw.get("measure"))
     report = _report(raw.get("report"))
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
@@ -368,7 +398,9 @@ def _trainer_object(value: Any, where: str, base: str | None, required: bool = F
     return value
 
 
-def _measure(value: Any) -> dict[str, Any]:
+def validate_measure(value: Any) -> dict[str, Any]:
+    """``configs/defaults.yaml``'s ``measure:`` overridden by ``value``, every key checked (one-line
+    ConfigError naming ``measure.<key>``). Recipes and ``SpeedLadder(measure=...)`` use it."""
     defaults = measure_defaults()
     if value is None:
         return defaults
@@ -393,6 +425,8 @@ def _measure(value: Any) -> dict[str, Any]:
                 rng = f"> {low}" if low_open else f">= {low}" if high is None else f"in [{low}, {high})"
                 raise ConfigError(where, f"expected {kind} {rng}, found {item!r}")
         out[key] = item
+    if out["max_blocks"] < out["min_blocks"]:
+        raise ConfigError("measure.max_blocks", f"must be >= measure.min_blocks ({out['min_blocks']}), found {out['max_blocks']}")
     return out
 
 
@@ -517,7 +551,7 @@ def _signature(cls: type) -> tuple[tuple[str, ...] | None, dict[str, Any], inspe
 
 def _check(value: Any, tp: Any, where: str) -> Any:
     """``check_value`` for simple annotations; annotations it cannot judge accept anything."""
-    from speedkit.rungs.base import check_value
+    from speedkit.options import check_value
 
     if not _judgeable(tp):
         return value

@@ -9,16 +9,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: "closing": the final configuration re-measured by the ladder's closing check after it reverted a
-#: kept rung that no longer paid with the later rungs on top of it
-Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing"]
+#: kept rung that no longer paid with the later rungs on top of it; "interrupted": the rung the
+#: ladder was trying when it was interrupted (undone)
+Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing", "interrupted"]
 
 
 @dataclass
 class Measurement:
-    """Timing of one configuration: ``repeats`` windows of ``steps`` steps after ``warmup`` steps."""
+    """Timing of one configuration: windows of ``steps`` optimizer steps after ``warmup`` steps."""
 
     step_ms: float                     # median over windows of the mean step time in a window
     spread: float                      # noise: 1.4826 * MAD / median of the window means (robust relative std)
@@ -27,12 +28,14 @@ class Measurement:
     steps: int
     throughput: float                  # units per second at the median step time
     throughput_unit: str               # "tokens/s" or "samples/s"
-    items_per_step: int                # tokens or samples per step
+    items_per_step: int                # tokens or samples per optimizer step
     mfu: float | None = None           # model FLOPs utilization, 0..1 (None without a known peak)
     tflops: float | None = None        # achieved model TFLOP/s
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the timed steps
     telemetry: dict[str, Any] | None = None  # NVML summary over the timed windows (None without a GPU)
     clock: str = "perf_counter"        # "cuda_events" or "perf_counter"
+    data_wait_ms: float | None = None  # median per-step host time waiting for the batch (fetch, collate, copy)
+    host_ms: float | None = None       # median per-step host time issuing the step
 
 
 @dataclass
@@ -49,6 +52,22 @@ class Parity:
 
 
 @dataclass
+class PairedResult:
+    """Candidate (B) against the configuration before it (A), timed in interleaved A B B A blocks."""
+
+    speedup: float                     # B over A, exp of the mean per-block log ratio
+    low: float                         # confidence interval of the speedup
+    high: float
+    confidence: float
+    blocks: int
+    verdict: str                       # "faster", "not_faster" or "undecided"
+    min_gain: float
+    a: Measurement | None = None       # A's windows in this comparison
+    b: Measurement | None = None       # B's windows in this comparison
+    seconds: float = 0.0
+
+
+@dataclass
 class RungResult:
     name: str
     status: Status
@@ -56,11 +75,26 @@ class RungResult:
     reason: str | None = None          # why not applicable / reverted / failed; why kept
     changes: list[str] = field(default_factory=list)
     precision: str = "fp32"            # effective numerics with this rung applied
-    measurement: Measurement | None = None
+    measurement: Measurement | None = None  # this configuration (B's windows of its comparison)
     parity: Parity | None = None
-    gain_vs_previous: float | None = None  # previous kept step time / this step time
-    gain_vs_baseline: float | None = None  # baseline step time / this step time
+    comparison: PairedResult | None = None
+    gain_vs_previous: float | None = None  # paired speedup over the configuration before it
+    gain_vs_baseline: float | None = None  # product of the paired speedups of the kept rungs up to here
     seconds: float = 0.0               # wall time spent trying this rung (compile included)
+
+
+@dataclass
+class Holds:
+    """Does the ladder's figure hold in training? The final configuration in the ladder against the
+    steps of the fit that followed, same Trainer and loader."""
+
+    ladder: Measurement | None
+    fit: Measurement | None
+    gap: float | None                  # fit step time / ladder step time - 1
+    flagged: bool                      # gap above the threshold
+    threshold: float
+    cause: str | None                  # the likely cause of a flagged gap
+    note: str | None = None            # why it was not measured, where it was not
 
 
 @dataclass
@@ -73,10 +107,14 @@ class LadderResult:
     measure: dict[str, Any]            # the measurement settings used
     rungs: list[RungResult]            # the baseline first, then one entry per ladder rung, in order
     title: str | None = None           # the report's heading (recipe report.title)
+    run: dict[str, Any] = field(default_factory=dict)  # the run's settings: precision, accumulation, clipping...
+    final_check: PairedResult | None = None  # the final configuration against the baseline, interleaved
+    holds: Holds | None = None
+    interrupted: str | None = None     # None, or what was interrupted ("KeyboardInterrupt during sdpa")
 
     @property
     def baseline(self) -> RungResult:
-        return self.rungs[0]
+        return self.rungs[0] if self.rungs else RungResult("baseline", "baseline")
 
     @property
     def kept(self) -> list[RungResult]:
@@ -91,16 +129,28 @@ class LadderResult:
                 return r
         return self.baseline
 
+    @property
+    def final_measurement(self) -> Measurement | None:
+        """The ladder's figure for the final configuration: its windows in the final check when
+        there was one, else its last comparison's."""
+        if self.final_check is not None and self.final_check.b is not None:
+            return self.final_check.b
+        return self.final.measurement
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        final = self.final
+        base = self.baseline.measurement
+        final = self.final_measurement
+        speedup = self.final_check.speedup if self.final_check is not None else (self.final.gain_vs_baseline or 1.0)
         d["summary"] = {
-            "baseline_step_ms": self.baseline.measurement.step_ms if self.baseline.measurement else None,
-            "final_step_ms": final.measurement.step_ms if final.measurement else None,
-            "speedup": final.gain_vs_baseline if final is not self.baseline else 1.0,
+            "baseline_step_ms": base.step_ms if base else None,
+            "final_step_ms": final.step_ms if final else None,
+            "speedup": speedup,
+            "speedup_ci": [self.final_check.low, self.final_check.high] if self.final_check is not None else None,
             "kept": [r.name for r in self.kept],
-            "throughput_unit": self.baseline.measurement.throughput_unit if self.baseline.measurement else None,
-            "baseline_throughput": self.baseline.measurement.throughput if self.baseline.measurement else None,
-            "final_throughput": final.measurement.throughput if final.measurement else None,
+            "throughput_unit": base.throughput_unit if base else None,
+            "baseline_throughput": base.throughput if base else None,
+            "final_throughput": final.throughput if final else None,
+            "interrupted": self.interrupted,
         }
         return d

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from speedkit.rungs.base import Handle
+from speedkit.handle import Handle
 
 #: name under which rewritten code reaches :mod:`speedkit.ops`
 OPS_NAME = "__speedkit_ops"
@@ -167,15 +167,23 @@ def bind_forward(handle: Handle, module: nn.Module, function: Callable[..., Any]
     previous = module.__dict__.get("forward")
     if previous is not None and not hasattr(getattr(previous, "__func__", None), "__speedkit_parsed__"):
         raise NotRewritable(f"{type(module).__name__} already has an instance-level forward (compiled or patched)")
-    module.forward = types.MethodType(function, module)
+    bind_method(handle, module, "forward", function, description)
+
+
+def bind_method(handle: Handle, module: nn.Module, name: str, function: Callable[..., Any], description: str) -> None:
+    """Set ``module.<name>`` to ``function`` bound to it; ``handle`` puts back what was there and,
+    on redo, binds the very same bound method again (compiled code keyed on it stays valid)."""
+    previous = module.__dict__.get(name)
+    bound = types.MethodType(function, module)
+    setattr(module, name, bound)
 
     def restore() -> None:
         if previous is None:
-            module.__dict__.pop("forward", None)
+            module.__dict__.pop(name, None)
         else:
-            module.forward = previous
+            setattr(module, name, previous)
 
-    handle.record(description, restore)
+    handle.record(description, restore, lambda: setattr(module, name, bound))
 
 
 def is_user_module(module: nn.Module) -> bool:

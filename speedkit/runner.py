@@ -1,111 +1,149 @@
-"""What the CLI commands do, as functions: build a run from a recipe, optimize it, fit it."""
+"""What the CLI commands do, as functions: optimize a recipe, fit it.
+
+``optimize`` is the engine of ``SpeedLadder()`` on the Trainer the recipe describes: the recipe's
+precision, accumulation, clipping, strategy, callbacks and data module, with the trials inside
+``fit`` and the fit's own next steps timed after them. What it changes for the occasion: it runs
+only as many real steps as that check needs, and turns off what concerns the real run rather than
+the step (validation, checkpoints, loggers, the progress bar, early stopping).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from speedkit.errors import ConfigError, UnsupportedError
-from speedkit.ladder import Ladder
+from speedkit.errors import ConfigError, SpeedkitError
 from speedkit.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
-from speedkit.state import TrainState
+
+#: Trainer arguments ``optimize`` sets for its short run, whatever the recipe says
+_OPTIMIZE_TRAINER = {"max_epochs": -1, "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False,
+                     "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+#: callbacks of the real run that have no place in optimize's short one (they watch validation or write files)
+_REAL_RUN_CALLBACKS = ("ModelCheckpoint", "EarlyStopping")
 
 
-def resolve_device(trainer_args: dict[str, Any]) -> torch.device:
-    """The device a recipe's Trainer arguments ask for (``accelerator`` auto/cpu/gpu/cuda)."""
-    accelerator = str(trainer_args.get("accelerator", "auto")).lower()
-    if accelerator == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if accelerator in ("gpu", "cuda"):
-        if not torch.cuda.is_available():
-            raise UnsupportedError(f"trainer.accelerator is {accelerator!r} but no CUDA GPU is visible; "
-                                   "use accelerator: auto or cpu, or run on a machine with a GPU")
-        return torch.device("cuda")
-    if accelerator == "cpu":
-        return torch.device("cpu")
-    raise UnsupportedError(f"trainer.accelerator {accelerator!r} is not supported by speedkit optimize; use auto, cpu or gpu")
+class Interrupted(SpeedkitError):
+    """``optimize`` was interrupted (Ctrl-C or SIGTERM); a partial report was written.
+
+    Attributes: ``signal`` ("SIGINT"/"SIGTERM"), ``exit_code`` (130/143), ``written`` (paths).
+    """
+
+    def __init__(self, signal_name: str, phase: str, written: dict[str, Path]) -> None:
+        self.signal = signal_name
+        self.exit_code = 130 if signal_name == "SIGINT" else 143
+        self.written = written
+        where = written.get("json") or written.get("md")
+        super().__init__(f"interrupted ({signal_name}) during {phase}; partial report: {where}" if where
+                         else f"interrupted ({signal_name}) during {phase}; nothing was measured yet")
 
 
-def extract_optimizer(configured: Any) -> torch.optim.Optimizer:
-    """The single optimizer out of whatever ``configure_optimizers`` returned."""
-    found = configured
-    if isinstance(found, dict):
-        found = found.get("optimizer")
-    if isinstance(found, (list, tuple)):
-        if len(found) == 2 and isinstance(found[0], (list, tuple)):  # ([optimizers], [schedulers])
-            found = found[0]
-        optimizers = [o.get("optimizer") if isinstance(o, dict) else o for o in found]
-        optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
-        if len(optimizers) != 1:
-            raise UnsupportedError(f"speedkit optimize needs exactly one optimizer from configure_optimizers, found {len(optimizers)}")
-        found = optimizers[0]
-    if not isinstance(found, torch.optim.Optimizer):
-        raise ConfigError("model", f"configure_optimizers must return an optimizer, found {type(configured).__name__}")
-    return found
-
-
-def build_state(recipe: Recipe) -> TrainState:
-    """Model (seeded), optimizer and train loader of a recipe, on the recipe's device."""
-    device = resolve_device(recipe.trainer)
-    torch.manual_seed(recipe.seed)
-    model = recipe.build_model()
-    if getattr(model, "automatic_optimization", True) is False:
-        raise UnsupportedError("speedkit optimize runs automatic-optimization training steps; "
-                               "this LightningModule sets automatic_optimization = False")
-    datamodule = recipe.build_datamodule()
-    if datamodule is not None:
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        loader = datamodule.train_dataloader()
-    else:
-        loader = model.train_dataloader()
-    model.to(device)
-    optimizer = extract_optimizer(model.configure_optimizers())
-    return TrainState(model=model, optimizer=optimizer, device=device, loader=loader)
+def check_output_dir(out: Path) -> None:
+    """A usable output folder, or a one-line ConfigError, before any work starts."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} is a file, not a folder; give a folder for the report")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError("--out", f"{existing} is a file, so {out} cannot be created; give another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"{existing} is not writable; give a folder you can write to")
 
 
 @contextlib.contextmanager
-def _quiet_lightning_outside_trainer():
-    # training_step calls self.log(); outside a Trainer Lightning warns on each call site. The
-    # ladder runs training steps without a Trainer on purpose, so that warning is noise here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*self\.log\(\)`? but the `self\.trainer` reference is not registered.*")
-        warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
-        yield
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's start-up lines (GPU available, ...) say nothing about speed; the report does."""
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*(does not have many workers|GPU available but not used).*")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGINT, sigint)  # Lightning ignores SIGINT after a Ctrl-C; put it back
+
+
+def build_trainer(recipe: Recipe, callbacks: list[Any], **overrides: Any) -> Any:
+    """The recipe's Trainer with ``callbacks`` first, the recipe's own after."""
+    import lightning.pytorch as pl
+
+    kwargs = recipe.build_trainer_kwargs()
+    own = list(kwargs.pop("callbacks", None) or [])
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs, callbacks=[*callbacks, *own])
 
 
 def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
-    """Run the ladder of a recipe; write report.json, report.md and optimized.yaml into ``out_dir``."""
+    """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
+
+    Raises:
+        ConfigError: an empty ladder or an unusable output folder, before any work.
+        Interrupted: Ctrl-C or SIGTERM; the rungs finished so far are in the partial report.
+    """
+    from lightning.fabric.utilities.seed import seed_everything
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from speedkit import rungs
+    from speedkit.lightning import SpeedLadder
     from speedkit.report import write_report
 
     if not recipe.ladder:
         raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = build_state(recipe)
-    ladder = Ladder(state, recipe.ladder, recipe.measure, seed=recipe.seed,
-                    recipe=str(recipe.path) if recipe.path else None, on_event=on_event)
-    with _quiet_lightning_outside_trainer():
-        result = ladder.run()
-    ladder.revert()
+    check_output_dir(out_dir)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
+    formats = tuple(recipe.report.get("formats", ("json", "md")))
+    measure = recipe.measure
+    ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
+    fit_steps = measure["warmup"] + max(1, measure["holds_windows"]) * measure["steps"]
+    with _quiet_lightning():
+        seed_everything(recipe.seed, verbose=False)
+        model = recipe.build_model()
+        datamodule = recipe.build_datamodule()
+        trainer = build_trainer(recipe, [ladder], **_OPTIMIZE_TRAINER, max_steps=fit_steps)
+        trainer.callbacks = [c for c in trainer.callbacks if type(c).__name__ not in _REAL_RUN_CALLBACKS or c is ladder]
+        try:
+            trainer.fit(model, datamodule=datamodule)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            cause = ladder.exception or exc
+            if not isinstance(cause, (KeyboardInterrupt, SIGTERMException)) and not isinstance(exc, KeyboardInterrupt):
+                raise
+            result = ladder.result
+            written: dict[str, Path] = {}
+            phase = "the set-up, before any trial"
+            if result is not None:
+                phase = (result.interrupted or "the fit check after the trials").split(" during ", 1)[-1]
+                result.interrupted = result.interrupted or f"{type(cause).__name__} during {phase}"
+                result.title = title
+                out_dir.mkdir(parents=True, exist_ok=True)
+                written = write_report(result, out_dir, formats=formats)
+            raise Interrupted("SIGTERM" if isinstance(cause, SIGTERMException) else "SIGINT", phase, written) from None
+    result = ladder.result
+    assert result is not None
     result.title = title
-    written = write_report(result, out_dir, formats=tuple(recipe.report.get("formats", ("json", "md"))))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = write_report(result, out_dir, formats=formats)
     kept = [{"name": r.name, "options": r.options} if r.options else r.name for r in result.kept]
     optimized = out_dir / "optimized.yaml"
-    final = result.final.measurement
+    final = result.final_measurement
+    base = result.baseline.measurement
     header = (f"Written by `speedkit optimize` on {time.strftime('%Y-%m-%d %H:%M')} from {recipe.path or 'a recipe'}.\n"
               f"Kept rungs: {', '.join(r.name for r in result.kept) or 'none'}"
-              + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {result.baseline.measurement.throughput:,.0f}"
-                 if final and result.baseline.measurement else "") + f" on {result.device}.\n"
-              "Train with: speedkit fit " + str(optimized))
+              + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {base.throughput:,.0f}" if final and base else "")
+              + f" on {result.device}.\nTrain with: speedkit fit {optimized}")
     dump_recipe(recipe.raw, kept, optimized, header)
     written["optimized"] = optimized
     return result, written
@@ -116,16 +154,14 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
 
     Returns the Trainer and the SpeedLadder callback (which records what it applied and skipped).
     """
-    import lightning.pytorch as pl
+    from lightning.fabric.utilities.seed import seed_everything
 
     from speedkit.lightning import SpeedLadder
 
-    torch.manual_seed(recipe.seed)
+    seed_everything(recipe.seed, verbose=False)
     model = recipe.build_model()
     datamodule = recipe.build_datamodule()
-    kwargs = recipe.build_trainer_kwargs()
-    callbacks = list(kwargs.pop("callbacks", None) or [])
     ladder = SpeedLadder(rungs=recipe.ladder)
-    trainer = pl.Trainer(**kwargs, callbacks=[ladder, *callbacks, *(extra_callbacks or [])])
+    trainer = build_trainer(recipe, [ladder, *(extra_callbacks or [])])
     trainer.fit(model, datamodule=datamodule)
     return trainer, ladder

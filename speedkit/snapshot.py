@@ -1,10 +1,12 @@
 """Save and restore the training state around trial steps, so that trials never leak.
 
 A snapshot keeps, by object identity, a copy of every parameter and buffer of the model, the
-optimizer's per-parameter state and hyper-parameters, and the RNG states. Restoring copies values
-back *into the same tensors* (never replaces them), so the optimizer, Lightning and any rung still
-point at the live parameters. Implementation flags of the optimizer (fused/foreach/capturable)
-are left as they are now: those belong to the rungs, not to the training state.
+optimizer's per-parameter state and hyper-parameters, the state the step owns (learning-rate
+schedulers, grad scaler), the generators iterating the data advances, and the RNG states (torch,
+CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (never replaces them),
+so the optimizer, Lightning and any rung still point at the live parameters. Implementation flags
+of the optimizer (fused/foreach/capturable) are left as they are now: those belong to the rungs,
+not to the training state.
 """
 
 from __future__ import annotations
@@ -23,17 +25,50 @@ def _clone(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return t.detach().to(device if device is not None else t.device, copy=True)
 
 
+def rng_state() -> dict[str, Any]:
+    """Every RNG state a training step or a data loader may draw from."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "python": random.getstate(),
+        "numpy": None,
+    }
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    if state.get("numpy") is not None:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
 class Snapshot:
-    """A copy of model + optimizer + RNG state; ``restore()`` puts it back in place, any number of times.
+    """A copy of the training state; ``restore()`` puts it back in place, any number of times.
 
     Args:
         model, optimizer: what to save.
+        step: the training step (its schedulers and grad scaler are saved), or None.
+        data: the batch source (the generators its iteration advances), or None.
         device: where to keep the copy ("cpu" keeps GPU memory figures honest; None = same device).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str | None = "cpu") -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Any = None, data: Any = None,
+                 device: torch.device | str | None = "cpu") -> None:
         self.model = model
         self.optimizer = optimizer
+        self.step = step
+        self.data = data
         self.device = torch.device(device) if device is not None else None
         pin = self.device is not None and self.device.type == "cpu" and torch.cuda.is_available()
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -42,10 +77,11 @@ class Snapshot:
             if id(t) in seen:
                 continue  # tied weights
             seen.add(id(t))
-            copy_ = _clone(t, self.device)
+            saved = _clone(t, self.device)
             if pin and t.is_cuda:
-                copy_ = copy_.pin_memory()
-            self.tensors.append((t, copy_))
+                saved = saved.pin_memory()
+            self.tensors.append((t, saved))
+        self.grads = {id(t): t.grad is None for t, _ in self.tensors}
         self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:
@@ -54,11 +90,9 @@ class Snapshot:
                                            for k, v in st.items()}))
             self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS}
                                for g in optimizer.param_groups]
-        self.rng = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
-            "python": random.getstate(),
-        }
+        self.step_state = step.state_dict() if step is not None else None
+        self.data_state = data.state_dict() if data is not None else None
+        self.rng = rng_state()
 
     @torch.no_grad()
     def restore(self, rng: bool = True) -> None:
@@ -85,11 +119,12 @@ class Snapshot:
             for group, saved in zip(opt.param_groups, self.opt_groups):
                 group.update(copy.deepcopy(saved))
             opt.zero_grad(set_to_none=True)
+        if self.step is not None and self.step_state is not None:
+            self.step.load_state_dict(self.step_state)
+        if self.data is not None and self.data_state is not None:
+            self.data.load_state_dict(self.data_state)
         if rng:
             self.restore_rng()
 
     def restore_rng(self) -> None:
-        torch.set_rng_state(self.rng["torch"])
-        if self.rng["cuda"] is not None:
-            torch.cuda.set_rng_state_all(self.rng["cuda"])
-        random.setstate(self.rng["python"])
+        set_rng_state(self.rng)

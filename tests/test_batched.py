@@ -16,7 +16,8 @@ from speedkit import ops
 from speedkit.demos.batched import (Ensemble, HeadsList, LoopGEMMModel, LoopOfGEMMs, SiblingProjections,
                                     SyntheticGEMMs)
 from speedkit.rungs.batched import NOTHING_FOUND, BatchedOptions, BatchedRung
-from speedkit.state import TrainState, train_step
+from speedkit.data import LoaderSource
+from speedkit.state import TrainState
 
 # fp32 throughout: the batched GEMM may sum in another order than the per-slice ones
 RTOL, ATOL = 1e-5, 1e-6
@@ -573,19 +574,19 @@ def test_state_dict_after_rewrite_loads_strictly_into_the_original(name):
 
 
 def test_training_steps_after_apply_match_the_original():
-    """A LightningModule through speedkit's own train_step: the optimizer still drives the live parameters."""
+    """A LightningModule through speedkit's own PlainStep: the optimizer still drives the live parameters."""
     states = []
     for rewrite in (False, True):
         torch.manual_seed(0)
         model = LoopGEMMModel(n=5, dim=6)
         dm = SyntheticGEMMs(n=5, dim=6, batches=4)
         state = TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device("cpu"),
-                           loader=dm.train_dataloader())
+                           data=LoaderSource(dm.train_dataloader(), torch.device("cpu")))
         if rewrite:
             handle = BatchedRung().apply(state)
             assert handle.sites["rewritten"] == 1 and "LoopOfGEMMs" in handle.changes[0]
-        batches = state.batches()
-        losses = [train_step(state, next(batches), i).item() for i in range(3)]
+        batches = state.data.iterator()
+        losses = [state.step([next(batches)], i).item() for i in range(3)]
         states.append((state, losses))
     (ref, ref_losses), (new, new_losses) = states
     assert new_losses == pytest.approx(ref_losses, rel=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 from speedkit.demos import LaunchBoundMLP, NaiveGPT
 from speedkit.measure import count_step_flops, mfu, peak_tflops
-from speedkit.state import default_loss_fn
+from speedkit.step import PlainStep
 
 
 def test_mlp_flops_match_hand_count():
@@ -19,7 +19,7 @@ def test_mlp_flops_match_hand_count():
     weight_grads = forward
     # the input needs no gradient, so the first layer's input-gradient GEMM is never run
     input_grads = forward - 2 * B * F * H
-    assert count_step_flops(model, batch, default_loss_fn) == forward + weight_grads + input_grads
+    assert count_step_flops(PlainStep(model, None, 'cpu'), batch) == forward + weight_grads + input_grads
 
 
 def test_gpt_flops_match_6N_plus_attention():
@@ -30,12 +30,12 @@ def test_gpt_flops_match_6N_plus_attention():
     idx = torch.randint(0, V, (B, T))
     matmul_weights = L * 12 * d * d + d * V  # qkv 3d², proj d², fc 4d², proj 4d²; tied lm_head d·V
     expected = 6 * matmul_weights * B * T + 12 * L * B * T * T * d
-    assert count_step_flops(model, (idx, idx), default_loss_fn) == expected
+    assert count_step_flops(PlainStep(model, None, 'cpu'), (idx, idx)) == expected
 
 
 def test_counting_leaves_no_gradients_behind():
     model = LaunchBoundMLP(features=8, hidden=8, depth=1)
-    count_step_flops(model, (torch.randn(4, 8), torch.randint(0, 10, (4,))), default_loss_fn)
+    count_step_flops(PlainStep(model, None, 'cpu'), (torch.randn(4, 8), torch.randint(0, 10, (4,))))
     assert all(p.grad is None for p in model.parameters())
 
 

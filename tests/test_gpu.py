@@ -54,15 +54,13 @@ def test_step_clock_waits_once_per_window_on_cuda(monkeypatch):
 
 def test_fused_optimizer_moves_step_counters_and_back_on_cuda():
     state = tiny_gpt_state(device="cuda")
-    from speedkit.state import train_step
-
-    for i, b in zip(range(2), state.batches()):
-        train_step(state, b, i)
+    for i, b in zip(range(2), state.data.iterator()):
+        state.step([b], i)
     p = next(state.model.parameters())
     assert state.optimizer.state[p]["step"].device.type == "cpu"
     handle = rungs.make("fused_optimizer").apply(state)
     assert state.optimizer.state[p]["step"].device.type == "cuda"
-    train_step(state, next(state.batches()), 3)  # the fused kernel runs with the moved counters
+    state.step([next(state.data.iterator())], 3)  # the fused kernel runs with the moved counters
     handle.undo()
     assert state.optimizer.state[p]["step"].device.type == "cpu"
 

@@ -1,42 +1,49 @@
-"""The ladder engine: parity rejects wrong numerics, raising rungs are reverted, trials never leak."""
+"""The ladder engine: seams that rungs wrap, parity, paired decisions under noise and drift, no leaks.
+
+Timing decisions run on a virtual time line (tests/fakes.py): the step clock, the host clock and
+the comparison budget all read it, so no test sleeps or depends on this machine's load.
+"""
 
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 from conftest import mlp_state
+from fakes import CostStep, SpeedRung, VirtualTime, timed_state
 
-from speedkit.ladder import Ladder, MeasureConfig, count_items
-from speedkit.results import Measurement
-from speedkit.rungs.base import Handle, Rung, set_attr
+from speedkit.data.source import BatchSource
+from speedkit.handle import Handle, set_attr
+from speedkit.ladder import Ladder, MeasureConfig
+from speedkit.measure.stats import block_log_gain, decide, looks
+from speedkit.rungs.base import Rung
+from speedkit.step import StepWrapper
 
-FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False}
+FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
+        "max_blocks": 12, "budget_s": 1e9}
 
 
-class WrongNumericsRung(Rung):
-    """Deliberately wrong: claims to be a pure speedup but scales the loss by 1.01."""
+def _run(state, rungs, time: VirtualTime, **measure):
+    ladder = Ladder(state, rungs, {**FAST, **measure}, clock=time.clock(), host_clock=time)
+    return ladder, ladder.run()
 
-    name = "wrong_numerics"
+
+# -- rungs used by the tests ---------------------------------------------------------------------------
+
+
+class LossScaleRung(Rung):
+    """Scales the loss by ``1 + delta`` through the step's loss function."""
+
+    def __init__(self, name: str, delta: float):
+        super().__init__()
+        self.name, self.delta = name, delta
 
     def apply(self, state):
         handle = Handle(self.name)
-        inner = state.loss_fn
-        set_attr(handle, state, "loss_fn", lambda m, b, i: inner(m, b, i) * 1.01, "loss scaled by 1.01")
-        return handle
-
-
-class TinyPerturbationRung(Rung):
-    """Changes the loss by 1e-3 relative: inside bf16's tolerance, outside fp32's."""
-
-    name = "tiny_perturbation"
-
-    def apply(self, state):
-        handle = Handle(self.name)
-        inner = state.loss_fn
-        set_attr(handle, state, "loss_fn", lambda m, b, i: inner(m, b, i) * (1 + 1e-3), "loss scaled by 1.001")
+        inner = state.step.loss_fn
+        set_attr(handle, state.step.inner if isinstance(state.step, StepWrapper) else state.step, "loss_fn",
+                 lambda m, b, i: inner(m, b, i) * (1 + self.delta), f"loss scaled by {1 + self.delta}")
         return handle
 
 
@@ -50,44 +57,19 @@ class RaisingRung(Rung):
         raise RuntimeError("boom while applying")
 
 
+class BrokenStep(StepWrapper):
+    def __call__(self, batches, batch_idx):
+        raise ValueError("broken step")
+
+
 class RaisingInTrialRung(Rung):
-    """Applies fine, then its loss function raises during the parity steps."""
+    """Applies fine, then its step raises during the parity steps."""
 
     name = "raising_in_trial"
 
     def apply(self, state):
         handle = Handle(self.name)
-
-        def broken(m, b, i):
-            raise ValueError("broken loss")
-
-        set_attr(handle, state, "loss_fn", broken, "broken loss function")
-        return handle
-
-
-class SlowerRung(Rung):
-    name = "slower"
-
-    def apply(self, state):
-        handle = Handle(self.name)
-        inner = state.loss_fn
-
-        def slow(m, b, i):
-            time.sleep(0.01)
-            return inner(m, b, i)
-
-        set_attr(handle, state, "loss_fn", slow, "sleeps 10 ms per step")
-        return handle
-
-
-class RemoveSleepRung(Rung):
-    """Undoes an artificial 20 ms sleep the test puts in the baseline: reliably faster."""
-
-    name = "remove_sleep"
-
-    def apply(self, state):
-        handle = Handle(self.name)
-        set_attr(handle, state, "loss_fn", state.loss_fn.fast, "no more sleeping")
+        set_attr(handle, state, "step", BrokenStep(state.step), "a step that raises")
         return handle
 
 
@@ -98,80 +80,167 @@ class NotApplicableRung(Rung):
         return "never applies, on purpose"
 
 
-def _sleepy_state():
+class CountingStep(StepWrapper):
+    """Counts the steps it runs."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.calls = 0
+
+    def __call__(self, batches, batch_idx):
+        self.calls += 1
+        return self.inner(batches, batch_idx)
+
+
+class CountingSource(BatchSource):
+    """Wraps another source and counts the device batches it hands out."""
+
+    def __init__(self, inner: BatchSource):
+        super().__init__(inner.loader, inner.device)
+        self.inner, self.served = inner, 0
+
+    def iterator(self):
+        for batch in self.inner.iterator():
+            self.served += 1
+            yield batch
+
+
+class StepWrappingRung(Rung):
+    name = "wraps_step"
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        self.wrapper = CountingStep(state.step)
+        set_attr(handle, state, "step", self.wrapper, "step wrapped")
+        return handle
+
+
+class SourceWrappingRung(Rung):
+    name = "wraps_source"
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        self.wrapper = CountingSource(state.data)
+        set_attr(handle, state, "data", self.wrapper, "batch source wrapped")
+        return handle
+
+
+# -- the seams ---------------------------------------------------------------------------------------
+
+
+def test_a_rung_that_wraps_the_step_applies_toggles_and_reverts_exactly():
+    time = VirtualTime()
+    state = timed_state(time)
+    original = state.step
+    rung = StepWrappingRung()
+    ladder, result = _run(state, [rung], time, final_check=False)
+    entry = result.rungs[1]
+    assert entry.status in ("kept", "reverted") and entry.comparison is not None
+    assert rung.wrapper.calls > 0  # the trial ran through the wrapper
+    if entry.status == "kept":
+        assert state.step is rung.wrapper and rung.wrapper.inner is original
+    ladder.revert()
+    assert state.step is original
+
+
+def test_a_rung_that_wraps_the_batch_source_applies_and_reverts_exactly():
+    time = VirtualTime()
+    state = timed_state(time)
+    original = state.data
+    rung = SourceWrappingRung()
+    ladder, _ = _run(state, [rung], time, final_check=False)
+    assert rung.wrapper.served > 0  # the candidate configuration was fed from the wrapped source
+    ladder.revert()
+    assert state.data is original
+
+
+def test_handle_suspend_resume_rebinds_the_same_objects():
     state = mlp_state()
-    fast = state.loss_fn
+    original = state.step
+    handle = StepWrappingRung().apply(state)
+    wrapper = state.step
+    handle.suspend()
+    assert state.step is original
+    handle.resume()
+    assert state.step is wrapper
+    handle.undo()
+    assert state.step is original and not handle.active
+    handle.undo()  # idempotent
 
-    def sleepy(m, b, i):
-        time.sleep(0.02)
-        return fast(m, b, i)
 
-    sleepy.fast = fast
-    state.loss_fn = sleepy
-    return state
+def test_comparisons_interleave_a_b_b_a():
+    """Windows alternate between the configurations in A B B A blocks, in one period."""
+    time = VirtualTime()
+    state = timed_state(time)
+    seen: list[str] = []
+    clock = time.clock()
+    real_start = clock.start
+
+    def start():
+        seen.append("B" if isinstance(state.step, CountingStep) else "A")
+        real_start()
+
+    clock.start = start
+    Ladder(state, [StepWrappingRung()], {**FAST, "max_blocks": 3, "final_check": False}, clock=clock, host_clock=time).run()
+    compared = "".join(seen[FAST["repeats"]:])  # after the baseline's own windows
+    assert compared.startswith("ABBAABBAABBA"), compared
+
+
+# -- parity ---------------------------------------------------------------------------------------------
 
 
 def test_parity_rejects_a_rung_that_changes_numerics_and_reverts_it():
-    state = mlp_state()
-    original_loss_fn = state.loss_fn
-    result = Ladder(state, [WrongNumericsRung()], FAST).run()
+    time = VirtualTime()
+    state = timed_state(time)
+    original_loss_fn = state.step.inner.loss_fn
+    _, result = _run(state, [LossScaleRung("wrong_numerics", 0.01)], time)
     r = result.rungs[1]
-    assert r.status == "reverted"
-    assert "numerics changed" in r.reason
+    assert r.status == "reverted" and "numerics changed" in r.reason
     assert r.parity is not None and not r.parity.passed
     assert r.parity.max_rel_diff == pytest.approx(0.01, rel=1e-3)
-    assert r.measurement is None  # not worth timing a wrong rung
-    assert state.loss_fn is original_loss_fn
+    assert r.measurement is None and r.comparison is None  # not worth timing a wrong rung
+    assert state.step.inner.loss_fn is original_loss_fn
 
 
 def test_tolerance_follows_the_precision_in_effect():
     """A 1e-3 change fails fp32's tolerance but passes once a bf16 rung was kept before it."""
-    state = mlp_state()
-    result = Ladder(state, [TinyPerturbationRung()], FAST).run()
+    time = VirtualTime()
+    _, result = _run(timed_state(time), [LossScaleRung("tiny", 1e-3)], time)
     assert result.rungs[1].status == "reverted" and result.rungs[1].parity.tolerance == 1e-5
 
-    state = mlp_state()
+    state = timed_state(time)
     state.precision = "bf16"
-    result = Ladder(state, [TinyPerturbationRung()], FAST).run()
+    _, result = _run(state, [LossScaleRung("tiny", 1e-3)], time)
     assert result.rungs[1].parity.passed and result.rungs[1].parity.precision == "bf16"
 
 
 def test_raising_rungs_are_reverted_and_the_ladder_goes_on():
-    state = _sleepy_state()
-    ladder = Ladder(state, [RaisingRung(), RaisingInTrialRung(), NotApplicableRung(), RemoveSleepRung()], FAST)
-    result = ladder.run()
+    time = VirtualTime()
+    state = timed_state(time)
+    original = state.step
+    faster = SpeedRung("faster", time, 0.01, -0.3)
+    ladder, result = _run(state, [RaisingRung(), RaisingInTrialRung(), NotApplicableRung(), faster], time)
     statuses = {r.name: (r.status, r.reason) for r in result.rungs}
     assert statuses["raising"] == ("failed", "RuntimeError: boom while applying")
-    assert statuses["raising_in_trial"][0] == "failed" and "broken loss" in statuses["raising_in_trial"][1]
+    assert statuses["raising_in_trial"][0] == "failed" and "broken step" in statuses["raising_in_trial"][1]
     assert statuses["never"] == ("not_applicable", "never applies, on purpose")
-    assert statuses["remove_sleep"][0] == "kept"  # the ladder went on after the failures
-    assert not hasattr(state.loss_fn, "fast")  # remove_sleep is kept and still applied
+    assert statuses["faster"][0] == "kept"  # the ladder went on after the failures
     ladder.revert()
-    assert hasattr(state.loss_fn, "fast")  # the sleepy baseline is back
-
-
-def test_kept_when_faster_reverted_when_slower():
-    state = _sleepy_state()
-    result = Ladder(state, [SlowerRung(), RemoveSleepRung()], FAST).run()
-    slower, faster = result.rungs[1], result.rungs[2]
-    assert slower.status == "reverted" and "not faster" in slower.reason
-    assert faster.status == "kept" and faster.gain_vs_baseline > 1.5
-    assert result.final is faster
-    assert [r.name for r in result.kept] == ["remove_sleep"]
+    assert state.step is original
 
 
 def test_trial_steps_do_not_leak_into_training():
     state = mlp_state()
-    batches = state.batches()
-    from speedkit.state import train_step
-
+    batches = state.data.iterator()
     for i in range(2):
-        train_step(state, next(batches), i)
+        state.step([next(batches)], i)
     weights = copy.deepcopy(state.model.state_dict())
     opt_state = copy.deepcopy(state.optimizer.state_dict())
     rng = torch.get_rng_state()
     params = list(state.model.parameters())
-    Ladder(state, [WrongNumericsRung(), NotApplicableRung()], FAST).run()
+    time = VirtualTime()
+    state.step = CostStep(state.step, time, 0.01)
+    _run(state, [LossScaleRung("wrong", 0.01), NotApplicableRung(), SpeedRung("faster", time, 0.01, -0.3)], time)
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
     after = state.optimizer.state_dict()
@@ -184,92 +253,82 @@ def test_trial_steps_do_not_leak_into_training():
     assert all(p.grad is None for p in state.model.parameters())
 
 
-def test_same_weights_same_batches_give_identical_trajectories():
-    state = mlp_state()
-    ladder = Ladder(state, [], FAST)
-    ladder.run()
-    ladder._snapshot.restore()
-    a = ladder._trajectory()
-    b = ladder._trajectory()
-    assert a == b
+def test_same_snapshot_same_batches_give_identical_trajectories():
+    time = VirtualTime()
+    ladder, _ = _run(timed_state(time), [], time)
+    ladder._snapshot = __import__("speedkit.snapshot", fromlist=["Snapshot"]).Snapshot(
+        ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data)
+    assert ladder._trajectory() == ladder._trajectory()
 
 
-def _m(step_ms, spread=0.0, mem=None):
-    return Measurement(step_ms=step_ms, spread=spread, window_ms=[step_ms], warmup=0, steps=1, throughput=1.0,
-                       throughput_unit="samples/s", items_per_step=1, peak_memory_bytes=mem)
+# -- decisions that survive noise and drift ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("new, prev, status", [
-    (_m(90), _m(100), "kept"),                       # 10% faster, no noise
-    (_m(98.5), _m(100), "kept"),                     # 1.5% > min_gain 1%, no noise
-    (_m(99.5), _m(100), "reverted"),                 # 0.5% < min_gain 1%
-    (_m(90, 0.04), _m(100, 0.04), "reverted"),       # 10% faster but 2 x hypot(4%, 4%) = 11.3%
-    (_m(85, 0.04), _m(100, 0.04), "kept"),
-    (_m(100, 0.01, mem=80), _m(100, 0.01, mem=100), "kept"),    # 20% less memory, same speed
-    (_m(110, 0.01, mem=80), _m(100, 0.01, mem=100), "reverted"),  # leaner but slower
-    (_m(50, 0.6), _m(100, 0.01), "reverted"),        # too noisy to decide anything
-])
-def test_keep_decision(new, prev, status):
+def _decisions(*, drift: float, noise: float, seed: int, **measure) -> dict[str, str]:
+    time = VirtualTime(drift=drift, noise=noise, seed=seed, horizon=2000)
+    base = 0.01
+    rungs = [SpeedRung("faster20", time, base, -0.2), SpeedRung("slower10", time, base, 0.1),
+             SpeedRung("neutral", time, base, 0.0), SpeedRung("faster30", time, base, -0.3)]
+    _, result = _run(timed_state(time, base), rungs, time, **measure)
+    return {r.name: r.status for r in result.rungs[1:]}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_thirty_percent_drift_across_the_run_flips_no_decision(seed):
+    steady = _decisions(drift=0.0, noise=0.03, seed=seed)
+    drifting = _decisions(drift=0.3, noise=0.03, seed=seed)
+    assert steady == {"faster20": "kept", "slower10": "reverted", "neutral": "reverted", "faster30": "kept"}
+    assert drifting == steady
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_ten_percent_gain_under_25_percent_window_noise_is_kept_and_no_change_is_not(seed):
+    measure = {"max_blocks": 60, "final_check": False}
+    for change, wanted in ((-1 / 11, "kept"), (0.0, "reverted")):  # 1.10x faster; unchanged
+        time = VirtualTime(noise=0.25, seed=seed)
+        _, result = _run(timed_state(time), [SpeedRung("x", time, 0.01, change)], time, **measure)
+        entry = result.rungs[1]
+        assert entry.status == wanted, (change, entry.reason)
+        if wanted == "kept":
+            assert entry.comparison.low > 1.01 and entry.comparison.speedup == pytest.approx(1.1, rel=0.08)
+
+
+def test_the_budget_ends_an_undecided_comparison_as_not_shown_to_pay():
+    time = VirtualTime(noise=0.25, seed=0)
+    _, result = _run(timed_state(time), [SpeedRung("x", time, 0.01, 0.0)], time, max_blocks=1000, budget_s=2.0)
+    entry = result.rungs[1]
+    assert entry.status == "reverted" and "not shown to pay" in entry.reason
+    assert entry.comparison.seconds <= 2.5 and entry.comparison.blocks < 1000
+
+
+def test_decide_on_blocks():
+    # 4 blocks of a clean 20% speed-up: decided faster; a clean 0.5% one: not faster than 1%
+    assert decide([block_log_gain((10, 10), (8, 8))] * 2 + [block_log_gain((10, 10.2), (8, 8.1))] * 2,
+                  min_gain=0.01, confidence=0.95).verdict == "faster"
+    assert decide([0.005, 0.0049, 0.0051, 0.005], min_gain=0.01, confidence=0.95).verdict == "not_faster"
+    assert decide([0.2], min_gain=0.01, confidence=0.95).verdict == "undecided"  # one block: no interval
+    assert looks(3, 12) == [3, 4, 6, 8, 11, 12] and looks(3, 3) == [3]
+
+
+def test_memory_savings_alone_keep_a_rung_that_is_not_slower():
+    from speedkit.results import Measurement, PairedResult
+
+    def m(mem):
+        return Measurement(10.0, 0.0, [10.0], 1, 3, 1.0, "samples/s", 1, peak_memory_bytes=mem)
+
     ladder = Ladder(mlp_state(), [], FAST)
-    assert ladder._decide(new, prev)[0] == status
+    leaner = PairedResult(1.0, 0.995, 1.005, 0.95, 6, "undecided", 0.01, a=m(100), b=m(80))
+    assert ladder._decide(leaner)[0] == "kept"
+    slower = PairedResult(0.9, 0.88, 0.92, 0.95, 6, "not_faster", 0.01, a=m(100), b=m(80))
+    assert ladder._decide(slower)[0] == "reverted"
 
 
-def test_measure_config_defaults_come_from_configs():
-    cfg = MeasureConfig.from_dict({"steps": 4})
-    assert cfg.steps == 4 and cfg.warmup == 3 and cfg.min_gain == 0.01
-
-
-def test_count_items_tokens_and_samples():
-    assert count_items((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))) == (64, "tokens/s")
-    assert count_items((torch.zeros(8, 3), torch.zeros(8, dtype=torch.long))) == (8, "samples/s")
-    assert count_items((torch.zeros(4, 16, dtype=torch.long),), "samples") == (4, "samples/s")
-
-
-def test_the_ladder_with_real_rungs_on_cpu_reports_each_rung():
-    from conftest import tiny_gpt_state
-
-    from speedkit import rungs
-
-    state = tiny_gpt_state()
-    result = Ladder(state, rungs.make_all(["tf32", "autocast", "fused_optimizer", "compile"]), FAST).run()
-    assert [r.name for r in result.rungs] == ["baseline", "tf32", "autocast", "fused_optimizer", "compile"]
-    for r in result.rungs[1:]:
-        assert r.status in ("kept", "reverted", "not_applicable"), (r.name, r.reason)
-        if r.status != "not_applicable":
-            assert r.parity.passed, (r.name, r.parity)
-            assert r.measurement.step_ms > 0
-    assert result.flops["per_step"] > 0
-    d = result.to_dict()
-    assert d["schema_version"] == 1 and d["summary"]["speedup"] >= 1.0
-
-
-# -- the closing check ---------------------------------------------------------------------------------
-
-
-REVERT_COSTS = {(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004}
-
-
-def _interacting_state(cost: dict[tuple[bool, bool], float]):
-    """A state whose step costs ``cost[(a applied, b applied)]`` seconds: rung "a" pays alone and
-    may not once "b" is on top (as a fused kernel may not under torch.compile)."""
-    state = mlp_state()
-    state.flags = {"a": False, "b": False}
-    state.cost = cost
-    return state
-
-
-class FlagLadder(Ladder):
-    """The real engine (apply, parity, decide, undo, re-apply) with a deterministic clock: each
-    configuration measures its cost with 0.5% noise. Sleep-based timing of these decisions was
-    flaky on the 2-core CI machine (a 10 ms sleep measured 12-40 ms); the clock has its own tests."""
-
-    def _measure(self):
-        ms = self.state.cost[(self.state.flags["a"], self.state.flags["b"])] * 1e3
-        return Measurement(step_ms=ms, spread=0.005, window_ms=[ms] * 3, warmup=1, steps=3,
-                           throughput=1e3 / ms, throughput_unit="samples/s", items_per_step=1)
+# -- the closing and final checks ------------------------------------------------------------------------
 
 
 class FlagRung(Rung):
+    """Sets a flag; the step's cost is a function of the flags (see ``FlagCost``)."""
+
     def __init__(self, flag: str, recheck: bool = True):
         super().__init__()
         self.name, self.flag, self.recheck = flag, flag, recheck
@@ -278,46 +337,115 @@ class FlagRung(Rung):
     def apply(self, state):
         self.applied += 1
         handle = Handle(self.name)
-        state.flags[self.flag] = True
-        handle.record(f"flag {self.flag} on", lambda: state.flags.__setitem__(self.flag, False))
+        set_attr(handle, state.notes["flags"], self.flag, True, f"flag {self.flag} on")
         return handle
+
+
+class Flags:
+    a = False
+    b = False
+
+
+class FlagCost(StepWrapper):
+    def __init__(self, inner, time, costs, flags):
+        super().__init__(inner)
+        self.time, self.costs, self.flags = time, costs, flags
+
+    def __call__(self, batches, batch_idx):
+        loss = self.inner(batches, batch_idx)
+        self.time.spend(self.costs[(self.flags.a, self.flags.b)])
+        return loss
+
+
+def _flag_state(costs):
+    time = VirtualTime(noise=0.005, seed=0)
+    state = mlp_state()
+    flags = Flags()
+    state.notes["flags"] = flags
+    state.step = FlagCost(state.step, time, costs, flags)
+    return state, time, flags
 
 
 def test_closing_check_reverts_a_rung_that_stops_paying_under_a_later_one():
     # a alone: 40 -> 20 ms; b on top: 10 ms; b without a: 4 ms
-    state = _interacting_state(REVERT_COSTS)
+    state, time, flags = _flag_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004})
     a, b = FlagRung("a"), FlagRung("b")
-    ladder = FlagLadder(state, [a, b], FAST)
-    result = ladder.run()
+    ladder, result = _run(state, [a, b], time)
     names = [r.name for r in result.rungs]
     assert names == ["baseline", "a", "b", "closing check: without a"]
     ra, rb, closing = result.rungs[1:]
     assert ra.status == "reverted" and "reverted by the closing check" in ra.reason and "b on top" in ra.reason
-    assert rb.status == "kept"
-    assert closing.status == "closing" and closing.measurement.step_ms < rb.measurement.step_ms
-    assert result.final is closing and [r.name for r in result.kept] == ["b"]
-    assert result.to_dict()["summary"]["final_step_ms"] == closing.measurement.step_ms
-    assert state.flags == {"a": False, "b": True}  # what stays applied is the final configuration
-    assert len(ladder.handles) == 1
+    assert rb.status == "kept" and closing.status == "closing"
+    assert [r.name for r in result.kept] == ["b"]
+    assert (flags.a, flags.b) == (False, True)  # what stays applied is the final configuration
+    assert result.final_check is not None and result.final_check.speedup == pytest.approx(10, rel=0.05)
     ladder.revert()
-    assert state.flags == {"a": False, "b": False}
+    assert (flags.a, flags.b) == (False, False)
 
 
-def test_closing_check_puts_back_a_rung_that_still_pays():
-    state = _interacting_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.008, (False, True): 0.03})
+def test_closing_check_puts_back_a_rung_that_still_pays_without_reapplying_it():
+    state, time, flags = _flag_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.008, (False, True): 0.03})
     a, b = FlagRung("a"), FlagRung("b")
-    ladder = FlagLadder(state, [a, b], FAST)
-    result = ladder.run()
+    ladder, result = _run(state, [a, b], time)
     assert [r.name for r in result.rungs] == ["baseline", "a", "b"]
     assert [r.status for r in result.rungs[1:]] == ["kept", "kept"]
-    assert "closing check with b on top" in result.rungs[1].reason and "kept" in result.rungs[1].reason
-    assert result.final is result.rungs[2]
-    assert state.flags == {"a": True, "b": True} and len(ladder.handles) == 2
-    assert (a.applied, b.applied) == (2, 3)  # a: first try + put back; b: first try, on top without a, on top with a
+    assert "closing check with b on top" in result.rungs[1].reason
+    assert (flags.a, flags.b) == (True, True) and len(ladder.handles) == 2
+    assert (a.applied, b.applied) == (1, 1)  # switched off and on through their handles, never rebuilt
+    assert result.final_check.speedup == pytest.approx(5, rel=0.05)
+    assert result.to_dict()["summary"]["speedup"] == pytest.approx(5, rel=0.05)
 
 
 def test_closing_check_skips_rungs_that_do_not_ask_for_it():
-    state = _interacting_state(REVERT_COSTS)
+    state, time, _ = _flag_state({(False, False): 0.04, (True, False): 0.02, (True, True): 0.01, (False, True): 0.004})
     a, b = FlagRung("a", recheck=False), FlagRung("b")
-    result = FlagLadder(state, [a, b], FAST).run()
-    assert [r.status for r in result.rungs[1:]] == ["kept", "kept"] and a.applied == 1
+    _, result = _run(state, [a, b], time)
+    assert [r.status for r in result.rungs[1:]] == ["kept", "kept"]
+
+
+# -- interruption ------------------------------------------------------------------------------------------
+
+
+class InterruptingStep(StepWrapper):
+    def __init__(self, inner, after):
+        super().__init__(inner)
+        self.left = after
+
+    def __call__(self, batches, batch_idx):
+        self.left -= 1
+        if self.left < 0:
+            raise KeyboardInterrupt
+        return self.inner(batches, batch_idx)
+
+
+class InterruptingRung(Rung):
+    name = "interrupting"
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        set_attr(handle, state, "step", InterruptingStep(state.step, after=5), "interrupts after 5 steps")
+        return handle
+
+
+def test_an_interruption_undoes_everything_and_keeps_the_finished_rungs():
+    time = VirtualTime()
+    state = timed_state(time)
+    original = state.step
+    weights = copy.deepcopy(state.model.state_dict())
+    ladder = Ladder(state, [SpeedRung("faster", time, 0.01, -0.3), InterruptingRung()], FAST, clock=time.clock(), host_clock=time)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.run()
+    result = ladder.result
+    assert [r.name for r in result.rungs] == ["baseline", "faster", "interrupting"]
+    assert result.rungs[1].status == "kept" and result.rungs[2].status == "interrupted"
+    assert result.interrupted == "KeyboardInterrupt during interrupting"
+    assert state.step is original and ladder.handles == []  # the kept rung is undone too
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+
+
+def test_measure_config_defaults_come_from_configs_only():
+    cfg = MeasureConfig.from_dict({"steps": 4})
+    assert cfg.steps == 4 and cfg.warmup == 3 and cfg.min_gain == 0.01 and cfg.confidence == 0.95
+    with pytest.raises(TypeError):
+        MeasureConfig()  # no second home for the defaults

@@ -77,7 +77,7 @@ def test_write_report_writes_both_files_and_json_round_trips(result, tmp_path):
 
     d = load_report(paths["json"])
     assert d == load_report(tmp_path / "out")  # a directory finds its report.json
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == 2
     assert [r["name"] for r in d["rungs"]] == ["baseline", "tf32", "fused_optimizer", "autocast", "compile"]
     assert d["summary"]["kept"] == ["tf32"]
     assert d["summary"]["speedup"] == pytest.approx(2.62)
@@ -127,7 +127,7 @@ def test_markdown_has_every_rung_status_missing_value_and_convention(result):
 
 
 def test_markdown_of_minimal_dict_does_not_crash():
-    md = render_markdown({"schema_version": 1, "rungs": [{"name": "baseline", "status": "baseline"}]})
+    md = render_markdown({"schema_version": 2, "rungs": [{"name": "baseline", "status": "baseline"}]})
     assert "| baseline | baseline |" in md and MISSING in md
 
 
@@ -144,7 +144,7 @@ def test_console_table_names_every_rung(result):
 def test_load_report_rejects_other_schema_versions(result, tmp_path):
     path = write_report(result, tmp_path, formats=("json",))["json"]
     d = json.loads(path.read_text())
-    for bad in (2, None, "1"):
+    for bad in (1, None, "2"):
         d["schema_version"] = bad
         path.write_text(json.dumps(d))
         with pytest.raises(ConfigError, match="schema_version") as info:

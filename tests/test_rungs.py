@@ -11,7 +11,6 @@ from conftest import mlp_state, tiny_gpt_state
 from speedkit import rungs
 from speedkit.errors import ConfigError
 from speedkit.rungs.compile import GuardedForward
-from speedkit.state import train_step
 
 CPU_RUNGS = ["tf32", "autocast", "fused_optimizer", "sdpa", "compile"]
 
@@ -29,7 +28,7 @@ def _fingerprint(state):
         "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
         "model_dict_keys": sorted(model.__dict__),
         "repr": repr(model),
-        "state": (state.autocast_dtype, state.scaler, state.precision, state.loss_fn),
+        "state": (state.step, state.data, state.precision, state.step.autocast_dtype, state.step.scaler, state.step.loss_fn),
         "flags": (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32),
     }
 
@@ -49,12 +48,21 @@ def _assert_same(a, b):
             assert torch.equal(v, w) and v.device == w.device, (i, k)
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """tf32 and autocast refuse a CPU without bf16 instructions; their apply/undo mechanics do not
+    depend on them, so these tests pretend the CPU has them."""
+    from speedkit import compat
+
+    monkeypatch.setattr(compat, "cpu_has_bf16", lambda: True)
+
+
 @pytest.mark.parametrize("name", CPU_RUNGS)
-def test_apply_then_undo_restores_everything_exactly(name):
+def test_apply_then_undo_restores_everything_exactly(name, bf16_cpu):
     state = tiny_gpt_state()
-    batches = state.batches()
+    batches = state.data.iterator()
     for i in range(2):  # give the optimizer real state to keep
-        train_step(state, next(batches), i)
+        state.step([next(batches)], i)
     before = _fingerprint(state)
     rung = rungs.make(name)
     reason = rung.check(state)
@@ -69,6 +77,31 @@ def test_apply_then_undo_restores_everything_exactly(name):
 
 
 @pytest.mark.parametrize("name", CPU_RUNGS)
+def test_suspend_and_resume_switch_the_same_change_off_and_on(name, bf16_cpu):
+    """The ladder times a rung on and off in interleaved windows: its handle switches the very same
+    change off (everything as before) and on again (everything as applied), nothing rebuilt."""
+    state = tiny_gpt_state()
+    for i, b in zip(range(2), state.data.iterator()):
+        state.step([b], i)
+    rung = rungs.make(name)
+    if rung.check(state) is not None:
+        pytest.skip(rung.check(state))
+    before = _fingerprint(state)
+    handle = rung.apply(state)
+    applied = _fingerprint(state)
+    forwards = {n: m.__dict__.get("forward") for n, m in state.model.named_modules()}
+    assert handle.toggleable
+    for _ in range(2):
+        handle.suspend()
+        _assert_same(before, _fingerprint(state))
+        handle.resume()
+        _assert_same(applied, _fingerprint(state))
+        assert {n: m.__dict__.get("forward") for n, m in state.model.named_modules()} == forwards
+    handle.undo()
+    _assert_same(before, _fingerprint(state))
+
+
+@pytest.mark.parametrize("name", CPU_RUNGS)
 def test_training_after_undo_matches_never_applied(name):
     """Apply, train, undo, train: the optimizer still drives the live parameters, the same way."""
     ref, cand = tiny_gpt_state(), tiny_gpt_state()
@@ -78,9 +111,9 @@ def test_training_after_undo_matches_never_applied(name):
     handle = rung.apply(cand)
     handle.undo()
     for state in (ref, cand):
-        batches = state.batches()
+        batches = state.data.iterator()
         for i in range(2):
-            train_step(state, next(batches), i)
+            state.step([next(batches)], i)
     for (k, a), b in zip(ref.model.state_dict().items(), cand.model.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -88,8 +121,8 @@ def test_training_after_undo_matches_never_applied(name):
 def test_fused_optimizer_keeps_state_hyperparameters_and_updates():
     ref, cand = tiny_gpt_state(), tiny_gpt_state()
     for state in (ref, cand):
-        for i, b in zip(range(2), state.batches()):
-            train_step(state, b, i)
+        for i, b in zip(range(2), state.data.iterator()):
+            state.step([b], i)
     lr_before = cand.optimizer.param_groups[0]["lr"]
     state_before = copy.deepcopy(cand.optimizer.state_dict()["state"])
     handle = rungs.make("fused_optimizer").apply(cand)
@@ -100,8 +133,8 @@ def test_fused_optimizer_keeps_state_hyperparameters_and_updates():
             assert torch.equal(v.cpu(), state_before[i][k].cpu())
     # one more step each: fused and for-loop AdamW compute the same update (fp32 rounding apart)
     for state in (ref, cand):
-        b = next(iter(state.loader))
-        train_step(state, b, 3)
+        b = next(state.data.iterator())
+        state.step([b], 3)
     for a, b in zip(ref.model.parameters(), cand.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     handle.undo()
@@ -122,12 +155,12 @@ def test_autocast_sets_dtype_and_reverts():
     if rung.check(state):
         pytest.skip(rung.check(state))
     handle = rung.apply(state)
-    assert state.autocast_dtype == torch.bfloat16 and state.precision == "bf16"
-    with state.autocast():
+    assert state.step.autocast_dtype == torch.bfloat16 and state.precision == "bf16"
+    with state.step.autocast():
         out = state.model.lm_head(torch.randn(2, 64))
     assert out.dtype == torch.bfloat16
     handle.undo()
-    assert state.autocast_dtype is None and state.precision == "fp32"
+    assert state.step.autocast_dtype is None and state.precision == "fp32"
 
 
 def test_autocast_fp16_on_cpu_is_refused_with_reason():
@@ -215,3 +248,14 @@ def test_bad_rung_specs_name_the_field(spec, where):
 
 def test_registry_lists_first_rungs_in_ladder_order():
     assert rungs.names()[:4] == ["tf32", "autocast", "fused_optimizer", "compile"]
+
+
+def test_rung_checks_draw_nothing_from_the_global_rng():
+    """Checking and applying rungs must not shift the user's random streams (dropout, shuffling)."""
+    state = tiny_gpt_state()
+    for name in rungs.names():
+        rung = rungs.make(name)
+        before = torch.get_rng_state()
+        if rung.check(state) is None:
+            rung.apply(state).undo()
+        assert torch.equal(torch.get_rng_state(), before), name

@@ -20,7 +20,8 @@ from speedkit import layers
 from speedkit.demos import NaiveGPT
 from speedkit.rungs import triton_layers
 from speedkit.rungs.triton_layers import NOTHING_FOUND, TritonLayersOptions, TritonLayersRung
-from speedkit.state import TrainState, default_loss_fn, train_step
+from speedkit.state import TrainState
+from speedkit.step import default_loss_fn
 
 # fp32 throughout: the kernels reduce in another order than PyTorch's, nothing more
 TOL = 1e-5
@@ -300,7 +301,7 @@ def test_lightning_training_step_cross_entropy(kernel_calls):
     for p, q in zip(model.parameters(), reference.parameters()):
         assert_rel_close(p.grad, q.grad, TOL, "grad")
     model.zero_grad()
-    assert torch.isfinite(train_step(state, (x, y)))
+    assert torch.isfinite(state.step([(x, y)], 0))
     handle.undo()
     assert "training_step" not in model.__dict__
 
@@ -381,7 +382,7 @@ def test_state_dict_and_optimizer_references():
     assert all(a is b for a, b in zip(params, model.parameters()))
     idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
     for i in range(2):  # trains
-        loss = train_step(state, (idx, targets), i)
+        loss = state.step([(idx, targets)], i)
         assert torch.isfinite(loss)
     saved = model.state_dict()
     assert list(saved) == list(original.state_dict())

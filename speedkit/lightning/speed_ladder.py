@@ -1,87 +1,170 @@
-"""SpeedLadder: apply speedkit rungs inside a Lightning ``Trainer``.
+"""SpeedLadder: climb the quick-win ladder inside the user's own Lightning ``fit``.
 
-The callback is a layer of hooks over the rungs, which know nothing of Lightning beyond their
-``check_lightning``/``apply_lightning`` methods. Rungs that act on the model or process flags apply
-in ``setup`` (before the strategy moves and wraps the model); rungs that need the optimizer apply in
-``on_fit_start`` (after ``configure_optimizers``). Everything is undone in ``teardown``.
+``SpeedLadder()`` runs **trials**: at ``on_train_start`` — the strategy, precision plugin,
+optimizers, schedulers and train loader set up, before the first real training step — the ladder
+climbs its rungs on the Trainer's own step (:class:`~speedkit.lightning.step.LightningStep`: the
+user's strategy, precision, clipping, accumulation, hooks) fed by the Trainer's own loader. It keeps
+what pays, puts weights, optimizer state, schedulers, grad scaler, RNG states and the data order
+back exactly, and lets Lightning train with the kept configuration. The next real steps are timed
+on the same clock, and the report says whether the ladder's figure held.
 
-Lightning's conventions are respected, not fought: autocast becomes Lightning's ``MixedPrecision``
-plugin (and a Trainer whose precision the user set is left alone); compile replaces
-``module.forward`` the way ``trainer.fit(torch.compile(model))`` does (and a model the user compiled
-is left alone).
+``SpeedLadder(rungs=[...])`` applies the given rungs without trials (typically ``optimized.yaml``'s
+kept rungs): those that act on the model or process flags in ``setup``, before the strategy wraps
+the model, those that need the optimizer in ``on_fit_start``.
+
+Nothing stays behind: ``teardown``, ``on_exception`` (Lightning calls no teardown after an
+exception), Ctrl-C and SIGTERM during the trials all undo every change.
+
+The callback is a layer of hooks; the ladder, the rungs and the measurement know nothing of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from speedkit import config
 from speedkit import rungs as rung_registry
-from speedkit.rungs.base import Handle, Rung
+from speedkit.handle import Handle
+from speedkit.ladder import Ladder, MeasureConfig
+from speedkit.lightning.step import LightningSource, LightningStep
+from speedkit.measure.holds import judge_holds
+from speedkit.measure.session import MeasureSession, Window
+from speedkit.results import LadderResult
+from speedkit.rungs.base import Rung
 from speedkit.state import TrainState
-
-_PRECISIONS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16"}
 
 
 class SpeedLadder(Callback):
-    """Apply the given rungs to the Trainer's run, without trials.
+    """Make the Trainer's run faster, with trials (default) or with given rungs.
 
     Args:
-        rungs: rung names, ``{name, options}`` mappings or Rung instances, in order (typically the
-            kept rungs of ``speedkit optimize``, as written in ``optimized.yaml``).
+        rungs: rung names, ``{name, options}`` mappings or Rung instances, in order. None: the
+            default ladder of ``configs/defaults.yaml``, with trials.
+        trials: measure each rung and keep what pays (default: True when ``rungs`` is None).
+        measure: overrides of ``configs/defaults.yaml``'s ``measure:`` (steps per window, confidence...).
+        report_dir: write ``report.json`` and ``report.md`` there once the fit's own steps are timed.
+        stop_after_holds: stop the fit once its own steps are timed (``speedkit optimize`` does).
+        on_event: called with progress lines (default: Lightning's rank-zero info log).
 
     Raises:
-        ConfigError: an unknown rung or a bad option (at construction, before any training).
+        ConfigError: an unknown rung, a bad option or a bad measure setting, at construction.
 
     Example::
 
-        trainer = Trainer(callbacks=[SpeedLadder(rungs=["tf32", "autocast", "fused_optimizer", "compile"])])
+        trainer = Trainer(callbacks=[SpeedLadder()])                      # trials, default ladder
+        trainer = Trainer(callbacks=[SpeedLadder(rungs=["tf32", "compile"])])  # given rungs, no trials
     """
 
-    def __init__(self, rungs: Sequence[str | dict | Rung]) -> None:
+    def __init__(self, rungs: Sequence[str | dict | Rung] | None = None, *, trials: bool | None = None,
+                 measure: dict[str, Any] | None = None, report_dir: str | Path | None = None,
+                 stop_after_holds: bool = False, on_event: Callable[[str], None] | None = None) -> None:
+        from speedkit.recipe import validate_measure
+
         super().__init__()
-        self.rungs = rung_registry.make_all(list(rungs), "rungs")
+        self.trials = rungs is None if trials is None else bool(trials)
+        self.rungs = rung_registry.make_all(list(rungs if rungs is not None else config.default_ladder()), "rungs")
+        self.measure = MeasureConfig.from_dict(validate_measure(measure))
+        self.report_dir = Path(report_dir) if report_dir is not None else None
+        self.stop_after_holds = stop_after_holds
+        self.on_event = on_event or (lambda line: rank_zero_info(f"speedkit: {line}"))
         self.handles: list[Handle] = []
         self.skipped: dict[str, str] = {}
         #: every change applied during the run, kept after teardown undoes them (for reports)
         self.applied_changes: dict[str, list[str]] = {}
+        #: the trials' report (None without trials); ``result.holds`` once the fit's steps are timed
+        self.result: LadderResult | None = None
+        #: the exception that ended the fit (Ctrl-C, SIGTERM, an error), if one did
+        self.exception: BaseException | None = None
         self._state: TrainState | None = None
+        self._ladder: Ladder | None = None
+        self._probe: _HoldsProbe | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(rungs=[r.name for r in self.rungs])
+        return self._generate_state_key(rungs=[r.name for r in self.rungs], trials=self.trials)
+
+    @property
+    def applied(self) -> list[str]:
+        return [h.rung for h in self.handles if h.active]
 
     # -- hooks ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or self.trials:
             return
-        precision = _PRECISIONS.get(str(trainer.precision), "fp32")
-        self._state = TrainState(model=pl_module, optimizer=None, device=trainer.strategy.root_device, precision=precision)  # type: ignore[arg-type]
-        self._apply_stage(trainer, pl_module, "setup")
+        step = LightningStep(trainer, pl_module)
+        self._state = TrainState(model=pl_module, optimizer=None, device=step.device, step=step)
+        self._apply_stage("setup")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state is None:
             return
-        self._state.optimizer = trainer.optimizers[0] if trainer.optimizers else None  # type: ignore[assignment]
-        self._apply_stage(trainer, pl_module, "fit_start")
+        self._state.optimizer = self._state.step.optimizer
+        self._apply_stage("fit_start")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.trials:
+            return
+        if trainer.world_size > 1:
+            rank_zero_warn("speedkit: trials across several processes are not supported yet (each rank would decide "
+                           "alone); SpeedLadder() applies no rungs. Run `speedkit optimize` on one device and pass its "
+                           "kept rungs: SpeedLadder(rungs=[...]).", category=UserWarning)
+            return
+        if not pl_module.automatic_optimization:
+            rank_zero_warn("speedkit: trials run automatic-optimization steps; this LightningModule sets "
+                           "automatic_optimization = False, so SpeedLadder() applies no rungs.", category=UserWarning)
+            return
+        self._run_trials(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._probe is not None:
+            self._probe.batch_started()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._probe is None:
+            return
+        if self._probe.batch_ended((batch_idx + 1) % trainer.accumulate_grad_batches == 0):
+            self._finish_holds(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe is not None:
+            self._finish_holds(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.exception = exception
+        self._probe = None
+        self._undo_all()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        while self.handles:
-            self.handles.pop().undo()
+        if self._probe is not None:
+            self._finish_holds(trainer)
+        self._undo_all()
 
     # -- state -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rungs": [r.name for r in self.rungs], "applied": dict(self.applied_changes), "skipped": dict(self.skipped)}
+        return {"rungs": [r.name for r in self.rungs], "trials": self.trials, "applied": dict(self.applied_changes),
+                "skipped": dict(self.skipped)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -89,28 +172,65 @@ class SpeedLadder(Callback):
         self.skipped = dict(state_dict.get("skipped", {}))
         self.applied_changes = dict(state_dict.get("applied", {}))
 
-    @property
-    def applied(self) -> list[str]:
-        return [h.rung for h in self.handles if h.active]
+    # -- trials ----------------------------------------------------------------------------
+    def _run_trials(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = LightningStep(trainer, pl_module)
+        state = TrainState(model=pl_module, optimizer=step.optimizer, device=step.device, step=step,
+                           data=LightningSource(trainer, pl_module))
+        run_info = {
+            "precision": str(trainer.precision), "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "strategy": type(trainer.strategy).__name__, "optimizer": type(step.optimizer).__name__ if step.optimizer else None,
+            "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
+        }
+        self._state = state
+        self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info)
+        try:
+            with _sigterm_raises():
+                self.result = self._ladder.run()
+        finally:
+            self.result = self._ladder.result
+        self.handles = list(self._ladder.handles)
+        for entry in self.result.rungs[1:]:
+            if entry.status == "kept":
+                self.applied_changes[entry.name] = list(entry.changes)
+            elif entry.status in ("not_applicable", "failed"):
+                self.skipped[entry.name] = entry.reason or entry.status
+        self._probe = _HoldsProbe(self.measure, self.result, step.device)
+        kept = ", ".join(r.name for r in self.result.kept) or "none"
+        self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
-    # -- helpers -----------------------------------------------------------------------------
-    def _apply_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def _finish_holds(self, trainer: pl.Trainer) -> None:
+        probe, self._probe = self._probe, None
+        if probe is None or self.result is None:
+            return
+        self.result.holds = probe.judge()
+        holds = self.result.holds
+        if holds.gap is not None:
+            verdict = f"flagged: {holds.cause}" if holds.flagged else "holds"
+            self.on_event(f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
+                          f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}")  # type: ignore[union-attr]
+        if self.report_dir is not None:
+            from speedkit.report import write_report
+
+            write_report(self.result, self.report_dir)
+        if self.stop_after_holds:
+            trainer.should_stop = True
+
+    # -- given rungs, no trials ------------------------------------------------------------------
+    def _apply_stage(self, stage: str) -> None:
         state = self._state
         assert state is not None
         for rung in self.rungs:
             if rung.lightning_stage != stage:
                 continue
-            if stage == "fit_start" and state.optimizer is None:
-                self._skip(rung, "the Trainer has no optimizer")
-                continue
-            reason = rung.check_lightning(trainer, pl_module, state)
+            reason = rung.check(state)
             if reason is not None:
                 self._skip(rung, reason)
                 continue
             try:
-                handle = rung.apply_lightning(trainer, pl_module, state)
-            except (torch.OutOfMemoryError, RuntimeError, ValueError, TypeError) as exc:
-                # a rung that fails to apply is reported and skipped; training goes on without it
+                handle = rung.apply(state)
+            except Exception as exc:  # a rung that fails to apply is reported and skipped; training goes on
                 self._skip(rung, f"failed to apply: {type(exc).__name__}: {exc}")
                 continue
             self.handles.append(handle)
@@ -120,3 +240,84 @@ class SpeedLadder(Callback):
         self.skipped[rung.name] = reason
         rank_zero_warn(f"speedkit: rung {rung.name!r} not applied: {reason}", category=UserWarning)
 
+    def _undo_all(self) -> None:
+        errors = []
+        while self.handles:
+            try:
+                self.handles.pop().undo()
+            except Exception as exc:  # keep undoing the rest
+                errors.append(exc)
+        if self._ladder is not None:
+            self._ladder.slots = []
+        if errors:
+            raise errors[0]
+
+
+class _HoldsProbe:
+    """Times the fit's own optimizer steps after the trials, on the same clock as the ladder."""
+
+    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device) -> None:
+        base = result.baseline.measurement
+        self.cfg, self.result = cfg, result
+        self.session = MeasureSession(device, flops_per_step=result.flops.get("per_step"),
+                                      peak_tflops=result.flops.get("peak_tflops"),
+                                      items_per_step=base.items_per_step if base else 1,
+                                      unit=base.throughput_unit if base else "samples/s")
+        self.warmup_left = cfg.warmup
+        self.steps_seen = 0
+        self.windows: list[Window] = []
+        if self.warmup_left == 0:
+            self.session.begin_steps(cfg.steps)
+
+    def batch_started(self) -> None:
+        if self.warmup_left == 0:
+            self.session.batch_started()
+
+    def batch_ended(self, step_done: bool) -> bool:
+        """True once enough windows are timed."""
+        if step_done:
+            self.steps_seen += 1
+        if self.warmup_left > 0:
+            if step_done:
+                self.warmup_left -= 1
+                if self.warmup_left == 0:
+                    self.session.begin_steps(self.cfg.steps)
+            return False
+        window = self.session.batch_ended(step_done)
+        if window is not None:
+            self.windows.append(window)
+        return len(self.windows) >= self.cfg.holds_windows
+
+    def judge(self) -> Any:
+        cfg = self.cfg
+        ladder = self.result.final_measurement
+        if cfg.holds_windows == 0:
+            return judge_holds(ladder, None, cfg.holds_threshold, "not measured (measure.holds_windows is 0)")
+        if not self.windows:
+            needed = cfg.warmup + cfg.steps
+            return judge_holds(ladder, None, cfg.holds_threshold,
+                               f"not measured: the fit ran {self.steps_seen} optimizer steps after the trials; timing "
+                               f"one window needs {needed} (measure.warmup + measure.steps)")
+        note = None if len(self.windows) >= cfg.holds_windows else f"{len(self.windows)} of {cfg.holds_windows} windows (the fit ended)"
+        return judge_holds(ladder, self.session.measurement(self.windows, warmup=cfg.warmup), cfg.holds_threshold, note)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """During the trials, SIGTERM stops them the way it stops Lightning's loop (``SIGTERMException``),
+    after the handler already installed (Lightning's own, which notes it) has run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise SIGTERMException()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

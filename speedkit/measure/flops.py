@@ -25,13 +25,21 @@ CONVENTION = (
 )
 
 
-def count_step_flops(model: torch.nn.Module, batch: Any, loss_fn: Any, batch_idx: int = 0) -> int:
-    """FLOPs of one forward + backward of ``loss_fn(model, batch)``; gradients are cleared after."""
-    with FlopCounterMode(display=False) as counter:
-        loss = loss_fn(model, batch, batch_idx)
-        loss.backward()
-    for p in model.parameters():
-        p.grad = None
+def count_step_flops(step: Any, batch: Any, batch_idx: int = 0) -> int | None:
+    """FLOPs of one forward + backward of ``step.forward_loss(batch)``; gradients are cleared after.
+
+    None when the step cannot be counted (an op FlopCounterMode does not know raises, or the step
+    returns no loss for this batch): MFU is then not reported, nothing else changes.
+    """
+    try:
+        with FlopCounterMode(display=False) as counter:
+            loss = step.forward_loss(batch, batch_idx)
+            loss.backward()
+    except Exception:
+        return None
+    finally:
+        for p in step.model.parameters():
+            p.grad = None
     return int(counter.get_total_flops())
 
 

@@ -4,7 +4,7 @@
 infinite float is written as ``null``; tuples become lists; anything else unknown becomes its
 ``str``). Schema version 1, field by field:
 
-* ``schema_version`` (int) — ``1``. :func:`load_report` refuses any other value.
+* ``schema_version`` (int) — ``2``. :func:`load_report` refuses any other value.
 * ``recipe`` (str | null) — the recipe's name, or null when the ladder ran without one.
 * ``device`` (str) — the torch device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
 * ``environment`` (object) — :func:`speedkit.report.environment.collect_environment`; every key is
@@ -28,13 +28,19 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
 
 * ``measure`` (object) — the measurement settings used: ``configs/defaults.yaml``'s ``measure``
   section after the recipe's overrides (``warmup``, ``steps``, ``repeats``, ``parity_steps``,
-  ``min_gain``, ``memory_gain``, ``throughput_unit``, ``mfu_precision``, ``peak_tflops``,
-  ``telemetry``).
+  ``min_gain``, ``memory_gain``, ``confidence``, ``min_blocks``, ``max_blocks``, ``budget_s``,
+  ``settle``, ``final_check``, ``holds_windows``, ``holds_threshold``, ``throughput_unit``,
+  ``mfu_precision``, ``peak_tflops``, ``telemetry``).
+* ``run`` (object) — the run the trials ran in: ``precision``, ``accumulate_grad_batches``,
+  ``gradient_clip_val``, ``gradient_clip_algorithm``, ``strategy``, ``optimizer``,
+  ``lr_schedulers`` (empty outside Lightning).
 * ``rungs`` (list) — the baseline first, then one entry per ladder rung in the order tried:
 
   - ``name`` (str); ``status`` — ``"baseline"``, ``"kept"``, ``"reverted"`` (applied and
-    measured, but slower, not faster beyond noise, or off parity; undone), ``"not_applicable"``
-    (its check said why it cannot help here; never applied) or ``"failed"`` (raised; undone);
+    measured, but not shown to pay, or off parity; undone), ``"not_applicable"`` (its check said
+    why it cannot help here; never applied), ``"failed"`` (raised; undone), ``"closing"`` (the
+    configuration the closing check left after reverting a rung) or ``"interrupted"`` (being
+    tried when the run was interrupted; undone);
   - ``options`` (object) — the rung's options as used;
   - ``reason`` (str | null) — why it was kept, reverted, not applicable or failed;
   - ``changes`` (list of str) — what applying it changed, one line each;
@@ -52,17 +58,34 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
     ``power_max_w``, ``sm_clock_mean_mhz``, ``sm_clock_min_mhz``, ``clock_event_reasons`` (every
     reason seen, ``gpu_idle`` included), ``slowdown_reasons`` (power/thermal/hardware slowdowns
     only), ``slowdown_fraction`` (of samples), ``duration_s``, ``error`` (null, or why sampling
-    stopped early);
+    stopped early); ``data_wait_ms`` (median per-step host time waiting for the batch: fetch,
+    collate, copy) and ``host_ms`` (median per-step host time issuing the step). For a rung this
+    is the configuration with it, from its comparison;
+  - ``comparison`` (object | null) — the rung against the configuration before it, timed in
+    interleaved A B B A blocks: ``speedup`` (with it over without, the exp of the mean per-block
+    log ratio), ``low``/``high`` (its confidence interval), ``confidence``, ``blocks``,
+    ``verdict`` (``"faster"``, ``"not_faster"``, ``"undecided"``), ``min_gain``, ``a`` and ``b``
+    (measurements without and with it, from the same blocks), ``seconds``;
   - ``parity`` (object | null) — the loss trajectory against the state before the rung, same
     weights, batches and RNG: ``steps``, ``tolerance``, ``precision`` (whose tolerance),
     ``reference_losses``, ``losses``, ``max_rel_diff``, ``passed``;
-  - ``gain_vs_previous`` (float | null) — previous kept step time / this step time;
-  - ``gain_vs_baseline`` (float | null) — baseline step time / this step time;
+  - ``gain_vs_previous`` (float | null) — the paired speedup over the configuration before it;
+  - ``gain_vs_baseline`` (float | null) — the product of the paired speedups of the kept rungs
+    before it and its own;
   - ``seconds`` (float) — wall time spent on the rung, compilation included.
 
-* ``summary`` (object) — ``baseline_step_ms``, ``final_step_ms`` (the last kept rung's, else the
-  baseline's), ``speedup`` (baseline / final step time), ``kept`` (names, in order),
-  ``throughput_unit``, ``baseline_throughput``, ``final_throughput``.
+* ``final_check`` (object | null) — the final configuration against the baseline, interleaved,
+  as a ``comparison``; null when nothing was kept.
+* ``holds`` (object | null) — does the ladder's figure hold in training: ``ladder`` and ``fit``
+  (measurements of the final configuration in the trials and in the fit's own next steps),
+  ``gap`` (fit / ladder step time − 1), ``flagged`` (its size above ``threshold``), ``cause``
+  (the likely cause of a flagged gap: data wait, host time, or neither), ``note``.
+* ``interrupted`` (str | null) — what interrupted the run and where ("KeyboardInterrupt during
+  sdpa"); the rungs are then those finished before it.
+* ``summary`` (object) — ``baseline_step_ms``, ``final_step_ms`` (the final configuration's, in
+  the final check), ``speedup`` (the final check's paired speedup, else the product of the kept
+  rungs'), ``speedup_ci`` (its interval, or null), ``kept`` (names, in order),
+  ``throughput_unit``, ``baseline_throughput``, ``final_throughput``, ``interrupted``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from speedkit.report.markdown import STATUS_LABELS, TABLE_COLUMNS, rung_cells, summary_line
+from speedkit.report.markdown import STATUS_LABELS, TABLE_COLUMNS, holds_line, rung_cells, summary_line
 
 STATUS_STYLES = {
     "baseline": "bold cyan",
@@ -17,6 +17,7 @@ STATUS_STYLES = {
     "not_applicable": "dim",
     "failed": "bold red",
     "closing": "bold green",
+    "interrupted": "bold red",
 }
 
 
@@ -34,6 +35,10 @@ def render_console(d: dict[str, Any], console: Console | None = None) -> None:
         table.add_row(*(Text(cell) for cell in rung_cells(rung)), style=style)
     console.print(table)
     console.print(Text("Summary: " + summary_line(d)))
+    holds = holds_line(d)
+    if holds:
+        flagged = (d.get("holds") or {}).get("flagged")
+        console.print(Text("In training: " + holds, style="yellow" if flagged else ""))
     for rung in d.get("rungs") or []:
         if rung.get("status") in ("failed", "reverted") and rung.get("reason"):
             label = STATUS_LABELS.get(rung["status"], rung["status"])

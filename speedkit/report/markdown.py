@@ -22,6 +22,7 @@ STATUS_LABELS = {
     "not_applicable": "n/a",
     "failed": "failed",
     "closing": "final (closing check)",
+    "interrupted": "interrupted",
 }
 
 TABLE_COLUMNS = (
@@ -70,6 +71,15 @@ def format_gain(gain: Any) -> str:
     return f"{gain:.2f}×" if _known(gain) else MISSING
 
 
+def format_paired(rung: dict[str, Any]) -> str:
+    """``1.14× [1.01–1.28]``: the paired speedup over the previous configuration and its interval."""
+    c = rung.get("comparison") or {}
+    gain = format_gain(rung.get("gain_vs_previous"))
+    if _known(c.get("low")) and _known(c.get("high")) and math.isfinite(c["high"]):
+        return f"{gain} [{c['low']:.2f}–{c['high']:.2f}]"
+    return gain
+
+
 def format_parity(parity: dict[str, Any] | None) -> str:
     """``✓ 1.2e-03 (tol 1e-02)``; ✗ when the trajectory left the tolerance."""
     if not parity:
@@ -92,21 +102,41 @@ def rung_cells(rung: dict[str, Any]) -> list[str]:
         format_throughput(m.get("throughput"), m.get("throughput_unit")),
         format_percent(m.get("mfu")),
         format_bytes(m.get("peak_memory_bytes")),
-        format_gain(rung.get("gain_vs_previous")),
+        format_paired(rung),
         format_gain(rung.get("gain_vs_baseline")),
         format_parity(rung.get("parity")),
     ]
 
 
 def summary_line(d: dict[str, Any]) -> str:
-    """``44.8k → 580.0k tokens/s (12.95× the baseline); kept: tf32, compile``."""
+    """``44.8k → 580.0k tokens/s (12.95× [12.8–13.1] the baseline); kept: tf32, compile``."""
     s = d.get("summary") or {}
     unit = s.get("throughput_unit")
     before = format_throughput(s.get("baseline_throughput"))
     after = format_throughput(s.get("final_throughput"), unit)
     kept = ", ".join(s.get("kept") or []) or "none"
     steps = f"step {format_step(s.get('baseline_step_ms'))} → {format_step(s.get('final_step_ms'))} ms"
-    return f"{before} → {after} ({format_gain(s.get('speedup'))} the baseline; {steps}); kept: {kept}"
+    ci = s.get("speedup_ci")
+    interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
+    line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline; {steps}); kept: {kept}"
+    if s.get("interrupted"):
+        line = f"INTERRUPTED ({s['interrupted']}); rungs finished before it: " + line
+    return line
+
+
+def holds_line(d: dict[str, Any]) -> str | None:
+    """Whether the ladder's figure held in the fit's own steps, in one line (None: not measured)."""
+    h = d.get("holds")
+    if not h:
+        return None
+    ladder, fit = h.get("ladder") or {}, h.get("fit") or {}
+    if not fit:
+        return f"The fit's own steps: {h.get('note') or 'not measured'}."
+    line = (f"The fit's own steps: {format_step(fit.get('step_ms'), fit.get('spread'))} ms against the ladder's "
+            f"{format_step(ladder.get('step_ms'))} ms ({h['gap']:+.1%})")
+    if h.get("flagged"):
+        return f"{line}, more than {h.get('threshold', 0):.0%} apart. Likely cause: {h.get('cause')}."
+    return f"{line}: the figure holds (within {h.get('threshold', 0):.0%})." + (f" ({h['note']})" if h.get("note") else "")
 
 
 # -- the document ---------------------------------------------------------------------------
@@ -117,6 +147,10 @@ def render_markdown(d: dict[str, Any]) -> str:
     title = d.get("title") or f"speedkit report{f': {recipe}' if recipe else ''}"
     lines = [f"# {title}", ""]
     lines += [f"**Summary:** {_escape(summary_line(d))}", ""]
+    holds = holds_line(d)
+    if holds:
+        lines += [f"**In training:** {_escape(holds)}", ""]
+    lines += _run(d)
     lines += _environment(d)
     lines += _flops(d)
     lines += _measure(d)
@@ -153,6 +187,13 @@ def _environment(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def _run(d: dict[str, Any]) -> list[str]:
+    run = d.get("run") or {}
+    if not run:
+        return []
+    return ["## The run", "", "Trials ran the user's own step: " + ", ".join(f"`{k}={_value(v)}`" for k, v in run.items()) + ".", ""]
+
+
 def _flops(d: dict[str, Any]) -> list[str]:
     f = d.get("flops") or {}
     per_step = f.get("per_step")
@@ -175,7 +216,10 @@ def _measure(d: dict[str, Any]) -> list[str]:
         "## Measurement", "",
         f"Settings: {text}.",
         "Step time is the median over timed windows of the mean step time in a window; "
-        "± is the measured noise of the window means (`spread`, relative to the median).",
+        "± is the measured noise of the window means (`spread`, relative to the median). "
+        "Each rung was timed against the configuration before it in interleaved A B B A blocks of windows, "
+        "in the same period; \"vs previous\" is the paired speedup with its confidence interval, and a rung "
+        "is kept only when the whole interval clears the minimum gain.",
         "",
     ]
 
@@ -203,6 +247,7 @@ def _details(i: int, rung: dict[str, Any]) -> list[str]:
         lines.append("- Changes:")
         lines += [f"  - {_escape(c)}" for c in changes]
     lines += _measurement_details(rung.get("measurement"))
+    lines += _comparison_details(rung.get("comparison"))
     lines += _parity_details(rung.get("parity"))
     return lines + [""]
 
@@ -215,7 +260,8 @@ def _measurement_details(m: dict[str, Any] | None) -> list[str]:
         f"- Measurement: {m.get('warmup', MISSING)} warm-up steps, windows of {m.get('steps', MISSING)} "
         f"steps timed by {m.get('clock', MISSING)}; window means (ms): {windows or MISSING}; "
         f"{m.get('items_per_step', MISSING)} {(m.get('throughput_unit') or 'items').split('/')[0]} per step; "
-        f"{_num(m.get('tflops'), '.2f')} TFLOP/s achieved",
+        f"{_num(m.get('tflops'), '.2f')} TFLOP/s achieved; per step {_num(m.get('data_wait_ms'), '.2f')} ms "
+        f"waiting for the batch and {_num(m.get('host_ms'), '.2f')} ms of host time",
     ]
     t = m.get("telemetry")
     if t:
@@ -234,6 +280,17 @@ def _measurement_details(m: dict[str, Any] | None) -> list[str]:
         if t.get("error"):
             lines.append(f"  - Telemetry stopped early: {_escape(t['error'])}")
     return lines
+
+
+def _comparison_details(c: dict[str, Any] | None) -> list[str]:
+    if not c:
+        return []
+    a, b = c.get("a") or {}, c.get("b") or {}
+    return [f"- Paired timing: {c.get('blocks', MISSING)} A B B A blocks in {_num(c.get('seconds'), '.1f')} s; "
+            f"with it {format_step(b.get('step_ms'), b.get('spread'))} ms, without {format_step(a.get('step_ms'), a.get('spread'))} "
+            f"ms; speedup {_num(c.get('speedup'), '.3f')}×, {_num((c.get('confidence') or 0) * 100, '.0f')}% interval "
+            f"[{_num(c.get('low'), '.3f')}, {_num(c.get('high'), '.3f')}] against a minimum of "
+            f"{_num(1 + (c.get('min_gain') or 0), '.2f')}×: {str(c.get('verdict', MISSING)).replace('_', ' ')}"]
 
 
 def _parity_details(p: dict[str, Any] | None) -> list[str]:

@@ -12,7 +12,9 @@ from typing import Any
 
 from speedkit.errors import ConfigError
 from speedkit.rungs.autocast import AutocastRung
-from speedkit.rungs.base import Handle, NoOptions, Rung, parse_options
+from speedkit.handle import Handle
+from speedkit.options import parse_options
+from speedkit.rungs.base import NoOptions, Rung
 from speedkit.rungs.batched import BatchedRung
 from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung

@@ -45,7 +45,7 @@ from torch import nn
 
 from speedkit import rewrite
 from speedkit.rewrite import NotRewritable, ParsedForward, call_ops
-from speedkit.rungs.base import Handle, Rung
+from speedkit.rungs.base import Handle, Rung, nested
 from speedkit.state import TrainState
 
 NOTHING_FOUND = "no sibling Linears, per-slice GEMM loops or module ensembles found"
@@ -760,7 +760,7 @@ def apply_batched(model: nn.Module, options: BatchedOptions, plan: _Plan | None 
         per_class.setdefault(type(module).__name__, Counter()).update(done)
     summary = "; ".join(f"{cls}: " + ", ".join(f"{what} ×{count}" for what, count in counts.items())
                         for cls, counts in per_class.items())
-    handle.record(f"batched: rewrote {plan.rewritten} sites in {len(plan.targets)} modules ({summary or 'none'})", bound.undo)
+    nested(handle, bound, f"batched: rewrote {plan.rewritten} sites in {len(plan.targets)} modules ({summary or 'none'})")
     for note in plan.left_alone:
         handle.record(f"left alone: {note}")
     handle.sites = {  # type: ignore[attr-defined]

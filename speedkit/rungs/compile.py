@@ -15,7 +15,6 @@ a compilation failure falls back to the eager forward with a warning, and a reco
 from __future__ import annotations
 
 import functools
-import shutil
 import sys
 import warnings
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from speedkit import compat
 from speedkit.rungs.base import Handle, Rung
 from speedkit.state import TrainState
 
@@ -45,21 +45,6 @@ class CompileOptions:
             raise ValueError(f"max_recompiles must be >= 0, found {self.max_recompiles}")
 
 
-def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    from torch._dynamo import exc
-
-    return tuple(
-        cls for cls in (getattr(exc, n, None) for n in ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError"))
-        if cls is not None
-    )
-
-
 class GuardedForward:
     """A compiled forward that falls back to eager on a compile failure or a recompilation storm."""
 
@@ -75,14 +60,14 @@ class GuardedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fallback_reason is not None:
             return self.eager(*args, **kwargs)
-        before = _graph_count()
+        before = compat.graph_count()
         try:
             out = self.compiled(*args, **kwargs)
-        except _compile_errors() as exc:
+        except compat.compile_errors() as exc:
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             self._fall_back(f"torch.compile failed ({type(exc).__name__}: {first_line[:200]})")
             return self.eager(*args, **kwargs)
-        new_graphs = _graph_count() - before
+        new_graphs = compat.graph_count() - before
         if self._first_graphs is None:
             self._first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
         elif new_graphs:
@@ -97,19 +82,17 @@ class GuardedForward:
 
 
 def check_compile(model: nn.Module, device: torch.device, backend: str = "inductor") -> str | None:
-    if not torch._dynamo.is_dynamo_supported():
+    if not compat.dynamo_supported():
         return f"torch.compile does not support Python {sys.version_info.major}.{sys.version_info.minor} with torch {torch.__version__}"
+    if compat.user_compiled(model):
+        return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
     forward = model.__dict__.get("forward")
-    if isinstance(forward, GuardedForward) or hasattr(forward, "_torchdynamo_orig_callable") or getattr(model, "_compiler_ctx", None):
+    if isinstance(forward, GuardedForward) or compat.is_compiled_callable(forward):
         return "the model's forward is already compiled"
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if compat.is_compiled_module(model):
         return "the model is already a torch.compile'd module"
-    if backend == "inductor" and device.type == "cpu":
-        from torch._inductor import config as inductor_config
-
-        cxx = inductor_config.cpp.cxx[-1] if isinstance(inductor_config.cpp.cxx, tuple) else inductor_config.cpp.cxx
-        if cxx and shutil.which(cxx) is None and shutil.which("g++") is None:
-            return "Inductor on CPU needs a C++ compiler (g++ or clang++) on PATH"
+    if backend == "inductor" and device.type == "cpu" and compat.inductor_cpu_compiler() is None:
+        return "Inductor on CPU needs a C++ compiler (g++ or clang++) on PATH"
     return None
 
 
@@ -129,8 +112,11 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, Gu
         else:
             model.__dict__.pop("forward", None)
 
+    def redo() -> None:  # the same compiled function: switching compile off and on recompiles nothing
+        model.forward = guarded
+
     handle.record(f"{type(model).__name__}.forward = torch.compile(forward, mode={options.mode!r}, "
-                  f"fullgraph={options.fullgraph}, dynamic={options.dynamic}, backend={options.backend!r})", restore)
+                  f"fullgraph={options.fullgraph}, dynamic={options.dynamic}, backend={options.backend!r})", restore, redo)
     return handle, guarded
 
 
@@ -146,8 +132,3 @@ class CompileRung(Rung):
         # the ladder reads this after its trial steps: a fallback means the rung failed
         handle.problem = lambda: guarded.fallback_reason
         return handle
-
-    def check_lightning(self, trainer: Any, module: Any, state: TrainState) -> str | None:
-        if getattr(module, "_compiler_ctx", None):
-            return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
-        return self.check(state)

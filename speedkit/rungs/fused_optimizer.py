@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from speedkit import compat
 from speedkit.rungs.base import Handle, Rung
 from speedkit.state import TrainState
 
@@ -39,7 +40,7 @@ def _accepts(optimizer: torch.optim.Optimizer, flag: str) -> bool:
 def _fused_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     if not _accepts(optimizer, "fused"):
         return f"{type(optimizer).__name__} has no fused implementation"
-    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    supported = compat.fused_optimizer_devices()
     for group in optimizer.param_groups:
         if group.get("differentiable"):
             return "fused optimizers do not support differentiable=True"
@@ -51,8 +52,10 @@ def _fused_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def choose_implementation(optimizer: torch.optim.Optimizer, wanted: str = "auto") -> tuple[str | None, str | None]:
+def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto") -> tuple[str | None, str | None]:
     """Return ``(implementation, None)`` or ``(None, reason the rung does not apply)``."""
+    if optimizer is None:
+        return None, "the run has no optimizer (yet)"
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):
         return None, f"{type(optimizer).__name__} is already fused"
@@ -68,49 +71,69 @@ def choose_implementation(optimizer: torch.optim.Optimizer, wanted: str = "auto"
     return "foreach", None
 
 
-def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str) -> Handle:
-    handle = Handle("fused_optimizer")
-    saved_groups = [(g, g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
-    saved_defaults = (optimizer.defaults.get("fused"), optimizer.defaults.get("foreach"))
-    saved_amp = optimizer.__dict__.get("_step_supports_amp_scaling", None)
-    fused = implementation == "fused"
-    # Step counters: fused kernels read them on the parameter's device, the for-loop/foreach
-    # paths keep them on the CPU (unless capturable). Move them and remember where they were.
-    moved: list[tuple[dict, torch.device]] = []
+class _ImplementationSwitch:
+    """Flips an optimizer's implementation flags in place, and back; either way any number of times.
 
-    for group in optimizer.param_groups:
-        if "fused" in group:
-            group["fused"] = fused
-        group["foreach"] = not fused
+    Step counters: fused kernels read them on the parameter's device, the for-loop/foreach paths
+    keep them on the CPU (unless capturable). They are moved on every switch, since the optimizer's
+    state may have been replaced (a snapshot restored) in between.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, implementation: str) -> None:
+        self.optimizer = optimizer
+        self.fused = implementation == "fused"
+        self.saved_groups = [(g.get("fused"), g.get("foreach"), "fused" in g) for g in optimizer.param_groups]
+        self.saved_defaults = (optimizer.defaults.get("fused"), optimizer.defaults.get("foreach"))
+        self.saved_amp = optimizer.__dict__.get(compat.AMP_SCALING_FLAG, None)
+
+    def on(self) -> None:
+        opt, fused = self.optimizer, self.fused
+        for group in opt.param_groups:
+            if "fused" in group:
+                group["fused"] = fused
+            group["foreach"] = not fused
+        if "fused" in opt.defaults:
+            opt.defaults["fused"] = fused
+        opt.defaults["foreach"] = not fused
         if fused:
-            for p in group["params"]:
-                st = optimizer.state.get(p)
-                if st and isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
-                    moved.append((st, st["step"].device))
-                    st["step"] = st["step"].to(p.device, torch.float32)
-    if "fused" in optimizer.defaults:
-        optimizer.defaults["fused"] = fused
-    optimizer.defaults["foreach"] = not fused
-    if fused:
-        # what the optimizer's constructor sets when built with fused=True (GradScaler reads it)
-        optimizer._step_supports_amp_scaling = True
+            # what the optimizer's constructor sets when built with fused=True (GradScaler reads it)
+            setattr(opt, compat.AMP_SCALING_FLAG, True)
+            self._move_steps(on_device=True)
 
-    def restore() -> None:
-        for group, f, fe in saved_groups:
-            if f is not None or "fused" in group:
+    def off(self) -> None:
+        opt = self.optimizer
+        for group, (f, fe, had_fused) in zip(opt.param_groups, self.saved_groups):
+            if had_fused:
                 group["fused"] = f
             group["foreach"] = fe
-        optimizer.defaults["fused"], optimizer.defaults["foreach"] = saved_defaults
-        if saved_amp is None:
-            optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+        opt.defaults["fused"], opt.defaults["foreach"] = self.saved_defaults
+        if self.saved_amp is None:
+            opt.__dict__.pop(compat.AMP_SCALING_FLAG, None)
         else:
-            optimizer._step_supports_amp_scaling = saved_amp
-        for st, device in moved:
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].to(device)
+            setattr(opt, compat.AMP_SCALING_FLAG, self.saved_amp)
+        if self.fused:
+            self._move_steps(on_device=False)
 
-    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was "
-                  f"fused={saved_groups[0][1]}, foreach={saved_groups[0][2]}); state and hyper-parameters kept", restore)
+    def _move_steps(self, on_device: bool) -> None:
+        for group in self.optimizer.param_groups:
+            if group.get("capturable"):
+                continue
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                step = st.get("step") if st else None
+                if isinstance(step, torch.Tensor):
+                    target = p.device if on_device else torch.device("cpu")
+                    if step.device != target:
+                        st["step"] = step.to(target, torch.float32)
+
+
+def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str) -> Handle:
+    handle = Handle("fused_optimizer")
+    switch = _ImplementationSwitch(optimizer, implementation)
+    switch.on()
+    fused, foreach, _ = switch.saved_groups[0]
+    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was fused={fused}, foreach={foreach}); "
+                  "state and hyper-parameters kept", switch.off, switch.on)
     return handle
 
 
@@ -127,8 +150,3 @@ class FusedOptimizerRung(Rung):
         if reason:
             raise RuntimeError(reason)
         return apply_fused_optimizer(state.optimizer, implementation)
-
-    def check_lightning(self, trainer: Any, module: Any, state: TrainState) -> str | None:
-        if len(trainer.optimizers) != 1:
-            return f"speedkit swaps exactly one optimizer; this Trainer has {len(trainer.optimizers)}"
-        return self.check(state)

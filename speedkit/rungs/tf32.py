@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speedkit import compat
 from speedkit.config import loosest
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
@@ -34,16 +35,14 @@ def check_tf32(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
             return f"TF32 needs compute capability >= 8.0 (Ampere); this GPU is {major}.{minor}"
-        if torch.get_float32_matmul_precision() != "highest":
-            return f"fp32 matmul precision is already {torch.get_float32_matmul_precision()!r}"
-        return None
-    if device.type == "cpu":
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    elif device.type == "cpu":
+        if not compat.cpu_has_bf16():
             return "this CPU has no bf16 instructions for oneDNN's reduced-precision fp32 matmul"
-        if torch.get_float32_matmul_precision() != "highest":
-            return f"fp32 matmul precision is already {torch.get_float32_matmul_precision()!r}"
-        return None
-    return f"no reduced-precision fp32 matmul on device type {device.type!r}"
+    else:
+        return f"no reduced-precision fp32 matmul on device type {device.type!r}"
+    if torch.get_float32_matmul_precision() != "highest":
+        return f"fp32 matmul precision is already {torch.get_float32_matmul_precision()!r}"
+    return None
 
 
 def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
@@ -53,15 +52,14 @@ def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
     wanted = "high" if device.type == "cuda" else "medium"
     torch.set_float32_matmul_precision(wanted)
     handle.record(f"torch.set_float32_matmul_precision({wanted!r}) (was {previous!r})",
-                  lambda: torch.set_float32_matmul_precision(previous))
+                  lambda: torch.set_float32_matmul_precision(previous), lambda: torch.set_float32_matmul_precision(wanted))
     if cudnn and device.type == "cuda" and not torch.backends.cudnn.allow_tf32:
-        prev_cudnn = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = True
+        # a property of torch.backends.cudnn's module class, not an instance attribute: set it explicitly
+        def cudnn_tf32(on: bool) -> None:
+            torch.backends.cudnn.allow_tf32 = on
 
-        def restore_cudnn() -> None:
-            torch.backends.cudnn.allow_tf32 = prev_cudnn
-
-        handle.record(f"torch.backends.cudnn.allow_tf32 = True (was {prev_cudnn})", restore_cudnn)
+        cudnn_tf32(True)
+        handle.record("torch.backends.cudnn.allow_tf32 = True (was False)", lambda: cudnn_tf32(False), lambda: cudnn_tf32(True))
     return handle
 
 

@@ -62,7 +62,7 @@ from torch import nn
 from speedkit import layers, rewrite
 from speedkit.kernels import kernels_available
 from speedkit.rewrite import NotRewritable, ParsedForward
-from speedkit.rungs.base import Handle, Rung
+from speedkit.rungs.base import Handle, Rung, nested
 from speedkit.state import TrainState
 
 NOTHING_FOUND = "nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Linear→GELU or SwiGLU found"
@@ -438,20 +438,11 @@ def _instance_method(module: nn.Module, name: str) -> ParsedForward:
 
 
 def _bind_method(handle: Handle, module: nn.Module, name: str, function: Callable[..., Any], description: str) -> None:
-    """``rewrite.bind_forward`` for another method name: bind, and record how to put back what was there."""
+    """``rewrite.bind_forward`` for any method name (``forward`` keeps its checks)."""
     if name == "forward":
         rewrite.bind_forward(handle, module, function, description)
-        return
-    previous = module.__dict__.get(name)
-    setattr(module, name, types.MethodType(function, module))
-
-    def restore() -> None:
-        if previous is None:
-            module.__dict__.pop(name, None)
-        else:
-            setattr(module, name, previous)
-
-    handle.record(description, restore)
+    else:
+        rewrite.bind_method(handle, module, name, function, description)
 
 
 # -- the plan and the rung ----------------------------------------------------------------------------------
@@ -529,8 +520,10 @@ def apply_triton_layers(model: nn.Module, options: TritonLayersOptions, plan: _P
     handle, inner = Handle(TAG), Handle(TAG)
     try:
         for module, new_class in plan.swaps:
-            inner.record("", functools.partial(setattr, module, "__class__", type(module)))
-            module.__class__ = new_class  # same object, parameters, hooks and state dict
+            # same object, parameters, hooks and state dict
+            inner.record("", functools.partial(setattr, module, "__class__", type(module)),
+                         functools.partial(setattr, module, "__class__", new_class))
+            module.__class__ = new_class
         for module, forward, description in plan.rms_like:
             rewrite.bind_forward(inner, module, forward, description)
         for module, method, parsed, decisions, done in plan.rewrites:
@@ -540,7 +533,7 @@ def apply_triton_layers(model: nn.Module, options: TritonLayersOptions, plan: _P
         inner.undo()
         raise
     summary = ", ".join(f"{kind} ×{count}" for kind, count in plan.counts.items()) or "none"
-    handle.record(f"triton_layers: {summary}", inner.undo)
+    nested(handle, inner, f"triton_layers: {summary}")
     for description, count in Counter(c for c in inner.changes if c).items():
         handle.changes.append(description + (f" (×{count} modules)" if count > 1 else ""))
     for note in plan.left_alone:

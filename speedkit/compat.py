@@ -1,0 +1,233 @@
+"""Every private PyTorch / Lightning API speedkit touches, in one place, with version guards.
+
+speedkit runs on torch 2.11 (the GPU machines) and 2.13 (the CPU machines), and Lightning 2.4+.
+Anything below that is not public API is reached only through this module, each with the reason
+it is needed and what happens when the private name moves: a guard that finds nothing answers
+conservatively (no fused kernels, "not compiled", "no hooks known") instead of raising, so a new
+release degrades speedkit's choices rather than breaking the user's run. ``tests/test_compat.py``
+checks every entry against the installed versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+# -- torch.compile (dynamo / inductor) -----------------------------------------------------------
+
+
+def dynamo_supported() -> bool:
+    """Whether TorchDynamo runs on this Python (``torch._dynamo.is_dynamo_supported``)."""
+    check = getattr(getattr(torch, "_dynamo", None), "is_dynamo_supported", None)
+    try:
+        return bool(check()) if check is not None else True
+    except Exception:
+        return False
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """Dynamo's global counters (``torch._dynamo.utils.counters``): graphs, graph breaks, frames.
+
+    Read only around compilation (the compile rung's first calls), never on a hot path.
+    """
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # moved: the rung then cannot count graphs and says so
+        return {}
+    return counters
+
+
+def graph_count() -> int:
+    """Unique graphs Dynamo compiled so far in this process (0 when the counter is unknown)."""
+    return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's exception classes that mean "torch.compile could not compile this"."""
+    try:
+        from torch._dynamo import exc
+    except ImportError:
+        return ()
+    names = ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError", "TorchRuntimeError")
+    return tuple(c for c in (getattr(exc, n, None) for n in names) if isinstance(c, type))
+
+
+def is_compiled_module(module: Any) -> bool:
+    """``module`` is the wrapper ``torch.compile(module)`` returns (``OptimizedModule``)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return hasattr(module, "_orig_mod")
+    return isinstance(module, OptimizedModule)
+
+
+def is_compiled_callable(fn: Any) -> bool:
+    """``fn`` is a function returned by ``torch.compile(fn)`` (it keeps the original callable)."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def user_compiled(module: nn.Module) -> bool:
+    """The user ran ``trainer.fit(torch.compile(model))``: Lightning unwrapped the compiled module
+    and keeps how it was compiled on the LightningModule (``_compiler_ctx``)."""
+    return bool(getattr(module, "_compiler_ctx", None))
+
+
+def inductor_cpu_compiler() -> str | None:
+    """The C++ compiler Inductor uses on CPU, or None when none is on PATH."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:
+        return shutil.which("g++") or shutil.which("clang++")
+    cxx = inductor_config.cpp.cxx
+    names = [c for c in (cxx if isinstance(cxx, tuple) else (cxx,)) if c]
+    for name in [*names, "g++", "clang++"]:
+        if shutil.which(name):
+            return name
+    return None
+
+
+# -- optimizers ----------------------------------------------------------------------------------
+
+
+def fused_optimizer_devices() -> tuple[str, ...]:
+    """Device types torch's fused optimizer kernels run on (``_get_fused_kernels_supported_devices``)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # conservative: CUDA has had fused Adam/AdamW/SGD since torch 2.0
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
+#: the attribute an optimizer built with ``fused=True`` sets; GradScaler reads it to let the fused
+#: kernel unscale gradients itself instead of calling ``unscale_`` first
+AMP_SCALING_FLAG = "_step_supports_amp_scaling"
+
+
+# -- CPU capabilities ----------------------------------------------------------------------------
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """The CPU has bf16 instructions oneDNN uses (AVX512-BF16 / AMX): bf16 pays on it."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:
+        return False
+
+
+# -- modules -------------------------------------------------------------------------------------
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """``module`` (or every module, through global hooks) has forward/backward hooks: a rewrite that
+    bypasses its ``forward`` would skip them."""
+    from torch.nn.modules import module as module_globals
+
+    local = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    glob = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    return any(getattr(module, n, None) for n in local) or any(getattr(module_globals, n, None) for n in glob)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """Map ``fn`` over the leaves of nested lists/tuples/dicts (torch's pytree)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
+# -- data loaders --------------------------------------------------------------------------------
+
+
+def reset_persistent_workers(loader: Any) -> bool:
+    """Shut down a ``persistent_workers`` DataLoader's live iterator, so that the next ``iter()``
+    starts its workers and its sampler exactly as a first ``iter()`` would. Returns whether it did.
+
+    Needed after speedkit's trials iterated the user's loader: a persistent iterator is reset, not
+    rebuilt, and would draw the sampler's seed where a fresh one draws the workers' base seed.
+    """
+    it = getattr(loader, "_iterator", None)
+    if it is None:
+        return False
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
+    return True
+
+
+# -- Lightning -----------------------------------------------------------------------------------
+
+
+def lightning_before_batch_transfer(trainer: Any, module: Any, batch: Any, dataloader_idx: int = 0) -> Any:
+    """What Lightning's training loop does to a batch before ``strategy.batch_to_device``: the
+    precision plugin's input conversion, then ``on_before_batch_transfer`` (the datamodule's
+    override where it has one, which Lightning's private hook selector picks)."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    hook = getattr(module, "_on_before_batch_transfer", None)
+    if hook is not None:
+        return hook(batch, dataloader_idx=dataloader_idx)
+    return module.on_before_batch_transfer(batch, dataloader_idx)
+
+
+class TrialLog:
+    """Trial steps' ``self.log`` into a scratch result collection (see :func:`lightning_trial_logging`)."""
+
+    def __init__(self, results: Any) -> None:
+        self.results = results
+
+    def batch(self, batch: Any) -> None:
+        """The batch ``self.log`` infers its batch size from, as the loop sets it."""
+        self.results.batch = batch
+        self.results.batch_size = None
+
+    def step_done(self) -> None:
+        """What Lightning's loop does after every batch: compute the step's metrics (progress-bar
+        values become Python floats, a host sync on a GPU)."""
+        self.results.metrics(True)
+        self.results.batch = None
+
+
+@contextlib.contextmanager
+def lightning_trial_logging(trainer: Any, module: Any) -> Iterator[TrialLog | None]:
+    """Let trial steps' ``self.log`` calls run as they do in training, into a scratch result
+    collection: trial steps cost what training steps cost, and nothing reaches the user's metrics
+    or loggers. Yields None when Lightning's internals moved (trials then make ``self.log`` a no-op
+    and the fit check measures what that leaves out)."""
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+        loop = trainer.fit_loop.epoch_loop
+        previous = loop._results
+        previous_fx = module._current_fx_name
+    except (ImportError, AttributeError):
+        yield None
+        return
+    scratch = _ResultCollection(training=True)
+    loop._results = scratch
+    module._current_fx_name = "training_step"  # what Lightning sets while it runs training_step
+    try:
+        yield TrialLog(scratch)
+    finally:
+        loop._results = previous
+        module._current_fx_name = previous_fx
+
+
+def lightning_version() -> tuple[int, int]:
+    try:
+        mod = importlib.import_module("lightning")
+    except ImportError:
+        return (0, 0)
+    return tuple(int(p) for p in mod.__version__.split(".")[:2])  # type: ignore[return-value]

@@ -1,0 +1,128 @@
+"""Where training batches come from: the ``BatchSource`` seam.
+
+A source gives the engine
+
+* a **fresh iterator per trial** of batches already on the device (:meth:`BatchSource.iterator`),
+  restarting the loader at the end of an epoch, so every measurement sees the loader as training
+  would: its workers, its collation, its transfer;
+* **parity batches kept on the host** (:meth:`BatchSource.parity_batches`), copied once, moved to
+  the device when a trial uses them, so they hold no device memory while other rungs are timed;
+* the **state iteration consumes** (the loader's and sampler's own generators) so a snapshot can
+  put the data order back exactly after trials.
+
+:class:`LoaderSource` serves any iterable of batches (``speedkit.apply``); the Lightning source
+(:class:`speedkit.lightning.source.LightningSource`) serves the Trainer's own train dataloader
+through Lightning's transfer hooks. A data-path rung wraps ``state.data`` the way step rungs wrap
+``state.step``: it returns another source around this one (pinned, prefetched, static buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from speedkit import compat
+from speedkit.errors import ConfigError
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Recursively move the tensors of a batch (lists, tuples, named tuples, dicts, dataclasses) to
+    ``device``; other leaves are left as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(move_to_device(b, device, non_blocking) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(b, device, non_blocking) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: move_to_device(getattr(batch, f.name), device, non_blocking)
+                                             for f in dataclasses.fields(batch) if f.init})
+    return batch
+
+
+def host_copy(batch: Any) -> Any:
+    """A copy of a batch whose tensors own their memory (a loader may reuse its buffers)."""
+    return compat.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch)
+
+
+def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
+    """Tokens or samples in a batch: integer (B, T, ...) inputs count tokens, anything else samples."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return 1, "samples/s"
+    is_tokens = not torch.is_floating_point(first) and first.dim() >= 2
+    if unit == "tokens" or (unit == "auto" and is_tokens):
+        return first.numel(), "tokens/s"
+    return first.shape[0], "samples/s"
+
+
+class BatchSource:
+    """Batches for the training step: host batches from ``loader``, moved by :meth:`to_device`.
+
+    Subclasses override :meth:`to_device` (how a host batch reaches the device) or
+    :meth:`host_batches` (where host batches come from). Args:
+        loader: any iterable of batches (a DataLoader, a list).
+        device: where the step runs.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+
+    def host_batches(self) -> Iterator[Any]:
+        """Host batches forever: the loader is iterated again (a new epoch) when it runs out."""
+        while True:
+            empty = True
+            for batch in self.loader:
+                empty = False
+                yield batch
+            if empty:
+                raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to_device(batch, self.device, non_blocking=True)
+
+    def iterator(self) -> Iterator[Any]:
+        """A fresh iterator of device batches (one per trial)."""
+        return (self.to_device(b) for b in self.host_batches())
+
+    def parity_batches(self, n: int) -> list[Any]:
+        """``n`` batches from a fresh iterator, copied and kept on the host."""
+        it = self.host_batches()
+        return [host_copy(next(it)) for _ in range(n)]
+
+    # -- what iterating changes ------------------------------------------------------------------
+    def generators(self) -> list[torch.Generator]:
+        """The generators that iterating the loader advances (its own, its sampler's)."""
+        found: list[torch.Generator] = []
+        for owner in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None),
+                      getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
+            g = getattr(owner, "generator", None)
+            if isinstance(g, torch.Generator) and all(g is not f for f in found):
+                found.append(g)
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generators": [g.get_state() for g in self.generators()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for g, s in zip(self.generators(), state.get("generators", [])):
+            g.set_state(s)
+
+    def release(self) -> None:
+        """After the trials: a persistent-workers loader keeps the trials' iterator alive; drop it so
+        that training's first epoch starts the workers and draws the sampler's seed as it would have."""
+        compat.reset_persistent_workers(self.loader)
+
+
+class LoaderSource(BatchSource):
+    """The plain-PyTorch source: any iterable of batches, moved with :func:`move_to_device`."""

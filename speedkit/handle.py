@@ -1,0 +1,114 @@
+"""What a change did and how to put it back: the reversible ``Handle`` every rung returns.
+
+A handle is a list of recorded changes, each with an ``undo`` and, where the change can be made
+again exactly, a ``redo``. ``undo()`` reverts every change last-first, exactly once. When every
+change has a redo, the handle can also be ``suspend()``-ed and ``resume()``-d any number of times:
+the very same objects (a compiled forward, a rewritten method, a precision plugin) come back, so
+nothing is rebuilt or recompiled. The ladder uses that to measure a configuration with and without
+a rung in interleaved windows.
+
+This module depends on nothing else in speedkit, so any layer (rewrites, steps, rungs) can use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_MISSING = object()
+
+
+class Handle:
+    """What a rung changed, and how to put it back (and, where possible, how to do it again).
+
+    Attributes:
+        rung: the name of the rung that made the changes.
+        changes: human-readable lines for the report.
+        active: False once :meth:`undo` ran (the changes are gone for good).
+        suspended: True between :meth:`suspend` and :meth:`resume`.
+        problem: returns a reason when the applied change stopped working (e.g. a compile fallback).
+    """
+
+    def __init__(self, rung: str) -> None:
+        self.rung = rung
+        self.changes: list[str] = []
+        self._entries: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
+        self.active = True
+        self.suspended = False
+        self.problem: Callable[[], str | None] = lambda: None
+
+    def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None) -> None:
+        """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo."""
+        if change:
+            self.changes.append(change)
+        if undo is not None:
+            self._entries.append((undo, redo))
+
+    @property
+    def toggleable(self) -> bool:
+        """Whether :meth:`suspend`/:meth:`resume` can switch the changes off and on again."""
+        return all(redo is not None for _, redo in self._entries)
+
+    def suspend(self) -> None:
+        """Revert every change, last first, keeping what is needed to :meth:`resume` them."""
+        if not self.active or self.suspended:
+            return
+        if not self.toggleable:
+            raise RuntimeError(f"handle of {self.rung!r} records a change that cannot be redone; use undo()")
+        self._run([undo for undo, _ in reversed(self._entries)])
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Make every change again, first first (the same objects as before :meth:`suspend`)."""
+        if not self.active or not self.suspended:
+            return
+        self._run([redo for _, redo in self._entries])  # type: ignore[misc]
+        self.suspended = False
+
+    def undo(self) -> None:
+        """Revert every change, last first; idempotent. The handle is spent afterwards."""
+        if not self.active:
+            return
+        self.active = False
+        entries, self._entries = self._entries, []
+        if self.suspended:
+            self.suspended = False
+            return
+        self._run([undo for undo, _ in reversed(entries)])
+
+    @staticmethod
+    def _run(functions: list[Callable[[], None]]) -> None:
+        errors = []
+        for fn in functions:
+            try:
+                fn()
+            except Exception as exc:  # keep going through the rest; report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __repr__(self) -> str:
+        state = "suspended" if self.suspended else "active" if self.active else "undone"
+        return f"Handle({self.rung!r}, changes={self.changes!r}, {state})"
+
+
+def set_attr(handle: Handle, obj: Any, attr: str, value: Any, describe: str | None = None) -> None:
+    """Set ``obj.attr = value`` and record how to put the previous value (or its absence) back."""
+    previous = obj.__dict__.get(attr, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, attr, _MISSING)
+    setattr(obj, attr, value)
+
+    def restore() -> None:
+        if previous is _MISSING:
+            try:
+                delattr(obj, attr)
+            except AttributeError:
+                pass
+        else:
+            setattr(obj, attr, previous)
+
+    handle.record(describe or f"{type(obj).__name__}.{attr} = {value!r}", restore, lambda: setattr(obj, attr, value))
+
+
+def nested(handle: Handle, inner: Handle, change: str) -> None:
+    """Record ``inner``'s changes as one line of ``handle`` (toggled and undone with it)."""
+    handle.record(change, inner.suspend if inner.toggleable else inner.undo, inner.resume if inner.toggleable else None)

@@ -1,0 +1,232 @@
+"""The user's own Lightning training step, driven through the Trainer's public API.
+
+:class:`LightningStep` runs one optimizer step the way Lightning's automatic optimization does:
+``strategy.training_step`` (under the precision plugin's forward context, through the strategy's
+wrapper, DDP's included), the loss divided by ``accumulate_grad_batches``, zero-grad on the first
+micro-batch (``on_before_zero_grad`` and ``optimizer_zero_grad`` hooks), ``strategy.backward``
+(the plugin's loss scaling and the backward hooks), the module's ``optimizer_step`` hook with the
+Trainer's ``LightningOptimizer`` (the plugin's unscaling, the Trainer's gradient clipping through
+``configure_gradient_clipping``, the scaler's step), then the step-interval learning-rate
+schedulers through ``lr_scheduler_step``. Micro-batches before the last skip DDP's gradient sync.
+
+:class:`LightningSource` feeds it from the Trainer's own train dataloader, moved the way the loop
+moves batches (the plugin's input conversion, ``on_before_batch_transfer``,
+``strategy.batch_to_device``).
+
+During trials (``step.trial()``), ``self.log`` writes into a scratch result collection whose
+metrics are computed after every batch as the loop does (so trial steps cost what training steps
+cost, progress-bar syncs included, and nothing reaches the user's metrics or loggers), and a
+schedule that runs out is rewound instead of raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from speedkit import compat
+from speedkit.data.source import BatchSource
+from speedkit.handle import Handle
+from speedkit.step import NUMERICS, ScheduleGuard, Step, loss_of, restore_scaler
+
+_MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+class LightningStep(Step):
+    """One optimizer step of ``trainer``'s automatic optimization.
+
+    Args:
+        trainer: a Trainer inside ``fit``, its strategy set up (from ``on_fit_start`` on).
+        module: the LightningModule being trained.
+    """
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer = trainer
+        self.model = module
+        self.device = trainer.strategy.root_device
+        self._scaler_initial: dict[int, dict[str, Any]] = {}
+        self._schedule = ScheduleGuard()
+        self._log: compat.TrialLog | None = None
+        sig = inspect.signature(module.training_step)
+        self._takes_batch_idx = len([p for p in sig.parameters.values()
+                                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]) >= 2
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:  # type: ignore[override]
+        optimizers = self.trainer.optimizers
+        return optimizers[0] if len(optimizers) == 1 else None
+
+    @property
+    def strategy(self) -> Any:
+        return self.trainer.strategy
+
+    @property
+    def accumulate(self) -> int:
+        return int(self.trainer.accumulate_grad_batches)
+
+    # -- the step --------------------------------------------------------------------------
+    def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        return loss_of(self.strategy.training_step(*self._args(batch, batch_idx)))
+
+    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        trainer, module = self.trainer, self.model
+        optimizer = module.optimizers()  # the Trainer's LightningOptimizer
+        raw = self.optimizer
+        n = len(batches)
+        losses: list[torch.Tensor] = []
+        every_micro = getattr(self.strategy, "handles_gradient_accumulation", False)
+        for k, batch in enumerate(batches):
+            idx = batch_idx * n + k
+
+            def closure(batch: Any = batch, idx: int = idx, first: bool = k == 0) -> torch.Tensor | None:
+                if self._log is not None:
+                    self._log.batch(batch)
+                out = self.strategy.training_step(*self._args(batch, idx))
+                if out is None:  # Lightning skips the backward of a step that returns None
+                    return None
+                loss = loss_of(out) / n
+                if first:
+                    module.on_before_zero_grad(raw)
+                    module.optimizer_zero_grad(trainer.current_epoch, idx, raw)
+                self.strategy.backward(loss, raw)
+                losses.append(loss.detach())
+                return loss
+
+            if k < n - 1 and not every_micro:
+                sync = getattr(self.strategy, "block_backward_sync", None)
+                with sync() if sync is not None else contextlib.nullcontext():
+                    closure()
+            else:
+                module.optimizer_step(trainer.current_epoch, idx, optimizer, closure)
+            if self._log is not None:
+                self._log.step_done()
+        self._step_schedulers(batch_idx)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum()
+
+    def _args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+        return (batch, batch_idx) if self._takes_batch_idx else (batch,)
+
+    def _step_schedulers(self, step_idx: int) -> None:
+        for config in self.trainer.lr_scheduler_configs:
+            if config.interval != "step" or config.reduce_on_plateau or (step_idx + 1) % config.frequency:
+                continue
+            self._schedule.step(config.scheduler, lambda c=config: self.model.lr_scheduler_step(c.scheduler, None))
+
+    # -- precision -------------------------------------------------------------------------
+    @property
+    def numerics(self) -> str:
+        return NUMERICS.get(str(self.trainer.precision_plugin.precision), "fp32")
+
+    def precision_choice(self) -> str | None:
+        precision = str(self.trainer.precision_plugin.precision)
+        if precision not in ("32-true", "32"):
+            return f"the Trainer already runs precision={precision!r}; speedkit leaves it as chosen"
+        return None
+
+    def set_autocast(self, dtype_name: str) -> Handle:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        handle = Handle("autocast")
+        strategy = self.strategy
+        previous = strategy.precision_plugin
+        plugin = MixedPrecision(_MIXED[dtype_name], device=self.device.type)  # type: ignore[arg-type]
+        if plugin.scaler is not None:
+            self._scaler_initial[id(plugin.scaler)] = plugin.scaler.state_dict()
+
+        def set_plugin(p: Any) -> None:
+            strategy.precision_plugin = p
+
+        set_plugin(plugin)
+        handle.record(f"Trainer precision plugin: {type(previous).__name__}({previous.precision}) -> "
+                      f"MixedPrecision({_MIXED[dtype_name]!r})", lambda: set_plugin(previous), lambda: set_plugin(plugin))
+        return handle
+
+    # -- state -----------------------------------------------------------------------------
+    def _scaler(self) -> Any:
+        return getattr(self.trainer.precision_plugin, "scaler", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self._scaler()
+        return {"scaler": (scaler, scaler.state_dict()) if scaler is not None else None,
+                "schedulers": [(c.scheduler, c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_scaler(self._scaler(), state.get("scaler"), self._scaler_initial)
+        for scheduler, saved in state.get("schedulers", []):
+            scheduler.load_state_dict(saved)
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        schedulers = [c.scheduler for c in self.trainer.lr_scheduler_configs]
+        with compat.lightning_trial_logging(self.trainer, self.model) as log, self._schedule.trial(schedulers):
+            if log is not None:
+                self._log = log
+                try:
+                    yield
+                finally:
+                    self._log = None
+                return
+            with _logging_off(self.model):
+                yield
+
+
+@contextlib.contextmanager
+def _logging_off(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` as no-ops, where trial steps cannot log into a scratch collection."""
+    missing = object()
+    saved = {name: module.__dict__.get(name, missing) for name in ("log", "log_dict")}
+    for name in saved:
+        setattr(module, name, _no_log)
+    try:
+        yield
+    finally:
+        for name, previous in saved.items():
+            if previous is missing:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, previous)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during speedkit's trials: trial steps never reach the user's metrics."""
+
+
+class LightningSource(BatchSource):
+    """The Trainer's own train dataloader (one DataLoader, or several combined as Lightning does)."""
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        if loaders is None:
+            raise RuntimeError("the Trainer has no train dataloader yet")
+        if not isinstance(loaders, torch.utils.data.DataLoader) and not hasattr(loaders, "__iter__"):
+            raise RuntimeError(f"unsupported train dataloader {type(loaders).__name__}")
+        if isinstance(loaders, (list, tuple, dict)):
+            from lightning.pytorch.utilities import CombinedLoader
+
+            loaders = CombinedLoader(loaders, "max_size_cycle")
+            self._combined = True
+        else:
+            self._combined = False
+        super().__init__(loaders, trainer.strategy.root_device)
+        self.trainer = trainer
+        self.module = module
+
+    def host_batches(self) -> Iterator[Any]:
+        for item in super().host_batches():
+            yield item[0] if self._combined else item  # CombinedLoader yields (batch, batch_idx, dataloader_idx)
+
+    def to_device(self, batch: Any) -> Any:
+        batch = compat.lightning_before_batch_transfer(self.trainer, self.module, batch)
+        return self.trainer.strategy.batch_to_device(batch)
+
+    def release(self) -> None:
+        loaders = getattr(self.loader, "iterables", self.loader)
+        for loader in (loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]):
+            compat.reset_persistent_workers(loader)

@@ -1,0 +1,30 @@
+"""Does the ladder's figure hold in training? The final configuration's step time in the trials
+against the same Trainer's next real steps, and, where they differ, the likely cause."""
+
+from __future__ import annotations
+
+from speedkit.results import Holds, Measurement
+
+
+def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None) -> Holds:
+    """Compare the two figures; flag a gap over ``threshold`` with what explains most of it."""
+    if ladder is None or fit is None:
+        return Holds(ladder, fit, None, False, threshold, None, note or "not measured")
+    gap = fit.step_ms / ladder.step_ms - 1
+    if abs(gap) <= threshold:
+        return Holds(ladder, fit, gap, False, threshold, None, note)
+    gap_ms = fit.step_ms - ladder.step_ms
+    wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
+    host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
+    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step waiting for batches and {fit.host_ms or 0:.2f} ms/step of host time in the "
+                f"fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
+    if gap_ms > 0 and wait >= 0.5 * gap_ms:
+        cause = f"data wait: {per_step}; the loader does not keep up (workers, pinned memory, prefetch)"
+    elif gap_ms > 0 and host >= 0.5 * gap_ms:
+        cause = f"host time: {per_step}; work between the steps' launches (callbacks, logging, progress bar)"
+    elif gap_ms > 0:
+        cause = (f"not data wait or host time ({per_step}): other work between steps (validation, checkpoints, "
+                 "a synchronizing callback) or a different clock or memory state")
+    else:
+        cause = f"the fit ran faster than the trials measured ({per_step})"
+    return Holds(ladder, fit, gap, True, threshold, cause, note)

@@ -1,0 +1,192 @@
+"""The one measurement path: the ladder, the Lightning callbacks and the benchmarks all time here.
+
+A :class:`MeasureSession` times *windows* of training steps on the step clock (CUDA events, one
+host wait per window; ``perf_counter`` on CPU) and, per step, the host time spent waiting for the
+batch (data wait: the loader, collation, the copy to the device) and issuing the step (host time).
+It turns windows into a :class:`~speedkit.results.Measurement`: median step time and its noise,
+items per second, MFU, peak memory, NVML telemetry, data wait and host time.
+
+Two ways to drive it:
+
+* the session runs the steps: :meth:`MeasureSession.runner` pulls ``step.accumulate`` batches from
+  an iterator and runs the step, and :meth:`MeasureSession.window` times ``steps`` of them;
+* something else runs them (Lightning's loop): call :meth:`batch_started` / :meth:`batch_ended`
+  around each (micro-)batch; every ``steps`` optimizer steps make a window.
+
+Clocks are injectable (the device clock through :class:`~speedkit.measure.clock.StepClock`'s
+backend, the host clock as a function), so tests drive the whole path with a fake clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speedkit.measure.clock import StepClock, summarize
+from speedkit.measure.flops import mfu
+from speedkit.results import Measurement
+
+HostClock = Callable[[], float]
+
+
+@dataclass
+class Window:
+    """One timed window: per-step means over its steps."""
+
+    ms: float                          # step time on the step clock
+    data_wait_ms: float                # host time waiting for the batch (fetch, collate, copy)
+    host_ms: float                     # host time issuing the step
+    steps: int                         # steps in the window
+    peak_memory_bytes: int | None = None
+
+
+class MeasureSession:
+    """Times training steps on one device.
+
+    Args:
+        device: where the steps run (picks the clock: CUDA events or perf_counter).
+        clock: a :class:`StepClock` (tests inject a fake backend through it).
+        host_clock: seconds from a monotonic host clock (tests inject a fake one).
+        flops_per_step, peak_tflops: for MFU (None: not reported).
+        items_per_step, unit: tokens or samples per optimizer step, and "tokens/s"/"samples/s".
+        telemetry: sample NVML while :meth:`measure` runs (GPU only).
+    """
+
+    def __init__(self, device: torch.device | str, *, clock: StepClock | None = None, host_clock: HostClock = time.perf_counter,
+                 flops_per_step: int | None = None, peak_tflops: float | None = None, items_per_step: int = 1,
+                 unit: str = "samples/s", telemetry: bool = False) -> None:
+        self.device = torch.device(device)
+        self.clock = clock or StepClock(self.device)
+        self.host_clock = host_clock
+        self.flops_per_step = flops_per_step
+        self.peak_tflops = peak_tflops
+        self.items_per_step = items_per_step
+        self.unit = unit
+        self.telemetry = telemetry
+        self._cuda = self.device.type == "cuda"
+        self._data_wait = 0.0
+        self._host = 0.0
+        # hook-driven state
+        self._steps_per_window = 0
+        self._in_window = 0
+        self._last_end: float | None = None
+        self._started: float | None = None
+
+    # -- the session runs the steps ----------------------------------------------------------
+    def runner(self, step: Callable[[Sequence[Any], int], Any], batches: Iterator[Any], accumulate: int = 1) -> Callable[[], None]:
+        """A function running one optimizer step from ``batches``, accounting its data wait and host time."""
+        counter = iter(range(1 << 62))
+
+        def run_one() -> None:
+            t0 = self.host_clock()
+            micro = [next(batches) for _ in range(accumulate)]
+            t1 = self.host_clock()
+            step(micro, next(counter))
+            t2 = self.host_clock()
+            self._data_wait += t1 - t0
+            self._host += t2 - t1
+
+        return run_one
+
+    def warm(self, run_one: Callable[[], None], steps: int) -> None:
+        """Untimed steps (compilation, autotuning, allocator warm-up); waits for them on CUDA."""
+        for _ in range(steps):
+            run_one()
+        if steps and self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    def window(self, run_one: Callable[[], None], steps: int) -> Window:
+        """Time ``steps`` steps; one host wait for the device, at the end."""
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._data_wait = self._host = 0.0
+        self.clock.start()
+        for _ in range(steps):
+            run_one()
+            self.clock.step()
+        times = self.clock.stop()
+        return Window(ms=sum(times) / len(times), data_wait_ms=self._data_wait / steps * 1e3, host_ms=self._host / steps * 1e3,
+                      steps=steps, peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
+
+    def measure(self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int) -> Measurement:
+        """Warm up, then ``repeats`` windows of ``steps`` steps, with telemetry: one configuration alone."""
+        self.warm(run_one, warmup)
+        with self.sampling() as telemetry:
+            windows = [self.window(run_one, steps) for _ in range(repeats)]
+        return self.measurement(windows, warmup=warmup, telemetry=telemetry.get("summary"))
+
+    # -- something else runs the steps (Lightning's loop) ---------------------------------------
+    def begin_steps(self, steps_per_window: int) -> None:
+        """Start timing steps that :meth:`batch_started` / :meth:`batch_ended` delimit."""
+        self._steps_per_window = steps_per_window
+        self._in_window = 0
+        self._data_wait = self._host = 0.0
+        self._last_end = self.host_clock()
+        self._started = None
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.clock.start()
+
+    def batch_started(self) -> None:
+        """A (micro-)batch is about to run: the time since the last one ended was data wait."""
+        now = self.host_clock()
+        if self._last_end is not None:
+            self._data_wait += now - self._last_end
+        self._started = now
+
+    def batch_ended(self, step_done: bool = True) -> Window | None:
+        """A (micro-)batch ended; ``step_done`` when it completed an optimizer step. Returns the
+        window when this step completes one."""
+        now = self.host_clock()
+        if self._started is not None:
+            self._host += now - self._started
+        self._last_end, self._started = now, None
+        if not step_done:
+            return None
+        self.clock.step()
+        self._in_window += 1
+        if self._in_window < self._steps_per_window:
+            return None
+        times = self.clock.stop()
+        n = len(times)
+        window = Window(ms=sum(times) / n, data_wait_ms=self._data_wait / n * 1e3, host_ms=self._host / n * 1e3, steps=n,
+                        peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
+        self.begin_steps(self._steps_per_window)
+        self._last_end = now
+        return window
+
+    # -- results ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[dict[str, Any]]:
+        """NVML telemetry over the block (``out["summary"]`` afterwards; absent without a GPU)."""
+        from speedkit.measure.nvml import NvmlSampler
+
+        out: dict[str, Any] = {}
+        sampler = NvmlSampler.create(self.device) if self.telemetry else None
+        if sampler is not None:
+            sampler.start()
+        try:
+            yield out
+        finally:
+            out["summary"] = sampler.stop() if sampler is not None else None
+
+    def measurement(self, windows: Sequence[Window], *, warmup: int = 0, telemetry: dict[str, Any] | None = None) -> Measurement:
+        """Summarize windows: median step time, noise, throughput, MFU, memory, data wait, host time."""
+        if not windows:
+            raise ValueError("no timed windows")
+        median, spread = summarize([w.ms for w in windows])
+        util, achieved = mfu(self.flops_per_step, median / 1e3, self.peak_tflops)
+        peaks = [w.peak_memory_bytes for w in windows if w.peak_memory_bytes is not None]
+        return Measurement(
+            step_ms=median, spread=spread, window_ms=[w.ms for w in windows], warmup=warmup,
+            steps=windows[0].steps, throughput=self.items_per_step / (median / 1e3), throughput_unit=self.unit,
+            items_per_step=self.items_per_step, mfu=util, tflops=achieved, peak_memory_bytes=max(peaks) if peaks else None,
+            telemetry=telemetry, clock=self.clock.name,
+            data_wait_ms=statistics.median(w.data_wait_ms for w in windows),
+            host_ms=statistics.median(w.host_ms for w in windows))

@@ -1,0 +1,312 @@
+"""One optimizer step of training: the ``Step`` seam the ladder measures and rungs wrap.
+
+A step is the forward and the loss under the precision in effect, the backward (scaled when fp16
+needs a GradScaler), gradient clipping, the optimizer step, zero-grad and the learning-rate
+schedule, over one or more micro-batches (gradient accumulation). It owns the training state that
+is not the model's or the optimizer's (schedulers, grad scaler) and hands it to snapshots.
+
+* :class:`PlainStep` runs it in plain PyTorch (``speedkit.apply``, tests).
+* ``speedkit.lightning.step.LightningStep`` drives a Lightning Trainer's strategy, precision plugin,
+  clipping and hooks through their public API, so trials run the user's own step.
+* :class:`StepWrapper` is the base of rungs' wrappers (``set_attr(handle, state, "step",
+  MyWrapper(state.step))``): it forwards everything to the step it wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from speedkit.errors import ConfigError
+from speedkit.handle import Handle, set_attr
+
+LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
+
+#: numerics class of a precision setting (the parity tolerance follows the loosest in effect)
+NUMERICS = {"bf16": "bf16", "fp16": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
+            "16-true": "fp16", "32-true": "fp32", "32": "fp32", "64-true": "fp32", "64": "fp32"}
+
+
+def default_loss_fn(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
+    """The loss of one batch, the way Lightning's automatic optimization gets it.
+
+    A LightningModule's ``training_step`` may return the loss or a dict holding it under "loss".
+    A plain ``nn.Module`` is called on the batch (a tuple/list is unpacked) and must return the loss.
+    """
+    if hasattr(model, "training_step"):
+        out = model.training_step(batch, batch_idx)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    return loss_of(out)
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar loss in what a training step returned (a tensor, or a dict with "loss")."""
+    if isinstance(out, dict):
+        out = out.get("loss")
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        raise ConfigError("model", f"the training step must return a scalar loss tensor, found {type(out).__name__}"
+                          " (return the loss, or a dict with a 'loss' key, from training_step)")
+    return out
+
+
+class Step:
+    """The interface: what the engine and rungs may ask of a training step."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+
+    @property
+    def accumulate(self) -> int:
+        """Loader batches (micro-batches) per optimizer step."""
+        return 1
+
+    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        """One optimizer step over ``batches`` (``accumulate`` of them, on the device); returns the
+        detached loss (the mean over micro-batches) without synchronizing with the device."""
+        raise NotImplementedError
+
+    def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        """Forward and loss of one batch under the precision in effect (no backward)."""
+        raise NotImplementedError
+
+    # -- precision -------------------------------------------------------------------------
+    @property
+    def numerics(self) -> str:
+        """Numerics of the forward: "fp32", "bf16" or "fp16"."""
+        return "fp32"
+
+    def precision_choice(self) -> str | None:
+        """None when speedkit may choose the autocast precision; else why not (the user chose it)."""
+        return None
+
+    def set_autocast(self, dtype_name: str) -> Handle:
+        """Run the forward under autocast in ``dtype_name`` ("bf16"/"fp16", with loss scaling)."""
+        raise NotImplementedError
+
+    # -- training state the step owns (schedulers, grad scaler) ------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        """Within this context steps are trials: nothing they do may reach the user's logs or
+        raise for running more steps than the schedule was built for."""
+        yield
+
+
+class StepWrapper(Step):
+    """A step around another one; subclasses override what they change (usually ``__call__``)."""
+
+    def __init__(self, inner: Step) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # attributes of the wrapped step (model, scaler, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def accumulate(self) -> int:
+        return self.inner.accumulate
+
+    @property
+    def numerics(self) -> str:
+        return self.inner.numerics
+
+    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        return self.inner(batches, batch_idx)
+
+    def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        return self.inner.forward_loss(batch, batch_idx)
+
+    def precision_choice(self) -> str | None:
+        return self.inner.precision_choice()
+
+    def set_autocast(self, dtype_name: str) -> Handle:
+        return self.inner.set_autocast(dtype_name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def trial(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.trial()
+
+
+class ScheduleGuard:
+    """Steps learning-rate schedulers; during trials, rewinds one that refuses to go on.
+
+    Trials run more optimizer steps than a short run's schedule may allow (``OneCycleLR`` raises
+    past ``total_steps``). The schedule's values do not change what a step costs, so a trial
+    rewinds the scheduler (and its optimizer's learning rates) to where the trials started instead
+    of failing; the snapshot puts the real schedule back after the trials.
+    """
+
+    def __init__(self) -> None:
+        self._start: list[tuple[Any, dict[str, Any], list[dict[str, Any]]]] | None = None
+
+    @contextlib.contextmanager
+    def trial(self, schedulers: Sequence[Any]) -> Iterator[None]:
+        previous = self._start
+        self._start = [(s, s.state_dict(), _group_hparams(s)) for s in schedulers]
+        try:
+            yield
+        finally:
+            self._start = previous
+
+    def step(self, scheduler: Any, do_step: Callable[[], None]) -> None:
+        if self._start is None:
+            do_step()
+            return
+        try:
+            do_step()
+        except Exception:
+            saved = next(((state, groups) for s, state, groups in self._start if s is scheduler), None)
+            if saved is None:
+                raise
+            scheduler.load_state_dict(saved[0])
+            opt = getattr(scheduler, "optimizer", None)
+            for group, hparams in zip(opt.param_groups if opt is not None else [], saved[1]):
+                group.update(hparams)
+
+
+def _group_hparams(scheduler: Any) -> list[dict[str, Any]]:
+    opt = getattr(scheduler, "optimizer", None)
+    if opt is None:
+        return []
+    return [{k: v for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor)} for g in opt.param_groups]
+
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlainStep(Step):
+    """A training step in plain PyTorch.
+
+    Args:
+        model: the module to train (a LightningModule works: its ``training_step`` gives the loss).
+        optimizer: its optimizer.
+        device: where the step runs.
+        loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to :func:`default_loss_fn`.
+        accumulate: micro-batches per optimizer step (the loss of each is divided by it).
+        clip_grad_norm: clip the gradients' total norm to this value before the optimizer step.
+        scheduler: a learning-rate scheduler stepped after every optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
+                 loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
+                 scheduler: Any = None) -> None:
+        if accumulate < 1:
+            raise ConfigError("accumulate", f"expected an integer >= 1, found {accumulate!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.loss_fn = loss_fn
+        self._accumulate = accumulate
+        self.clip_grad_norm = clip_grad_norm
+        self.scheduler = scheduler
+        self.autocast_dtype: torch.dtype | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self._scaler_initial: dict[int, dict[str, Any]] = {}
+        self._schedule = ScheduleGuard()
+
+    @property
+    def accumulate(self) -> int:
+        return self._accumulate
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast context of the forward pass (a no-op without autocast)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
+        with self.autocast():
+            return self.loss_fn(self.model, batch, batch_idx)
+
+    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        n = len(batches)
+        total: torch.Tensor | None = None
+        for batch in batches:
+            loss = self.forward_loss(batch, batch_idx)
+            if n > 1:
+                loss = loss / n
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        self.optimizer_step()
+        assert total is not None, "a step needs at least one batch"
+        return total
+
+    def optimizer_step(self) -> None:
+        """Clip (unscaled), step through the scaler if any, zero the gradients, step the schedule."""
+        opt = self.optimizer
+        if self.clip_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(opt)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self._schedule.step(self.scheduler, self.scheduler.step)
+
+    # -- precision -------------------------------------------------------------------------
+    @property
+    def numerics(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.autocast_dtype, "fp32")  # type: ignore[arg-type]
+
+    def precision_choice(self) -> str | None:
+        return f"autocast is already on ({self.autocast_dtype})" if self.autocast_dtype is not None else None
+
+    def set_autocast(self, dtype_name: str) -> Handle:
+        handle = Handle("autocast")
+        set_attr(handle, self, "autocast_dtype", _AUTOCAST_DTYPES[dtype_name],
+                 f"forward pass under torch.autocast({self.device.type!r}, {dtype_name})")
+        if dtype_name == "fp16":
+            scaler = torch.amp.GradScaler(self.device.type)
+            self._scaler_initial[id(scaler)] = scaler.state_dict()
+            set_attr(handle, self, "scaler", scaler, "loss scaled with torch.amp.GradScaler (fp16)")
+        return handle
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": (self.scaler, self.scaler.state_dict()) if self.scaler is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_scaler(self.scaler, state.get("scaler"), self._scaler_initial)
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        with self._schedule.trial([self.scheduler] if self.scheduler is not None else []):
+            yield
+
+
+def restore_scaler(scaler: Any, saved: tuple[Any, dict[str, Any]] | None, initial: dict[int, dict[str, Any]]) -> None:
+    """Put a grad scaler back: to its saved state if it is the one saved, else (a scaler a rung
+    created after the snapshot) to the state it was created with."""
+    if scaler is None:
+        return
+    if saved is not None and saved[0] is scaler:
+        scaler.load_state_dict(saved[1])
+    elif id(scaler) in initial:
+        scaler.load_state_dict(initial[id(scaler)])
