@@ -11,6 +11,7 @@ checks every entry against the installed versions.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import shutil
@@ -151,21 +152,30 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
 # -- data loaders --------------------------------------------------------------------------------
 
 
-def reset_persistent_workers(loader: Any) -> bool:
-    """Shut down a ``persistent_workers`` DataLoader's live iterator, so that the next ``iter()``
-    starts its workers and its sampler exactly as a first ``iter()`` would. Returns whether it did.
+def trial_loader(loader: Any) -> Any:
+    """A loader to iterate during trials without touching the user's: for a ``DataLoader``, a
+    shallow copy (same dataset, sampler, collate, workers, generator) without its live iterator.
 
-    Needed after speedkit's trials iterated the user's loader: a persistent iterator is reset, not
-    rebuilt, and would draw the sampler's seed where a fresh one draws the workers' base seed.
+    Needed because a ``persistent_workers`` DataLoader hands every ``iter()`` the same live iterator,
+    and Lightning creates the first epoch's before ``on_train_start``: iterating the user's loader
+    in the trials would reset the iterator training is about to read from.
     """
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return loader
+    clone = copy.copy(loader)
+    clone.__dict__["_iterator"] = None  # DataLoader.__setattr__ guards some attributes; not this one
+    return clone
+
+
+def shutdown_workers(loader: Any) -> None:
+    """Stop the worker processes of a ``persistent_workers`` DataLoader's live iterator (if any)."""
     it = getattr(loader, "_iterator", None)
     if it is None:
-        return False
+        return
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-    loader._iterator = None
-    return True
+    loader.__dict__["_iterator"] = None
 
 
 # -- Lightning -----------------------------------------------------------------------------------

@@ -91,6 +91,10 @@ class Step:
         """Run the forward under autocast in ``dtype_name`` ("bf16"/"fp16", with loss scaling)."""
         raise NotImplementedError
 
+    def fused_optimizer_blocker(self) -> str | None:
+        """Why this step cannot run an optimizer that unscales its own gradients (a fused one), if so."""
+        return None
+
     # -- training state the step owns (schedulers, grad scaler) ------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -135,6 +139,9 @@ class StepWrapper(Step):
 
     def set_autocast(self, dtype_name: str) -> Handle:
         return self.inner.set_autocast(dtype_name)
+
+    def fused_optimizer_blocker(self) -> str | None:
+        return self.inner.fused_optimizer_blocker()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

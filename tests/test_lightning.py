@@ -1,51 +1,222 @@
-"""SpeedLadder inside a real (CPU) Lightning Trainer: applies, respects user choices, undoes."""
+"""SpeedLadder inside a real (CPU) Lightning Trainer: trials in the user's own fit, given rungs,
+nothing left behind after an exception, Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
+
+import io
+import os
+import signal
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit.demos import NaiveGPT, SyntheticTokens
 from speedkit.errors import ConfigError
+from speedkit.ladder import Ladder
 from speedkit.lightning import SpeedLadder, StepTimer
 from speedkit.rungs.compile import GuardedForward
 
+#: small and quick: the decisions are not what these tests are about
+QUICK = {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
+         "budget_s": 60.0, "holds_windows": 1, "telemetry": False}
 
-class Probe(pl.Callback):
-    """Records what the run looked like while training."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 0:
-            self.precision_plugin = type(trainer.strategy.precision_plugin).__name__
-            self.precision = trainer.precision
-            self.forward = pl_module.__dict__.get("forward")
-            self.fused = trainer.optimizers[0].param_groups[0].get("fused")
-            self.matmul = torch.get_float32_matmul_precision()
+class UserModel(pl.LightningModule):
+    """Wrapped the way people write it: ``self.model``, a training step that logs, AdamW with a
+    OneCycleLR sized from ``self.trainer.estimated_stepping_batches``, a shuffled loader."""
+
+    def __init__(self, n: int = 192, dim: int = 16, classes: int = 5, batch_size: int = 4, workers: int = 0) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(dim, 32), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(32), nn.Linear(32, classes))
+        g = torch.Generator().manual_seed(1)
+        self.data = TensorDataset(torch.randn(n, dim, generator=g), torch.randint(0, classes, (n,), generator=g))
+        self.batch_size, self.workers = batch_size, workers
+        self.calls = 0
+        self.raise_at: tuple[int, BaseException] | None = None
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        if self.raise_at is not None and self.calls == self.raise_at[0]:
+            if isinstance(self.raise_at[1], int):
+                os.kill(os.getpid(), self.raise_at[1])  # a real signal, handled where it lands
+            else:
+                raise self.raise_at[1]
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        self.opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=1e-2, total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, num_workers=self.workers,
+                          persistent_workers=self.workers > 0)
+
+
+class Recorder(pl.Callback):
+    """What the real training steps saw: each micro-batch's loss, the data order, the learning rate."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_rows: list[torch.Tensor] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+        self.first_rows.append(batch[0][0].clone())
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
 def _trainer(callbacks, **kwargs):
-    return pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
+    defaults = dict(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    return pl.Trainer(**{**defaults, **kwargs}, callbacks=callbacks)
 
 
-def _fit(rungs, **trainer_kwargs):
+USER_RUN = dict(precision="bf16-mixed", accumulate_grad_batches=4, gradient_clip_val=1.0)
+
+
+@pytest.fixture(autouse=True)
+def _signals_back():
+    """Lightning ignores SIGINT after a KeyboardInterrupt; SIGTERM handlers must come back too."""
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGINT, sigint)
+    signal.signal(signal.SIGTERM, sigterm)
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """A user's CPU has no Triton interpreter on; the tests' conftest turns it on for kernel tests."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _fit_user_model(ladder, recorder=None, seed=0, **kwargs):
+    pl.seed_everything(seed, verbose=False)
+    model = UserModel(workers=kwargs.pop("workers", 0))
+    trainer = _trainer([ladder, *( [recorder] if recorder else [])], **{**USER_RUN, **kwargs})
+    trainer.fit(model)
+    return model, trainer
+
+
+def _explicit(result):
+    return [{"name": r.name, "options": r.options} for r in result.kept]
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["kept-rungs-forced", "real-decisions"])
+def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_explicitly(forced, monkeypatch, no_interpreter):
+    if forced:  # real trials and restores; only the keep decision is fixed, so real rungs stay on
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+    with_trials, recorded = SpeedLadder(measure=QUICK), Recorder()
+    model, trainer = _fit_user_model(with_trials, recorded)
+    result = with_trials.result
+    assert result is not None and result.interrupted is None
+    assert result.run["precision"] == "bf16-mixed" and result.run["accumulate_grad_batches"] == 4
+    assert result.run["gradient_clip_val"] == 1.0 and result.run["lr_schedulers"] == ["OneCycleLR"]
+    statuses = {r.name: r.status for r in result.rungs[1:]}
+    assert statuses["autocast"] == "not_applicable"  # the user chose bf16-mixed
+    if forced:
+        assert {"fused_optimizer", "compile"} <= {r.name for r in result.kept}
+    assert trainer.global_step == 6 and len(recorded.losses) == 24  # trials took no real step
+    explicit, replayed = SpeedLadder(rungs=_explicit(result)), Recorder()
+    _fit_user_model(explicit, replayed)
+    assert set(explicit.applied_changes) == {r.name for r in result.kept}
+    assert recorded.losses == replayed.losses  # exactly: same weights, optimizer, schedule, RNG, data order
+    assert recorded.lrs == replayed.lrs
+    assert all(torch.equal(a, b) for a, b in zip(recorded.first_rows, replayed.first_rows))
+    # everything undone after fit
+    assert "forward" not in model.__dict__ and model.opt.param_groups[0]["fused"] is None
+    torch.save(model, io.BytesIO())
+
+
+def test_trials_leave_the_data_order_of_a_persistent_workers_loader(no_interpreter):
+    plain, with_trials = Recorder(), Recorder()
+    _fit_user_model(SpeedLadder(rungs=[]), plain, workers=1, max_steps=3)
+    _fit_user_model(SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK), with_trials, workers=1, max_steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(plain.first_rows, with_trials.first_rows)) and len(plain.first_rows) == 12
+
+
+def _model_fingerprint(model):
+    return {
+        "values": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "ids": [id(p) for p in model.parameters()],
+        "instance": {n: sorted(k for k in m.__dict__ if k in ("forward", "log", "log_dict", "training_step"))
+                     for n, m in model.named_modules()},
+        "classes": [type(m) for m in model.modules()],
+    }
+
+
+def _assert_untouched(model, before, values=True):
+    after = _model_fingerprint(model)
+    if values:
+        for k, v in before["values"].items():
+            assert torch.equal(v, after["values"][k]), k
+    assert after["ids"] == before["ids"] and after["classes"] == before["classes"]
+    assert after["instance"] == before["instance"]
+    group = model.opt.param_groups[0]
+    assert group["fused"] is None and group["foreach"] is None and "_step_supports_amp_scaling" not in model.opt.__dict__
+    torch.save(model, io.BytesIO())
+
+
+@pytest.mark.parametrize("when, error, raised", [
+    ("trial", RuntimeError("user bug in training_step"), RuntimeError),
+    ("trial", KeyboardInterrupt(), SystemExit),       # Lightning turns Ctrl-C into sys.exit(1)
+    ("trial", signal.SIGTERM, SIGTERMException),      # a real SIGTERM, during the trials
+    ("training", RuntimeError("user bug in training_step"), RuntimeError),
+], ids=["exception-in-trial", "ctrl-c-in-trial", "sigterm-in-trial", "exception-in-training"])
+def test_nothing_is_left_behind(when, error, raised, no_interpreter, monkeypatch):
+    monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+    pl.seed_everything(0, verbose=False)
+    model = UserModel()
+    before = _model_fingerprint(model)
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    ladder = SpeedLadder(rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}], trials=True,
+                         measure=QUICK)
+
+    class RaiseInTraining(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                pl_module.raise_at = (pl_module.calls + 1, error)
+
+    if when == "trial":
+        model.raise_at = (12, error)  # the 12th training_step call: inside the trials
+    trainer = _trainer([ladder] + ([RaiseInTraining()] if when == "training" else []), **USER_RUN)
+    with pytest.raises(raised):
+        trainer.fit(model)
+    assert isinstance(ladder.exception, (type(error) if not isinstance(error, int) else SIGTERMException))
+    _assert_untouched(model, before, values=when == "trial")  # trained weights differ after real steps
+    assert signal.getsignal(signal.SIGTERM) in (sigterm_before, signal.SIG_DFL) or callable(signal.getsignal(signal.SIGTERM))
+    if when == "trial":
+        assert ladder.result.interrupted is not None and ladder.applied == []
+
+
+def test_given_rungs_apply_during_fit_without_trials_and_are_undone_after():
+    matmul_before = torch.get_float32_matmul_precision()
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:
+                seen.update(plugin=type(trainer.strategy.precision_plugin).__name__, precision=trainer.precision,
+                            forward=pl_module.__dict__.get("forward"), fused=trainer.optimizers[0].param_groups[0].get("fused"))
+
     torch.manual_seed(0)
     model = NaiveGPT("tiny")
-    ladder, probe = SpeedLadder(rungs=rungs), Probe()
-    trainer = _trainer([ladder, probe], **trainer_kwargs)
+    ladder = SpeedLadder(rungs=["autocast", "fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}])
+    trainer = _trainer([ladder, Probe()], max_steps=3)
     trainer.fit(model, datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
-    return model, trainer, ladder, probe
-
-
-def test_rungs_apply_during_fit_and_are_undone_after():
-    matmul_before = torch.get_float32_matmul_precision()
-    model, trainer, ladder, probe = _fit(["autocast", "fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}])
+    assert ladder.result is None  # no trials
     if "autocast" not in ladder.skipped:
-        assert probe.precision_plugin == "MixedPrecision" and probe.precision == "bf16-mixed"
-    assert probe.fused is True
-    assert isinstance(probe.forward, GuardedForward)
-    # after fit: everything as the user had it
+        assert seen["plugin"] == "MixedPrecision" and seen["precision"] == "bf16-mixed"
+    assert seen["fused"] is True and isinstance(seen["forward"], GuardedForward)
     assert "forward" not in model.__dict__
     assert type(trainer.strategy.precision_plugin).__name__ == "Precision"
     assert trainer.optimizers[0].param_groups[0]["fused"] is None
@@ -54,9 +225,11 @@ def test_rungs_apply_during_fit_and_are_undone_after():
 
 
 def test_user_precision_is_left_alone():
-    model, trainer, ladder, probe = _fit(["autocast"], precision="bf16-mixed")
+    torch.manual_seed(0)
+    ladder = SpeedLadder(rungs=["autocast"])
+    trainer = _trainer([ladder], max_steps=2, precision="bf16-mixed")
+    trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
     assert "bf16-mixed" in ladder.skipped["autocast"]
-    assert probe.precision == "bf16-mixed"
 
 
 def test_user_compile_is_left_alone():
@@ -68,8 +241,22 @@ def test_user_compile_is_left_alone():
 
     model = from_compiled(torch.compile(NaiveGPT("tiny"), backend="eager"))
     state = TrainState(model=model, optimizer=None, device=torch.device("cpu"))
-    reason = make("compile").check_lightning(None, model, state)
-    assert "compiled by the user" in reason
+    assert "compiled by the user" in make("compile").check(state)
+
+
+def test_the_fit_check_times_the_real_steps_after_the_trials(no_interpreter):
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    _fit_user_model(ladder, max_steps=8)
+    holds = ladder.result.holds
+    assert holds is not None and holds.fit is not None and len(holds.fit.window_ms) == 2
+    assert holds.ladder is ladder.result.final_measurement and holds.gap == pytest.approx(holds.fit.step_ms / holds.ladder.step_ms - 1)
+    assert holds.fit.data_wait_ms is not None and holds.fit.host_ms is not None
+
+
+def test_a_fit_too_short_to_time_says_so(no_interpreter):
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 3, "steps": 5})
+    _fit_user_model(ladder, max_steps=2)
+    assert ladder.result.holds.fit is None and "needs 8" in ladder.result.holds.note
 
 
 def test_state_dict_round_trip_tolerates_missing_keys():
@@ -79,17 +266,19 @@ def test_state_dict_round_trip_tolerates_missing_keys():
     assert ladder.state_dict()["skipped"] == {"tf32": "no GPU"}
 
 
-def test_bad_rungs_fail_at_construction():
+def test_bad_arguments_fail_at_construction():
     with pytest.raises(ConfigError, match=r"rungs\[0\]"):
         SpeedLadder(rungs=["warp_drive"])
+    with pytest.raises(ConfigError, match=r"measure\.steps"):
+        SpeedLadder(measure={"steps": 0})
 
 
 def test_step_timer_times_windows_after_warmup():
     torch.manual_seed(0)
     timer = StepTimer(warmup=2, window=3)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2 + 3 * 2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer = _trainer([timer], max_steps=2 + 3 * 2)
     trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
     assert len(timer.windows_ms) == 2 and timer.step_ms > 0
     assert timer.items_per_step == 32 and timer.throughput_unit == "tokens/s"
-    assert timer._clock.syncs == 2
+    assert timer.session.clock.syncs == 2
+    assert timer.measurement.data_wait_ms >= 0 and timer.measurement.host_ms > 0

@@ -77,12 +77,14 @@ class BatchSource:
     def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
         self.loader = loader
         self.device = torch.device(device)
+        #: what the trials iterate: the loader, or a copy of it that leaves its live iterator alone
+        self.iterable = compat.trial_loader(loader)
 
     def host_batches(self) -> Iterator[Any]:
         """Host batches forever: the loader is iterated again (a new epoch) when it runs out."""
         while True:
             empty = True
-            for batch in self.loader:
+            for batch in self.iterable:
                 empty = False
                 yield batch
             if empty:
@@ -119,9 +121,8 @@ class BatchSource:
             g.set_state(s)
 
     def release(self) -> None:
-        """After the trials: a persistent-workers loader keeps the trials' iterator alive; drop it so
-        that training's first epoch starts the workers and draws the sampler's seed as it would have."""
-        compat.reset_persistent_workers(self.loader)
+        """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""
+        compat.shutdown_workers(self.iterable)
 
 
 class LoaderSource(BatchSource):

@@ -130,6 +130,15 @@ class LightningStep(Step):
             return f"the Trainer already runs precision={precision!r}; speedkit leaves it as chosen"
         return None
 
+    def fused_optimizer_blocker(self) -> str | None:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        clip = self.trainer.gradient_clip_val
+        if clip and isinstance(self.trainer.precision_plugin, MixedPrecision):
+            return (f"Lightning's mixed precision refuses gradient clipping (gradient_clip_val={clip}) with an optimizer "
+                    "that unscales its own gradients, as a fused one does")
+        return None
+
     def set_autocast(self, dtype_name: str) -> Handle:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -199,22 +208,23 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 
 class LightningSource(BatchSource):
-    """The Trainer's own train dataloader (one DataLoader, or several combined as Lightning does)."""
+    """The Trainer's own train dataloader (one DataLoader, or several combined as Lightning does),
+    iterated through copies that leave the iterator Lightning already started for the first epoch
+    alone (see :func:`speedkit.compat.trial_loader`)."""
 
     def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         loaders = trainer.train_dataloader
         if loaders is None:
             raise RuntimeError("the Trainer has no train dataloader yet")
-        if not isinstance(loaders, torch.utils.data.DataLoader) and not hasattr(loaders, "__iter__"):
-            raise RuntimeError(f"unsupported train dataloader {type(loaders).__name__}")
-        if isinstance(loaders, (list, tuple, dict)):
+        super().__init__(loaders, trainer.strategy.root_device)
+        self._combined = isinstance(loaders, (list, tuple, dict))
+        if self._combined:
             from lightning.pytorch.utilities import CombinedLoader
 
-            loaders = CombinedLoader(loaders, "max_size_cycle")
-            self._combined = True
-        else:
-            self._combined = False
-        super().__init__(loaders, trainer.strategy.root_device)
+            copies = (type(loaders)((k, compat.trial_loader(v)) for k, v in loaders.items()) if isinstance(loaders, dict)
+                      else type(loaders)(compat.trial_loader(v) for v in loaders))
+            self._copies = list(copies.values()) if isinstance(copies, dict) else list(copies)
+            self.iterable = CombinedLoader(copies, "max_size_cycle")
         self.trainer = trainer
         self.module = module
 
@@ -227,6 +237,5 @@ class LightningSource(BatchSource):
         return self.trainer.strategy.batch_to_device(batch)
 
     def release(self) -> None:
-        loaders = getattr(self.loader, "iterables", self.loader)
-        for loader in (loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else [loaders]):
-            compat.reset_persistent_workers(loader)
+        for loader in self._copies if self._combined else [self.iterable]:
+            compat.shutdown_workers(loader)

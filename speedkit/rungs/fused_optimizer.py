@@ -52,14 +52,16 @@ def _fused_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto") -> tuple[str | None, str | None]:
-    """Return ``(implementation, None)`` or ``(None, reason the rung does not apply)``."""
+def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto",
+                          step_blocker: str | None = None) -> tuple[str | None, str | None]:
+    """Return ``(implementation, None)`` or ``(None, reason the rung does not apply)``;
+    ``step_blocker`` is why the training step cannot run a fused optimizer, if it cannot."""
     if optimizer is None:
         return None, "the run has no optimizer (yet)"
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):
         return None, f"{type(optimizer).__name__} is already fused"
-    fused_blocker = _fused_blocker(optimizer)
+    fused_blocker = step_blocker or _fused_blocker(optimizer)
     if wanted in ("auto", "fused") and fused_blocker is None:
         return "fused", None
     if wanted == "fused":
@@ -127,13 +129,15 @@ class _ImplementationSwitch:
                         st["step"] = step.to(target, torch.float32)
 
 
-def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str) -> Handle:
+def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str, why_not_fused: str | None = None) -> Handle:
     handle = Handle("fused_optimizer")
     switch = _ImplementationSwitch(optimizer, implementation)
     switch.on()
     fused, foreach, _ = switch.saved_groups[0]
     handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was fused={fused}, foreach={foreach}); "
                   "state and hyper-parameters kept", switch.off, switch.on)
+    if why_not_fused:
+        handle.record(f"not fused: {why_not_fused}")
     return handle
 
 
@@ -143,10 +147,12 @@ class FusedOptimizerRung(Rung):
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
 
     def check(self, state: TrainState) -> str | None:
-        return choose_implementation(state.optimizer, self.options.implementation)[1]
+        return choose_implementation(state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker())[1]
 
     def apply(self, state: TrainState) -> Handle:
-        implementation, reason = choose_implementation(state.optimizer, self.options.implementation)
+        implementation, reason = choose_implementation(state.optimizer, self.options.implementation,
+                                                       state.step.fused_optimizer_blocker())
         if reason:
             raise RuntimeError(reason)
-        return apply_fused_optimizer(state.optimizer, implementation)
+        blocker = state.step.fused_optimizer_blocker() or _fused_blocker(state.optimizer)
+        return apply_fused_optimizer(state.optimizer, implementation, blocker if implementation != "fused" else None)
