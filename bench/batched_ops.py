@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
 from speedkit.demos.batched import LoopOfGEMMs  # noqa: E402
-from speedkit.measure import StepClock, summarize  # noqa: E402
-from speedkit.measure.timing import time_windows  # noqa: E402
+from speedkit.measure import summarize  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
 from speedkit.rungs.batched import BatchedRung  # noqa: E402
 from speedkit.state import TrainState  # noqa: E402
 
@@ -107,7 +107,7 @@ def main() -> None:
             for mode, backward in (("forward", False), ("forward+backward", True)):
                 times = {}
                 for name, fn in variants.items():
-                    windows = time_windows(_step(fn, x, grad, backward), StepClock(device), warmup=warmup, steps=steps,
+                    windows = MeasureSession(device).window_times(_step(fn, x, grad, backward), warmup=warmup, steps=steps,
                                            repeats=args.repeats)
                     ms, noise = summarize(windows)
                     times[name] = ms

@@ -28,7 +28,7 @@ and ``floor`` is those bytes over the device-to-device copy bandwidth measured a
 bytes read + written); ``of_floor`` = floor time / measured time.
 
 Timing (METHOD.md): the speedkit step clock (CUDA events, one host wait per window) through
-``time_windows``; warm-up first, then the median of several windows; every step takes the next of
+``MeasureSession.window_times``; warm-up first, then the median of several windows; every step takes the next of
 ``--sets`` (>= 3) pre-generated random input sets, so repeated steps do not run out of L2.
 Liger's cross-entropy writes the gradient into its logits (and syncs with the host): it gets its own
 logits sets, redrawn before each window (untimed), and each window uses each set once. Liger's
@@ -70,8 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
-from speedkit.measure import StepClock, summarize  # noqa: E402
-from speedkit.measure.timing import time_windows  # noqa: E402
+from speedkit.measure import summarize  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
 
 SHAPES = {
     "ln": [(16384, 768), (16384, 4096), (8192, 8192)],
@@ -133,8 +133,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    clock = StepClock(device)
-    times = sorted(time_windows(lambda: dst.copy_(src), clock, warmup=0, steps=1, repeats=repeats))
+    times = sorted(MeasureSession(device).window_times(lambda: dst.copy_(src), warmup=0, steps=1, repeats=repeats))
     del src, dst
     free_memory()
     return 2 * nbytes / (times[len(times) // 2] / 1e3)
@@ -143,16 +142,15 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
 def measure(step: Callable[[], object], device: torch.device, *, warmup: int, steps: int, repeats: int,
             refresh: Callable[[], None] | None = None) -> tuple[float, float]:
     """(median ms per step, noise) over ``repeats`` windows of ``steps``; ``refresh`` runs untimed before each window."""
-    clock = StepClock(device)
     if refresh is None:
-        return summarize(time_windows(step, clock, warmup=warmup, steps=steps, repeats=repeats))
+        return summarize(MeasureSession(device).window_times(step, warmup=warmup, steps=steps, repeats=repeats))
     refresh()
     for _ in range(warmup):
         step()
     windows = []
     for _ in range(repeats):
         refresh()
-        windows += time_windows(step, clock, warmup=0, steps=steps, repeats=1)  # synchronizes before timing
+        windows += MeasureSession(device).window_times(step, warmup=0, steps=steps, repeats=1)  # synchronizes before timing
     return summarize(windows)
 
 
@@ -325,7 +323,7 @@ class Bench:
 
     def run_norm(self, op: str, M: int, N: int) -> None:
         shape, dev = f"{M}x{N}", self.device
-        torch._dynamo.reset()  # compile once per shape: no recompiles or dynamic shapes carried across shapes
+        torch.compiler.reset()  # compile once per shape: no recompiles or dynamic shapes carried across shapes
         variants = make_variants(op, self.variant_names(op), self.liger, self.liger_note)
         sets = self.args.sets
         xs = [self.randn(M, N).requires_grad_() for _ in range(sets)]
@@ -444,7 +442,7 @@ class Bench:
 
     def run_ce(self, M: int, V: int) -> None:
         op, shape, dev = "ce", f"{M}x{V}", self.device
-        torch._dynamo.reset()
+        torch.compiler.reset()
         variants = make_variants(op, self.variant_names(op), self.liger, self.liger_note)
         sets = self.args.sets
         logits = [self.randn(M, V).requires_grad_() for _ in range(sets)]

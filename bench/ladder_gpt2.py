@@ -29,7 +29,6 @@ sys.path.insert(0, str(REPO))
 from bench.common import Results, gemm_ceiling_tflops  # noqa: E402
 from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
 from speedkit.measure import StepClock, count_step_flops, summarize  # noqa: E402
-from speedkit.measure.timing import time_windows  # noqa: E402
 from speedkit.state import default_loss_fn, move_to_device  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"

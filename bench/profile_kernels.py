@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import speedkit.kernels as sk
 from speedkit.kernels import norms
-from speedkit.measure import StepClock, summarize
-from speedkit.measure.timing import time_windows
+from speedkit.measure import summarize
+from speedkit.measure.session import MeasureSession
 
 SHAPES = [(16384, 768), (16384, 4096), (8192, 8192)]
 CE_CONFIGS = [(32768, 32), (16384, 16), (65536, 32)]
@@ -44,7 +44,7 @@ DEV = torch.device("cuda")
 
 
 def step_ms(fn, steps: int = 20, repeats: int = 5) -> float:
-    return summarize(time_windows(fn, StepClock(DEV), warmup=5, steps=steps, repeats=repeats))[0]
+    return summarize(MeasureSession(DEV).window_times(fn, warmup=5, steps=steps, repeats=repeats))[0]
 
 
 def host_us(fn, n: int = 30) -> float:

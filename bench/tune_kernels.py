@@ -22,15 +22,15 @@ import importlib  # noqa: E402
 
 ce_mod = importlib.import_module("speedkit.kernels.cross_entropy")
 norms = importlib.import_module("speedkit.kernels.norms")
-from speedkit.measure import StepClock, summarize  # noqa: E402
-from speedkit.measure.timing import time_windows  # noqa: E402
+from speedkit.measure import summarize  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
 
 SHAPES = [(16384, 768), (16384, 4096), (8192, 8192)]
 
 
 def _time(fn, inputs) -> float:
     it = itertools.cycle(inputs)
-    windows = time_windows(lambda: fn(*next(it)), StepClock(torch.device("cuda")), warmup=5, steps=20, repeats=5)
+    windows = MeasureSession(torch.device("cuda")).window_times(lambda: fn(*next(it)), warmup=5, steps=20, repeats=5)
     return summarize(windows)[0]
 
 

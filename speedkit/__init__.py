@@ -14,7 +14,6 @@ To measure which rungs pay off on your model: ``speedkit optimize recipe.yaml``.
 
 from __future__ import annotations
 
-
 from speedkit.api import Applied, apply
 from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
 

@@ -217,7 +217,9 @@ def lightning_trial_logging(trainer: Any, module: Any) -> Iterator[TrialLog | No
     or loggers. Yields None when Lightning's internals moved (trials then make ``self.log`` a no-op
     and the fit check measures what that leaves out)."""
     try:
-        from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+        from lightning.pytorch.trainer.connectors.logger_connector.result import (
+            _ResultCollection,
+        )
 
         loop = trainer.fit_loop.epoch_loop
         previous = loop._results

@@ -42,7 +42,14 @@ from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.measure.stats import Comparison, block_log_gain, decide, looks, not_slower
-from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, PairedResult, Parity, RungResult
+from speedkit.results import (
+    SCHEMA_VERSION,
+    LadderResult,
+    Measurement,
+    PairedResult,
+    Parity,
+    RungResult,
+)
 from speedkit.rungs.base import Rung
 from speedkit.snapshot import Snapshot
 from speedkit.state import TrainState

@@ -13,10 +13,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from speedkit import ops
-from speedkit.demos.batched import (Ensemble, HeadsList, LoopGEMMModel, LoopOfGEMMs, SiblingProjections,
-                                    SyntheticGEMMs)
-from speedkit.rungs.batched import NOTHING_FOUND, BatchedOptions, BatchedRung
 from speedkit.data import LoaderSource
+from speedkit.demos.batched import (
+    Ensemble,
+    HeadsList,
+    LoopGEMMModel,
+    LoopOfGEMMs,
+    SiblingProjections,
+    SyntheticGEMMs,
+)
+from speedkit.rungs.batched import NOTHING_FOUND, BatchedOptions, BatchedRung
 from speedkit.state import TrainState
 
 # fp32 throughout: the batched GEMM may sum in another order than the per-slice ones

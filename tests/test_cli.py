@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from test_recipe import BAD_RECIPES
 

@@ -56,8 +56,9 @@ def test_no_synchronization_per_step(steps):
 
 def test_ladder_measurement_waits_once_per_window(monkeypatch):
     """The ladder's whole measurement path (warm-up + windows) syncs once per timed window."""
-    from speedkit.ladder import Ladder
     from conftest import mlp_state
+
+    from speedkit.ladder import Ladder
 
     state = mlp_state()
     ladder = Ladder(state, [], {"warmup": 1, "steps": 7, "repeats": 3, "parity_steps": 1, "telemetry": False})

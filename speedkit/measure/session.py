@@ -114,6 +114,11 @@ class MeasureSession:
         return Window(ms=sum(times) / len(times), data_wait_ms=self._data_wait / steps * 1e3, host_ms=self._host / steps * 1e3,
                       steps=steps, peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
 
+    def window_times(self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int) -> list[float]:
+        """Warm up, then each of ``repeats`` windows' mean step time (ms): for benchmarks of one op."""
+        self.warm(run_one, warmup)
+        return [self.window(run_one, steps).ms for _ in range(repeats)]
+
     def measure(self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int) -> Measurement:
         """Warm up, then ``repeats`` windows of ``steps`` steps, with telemetry: one configuration alone."""
         self.warm(run_one, warmup)

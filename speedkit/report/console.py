@@ -8,7 +8,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from speedkit.report.markdown import STATUS_LABELS, TABLE_COLUMNS, holds_line, rung_cells, summary_line
+from speedkit.report.markdown import (
+    STATUS_LABELS,
+    TABLE_COLUMNS,
+    holds_line,
+    rung_cells,
+    summary_line,
+)
 
 STATUS_STYLES = {
     "baseline": "bold cyan",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from speedkit.errors import ConfigError
-from speedkit.rungs.autocast import AutocastRung
 from speedkit.handle import Handle
 from speedkit.options import parse_options
+from speedkit.rungs.autocast import AutocastRung
 from speedkit.rungs.base import NoOptions, Rung
 from speedkit.rungs.batched import BatchedRung
 from speedkit.rungs.compile import CompileRung

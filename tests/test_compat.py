@@ -1,0 +1,104 @@
+"""Every entry of speedkit.compat works against the installed torch and Lightning (2.13 / 2.6 here,
+2.11 / 2.6 on the GPU machines): a private name that moved shows up here, not in a user's run."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from speedkit import compat
+
+
+def test_dynamo_entries():
+    assert compat.dynamo_supported() is True
+    before = compat.graph_count()
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    fn(torch.ones(3))
+    assert compat.graph_count() == before + 1  # the counter the compile rung reads is live
+    assert compat.is_compiled_callable(fn)
+    assert compat.is_compiled_module(torch.compile(nn.Linear(2, 2), backend="eager"))
+    assert not compat.is_compiled_module(nn.Linear(2, 2))
+    assert any(e.__name__ == "BackendCompilerFailed" for e in compat.compile_errors())
+    assert compat.inductor_cpu_compiler() is not None  # g++ is on every machine of this project
+
+
+def test_user_compiled_reads_lightnings_compile_context():
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    from speedkit.demos import NaiveGPT
+
+    assert compat.user_compiled(from_compiled(torch.compile(NaiveGPT("tiny"), backend="eager")))
+    assert not compat.user_compiled(NaiveGPT("tiny"))
+
+
+def test_optimizer_entries():
+    assert "cuda" in compat.fused_optimizer_devices()
+    opt = torch.optim.AdamW([nn.Parameter(torch.ones(2))], fused=True) if "cpu" in compat.fused_optimizer_devices() else None
+    if opt is not None:
+        assert getattr(opt, compat.AMP_SCALING_FLAG) is True  # what the fused constructor sets, as the rung does
+
+
+def test_hooks_and_pytree():
+    lin = nn.Linear(2, 2)
+    assert not compat.has_hooks(lin)
+    handle = lin.register_forward_hook(lambda *a: None)
+    assert compat.has_hooks(lin)
+    handle.remove()
+    assert compat.tree_map(lambda t: t * 2, {"a": [torch.ones(1)]})["a"][0].item() == 2
+    assert isinstance(compat.cpu_has_bf16(), bool)
+
+
+def test_trial_loader_leaves_the_users_live_iterator_alone():
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1, persistent_workers=True)
+    live = iter(loader)
+    copy = compat.trial_loader(loader)
+    assert copy is not loader and copy.dataset is loader.dataset and copy.sampler is loader.sampler
+    assert [b[0].tolist() for b in copy] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert loader._iterator is live and copy._iterator is not live
+    compat.shutdown_workers(copy)
+    assert copy._iterator is None and loader._iterator is live
+    assert next(live)[0].tolist() == [0.0, 1.0]  # the user's iterator never moved
+    compat.shutdown_workers(loader)
+
+
+def test_lightning_entries_inside_a_fit():
+    seen = {}
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, module):
+            seen["version"] = compat.lightning_version()
+            batch = compat.lightning_before_batch_transfer(trainer, module, (torch.ones(4, 2),))
+            seen["batch"] = batch[0].shape
+            results = trainer.fit_loop.epoch_loop._results
+            with compat.lightning_trial_logging(trainer, module) as log:
+                assert log is not None and trainer.fit_loop.epoch_loop._results is not results
+                log.batch((torch.ones(4, 2),))
+                module.training_step((torch.ones(4, 2),), 0)
+                log.step_done()
+                seen["scratch"] = set(log.results.keys())
+            seen["restored"] = trainer.fit_loop.epoch_loop._results is results
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer.fit(Model())
+    assert seen["version"] >= (2, 4) and seen["batch"] == (4, 2)
+    assert seen["scratch"] == {"training_step.loss"} and seen["restored"]
+    assert "loss" in trainer.callback_metrics  # the real step logged as usual
