@@ -49,7 +49,8 @@ class Results:
         self.rows: list[dict] = []
 
     def add(self, variant: str, metric: str, value: float | None, unit: str, **extra) -> None:
-        row = {"bench": self.bench, "variant": variant, "device": self.device, "metric": metric,
+        """Append one row; ``extra`` may hold ``bench`` to file it under another benchmark's name."""
+        row = {"bench": extra.pop("bench", self.bench), "variant": variant, "device": self.device, "metric": metric,
                "value": value, "unit": unit, "commit": self.commit, "date": self.date, **extra}
         self.rows.append(row)
         with open(self.path, "a") as f:

@@ -6,8 +6,10 @@ Variants:
   lightning/*  Lightning's own switches: precision="32-true"; precision="bf16-mixed" + torch.compile + TF32
   speedkit-fit the kept rungs through Lightning (`speedkit fit optimized.yaml`, SpeedLadder callback)
 
-The Lightning rows and speedkit-fit are timed the same way (StepTimer callback: CUDA events after
-each batch, one wait per window, median of windows), so they compare like for like.
+The Lightning rows and speedkit-fit are timed the same way (StepTimer callback on speedkit's
+measurement session: CUDA events after each step, one wait per window, median of windows), so they
+compare like for like. The ladder itself now runs inside the recipe's Trainer (the user's step, its
+per-step logging included) and ends by timing the fit's own steps: those go out as bench "holds".
 
 Usage: python bench/ladder_gpt2.py [--parts hand,speedkit,lightning|fit] [--out runs/bench]
 """
@@ -28,8 +30,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Results, gemm_ceiling_tflops  # noqa: E402
 from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
-from speedkit.measure import StepClock, count_step_flops, summarize  # noqa: E402
-from speedkit.state import default_loss_fn, move_to_device  # noqa: E402
+from speedkit.measure import count_step_flops  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
+from speedkit.data.source import move_to_device  # noqa: E402
+from speedkit.step import PlainStep  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"
 BATCH, SEQ, VOCAB = 16, 1024, 50304
@@ -74,16 +78,19 @@ def hand_ladder(res: Results, flops: int, ceiling: float) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        torch.cuda.reset_peak_memory_stats()
-        windows = time_windows(step, StepClock(torch.device("cuda")), warmup=WARMUP, steps=STEPS, repeats=REPEATS)
-        _record(res, variant, *summarize(windows), flops, ceiling, torch.cuda.max_memory_allocated())
+        m = MeasureSession(torch.device("cuda")).measure(lambda: step(), warmup=WARMUP, steps=STEPS, repeats=REPEATS)
+        _record(res, variant, m.step_ms, m.spread, flops, ceiling, m.peak_memory_bytes)
         del model, opt, fwd
         torch.cuda.empty_cache()
     torch.set_float32_matmul_precision("highest")
 
 
 def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list:
-    """`speedkit optimize` on the naive recipe, through the CLI entry point itself."""
+    """`speedkit optimize` on the naive recipe, through the CLI entry point itself: the ladder inside
+    the recipe's Lightning Trainer, then the fit's own steps timed with the final configuration."""
+    import shutil
+
+    from bench.common import RESULTS, gpu_slug
     from speedkit.cli import main
     from speedkit.report import load_report
 
@@ -92,17 +99,31 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
     if code != 0:
         raise SystemExit(f"speedkit optimize failed with exit code {code}")
     report = load_report(out / "gpt2" / "report.json")
+    shutil.copyfile(out / "gpt2" / "report.json", RESULTS / f"{res.date}_{gpu_slug()}_gpt2-small-naive_report.json")
     res.add("speedkit", "ladder_wall_s", time.perf_counter() - t0, "s")
     for rung in report["rungs"]:
         m = rung["measurement"]
         if m is None:
             res.add(f"speedkit/{rung['name']}", "status", None, rung["status"], reason=rung["reason"])
             continue
+        c = rung.get("comparison") or {}
         _record(res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"])
+        if c:
+            res.add(f"speedkit/{rung['name']}[{rung['status']}]", "paired_speedup", c["speedup"], "x",
+                    ci=[c["low"], c["high"]], blocks=c["blocks"], verdict=c["verdict"])
     kept = [{"name": r["name"], "options": r["options"]} for r in report["rungs"] if r["status"] == "kept"]
-    final = next((r for r in reversed(report["rungs"]) if r["status"] in ("closing", "kept", "baseline")), None)
-    _record(res, "speedkit", final["measurement"]["step_ms"], final["measurement"]["spread"], flops, ceiling,
-            final["measurement"]["peak_memory_bytes"])
+    final = (report.get("final_check") or {}).get("b") or next(
+        r["measurement"] for r in reversed(report["rungs"]) if r["status"] in ("closing", "kept", "baseline"))
+    _record(res, "speedkit", final["step_ms"], final["spread"], flops, ceiling, final["peak_memory_bytes"])
+    holds = report.get("holds") or {}
+    if holds.get("fit") and holds.get("ladder"):
+        for variant in ("ladder", "fit"):
+            m = holds[variant]
+            res.add(variant, "step_ms", m["step_ms"], "ms", bench="holds", model="naive-gpt2", noise=m["spread"],
+                    data_wait_ms=m["data_wait_ms"], host_ms=m["host_ms"])
+        res.add("fit", "gap", holds["gap"], "fraction", bench="holds", model="naive-gpt2", flagged=holds["flagged"],
+                cause=holds["cause"])
+        print(f"holds: ladder {holds['ladder']['step_ms']:.2f} ms, fit {holds['fit']['step_ms']:.2f} ms ({holds['gap']:+.1%})", flush=True)
     return kept
 
 
@@ -162,7 +183,7 @@ def main() -> None:
     torch.manual_seed(0)
     probe = NaiveGPT("small").cuda()
     idx = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
-    flops = count_step_flops(probe, (idx, idx), default_loss_fn)
+    flops = count_step_flops(PlainStep(probe, None, "cuda"), (idx, idx))
     res.add("model", "flops_per_step", flops, "FLOP")
     del probe
     torch.cuda.empty_cache()

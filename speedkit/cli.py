@@ -40,21 +40,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_overrides(extra: list[str]) -> list[tuple[str, Any]]:
-    """``--a.b value`` / ``--a.b=value`` pairs; values read as YAML. One-line ConfigError otherwise."""
+def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Take ``--a.b value`` / ``--a.b=value`` pairs (a dotted key) out of ``argv``; values read as YAML.
+
+    Done before argparse sees the arguments: it would take a value such as ``50`` for the optional
+    recipe argument. One-line ConfigError for a key without a value or a value that is not YAML.
+    """
     import yaml
 
+    rest: list[str] = []
     out: list[tuple[str, Any]] = []
     i = 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or len(arg) < 3:
-            raise ConfigError(arg, "unexpected argument; overrides look like --trainer.max_steps 50")
+    while i < len(argv):
+        arg = argv[i]
         key, eq, text = arg[2:].partition("=")
+        if not arg.startswith("--") or "." not in key:
+            rest.append(arg)
+            i += 1
+            continue
         if not eq:
-            if i + 1 >= len(extra):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise ConfigError(f"--{key}", "needs a value, e.g. --trainer.max_steps 50")
-            text = extra[i + 1]
+            text = argv[i + 1]
             i += 1
         i += 1
         try:
@@ -62,7 +69,7 @@ def parse_overrides(extra: list[str]) -> list[tuple[str, Any]]:
         except yaml.YAMLError:
             raise ConfigError(f"--{key}", f"cannot read {text!r} as a YAML value") from None
         out.append((key, value))
-    return out
+    return rest, out
 
 
 def _load(path: str | None, overrides: list[tuple[str, Any]]):
@@ -122,12 +129,20 @@ def _rungs(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, overrides = split_overrides(argv)
+    except SpeedkitError as exc:
+        print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 2
     args, extra = _parser().parse_known_args(argv)
     handler = {"optimize": _optimize, "fit": _fit, "validate": _validate, "rungs": _rungs}[args.command]
     try:
-        if extra and args.command == "rungs":
-            raise ConfigError(extra[0], "speedkit rungs takes no arguments")
-        return handler(args, parse_overrides(extra))
+        if extra:
+            raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")
+        if overrides and args.command == "rungs":
+            raise ConfigError(f"--{overrides[0][0]}", "speedkit rungs takes no overrides")
+        return handler(args, overrides)
     except SpeedkitError as exc:
         where = getattr(args, "recipe", None)
         prefix = f"{where}: " if where else ""

@@ -27,7 +27,9 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
@@ -163,6 +165,7 @@ class Ladder:
         self._iterators: dict[int, Iterator[Any]] = {}
         self._parity_batches: list[Any] = []
         self._current: RungResult | None = None
+        self._phase = "the setup"  # what the ladder is doing, for an interruption's report
 
     @property
     def handles(self) -> list[Handle]:
@@ -248,7 +251,11 @@ class Ladder:
         self._closing_check(reference)
         if cfg.final_check and self.slots:
             self._phase = "the final check"
-            self._final_check()
+            try:
+                self._final_check()
+            except Exception as exc:  # the rungs were judged already; only the headline figure is missing
+                self.on_event(f"final check failed ({type(exc).__name__}: {_first_line(exc)}); "
+                              "the speedup is the product of the kept rungs' paired speedups")
 
     # -- one rung --------------------------------------------------------------------------
     def _try(self, rung: Rung, reference: list[float], chain: float) -> tuple[RungResult, list[float]]:
@@ -274,7 +281,8 @@ class Ladder:
             entry.changes = list(slot.handle.changes)
             entry.precision = state.precision
             self.on_event(f"  {rung.name}: parity over {self.cfg.parity_steps} steps")
-            losses = self._trajectory()
+            with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
+                losses = self._trajectory()
             entry.parity = self._parity(losses, reference)
             if entry.parity.max_rel_diff == 0.0 and state.precision != precision_before:
                 entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
@@ -434,7 +442,8 @@ class Ladder:
         self._snapshot.restore(rng=False)
         start = self.host_clock()
         set_candidate(True)
-        session.warm(self._runner(), cfg.warmup)
+        with self._heartbeat(f"  {label}: warm-up"):
+            session.warm(self._runner(), cfg.warmup)
         set_candidate(False)
         session.warm(self._runner(), cfg.settle)
         on = False
@@ -468,6 +477,25 @@ class Ladder:
                             verdict.min_gain, a=session.measurement(a_windows, warmup=cfg.warmup),
                             b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
 
+    @contextlib.contextmanager
+    def _heartbeat(self, label: str, every_s: float = 20.0) -> Iterator[None]:
+        """Say "still running" every ``every_s`` seconds of wall time while the block runs (a first
+        compile can take minutes with nothing else to show)."""
+        done = threading.Event()
+        start = time.monotonic()
+
+        def beat() -> None:
+            while not done.wait(every_s):
+                self.on_event(f"{label}: still running after {time.monotonic() - start:.0f} s")
+
+        thread = threading.Thread(target=beat, daemon=True, name="speedkit-heartbeat")
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     # -- parity ----------------------------------------------------------------------------
     def _parity(self, losses: list[float], reference: list[float]) -> Parity:
         """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
@@ -488,7 +516,6 @@ class Ladder:
             losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
-    _phase = "the setup"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -81,7 +81,6 @@ class Snapshot:
             if pin and t.is_cuda:
                 saved = saved.pin_memory()
             self.tensors.append((t, saved))
-        self.grads = {id(t): t.grad is None for t, _ in self.tensors}
         self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:

@@ -174,7 +174,7 @@ def test_version_and_overrides(tmp_path, capsys):
     assert main(["validate", str(recipe), "--trainer.max_steps", "7", "--measure.steps=3"]) == 0
     for args, words in ((["--trainer.max_stepz", "7"], "trainer.max_stepz"), (["--measure.steps", "0"], "measure.steps"),
                         (["--trainer.max_steps"], "needs a value"), (["stray"], "unexpected argument"),
-                        (["--seed.x", "1"], "not a mapping")):
+                        (["--seed.x", "1"], "not a mapping"), (["--measure.steps", "[1"], "cannot read")):
         assert main(["validate", str(recipe), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err

@@ -13,7 +13,7 @@ from speedkit.measure import StepClock
 
 pytestmark = pytest.mark.gpu
 
-FAST = {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3}
+FAST = {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 4}
 
 
 def test_all_first_rungs_apply_and_pass_parity_on_cuda():
@@ -26,6 +26,7 @@ def test_all_first_rungs_apply_and_pass_parity_on_cuda():
     for r in result.rungs[1:]:
         assert r.status in ("kept", "reverted"), (r.name, r.status, r.reason)
         assert r.parity.passed, (r.name, r.parity)
+        assert r.comparison.blocks >= 3 and r.comparison.a.clock == "cuda_events"
     assert result.environment["gpu_name"]
 
 
@@ -84,7 +85,7 @@ def test_lightning_callback_uses_mixed_precision_plugin_on_cuda():
     trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=4, seq_len=64, length=256))
     assert seen == {"plugin": "MixedPrecision", "precision": "bf16-mixed"}
     assert set(ladder.applied_changes) == {"tf32", "autocast", "fused_optimizer"}
-    assert timer.step_ms > 0 and timer._clock.syncs == 2
+    assert timer.step_ms > 0 and timer.session.clock.syncs == 2
     assert torch.get_float32_matmul_precision() == "highest"
 
 
@@ -141,3 +142,35 @@ def test_sdpa_fused_float_masks_on_cuda_match_outside_fully_masked_rows():
         for a, b in ((out * valid, ref * valid), (xa.grad * valid, xb.grad * valid)):
             rel = ((a - b).norm() / b.norm()).item()
             assert rel < 1e-4, (left, rel)
+
+
+def test_trials_in_a_trainer_on_cuda_restore_everything_and_time_the_fit():
+    """SpeedLadder() on a GPU: the trials swap the precision plugin and compile, then training runs
+    the kept configuration from the restored state, and the fit's own steps are timed on CUDA events."""
+    import lightning.pytorch as pl
+
+    from speedkit.demos import NaiveGPT, SyntheticTokens
+    from speedkit.lightning import SpeedLadder
+
+    torch.manual_seed(0)
+    model = NaiveGPT("mini")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ladder = SpeedLadder(measure={**FAST, "holds_windows": 2, "telemetry": True})
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder])
+    first = {}
+
+    class FirstStep(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:  # the real training starts from the weights the user had
+                first.update({k: torch.equal(v.cpu(), before[k]) for k, v in pl_module.state_dict().items()})
+
+    trainer.callbacks.append(FirstStep())
+    trainer.fit(model, datamodule=SyntheticTokens(batch_size=8, seq_len=128, vocab_size=2048, length=4096))
+    result = ladder.result
+    assert result.interrupted is None and all(first.values())
+    assert {r.name: r.status for r in result.rungs}["sdpa"] == "kept"
+    assert result.holds.fit is not None and result.holds.fit.clock == "cuda_events"
+    assert result.baseline.measurement.telemetry["samples"] >= 1
+    assert "forward" not in model.__dict__ and type(trainer.strategy.precision_plugin).__name__ == "Precision"
+    assert torch.get_float32_matmul_precision() == "highest"

@@ -40,6 +40,21 @@ class _VectorBatches(Dataset):
         return torch.randn(self.batch_size, self.features, generator=g), torch.randint(0, self.classes, (self.batch_size,), generator=g)
 
 
+class _ImageSamples(Dataset):
+    """Sample ``i``: ``(image (3, H, W) float32, label)``, drawn on the CPU from a generator seeded by ``i``
+    (real per-sample CPU work, as decoding or augmenting would be)."""
+
+    def __init__(self, length: int, size: int, classes: int, seed: int) -> None:
+        self.length, self.size, self.classes, self.seed = length, size, classes, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randn(3, self.size, self.size, generator=g), int(torch.randint(0, self.classes, (), generator=g))
+
+
 class SyntheticTokens(pl.LightningDataModule):
     """Random token sequences for language models: batches of ``(inputs, targets)``, each (B, T).
 
@@ -87,3 +102,31 @@ class SyntheticVectors(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         ds = _VectorBatches(self.length // self.batch_size, self.batch_size, self.features, self.classes, self.seed)
         return DataLoader(ds, batch_size=None, shuffle=False, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+
+class SyntheticImages(pl.LightningDataModule):
+    """Random fp32 images with class labels, made per sample by DataLoader workers, shuffled: the
+    loader of a vision model as people write it.
+
+    Args:
+        batch_size: images per batch.
+        size: height and width (224 for ImageNet-style models).
+        classes: labels are drawn from ``[0, classes)``.
+        length: images per epoch.
+        num_workers, pin_memory, persistent_workers: the DataLoader's.
+        seed: base seed of the per-sample generators.
+    """
+
+    def __init__(self, batch_size: int = 64, size: int = 224, classes: int = 1000, length: int = 16384, num_workers: int = 4,
+                 pin_memory: bool = False, persistent_workers: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("size", size), ("classes", classes), ("length", length)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, found {value}")
+        self.batch_size, self.size, self.classes, self.length = batch_size, size, classes, length
+        self.num_workers, self.pin_memory, self.persistent_workers, self.seed = num_workers, pin_memory, persistent_workers, seed
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_ImageSamples(self.length, self.size, self.classes, self.seed), batch_size=self.batch_size,
+                          shuffle=True, drop_last=True, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                          persistent_workers=self.persistent_workers and self.num_workers > 0)
