@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--parts", default="speedkit,lightning,hand")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--kept", default=None, help="comma-separated rungs for speedkit-fit when the speedkit part is skipped")
+    parser.add_argument("--report", default=None, help="a report.json whose kept rungs (with options) speedkit-fit applies")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/ladder_gpt2.py needs a CUDA GPU")
@@ -189,7 +190,11 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"{res.device}: bf16 GEMM ceiling {ceiling:.0f} TFLOP/s, {flops / 1e12:.2f} TFLOP per step", flush=True)
 
-    kept = args.kept.split(",") if args.kept else []
+    kept: list = args.kept.split(",") if args.kept else []
+    if args.report:
+        from speedkit.report import load_report
+
+        kept = [{"name": r["name"], "options": r["options"]} for r in load_report(args.report)["rungs"] if r["status"] == "kept"]
     if "speedkit" in parts:
         kept = speedkit_ladder(res, flops, ceiling, Path(args.out))
     if "lightning" in parts or "fit" in parts:  # "fit": only speedkit's kept rungs through Lightning
