@@ -27,13 +27,19 @@ def gpu_slug() -> str:
 
 
 def commit() -> str:
+    """The commit the measured code is: ``$SPEEDKIT_COMMIT`` where the caller knows it (the device
+    machine's copy of the tree has no history of its own), else git's HEAD, "+dirty" when the tree
+    differs from it."""
     env = os.environ.get("SPEEDKIT_COMMIT")
     if env:
         return env
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}+dirty" if dirty else head
 
 
 class Results:

@@ -34,7 +34,7 @@ class Measurement:
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the timed steps
     telemetry: dict[str, Any] | None = None  # NVML summary over the timed windows (None without a GPU)
     clock: str = "perf_counter"        # "cuda_events" or "perf_counter"
-    data_wait_ms: float | None = None  # median per-step host time waiting for the batch (fetch, collate, copy)
+    data_wait_ms: float | None = None  # median per-step host time between steps: the next batch (fetch, collate, copy) and, in Lightning's loop, its per-batch bookkeeping
     host_ms: float | None = None       # median per-step host time issuing the step
 
 

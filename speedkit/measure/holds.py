@@ -1,5 +1,9 @@
 """Does the ladder's figure hold in training? The final configuration's step time in the trials
-against the same Trainer's next real steps, and, where they differ, the likely cause."""
+against the same Trainer's next real steps, and, where they differ, the likely cause.
+
+Host time splits in two: between steps (``data_wait_ms``: fetching and moving the next batch and,
+in Lightning's loop, its per-batch bookkeeping, where its logging waits for the GPU) and in the
+steps (``host_ms``). A gap mostly explained by one of them is attributed to it."""
 
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
-    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step waiting for batches and {fit.host_ms or 0:.2f} ms/step of host time in the "
-                f"fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
+    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps and {fit.host_ms or 0:.2f} ms/step in them on the host in "
+                f"the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
     if gap_ms > 0 and wait >= 0.5 * gap_ms:
-        cause = f"data wait: {per_step}; the loader does not keep up (workers, pinned memory, prefetch)"
+        cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
+                 "prefetch) or the loop's own per-batch work (callbacks, logging)")
     elif gap_ms > 0 and host >= 0.5 * gap_ms:
-        cause = f"host time: {per_step}; work between the steps' launches (callbacks, logging, progress bar)"
+        cause = f"host time in the steps: {per_step}; the host issues the steps more slowly than in the trials"
     elif gap_ms > 0:
         cause = (f"not data wait or host time ({per_step}): other work between steps (validation, checkpoints, "
                  "a synchronizing callback) or a different clock or memory state")
