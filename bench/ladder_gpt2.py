@@ -144,7 +144,7 @@ def lightning_runs(res: Results, flops: int, ceiling: float, kept: list, only_fi
         torch.cuda.reset_peak_memory_stats()
         trainer.fit(torch.compile(model) if compile_model else model,
                     datamodule=SyntheticTokens(batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, length=BATCH * 4096))
-        _record(res, variant, timer.step_ms, timer.spread, flops, ceiling, torch.cuda.max_memory_allocated())
+        _record(res, variant, timer.step_ms, timer.spread, flops, ceiling, timer.measurement.peak_memory_bytes)
         torch.set_float32_matmul_precision("highest")
         torch.cuda.empty_cache()
 

@@ -206,6 +206,8 @@ class Ladder:
             self._snapshot.restore()  # trial steps never leak into the user's training
             if state.data is not None:
                 state.data.release()
+            if state.device.type == "cuda":  # the trials reset the peak-memory counter per window; what
+                torch.cuda.reset_peak_memory_stats(state.device)  # the user reads later is their training's
         return self.result
 
     def _climb(self) -> None:

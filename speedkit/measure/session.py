@@ -128,14 +128,16 @@ class MeasureSession:
 
     # -- something else runs the steps (Lightning's loop) ---------------------------------------
     def begin_steps(self, steps_per_window: int) -> None:
-        """Start timing steps that :meth:`batch_started` / :meth:`batch_ended` delimit."""
+        """Start timing steps that :meth:`batch_started` / :meth:`batch_ended` delimit.
+
+        These steps are the user's own: the device's peak-memory counter is read, never reset (the
+        user may read it too), so a window's peak is the peak since whoever last reset it.
+        """
         self._steps_per_window = steps_per_window
         self._in_window = 0
         self._data_wait = self._host = 0.0
         self._last_end = self.host_clock()
         self._started = None
-        if self._cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
         self.clock.start()
 
     def batch_started(self) -> None:
