@@ -41,7 +41,17 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-class TimmViT(pl.LightningModule):
+class _ImageClassifier(pl.LightningModule):
+    """``self.model(images)`` under cross-entropy: the training step of both vision models."""
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = F.cross_entropy(self.model(images), labels)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+class TimmViT(_ImageClassifier):
     """timm's ViT-B/16 at 224 px (``size="tiny"``: ViT-Ti/16 at 32 px, for a CPU smoke test)."""
 
     def __init__(self, size: Literal["base", "tiny"] = "base", classes: int = 1000, lr: float = 1e-3) -> None:
@@ -54,17 +64,11 @@ class TimmViT(pl.LightningModule):
             self.model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=classes, img_size=32)
         self.lr = lr
 
-    def training_step(self, batch, batch_idx):
-        images, labels = batch
-        loss = F.cross_entropy(self.model(images), labels)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
 
 
-class TorchvisionResNet(pl.LightningModule):
+class TorchvisionResNet(_ImageClassifier):
     """torchvision's ResNet-50 (``size="tiny"``: ResNet-18, for a CPU smoke test)."""
 
     def __init__(self, size: Literal["50", "tiny"] = "50", classes: int = 1000, lr: float = 0.1) -> None:
@@ -73,12 +77,6 @@ class TorchvisionResNet(pl.LightningModule):
 
         self.model = (torchvision.models.resnet50 if size == "50" else torchvision.models.resnet18)(weights=None, num_classes=classes)
         self.lr = lr
-
-    def training_step(self, batch, batch_idx):
-        images, labels = batch
-        loss = F.cross_entropy(self.model(images), labels)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-4)

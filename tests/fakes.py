@@ -3,7 +3,7 @@
 :class:`VirtualTime` is both the step clock's backend and the host clock, so the ladder, its
 measurement session and its budget all read one deterministic time line. :class:`CostStep` wraps a
 real step (real losses for parity) and spends its cost on that time line; rungs that change speed
-wrap the step again with :class:`ExtraCost`. No test sleeps or reads the wall clock.
+wrap the step again with a :class:`CostStep` of their own. No test sleeps or reads the wall clock.
 """
 
 from __future__ import annotations
@@ -63,29 +63,18 @@ class VirtualTime:
 
 
 class CostStep(StepWrapper):
-    """The real step, then ``cost`` seconds of virtual time (the base cost of the configuration)."""
+    """The step it wraps, then ``seconds`` of virtual time. The innermost one (``counts=True``)
+    carries the configuration's base cost and counts steps for the drift; rungs that change speed
+    wrap it again with an extra (negative: a speed-up)."""
 
-    def __init__(self, inner: Any, time: VirtualTime, cost: float) -> None:
+    def __init__(self, inner: Any, time: VirtualTime, seconds: float, counts: bool = True) -> None:
         super().__init__(inner)
-        self.time, self.cost = time, cost
+        self.time, self.seconds, self.counts = time, seconds, counts
 
     def __call__(self, batches: Any, batch_idx: int) -> Any:
         loss = self.inner(batches, batch_idx)
-        self.time.spend(self.cost)
-        self.time.steps += 1
-        return loss
-
-
-class ExtraCost(StepWrapper):
-    """Adds ``extra`` seconds to every step (negative: a speed-up) on top of the step it wraps."""
-
-    def __init__(self, inner: Any, time: VirtualTime, extra: float) -> None:
-        super().__init__(inner)
-        self.time, self.extra = time, extra
-
-    def __call__(self, batches: Any, batch_idx: int) -> Any:
-        loss = self.inner(batches, batch_idx)
-        self.time.spend(self.extra)
+        self.time.spend(self.seconds)
+        self.time.steps += self.counts
         return loss
 
 
@@ -101,7 +90,7 @@ class SpeedRung(Rung):
     def apply(self, state: Any) -> Handle:
         self.applied += 1
         handle = Handle(self.name)
-        set_attr(handle, state, "step", ExtraCost(state.step, self.time, self.base * self.change),
+        set_attr(handle, state, "step", CostStep(state.step, self.time, self.base * self.change, counts=False),
                  f"step cost {self.change:+.0%}")
         return handle
 

@@ -178,3 +178,23 @@ def test_collect_environment_on_gpu():
     assert env["gpu_name"] == torch.cuda.get_device_name(0)
     assert env["gpu_count"] == torch.cuda.device_count() and env["gpu_memory_bytes"] > 0
     json.dumps(env)
+
+
+def test_the_fit_check_names_the_likely_cause_of_a_gap():
+    from speedkit.measure.holds import judge_holds
+
+    def m(step, wait, host, clock="cuda_events", spread=0.01):
+        return Measurement(step, spread, [step], 1, 10, 1.0, "samples/s", 1, clock=clock, data_wait_ms=wait, host_ms=host)
+
+    held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05)
+    assert not held.flagged and held.gap == pytest.approx(0.03) and held.cause is None
+    loader = judge_holds(m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05)
+    assert loader.flagged and loader.cause.startswith("time between steps")
+    host = judge_holds(m(30.0, 0.2, 25.0), m(40.0, 0.3, 34.0), 0.05)
+    assert host.flagged and host.cause.startswith("host time in the steps")
+    faster = judge_holds(m(30.0, 0.2, 5.0), m(25.0, 0.2, 5.0), 0.05)
+    assert faster.flagged and faster.cause.startswith("the fit ran faster")
+    cpu = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(60.0, 0.5, 59.0, "perf_counter"), 0.05)
+    assert cpu.flagged and cpu.cause.startswith("on a CPU")
+    missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
+    assert missing.gap is None and not missing.flagged and missing.note == "the fit ran 2 steps"

@@ -22,7 +22,11 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
     per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps and {fit.host_ms or 0:.2f} ms/step in them on the host in "
                 f"the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
-    if gap_ms > 0 and wait >= 0.5 * gap_ms:
+    if fit.clock == "perf_counter":  # a CPU: the step is host time through and through
+        cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
+                 f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
+                 f"own per-batch work ({per_step})")
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms:
         cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
                  "prefetch) or the loop's own per-batch work (callbacks, logging)")
     elif gap_ms > 0 and host >= 0.5 * gap_ms:
