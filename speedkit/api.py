@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from speedkit import rungs as rung_registry
-from speedkit.data.source import LoaderSource
+from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
 from speedkit.rungs.base import Rung
 from speedkit.state import TrainState
@@ -114,7 +114,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
     step = PlainStep(model, optimizer, device, loss_fn=loss_fn, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
                      scheduler=scheduler)
     state = TrainState(model=model, optimizer=optimizer, device=device, step=step,
-                       data=LoaderSource(loader, device) if loader is not None else None)
+                       data=BatchSource(loader, device) if loader is not None else None)
     handles: list[Handle] = []
     skipped: dict[str, str] = {}
     for rung in built:

@@ -13,16 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
 
 # -- torch.compile (dynamo / inductor) -----------------------------------------------------------
 
@@ -235,11 +231,3 @@ def lightning_trial_logging(trainer: Any, module: Any) -> Iterator[TrialLog | No
     finally:
         loop._results = previous
         module._current_fx_name = previous_fx
-
-
-def lightning_version() -> tuple[int, int]:
-    try:
-        mod = importlib.import_module("lightning")
-    except ImportError:
-        return (0, 0)
-    return tuple(int(p) for p in mod.__version__.split(".")[:2])  # type: ignore[return-value]

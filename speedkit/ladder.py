@@ -43,7 +43,7 @@ from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.session import MeasureSession, Window
-from speedkit.measure.stats import Comparison, block_log_gain, decide, looks, not_slower
+from speedkit.measure.stats import Comparison, block_log_gain, decide, describe, looks, not_slower
 from speedkit.results import (
     SCHEMA_VERSION,
     LadderResult,
@@ -331,16 +331,15 @@ class Ladder:
 
     def _decide(self, paired: PairedResult) -> tuple[str, str]:
         cfg = self.cfg
-        cmp = Comparison(paired.speedup, paired.low, paired.high, paired.confidence, paired.blocks, paired.verdict, paired.min_gain)  # type: ignore[arg-type]
         if paired.verdict == "faster":
-            return "kept", cmp.describe()
+            return "kept", describe(paired)
         a_mem = paired.a.peak_memory_bytes if paired.a else None
         b_mem = paired.b.peak_memory_bytes if paired.b else None
-        if a_mem and b_mem is not None and b_mem < a_mem * (1 - cfg.memory_gain) and not_slower(cmp, cfg.min_gain):
-            return "kept", f"{1 - b_mem / a_mem:.0%} less peak memory, not slower ({cmp.describe()})"
+        if a_mem and b_mem is not None and b_mem < a_mem * (1 - cfg.memory_gain) and not_slower(paired, cfg.min_gain):
+            return "kept", f"{1 - b_mem / a_mem:.0%} less peak memory, not slower ({describe(paired)})"
         if paired.verdict == "undecided":
-            return "reverted", f"not shown to pay within the budget: {cmp.describe()}"
-        return "reverted", cmp.describe()
+            return "reverted", f"not shown to pay within the budget: {describe(paired)}"
+        return "reverted", describe(paired)
 
     # -- closing and final checks ------------------------------------------------------------
     def _closing_check(self, reference: list[float]) -> None:
@@ -475,8 +474,7 @@ class Ladder:
                 break
         if on:
             set_candidate(False)
-        return PairedResult(verdict.speedup, verdict.low, verdict.high, verdict.confidence, verdict.blocks, verdict.verdict,
-                            verdict.min_gain, a=session.measurement(a_windows, warmup=cfg.warmup),
+        return PairedResult(**asdict(verdict), a=session.measurement(a_windows, warmup=cfg.warmup),
                             b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from speedkit import ops
-from speedkit.data import LoaderSource
+from speedkit.data import BatchSource
 from speedkit.demos.batched import (
     Ensemble,
     HeadsList,
@@ -587,7 +587,7 @@ def test_training_steps_after_apply_match_the_original():
         model = LoopGEMMModel(n=5, dim=6)
         dm = SyntheticGEMMs(n=5, dim=6, batches=4)
         state = TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device("cpu"),
-                           data=LoaderSource(dm.train_dataloader(), torch.device("cpu")))
+                           data=BatchSource(dm.train_dataloader(), torch.device("cpu")))
         if rewrite:
             handle = BatchedRung().apply(state)
             assert handle.sites["rewritten"] == 1 and "LoopOfGEMMs" in handle.changes[0]

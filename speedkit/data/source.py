@@ -10,7 +10,7 @@ A source gives the engine
 * the **state iteration consumes** (the loader's and sampler's own generators) so a snapshot can
   put the data order back exactly after trials.
 
-:class:`LoaderSource` serves any iterable of batches (``speedkit.apply``); the Lightning source
+:class:`BatchSource` itself serves any iterable of batches (``speedkit.apply``); the Lightning source
 (:class:`speedkit.lightning.source.LightningSource`) serves the Trainer's own train dataloader
 through Lightning's transfer hooks. A data-path rung wraps ``state.data`` the way step rungs wrap
 ``state.step``: it returns another source around this one (pinned, prefetched, static buffers).
@@ -123,7 +123,3 @@ class BatchSource:
     def release(self) -> None:
         """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""
         compat.shutdown_workers(self.iterable)
-
-
-class LoaderSource(BatchSource):
-    """The plain-PyTorch source: any iterable of batches, moved with :func:`move_to_device`."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Verdict = Literal["faster", "not_faster", "undecided"]
 
@@ -93,13 +93,18 @@ class Comparison:
     min_gain: float
 
     def describe(self) -> str:
-        ci = f"{self.speedup:.3f}x, {self.confidence:.0%} CI [{self.low:.3f}, {self.high:.3f}] over {self.blocks} A/B blocks"
-        threshold = 1 + self.min_gain
-        if self.verdict == "faster":
-            return f"{ci}: faster by more than the {threshold:.2f}x minimum"
-        if self.verdict == "not_faster":
-            return f"{ci}: not faster by the {threshold:.2f}x minimum"
-        return f"{ci}: undecided against the {threshold:.2f}x minimum"
+        return describe(self)
+
+
+def describe(c: Comparison | Any) -> str:
+    """One line for a comparison (or a report's record of one): the speedup, its interval, the verdict."""
+    ci = f"{c.speedup:.3f}x, {c.confidence:.0%} CI [{c.low:.3f}, {c.high:.3f}] over {c.blocks} A/B blocks"
+    threshold = 1 + c.min_gain
+    if c.verdict == "faster":
+        return f"{ci}: faster by more than the {threshold:.2f}x minimum"
+    if c.verdict == "not_faster":
+        return f"{ci}: not faster by the {threshold:.2f}x minimum"
+    return f"{ci}: undecided against the {threshold:.2f}x minimum"
 
 
 def looks(min_blocks: int, max_blocks: int) -> list[int]:
@@ -128,6 +133,6 @@ def decide(log_gains: list[float], *, min_gain: float, confidence: float, n_look
     return Comparison(math.exp(mean), math.exp(low), math.exp(high), confidence, n, verdict, min_gain)
 
 
-def not_slower(comparison: Comparison, tolerance: float) -> bool:
+def not_slower(comparison: Comparison | Any, tolerance: float) -> bool:
     """B is, with the comparison's confidence, no slower than A by more than ``tolerance``."""
     return comparison.blocks >= 2 and comparison.low >= 1 - tolerance
