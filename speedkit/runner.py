@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError, SpeedkitError
+from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
 from speedkit.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
 
@@ -132,7 +132,8 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
                 written = write_report(result, out_dir, formats=formats)
             raise Interrupted("SIGTERM" if isinstance(cause, SIGTERMException) else "SIGINT", phase, written) from None
     result = ladder.result
-    assert result is not None
+    if result is None:
+        raise UnsupportedError(f"speedkit optimize could not run its trials: {ladder.not_run or 'the fit ended before them'}")
     result.title = title
     out_dir.mkdir(parents=True, exist_ok=True)
     written = write_report(result, out_dir, formats=formats)

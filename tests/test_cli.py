@@ -166,6 +166,21 @@ def test_output_folder_problems_are_one_line_errors_before_any_work(tmp_path, ca
     assert not (locked / "run").exists()
 
 
+def test_optimize_on_a_model_the_trials_cannot_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "speedkit_test_manual.py").write_text(
+        "from speedkit.demos import NaiveGPT\n\n\nclass ManualGPT(NaiveGPT):\n"
+        "    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self.automatic_optimization = False\n\n"
+        "    def training_step(self, batch, batch_idx):\n        opt = self.optimizers()\n"
+        "        self.manual_backward(self(*batch))\n        opt.step()\n        opt.zero_grad()\n")
+    recipe = tmp_path / "manual.yaml"
+    recipe.write_text("model: {class_path: speedkit_test_manual.ManualGPT, init_args: {size: tiny}}\n"
+                      "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+                      "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1}\n")
+    assert main(["optimize", str(recipe), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not run its trials" in err[0] and "automatic_optimization" in err[0]
+
+
 def test_version_and_overrides(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])

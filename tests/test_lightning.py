@@ -259,6 +259,29 @@ def test_a_fit_too_short_to_time_says_so(no_interpreter):
     assert ladder.result.holds.fit is None and "needs 8" in ladder.result.holds.note
 
 
+def test_one_callback_serves_two_fits_and_refuses_manual_optimization(no_interpreter):
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
+    for _ in range(2):  # the second fit runs its own trials; nothing of the first is applied again
+        model, _ = _fit_user_model(ladder, max_steps=2)
+        assert ladder.result is not None and ladder.applied == [] and model.opt.param_groups[0]["fused"] is None
+
+    class Manual(UserModel):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = F.cross_entropy(self.model(batch[0]), batch[1])
+            self.manual_backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    with pytest.warns(UserWarning, match="automatic_optimization = False"):
+        _trainer([ladder], max_steps=2).fit(Manual())
+    assert ladder.result is None and "automatic_optimization" in ladder.not_run
+
+
 def test_state_dict_round_trip_tolerates_missing_keys():
     ladder = SpeedLadder(rungs=["tf32"])
     ladder.load_state_dict({})

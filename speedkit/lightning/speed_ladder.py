@@ -87,6 +87,8 @@ class SpeedLadder(Callback):
         self.result: LadderResult | None = None
         #: the exception that ended the fit (Ctrl-C, SIGTERM, an error), if one did
         self.exception: BaseException | None = None
+        #: why the trials did not run in this fit (several processes, manual optimization), if they did not
+        self.not_run: str | None = None
         self._state: TrainState | None = None
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
@@ -110,7 +112,7 @@ class SpeedLadder(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._state is None:
+        if self.trials or self._state is None:
             return
         self._state.optimizer = self._state.step.optimizer
         self._apply_stage("fit_start")
@@ -119,14 +121,14 @@ class SpeedLadder(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.trials:
             return
+        self.result, self.not_run = None, None
         if trainer.world_size > 1:
-            rank_zero_warn("speedkit: trials across several processes are not supported yet (each rank would decide "
-                           "alone); SpeedLadder() applies no rungs. Run `speedkit optimize` on one device and pass its "
-                           "kept rungs: SpeedLadder(rungs=[...]).", category=UserWarning)
-            return
-        if not pl_module.automatic_optimization:
-            rank_zero_warn("speedkit: trials run automatic-optimization steps; this LightningModule sets "
-                           "automatic_optimization = False, so SpeedLadder() applies no rungs.", category=UserWarning)
+            self.not_run = ("trials across several processes are not supported yet (each rank would decide alone); run "
+                            "`speedkit optimize` on one device and pass its kept rungs: SpeedLadder(rungs=[...])")
+        elif not pl_module.automatic_optimization:
+            self.not_run = "trials run automatic-optimization steps; this LightningModule sets automatic_optimization = False"
+        if self.not_run is not None:
+            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
             return
         self._run_trials(trainer, pl_module)
 
@@ -159,6 +161,7 @@ class SpeedLadder(Callback):
         if self._probe is not None:
             self._finish_holds(trainer)
         self._undo_all()
+        self._state = None
 
     # -- state -----------------------------------------------------------------------------
     @override
