@@ -105,23 +105,17 @@ class CountingSource(BatchSource):
             yield batch
 
 
-class StepWrappingRung(Rung):
-    name = "wraps_step"
+class WrappingRung(Rung):
+    """Wraps ``state.<attr>`` (the step or the batch source) in ``wrapper(state.<attr>)``."""
+
+    def __init__(self, name: str, attr: str, wrapper: type):
+        super().__init__()
+        self.name, self.attr, self.wrapper_cls = name, attr, wrapper
 
     def apply(self, state):
         handle = Handle(self.name)
-        self.wrapper = CountingStep(state.step)
-        set_attr(handle, state, "step", self.wrapper, "step wrapped")
-        return handle
-
-
-class SourceWrappingRung(Rung):
-    name = "wraps_source"
-
-    def apply(self, state):
-        handle = Handle(self.name)
-        self.wrapper = CountingSource(state.data)
-        set_attr(handle, state, "data", self.wrapper, "batch source wrapped")
+        self.wrapper = self.wrapper_cls(getattr(state, self.attr))
+        set_attr(handle, state, self.attr, self.wrapper, f"{self.attr} wrapped")
         return handle
 
 
@@ -132,7 +126,7 @@ def test_a_rung_that_wraps_the_step_applies_toggles_and_reverts_exactly():
     time = VirtualTime()
     state = timed_state(time)
     original = state.step
-    rung = StepWrappingRung()
+    rung = WrappingRung("wraps_step", "step", CountingStep)
     ladder, result = _run(state, [rung], time, final_check=False)
     entry = result.rungs[1]
     assert entry.status in ("kept", "reverted") and entry.comparison is not None
@@ -147,7 +141,7 @@ def test_a_rung_that_wraps_the_batch_source_applies_and_reverts_exactly():
     time = VirtualTime()
     state = timed_state(time)
     original = state.data
-    rung = SourceWrappingRung()
+    rung = WrappingRung("wraps_source", "data", CountingSource)
     ladder, _ = _run(state, [rung], time, final_check=False)
     assert rung.wrapper.served > 0  # the candidate configuration was fed from the wrapped source
     ladder.revert()
@@ -157,7 +151,7 @@ def test_a_rung_that_wraps_the_batch_source_applies_and_reverts_exactly():
 def test_handle_suspend_resume_rebinds_the_same_objects():
     state = mlp_state()
     original = state.step
-    handle = StepWrappingRung().apply(state)
+    handle = WrappingRung("wraps_step", "step", CountingStep).apply(state)
     wrapper = state.step
     handle.suspend()
     assert state.step is original
@@ -181,7 +175,7 @@ def test_comparisons_interleave_a_b_b_a():
         real_start()
 
     clock.start = start
-    Ladder(state, [StepWrappingRung()], {**FAST, "max_blocks": 3, "final_check": False}, clock=clock, host_clock=time).run()
+    Ladder(state, [WrappingRung("wraps_step", "step", CountingStep)], {**FAST, "max_blocks": 3, "final_check": False}, clock=clock, host_clock=time).run()
     compared = "".join(seen[FAST["repeats"]:])  # after the baseline's own windows
     assert compared.startswith("ABBAABBAABBA"), compared
 
@@ -442,6 +436,28 @@ def test_an_interruption_undoes_everything_and_keeps_the_finished_rungs():
     assert state.step is original and ladder.handles == []  # the kept rung is undone too
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
+
+
+def test_hook_driven_windows_start_after_the_warmup_and_count_micro_batches():
+    """Lightning's loop drives the session: warm-up steps are untimed, a window spans optimizer steps
+    (the last micro-batch of each), the gaps between batches are data wait, the batches host time."""
+    from speedkit.measure.session import MeasureSession
+
+    time = VirtualTime()
+    session = MeasureSession("cpu", clock=time.clock(), host_clock=time)
+    session.begin_steps(2, warmup=1)
+    windows = []
+    for step in range(5):
+        for micro in range(2):  # accumulation over 2 micro-batches
+            time.now += 0.001  # waiting for the batch
+            session.batch_started()
+            time.now += 0.004  # running it
+            windows.append(session.batch_ended(step_done=micro == 1))
+    done = [w for w in windows if w is not None]
+    assert len(done) == 2 and session.steps_seen == 5 and time.waits == 2
+    assert all(w.steps == 2 for w in done)
+    for w in done:
+        assert w.ms == pytest.approx(10.0) and w.data_wait_ms == pytest.approx(2.0) and w.host_ms == pytest.approx(8.0)
 
 
 def test_measure_config_defaults_come_from_configs_only():

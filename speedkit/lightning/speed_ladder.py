@@ -266,26 +266,14 @@ class _HoldsProbe:
                                       peak_tflops=result.flops.get("peak_tflops"),
                                       items_per_step=base.items_per_step if base else 1,
                                       unit=base.throughput_unit if base else "samples/s")
-        self.warmup_left = cfg.warmup
-        self.steps_seen = 0
         self.windows: list[Window] = []
-        if self.warmup_left == 0:
-            self.session.begin_steps(cfg.steps)
+        self.session.begin_steps(cfg.steps, warmup=cfg.warmup)
 
     def batch_started(self) -> None:
-        if self.warmup_left == 0:
-            self.session.batch_started()
+        self.session.batch_started()
 
     def batch_ended(self, step_done: bool) -> bool:
         """True once enough windows are timed."""
-        if step_done:
-            self.steps_seen += 1
-        if self.warmup_left > 0:
-            if step_done:
-                self.warmup_left -= 1
-                if self.warmup_left == 0:
-                    self.session.begin_steps(self.cfg.steps)
-            return False
         window = self.session.batch_ended(step_done)
         if window is not None:
             self.windows.append(window)
@@ -299,7 +287,7 @@ class _HoldsProbe:
         if not self.windows:
             needed = cfg.warmup + cfg.steps
             return judge_holds(ladder, None, cfg.holds_threshold,
-                               f"not measured: the fit ran {self.steps_seen} optimizer steps after the trials; timing "
+                               f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
                                f"one window needs {needed} (measure.warmup + measure.steps)")
         note = None if len(self.windows) >= cfg.holds_windows else f"{len(self.windows)} of {cfg.holds_windows} windows (the fit ended)"
         return judge_holds(ladder, self.session.measurement(self.windows, warmup=cfg.warmup), cfg.holds_threshold, note)

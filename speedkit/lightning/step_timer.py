@@ -35,30 +35,25 @@ class StepTimer(Callback):
         self.items_per_step = 0
         self.throughput_unit = "samples/s"
         self.session: MeasureSession | None = None
-        self._steps = 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session = MeasureSession(trainer.strategy.root_device)
+        self.session.begin_steps(self.window, warmup=self.warmup)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._steps >= self.warmup and self.session is not None:
-            self.session.batch_started()
+        assert self.session is not None
+        self.session.batch_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self.session is not None
-        step_done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        if self._steps < self.warmup:
-            self._steps += step_done
-            if self._steps == self.warmup and step_done:
-                items, self.throughput_unit = count_items(batch, self.unit)
-                self.items_per_step = items * trainer.accumulate_grad_batches
-                self.session.items_per_step, self.session.unit = self.items_per_step, self.throughput_unit
-                self.session.begin_steps(self.window)
-            return
-        window = self.session.batch_ended(step_done)
+        if not self.items_per_step:
+            items, self.throughput_unit = count_items(batch, self.unit)
+            self.items_per_step = items * trainer.accumulate_grad_batches
+            self.session.items_per_step, self.session.unit = self.items_per_step, self.throughput_unit
+        window = self.session.batch_ended((batch_idx + 1) % trainer.accumulate_grad_batches == 0)
         if window is not None:
             self.windows.append(window)
 

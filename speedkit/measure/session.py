@@ -74,6 +74,9 @@ class MeasureSession:
         self._host = 0.0
         # hook-driven state
         self._steps_per_window = 0
+        self._warmup_left = 0
+        #: optimizer steps seen by the hook-driven path since begin_steps (warm-up included)
+        self.steps_seen = 0
         self._in_window = 0
         self._last_end: float | None = None
         self._started: float | None = None
@@ -127,21 +130,30 @@ class MeasureSession:
         return self.measurement(windows, warmup=warmup, telemetry=telemetry.get("summary"))
 
     # -- something else runs the steps (Lightning's loop) ---------------------------------------
-    def begin_steps(self, steps_per_window: int) -> None:
-        """Start timing steps that :meth:`batch_started` / :meth:`batch_ended` delimit.
+    def begin_steps(self, steps_per_window: int, warmup: int = 0) -> None:
+        """Start timing steps that :meth:`batch_started` / :meth:`batch_ended` delimit, after
+        ``warmup`` optimizer steps left untimed.
 
         These steps are the user's own: the device's peak-memory counter is read, never reset (the
         user may read it too), so a window's peak is the peak since whoever last reset it.
         """
         self._steps_per_window = steps_per_window
+        self._warmup_left = warmup
+        self.steps_seen = 0
+        if warmup == 0:
+            self._open_window(self.host_clock())
+
+    def _open_window(self, now: float) -> None:
         self._in_window = 0
         self._data_wait = self._host = 0.0
-        self._last_end = self.host_clock()
+        self._last_end = now
         self._started = None
         self.clock.start()
 
     def batch_started(self) -> None:
         """A (micro-)batch is about to run: the time since the last one ended was data wait."""
+        if self._warmup_left:
+            return
         now = self.host_clock()
         if self._last_end is not None:
             self._data_wait += now - self._last_end
@@ -151,6 +163,12 @@ class MeasureSession:
         """A (micro-)batch ended; ``step_done`` when it completed an optimizer step. Returns the
         window when this step completes one."""
         now = self.host_clock()
+        self.steps_seen += step_done
+        if self._warmup_left:
+            self._warmup_left -= step_done
+            if not self._warmup_left:
+                self._open_window(now)
+            return None
         if self._started is not None:
             self._host += now - self._started
         self._last_end, self._started = now, None
@@ -164,8 +182,7 @@ class MeasureSession:
         n = len(times)
         window = Window(ms=sum(times) / n, data_wait_ms=self._data_wait / n * 1e3, host_ms=self._host / n * 1e3, steps=n,
                         peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
-        self.begin_steps(self._steps_per_window)
-        self._last_end = now
+        self._open_window(now)
         return window
 
     # -- results ---------------------------------------------------------------------------
