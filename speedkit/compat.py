@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,17 @@ def dynamo_counters() -> dict[str, Any]:
 def graph_count() -> int:
     """Unique graphs Dynamo compiled so far in this process (0 when the counter is unknown)."""
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
+
+
+def graph_breaks() -> dict[str, int]:
+    """Graph breaks so far in this process, by reason (``counters["graph_break"]``)."""
+    return {str(reason): int(n) for reason, n in dynamo_counters().get("graph_break", {}).items()}
+
+
+def is_compiling() -> bool:
+    """Whether the caller is being traced by Dynamo (``torch.compiler.is_compiling``)."""
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(check()) if check is not None else False
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
@@ -231,3 +243,67 @@ def lightning_trial_logging(trainer: Any, module: Any) -> Iterator[TrialLog | No
     finally:
         loop._results = previous
         module._current_fx_name = previous_fx
+
+
+# -- model libraries' attention switches ----------------------------------------------------------
+
+
+def hf_pretrained_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face ``PreTrainedModel`` instances in ``model`` (none when transformers
+    was never imported: a model of it would have imported it)."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if base is None:
+        return []
+    found: list[nn.Module] = []
+    inner: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, base) and id(module) not in inner:
+            found.append(module)
+            inner.update(id(m) for m in module.modules())
+    return found
+
+
+def hf_attn_implementation(model: nn.Module) -> str | None:
+    """The attention implementation a Hugging Face model runs (``config._attn_implementation``)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def hf_attention_switchable(model: nn.Module) -> str | None:
+    """None when the model's attention implementation can be set after it was built (transformers
+    with ``AttentionInterface`` and ``set_attn_implementation``, 4.48+); else why not."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not hasattr(transformers, "AttentionInterface") or not hasattr(model, "set_attn_implementation"):
+        version = getattr(transformers, "__version__", "?")
+        return f"transformers {version} cannot switch attention after the model is built (needs 4.48 or newer)"
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if callable(can_set) and not can_set():
+        return f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
+    if not getattr(model, "_supports_sdpa", False):
+        return f"{type(model).__name__} does not support SDPA attention in transformers"
+    return None
+
+
+def timm_fused_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """timm attention modules with their fused (SDPA) path switched off (``fused_attn = False``)."""
+    return [m for m in model.modules()
+            if type(m).__module__.startswith("timm.") and getattr(m, "fused_attn", None) is False]
+
+
+# -- transformers --------------------------------------------------------------------------------
+
+#: where ``model.loss_function = fn`` (the setter of a transformers ``PreTrainedModel``'s
+#: ``loss_function`` property) keeps ``fn`` on the instance; while it is absent the property
+#: picks the loss from ``model.loss_type``
+HF_LOSS_FUNCTION_ATTR = "_loss_function"
+
+
+def hf_loss_function_settable(model: nn.Module) -> bool:
+    """``model.loss_function`` is transformers' property that stores a per-instance loss function
+    in :data:`HF_LOSS_FUNCTION_ATTR` and returns it from there (False where that moved or is absent)."""
+    import inspect
+
+    prop = inspect.getattr_static(type(model), "loss_function", None)
+    if not isinstance(prop, property) or prop.fget is None or prop.fset is None:
+        return False
+    return all(HF_LOSS_FUNCTION_ATTR in getattr(getattr(f, "__code__", None), "co_names", ()) for f in (prop.fget, prop.fset))

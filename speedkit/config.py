@@ -44,6 +44,11 @@ def tolerance(precision: str, device_type: str) -> float:
     return float(entry.get(device_type, entry.get("cuda")))
 
 
+def parity_calibration() -> dict[str, Any]:
+    """How the ladder calibrates parity tolerances on the model (``tolerances.yaml`` calibration:)."""
+    return dict(load("tolerances")["calibration"])
+
+
 def loosest(a: str, b: str) -> str:
     """The looser of two precisions (the one whose numerics differ more from fp32)."""
     return max(a, b, key=PRECISION_ORDER.index)

@@ -27,6 +27,7 @@ class Handle:
         active: False once :meth:`undo` ran (the changes are gone for good).
         suspended: True between :meth:`suspend` and :meth:`resume`.
         problem: returns a reason when the applied change stopped working (e.g. a compile fallback).
+        report: returns lines on what the change did once steps ran (e.g. graphs compiled).
     """
 
     def __init__(self, rung: str) -> None:
@@ -36,6 +37,7 @@ class Handle:
         self.active = True
         self.suspended = False
         self.problem: Callable[[], str | None] = lambda: None
+        self.report: Callable[[], list[str]] = lambda: []
 
     def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None) -> None:
         """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo."""

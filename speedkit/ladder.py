@@ -5,8 +5,10 @@ For every rung, in order:
 1. ``check`` — does it apply to the run in front of it? If not, say why and go on.
 2. ``apply`` — on top of the rungs kept so far (a handle that can switch it off and on again).
 3. parity — from the snapshot's weights, optimizer, schedule and RNG, on the same host-kept
-   batches, the loss trajectory must stay within the tolerance of the numerics now in effect
-   (``configs/tolerances.yaml``) of the trajectory before the rung.
+   batches, the loss trajectory must stay within the tolerance of the numerics now in effect of
+   the trajectory before the rung. The tolerance is calibrated on the model, once per run: how far
+   its loss trajectory moves when every weight is perturbed by the unit roundoff of that precision,
+   times a safety factor, never under the floor of ``configs/tolerances.yaml``.
 4. compare — the configuration with the rung (B) and without it (A) are timed in interleaved
    A B B A blocks in the same period, and judged on the paired differences with a stated
    confidence (:mod:`speedkit.measure.stats`); undecided comparisons get more blocks within a
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from speedkit import config
+from speedkit import compat, config
 from speedkit.data.source import count_items
 from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
@@ -166,6 +168,8 @@ class Ladder:
         self._parity_batches: list[Any] = []
         self._current: RungResult | None = None
         self._phase = "the setup"  # what the ladder is doing, for an interruption's report
+        self._reference: list[float] = []
+        self._calibration: dict[str, dict[str, float]] = {}
 
     @property
     def handles(self) -> list[Handle]:
@@ -232,7 +236,11 @@ class Ladder:
 
         self.on_event("baseline: parity reference")
         t0 = self.host_clock()
-        reference = self._trajectory()
+        reference = self._reference = self._trajectory()
+        in_play = {"fp32", state.precision, *(r.precision for r in self.rungs if r.precision)}
+        self.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
+        for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
+            self._tolerance(precision)
         self.on_event("baseline: measuring")
         base_m = self._measure_alone()
         result.rungs.append(RungResult(
@@ -286,6 +294,18 @@ class Ladder:
             with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
                 losses = self._trajectory()
             entry.parity = self._parity(losses, reference)
+            if getattr(slot.handle, "draws_differently", False) and _dropouts(state.model):
+                # the same function drawing its dropout masks differently: compare with dropout off
+                with _dropout_off(state.model):
+                    candidate = self._trajectory()
+                    slot.disable()
+                    try:
+                        before = self._trajectory()
+                    finally:
+                        slot.enable(state)
+                entry.parity = self._parity(candidate, before)
+                entry.changes.append("note: parity judged with dropout off (the change draws dropout masks from "
+                                     "another random stream, so trajectories with dropout on differ by design)")
             if entry.parity.max_rel_diff == 0.0 and state.precision != precision_before:
                 entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
             if slot.handle.problem():
@@ -312,6 +332,11 @@ class Ladder:
             else:
                 entry.reason = f"{type(exc).__name__}: {_first_line(exc)}"[:300]
         finally:
+            if slot is not None:
+                try:
+                    entry.changes += slot.handle.report()
+                except Exception as exc:  # what it did is a report line; never the cause of a failure
+                    entry.changes.append(f"note: its report raised {type(exc).__name__}: {_first_line(exc)}")
             self._snapshot.restore()
             if state.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -500,22 +525,99 @@ class Ladder:
     def _parity(self, losses: list[float], reference: list[float]) -> Parity:
         """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
         state = self.state
-        tol = config.tolerance(state.precision, state.device.type)
+        tol = self._tolerance(state.precision)
         worst = max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
         return Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
 
-    def _trajectory(self) -> list[float]:
-        """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end."""
+    def _tolerance(self, precision: str) -> float:
+        """The parity tolerance of ``precision`` on this model: ``safety`` times how far the baseline
+        trajectory moves under noise of that precision's unit roundoff on every weight and every
+        leaf module's output, never
+        under the configured floor. Measured once per precision (at the baseline where possible)."""
+        if precision not in self._calibration:
+            floor = config.tolerance(precision, self.state.device.type)
+            calibration = config.parity_calibration()
+            roundoff = float(calibration["unit_roundoff"][precision])
+            safety = float(calibration["safety"])
+            perturbed = self._trajectory(perturb=roundoff)
+            sensitivity = max((_rel_diff(a, b) for a, b in zip(perturbed, self._reference)), default=0.0)
+            if not math.isfinite(sensitivity):  # a model that diverges under rounding-level noise: no signal
+                sensitivity = 0.0
+            tol = max(floor, safety * sensitivity)
+            self._calibration[precision] = {"unit_roundoff": roundoff, "sensitivity": sensitivity, "safety": safety,
+                                            "floor": floor, "tolerance": tol}
+            if self.result is not None:
+                self.result.parity_calibration = dict(self._calibration)
+        return self._calibration[precision]["tolerance"]
+
+    def _trajectory(self, perturb: float | None = None) -> list[float]:
+        """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end.
+        ``perturb``: with rounding-level noise of that relative size (:class:`_RoundingNoise`)."""
         self._snapshot.restore()
         state, n = self.state, self.state.step.accumulate
         data = state.data
         assert data is not None
         losses = []
-        for i in range(self.cfg.parity_steps):
-            micro = [data.to_device(b) for b in self._parity_batches[i * n:(i + 1) * n]]
-            losses.append(state.step(micro, i))
+        with _RoundingNoise(state.model, perturb) if perturb else contextlib.nullcontext():
+            for i in range(self.cfg.parity_steps):
+                micro = [data.to_device(b) for b in self._parity_batches[i * n:(i + 1) * n]]
+                losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
+
+
+class _RoundingNoise:
+    """Rounding-level noise on a model, for calibrating parity: every floating-point weight and every
+    leaf module's floating-point output multiplied by 1 ± ``relative`` (as if each were rounded once
+    more), signs from private generators (the global RNG is not touched)."""
+
+    def __init__(self, model: torch.nn.Module, relative: float, seed: int = 0) -> None:
+        self.model, self.relative, self.seed = model, relative, seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._hooks: list[Any] = []
+
+    def _noisy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device not in self._generators:
+            self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
+        signs = torch.randint(0, 2, t.shape, generator=self._generators[t.device], device=t.device, dtype=t.dtype)
+        return t * signs.mul_(2 * self.relative).add_(1 - self.relative)
+
+    def _output_hook(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        return compat.tree_map(lambda t: self._noisy(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+    def __enter__(self) -> _RoundingNoise:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    p.copy_(self._noisy(p))
+        self._hooks = [m.register_forward_hook(self._output_hook) for m in self.model.modules() if not any(True for _ in m.children())]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+             torch.nn.FeatureAlphaDropout)
+
+
+def _dropouts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, _DROPOUTS) and m.p > 0]
+
+
+@contextlib.contextmanager
+def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
+    """Every dropout module of ``model`` at p=0 inside the block (code reading ``dropout.p`` too)."""
+    saved = [(m, m.p) for m in _dropouts(model)]
+    for m, _ in saved:
+        m.p = 0.0
+    try:
+        yield
+    finally:
+        for m, p in saved:
+            m.p = p
 
 
 def _first_line(exc: BaseException) -> str:

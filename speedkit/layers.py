@@ -154,7 +154,8 @@ def cross_entropy(input: Any, target: Any, *, upcast: bool = False, reduction: s
         logits = input.float() if upcast else input
         return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index,
                                label_smoothing=label_smoothing, **other)
-    loss = kernels.cross_entropy(input, target, reduction, ignore_index, label_smoothing)  # fp32
+    # the kernel reads targets with stride 1 (a strided view, e.g. target[::2], would be misread)
+    loss = kernels.cross_entropy(input, target.contiguous(), reduction, ignore_index, label_smoothing)  # fp32
     if upcast or input.dtype == torch.float32 or torch.is_autocast_enabled(input.device.type):
         return loss
     return loss.to(input.dtype)  # half logits outside autocast: PyTorch returns a half loss

@@ -120,7 +120,7 @@ def interrupting_recipe(tmp_path_factory):
     def make(how: str) -> Path:
         path = folder / f"{how}.yaml"
         path.write_text(
-            "model: {class_path: speedkit_test_interrupting.InterruptingGPT, init_args: {size: tiny, at: 40, how: %s}}\n"
+            "model: {class_path: speedkit_test_interrupting.InterruptingGPT, init_args: {size: tiny, at: 30, how: %s}}\n"
             "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\n"
             "trainer: {accelerator: cpu}\n"
             "ladder: [fused_optimizer, {name: compile, options: {backend: eager}}]\n"

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'channels_last', 'cudnn_benchmark']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -16,7 +16,9 @@ from speedkit.options import parse_options
 from speedkit.rungs.autocast import AutocastRung
 from speedkit.rungs.base import NoOptions, Rung
 from speedkit.rungs.batched import BatchedRung
+from speedkit.rungs.channels_last import ChannelsLastRung
 from speedkit.rungs.compile import CompileRung
+from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
@@ -33,7 +35,8 @@ def register(cls: type[Rung]) -> type[Rung]:
     return cls
 
 
-for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung):
+for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
+             ChannelsLastRung, CudnnBenchmarkRung):
     register(_cls)
 
 

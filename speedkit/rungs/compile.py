@@ -1,4 +1,4 @@
-"""compile: ``torch.compile`` the model's forward (and, through AOTAutograd, its backward).
+"""compile: ``torch.compile`` what the training step runs (and, through AOTAutograd, its backward).
 
 Speeds up: chains of element-wise and reduction ops (fused into Triton/C++ kernels), Python
 overhead, and with ``mode="reduce-overhead"`` kernel-launch overhead (CUDA graphs).
@@ -6,16 +6,26 @@ Does not help: models already dominated by large GEMMs in one kernel each; very 
 (recompilations). Costs compile time at the first steps.
 Needs: a Python that TorchDynamo supports; Inductor on CPU needs a C++ compiler.
 
-Compiled the way Lightning does it (``module.forward`` replaced by its compiled version, the
-module itself untouched), so state dicts, hooks and optimizers see the same module. Two guards:
-a compilation failure falls back to the eager forward with a warning, and a recompilation storm
-(more than ``max_recompiles`` new graphs) also falls back to eager instead of slowing training.
+What is compiled is what the training step calls, read from its source: a LightningModule whose
+``training_step`` calls ``self(...)`` gets its own ``forward`` compiled; one whose step calls
+``self.model(...)`` (or ``self.backbone(...)`` and ``self.head(...)``, also through helper methods
+and local aliases) gets those modules' forwards compiled. A plain module's forward is compiled.
+Each is compiled the way Lightning does it (the module's ``forward`` replaced by its compiled
+version, the module itself untouched), so state dicts, hooks and optimizers see the same modules.
+
+Once trial steps ran, the report lists per compiled forward its calls, graphs and recompiles, and
+the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
+with a warning, a recompilation storm (more than ``max_recompiles`` new graphs) too, and a compile
+the step never ran ("compiled nothing that the training step runs") is a failed rung, not a slow one.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,7 +56,8 @@ class CompileOptions:
 
 
 class GuardedForward:
-    """A compiled forward that falls back to eager on a compile failure or a recompilation storm."""
+    """A compiled forward that falls back to eager on a compile failure or a recompilation storm,
+    and counts what it ran: calls, graphs compiled during them, recompiles."""
 
     def __init__(self, eager: Any, compiled: Any, max_recompiles: int) -> None:
         self.eager = eager
@@ -55,9 +66,14 @@ class GuardedForward:
         self.fallback_reason: str | None = None
         self._first_graphs: int | None = None
         self.recompiles = 0
+        self.calls = 0
+        self.graphs = 0
         functools.update_wrapper(self, eager)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if compat.is_compiling():  # called inside another compiled forward: traced into that graph
+            return self.eager(*args, **kwargs)
+        self.calls += 1
         if self.fallback_reason is not None:
             return self.eager(*args, **kwargs)
         before = compat.graph_count()
@@ -68,6 +84,7 @@ class GuardedForward:
             self._fall_back(f"torch.compile failed ({type(exc).__name__}: {first_line[:200]})")
             return self.eager(*args, **kwargs)
         new_graphs = compat.graph_count() - before
+        self.graphs += new_graphs
         if self._first_graphs is None:
             self._first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
         elif new_graphs:
@@ -81,43 +98,195 @@ class GuardedForward:
         warnings.warn(f"speedkit compile: {reason}; running the eager forward from now on", stacklevel=3)
 
 
+# -- what the training step runs ---------------------------------------------------------------------
+
+_MAX_DEPTH = 3
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)  # helper methods followed from training_step
+
+
+def _user_method(obj: Any, name: str) -> Any:
+    """``type(obj).name`` when it is a plain function defined outside torch and Lightning."""
+    fn = getattr(type(obj), name, None)
+    module = getattr(fn, "__module__", "") or ""
+    if not inspect.isfunction(fn) or module.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
+        return None
+    return fn
+
+
+def _method_tree(fn: Any) -> tuple[ast.FunctionDef, str] | None:
+    """The parsed source of a method and the name of its ``self`` argument."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or not func.args.args:
+        return None
+    return func, func.args.args[0].arg  # type: ignore[return-value]
+
+
+def _chain(node: ast.expr, aliases: dict[str, list[str]], self_name: str) -> list[str] | None:
+    """``self.a.b`` (or an alias of it) as ``["a", "b"]``; ``self`` as ``[]``; else None."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    if node.id == self_name:
+        return names[::-1]
+    if node.id in aliases:
+        return aliases[node.id] + names[::-1]
+    return None
+
+
+def _resolve(root: nn.Module, path: list[str]) -> Any:
+    obj: Any = root
+    for name in path:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def step_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The modules whose ``forward`` the training step calls, as ``(name, module)`` (``""`` for the
+    model itself), and notes on calls left alone. Read from ``training_step`` (and the helper
+    methods it calls); a model without one (plain PyTorch) is called by the user's loop itself."""
+    step = _user_method(model, "training_step")
+    if step is None:
+        return [("", model)], []
+    found: dict[int, tuple[str, nn.Module]] = {}
+    notes: list[str] = []
+    seen_methods: set[str] = set()
+
+    def visit(fn: Any, depth: int) -> bool:
+        parsed = _method_tree(fn)
+        if parsed is None:
+            return False
+        func, self_name = parsed
+        aliases: dict[str, list[str]] = {}
+        for node in ast.walk(func):  # local names bound to self's attributes (model = self.model)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                path = _chain(node.value, aliases, self_name)
+                if path and isinstance(_resolve(model, path), nn.Module):
+                    aliases[node.targets[0].id] = path
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Call):
+                continue
+            path = _chain(node.func, aliases, self_name)
+            if path is None:
+                continue
+            if path and path[-1] == "forward":
+                path = path[:-1]
+            target = _resolve(model, path)
+            name = ".".join(path)
+            if isinstance(target, nn.Module):
+                if target is model and _user_method(model, "forward") is None:
+                    continue
+                if any(True for _ in target.parameters()) or target is model:
+                    found.setdefault(id(target), (name, target))
+                continue
+            if len(path) == 1 and _user_method(model, path[0]) is not None and path[0] not in seen_methods:
+                seen_methods.add(path[0])  # a helper method of the LightningModule: follow it
+                if depth < _MAX_DEPTH:
+                    visit(_user_method(model, path[0]), depth + 1)
+            elif len(path) >= 2 and isinstance(_resolve(model, path[:-1]), nn.Module) and inspect.ismethod(target):
+                notes.append(f"self.{name}(...) is not a forward; left eager")
+        return True
+
+    if not visit(step, 0):
+        notes.append("the training_step's source could not be read: compiled the modules it most likely runs")
+        if _user_method(model, "forward") is not None:
+            return [("", model)], notes
+        return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())], notes
+    return list(found.values()), notes
+
+
+def _label(model: nn.Module, name: str, module: nn.Module) -> str:
+    return f"{type(model).__name__}.forward" if not name else f"{name} ({type(module).__name__}).forward"
+
+
 def check_compile(model: nn.Module, device: torch.device, backend: str = "inductor") -> str | None:
     if not compat.dynamo_supported():
         return f"torch.compile does not support Python {sys.version_info.major}.{sys.version_info.minor} with torch {torch.__version__}"
     if compat.user_compiled(model):
         return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
-    forward = model.__dict__.get("forward")
-    if isinstance(forward, GuardedForward) or compat.is_compiled_callable(forward):
-        return "the model's forward is already compiled"
     if compat.is_compiled_module(model):
         return "the model is already a torch.compile'd module"
+    targets, notes = step_modules(model)
+    if not targets:
+        return "the training step calls no module with parameters" + (f" ({'; '.join(notes)})" if notes else "")
+    for name, module in targets:
+        forward = module.__dict__.get("forward")
+        if compat.is_compiled_module(module):
+            return f"{_label(model, name, module)} is already compiled (torch.compile by the user); left as is"
+        if isinstance(forward, GuardedForward) or compat.is_compiled_callable(forward):
+            return f"{_label(model, name, module)} is already compiled"
     if backend == "inductor" and device.type == "cpu" and compat.inductor_cpu_compiler() is None:
         return "Inductor on CPU needs a C++ compiler (g++ or clang++) on PATH"
     return None
 
 
-def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, GuardedForward]:
-    handle = Handle("compile")
-    had_own_forward = "forward" in model.__dict__
-    previous = model.__dict__.get("forward")
-    eager = model.forward
+def _compile_forward(handle: Handle, module: nn.Module, label: str, options: CompileOptions) -> GuardedForward:
+    had_own_forward = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    eager = module.forward
     compiled = torch.compile(eager, mode=None if options.mode == "default" else options.mode,
                              fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
     guarded = GuardedForward(eager, compiled, options.max_recompiles)
-    model.forward = guarded
+    module.forward = guarded
 
     def restore() -> None:
         if had_own_forward:
-            model.forward = previous
+            module.forward = previous
         else:
-            model.__dict__.pop("forward", None)
+            module.__dict__.pop("forward", None)
 
     def redo() -> None:  # the same compiled function: switching compile off and on recompiles nothing
-        model.forward = guarded
+        module.forward = guarded
 
-    handle.record(f"{type(model).__name__}.forward = torch.compile(forward, mode={options.mode!r}, "
-                  f"fullgraph={options.fullgraph}, dynamic={options.dynamic}, backend={options.backend!r})", restore, redo)
-    return handle, guarded
+    handle.record(f"{label} = torch.compile(forward, mode={options.mode!r}, fullgraph={options.fullgraph}, "
+                  f"dynamic={options.dynamic}, backend={options.backend!r})", restore, redo)
+    return guarded
+
+
+def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
+    """Compile the forwards the training step runs; the handle reports what ran once steps did."""
+    handle = Handle("compile")
+    targets, notes = step_modules(model)
+    guards = [(_label(model, name, module), _compile_forward(handle, module, _label(model, name, module), options))
+              for name, module in targets]
+    for note in notes:
+        handle.record(f"note: {note}")
+    breaks_before = compat.graph_breaks()
+
+    def problem() -> str | None:
+        for label, guarded in guards:
+            if guarded.fallback_reason:
+                return f"{label}: {guarded.fallback_reason}"
+        if guards and not any(g.calls for _, g in guards):
+            return f"compiled nothing that the training step runs ({', '.join(label for label, _ in guards)} never called)"
+        return None
+
+    def report() -> list[str]:
+        lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles" for label, g in guards]
+        after = compat.graph_breaks()
+        new = {reason: n - breaks_before.get(reason, 0) for reason, n in after.items() if n > breaks_before.get(reason, 0)}
+        if not new:
+            lines.append("graph breaks: none")
+        else:
+            top = sorted(new.items(), key=lambda kv: -kv[1])
+            shown = "; ".join(f"{n}x {reason.splitlines()[0][:160]}" for reason, n in top[:5])
+            lines.append(f"graph breaks: {sum(new.values())} ({shown}{'; ...' if len(top) > 5 else ''})")
+        return lines
+
+    handle.problem = problem
+    handle.report = report
+    # Inductor draws dropout masks from its own generator: the same function, other masks
+    handle.draws_differently = any(isinstance(m, _DROPOUTS) and m.p > 0  # type: ignore[attr-defined]
+                                   for _, module in targets for m in module.modules())
+    return handle, guards
 
 
 class CompileRung(Rung):
@@ -128,7 +297,4 @@ class CompileRung(Rung):
         return check_compile(state.model, state.device, self.options.backend)
 
     def apply(self, state: TrainState) -> Handle:
-        handle, guarded = apply_compile(state.model, self.options)
-        # the ladder reads this after its trial steps: a fallback means the rung failed
-        handle.problem = lambda: guarded.fallback_reason
-        return handle
+        return apply_compile(state.model, self.options)[0]

@@ -4,25 +4,37 @@ Speeds up: the optimizer step of models with many parameter tensors. The default
 launches several kernels per parameter; ``foreach`` batches them into multi-tensor kernels, and
 ``fused`` does the whole update (AdamW: moments, bias correction, decay, step) in one pass.
 Does not help: steps dominated by forward/backward of a few huge tensors (small gain).
-Needs: an optimizer whose constructor takes ``fused=``/``foreach=`` (torch.optim Adam, AdamW,
-SGD, Adagrad, …); fused needs floating-point parameters on a supported device.
+Needs: an optimizer whose constructor takes ``fused=`` or ``foreach=`` (in torch 2.14 every
+``torch.optim`` class but LBFGS, SparseAdam and Muon; fused: Adam, AdamW, SGD, and Adagrad on the
+CPU), without ``differentiable=True``; fused needs floating-point parameters without sparse gradients.
 
-The switch is made in place on the user's optimizer object (its ``param_groups`` flags), so the
-optimizer state, hyper-parameters, LR schedulers and Lightning's references all stay valid; undo
-puts the flags back.
+Whether an implementation runs the optimizer's update is found out, not assumed (which classes,
+devices, dtypes and settings each one takes changes between torch versions: fused Adagrad refuses
+CUDA parameters in torch 2.11, foreach Adam a tensor ``lr`` unless capturable): one step of a copy
+of the optimizer with that implementation, on a tiny parameter of each group's settings, device,
+dtype and number of dims. ``fused`` is chosen where it runs, else ``foreach``.
+
+The switch is made in place on the user's optimizer object (its ``param_groups`` flags, and its
+defaults for groups added later), so the optimizer state, hyper-parameters, LR schedulers and
+Lightning's references all stay valid; undo puts the flags back exactly (a flag the optimizer
+does not have is never added).
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from speedkit import compat
 from speedkit.rungs.base import Handle, Rung
 from speedkit.state import TrainState
+
+_FLAGS = ("fused", "foreach")
+_ABSENT = object()
 
 
 @dataclass
@@ -34,47 +46,90 @@ class FusedOptimizerOptions:
 
 
 def _accepts(optimizer: torch.optim.Optimizer, flag: str) -> bool:
+    """The optimizer's class takes ``flag`` and every param group holds it (its step reads it there)."""
     return flag in inspect.signature(type(optimizer).__init__).parameters and all(flag in g for g in optimizer.param_groups)
 
 
-def _fused_blocker(optimizer: torch.optim.Optimizer) -> str | None:
-    if not _accepts(optimizer, "fused"):
-        return f"{type(optimizer).__name__} has no fused implementation"
-    supported = compat.fused_optimizer_devices()
-    for group in optimizer.param_groups:
-        if group.get("differentiable"):
-            return "fused optimizers do not support differentiable=True"
-        for p in group["params"]:
-            if p.device.type not in supported:
-                return f"fused kernels do not run on {p.device.type}"
-            if not torch.is_floating_point(p):
-                return f"fused kernels need floating-point parameters, found {p.dtype}"
+def _sparse_params(model: nn.Module | None) -> set[int]:
+    """ids of the parameters of ``model`` that get sparse gradients (``nn.Embedding(sparse=True)``)."""
+    if model is None:
+        return set()
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+def _try_step(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, implementation: str) -> str | None:
+    """Why one ``implementation`` step of ``optimizer``'s class with ``group``'s settings fails on a
+    tiny parameter of ``p``'s device, dtype and number of dims; None when it runs."""
+    settings = {k: v for k, v in group.items() if k != "params"}
+    settings.update({k: k == implementation for k in _FLAGS if k in settings})
+    q = torch.zeros((2,) * p.dim(), device=p.device, dtype=p.dtype, requires_grad=True)
+    try:
+        probe = type(optimizer)([{**settings, "params": [q]}])
+        q.grad = torch.ones_like(q)
+        probe.step()
+    except Exception as exc:  # whatever stops the probe would stop the user's step
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{implementation} {type(optimizer).__name__} does not run on {p.dtype} parameters on {p.device.type}: {message}"
     return None
 
 
-def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto",
-                          step_blocker: str | None = None) -> tuple[str | None, str | None]:
-    """Return ``(implementation, None)`` or ``(None, reason the rung does not apply)``;
-    ``step_blocker`` is why the training step cannot run a fused optimizer, if it cannot."""
+def _blocker(optimizer: torch.optim.Optimizer, implementation: str, sparse: set[int]) -> str | None:
+    """Why ``implementation`` ("fused" or "foreach") cannot run ``optimizer``'s update, or None."""
+    name = type(optimizer).__name__
+    if not _accepts(optimizer, implementation):
+        return f"{name} has no {implementation} implementation"
+    probes: dict[tuple[int, torch.device, torch.dtype, int], tuple[dict[str, Any], torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        if group.get("differentiable"):
+            return f"differentiable=True needs {name}'s for-loop implementation"
+        for p in group["params"]:
+            if implementation == "fused" and not torch.is_floating_point(p):
+                return f"fused kernels need floating-point parameters, found {p.dtype}"
+            if implementation == "fused" and id(p) in sparse:
+                return "fused kernels do not take sparse gradients (an nn.Embedding with sparse=True)"
+            probes.setdefault((id(group), p.device, p.dtype, p.dim()), (group, p))
+    return next((r for r in (_try_step(optimizer, g, p, implementation) for g, p in probes.values()) if r), None)
+
+
+def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto", step_blocker: str | None = None,
+                          model: nn.Module | None = None) -> tuple[str | None, str | None]:
+    """``(implementation, why it is not "fused" or None)``, or ``(None, why the rung does not apply)``.
+
+    ``step_blocker`` is why the training step cannot run a fused optimizer, if it cannot; ``model``
+    is where parameters with sparse gradients are looked for.
+    """
     if optimizer is None:
         return None, "the run has no optimizer (yet)"
-    groups = optimizer.param_groups
+    name, groups = type(optimizer).__name__, optimizer.param_groups
     if all(g.get("fused") for g in groups):
-        return None, f"{type(optimizer).__name__} is already fused"
-    fused_blocker = step_blocker or _fused_blocker(optimizer)
-    if wanted in ("auto", "fused") and fused_blocker is None:
-        return "fused", None
-    if wanted == "fused":
-        return None, fused_blocker
-    if not _accepts(optimizer, "foreach"):
-        return None, f"{type(optimizer).__name__} has neither a fused nor a foreach implementation"
+        return None, f"{name} is already fused"
+    if not (_accepts(optimizer, "fused") or _accepts(optimizer, "foreach")):
+        return None, f"{name} has neither a fused nor a foreach implementation"
+    sparse = _sparse_params(model)
+    why_not_fused = None
+    if wanted != "foreach":
+        why_not_fused = step_blocker or _blocker(optimizer, "fused", sparse)
+        if why_not_fused is None:
+            return "fused", None
+        if wanted == "fused":
+            return None, why_not_fused
     if all(g.get("foreach") for g in groups):
-        return None, f"{type(optimizer).__name__} already uses foreach" + (f" and cannot be fused: {fused_blocker}" if fused_blocker else "")
-    return "foreach", None
+        return None, f"{name} already uses foreach" + (f" and cannot be fused: {why_not_fused}" if why_not_fused else "")
+    why_not_foreach = _blocker(optimizer, "foreach", sparse)
+    if why_not_foreach:
+        return None, why_not_foreach + (f" (not fused: {why_not_fused})" if why_not_fused not in (None, why_not_foreach) else "")
+    return "foreach", why_not_fused
+
+
+def _flags(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: settings[k] for k in _FLAGS if k in settings}
 
 
 class _ImplementationSwitch:
     """Flips an optimizer's implementation flags in place, and back; either way any number of times.
+
+    Only the flags a param group (or the defaults) has are set. Groups added after the switch was
+    made get the defaults' flags, so switching back gives them the flags they would have had.
 
     Step counters: fused kernels read them on the parameter's device, the for-loop/foreach paths
     keep them on the CPU (unless capturable). They are moved on every switch, since the optimizer's
@@ -84,36 +139,30 @@ class _ImplementationSwitch:
     def __init__(self, optimizer: torch.optim.Optimizer, implementation: str) -> None:
         self.optimizer = optimizer
         self.fused = implementation == "fused"
-        self.saved_groups = [(g.get("fused"), g.get("foreach"), "fused" in g) for g in optimizer.param_groups]
-        self.saved_defaults = (optimizer.defaults.get("fused"), optimizer.defaults.get("foreach"))
-        self.saved_amp = optimizer.__dict__.get(compat.AMP_SCALING_FLAG, None)
+        self.saved_groups = [_flags(g) for g in optimizer.param_groups]
+        self.saved_defaults = _flags(optimizer.defaults)
+        self.saved_amp = optimizer.__dict__.get(compat.AMP_SCALING_FLAG, _ABSENT)
 
     def on(self) -> None:
-        opt, fused = self.optimizer, self.fused
-        for group in opt.param_groups:
-            if "fused" in group:
-                group["fused"] = fused
-            group["foreach"] = not fused
-        if "fused" in opt.defaults:
-            opt.defaults["fused"] = fused
-        opt.defaults["foreach"] = not fused
-        if fused:
+        opt = self.optimizer
+        wanted = {"fused": self.fused, "foreach": not self.fused}
+        for settings in (*opt.param_groups, opt.defaults):
+            settings.update({k: wanted[k] for k in _flags(settings)})
+        if self.fused:
             # what the optimizer's constructor sets when built with fused=True (GradScaler reads it)
             setattr(opt, compat.AMP_SCALING_FLAG, True)
             self._move_steps(on_device=True)
 
     def off(self) -> None:
         opt = self.optimizer
-        for group, (f, fe, had_fused) in zip(opt.param_groups, self.saved_groups):
-            if had_fused:
-                group["fused"] = f
-            group["foreach"] = fe
-        opt.defaults["fused"], opt.defaults["foreach"] = self.saved_defaults
-        if self.saved_amp is None:
-            opt.__dict__.pop(compat.AMP_SCALING_FLAG, None)
-        else:
-            setattr(opt, compat.AMP_SCALING_FLAG, self.saved_amp)
+        for i, group in enumerate(opt.param_groups):
+            group.update(self.saved_groups[i] if i < len(self.saved_groups) else self.saved_defaults)
+        opt.defaults.update(self.saved_defaults)
         if self.fused:
+            if self.saved_amp is _ABSENT:
+                opt.__dict__.pop(compat.AMP_SCALING_FLAG, None)
+            else:
+                setattr(opt, compat.AMP_SCALING_FLAG, self.saved_amp)
             self._move_steps(on_device=False)
 
     def _move_steps(self, on_device: bool) -> None:
@@ -124,18 +173,16 @@ class _ImplementationSwitch:
                 st = self.optimizer.state.get(p)
                 step = st.get("step") if st else None
                 if isinstance(step, torch.Tensor):
-                    target = p.device if on_device else torch.device("cpu")
-                    if step.device != target:
-                        st["step"] = step.to(target, torch.float32)
+                    st["step"] = step.to(p.device, torch.float32) if on_device else step.to("cpu")
 
 
 def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str, why_not_fused: str | None = None) -> Handle:
     handle = Handle("fused_optimizer")
     switch = _ImplementationSwitch(optimizer, implementation)
     switch.on()
-    fused, foreach, _ = switch.saved_groups[0]
-    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was fused={fused}, foreach={foreach}); "
-                  "state and hyper-parameters kept", switch.off, switch.on)
+    was = ", ".join(f"{k}={v}" for k, v in switch.saved_groups[0].items())
+    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was {was}); state and hyper-parameters kept",
+                  switch.off, switch.on)
     if why_not_fused:
         handle.record(f"not fused: {why_not_fused}")
     return handle
@@ -146,13 +193,16 @@ class FusedOptimizerRung(Rung):
     Options = FusedOptimizerOptions
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
 
+    def _choose(self, state: TrainState) -> tuple[str | None, str | None]:
+        return choose_implementation(state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker(),
+                                     state.model)
+
     def check(self, state: TrainState) -> str | None:
-        return choose_implementation(state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker())[1]
+        implementation, reason = self._choose(state)
+        return reason if implementation is None else None
 
     def apply(self, state: TrainState) -> Handle:
-        implementation, reason = choose_implementation(state.optimizer, self.options.implementation,
-                                                       state.step.fused_optimizer_blocker())
-        if reason:
+        implementation, reason = self._choose(state)
+        if implementation is None:
             raise RuntimeError(reason)
-        blocker = state.step.fused_optimizer_blocker() or _fused_blocker(state.optimizer)
-        return apply_fused_optimizer(state.optimizer, implementation, blocker if implementation != "fused" else None)
+        return apply_fused_optimizer(state.optimizer, implementation, reason)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from speedkit import rewrite
+from speedkit.library_switches import SwitchPlan, apply_switches, plan_switches
 from speedkit.rewrite import NotRewritable, ParsedForward, call_ops
 from speedkit.rungs.base import Handle, Rung
 from speedkit.state import TrainState
@@ -714,6 +715,10 @@ class SdpaOptions:
     #: function is the same. "exact": such attention runs on SDPA's math backend, the hand-written
     #: function everywhere, without the speed-up. Causal and boolean masks are always fused.
     float_masks: Literal["fused", "exact"] = "fused"
+    #: flip the model libraries' own switches (Hugging Face attn_implementation, timm fused_attn)
+    libraries: bool = True
+    #: the Hugging Face attention implementation switched to ("flash_attention_2" needs flash-attn)
+    hf_implementation: Literal["sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
 
 
 @dataclass
@@ -749,12 +754,15 @@ class SdpaRung(Rung):
             self._cache[parsed] = result
         return self._cache[parsed]
 
-    def plan(self, model: nn.Module) -> tuple[list[tuple[nn.Module, _ClassAnalysis, list[tuple[_Site, bool]]]], list[str]]:
-        """Which instances get which sites (with their causal decision), and what is left alone."""
+    def plan(self, model: nn.Module, switched: SwitchPlan | None = None,
+             ) -> tuple[list[tuple[nn.Module, _ClassAnalysis, list[tuple[_Site, bool]]]], list[str]]:
+        """Which instances get which sites (with their causal decision), and what is left alone;
+        modules a library switch moves to SDPA (``switched``) are not rewritten."""
         planned, left_alone = [], []
         seen_notes: set[str] = set()
+        skip = {id(m) for m in switched.timm} if switched else set()
         for module in model.modules():
-            if not rewrite.is_user_module(module):
+            if not rewrite.is_user_module(module) or id(module) in skip:
                 continue
             analysis = self._analyze_module(module)
             for note in analysis.left_alone:
@@ -782,17 +790,27 @@ class SdpaRung(Rung):
                 planned.append((module, analysis, decisions))
         return planned, left_alone
 
+    def _switches(self, model: nn.Module) -> SwitchPlan:
+        return plan_switches(model, self.options.hf_implementation) if self.options.libraries else SwitchPlan()
+
     def check(self, state: TrainState) -> str | None:
-        planned, left_alone = self.plan(state.model)
-        if planned:
+        switches = self._switches(state.model)
+        planned, left_alone = self.plan(state.model, switches)
+        if planned or switches:
             return None
         if left_alone:
             return "hand-written attention found but none could be rewritten exactly: " + "; ".join(left_alone[:3])
-        return "no hand-written attention (q @ kᵀ → softmax → @ v) found in the model's forward methods"
+        return ("no hand-written attention (q @ kᵀ → softmax → @ v) found in the model's forward methods"
+                + "".join(f"; {note}" for note in switches.left_alone))
 
     def apply(self, state: TrainState) -> Handle:
-        planned, left_alone = self.plan(state.model)
         handle = Handle(self.name)
+        switches = self._switches(state.model)
+        apply_switches(handle, switches, self.options.hf_implementation)
+        # a kernel draws attention dropout from its own random stream: parity is judged with dropout off
+        handle.draws_differently = bool(switches)  # type: ignore[attr-defined]
+        planned, left_alone = self.plan(state.model, switches)
+        switched = list(handle.changes)
         compiled: dict[tuple, Any] = {}
         per_class: dict[str, list[int]] = {}
         for module, analysis, decisions in planned:
@@ -818,8 +836,8 @@ class SdpaRung(Rung):
         sites = sum(s for s, _ in per_class.values())
         summary = ", ".join(f"{name} x{s}" + (f" ({c} causal)" if c else "") for name, (s, c) in per_class.items())
         # the per-instance lines say the same thing many times over: keep one summary line
-        handle.changes = [f"sdpa: rewrote {sites} attention site(s) in {len(planned)} module(s): {summary}"]
-        handle.changes += [f"left alone: {note}" for note in left_alone]
+        handle.changes = switched + ([f"sdpa: rewrote {sites} attention site(s) in {len(planned)} module(s): {summary}"] if planned else [])
+        handle.changes += [f"left alone: {note}" for note in [*switches.left_alone, *left_alone]]
         handle.sites = {"rewritten": sites, "modules": len(planned), "left_alone": left_alone}  # type: ignore[attr-defined]
         return handle
 

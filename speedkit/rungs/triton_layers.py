@@ -33,11 +33,15 @@ What is swapped, in the order it is done, all on one handle:
    ``F.silu(g) * u`` (or an ``nn.SiLU`` module) become calls to the functions of
    :mod:`speedkit.layers`, which check at run time that the kernel computes what the code would
    and run the code as written otherwise.
+4. Hugging Face models that compute their causal- or masked-LM loss themselves
+   (``model(input_ids, labels=labels)``) get a per-instance ``loss_function`` computing exactly
+   transformers' loss through the fused cross-entropy (see :mod:`speedkit.hf_loss`).
 
 Left alone, with the reason in the report: subclasses of the PyTorch modules (user code), norms
 over several dims, cross-entropy with class weights, a Linear or GELU with hooks, modules whose
 computation only resembles an RMSNorm (Gemma's ``1 + weight``), Linear→GELU inside ``nn.Sequential``
-(torch's own forward is not rewritten).
+(torch's own forward is not rewritten), Hugging Face models with another loss or whose forward does
+not call ``self.loss_function``.
 """
 
 from __future__ import annotations
@@ -59,13 +63,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit import layers, rewrite
+from speedkit import hf_loss, layers, rewrite
 from speedkit.kernels import kernels_available
 from speedkit.rewrite import NotRewritable, ParsedForward
 from speedkit.rungs.base import Handle, Rung, nested
 from speedkit.state import TrainState
 
-NOTHING_FOUND = "nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Linear→GELU or SwiGLU found"
+NOTHING_FOUND = ("nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
+                 "Linear→GELU or SwiGLU found")
 TAG = "triton_layers"
 
 
@@ -77,7 +82,8 @@ class TritonLayersOptions:
     norms: bool = True
     #: user modules that compute an RMSNorm (recognised by their output on random inputs)
     rms_like: bool = True
-    #: ``F.cross_entropy`` calls in forwards / training_step, and ``nn.CrossEntropyLoss`` modules
+    #: ``F.cross_entropy`` calls in forwards / training_step, ``nn.CrossEntropyLoss`` modules, and the
+    #: loss of Hugging Face causal- / masked-LM models
     cross_entropy: bool = True
     #: ``GELU(Linear(x))``: the Linear's bias added inside the GELU kernel
     gelu: bool = True
@@ -454,6 +460,7 @@ class _Plan:
     rms_like: list[tuple[nn.Module, Callable[..., Any], str]] = field(default_factory=list)
     #: (module, method name, parsed source, decisions, kinds rewritten)
     rewrites: list[tuple[nn.Module, str, ParsedForward, tuple[Any, ...], list[str]]] = field(default_factory=list)
+    hf_losses: list[hf_loss.LossSite] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     left_alone: list[str] = field(default_factory=list)
 
@@ -510,6 +517,11 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> _Plan:
             if done:
                 plan.rewrites.append((module, method, parsed, decisions, done))
                 plan.counts.update(done)
+    if options.cross_entropy:
+        plan.hf_losses, notes = hf_loss.find(model)
+        if plan.hf_losses:
+            plan.counts["hf_loss"] = len(plan.hf_losses)
+        plan.left_alone += notes
     plan.left_alone = list(dict.fromkeys(plan.left_alone))
     return plan
 
@@ -529,6 +541,8 @@ def apply_triton_layers(model: nn.Module, options: TritonLayersOptions, plan: _P
         for module, method, parsed, decisions, done in plan.rewrites:
             _bind_method(inner, module, method, _compiled(parsed, decisions),
                          f"{type(module).__name__}.{method} rewritten: {', '.join(f'{k} ×{n}' for k, n in Counter(done).items())}")
+        for site in plan.hf_losses:
+            hf_loss.swap(inner, site)
     except Exception:
         inner.undo()
         raise
@@ -539,14 +553,15 @@ def apply_triton_layers(model: nn.Module, options: TritonLayersOptions, plan: _P
     for note in plan.left_alone:
         handle.record(f"left alone: {note}")
     handle.sites = {  # type: ignore[attr-defined]
-        **{k: plan.counts.get(k, 0) for k in ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "gelu", "swiglu")},
+        **{k: plan.counts.get(k, 0) for k in ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "swiglu")},
         "left_alone": list(plan.left_alone),
     }
     return handle
 
 
 class TritonLayersRung(Rung):
-    """Swaps norms, cross-entropy, Linear→GELU and SwiGLU for speedkit's Triton kernels.
+    """Swaps norms, cross-entropy (Hugging Face models' own loss too), Linear→GELU and SwiGLU for
+    speedkit's Triton kernels.
 
     ``check`` says why the kernels cannot run on the device, or that nothing was found;
     ``apply`` returns a handle whose ``sites`` dict counts the swaps per kind and lists what was
