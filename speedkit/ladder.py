@@ -7,7 +7,7 @@ For every rung, in order:
 3. parity — from the snapshot's weights, optimizer, schedule and RNG, on the same host-kept
    batches, the loss trajectory must stay within the tolerance of the numerics now in effect of
    the trajectory before the rung. The tolerance is calibrated on the model, once per run: how far
-   its loss trajectory moves when every weight is perturbed by the unit roundoff of that precision,
+   its loss trajectory moves under one rounding step of that precision on every weight and output,
    times a safety factor, never under the floor of ``configs/tolerances.yaml``.
 4. compare — the configuration with the rung (B) and without it (A) are timed in interleaved
    A B B A blocks in the same period, and judged on the paired differences with a stated
@@ -531,20 +531,20 @@ class Ladder:
 
     def _tolerance(self, precision: str) -> float:
         """The parity tolerance of ``precision`` on this model: ``safety`` times how far the baseline
-        trajectory moves under noise of that precision's unit roundoff on every weight and every
+        trajectory moves under noise of that precision's machine epsilon on every weight and every
         leaf module's output, never
         under the configured floor. Measured once per precision (at the baseline where possible)."""
         if precision not in self._calibration:
             floor = config.tolerance(precision, self.state.device.type)
             calibration = config.parity_calibration()
-            roundoff = float(calibration["unit_roundoff"][precision])
+            epsilon = float(calibration["epsilon"][precision])
             safety = float(calibration["safety"])
-            perturbed = self._trajectory(perturb=roundoff)
+            perturbed = self._trajectory(perturb=epsilon)
             sensitivity = max((_rel_diff(a, b) for a, b in zip(perturbed, self._reference)), default=0.0)
             if not math.isfinite(sensitivity):  # a model that diverges under rounding-level noise: no signal
                 sensitivity = 0.0
             tol = max(floor, safety * sensitivity)
-            self._calibration[precision] = {"unit_roundoff": roundoff, "sensitivity": sensitivity, "safety": safety,
+            self._calibration[precision] = {"epsilon": epsilon, "sensitivity": sensitivity, "safety": safety,
                                             "floor": floor, "tolerance": tol}
             if self.result is not None:
                 self.result.parity_calibration = dict(self._calibration)

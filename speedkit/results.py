@@ -111,7 +111,7 @@ class LadderResult:
     final_check: PairedResult | None = None  # the final configuration against the baseline, interleaved
     holds: Holds | None = None
     interrupted: str | None = None     # None, or what was interrupted ("KeyboardInterrupt during sdpa")
-    #: per precision: unit_roundoff, sensitivity (relative loss move under that perturbation), safety, floor, tolerance
+    #: per precision: epsilon, sensitivity (relative loss move under that perturbation), safety, floor, tolerance
     parity_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property

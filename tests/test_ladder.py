@@ -465,3 +465,85 @@ def test_measure_config_defaults_come_from_configs_only():
     assert cfg.steps == 4 and cfg.warmup == 3 and cfg.min_gain == 0.01 and cfg.confidence == 0.95
     with pytest.raises(TypeError):
         MeasureConfig()  # no second home for the defaults
+
+
+# -- parity calibrated on the model ----------------------------------------------------------------
+
+
+class RoundOutputsRung(Rung):
+    """A precision rung that computes the same function with every Linear's output rounded to bf16
+    (what reduced-precision matmuls do), recorded as ``precision``."""
+
+    def __init__(self, precision: str = "tf32"):
+        super().__init__()
+        self.name, self.precision = "round_outputs", precision
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        hooks = []
+
+        def on():
+            hooks[:] = [m.register_forward_hook(lambda mod, a, out: out.bfloat16().float())
+                        for m in state.model.modules() if isinstance(m, torch.nn.Linear)]
+
+        def off():
+            for h in hooks:
+                h.remove()
+            hooks.clear()
+
+        on()
+        handle.record("Linear outputs rounded to bf16", off, on)
+        set_attr(handle, state, "precision", self.precision)
+        return handle
+
+
+def test_parity_tolerance_is_calibrated_on_the_models_sensitivity_and_never_under_the_floor():
+    from speedkit import config
+
+    time = VirtualTime()
+    ladder, result = _run(timed_state(time), [RoundOutputsRung("bf16")], time)
+    calibration = result.parity_calibration
+    assert set(calibration) == {"fp32", "bf16"}  # the baseline's numerics and the ladder's rungs'
+    assert calibration["bf16"]["sensitivity"] > 0  # one bf16 rounding step moves the trajectory
+    for precision, c in calibration.items():
+        assert c["tolerance"] == max(config.tolerance(precision, "cpu"), c["safety"] * c["sensitivity"])
+    # noise at bf16's rounding level moves the loss far more than at fp32's (here not at all)
+    assert calibration["bf16"]["sensitivity"] > 100 * calibration["fp32"]["sensitivity"]
+    entry = result.rungs[1]
+    assert entry.parity.passed and entry.parity.tolerance == calibration["bf16"]["tolerance"]
+
+
+def test_a_sensitive_model_gets_a_looser_tolerance_and_a_wrong_rung_is_still_rejected(monkeypatch):
+    """With a floor far under what rounding does to this model, the calibrated tolerance admits a
+    rung that only rounds, and still rejects one that changes the function by 5%."""
+    from speedkit import config
+
+    real = config.tolerance
+    monkeypatch.setattr(config, "tolerance", lambda p, d: 1e-9 if p == "bf16" else real(p, d))
+    time = VirtualTime()
+    _, result = _run(timed_state(time), [RoundOutputsRung("bf16")], time)
+    assert result.rungs[1].parity.passed and result.rungs[1].parity.tolerance > 1e-9
+
+    class WrongBf16(LossScaleRung):
+        precision = "bf16"
+
+    _, result = _run(timed_state(time), [WrongBf16("wrong", 0.05)], time)
+    entry = result.rungs[1]
+    assert entry.status == "reverted" and "numerics changed" in entry.reason
+    assert entry.parity.max_rel_diff > 10 * entry.parity.tolerance
+
+
+def test_calibration_leaves_the_model_and_the_global_rng_untouched():
+    time = VirtualTime()
+    state = timed_state(time)
+    before = copy.deepcopy(state.model.state_dict())
+    hooks_before = sum(len(m._forward_hooks) for m in state.model.modules())
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    _run(state, [RoundOutputsRung("bf16")], time)
+    # the ladder restores the global RNG it found (and the calibration never draws from it)
+    assert torch.equal(torch.rand(3), expected)
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert sum(len(m._forward_hooks) for m in state.model.modules()) == hooks_before

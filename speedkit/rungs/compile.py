@@ -270,7 +270,9 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
         return None
 
     def report() -> list[str]:
-        lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles" for label, g in guards]
+        lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
+                 + (" (its graphs were already in this process's compile cache)" if g.calls and not g.graphs else "")
+                 for label, g in guards]
         after = compat.graph_breaks()
         new = {reason: n - breaks_before.get(reason, 0) for reason, n in after.items() if n > breaks_before.get(reason, 0)}
         if not new:

@@ -1,0 +1,135 @@
+"""compile reaches what the training step runs: modules called through attributes, helper methods
+and aliases; what ran is reported; a compile the step never runs is a failure, not "not faster"."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedkit.rungs.compile import CompileOptions, CompileRung, GuardedForward, apply_compile, step_modules
+from speedkit.state import TrainState
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Wrapped(pl.LightningModule):
+    """``self.model`` called from ``training_step``; the LightningModule has no forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Backbone()
+        self.criterion = nn.MSELoss()  # no parameters: not worth a graph of its own
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.criterion(self.model(x), y)
+        self.log("loss", loss)
+        return loss
+
+
+class TwoParts(pl.LightningModule):
+    """Parts called through a helper method and a local alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = Backbone(), nn.Linear(8, 1)
+
+    def shared(self, x):
+        enc = self.encoder
+        return self.head(enc(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.shared(x).squeeze(-1), y.sum(-1))
+
+
+class NeverCalls(Wrapped):
+    """The step reaches ``self.model`` only on a branch it never takes."""
+
+    use_model = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.use_model:
+            return F.mse_loss(self.model(x), y)
+        return F.mse_loss(x * 2.0, y).requires_grad_()
+
+
+def _state(model):
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"))
+
+
+def test_the_modules_the_step_calls_are_found():
+    wrapped = Wrapped()
+    assert [(n, m) for n, m in step_modules(wrapped)[0]] == [("model", wrapped.model)]
+    two = TwoParts()
+    assert {n for n, _ in step_modules(two)[0]} == {"encoder", "head"}
+    plain = Backbone()  # plain PyTorch: the user's loop calls the model itself
+    assert step_modules(plain)[0] == [("", plain)]
+
+
+def test_compile_runs_the_inner_model_and_reports_graphs_and_breaks():
+    wrapped = Wrapped()
+    handle = CompileRung(CompileOptions(backend="eager")).apply(_state(wrapped))
+    assert isinstance(wrapped.model.__dict__["forward"], GuardedForward)
+    assert "forward" not in wrapped.__dict__
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):
+        wrapped.training_step((x, y), 0).backward()
+    assert handle.problem() is None
+    lines = handle.report()
+    assert lines[0].startswith("ran model (Backbone).forward: 2 calls, 1 graphs compiled, 0 recompiles")
+    assert lines[-1].startswith("graph breaks:")
+    handle.undo()
+    assert "forward" not in wrapped.model.__dict__
+
+
+def test_a_compile_the_step_never_runs_fails_with_that_reason():
+    model = NeverCalls()
+    handle = CompileRung(CompileOptions(backend="eager")).apply(_state(model))
+    model.training_step((torch.randn(4, 8), torch.randn(4, 8)), 0)
+    assert handle.problem() == "compiled nothing that the training step runs (model (Backbone).forward never called)"
+    handle.undo()
+
+
+def test_already_compiled_inner_models_are_left_as_the_user_compiled_them():
+    wrapped = Wrapped()
+    wrapped.model = torch.compile(wrapped.model, backend="eager")
+    reason = CompileRung().check(_state(wrapped))
+    assert reason is not None and "already compiled" in reason
+
+
+def test_in_the_ladder_compile_counts_frames_of_the_inner_model():
+    from speedkit.data import BatchSource
+    from speedkit.ladder import Ladder
+    from speedkit.step import PlainStep
+
+    class FreshBackbone(Backbone):  # its own code: no graph cached by the tests before
+        def forward(self, x):
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    wrapped = Wrapped()
+    wrapped.model = FreshBackbone()
+    optimizer = torch.optim.AdamW(wrapped.parameters())
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(64)]
+    state = TrainState(model=wrapped, optimizer=optimizer, device=torch.device("cpu"),
+                       step=PlainStep(wrapped, optimizer, "cpu", loss_fn=lambda m, b, i: m.training_step(b, i)),
+                       data=BatchSource(data, torch.device("cpu")))
+    result = Ladder(state, [CompileRung(CompileOptions(backend="eager"))],
+                    {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
+                     "telemetry": False, "final_check": False}).run()
+    entry = result.rungs[1]
+    assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason
+    ran = next(line for line in entry.changes if line.startswith("ran model (FreshBackbone).forward"))
+    assert " 0 graphs" not in ran and " 0 calls" not in ran
