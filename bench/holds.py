@@ -47,15 +47,14 @@ def recipes(tiny: bool) -> dict[str, dict[str, Any]]:
     images = ({**IMAGES, "init_args": {"batch_size": 4, "size": 32, "num_workers": 2, "length": 256}} if tiny else IMAGES)
     trainer = {"accelerator": "cpu" if tiny else "gpu", "devices": 1}
     ladder = config.default_ladder()
+    size = "tiny" if tiny else "full"
     out = {
         "naive-gpt2": {"model": {"class_path": "speedkit.demos.NaiveGPT", "init_args": {"size": "tiny" if tiny else "small"}},
                        "data": tokens, "ladder": gpt2_ladder},
-        "hf-gpt2": {"model": {"class_path": "bench.models.HFCausalLM",
-                              "init_args": {"size": "tiny" if tiny else "small", "vocab_size": tokens["vocab_size"]}},
+        "hf-gpt2": {"model": {"class_path": "speedkit.demos.zoo.HFGPT2", "init_args": {"size": size, "vocab_size": tokens["vocab_size"]}},
                     "data": tokens, "ladder": ladder},
-        "timm-vit": {"model": {"class_path": "bench.models.TimmViT", "init_args": {"size": "tiny" if tiny else "base"}},
-                     "data": images, "ladder": ladder},
-        "tv-resnet50": {"model": {"class_path": "bench.models.TorchvisionResNet", "init_args": {"size": "tiny" if tiny else "50"}},
+        "timm-vit": {"model": {"class_path": "speedkit.demos.zoo.TimmViT", "init_args": {"size": size}}, "data": images, "ladder": ladder},
+        "tv-resnet50": {"model": {"class_path": "speedkit.demos.zoo.TorchvisionResNet50", "init_args": {"size": size}},
                         "data": images, "ladder": ladder},
     }
     measure = {**MEASURE, "steps": 3, "repeats": 2, "warmup": 1, "max_blocks": 3, "holds_windows": 2} if tiny else MEASURE

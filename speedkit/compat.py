@@ -284,10 +284,10 @@ def hf_attention_switchable(model: nn.Module) -> str | None:
     return None
 
 
-def timm_fused_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """timm attention modules with their fused (SDPA) path switched off (``fused_attn = False``)."""
+def timm_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """timm attention modules with a fused (SDPA) path, switched by their ``fused_attn`` flag."""
     return [m for m in model.modules()
-            if type(m).__module__.startswith("timm.") and getattr(m, "fused_attn", None) is False]
+            if type(m).__module__.startswith("timm.") and isinstance(getattr(m, "fused_attn", None), bool)]
 
 
 # -- transformers --------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ class SwitchPlan:
     """What the libraries' switches will change, and what they leave alone (with the reason)."""
 
     hf: list[tuple[nn.Module, str]] = field(default_factory=list)    # (model, implementation it runs now)
-    timm: list[nn.Module] = field(default_factory=list)
+    timm: list[nn.Module] = field(default_factory=list)          # timm attention with fused_attn off
+    timm_fused: list[nn.Module] = field(default_factory=list)    # ... already on SDPA
     left_alone: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -45,7 +46,13 @@ def plan_switches(model: nn.Module, hf_implementation: str = "sdpa") -> SwitchPl
             plan.left_alone.append(f"Hugging Face {name}: {why_not}")
             continue
         plan.hf.append((hf_model, current or "eager"))
-    plan.timm = compat.timm_fused_attention_modules(model)
+    timm_attention = compat.timm_attention_modules(model)
+    plan.timm = [m for m in timm_attention if not m.fused_attn]
+    plan.timm_fused = [m for m in timm_attention if m.fused_attn]
+    if plan.timm_fused:
+        classes = ", ".join(sorted({type(m).__name__ for m in plan.timm_fused}))
+        plan.left_alone.append(f"timm {classes}: {len(plan.timm_fused)} module(s) already run F.scaled_dot_product_attention "
+                               "(fused_attn=True)")
     return plan
 
 

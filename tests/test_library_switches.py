@@ -69,3 +69,10 @@ def test_timm_attention_with_fused_attn_off_is_switched_on_and_back():
     torch.testing.assert_close(model(x), reference, rtol=1e-4, atol=1e-5)
     handle.undo()
     assert not any(m.fused_attn for m in attns)
+
+
+def test_timm_attention_already_fused_is_named_and_its_unused_eager_path_not_reported():
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=10, depth=2)
+    reason = SdpaRung().check(_state(model))
+    assert reason is not None and "timm Attention: 2 module(s) already run F.scaled_dot_product_attention" in reason
+    assert "cannot express" not in reason  # the hand-written path timm does not run is not analysed

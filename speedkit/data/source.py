@@ -51,7 +51,8 @@ def host_copy(batch: Any) -> Any:
 
 
 def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
-    """Tokens or samples in a batch: integer (B, T, ...) inputs count tokens, anything else samples."""
+    """Tokens or samples in a batch: integer (B, T) inputs count tokens; anything else (floats, uint8
+    images) samples."""
     first = batch
     while isinstance(first, (list, tuple)) and first:
         first = first[0]
@@ -59,7 +60,7 @@ def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
         first = next(iter(first.values()))
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return 1, "samples/s"
-    is_tokens = not torch.is_floating_point(first) and first.dim() >= 2
+    is_tokens = not torch.is_floating_point(first) and first.dtype != torch.uint8 and first.dim() == 2
     if unit == "tokens" or (unit == "auto" and is_tokens):
         return first.numel(), "tokens/s"
     return first.shape[0], "samples/s"

@@ -195,8 +195,12 @@ class ChannelsLastRung(Rung):
     precision = None  # a layout change: the same values, convolutions summed in another order at most
 
     def check(self, state: TrainState) -> str | None:
-        if not any(isinstance(m, _CONVOLUTIONS_2D) for m in state.model.modules()):
+        convolutions = [m for m in state.model.modules() if isinstance(m, _CONVOLUTIONS_2D)]
+        if not convolutions:
             return "the model has no 2-d convolution (channels_last changes the layout convolutions read)"
+        if len(convolutions) == 1:
+            return (f"the model has one 2-d convolution only ({type(convolutions[0]).__name__}, a stem or patch embedding): "
+                    "the rest of it does not read a convolution's layout")
         if not _convertible(state.model):
             return "the model's 4-D parameters and buffers are already channels_last (none is left contiguous)"
         return None

@@ -760,7 +760,7 @@ class SdpaRung(Rung):
         modules a library switch moves to SDPA (``switched``) are not rewritten."""
         planned, left_alone = [], []
         seen_notes: set[str] = set()
-        skip = {id(m) for m in switched.timm} if switched else set()
+        skip = {id(m) for m in [*switched.timm, *switched.timm_fused]} if switched is not None else set()
         for module in model.modules():
             if not rewrite.is_user_module(module) or id(module) in skip:
                 continue

@@ -507,7 +507,9 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> _Plan:
             try:
                 parsed = _instance_method(module, method)
             except NotRewritable as exc:
-                if module is model:  # the loss is usually computed here: say why it was not looked at
+                defined_in = getattr(getattr(type(module), method, None), "__module__", "") or ""
+                user_code = not defined_in.startswith(("torch", "lightning", "pytorch_lightning"))
+                if module is model and user_code:  # the loss is usually computed here: say why it was not looked at
                     plan.left_alone.append(f"{type(module).__name__}.{method} not rewritten: {exc}")
                 continue
             analysis = _analyze(parsed)

@@ -1,0 +1,271 @@
+"""The model zoo on one GPU: Lightning's own switches against SpeedLadder(), side by side, per model.
+
+For each model of :mod:`speedkit.demos.zoo`, in one process, at the same batch size:
+
+  fp32      Trainer(precision="32-true"), the model as its user wrote it
+  switches  what a user who knows the switches does: precision="bf16-mixed", torch.compile of the
+            library model (``self.model``; the LightningModule where there is none), TF32 matmuls
+            (``allow_tf32``, ``set_float32_matmul_precision("high")``), and the library's own SDPA
+            switch where it has one (Hugging Face ``attn_implementation="sdpa"``; timm's fused
+            attention is on by default)
+  speedkit  SpeedLadder() trials in the fp32 Trainer, then the fit's own steps
+
+Every variant is timed on the fit's own steps by the same StepTimer (speedkit's measurement session:
+CUDA events, one wait per window, the median of windows after warm-up steps); its peak memory is
+the device's peak up to its last timed window (for speedkit, since the trials ended).
+
+Rows (bench "zoo"): per model and variant, metric "throughput" (tokens/s or samples/s) and
+"peak_memory_gb"; for speedkit, "ratio_vs_switches"; a variant that fails or is stopped by the
+time guard before a timed window, metric "status". The speedkit report is saved beside the rows as
+<date>_<gpu>_zoo_<model>_report.json.
+
+The time guard bounds one model's three variants: a variant not started by its deadline is skipped,
+a running fit is stopped there (SpeedLadder's trials are bounded by their own measure budget). On
+an H100 a model takes 0.5 to 4 minutes (Llama and GPT-2 the longest: compilation and fp32 steps).
+
+Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300]
+       PYTHONPATH=. python bench/zoo.py --tiny      # CPU smoke test, rows to a temporary directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import Results, gpu_slug  # noqa: E402
+from speedkit import config  # noqa: E402
+from speedkit.demos.zoo import ZOO, Size, ZooModel  # noqa: E402
+from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
+from speedkit.results import Measurement  # noqa: E402
+
+VARIANTS = ("fp32", "switches", "speedkit")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to run: the CPU smoke test's or the GPU benchmark's."""
+
+    tiny: bool
+    steps: int                 # optimizer steps per timed window
+    warmup: int                # steps before the first timed window (compilation, autotuning, loader start)
+    windows: dict[str, int]    # timed windows per variant
+    measure: dict[str, Any]    # SpeedLadder's measure settings
+    time_guard_s: float        # wall time one model's three variants may take
+
+    @property
+    def size(self) -> Size:
+        return "tiny" if self.tiny else "full"
+
+    @property
+    def accelerator(self) -> str:
+        return "cpu" if self.tiny else "gpu"
+
+    @property
+    def compile_backend(self) -> str:
+        """Inductor on the GPU; on the CPU smoke test Dynamo alone (no C++ code generation)."""
+        return "eager" if self.tiny else "inductor"
+
+    def ladder(self) -> list[Any]:
+        """The default ladder, its compile rung on :attr:`compile_backend`."""
+        return [{"name": "compile", "options": {"backend": self.compile_backend}} if r == "compile" else r
+                for r in config.default_ladder()]
+
+
+def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan:
+    if tiny:
+        return Plan(True, steps or 2, 1, {"fp32": 2, "switches": 2, "speedkit": 2},
+                    {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
+                     "settle": 0, "budget_s": 10.0, "holds_windows": 1, "telemetry": False}, time_guard_s or 120.0)
+    return Plan(False, steps or 10, 5, {"fp32": 2, "switches": 3, "speedkit": 3},
+                {"warmup": 3, "steps": 5, "repeats": 3, "parity_steps": 2, "min_blocks": 2, "max_blocks": 8,
+                 "budget_s": 20.0, "holds_windows": 2}, time_guard_s or 360.0)
+
+
+class Deadline(pl.Callback):
+    """Stops the fit at a wall-clock deadline (checked after each training batch)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if time.monotonic() > self.deadline:
+            trainer.should_stop = True
+
+
+def compile_as_a_user_would(module: pl.LightningModule, backend: str) -> pl.LightningModule:
+    """``self.model = torch.compile(self.model)`` where the module wraps a library model; else
+    ``torch.compile`` of the LightningModule itself (Lightning unwraps it in ``fit``)."""
+    if isinstance(getattr(module, "model", None), nn.Module):
+        module.model = torch.compile(module.model, backend=backend)
+        return module
+    return torch.compile(module, backend=backend)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def tf32_matmuls() -> Iterator[None]:
+    """TF32 matmuls as users switch them on, switched back afterwards."""
+    precision, allow = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = allow
+
+
+def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
+                res: Results) -> tuple[Measurement | None, int, dict[str, Any]]:
+    """Train ``entry`` as ``variant`` until its windows are timed (or the deadline); returns the
+    timer's measurement, the optimizer steps taken and, for speedkit, the ladder's fields for the row."""
+    windows = plan.windows[variant]
+    timer = StepTimer(warmup=plan.warmup, window=plan.steps, unit=entry.unit)
+    ladder = None
+    if variant == "speedkit":
+        ladder = SpeedLadder(plan.ladder(), trials=True, measure=plan.measure,
+                             on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True))
+    module, loader = entry.build(plan.size, **(entry.switches if variant == "switches" else {}))
+    precision = "bf16-mixed" if variant == "switches" else "32-true"
+    trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
+                         max_steps=plan.warmup + plan.steps * windows, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[*([ladder] if ladder else []), timer, Deadline(deadline)])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
+        fitted = compile_as_a_user_would(module, plan.compile_backend) if variant == "switches" else module
+        trainer.fit(fitted, train_dataloaders=loader)
+    return timer.measurement, trainer.global_step, speedkit_fields(ladder, res, entry.name) if ladder else {}
+
+
+def release() -> None:
+    """Free what the last variant left: loader workers, compiled graphs, cached device memory."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def run_model(name: str, plan: Plan, res: Results) -> None:
+    entry = ZOO[name]
+    deadline = time.monotonic() + plan.time_guard_s
+    throughput: dict[str, float] = {}
+    for variant in VARIANTS:
+        extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
+        if time.monotonic() > deadline:
+            res.add(variant, "status", None, "skipped", **extra,
+                    reason=f"time guard: {plan.time_guard_s:.0f} s for the model spent")
+            print(f"{name:22s} {variant:9s} skipped (time guard)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            m, steps, fields = fit_variant(entry, variant, plan, deadline, res)
+        except Exception as exc:  # a variant that breaks is a result too; the others still run
+            res.add(variant, "status", None, "failed", **extra, reason=first_line(exc))
+            print(f"{name:22s} {variant:9s} FAILED: {first_line(exc)}", flush=True)
+            release()
+            continue
+        extra.update(wall_s=time.perf_counter() - t0, **fields)
+        if m is None:
+            res.add(variant, "status", None, "not measured", **extra,
+                    reason=f"the fit ended after {steps} steps (time guard), before a timed window")
+            print(f"{name:22s} {variant:9s} not measured ({steps} steps before the time guard)", flush=True)
+        else:
+            throughput[variant] = m.throughput
+            res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra, step_ms=m.step_ms, noise=m.spread,
+                    windows=len(m.window_ms), data_wait_ms=m.data_wait_ms, host_ms=m.host_ms)
+            peak = f"{m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes is not None else "-"
+            if m.peak_memory_bytes is not None:
+                res.add(variant, "peak_memory_gb", m.peak_memory_bytes / 1e9, "GB", model=name)
+            print(f"{name:22s} {variant:9s} {m.throughput:>14,.0f} {m.throughput_unit:9s} {m.step_ms:9.2f} ms ±{m.spread:5.1%}  "
+                  f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
+                  f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""), flush=True)
+        release()
+    if "speedkit" in throughput and "switches" in throughput:
+        ratio = throughput["speedkit"] / throughput["switches"]
+        res.add("speedkit", "ratio_vs_switches", ratio, "x", model=name)
+        print(f"{name:22s} speedkit / switches = {ratio:.3f}x", flush=True)
+
+
+def speedkit_fields(ladder: SpeedLadder, res: Results, name: str) -> dict[str, Any]:
+    """The ladder's decisions for the speedkit row; its report saved beside the rows."""
+    result = ladder.result
+    if result is None:
+        return {"kept": [], "not_run": ladder.not_run}
+    from speedkit.report import write_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        written = write_report(result, tmp, formats=("json",))
+        shutil.copyfile(written["json"], res.path.parent / f"{res.date}_{gpu_slug()}_zoo_{name}_report.json")
+    failed = [{"rung": r.name, "reason": r.reason} for r in result.rungs[1:] if r.status == "failed"]
+    for f in failed:
+        print(f"{name:22s} speedkit  rung {f['rung']} FAILED: {f['reason']}", flush=True)
+    summary = result.to_dict()["summary"]
+    return {"kept": summary["kept"], "failed_rungs": failed, "ladder_speedup": summary["speedup"],
+            "ladder_s": sum(r.seconds for r in result.rungs), "interrupted": result.interrupted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(ZOO), help=f"comma-separated, of: {', '.join(ZOO)}")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny models on the CPU, a smoke test; rows go to a temporary directory")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 10; --tiny 2)")
+    parser.add_argument("--time-guard-s", type=float, default=None,
+                        help="wall seconds one model's three variants may take (default 360; --tiny 120)")
+    parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
+    args = parser.parse_args()
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(ZOO)}")
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("bench/zoo.py needs a CUDA GPU (or --tiny)")
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny ops on a busy few-core machine otherwise wait at OpenMP barriers
+    warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
+    plan = make_plan(args.tiny, args.steps, args.time_guard_s)
+    out = Path(args.results) if args.results else None
+    if out is None and args.tiny:
+        out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
+    res = Results("zoo", out=out)
+    for name in names:
+        run_model(name, plan, res)
+    print("\nsummary:")
+    for name in names:
+        cells = []
+        for variant in VARIANTS:
+            row = next((r for r in res.rows if r["model"] == name and r["variant"] == variant
+                        and r["metric"] in ("throughput", "status")), None)
+            cells.append(f"{variant} {row['value']:,.0f}" if row and row["metric"] == "throughput"
+                         else f"{variant} {row['unit'] if row else '-'}")
+        ratio = next((r["value"] for r in res.rows if r["model"] == name and r["metric"] == "ratio_vs_switches"), None)
+        print(f"  {name:22s} " + "  ".join(f"{c:24s}" for c in cells) + (f"  speedkit/switches {ratio:.3f}x" if ratio else ""))
+    print(f"results appended to {res.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The model zoo under SpeedLadder trials in the user's own (CPU) Trainer: every model at its tiny
+size, the default ladder but triton_layers, each rung decided without failing, and nothing of the
+trials left behind.
+
+Per-model expectations live in one table, :data:`EXPECT`; every zoo model must have an entry.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_lightning import _model_fingerprint
+
+from speedkit.data.source import count_items
+from speedkit.demos.zoo import ZOO
+from speedkit.lightning import SpeedLadder
+from speedkit.results import LadderResult
+from speedkit.rungs.compile import GuardedForward
+
+#: the ladder tried on every model: the default one, cheap on a CPU (no triton_layers, which runs in Triton's
+#: interpreter here; compile traces with Dynamo without generating code)
+LADDER: list[Any] = ["tf32", "autocast", "fused_optimizer", "sdpa", "batched", "channels_last", "cudnn_benchmark",
+                     {"name": "compile", "options": {"backend": "eager"}}]
+#: small and quick: the decisions are not what these tests are about
+QUICK = {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2, "settle": 0,
+         "budget_s": 60.0, "holds_windows": 1, "telemetry": False}
+MAX_STEPS = 3
+#: what any rung may end as
+DECIDED = {"kept", "reverted", "not_applicable"}
+#: rungs that may bind a new ``forward`` to module instances
+FORWARD_RUNGS = {"sdpa", "compile", "batched", "triton_layers"}
+
+
+@dataclass
+class Fit:
+    """One finished fit with trials: what the checks of a model's :class:`Expect` receive."""
+
+    module: pl.LightningModule
+    trainer: pl.Trainer
+    ladder: SpeedLadder
+    result: LadderResult
+    probe: Probe
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the trials must show on one zoo model, beyond what every model must.
+
+    Attributes:
+        options: module options for the zoo's builder (e.g. ``attn_implementation="eager"``).
+        statuses: per rung, the statuses it may end as (default: :data:`DECIDED`).
+        check: more assertions on the finished :class:`Fit`.
+    """
+
+    options: dict[str, Any] = field(default_factory=dict)
+    statuses: dict[str, set[str]] = field(default_factory=dict)
+    check: Callable[[Fit], None] | None = None
+
+
+def _entry(fit: Fit, name: str) -> Any:
+    return next(r for r in fit.result.rungs if r.name == name)
+
+
+def compiled(label: str) -> Callable[[Fit], None]:
+    """compile applied to ``label`` (e.g. "model (GPT2LMHeadModel)"), which the step ran: frames of
+    the inner model compiled (counted by Dynamo, read through speedkit.compat)."""
+
+    def check(fit: Fit) -> None:
+        entry = _entry(fit, "compile")
+        assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason
+        ran = [line for line in entry.changes if line.startswith(f"ran {label}.forward: ")]
+        assert ran, entry.changes
+        calls, graphs = (int(ran[0].split(": ")[1].split(" calls")[0]), int(ran[0].split(", ")[1].split(" graphs")[0]))
+        assert calls > 0 and (graphs > 0 or "compile cache" in ran[0]), ran[0]
+        assert any(line.startswith("graph breaks:") for line in entry.changes)
+
+    return check
+
+
+def hf_switched(label: str) -> Callable[[Fit], None]:
+    """The sdpa rung switched the Hugging Face model from eager to sdpa through the library; parity held."""
+
+    def check(fit: Fit) -> None:
+        entry = _entry(fit, "sdpa")
+        assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason
+        assert any(line.startswith(f"Hugging Face {label}: attn_implementation 'eager' -> 'sdpa'") for line in entry.changes)
+
+    return check
+
+
+def both(*checks: Callable[[Fit], None]) -> Callable[[Fit], None]:
+    return lambda fit: [c(fit) for c in checks] and None
+
+
+_EAGER = {"attn_implementation": "eager"}  # as transformers < 5 built models from configs, and code reading attention weights does
+EXPECT: dict[str, Expect] = {
+    "hf-gpt2": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
+                      check=both(hf_switched("GPT2LMHeadModel"), compiled("model (GPT2LMHeadModel)"))),
+    "hf-llama": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
+                       check=both(hf_switched("LlamaForCausalLM"), compiled("model (LlamaForCausalLM)"))),
+    "hf-bert-mlm": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
+                          check=both(hf_switched("BertForMaskedLM"), compiled("model (BertForMaskedLM)"))),
+    "timm-vit": Expect(check=compiled("model (VisionTransformer)")),
+    "timm-convnext": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ConvNeXt)")),
+    "tv-resnet50": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ResNet)")),
+    "lightning-transformer": Expect(check=compiled("LightningDemoTransformer")),  # its step calls self(...)
+    # hand-written causal attention: sdpa applies; the step calls self(...), so the module's own forward is compiled
+    "nanogpt": Expect(statuses={"sdpa": {"kept", "reverted"}}, check=compiled("NaiveGPT")),
+}
+
+
+class Probe(pl.Callback):
+    """The optimizer's implementation flags when the fit starts (before the trials), and the flags
+    and each module's instance ``forward`` at the first real training step (after them)."""
+
+    def __init__(self) -> None:
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.flags_before: list[tuple[Any, Any]] = []
+        self.flags_training: list[tuple[Any, Any]] | None = None
+        self.forwards_training: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer = trainer.optimizers[0]
+        self.flags_before = _flags(self.optimizer)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.flags_training is None:
+            self.flags_training = _flags(trainer.optimizers[0])
+            self.forwards_training = _forwards(pl_module)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a busy two-core machine every op of a tiny model otherwise waits for a
+    second OpenMP thread that does not get a core (ten times slower and more)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _flags(optimizer: torch.optim.Optimizer) -> list[tuple[Any, Any]]:
+    return [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
+
+
+def _forwards(module: torch.nn.Module) -> dict[str, Any]:
+    return {name: m.__dict__["forward"] for name, m in module.named_modules() if "forward" in m.__dict__}
+
+
+def _library_attrs(module: pl.LightningModule) -> dict[str, set[str]]:
+    """The instance attributes of every module below the LightningModule (Lightning sets its own on that one)."""
+    return {name: set(m.__dict__) for name, m in module.named_modules() if name}
+
+
+def _global_flags() -> tuple[Any, ...]:
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def _rung_name(spec: Any) -> str:
+    return spec if isinstance(spec, str) else spec["name"]
+
+
+def test_every_zoo_model_has_expectations():
+    assert set(EXPECT) == set(ZOO) and len(ZOO) >= 8
+    assert len({m.library for m in ZOO.values()} - {"speedkit"}) >= 4
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_tiny_build_is_seeded_and_yields_its_batch_size_in_its_unit(name):
+    entry = ZOO[name]
+    pytest.importorskip(entry.library)
+    (first, loader), (second, again) = entry.build("tiny"), entry.build("tiny")
+    torch.testing.assert_close(first.state_dict(), second.state_dict(), rtol=0, atol=0)
+    torch.manual_seed(1)  # the shuffle's order, as seed_everything sets it
+    batch = next(iter(loader))
+    torch.manual_seed(1)
+    torch.testing.assert_close(batch, next(iter(again)), rtol=0, atol=0)
+    items, unit = count_items(batch, entry.unit)
+    assert unit == f"{entry.unit}/s" and count_items(batch)[1] == unit  # the ladder's "auto" counts the same
+    assert items % entry.batch_size["tiny"] == 0 and loader.batch_size == entry.batch_size["tiny"]
+    assert loader.num_workers == 0
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
+    entry, expect = ZOO[name], EXPECT[name]
+    pytest.importorskip(entry.library)
+    module, loader = entry.build("tiny", **expect.options)
+    before, attrs_before, flags_before = _model_fingerprint(module), _library_attrs(module), _global_flags()
+    ladder, probe = SpeedLadder(LADDER, trials=True, measure=QUICK), Probe()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=MAX_STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder, probe])
+    trainer.fit(module, train_dataloaders=loader)
+
+    # the ladder ran in the user's Trainer, one entry per rung, each decided
+    result = ladder.result
+    assert result is not None and ladder.not_run is None and ladder.exception is None and result.interrupted is None
+    assert result.run["precision"] == "32-true" and trainer.global_step == MAX_STEPS  # trials took no real step
+    entries = [r for r in result.rungs[1:] if r.status != "closing"]
+    assert [r.name for r in entries] == [_rung_name(s) for s in LADDER]
+    for r in entries:
+        assert r.status in expect.statuses.get(r.name, DECIDED), f"{r.name}: {r.status} ({r.reason})"
+        if r.measurement is not None:
+            assert r.parity is not None and r.parity.passed, f"{r.name}: {r.parity}"
+    json.dumps(result.to_dict())
+
+    # during training: exactly the kept rungs were on
+    kept = {r.name for r in result.kept}
+    assert (probe.flags_training != probe.flags_before) == ("fused_optimizer" in kept)
+    had_forward = {k for k, attrs in before["instance"].items() if "forward" in attrs}
+    new = {k: v for k, v in probe.forwards_training.items() if k not in had_forward}
+    if not kept & FORWARD_RUNGS:
+        assert not new, sorted(new)
+    assert any(isinstance(f, GuardedForward) for f in new.values()) == ("compile" in kept)
+    if "sdpa" in kept:
+        assert any(not isinstance(f, GuardedForward) for f in new.values())
+
+    # after the fit: everything back
+    after = _model_fingerprint(module)
+    assert after["ids"] == before["ids"] and after["classes"] == before["classes"]
+    assert after["instance"] == before["instance"] and _library_attrs(module) == attrs_before
+    assert _flags(probe.optimizer) == probe.flags_before and _global_flags() == flags_before
+    torch.save(module, io.BytesIO())
+    if expect.check is not None:
+        expect.check(Fit(module, trainer, ladder, result, probe))
+
+
+def test_the_zoo_imports_without_the_model_libraries():
+    code = ("import sys\n"
+            "import lightning.pytorch  # which imports some of them where installed, for its own integrations\n"
+            "sys.modules.update(dict.fromkeys(('transformers', 'timm', 'torchvision')))  # now they fail to import\n"
+            "from speedkit.demos.zoo import ZOO\n"
+            "ZOO['nanogpt'].build('tiny')\n"
+            "try:\n    ZOO['timm-vit'].build('tiny')\nexcept ImportError:\n    print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
