@@ -30,6 +30,7 @@ Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import gc
 import shutil
@@ -225,7 +226,9 @@ def speedkit_fields(ladder: SpeedLadder, res: Results, name: str) -> dict[str, A
         print(f"{name:22s} speedkit  rung {f['rung']} FAILED: {f['reason']}", flush=True)
     summary = result.to_dict()["summary"]
     return {"kept": summary["kept"], "failed_rungs": failed, "ladder_speedup": summary["speedup"],
-            "ladder_s": sum(r.seconds for r in result.rungs), "interrupted": result.interrupted}
+            "ladder_s": sum(r.seconds for r in result.rungs), "interrupted": result.interrupted,
+            "ladder_measure": "defaults" if not result.measure or result.measure.get("max_blocks") == config.measure_defaults()["max_blocks"]
+            and result.measure.get("steps") == config.measure_defaults()["steps"] else "quick"}
 
 
 def main() -> None:
@@ -237,6 +240,9 @@ def main() -> None:
     parser.add_argument("--time-guard-s", type=float, default=None,
                         help="wall seconds one model's three variants may take (default 360; --tiny 120)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
+    parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
+                        help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
+                             "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
     args = parser.parse_args()
     names = args.models.split(",")
     unknown = [n for n in names if n not in ZOO]
@@ -248,6 +254,8 @@ def main() -> None:
         torch.set_num_threads(1)  # tiny ops on a busy few-core machine otherwise wait at OpenMP barriers
     warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
     plan = make_plan(args.tiny, args.steps, args.time_guard_s)
+    if args.ladder_measure == "defaults":
+        plan = dataclasses.replace(plan, measure={})
     out = Path(args.results) if args.results else None
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
