@@ -208,6 +208,9 @@ class Ladder:
                 self.slots = []
             self._iterators.clear()
             self._snapshot.restore()  # trial steps never leak into the user's training
+            # the copies of the weights and optimizer state are spent: never hold them through the fit
+            self._snapshot = None  # type: ignore[assignment]
+            self._parity_batches = []
             if state.data is not None:
                 state.data.release()
             if state.device.type == "cuda":  # the trials reset the peak-memory counter per window; what

@@ -252,6 +252,7 @@ def test_same_snapshot_same_batches_give_identical_trajectories():
     ladder, _ = _run(timed_state(time), [], time)
     ladder._snapshot = __import__("speedkit.snapshot", fromlist=["Snapshot"]).Snapshot(
         ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data)
+    ladder._parity_batches = ladder.state.data.parity_batches(ladder.cfg.parity_steps)  # released when it ran
     assert ladder._trajectory() == ladder._trajectory()
 
 
@@ -547,3 +548,19 @@ def test_calibration_leaves_the_model_and_the_global_rng_untouched():
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, before[k])
     assert sum(len(m._forward_hooks) for m in state.model.modules()) == hooks_before
+
+
+def test_the_ladder_holds_no_copy_of_the_training_state_after_it_ran():
+    """The snapshot (weights, optimizer state) and the parity batches are released when the ladder
+    ends: the fit that follows must not pay their memory."""
+    import gc
+
+    time = VirtualTime()
+    state = timed_state(time)
+    ladder, _ = _run(state, [SpeedRung("x", time, 0.01, -0.2)], time)
+    assert ladder._snapshot is None and ladder._parity_batches == []
+    gc.collect()
+    param = next(state.model.parameters())
+    copies = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not param and o.shape == param.shape
+              and o.dtype == param.dtype and torch.equal(o, param.detach())]
+    assert copies == [], f"{len(copies)} copies of a weight still alive"
