@@ -82,6 +82,11 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
   (the likely cause of a flagged gap: data wait, host time, or neither), ``note``.
 * ``interrupted`` (str | null) — what interrupted the run and where ("KeyboardInterrupt during
   sdpa"); the rungs are then those finished before it.
+* ``parity_calibration`` (object) — per precision in play, how its parity tolerance was set on
+  this model: ``epsilon`` (the rounding step applied to every weight and leaf module output),
+  ``sensitivity`` (how far the baseline loss trajectory moved under it, relative, worst step),
+  ``safety``, ``floor`` (``configs/tolerances.yaml``) and ``tolerance`` (max(floor, safety ·
+  sensitivity)).
 * ``summary`` (object) — ``baseline_step_ms``, ``final_step_ms`` (the final configuration's, in
   the final check), ``speedup`` (the final check's paired speedup, else the product of the kept
   rungs'), ``speedup_ci`` (its interval, or null), ``kept`` (names, in order),
