@@ -238,7 +238,7 @@ def main() -> None:
                         help="tiny models on the CPU, a smoke test; rows go to a temporary directory")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 10; --tiny 2)")
     parser.add_argument("--time-guard-s", type=float, default=None,
-                        help="wall seconds one model's three variants may take (default 360; --tiny 120)")
+                        help="wall seconds one model's three variants may take (default 360; 600 with --ladder-measure defaults; --tiny 120)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
                         help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
@@ -254,8 +254,8 @@ def main() -> None:
         torch.set_num_threads(1)  # tiny ops on a busy few-core machine otherwise wait at OpenMP barriers
     warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
     plan = make_plan(args.tiny, args.steps, args.time_guard_s)
-    if args.ladder_measure == "defaults":
-        plan = dataclasses.replace(plan, measure={})
+    if args.ladder_measure == "defaults":  # longer comparisons: the fit after them needs a longer guard
+        plan = dataclasses.replace(plan, measure={}, time_guard_s=args.time_guard_s or 600.0)
     out = Path(args.results) if args.results else None
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
