@@ -108,15 +108,6 @@ def inductor_cpu_compiler() -> str | None:
 # -- optimizers ----------------------------------------------------------------------------------
 
 
-def fused_optimizer_devices() -> tuple[str, ...]:
-    """Device types torch's fused optimizer kernels run on (``_get_fused_kernels_supported_devices``)."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # conservative: CUDA has had fused Adam/AdamW/SGD since torch 2.0
-        return ("cuda",)
-    return tuple(_get_fused_kernels_supported_devices())
-
-
 #: the attribute an optimizer built with ``fused=True`` sets; GradScaler reads it to let the fused
 #: kernel unscale gradients itself instead of calling ``unscale_`` first
 AMP_SCALING_FLAG = "_step_supports_amp_scaling"

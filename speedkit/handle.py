@@ -28,6 +28,8 @@ class Handle:
         suspended: True between :meth:`suspend` and :meth:`resume`.
         problem: returns a reason when the applied change stopped working (e.g. a compile fallback).
         report: returns lines on what the change did once steps ran (e.g. graphs compiled).
+        draws_differently: the change computes the same function but draws its random numbers
+            (dropout masks) from another stream; the ladder then judges parity with dropout off.
     """
 
     def __init__(self, rung: str) -> None:
@@ -38,6 +40,7 @@ class Handle:
         self.suspended = False
         self.problem: Callable[[], str | None] = lambda: None
         self.report: Callable[[], list[str]] = lambda: []
+        self.draws_differently = False
 
     def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None) -> None:
         """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo."""

@@ -54,7 +54,7 @@ from speedkit.results import (
     Parity,
     RungResult,
 )
-from speedkit.rungs.base import Rung
+from speedkit.rungs.base import Rung, active_dropouts
 from speedkit.snapshot import Snapshot
 from speedkit.state import TrainState
 
@@ -97,6 +97,11 @@ def _rel_diff(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _worst_rel_diff(losses: list[float], reference: list[float]) -> float:
+    """The largest per-step relative difference of a loss trajectory from a reference one."""
+    return max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
 
 
 class _Slot:
@@ -182,7 +187,8 @@ class Ladder:
         state, cfg = self.state, self.cfg
         self.result = LadderResult(
             schema_version=SCHEMA_VERSION, recipe=self.recipe, environment=collect_environment(state.device),
-            device=str(state.device), flops={}, measure=asdict(cfg), rungs=[], run=self.run_info)
+            device=str(state.device), flops={}, measure=asdict(cfg), rungs=[], run=self.run_info,
+            parity_calibration=self._calibration)  # filled as tolerances are calibrated
         state.model.train()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
         self._snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
@@ -297,7 +303,7 @@ class Ladder:
             with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
                 losses = self._trajectory()
             entry.parity = self._parity(losses, reference)
-            if getattr(slot.handle, "draws_differently", False) and _dropouts(state.model):
+            if slot.handle.draws_differently and active_dropouts(state.model):
                 # the same function drawing its dropout masks differently: compare with dropout off
                 with _dropout_off(state.model):
                     candidate = self._trajectory()
@@ -529,28 +535,26 @@ class Ladder:
         """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
         state = self.state
         tol = self._tolerance(state.precision)
-        worst = max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
+        worst = _worst_rel_diff(losses, reference)
         return Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
 
     def _tolerance(self, precision: str) -> float:
         """The parity tolerance of ``precision`` on this model: ``safety`` times how far the baseline
         trajectory moves under noise of that precision's machine epsilon on every weight and every
-        leaf module's output, never
-        under the configured floor. Measured once per precision (at the baseline where possible)."""
+        leaf module's output, never under the configured floor. Measured once per precision (at the
+        baseline where possible), kept in the report's ``parity_calibration``."""
         if precision not in self._calibration:
             floor = config.tolerance(precision, self.state.device.type)
             calibration = config.parity_calibration()
             epsilon = float(calibration["epsilon"][precision])
             safety = float(calibration["safety"])
             perturbed = self._trajectory(perturb=epsilon)
-            sensitivity = max((_rel_diff(a, b) for a, b in zip(perturbed, self._reference)), default=0.0)
+            sensitivity = _worst_rel_diff(perturbed, self._reference)
             if not math.isfinite(sensitivity):  # a model that diverges under rounding-level noise: no signal
                 sensitivity = 0.0
             tol = max(floor, safety * sensitivity)
             self._calibration[precision] = {"epsilon": epsilon, "sensitivity": sensitivity, "safety": safety,
                                             "floor": floor, "tolerance": tol}
-            if self.result is not None:
-                self.result.parity_calibration = dict(self._calibration)
         return self._calibration[precision]["tolerance"]
 
     def _trajectory(self, perturb: float | None = None) -> list[float]:
@@ -602,18 +606,10 @@ class _RoundingNoise:
         self._hooks = []
 
 
-_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-             torch.nn.FeatureAlphaDropout)
-
-
-def _dropouts(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(m, _DROPOUTS) and m.p > 0]
-
-
 @contextlib.contextmanager
 def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
     """Every dropout module of ``model`` at p=0 inside the block (code reading ``dropout.p`` too)."""
-    saved = [(m, m.p) for m in _dropouts(model)]
+    saved = [(m, m.p) for m in active_dropouts(model)]
     for m, _ in saved:
         m.p = 0.0
     try:

@@ -186,10 +186,15 @@ def bind_method(handle: Handle, module: nn.Module, name: str, function: Callable
     handle.record(description, restore, lambda: setattr(module, name, bound))
 
 
+def is_user_code(module_name: str) -> bool:
+    """Code defined in module ``module_name`` is the user's (or a model library's), not torch's or
+    Lightning's own."""
+    return module_name.split(".")[0] not in ("torch", "lightning", "pytorch_lightning")
+
+
 def is_user_module(module: nn.Module) -> bool:
     """Modules whose code is the user's (torch's own modules are never rewritten)."""
-    mod = type(module).__module__
-    return not (mod.startswith("torch.") or mod == "torch" or mod.startswith("lightning.") or mod.startswith("pytorch_lightning."))
+    return is_user_code(type(module).__module__)
 
 
 def call_ops(name: str, *args: ast.expr, **kwargs: ast.expr) -> ast.Call:

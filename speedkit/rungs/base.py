@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from torch import nn
+
 from speedkit.handle import Handle, nested, set_attr
 from speedkit.options import check_value, parse_options
 from speedkit.state import TrainState
@@ -64,4 +66,13 @@ class Rung:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
 
 
-__all__ = ["Handle", "NoOptions", "Rung", "check_value", "nested", "parse_options", "set_attr"]
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def active_dropouts(model: nn.Module) -> list[nn.Module]:
+    """The dropout modules of ``model`` that drop something (p > 0): where a rung that draws its masks
+    differently (``Handle.draws_differently``) makes trajectories differ by design."""
+    return [m for m in model.modules() if isinstance(m, _DROPOUTS) and m.p > 0]
+
+
+__all__ = ["Handle", "NoOptions", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from speedkit import compat
-from speedkit.rungs.base import Handle, Rung
+from speedkit import compat, rewrite
+from speedkit.rungs.base import Handle, Rung, active_dropouts, set_attr
 from speedkit.state import TrainState
 
 
@@ -100,17 +100,13 @@ class GuardedForward:
 
 # -- what the training step runs ---------------------------------------------------------------------
 
-_MAX_DEPTH = 3
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)  # helper methods followed from training_step
+_MAX_DEPTH = 3  # helper methods followed from training_step
 
 
 def _user_method(obj: Any, name: str) -> Any:
     """``type(obj).name`` when it is a plain function defined outside torch and Lightning."""
     fn = getattr(type(obj), name, None)
-    module = getattr(fn, "__module__", "") or ""
-    if not inspect.isfunction(fn) or module.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
-        return None
-    return fn
+    return fn if inspect.isfunction(fn) and rewrite.is_user_code(fn.__module__ or "") else None
 
 
 def _method_tree(fn: Any) -> tuple[ast.FunctionDef, str] | None:
@@ -229,25 +225,13 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
 
 
 def _compile_forward(handle: Handle, module: nn.Module, label: str, options: CompileOptions) -> GuardedForward:
-    had_own_forward = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
     eager = module.forward
     compiled = torch.compile(eager, mode=None if options.mode == "default" else options.mode,
                              fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
     guarded = GuardedForward(eager, compiled, options.max_recompiles)
-    module.forward = guarded
-
-    def restore() -> None:
-        if had_own_forward:
-            module.forward = previous
-        else:
-            module.__dict__.pop("forward", None)
-
-    def redo() -> None:  # the same compiled function: switching compile off and on recompiles nothing
-        module.forward = guarded
-
-    handle.record(f"{label} = torch.compile(forward, mode={options.mode!r}, fullgraph={options.fullgraph}, "
-                  f"dynamic={options.dynamic}, backend={options.backend!r})", restore, redo)
+    # redo binds the same compiled function: switching compile off and on recompiles nothing
+    set_attr(handle, module, "forward", guarded, f"{label} = torch.compile(forward, mode={options.mode!r}, "
+             f"fullgraph={options.fullgraph}, dynamic={options.dynamic}, backend={options.backend!r})")
     return guarded
 
 
@@ -255,8 +239,8 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     """Compile the forwards the training step runs; the handle reports what ran once steps did."""
     handle = Handle("compile")
     targets, notes = step_modules(model)
-    guards = [(_label(model, name, module), _compile_forward(handle, module, _label(model, name, module), options))
-              for name, module in targets]
+    labels = [(_label(model, name, module), module) for name, module in targets]
+    guards = [(label, _compile_forward(handle, module, label, options)) for label, module in labels]
     for note in notes:
         handle.record(f"note: {note}")
     breaks_before = compat.graph_breaks()
@@ -286,8 +270,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     handle.problem = problem
     handle.report = report
     # Inductor draws dropout masks from its own generator: the same function, other masks
-    handle.draws_differently = any(isinstance(m, _DROPOUTS) and m.p > 0  # type: ignore[attr-defined]
-                                   for _, module in targets for m in module.modules())
+    handle.draws_differently = any(active_dropouts(module) for _, module in targets)
     return handle, guards
 
 

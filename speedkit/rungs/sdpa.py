@@ -808,7 +808,7 @@ class SdpaRung(Rung):
         switches = self._switches(state.model)
         apply_switches(handle, switches, self.options.hf_implementation)
         # a kernel draws attention dropout from its own random stream: parity is judged with dropout off
-        handle.draws_differently = bool(switches)  # type: ignore[attr-defined]
+        handle.draws_differently = bool(switches)
         planned, left_alone = self.plan(state.model, switches)
         switched = list(handle.changes)
         compiled: dict[tuple, Any] = {}

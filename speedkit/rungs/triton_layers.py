@@ -508,8 +508,7 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> _Plan:
                 parsed = _instance_method(module, method)
             except NotRewritable as exc:
                 defined_in = getattr(getattr(type(module), method, None), "__module__", "") or ""
-                user_code = not defined_in.startswith(("torch", "lightning", "pytorch_lightning"))
-                if module is model and user_code:  # the loss is usually computed here: say why it was not looked at
+                if module is model and rewrite.is_user_code(defined_in):  # the loss is usually computed here: say why
                     plan.left_alone.append(f"{type(module).__name__}.{method} not rewritten: {exc}")
                 continue
             analysis = _analyze(parsed)
