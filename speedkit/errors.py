@@ -27,3 +27,9 @@ class ConfigError(SpeedkitError, ValueError):
 
 class UnsupportedError(SpeedkitError):
     """The machine or library versions cannot do what was asked; the message says how to fix it."""
+
+
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of ``exc``'s message (``default`` when it has none): what a one-line report says."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else default

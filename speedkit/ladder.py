@@ -41,6 +41,7 @@ import torch
 
 from speedkit import compat, config
 from speedkit.data.source import count_items
+from speedkit.errors import first_line
 from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
@@ -273,7 +274,7 @@ class Ladder:
             try:
                 self._final_check()
             except Exception as exc:  # the rungs were judged already; only the headline figure is missing
-                self.on_event(f"final check failed ({type(exc).__name__}: {_first_line(exc)}); "
+                self.on_event(f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
                               "the speedup is the product of the kept rungs' paired speedups")
 
     # -- one rung --------------------------------------------------------------------------
@@ -284,7 +285,7 @@ class Ladder:
         try:
             reason = rung.check(state)
         except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
-            entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {_first_line(exc)}"
+            entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {first_line(exc)}"
             self._current = None
             return entry, reference
         if reason is not None:
@@ -339,13 +340,13 @@ class Ladder:
             elif isinstance(exc, _RungProblem):
                 entry.reason = str(exc)
             else:
-                entry.reason = f"{type(exc).__name__}: {_first_line(exc)}"[:300]
+                entry.reason = f"{type(exc).__name__}: {first_line(exc)}"[:300]
         finally:
             if slot is not None:
                 try:
                     entry.changes += slot.handle.report()
                 except Exception as exc:  # what it did is a report line; never the cause of a failure
-                    entry.changes.append(f"note: its report raised {type(exc).__name__}: {_first_line(exc)}")
+                    entry.changes.append(f"note: its report raised {type(exc).__name__}: {first_line(exc)}")
             self._snapshot.restore()
             if state.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -402,7 +403,7 @@ class Ladder:
                 paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name)
                 status, why = self._decide(paired)
             except Exception as exc:  # put the configuration back and say why the check failed
-                paired, status, why = None, "failed", f"{type(exc).__name__}: {_first_line(exc)}"
+                paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
             finally:
                 self._snapshot.restore()
             if status == "reverted":  # it no longer pays with the later rungs on top
@@ -617,11 +618,6 @@ def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, p in saved:
             m.p = p
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 class _RungProblem(Exception):

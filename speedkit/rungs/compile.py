@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from speedkit import compat, rewrite
+from speedkit.errors import first_line
 from speedkit.rungs.base import Handle, Rung, active_dropouts, set_attr
 from speedkit.state import TrainState
 
@@ -80,8 +81,7 @@ class GuardedForward:
         try:
             out = self.compiled(*args, **kwargs)
         except compat.compile_errors() as exc:
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self._fall_back(f"torch.compile failed ({type(exc).__name__}: {first_line[:200]})")
+            self._fall_back(f"torch.compile failed ({type(exc).__name__}: {first_line(exc, type(exc).__name__)[:200]})")
             return self.eager(*args, **kwargs)
         new_graphs = compat.graph_count() - before
         self.graphs += new_graphs

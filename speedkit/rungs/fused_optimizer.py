@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from speedkit import compat
+from speedkit.errors import first_line
 from speedkit.rungs.base import Handle, Rung
 from speedkit.state import TrainState
 
@@ -68,8 +69,8 @@ def _try_step(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.
         q.grad = torch.ones_like(q)
         probe.step()
     except Exception as exc:  # whatever stops the probe would stop the user's step
-        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"{implementation} {type(optimizer).__name__} does not run on {p.dtype} parameters on {p.device.type}: {message}"
+        return (f"{implementation} {type(optimizer).__name__} does not run on {p.dtype} parameters on {p.device.type}: "
+                f"{first_line(exc, type(exc).__name__)}")
     return None
 
 
