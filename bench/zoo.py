@@ -154,7 +154,7 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
     with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
         fitted = compile_as_a_user_would(module, plan.compile_backend) if variant == "switches" else module
         trainer.fit(fitted, train_dataloaders=loader)
-    return timer.measurement, trainer.global_step, speedkit_fields(ladder, res, entry.name) if ladder else {}
+    return timer.measurement, trainer.global_step, speedkit_fields(ladder, res, entry.name, plan) if ladder else {}
 
 
 def release() -> None:
@@ -211,7 +211,7 @@ def run_model(name: str, plan: Plan, res: Results) -> None:
         print(f"{name:22s} speedkit / switches = {ratio:.3f}x", flush=True)
 
 
-def speedkit_fields(ladder: SpeedLadder, res: Results, name: str) -> dict[str, Any]:
+def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) -> dict[str, Any]:
     """The ladder's decisions for the speedkit row; its report saved beside the rows."""
     result = ladder.result
     if result is None:
@@ -227,8 +227,7 @@ def speedkit_fields(ladder: SpeedLadder, res: Results, name: str) -> dict[str, A
     summary = result.to_dict()["summary"]
     return {"kept": summary["kept"], "failed_rungs": failed, "ladder_speedup": summary["speedup"],
             "ladder_s": sum(r.seconds for r in result.rungs), "interrupted": result.interrupted,
-            "ladder_measure": "defaults" if not result.measure or result.measure.get("max_blocks") == config.measure_defaults()["max_blocks"]
-            and result.measure.get("steps") == config.measure_defaults()["steps"] else "quick"}
+            "ladder_measure": "quick" if plan.measure else "defaults"}
 
 
 def main() -> None:

@@ -98,7 +98,11 @@ def hf_switched(label: str) -> Callable[[Fit], None]:
 
 
 def both(*checks: Callable[[Fit], None]) -> Callable[[Fit], None]:
-    return lambda fit: [c(fit) for c in checks] and None
+    def check(fit: Fit) -> None:
+        for one in checks:
+            one(fit)
+
+    return check
 
 
 _EAGER = {"attn_implementation": "eager"}  # as transformers < 5 built models from configs, and code reading attention weights does
