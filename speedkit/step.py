@@ -108,6 +108,12 @@ class Step:
         raise for running more steps than the schedule was built for."""
         yield
 
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        """Make this step's change take effect in a Lightning ``fit`` that runs its own loop (after
+        the trials, the kept step wrappers are bound here); None when there is nothing to bind. The
+        returned handle undoes the binding."""
+        return None
+
 
 class StepWrapper(Step):
     """A step around another one; subclasses override what they change (usually ``__call__``)."""
@@ -151,6 +157,9 @@ class StepWrapper(Step):
 
     def trial(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.trial()
+
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        return self.inner.bind_fit(trainer, module)
 
 
 class ScheduleGuard:

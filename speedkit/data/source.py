@@ -26,6 +26,7 @@ import torch
 
 from speedkit import compat
 from speedkit.errors import ConfigError
+from speedkit.handle import Handle
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -124,3 +125,9 @@ class BatchSource:
     def release(self) -> None:
         """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""
         compat.shutdown_workers(self.iterable)
+
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        """Make this source's change take effect in a Lightning ``fit`` that iterates its own loader
+        (after the trials, a kept source wrapper is bound here); None when there is nothing to bind.
+        The returned handle undoes the binding."""
+        return None

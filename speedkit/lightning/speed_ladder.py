@@ -178,8 +178,8 @@ class SpeedLadder(Callback):
     # -- trials ----------------------------------------------------------------------------
     def _run_trials(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = LightningStep(trainer, pl_module)
-        state = TrainState(model=pl_module, optimizer=step.optimizer, device=step.device, step=step,
-                           data=LightningSource(trainer, pl_module))
+        source = LightningSource(trainer, pl_module)
+        state = TrainState(model=pl_module, optimizer=step.optimizer, device=step.device, step=step, data=source)
         run_info = {
             "precision": str(trainer.precision), "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
@@ -194,6 +194,7 @@ class SpeedLadder(Callback):
         finally:
             self.result = self._ladder.result
         self.handles = list(self._ladder.handles)
+        self._bind_fit(trainer, pl_module, state, step, source)
         for entry in self.result.rungs[1:]:
             if entry.status == "kept":
                 self.applied_changes[entry.name] = list(entry.changes)
@@ -202,6 +203,27 @@ class SpeedLadder(Callback):
         self._probe = _HoldsProbe(self.measure, self.result, step.device)
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
+
+    def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: LightningStep,
+                  source: LightningSource) -> None:
+        """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
+        own loop runs the fit, so each wrapper binds itself into it (a graphed step, a prefetching
+        loader). A binding that fails leaves the fit as Lightning runs it, and says why."""
+        for wrapper, original, what in ((state.step, step, "step"), (state.data, source, "batch source")):
+            if wrapper is original or wrapper is None:
+                continue
+            try:
+                handle = wrapper.bind_fit(trainer, pl_module)
+            except Exception as exc:  # the fit goes on as Lightning runs it
+                line = f"the kept {what} wrapper {type(wrapper).__name__} could not bind into the fit: {type(exc).__name__}: {exc}"
+                self.skipped[f"bind_{what.replace(' ', '_')}"] = line
+                rank_zero_warn(f"speedkit: {line}", category=UserWarning)
+                continue
+            if handle is not None:
+                self.handles.append(handle)
+                self.applied_changes.setdefault(handle.rung, []).extend(handle.changes)
+                for change in handle.changes:
+                    self.on_event(f"fit: {change}")
 
     def _finish_holds(self, trainer: pl.Trainer) -> None:
         probe, self._probe = self._probe, None
