@@ -19,7 +19,7 @@ through Lightning's transfer hooks. A data-path rung wraps ``state.data`` the wa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,21 +29,37 @@ from speedkit.errors import ConfigError
 from speedkit.handle import Handle
 
 
+def map_batch(fn: Callable[[Any], Any], batch: Any) -> Any:
+    """Apply ``fn`` to every leaf of a nested batch (lists, tuples, named tuples, dicts,
+    dataclasses), keeping its structure."""
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(map_batch(fn, b) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_batch(fn, b) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, map_batch(fn, v)) for k, v in batch.items())
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: map_batch(fn, getattr(batch, f.name))
+                                             for f in dataclasses.fields(batch) if f.init})
+    return fn(batch)
+
+
+def batch_leaves(batch: Any) -> list[Any]:
+    """The leaves of a nested batch, in the order :func:`map_batch` visits them."""
+    leaves: list[Any] = []
+
+    def visit(leaf: Any) -> Any:
+        leaves.append(leaf)
+        return leaf
+
+    map_batch(visit, batch)
+    return leaves
+
+
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Recursively move the tensors of a batch (lists, tuples, named tuples, dicts, dataclasses) to
     ``device``; other leaves are left as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(move_to_device(b, device, non_blocking) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: move_to_device(getattr(batch, f.name), device, non_blocking)
-                                             for f in dataclasses.fields(batch) if f.init})
-    return batch
+    return map_batch(lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t, batch)
 
 
 def host_copy(batch: Any) -> Any:
