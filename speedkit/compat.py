@@ -177,6 +177,20 @@ def shutdown_workers(loader: Any) -> None:
     loader.__dict__["_iterator"] = None
 
 
+def set_persistent_workers(loader: Any, value: bool) -> None:
+    """Set a DataLoader's ``persistent_workers`` after construction: ``DataLoader.__setattr__``
+    refuses it once the loader is initialized, so it is written to the instance dict (the attribute
+    is a plain one that ``__iter__`` reads)."""
+    loader.__dict__["persistent_workers"] = bool(value)
+
+
+def shutdown_iterator(iterator: Any) -> None:
+    """Stop the worker processes of a DataLoader iterator (``_shutdown_workers``), if it has any."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 # -- Lightning -----------------------------------------------------------------------------------
 
 
@@ -234,6 +248,84 @@ def lightning_trial_logging(trainer: Any, module: Any) -> Iterator[TrialLog | No
     finally:
         loop._results = previous
         module._current_fx_name = previous_fx
+
+
+def lightning_optimizer_progress(trainer: Any) -> Any:
+    """The automatic optimization's progress counters (``global_step`` counts their optimizer
+    steps), or None where Lightning's loop moved. A captured step must put them back after the
+    capture (which runs the Python once without stepping) and count each replay."""
+    try:
+        return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+    except AttributeError:
+        return None
+
+
+def lightning_count_optimizer_step(trainer: Any) -> None:
+    """Count one optimizer step (and its zero-grad) the way Lightning's automatic optimization does,
+    for a step Lightning's loop did not run itself (a replayed CUDA graph)."""
+    progress = lightning_optimizer_progress(trainer)
+    if progress is None:
+        return
+    for tracker, names in ((progress.optimizer.step, ("increment_ready", "increment_completed")),
+                           (progress.optimizer.zero_grad, ("increment_ready", "increment_started", "increment_completed"))):
+        for name in names:
+            fn = getattr(tracker, name, None)
+            if fn is not None:
+                fn()
+
+
+def lightning_automatic_optimization(trainer: Any) -> Any:
+    """The object whose ``run(optimizer, batch_idx, kwargs)`` Lightning's training epoch loop calls
+    for every batch under automatic optimization (where a whole-step CUDA graph binds into the fit)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    auto = getattr(loop, "automatic_optimization", None)
+    if auto is None or not callable(getattr(auto, "run", None)):
+        raise RuntimeError(f"this Lightning version ({_lightning_version()}) has no fit_loop.epoch_loop.automatic_optimization.run")
+    return auto
+
+
+def _lightning_version() -> str:
+    try:
+        import lightning
+
+        return lightning.__version__
+    except ImportError:
+        return "none"
+
+
+@contextlib.contextmanager
+def recording_logs(module: Any, logs: list[Any]) -> Iterator[None]:
+    """``module.log`` (through which ``log_dict`` logs too) records ``(args, kwargs, "file:line")``
+    into ``logs`` instead of logging."""
+    import traceback
+
+    missing = object()
+    previous = module.__dict__.get("log", missing)
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        caller = traceback.extract_stack(limit=3)[-2]
+        logs.append((args, kwargs, f"{caller.filename}:{caller.lineno}"))
+
+    module.__dict__["log"] = record
+    try:
+        yield
+    finally:
+        if previous is missing:
+            module.__dict__.pop("log", None)
+        else:
+            module.__dict__["log"] = previous
+
+
+@contextlib.contextmanager
+def lightning_logging_as(module: Any, hook: str) -> Iterator[None]:
+    """Let ``self.log`` run outside the hook it was written in, as if inside ``hook`` (Lightning
+    checks the hook name it is called from)."""
+    previous = getattr(module, "_current_fx_name", None)
+    module._current_fx_name = hook
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
 
 
 # -- model libraries' attention switches ----------------------------------------------------------
@@ -298,3 +390,93 @@ def hf_loss_function_settable(model: nn.Module) -> bool:
     if not isinstance(prop, property) or prop.fget is None or prop.fset is None:
         return False
     return all(HF_LOSS_FUNCTION_ATTR in getattr(getattr(f, "__code__", None), "co_names", ()) for f in (prop.fget, prop.fset))
+
+
+# -- Lightning's fit loop: its train loader and iterator (the data_path rung's binding) -----------
+
+
+def _fit_loop_module() -> Any:
+    try:
+        from lightning.pytorch.loops import fit_loop
+    except ImportError:
+        return None
+    return fit_loop if callable(getattr(fit_loop, "_select_data_fetcher", None)) else None
+
+
+def watch_train_iterator_start(trainer: Any, before: Callable[[list[Any]], None],
+                               after: Callable[[list[Any]], None]) -> Callable[[], None] | None:
+    """Call ``before(loaders)`` right before ``trainer``'s fit loop creates its train iterator (in
+    ``setup_data``, before ``on_train_start``) and ``after(loaders)`` right after; returns the
+    function that removes the watch, or None where Lightning's internals moved (nothing watched).
+
+    The fit loop asks ``_select_data_fetcher`` (a global of ``lightning.pytorch.loops.fit_loop``)
+    for its fetcher, then calls the fetcher's ``setup(combined_loader)`` and ``iter(fetcher)``,
+    whose last act is ``fetcher.reset()``; the watch wraps that global for ``trainer`` only and
+    wraps ``setup`` and ``reset`` on the one fetcher it returns (instance attributes, removed once
+    they fired).
+    """
+    module = _fit_loop_module()
+    if module is None:
+        return None
+    original = module._select_data_fetcher
+
+    def select(which: Any, stage: Any) -> Any:
+        fetcher = original(which, stage)
+        if which is not trainer or str(getattr(stage, "value", stage)) != "train" or not hasattr(fetcher, "setup"):
+            return fetcher
+
+        def setup(combined_loader: Any) -> None:
+            fetcher.__dict__.pop("setup", None)
+            before(list(getattr(combined_loader, "flattened", [])))
+            fetcher.setup(combined_loader)
+
+        def reset() -> None:
+            if getattr(fetcher, "iterator", None) is None:  # a reset outside iter(): not the creation
+                type(fetcher).reset(fetcher)
+                return
+            fetcher.__dict__.pop("reset", None)
+            fetcher.reset()
+            after(list(getattr(getattr(fetcher, "_combined_loader", None), "flattened", [])))
+
+        fetcher.setup, fetcher.reset = setup, reset
+        return fetcher
+
+    module._select_data_fetcher = select
+
+    def remove() -> None:
+        if module._select_data_fetcher is select:
+            module._select_data_fetcher = original
+
+    return remove
+
+
+def lightning_train_loaders(trainer: Any) -> list[Any] | None:
+    """The train loaders the fit loop iterates (its ``CombinedLoader``'s flattened list), or None
+    before ``setup_data`` or where the internals moved."""
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    flattened = getattr(combined, "flattened", None)
+    return list(flattened) if flattened is not None else None
+
+
+def lightning_set_train_loaders(trainer: Any, loaders: list[Any]) -> None:
+    """Make the fit loop iterate ``loaders`` (same structure) from its next ``iter()`` on."""
+    trainer.fit_loop._combined_loader.flattened = list(loaders)
+
+
+def lightning_restart_train_iterator(trainer: Any) -> list[Any]:
+    """Create the fit loop's train iterator again, as ``setup_data`` did (``iter(data_fetcher)``),
+    from the loaders it holds now; returns the iterators it replaced (the caller stops their workers)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    previous = getattr(getattr(trainer.fit_loop._combined_loader, "_iterator", None), "iterators", None) or []
+    iter(fetcher)
+    return list(previous)
+
+
+def lightning_first_epoch_pending(trainer: Any) -> bool:
+    """The fit has not fetched a train batch yet and runs its first epoch (a resumed fit or a
+    restarted loop is not one whose first iterator can be recreated as it was made)."""
+    loop = getattr(trainer, "fit_loop", None)
+    progress = getattr(getattr(loop, "epoch_loop", None), "batch_progress", None)
+    ready = getattr(getattr(progress, "total", None), "ready", None)
+    return (getattr(loop, "_data_fetcher", None) is not None and ready == 0 and trainer.current_epoch == 0
+            and not getattr(loop, "restarting", True))

@@ -35,24 +35,28 @@ class Handle:
     def __init__(self, rung: str) -> None:
         self.rung = rung
         self.changes: list[str] = []
-        self._entries: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
+        self._entries: list[tuple[Callable[[], None], Callable[[], None] | None, bool]] = []
         self.active = True
         self.suspended = False
         self.problem: Callable[[], str | None] = lambda: None
         self.report: Callable[[], list[str]] = lambda: []
         self.draws_differently = False
 
-    def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None) -> None:
-        """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo."""
+    def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None, *,
+               persistent: bool = False) -> None:
+        """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo.
+
+        ``persistent``: the change does not alter what a step computes (e.g. a flag that lets the
+        optimizer be captured in a CUDA graph); :meth:`suspend` leaves it on, only :meth:`undo` reverts it."""
         if change:
             self.changes.append(change)
         if undo is not None:
-            self._entries.append((undo, redo))
+            self._entries.append((undo, redo, persistent))
 
     @property
     def toggleable(self) -> bool:
         """Whether :meth:`suspend`/:meth:`resume` can switch the changes off and on again."""
-        return all(redo is not None for _, redo in self._entries)
+        return all(redo is not None or persistent for _, redo, persistent in self._entries)
 
     def suspend(self) -> None:
         """Revert every change, last first, keeping what is needed to :meth:`resume` them."""
@@ -60,14 +64,14 @@ class Handle:
             return
         if not self.toggleable:
             raise RuntimeError(f"handle of {self.rung!r} records a change that cannot be redone; use undo()")
-        self._run([undo for undo, _ in reversed(self._entries)])
+        self._run([undo for undo, _, persistent in reversed(self._entries) if not persistent])
         self.suspended = True
 
     def resume(self) -> None:
         """Make every change again, first first (the same objects as before :meth:`suspend`)."""
         if not self.active or not self.suspended:
             return
-        self._run([redo for _, redo in self._entries])  # type: ignore[misc]
+        self._run([redo for _, redo, persistent in self._entries if not persistent])  # type: ignore[misc]
         self.suspended = False
 
     def undo(self) -> None:
@@ -76,10 +80,8 @@ class Handle:
             return
         self.active = False
         entries, self._entries = self._entries, []
-        if self.suspended:
-            self.suspended = False
-            return
-        self._run([undo for undo, _ in reversed(entries)])
+        suspended, self.suspended = self.suspended, False
+        self._run([undo for undo, _, persistent in reversed(entries) if persistent or not suspended])
 
     @staticmethod
     def _run(functions: list[Callable[[], None]]) -> None:

@@ -25,6 +25,8 @@ from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
+#: one recorded ``self.log(*args, **kwargs)`` call: (args, kwargs, "file:line" of the call)
+LogCall = tuple[tuple[Any, ...], dict[str, Any], str]
 
 #: numerics class of a precision setting (the parity tolerance follows the loosest in effect)
 NUMERICS = {"bf16": "bf16", "fp16": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
@@ -71,7 +73,27 @@ class Step:
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         """One optimizer step over ``batches`` (``accumulate`` of them, on the device); returns the
         detached loss (the mean over micro-batches) without synchronizing with the device."""
+        loss = self.compute(batches, batch_idx)
+        self.after_step(batch_idx)
+        return loss
+
+    def compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        """The device work of one optimizer step: forwards, backwards, clipping, the optimizer's
+        update and zero-grad (what a CUDA graph of the step captures)."""
         raise NotImplementedError
+
+    def after_step(self, batch_idx: int) -> None:
+        """The host work after an optimizer step that must run every step (learning-rate schedules)."""
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[LogCall]]:
+        """Around a step whose host side effects must not happen as they run (a CUDA graph capture,
+        which runs the Python once): ``self.log`` calls are recorded into the yielded list instead,
+        for :meth:`emit` to make after each replay."""
+        yield []
+
+    def emit(self, logs: Sequence[LogCall], batch: Any) -> None:
+        """Make the log calls recorded by :meth:`capture`, after a step that computed their values."""
 
     def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         """Forward and loss of one batch under the precision in effect (no backward)."""
@@ -136,6 +158,18 @@ class StepWrapper(Step):
 
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         return self.inner(batches, batch_idx)
+
+    def compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        return self.inner.compute(batches, batch_idx)
+
+    def after_step(self, batch_idx: int) -> None:
+        self.inner.after_step(batch_idx)
+
+    def capture(self) -> contextlib.AbstractContextManager[list[LogCall]]:
+        return self.inner.capture()
+
+    def emit(self, logs: Sequence[LogCall], batch: Any) -> None:
+        self.inner.emit(logs, batch)
 
     def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         return self.inner.forward_loss(batch, batch_idx)
@@ -253,7 +287,7 @@ class PlainStep(Step):
         with self.autocast():
             return self.loss_fn(self.model, batch, batch_idx)
 
-    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+    def compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         n = len(batches)
         total: torch.Tensor | None = None
         for batch in batches:
@@ -262,12 +296,21 @@ class PlainStep(Step):
                 loss = loss / n
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        self.optimizer_step()
+        self.update()
         assert total is not None, "a step needs at least one batch"
         return total
 
+    def after_step(self, batch_idx: int) -> None:
+        if self.scheduler is not None:
+            self._schedule.step(self.scheduler, self.scheduler.step)
+
     def optimizer_step(self) -> None:
         """Clip (unscaled), step through the scaler if any, zero the gradients, step the schedule."""
+        self.update()
+        self.after_step(0)
+
+    def update(self) -> None:
+        """Clip (unscaled), step through the scaler if any, zero the gradients."""
         opt = self.optimizer
         if self.clip_grad_norm is not None:
             if self.scaler is not None:
@@ -280,8 +323,6 @@ class PlainStep(Step):
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self._schedule.step(self.scheduler, self.scheduler.step)
 
     # -- precision -------------------------------------------------------------------------
     @property

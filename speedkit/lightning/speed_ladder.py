@@ -114,8 +114,10 @@ class SpeedLadder(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.trials or self._state is None:
             return
-        self._state.optimizer = self._state.step.optimizer
+        original = self._state.step
+        self._state.optimizer = original.optimizer
         self._apply_stage("fit_start")
+        self._bind_fit(trainer, pl_module, self._state, original, self._state.data)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,8 +206,8 @@ class SpeedLadder(Callback):
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
-    def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: LightningStep,
-                  source: LightningSource) -> None:
+    def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: Any,
+                  source: Any) -> None:
         """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
         own loop runs the fit, so each wrapper binds itself into it (a graphed step, a prefetching
         loader). A binding that fails leaves the fit as Lightning runs it, and says why."""

@@ -32,7 +32,7 @@ import torch
 from speedkit import compat
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
-from speedkit.step import NUMERICS, ScheduleGuard, Step, loss_of, restore_scaler
+from speedkit.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
 _MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
 
@@ -73,7 +73,7 @@ class LightningStep(Step):
     def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         return loss_of(self.strategy.training_step(*self._args(batch, batch_idx)))
 
-    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+    def compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         trainer, module = self.trainer, self.model
         optimizer = module.optimizers()  # the Trainer's LightningOptimizer
         raw = self.optimizer
@@ -105,10 +105,39 @@ class LightningStep(Step):
                 module.optimizer_step(trainer.current_epoch, idx, optimizer, closure)
             if self._log is not None:
                 self._log.step_done()
-        self._step_schedulers(batch_idx)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum()
+
+    def after_step(self, batch_idx: int) -> None:
+        self._step_schedulers(batch_idx)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[LogCall]]:
+        """``self.log``/``self.log_dict`` recorded instead of made, the trials' metric computation
+        (a host sync for progress-bar values) off, and the optimizer progress counters put back."""
+        logs: list[LogCall] = []
+        saved_log, self._log = self._log, None
+        progress = compat.lightning_optimizer_progress(self.trainer)
+        saved_progress = progress.state_dict() if progress is not None else None
+        with compat.recording_logs(self.model, logs):
+            try:
+                yield logs
+            finally:
+                self._log = saved_log
+                if progress is not None:
+                    progress.load_state_dict(saved_progress)
+
+    def emit(self, logs: Sequence[LogCall], batch: Any) -> None:
+        if not logs and self._log is None:
+            return
+        if self._log is not None:
+            self._log.batch(batch)
+        with compat.lightning_logging_as(self.model, "training_step"):
+            for args, kwargs, _ in logs:  # fresh copies: the replayed graph overwrites its outputs next step
+                self.model.log(*[_fresh(a) for a in args], **{k: _fresh(v) for k, v in kwargs.items()})
+        if self._log is not None:
+            self._log.step_done()
 
     def _args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
         return (batch, batch_idx) if self._takes_batch_idx else (batch,)
@@ -201,6 +230,10 @@ def _logging_off(module: pl.LightningModule) -> Iterator[None]:
                 module.__dict__.pop(name, None)
             else:
                 setattr(module, name, previous)
+
+
+def _fresh(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'channels_last', 'cudnn_benchmark']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'channels_last', 'cudnn_benchmark', 'cuda_graph']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -18,6 +18,7 @@ from speedkit.rungs.base import NoOptions, Rung
 from speedkit.rungs.batched import BatchedRung
 from speedkit.rungs.channels_last import ChannelsLastRung
 from speedkit.rungs.compile import CompileRung
+from speedkit.rungs.cuda_graph import CudaGraphRung
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.sdpa import SdpaRung
@@ -36,7 +37,7 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             ChannelsLastRung, CudnnBenchmarkRung):
+             ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung):
     register(_cls)
 
 

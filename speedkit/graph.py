@@ -1,0 +1,316 @@
+"""The whole training step as one CUDA graph: captured once after warm-up, replayed every step.
+
+:class:`GraphedStep` wraps a :class:`~speedkit.step.Step`. Its first ``warmup`` steps run eagerly on
+a side stream (compilation, autotuning, the optimizer's lazy state); the last of them runs under
+CUDA's sync debug mode, and any synchronizing call it makes (``.item()``, ``bool(tensor)``, a
+data-dependent size) stops the graph with its file and line. Then the step's device work — forward,
+loss, backward, clipping, the optimizer's update, zero-grad (``Step.compute``) — is captured on
+:class:`~speedkit.data.static.StaticBatch` buffers and replayed: each step copies its batch into the
+buffers, replays, makes the step's recorded ``self.log`` calls with the replayed values, and runs
+the host work of the step (learning-rate schedules, ``Step.after_step``) as usual. The learning
+rate lives in a device tensor the schedules fill, so a replay reads the current one.
+
+What cannot be replayed runs eagerly and is said: a batch that does not fit the buffers (a short
+last batch), a step after something replaced the optimizer's state (a restored snapshot: the
+graph is captured again after one eager step), or everything once the graph is stopped (a host
+sync, a failed capture, a hyper-parameter that changes every step). It never replays a step whose
+inputs it cannot vouch for.
+
+:meth:`GraphedStep.bind_fit` binds the graph into a Lightning ``fit``: the training epoch loop's
+automatic optimization runs the graphed step for each batch, and Lightning's own step for the
+batches the graph does not take (warm-up included), so the fit's loop, hooks, logging,
+schedulers and counters go on as they would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from speedkit import compat
+from speedkit.data.static import StaticBatch
+from speedkit.errors import first_line
+from speedkit.graph_safety import find_syncs
+from speedkit.handle import Handle
+from speedkit.step import LogCall, Step, StepWrapper
+
+#: optimizer hyper-parameters a schedule may change, kept in device tensors the graph reads
+TENSOR_HPARAMS = ("lr",)
+
+
+class GraphedStep(StepWrapper):
+    """A step replayed from a CUDA graph of its device work.
+
+    Args:
+        inner: the step to capture (its ``compute`` is captured, its ``after_step`` runs every step).
+        warmup: eager steps before the (first) capture; the last one checks for host syncs.
+        rewarm: eager steps before capturing again after the optimizer's state was replaced.
+    """
+
+    def __init__(self, inner: Step, *, warmup: int = 3, rewarm: int = 1) -> None:
+        super().__init__(inner)
+        self.warmup = max(1, warmup)
+        self.rewarm = max(1, rewarm)
+        self.static: StaticBatch | None = None
+        self.graph: Any = None
+        self.static_loss: torch.Tensor | None = None
+        self.logs: list[LogCall] = []
+        #: why the graph stopped (the step then runs eagerly), if it did
+        self.stopped: str | None = None
+        self.captures = 0
+        self.replays = 0
+        self.eager_steps = 0
+        self._eager_needed = self.warmup
+        self._checked = False
+        self._state_ids: list[tuple[Any, str, int]] = []
+        self._baked: list[tuple[dict[str, Any], str, Any]] = []
+        self._hparam_drops = 0
+        self._lr_tensors: dict[int, torch.Tensor] = {}
+        self._stream: Any = None
+
+    # -- the step --------------------------------------------------------------------------------
+    def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        if self.stopped is not None or len(batches) != 1:
+            return self._eager(batches, batch_idx)
+        self._sync_tensor_hparams()
+        if self.graph is not None and not self._still_valid():
+            self._drop()
+        if self.graph is None:
+            if self._eager_needed > 0:
+                return self._warm(batches, batch_idx)
+            return self._capture_and_replay(batches[0], batch_idx)
+        static = self.static.fill(batches[0]) if self.static is not None else None
+        if static is None:
+            return self._eager(batches, batch_idx)
+        return self._replay(static, batch_idx)
+
+    def _eager(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        self.eager_steps += 1
+        return self.inner(batches, batch_idx)
+
+    def _warm(self, batches: Sequence[Any], batch_idx: int,
+              run: Callable[[], Any] | None = None) -> Any:
+        """One eager warm-up step on a side stream; the last before the first capture checks syncs."""
+        run = run or (lambda: self.inner(batches, batch_idx))
+        self._eager_needed -= 1
+        self.eager_steps += 1
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            if self._eager_needed == 0 and not self._checked:
+                self._checked = True
+                out, syncs = find_syncs(run)
+                if syncs:
+                    more = f" (and {len(syncs) - 1} more)" if len(syncs) > 1 else ""
+                    self.stop(f"the step syncs with the host: {syncs[0]}{more}")
+            else:
+                out = run()
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+        return out
+
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.inner.device)
+        return self._stream
+
+    def _capture_and_replay(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        static = self._capture(batch, batch_idx)
+        if static is None:
+            return self._eager([batch], batch_idx)
+        return self._replay(static, batch_idx)
+
+    def _capture(self, batch: Any, batch_idx: int) -> Any | None:
+        """Capture the step's device work on static buffers filled from ``batch``; the buffers, or
+        None when the graph had to stop (nothing ran on the device: the caller runs the step)."""
+        self.static = StaticBatch(batch)
+        static = self.static.fill(batch)
+        self._tensorize_hparams()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.inner.device)
+        try:
+            with self.inner.capture() as logs, torch.cuda.graph(graph):
+                loss = self.inner.compute([static], batch_idx)
+        except Exception as exc:
+            self._clear_grads()
+            self.stop(f"capture failed: {type(exc).__name__}: {first_line(exc)[:300]}")
+            return None
+        frozen = [(args, where) for args, kwargs, where in logs
+                  if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)]
+        if frozen:
+            self._clear_grads()
+            self.stop(f"the step logs a host value ({frozen[0][0][0]!r} at {frozen[0][1]}), computed once at capture; "
+                      "log a tensor instead")
+            return None
+        self.graph, self.static_loss, self.logs = graph, loss, list(logs)
+        self.captures += 1
+        self._record_captured_state()
+        return static
+
+    def _replay(self, static: Any, batch_idx: int) -> torch.Tensor:
+        assert self.graph is not None and self.static_loss is not None
+        self.graph.replay()
+        self.replays += 1
+        loss = self.static_loss.clone()
+        self.inner.emit(self.logs, static)
+        self.inner.after_step(batch_idx)
+        return loss
+
+    # -- what a graph depends on ------------------------------------------------------------------
+    def stop(self, reason: str) -> None:
+        """Stop replaying: every later step runs eagerly; ``reason`` goes to the report."""
+        if self.stopped is None:
+            self.stopped = reason
+        self._drop()
+
+    def _drop(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.static_loss, self.logs = None, None, []
+        self._eager_needed = self.rewarm
+
+    def reset(self) -> None:
+        """Forget the graph and warm up again (before binding into a fit, whose state is fresh)."""
+        self._drop()
+        self._eager_needed = self.warmup
+        self._checked = False
+
+    def _clear_grads(self) -> None:
+        opt = self.inner.optimizer
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+
+    def _record_captured_state(self) -> None:
+        opt = self.inner.optimizer
+        self._state_ids = []
+        self._baked = []
+        if opt is None:
+            return
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    self._state_ids.append((p, k, id(v)))
+        for group in opt.param_groups:
+            for k, v in group.items():
+                if k != "params" and k not in TENSOR_HPARAMS and not isinstance(v, torch.Tensor):
+                    self._baked.append((group, k, _frozen(v)))
+
+    def _still_valid(self) -> bool:
+        opt = self.inner.optimizer
+        if opt is None:
+            return True
+        for p, k, ident in self._state_ids:
+            if id(opt.state.get(p, {}).get(k)) != ident:
+                return False  # a snapshot restored (or a checkpoint loaded) new state tensors
+        changed = [k for group, k, v in self._baked if _frozen(group.get(k)) != v]
+        if changed:
+            self._hparam_drops += 1
+            if self._hparam_drops >= 2:
+                self.stop(f"the optimizer's {changed[0]!r} changes from step to step (a schedule of it, e.g. "
+                          "OneCycleLR's cycle_momentum); a graph bakes it in")
+            return False
+        self._hparam_drops = 0
+        return True
+
+    def _tensorize_hparams(self) -> None:
+        opt = self.inner.optimizer
+        if opt is None:
+            return
+        for group in opt.param_groups:
+            for key in TENSOR_HPARAMS:
+                value = group.get(key)
+                if value is None or isinstance(value, torch.Tensor):
+                    continue
+                device = group["params"][0].device if group["params"] else self.inner.device
+                tensor = self._lr_tensors.get(id(group))
+                if tensor is None:
+                    tensor = self._lr_tensors[id(group)] = torch.tensor(float(value), device=device)
+                else:
+                    tensor.fill_(float(value))
+                group[key] = tensor
+
+    def _sync_tensor_hparams(self) -> None:
+        """A restored snapshot puts a float learning rate back: copy it into the graph's tensor."""
+        opt = self.inner.optimizer
+        if opt is None or not self._lr_tensors:
+            return
+        for group in opt.param_groups:
+            tensor = self._lr_tensors.get(id(group))
+            for key in TENSOR_HPARAMS:
+                if tensor is not None and group.get(key) is not tensor:
+                    tensor.fill_(float(group[key]))
+                    group[key] = tensor
+
+    def untensorize_hparams(self) -> None:
+        """Put plain float learning rates back (the rung's undo)."""
+        opt = self.inner.optimizer
+        if opt is None:
+            return
+        for group in opt.param_groups:
+            tensor = self._lr_tensors.get(id(group))
+            for key in TENSOR_HPARAMS:
+                if tensor is not None and group.get(key) is tensor:
+                    group[key] = float(tensor.item())
+        self._lr_tensors.clear()
+
+    def report(self) -> list[str]:
+        lines = [f"CUDA graph: {self.captures} captures, {self.replays} replayed steps, {self.eager_steps} eager steps"]
+        if self.static is not None:
+            lines.append(self.static.report())
+        if self.logs:
+            lines.append(f"self.log calls made after each replay: {len(self.logs)}")
+        if self.stopped:
+            lines.append(f"graph stopped: {self.stopped}")
+        return lines
+
+    # -- a Lightning fit -------------------------------------------------------------------------
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        inner = self.inner.bind_fit(trainer, module)
+        auto = compat.lightning_automatic_optimization(trainer)
+        original = auto.run
+        self.reset()
+        self.stopped = None
+
+        def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+            return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)
+
+        handle = Handle("cuda_graph")
+        if inner is not None:
+            handle.record("", inner.undo)
+        auto.run = run
+        handle.record("the fit's automatic optimization runs each batch's step from one CUDA graph (Lightning's own step "
+                      "for warm-up and for batches the graph cannot take)",
+                      lambda: auto.__dict__.pop("run", None), lambda: setattr(auto, "run", run))
+        return handle
+
+    def _fit_step(self, trainer: Any, original: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+        batch = kwargs.get("batch") if isinstance(kwargs, dict) else None
+        if self.stopped is not None or batch is None or self.inner.accumulate != 1:
+            return original(optimizer, batch_idx, kwargs)
+        self._sync_tensor_hparams()
+        if self.graph is not None and not self._still_valid():
+            self._drop()
+        if self.graph is None and self._eager_needed > 0:
+            return self._warm([batch], batch_idx, run=lambda: original(optimizer, batch_idx, kwargs))
+        if self.graph is None:
+            static = self._capture(batch, batch_idx)
+            if static is None:
+                return original(optimizer, batch_idx, kwargs)
+        else:
+            static = self.static.fill(batch) if self.static is not None else None
+            if static is None:
+                return original(optimizer, batch_idx, kwargs)
+        compat.lightning_count_optimizer_step(trainer)
+        self.graph.replay()
+        self.replays += 1
+        with compat.lightning_logging_as(self.inner.model, "training_step"):
+            self.inner.emit(self.logs, static)
+        return {"loss": self.static_loss.clone()}
+
+
+def _frozen(value: Any) -> Any:
+    """A comparable copy of a hyper-parameter value (tuples of betas, floats, flags)."""
+    if isinstance(value, list):
+        return tuple(value)
+    return value

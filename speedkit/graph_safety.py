@@ -1,0 +1,346 @@
+"""What would make a CUDA graph of the training step replay wrong: found before capturing it.
+
+A graph records the kernels of one step and replays them; everything the host decides while the
+step runs is decided once, at capture. So a step is unsafe to capture when it
+
+* **syncs with the host** (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(tensor)``,
+  ``torch.cuda.synchronize()``): capture fails, or the value read is the capture's;
+* has **dynamic shapes** (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing): the
+  sizes are the capture's;
+* has **data-dependent control flow** (``if loss > x``, ``if batch_idx % 10 == 0``): the branch
+  taken at capture is replayed every step;
+* does **host work** whose effect must happen every step (``print``, clocks, Python/NumPy random
+  numbers, counters and lists on ``self``): it runs once, at capture.
+
+Two checks find them. :func:`scan_step` reads the source of the step's own code (``training_step``
+and the helper methods it calls, the user's modules' ``forward``) and names each unsafe pattern
+with its file and line; it runs anywhere, before anything is captured. :func:`find_syncs` runs one
+real step under ``torch.cuda.set_sync_debug_mode`` and names every synchronizing call the step
+made (library code included), with its file and line. Model libraries' code is left to the second
+check: reading it statically would refuse on branches that never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_SYNC_METHODS = {"item": "reads a tensor's value on the host", "tolist": "copies a tensor to a Python list",
+                 "cpu": "copies a tensor to the host", "numpy": "copies a tensor to a NumPy array",
+                 "synchronize": "waits for the device"}
+_DYNAMIC = {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere", "nonzero_static"}
+_CONVERSIONS = {"bool", "float", "int"}
+_CLOCKS = {("time", "time"), ("time", "perf_counter"), ("time", "monotonic"), ("time", "process_time")}
+#: attributes of a tensor that are fixed for a captured step (a shape is the same every replay)
+_STATIC_ATTRS = {"shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "training", "dim", "size", "numel"}
+_MAX_DEPTH = 3  # helper methods followed from training_step
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """One thing that would make a captured step replay wrong."""
+
+    kind: str      # "host sync" | "dynamic shape" | "data-dependent control flow" | "host work"
+    reason: str    # what it does, in words
+    where: str     # "path/to/file.py:123 in training_step"
+    code: str      # the source line
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.where}: {self.reason} (`{self.code}`)"
+
+
+# -- static: the step's own source ----------------------------------------------------------------
+
+
+def scan_step(model: nn.Module) -> list[Blocker]:
+    """Unsafe patterns in the step's own code: ``training_step`` and the helper methods it calls
+    (a LightningModule), and ``forward`` of every module class defined in the user's own package."""
+    blockers: list[Blocker] = []
+    seen: set[Any] = set()
+    step = _own_function(type(model), "training_step")
+    if step is not None:
+        _scan_method(model, step, blockers, seen, depth=0, per_step_args=True)
+    home = _package(type(model).__module__)
+    for module in model.modules():
+        if _package(type(module).__module__) != home:
+            continue
+        forward = _own_function(type(module), "forward")
+        if forward is not None and forward not in seen:
+            _scan_method(module, forward, blockers, seen, depth=_MAX_DEPTH, per_step_args=False)
+    return sorted(set(blockers), key=lambda b: b.where)
+
+
+def scan_function(fn: Callable[..., Any], *, per_step_args: bool = True) -> list[Blocker]:
+    """Unsafe patterns in one function (``per_step_args``: its arguments change every step)."""
+    blockers: list[Blocker] = []
+    _scan(fn, blockers, self_name=None, per_step_args=per_step_args)
+    return blockers
+
+
+def _package(module_name: str) -> str:
+    return (module_name or "").split(".")[0]
+
+
+def _own_function(cls: type, name: str) -> Any:
+    """``cls.name`` as a plain function, unless torch or Lightning defines it."""
+    from speedkit.rewrite import is_user_code
+
+    fn = getattr(cls, name, None)
+    return fn if inspect.isfunction(fn) and is_user_code(fn.__module__ or "") else None
+
+
+def _scan_method(obj: Any, fn: Any, blockers: list[Blocker], seen: set[Any], depth: int, per_step_args: bool) -> None:
+    seen.add(fn)
+    helpers = _scan(fn, blockers, self_name="self", per_step_args=per_step_args)
+    if depth >= _MAX_DEPTH:
+        return
+    for name in helpers:
+        helper = _own_function(type(obj), name)
+        if helper is not None and helper not in seen:
+            _scan_method(obj, helper, blockers, seen, depth + 1, per_step_args)
+
+
+def _scan(fn: Any, blockers: list[Blocker], self_name: str | None, per_step_args: bool) -> list[str]:
+    """Scan ``fn``'s source into ``blockers``; returns the ``self.<name>(...)`` methods it calls."""
+    try:
+        lines, start = inspect.getsourcelines(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        path = inspect.getsourcefile(fn) or "<unknown>"
+    except (OSError, TypeError, SyntaxError):
+        return []
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    if self_name is not None and func.args.args:
+        self_name = func.args.args[0].arg
+    visitor = _Visitor(func, self_name, per_step_args, path, start, lines)
+    visitor.visit_body(func.body)
+    blockers.extend(visitor.blockers)
+    return visitor.helpers
+
+
+class _Visitor:
+    """One pass over a function body, tracking which local names hold per-step values (tensors
+    from the batch or the model, the batch index) to tell data-dependent branches from static ones."""
+
+    def __init__(self, func: ast.FunctionDef | ast.AsyncFunctionDef, self_name: str | None, per_step_args: bool,
+                 path: str, start: int, lines: list[str]) -> None:
+        self.func, self.self_name, self.path, self.start, self.lines = func, self_name, path, start, lines
+        self.blockers: list[Blocker] = []
+        self.helpers: list[str] = []
+        args = [a for a in func.args.args + func.args.posonlyargs + func.args.kwonlyargs if a.arg != self_name]
+        defaults = dict(zip([a.arg for a in (func.args.posonlyargs + func.args.args)][::-1], func.args.defaults[::-1]))
+        defaults.update({a.arg: d for a, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None})
+        # arguments with a constant default are options (flags, sizes); the others carry the step's data
+        self.dynamic: set[str] = {a.arg for a in args
+                                  if per_step_args or not isinstance(defaults.get(a.arg), ast.Constant)}
+        if func.args.vararg is not None:
+            self.dynamic.add(func.args.vararg.arg)
+
+    # -- walking ---------------------------------------------------------------------------------
+    def visit_body(self, body: list[ast.stmt]) -> None:
+        for stmt in body:
+            self.visit_stmt(stmt)
+
+    def visit_stmt(self, stmt: ast.stmt) -> None:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return  # nested definitions run when called; not scanned
+        if isinstance(stmt, (ast.If, ast.While)):
+            self._check_branch(stmt.test, "if" if isinstance(stmt, ast.If) else "while")
+            self.visit_expr(stmt.test)
+            self.visit_body(stmt.body)
+            self.visit_body(stmt.orelse)
+            return
+        if isinstance(stmt, ast.Assert):
+            self._check_branch(stmt.test, "assert")
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            self._assignment(stmt)
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):
+            if self._is_dynamic(stmt.iter):
+                self._add(stmt, "data-dependent control flow",
+                          "loops over a per-step value: the iterations of the capture are replayed")
+            self.visit_expr(stmt.iter)
+            self.visit_body(stmt.body)
+            self.visit_body(stmt.orelse)
+            return
+        if isinstance(stmt, (ast.With, ast.AsyncWith, ast.Try)):
+            for item in getattr(stmt, "items", []):
+                self.visit_expr(item.context_expr)
+            for block in ("body", "orelse", "finalbody"):
+                self.visit_body(getattr(stmt, block, []))
+            for handler in getattr(stmt, "handlers", []):
+                self.visit_body(handler.body)
+            return
+        for child in ast.iter_child_nodes(stmt):
+            if isinstance(child, ast.expr):
+                self.visit_expr(child)
+
+    def visit_expr(self, expr: ast.expr) -> None:
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Call):
+                self._call(node)
+            elif isinstance(node, ast.Subscript) and self._is_mask(node.slice):
+                self._add(node, "dynamic shape", "indexes with a boolean mask: the result's size depends on the data")
+            elif isinstance(node, ast.IfExp):
+                self._check_branch(node.test, "conditional expression")
+
+    # -- what is per-step --------------------------------------------------------------------------
+    def _assignment(self, stmt: ast.Assign | ast.AnnAssign | ast.AugAssign) -> None:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        value = stmt.value
+        for target in targets:
+            if self._on_self(target):
+                self._add(stmt, "host work", f"changes `{ast.unparse(target)}` on the host: done once, at capture, not every step")
+        if value is None:
+            return
+        dynamic = self._is_dynamic(value) or self._calls_model(value)
+        for target in targets:
+            for node in ast.walk(target):
+                if isinstance(node, ast.Name):
+                    (self.dynamic.add if dynamic else self.dynamic.discard)(node.id)
+
+    def _is_dynamic(self, expr: ast.expr) -> bool:
+        """Whether ``expr`` reads a per-step value (other than its static attributes)."""
+        for node in _walk_skipping_static(expr):
+            if isinstance(node, ast.Name) and node.id in self.dynamic:
+                return True
+        return False
+
+    def _calls_model(self, expr: ast.expr) -> bool:
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Call):
+                root = node.func
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in ("torch", "F", self.self_name):
+                    return True
+        return False
+
+    def _on_self(self, target: ast.expr) -> bool:
+        node = target.value if isinstance(target, ast.Subscript) else target
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == self.self_name and self.self_name is not None)
+
+    def _is_mask(self, index: ast.expr) -> bool:
+        if isinstance(index, ast.Compare):
+            return True
+        if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.Invert):
+            return True
+        return False
+
+    # -- patterns ---------------------------------------------------------------------------------
+    def _check_branch(self, test: ast.expr, what: str) -> None:
+        if self._is_dynamic(test):
+            names = sorted({n.id for n in _walk_skipping_static(test) if isinstance(n, ast.Name) and n.id in self.dynamic})
+            self._add(test, "data-dependent control flow",
+                      f"{what} on a per-step value ({', '.join(names)}): the branch taken at capture is replayed every step")
+
+    def _call(self, node: ast.Call) -> None:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+        if name is None:
+            return
+        if isinstance(func, ast.Attribute) and name in _SYNC_METHODS and not (name == "synchronize" and "cuda" not in owner):
+            self._add(node, "host sync", f"`.{name}()` {_SYNC_METHODS[name]}")
+        elif name == "to" and any(_is_cpu(a) for a in [*node.args, *(k.value for k in node.keywords if k.arg == "device")]):
+            self._add(node, "host sync", "`.to('cpu')` copies a tensor to the host")
+        elif name in _DYNAMIC:
+            self._add(node, "dynamic shape", f"`{name}` returns a tensor whose size depends on the data")
+        elif name == "where" and len(node.args) == 1 and not node.keywords:
+            self._add(node, "dynamic shape", "`torch.where(condition)` returns indices whose count depends on the data")
+        elif isinstance(func, ast.Name) and name in _CONVERSIONS and node.args and self._is_dynamic(node.args[0]):
+            self._add(node, "host sync", f"`{name}(...)` of a tensor reads its value on the host")
+        elif isinstance(func, ast.Name) and name == "print":
+            self._add(node, "host work", "`print` runs once, at capture")
+        elif (owner, name) in _CLOCKS:
+            self._add(node, "host work", f"`{owner}.{name}()` reads the host clock once, at capture")
+        elif owner in ("random", "np.random", "numpy.random"):
+            self._add(node, "host work", f"`{owner}.{name}` draws a host random number once, at capture; the replays reuse it")
+        elif name in ("append", "extend", "add", "update") and isinstance(func, ast.Attribute) and self._on_self(func.value):
+            self._add(node, "host work", f"`{ast.unparse(func)}` changes host state once, at capture, not every step")
+        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == self.self_name
+              and self.self_name is not None and name not in ("log", "log_dict")):
+            self.helpers.append(name)
+
+    def _add(self, node: ast.AST, kind: str, reason: str) -> None:
+        line = getattr(node, "lineno", 1)
+        code = self.lines[line - 1].strip() if 0 < line <= len(self.lines) else ""
+        self.blockers.append(Blocker(kind, reason, f"{self.path}:{self.start + line - 1} in {self.func.name}", code))
+
+
+def _walk_skipping_static(expr: ast.expr) -> Iterator[ast.AST]:
+    """The nodes of ``expr``, not entering what is the same every step: a tensor's shape, dtype or
+    device, ``x is None``, ``isinstance``/``len``/``hasattr`` and the like."""
+    stack: list[ast.AST] = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Attribute) and node.attr in _STATIC_ATTRS:
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STATIC_ATTRS:
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "isinstance", "len", "hasattr", "getattr", "type", "callable"):
+            continue
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_cpu(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant) and node.value == "cpu":
+        return True
+    return isinstance(node, ast.Call) and ast.unparse(node.func).endswith("device") and any(_is_cpu(a) for a in node.args)
+
+
+# -- dynamic: one real step under the sync debug mode -----------------------------------------------
+
+
+def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
+    """Run ``run_step()`` once with CUDA's sync debug mode warning on every synchronizing call; return
+    its result and the calls found (file and line of the Python code that made each)."""
+    found: list[Blocker] = []
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    previous_show = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):
+            previous_show(message, category, filename, lineno, file, line)
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if not _is_machinery(f.filename)]
+        frame = stack[-1] if stack else None
+        where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else f"{filename}:{lineno}"
+        user = next((f for f in reversed(stack) if _is_callers_code(f.filename)), None)
+        reason = "a synchronizing CUDA call" + (f" (reached from {user.filename}:{user.lineno} in {user.name})"
+                                                 if user is not None and user is not frame else "")
+        found.append(Blocker("host sync", reason, where, (frame.line or "").strip() if frame else ""))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+    unique = list(dict.fromkeys(found))
+    return result, unique
+
+
+def _is_machinery(filename: str) -> bool:
+    """Frames of the warning machinery and of speedkit's own step driver, skipped when naming a sync."""
+    return any(part in filename for part in ("/warnings.py", "/speedkit/graph", "/torch/_tensor.py", "/torch/cuda/"))
+
+
+def _is_callers_code(filename: str) -> bool:
+    return not any(part in filename for part in ("/torch/", "/lightning/", "/speedkit/", "/site-packages/lightning"))

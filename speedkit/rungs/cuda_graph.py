@@ -1,0 +1,160 @@
+"""cuda_graph: capture the whole training step once and replay it (one launch per step).
+
+Speeds up: steps made of many small kernels, where the host issuing them is the bottleneck (small
+models, small batches, fused kernels called from Python, Lightning's per-step host work between
+launches). Does not help: steps dominated by a few long kernels. Costs: the capture after a few
+warm-up steps, and the graph's private memory pool.
+
+Before anything is captured, the step's own source is read for what would make a replay wrong
+(:mod:`speedkit.graph_safety`: host syncs, dynamic shapes, data-dependent branches, host work), and
+the rung refuses with the first reason and its source line. The last warm-up step then runs under
+CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
+wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
+it (their step counters move to the device) and read their learning rate from a device tensor that
+the schedules fill. In a Lightning fit, the graph binds into the loop's automatic optimization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from speedkit.graph import GraphedStep
+from speedkit.graph_safety import scan_step
+from speedkit.handle import Handle, set_attr
+from speedkit.rungs.base import Rung
+from speedkit.state import TrainState
+
+#: hooks of a LightningModule or callback that Lightning calls inside the step: their host code would run once, at capture
+_IN_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+
+@dataclasses.dataclass
+class CudaGraphOptions:
+    """Options of the cuda_graph rung."""
+
+    #: eager steps before the first capture (compilation and autotuning happen in them)
+    warmup: int = 3
+    #: eager steps before capturing again once the optimizer's state was replaced
+    rewarm: int = 1
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1 or self.rewarm < 1:
+            raise ValueError(f"warmup and rewarm must be >= 1, found warmup={self.warmup}, rewarm={self.rewarm}")
+
+
+class CudaGraphRung(Rung):
+    name = "cuda_graph"
+    Options = CudaGraphOptions
+    lightning_stage = "fit_start"
+
+    def check(self, state: TrainState) -> str | None:
+        blockers = scan_step(state.model)
+        if blockers:
+            more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+            return f"{blockers[0]}{more}"
+        if state.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device; this run is on {state.device.type}"
+        step = state.step
+        if step.accumulate != 1:
+            return (f"gradient accumulation ({step.accumulate} batches per optimizer step): the graph captures the step "
+                    "of one batch")
+        if step.numerics == "fp16":
+            return "fp16 loss scaling: the GradScaler reads found_inf on the host every step (use bf16, which needs no scaler)"
+        opt = state.optimizer
+        if opt is None:
+            return "needs exactly one optimizer"
+        reason = optimizer_blocker(opt, _has_schedule(step))
+        if reason is not None:
+            return reason
+        return _hook_blocker(state)
+
+    def apply(self, state: TrainState) -> Handle:
+        handle = Handle(self.name)
+        opt = state.optimizer
+        assert opt is not None
+        if "capturable" in opt.defaults:
+            for i, group in enumerate(opt.param_groups):
+                if not group.get("capturable"):
+                    _set_capturable(handle, opt, group, i)
+        graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
+        handle.record(f"{type(opt).__name__}: learning rate read from a device tensor that the schedule fills",
+                      graphed.untensorize_hparams, persistent=True)
+        set_attr(handle, state, "step", graphed,
+                 f"the whole step (forward, backward, {type(opt).__name__} update, zero-grad) captured in one CUDA graph "
+                 f"after {self.options.warmup} warm-up steps, fed from static batch buffers")
+
+        def problem() -> str | None:
+            if graphed.stopped:
+                return graphed.stopped
+            if graphed.replays == 0:
+                return "the step was never replayed from the graph"
+            return None
+
+        handle.problem = problem
+        handle.report = graphed.report
+        return handle
+
+
+def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool) -> str | None:
+    """Why ``opt``'s step cannot be captured (with a learning-rate schedule when ``scheduled``), if so."""
+    name = type(opt).__name__
+    if isinstance(opt, torch.optim.LBFGS):
+        return "LBFGS re-evaluates the loss inside its step (a closure loop with host decisions)"
+    if "capturable" in opt.defaults:
+        return None
+    if scheduled:
+        return (f"{name} has no capturable option: it cannot read a scheduled learning rate from the device, so a graph "
+                "would freeze the schedule at capture")
+    if isinstance(opt, torch.optim.SGD) or "foreach" in opt.defaults:
+        return None
+    return f"{name} has no capturable option"
+
+
+def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, group: dict, index: int) -> None:
+    """``capturable=True`` on one param group, its step counters moved to the device (and back)."""
+    previous = group.get("capturable", False)
+
+    def move_steps(on_device: bool) -> None:
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                target = p.device if on_device or group.get("fused") else torch.device("cpu")
+                opt.state[p]["step"] = step.to(target)
+
+    def on() -> None:
+        group["capturable"] = True
+        move_steps(True)
+
+    def off() -> None:
+        group["capturable"] = previous
+        move_steps(bool(previous))
+
+    on()
+    handle.record(f"{type(opt).__name__} param group {index}: capturable=True (step counters on the device)", off, on,
+                  persistent=True)
+
+
+def _has_schedule(step: object) -> bool:
+    if getattr(step, "scheduler", None) is not None:
+        return True
+    trainer = getattr(step, "trainer", None)
+    return bool(getattr(trainer, "lr_scheduler_configs", None))
+
+
+def _hook_blocker(state: TrainState) -> str | None:
+    """A LightningModule or callback hook that Lightning calls inside the step, overridden: its host
+    code would run once, at capture."""
+    from speedkit.rewrite import is_user_code
+
+    owners: list[object] = [state.model]
+    trainer = getattr(state.step, "trainer", None)
+    owners += list(getattr(trainer, "callbacks", []) or [])
+    for owner in owners:
+        for hook in _IN_STEP_HOOKS:
+            fn = getattr(type(owner), hook, None)
+            if fn is not None and is_user_code(getattr(fn, "__module__", "") or ""):
+                return (f"{type(owner).__name__}.{hook} is overridden: Lightning calls it inside the step, so its host "
+                        "code would run once, at capture")
+    return None

@@ -1,0 +1,343 @@
+"""CPU tests of the cuda_graph rung: the capture check refuses what would replay wrong (each pattern
+with its reason and source line), static batch buffers never serve a stale sample, the rung's
+applicability, and the handle changes that stay on while a rung is suspended."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from speedkit import rungs
+from speedkit.data.static import StaticBatch
+from speedkit.graph_safety import scan_function, scan_step
+from speedkit.handle import Handle
+from speedkit.rungs.cuda_graph import optimizer_blocker
+from speedkit.state import TrainState
+
+
+class _Base(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+        self.counter = 0
+        self.seen: list[int] = []
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+class ItemSync(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        self.log("loss", loss.item())
+        return loss
+
+
+class BoolSync(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        scale = float(loss)
+        return loss * scale
+
+
+class CpuCopy(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        kept = loss.detach().cpu()
+        return loss + 0 * kept.sum()
+
+
+class Nonzero(_Base):
+    def training_step(self, batch, batch_idx):
+        idx = torch.nonzero(batch[:, 0] > 0)
+        return self.net(batch[idx[:, 0]]).sum()
+
+
+class MaskIndex(_Base):
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch)
+        return out[out > 0].sum()
+
+
+class LossBranch(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        if loss > 10:
+            loss = loss / 10
+        return loss
+
+
+class EveryNSteps(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        if batch_idx % 10 == 0:
+            loss = loss * 2
+        return loss
+
+
+class Prints(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        print("step", batch_idx)
+        return loss
+
+
+class Clock(_Base):
+    def training_step(self, batch, batch_idx):
+        start = time.perf_counter()
+        loss = self.net(batch).sum()
+        return loss * 0 + start * 0
+
+
+class HostRandom(_Base):
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum() * random.random()
+
+
+class Counter(_Base):
+    def training_step(self, batch, batch_idx):
+        self.counter += 1
+        return self.net(batch).sum()
+
+
+class AppendsToSelf(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        self.seen.append(batch_idx)
+        return loss
+
+
+class Synchronizes(_Base):
+    def training_step(self, batch, batch_idx):
+        torch.cuda.synchronize()
+        return self.net(batch).sum()
+
+
+class HelperSyncs(_Base):
+    def training_step(self, batch, batch_idx):
+        return self.shared_step(batch)
+
+    def shared_step(self, batch):
+        loss = self.net(batch).sum()
+        self.log("loss", loss.item())
+        return loss
+
+
+class ForwardBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, scale: float = 1.0):
+        y = self.lin(x)
+        while y.abs().max() > 1:
+            y = y / 2
+        return y * scale
+
+
+class InForward(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = ForwardBranches()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+
+UNSAFE = [
+    (ItemSync, "host sync", "`.item()`", "loss.item()"),
+    (BoolSync, "host sync", "`float(...)`", "float(loss)"),
+    (CpuCopy, "host sync", "`.cpu()`", ".cpu()"),
+    (Synchronizes, "host sync", "`.synchronize()`", "torch.cuda.synchronize()"),
+    (Nonzero, "dynamic shape", "`nonzero`", "torch.nonzero"),
+    (MaskIndex, "dynamic shape", "boolean mask", "out[out > 0]"),
+    (LossBranch, "data-dependent control flow", "per-step value (loss)", "if loss > 10"),
+    (EveryNSteps, "data-dependent control flow", "per-step value (batch_idx)", "if batch_idx % 10 == 0"),
+    (Prints, "host work", "`print`", "print("),
+    (Clock, "host work", "host clock", "time.perf_counter()"),
+    (HostRandom, "host work", "host random number", "random.random()"),
+    (Counter, "host work", "`self.counter`", "self.counter += 1"),
+    (AppendsToSelf, "host work", "`self.seen.append`", "self.seen.append"),
+    (HelperSyncs, "host sync", "`.item()`", "loss.item()"),
+    (InForward, "data-dependent control flow", "per-step value (y)", "while y.abs().max() > 1"),
+]
+
+
+def _line_of(cls: type, snippet: str) -> int:
+    """The file line of ``snippet`` in the class's source (or its helper/forward)."""
+    for obj in (cls, ForwardBranches):
+        lines, start = inspect.getsourcelines(obj)
+        for i, line in enumerate(lines):
+            if snippet in line:
+                return start + i
+    raise AssertionError(f"{snippet!r} not in the source of {cls.__name__}")
+
+
+@pytest.mark.parametrize("cls,kind,reason,snippet", UNSAFE, ids=[u[0].__name__ for u in UNSAFE])
+def test_capture_check_refuses_unsafe_pattern_with_reason_and_line(cls, kind, reason, snippet):
+    blockers = scan_step(cls())
+    assert blockers, f"{cls.__name__}: nothing found"
+    found = [b for b in blockers if b.kind == kind and reason in b.reason]
+    assert found, f"{cls.__name__}: {[str(b) for b in blockers]}"
+    b = found[0]
+    assert snippet in b.code
+    assert b.where == f"{__file__}:{_line_of(cls, snippet)} in {b.where.rsplit(' in ', 1)[1]}"
+    # the rung refuses with that reason, wherever it runs
+    check = rungs.make("cuda_graph").check(_state(cls()))
+    assert check is not None and kind in check and str(_line_of(cls, snippet)) in check
+
+
+class Safe(_Base):
+    """Patterns that are the same every step: shapes, None checks, flags, logging tensors."""
+
+    def __init__(self, flip: bool = False) -> None:
+        super().__init__()
+        self.flip = flip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if x.shape[0] > 1 and y is not None and isinstance(x, torch.Tensor):
+            x = x * 1.0
+        if self.flip:
+            x = -x
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        acc = (logits.argmax(-1) == y).float().mean()
+        self.log("train_loss", loss, prog_bar=True)
+        self.log_dict({"acc": acc})
+        for _ in range(2):
+            loss = loss + 0.0
+        return {"loss": loss}
+
+
+def test_safe_step_passes_the_check():
+    assert scan_step(Safe()) == []
+
+
+def test_demo_models_pass_the_check():
+    from speedkit.demos import LaunchBoundMLP
+    from speedkit.demos.gpt2 import NaiveGPT
+
+    for model in (NaiveGPT(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8), LaunchBoundMLP(16, 16, 2, 4)):
+        assert scan_step(model) == [], [str(b) for b in scan_step(model)]
+
+
+def test_forward_option_arguments_are_not_per_step():
+    def forward(x, use_cache: bool = False, mask=None):
+        if use_cache:
+            x = x + 1
+        if mask is not None:
+            x = x * mask
+        return x
+
+    assert scan_function(forward, per_step_args=False) == []
+    blockers = scan_function(forward, per_step_args=True)
+    assert [b.kind for b in blockers] == ["data-dependent control flow"]
+
+
+def _state(model: nn.Module, device: str = "cpu", opt=None) -> TrainState:
+    return TrainState(model=model, optimizer=opt or torch.optim.AdamW(model.parameters()), device=torch.device(device))
+
+
+def test_rung_needs_cuda_for_a_safe_step():
+    reason = rungs.make("cuda_graph").check(_state(Safe()))
+    assert reason == "CUDA graphs need a CUDA device; this run is on cpu"
+
+
+def test_optimizer_blockers():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert optimizer_blocker(torch.optim.AdamW(p), scheduled=True) is None
+    assert optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=False) is None
+    assert "cannot read a scheduled learning rate" in optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=True)
+    assert "LBFGS" in optimizer_blocker(torch.optim.LBFGS(p), scheduled=False)
+
+
+def test_bad_options_are_one_line_errors():
+    from speedkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warmup"):
+        rungs.make({"name": "cuda_graph", "options": {"warmup": 0}})
+
+
+# -- static buffers ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+    source: str
+
+
+def _batch(seed: int, n: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 3, generator=g), "pair": (torch.randint(0, 9, (n,), generator=g), "tag"),
+            "sample": Sample(torch.rand(n, 2, generator=g), torch.arange(n) + seed, "disk")}
+
+
+def _flat(batch):
+    from speedkit.data.source import batch_leaves
+
+    return batch_leaves(batch)
+
+
+def test_static_buffers_serve_each_batch_never_a_stale_one():
+    first = _batch(0)
+    static = StaticBatch(first)
+    buffers = [t for t in _flat(static.batch) if isinstance(t, torch.Tensor)]
+    for seed in range(1, 6):
+        batch = _batch(seed)
+        out = static.fill(batch)
+        assert out is static.batch
+        for got, want in zip(_flat(out), _flat(batch)):
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got, want) and got.data_ptr() != want.data_ptr()
+            else:
+                assert got == want
+        # the same buffers every time: what a captured graph reads
+        assert [t.data_ptr() for t in _flat(out) if isinstance(t, torch.Tensor)] == [t.data_ptr() for t in buffers]
+    assert static.filled == 5 and static.refused == 0
+
+
+def test_static_buffers_refuse_a_short_last_batch_and_a_changed_leaf():
+    static = StaticBatch(_batch(0))
+    static.fill(_batch(1))
+    before = [t.clone() for t in _flat(static.batch) if isinstance(t, torch.Tensor)]
+    assert static.fill(_batch(2, n=3)) is None  # a short last batch: the caller runs it outside the graph
+    assert "short last batch" in (static.refused_reason or "")
+    changed = _batch(3)
+    changed["pair"] = (changed["pair"][0], "other")
+    assert static.fill(changed) is None
+    # refused batches wrote nothing into the buffers
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for t in _flat(static.batch) if isinstance(t, torch.Tensor)]))
+    assert static.refused == 2
+    assert "2 batches ran outside them" in static.report()
+
+
+# -- handle: changes that stay on while suspended -----------------------------------------------------
+
+
+def test_persistent_changes_survive_suspend_and_go_with_undo():
+    log: list[str] = []
+    h = Handle("x")
+    h.record("flag", lambda: log.append("flag off"), persistent=True)
+    h.record("wrap", lambda: log.append("unwrap"), lambda: log.append("rewrap"))
+    assert h.toggleable
+    h.suspend()
+    h.resume()
+    assert log == ["unwrap", "rewrap"]
+    h.suspend()
+    h.undo()
+    assert log == ["unwrap", "rewrap", "unwrap", "flag off"]
+    h2 = Handle("y")
+    h2.record("flag", lambda: log.append("flag2 off"), persistent=True)
+    h2.record("wrap", lambda: log.append("unwrap2"), lambda: None)
+    h2.undo()
+    assert log[-2:] == ["unwrap2", "flag2 off"]
