@@ -1,0 +1,170 @@
+"""On a real GPU: graphed steps match eager ones (losses and parameters, fp32 rel 1e-5) with a
+learning-rate schedule and gradient clipping, in a plain loop and in a Lightning fit (with a short
+last batch run eagerly, self.log and the step counter kept); a step that syncs is refused with the
+file and line of the sync."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from speedkit import rungs
+from speedkit.graph import GraphedStep
+from speedkit.lightning import SpeedLadder
+from speedkit.state import TrainState
+from speedkit.step import PlainStep
+
+pytestmark = pytest.mark.gpu
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+
+
+def _batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 32, generator=g).cuda(), torch.randint(0, 10, (size,), generator=g).cuda()) for _ in range(n)]
+
+
+def _loss(model: nn.Module, batch, batch_idx: int) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _plain_run(graphed: bool, steps: int = 20):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=steps + 5, cycle_momentum=False)
+    step = PlainStep(model, opt, "cuda", loss_fn=_loss, clip_grad_norm=0.5, scheduler=sched)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step)
+    handle = rungs.make("cuda_graph").apply(state) if graphed else None
+    batches = _batches(steps)
+    losses = [float(state.step([b], i)) for i, b in enumerate(batches)]
+    lr = float(opt.param_groups[0]["lr"])
+    params = [p.detach().clone() for p in model.parameters()]
+    return losses, params, lr, state.step, handle
+
+
+def test_twenty_graphed_steps_match_eager_with_schedule_and_clipping():
+    eager_losses, eager_params, eager_lr, _, _ = _plain_run(False)
+    losses, params, lr, step, handle = _plain_run(True)
+    assert isinstance(step, GraphedStep)
+    assert step.stopped is None, step.stopped
+    assert step.captures == 1 and step.replays == 20 - step.warmup, step.report()
+    for a, b in zip(losses, eager_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, eager_losses)
+    for p, q in zip(params, eager_params):
+        assert _rel(p, q) <= 1e-5
+    assert abs(lr - eager_lr) <= 1e-6 * eager_lr
+    handle.undo()
+    assert not isinstance(handle, GraphedStep)
+
+
+def test_graph_recaptures_after_the_optimizer_state_is_replaced():
+    from speedkit.snapshot import Snapshot
+
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"),
+                       step=PlainStep(model, opt, "cuda", loss_fn=_loss))
+    snap = Snapshot(model, opt, state.step)
+    rungs.make("cuda_graph").apply(state)
+    batches = _batches(8)
+    first = [float(state.step([b], i)) for i, b in enumerate(batches)]
+    snap.restore()  # new optimizer state tensors, a float learning rate back
+    again = [float(state.step([b], i)) for i, b in enumerate(batches)]
+    assert state.step.captures == 2 and state.step.stopped is None
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(again, first)), (again, first)
+
+
+class _Logged(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(2)
+        data = TensorDataset(torch.randn(16 * 10 + 5, 32, generator=g), torch.randint(0, 10, (16 * 10 + 5,), generator=g))
+        return DataLoader(data, batch_size=16)  # 10 full batches and a short one per epoch
+
+
+class _Record(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.graph: GraphedStep | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        for cb in trainer.callbacks:
+            if isinstance(cb, SpeedLadder) and cb._state is not None:
+                self.graph = cb._state.step
+
+
+def _fit(callbacks: list, steps: int = 25):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _Logged()
+    record = _Record()
+    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[*callbacks, record])
+    trainer.fit(model)
+    lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+    return record, [p.detach().clone() for p in model.parameters()], trainer, lr
+
+
+def test_lightning_fit_with_a_graph_matches_eager():
+    eager, eager_params, eager_trainer, eager_lr = _fit([])
+    record, params, trainer, lr = _fit([SpeedLadder(rungs=["cuda_graph"])])
+    graph = record.graph
+    assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
+    assert graph.replays >= 18 and graph.static is not None and graph.static.refused >= 1, graph.report()
+    assert trainer.global_step == eager_trainer.global_step == 25
+    assert len(record.losses) == len(eager.losses) == 25
+    for a, b in zip(record.losses, eager.losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
+    for p, q in zip(params, eager_params):
+        assert _rel(p, q) <= 1e-5
+    assert abs(lr - eager_lr) <= 1e-6 * eager_lr
+    assert abs(float(trainer.callback_metrics["train_loss"]) - float(eager_trainer.callback_metrics["train_loss"])) <= 1e-5
+
+
+def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
+    from speedkit.demos.zoo import ZOO
+
+    entry = ZOO["lightning-transformer"]
+    module, loader = entry.build("tiny")
+    record = _Record()
+    trainer = pl.Trainer(max_steps=8, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SpeedLadder(rungs=["cuda_graph"]), record])
+    trainer.fit(module, train_dataloaders=loader)
+    graph = record.graph
+    assert isinstance(graph, GraphedStep)
+    if graph.stopped is not None:
+        assert ".py:" in graph.stopped and "host" in graph.stopped, graph.stopped
+        print("demo Transformer:", graph.stopped)
+    else:
+        assert graph.replays > 0
