@@ -314,7 +314,7 @@ def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
     previous_show = warnings.showwarning
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if "synchroniz" not in str(message):
+        if "called a synchronizing" not in str(message):  # (set_sync_debug_mode itself warns it is a prototype)
             previous_show(message, category, filename, lineno, file, line)
             return
         stack = [f for f in traceback.extract_stack()[:-1] if not _is_machinery(f.filename)]
