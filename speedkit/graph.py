@@ -49,7 +49,7 @@ class GraphedStep(StepWrapper):
         rewarm: eager steps before capturing again after the optimizer's state was replaced.
     """
 
-    def __init__(self, inner: Step, *, warmup: int = 3, rewarm: int = 1) -> None:
+    def __init__(self, inner: Step, *, warmup: int = 2, rewarm: int = 1) -> None:
         super().__init__(inner)
         self.warmup = max(1, warmup)
         self.rewarm = max(1, rewarm)

@@ -34,8 +34,8 @@ _IN_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimize
 class CudaGraphOptions:
     """Options of the cuda_graph rung."""
 
-    #: eager steps before the first capture (compilation and autotuning happen in them)
-    warmup: int = 3
+    #: eager steps before the first capture: the first compiles and autotunes, the last is checked for host syncs
+    warmup: int = 2
     #: eager steps before capturing again once the optimizer's state was replaced
     rewarm: int = 1
 
