@@ -83,6 +83,17 @@ def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
     return first.shape[0], "samples/s"
 
 
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators that iterating ``loader`` advances: its own, its sampler's, its batch sampler's."""
+    found: list[torch.Generator] = []
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
 class BatchSource:
     """Batches for the training step: host batches from ``loader``, moved by :meth:`to_device`.
 
@@ -123,13 +134,7 @@ class BatchSource:
     # -- what iterating changes ------------------------------------------------------------------
     def generators(self) -> list[torch.Generator]:
         """The generators that iterating the loader advances (its own, its sampler's)."""
-        found: list[torch.Generator] = []
-        for owner in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None),
-                      getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
-            g = getattr(owner, "generator", None)
-            if isinstance(g, torch.Generator) and all(g is not f for f in found):
-                found.append(g)
-        return found
+        return loader_generators(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
         return {"generators": [g.get_state() for g in self.generators()]}

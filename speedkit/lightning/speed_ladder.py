@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from speedkit import config
 from speedkit import rungs as rung_registry
+from speedkit.data.loader import watch_fit_iterator_start
 from speedkit.handle import Handle
 from speedkit.ladder import Ladder, MeasureConfig
 from speedkit.lightning.step import LightningSource, LightningStep
@@ -92,6 +93,7 @@ class SpeedLadder(Callback):
         self._state: TrainState | None = None
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
+        self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
 
     @property
     def state_key(self) -> str:
@@ -112,6 +114,7 @@ class SpeedLadder(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._watch_first_iterator(trainer)
         if self.trials or self._state is None:
             return
         original = self._state.step
@@ -121,7 +124,9 @@ class SpeedLadder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_watch()
         if not self.trials:
+            self._apply_train_start(trainer, pl_module)
             return
         self.result, self.not_run = None, None
         if trainer.world_size > 1:
@@ -156,12 +161,14 @@ class SpeedLadder(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.exception = exception
         self._probe = None
+        self._stop_watch()
         self._undo_all()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._probe is not None:
             self._finish_holds(trainer)
+        self._stop_watch()
         self._undo_all()
         self._state = None
 
@@ -196,12 +203,12 @@ class SpeedLadder(Callback):
         finally:
             self.result = self._ladder.result
         self.handles = list(self._ladder.handles)
-        self._bind_fit(trainer, pl_module, state, step, source)
         for entry in self.result.rungs[1:]:
             if entry.status == "kept":
                 self.applied_changes[entry.name] = list(entry.changes)
             elif entry.status in ("not_applicable", "failed"):
                 self.skipped[entry.name] = entry.reason or entry.status
+        self._bind_fit(trainer, pl_module, state, step, source)  # after: its lines add to the kept rungs' changes
         self._probe = _HoldsProbe(self.measure, self.result, step.device)
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
@@ -262,6 +269,30 @@ class SpeedLadder(Callback):
                 continue
             self.handles.append(handle)
             self.applied_changes[rung.name] = list(handle.changes)
+
+    # -- rungs that need the train loader (data_path) ----------------------------------------------
+    def _watch_first_iterator(self, trainer: pl.Trainer) -> None:
+        """Lightning makes the first epoch's train iterator before on_train_start; a rung that serves
+        the fit from another loader makes it again from the RNG and generator states recorded here."""
+        if any(r.lightning_stage == "train_start" for r in self.rungs):
+            self._stop_watch()
+            self._unwatch = watch_fit_iterator_start(trainer)
+
+    def _stop_watch(self) -> None:
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
+
+    def _apply_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Given rungs, no trials: those that need the train loader apply once it exists, then bind
+        their source wrapper into the fit."""
+        state = self._state
+        if state is None or not any(r.lightning_stage == "train_start" for r in self.rungs):
+            return
+        source = LightningSource(trainer, pl_module)
+        state.data = source
+        self._apply_stage("train_start")
+        self._bind_fit(trainer, pl_module, state, state.step, source)
 
     def _skip(self, rung: Rung, reason: str) -> None:
         self.skipped[rung.name] = reason

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'channels_last', 'cudnn_benchmark', 'cuda_graph']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -20,6 +20,7 @@ from speedkit.rungs.channels_last import ChannelsLastRung
 from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.cuda_graph import CudaGraphRung
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
+from speedkit.rungs.data_path import DataPathRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
@@ -37,7 +38,7 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung):
+             ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung):
     register(_cls)
 
 

@@ -42,7 +42,8 @@ class Rung:
     #: numerics this rung introduces; None when it must not change numerics beyond reordering
     precision: ClassVar[str | None] = None
     #: when ``SpeedLadder(rungs=[...])`` (no trials) applies it in a Lightning run: "setup" (before
-    #: the strategy wraps the model) or "fit_start" (once the optimizers exist)
+    #: the strategy wraps the model), "fit_start" (once the optimizers exist) or "train_start" (once
+    #: the train loader exists, before the first step)
     lightning_stage: ClassVar[str] = "setup"
     #: re-judged by the ladder's closing check once later rungs are kept on top of it (its gain may
     #: depend on them: a fused kernel pays in eager and may not under torch.compile)

@@ -1,0 +1,437 @@
+"""The user's DataLoader with other loading settings, and those settings chosen by measurement.
+
+:func:`rebuild_loader` copies a ``DataLoader`` (any subclass) keeping every object that decides
+which samples come in which order (dataset, sampler, batch sampler, collate_fn, worker_init_fn,
+generator, drop_last, timeout, multiprocessing context: the very same objects) and changes only
+``num_workers``, ``pin_memory``, ``persistent_workers`` and ``prefetch_factor``.
+
+Which of those keep every sample *exactly* as it was (``exact`` mode):
+
+* ``pin_memory`` and ``prefetch_factor``: always (the same batches, the same workers in the same
+  round-robin, the same draws from every generator).
+* ``num_workers``: only when a sample does not depend on the random state of the process that makes
+  it (:func:`worker_count_blocker` probes the dataset): each worker seeds its RNGs from the loader's
+  base seed and its worker id, so a dataset that augments with ``torch.rand`` would draw other
+  numbers for the same index with another worker count. An ``IterableDataset`` is replicated per
+  worker, so its stream depends on the worker count: never changed.
+* ``persistent_workers``: never turned on in exact mode. A persistent iterator does not draw a new
+  base seed per epoch, which moves every later draw from the loader's generator (or the global RNG):
+  the next epoch's shuffle would differ.
+
+:func:`choose_settings` measures candidates (loader throughput over a warmed-up window of host
+batches, plus the pinned copy to the device on CUDA) and picks the cheapest within a few percent of
+the best. :func:`watch_fit_iterator_start` keeps the RNG and generator states at the moment a
+Lightning fit creates its first train iterator, so that iterator can be made again exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from speedkit import compat
+from speedkit.data.source import loader_generators, move_to_device
+from speedkit.errors import ConfigError
+from speedkit.snapshot import rng_state, set_rng_state
+
+Clock = Callable[[], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSettings:
+    """The loading settings :func:`rebuild_loader` may change."""
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+
+    @classmethod
+    def of(cls, loader: DataLoader) -> LoaderSettings:
+        return cls(int(loader.num_workers), bool(loader.pin_memory), bool(loader.persistent_workers),
+                   loader.prefetch_factor if loader.num_workers > 0 else None)
+
+    @property
+    def cost(self) -> tuple[int, int, bool, bool]:
+        """What the settings hold (processes, buffered batches, pinned memory): lower is cheaper."""
+        return (self.num_workers, self.num_workers * (self.prefetch_factor or 0), self.persistent_workers, self.pin_memory)
+
+    def describe(self) -> str:
+        parts = [f"num_workers={self.num_workers}"]
+        if self.num_workers:
+            parts += [f"prefetch_factor={self.prefetch_factor}", f"persistent_workers={self.persistent_workers}"]
+        return ", ".join([*parts, f"pin_memory={self.pin_memory}"])
+
+
+def not_rebuildable(loader: Any) -> str | None:
+    """None when :func:`rebuild_loader` can copy ``loader``; else why not."""
+    if not isinstance(loader, DataLoader):
+        return f"the train loader is a {type(loader).__name__}, not a torch DataLoader (its loading settings are its own)"
+    return None
+
+
+def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, persistent_workers: bool,
+                   prefetch_factor: int | None) -> DataLoader:
+    """A copy of ``loader`` (same class, the same dataset, sampler, batch sampler, collate_fn,
+    worker_init_fn, generator, drop_last, timeout and multiprocessing context objects) with these
+    loading settings and no live iterator.
+
+    Raises:
+        ConfigError: settings a DataLoader refuses (one line).
+    """
+    why = not_rebuildable(loader)
+    if why is not None:
+        raise ConfigError("data", why)
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError("data.num_workers", f"expected an integer >= 0, found {num_workers!r}")
+    if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
+        raise ConfigError("data.num_workers", "persistent_workers and prefetch_factor need num_workers > 0")
+    if num_workers > 0 and prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+        raise ConfigError("data.prefetch_factor", f"expected an integer >= 1, found {prefetch_factor!r}")
+    if num_workers == 0 and loader.multiprocessing_context is not None:
+        raise ConfigError("data.num_workers", "the loader names a multiprocessing context, which needs num_workers > 0")
+    clone = compat.trial_loader(loader)  # a shallow copy without the live iterator
+    clone.num_workers = num_workers
+    clone.pin_memory = bool(pin_memory)
+    clone.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if num_workers > 0 else None
+    compat.set_persistent_workers(clone, persistent_workers)
+    return clone
+
+
+# -- what a worker count changes ------------------------------------------------------------------
+
+
+def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
+    """None when changing the number of workers leaves every sample as it is; else why it would not.
+
+    A map-style dataset's item ``probe`` is read twice, under two different seeds of every RNG a
+    worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. Samples that
+    differ depend on the worker's random state. An ``IterableDataset`` is split (or replicated) by
+    worker: its stream is the worker count's.
+    """
+    if isinstance(dataset, IterableDataset):
+        return "an IterableDataset yields per worker: its stream depends on the number of workers"
+    try:
+        if len(dataset) <= probe:
+            return "the dataset is empty"
+    except TypeError:
+        return "the dataset has no length to probe"
+    saved = rng_state()
+    try:
+        samples = []
+        for seed in (1, 2):
+            set_rng_state({**saved, **_seeded(seed)})
+            samples.append(dataset[probe])
+    except Exception as exc:  # a dataset that cannot be read here: assume the worst
+        return f"reading a sample to probe it raised {type(exc).__name__}"
+    finally:
+        set_rng_state(saved)
+    if not _same(samples[0], samples[1]):
+        return ("its samples draw random numbers (the same index read under two seeds differs): each worker seeds "
+                "its own RNGs, so another worker count would draw other numbers")
+    return None
+
+
+def in_process_change_blocker(loader: DataLoader) -> str | None:
+    """None when moving between loading in this process (no workers) and in workers leaves every draw
+    of the loader's generators where it was; else why it would not.
+
+    With workers, the sampler is read ahead, to its end by the epoch's last batches; without, a fit
+    that stops at the loader's length never asks it for more. A ``RandomSampler`` with a generator
+    draws a last (empty) permutation from it when it is read to its end, so the next epoch's shuffle
+    would differ. Samplers known to draw only from a private generator at their start (a
+    ``SequentialSampler``, a ``RandomSampler`` without a generator) do not.
+    """
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return f"its batch sampler is a {type(batch_sampler).__name__}, whose draws speedkit cannot see"
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    if type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and sampler.generator is None):
+        return None
+    if type(sampler) is RandomSampler:
+        return ("its RandomSampler draws from a generator of its own, and does so once more when workers read it to its "
+                "end: the next epoch's shuffle would differ")
+    return f"its sampler is a {type(sampler).__name__}, whose draws speedkit cannot see"
+
+
+def _seeded(seed: int) -> dict[str, Any]:
+    import random
+
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {"torch": gen.get_state(), "python": random.Random(seed).getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.RandomState(seed).get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two samples are equal, leaf by leaf (tensors, arrays, images, nested containers)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if hasattr(a, "__array__") and not isinstance(a, (str, bytes)):
+        import numpy as np
+
+        x, y = np.asarray(a), np.asarray(b)
+        return x.shape == y.shape and x.dtype == y.dtype and bool(np.array_equal(x, y))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+# -- RNG and generator states ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RngStates:
+    """The process RNGs' states and those of the given generators, at one moment."""
+
+    rng: dict[str, Any]
+    generators: list[tuple[torch.Generator, torch.Tensor]]
+
+    @classmethod
+    def capture(cls, generators: Iterable[torch.Generator]) -> RngStates:
+        return cls(rng_state(), [(g, g.get_state()) for g in generators])
+
+    def restore(self) -> None:
+        set_rng_state(self.rng)
+        for g, state in self.generators:
+            g.set_state(state)
+
+    def same_as(self, other: RngStates) -> bool:
+        if [id(g) for g, _ in self.generators] != [id(g) for g, _ in other.generators]:
+            return False
+        if not all(torch.equal(a, b) for (_, a), (_, b) in zip(self.generators, other.generators)):
+            return False
+        return all(_same(self.rng.get(k), other.rng.get(k)) for k in ("torch", "cuda", "python", "numpy"))
+
+
+@dataclasses.dataclass
+class IteratorStart:
+    """The RNG and generator states right before and right after a fit created its first train iterator."""
+
+    loaders: list[Any]
+    before: RngStates
+    after: RngStates | None = None
+
+
+_FIT_STARTS: weakref.WeakKeyDictionary[Any, IteratorStart] = weakref.WeakKeyDictionary()
+
+
+def _generators_of(loaders: list[Any]) -> list[torch.Generator]:
+    found: list[torch.Generator] = []
+    for loader in loaders:
+        found += [g for g in loader_generators(loader) if all(g is not f for f in found)]
+    return found
+
+
+def watch_fit_iterator_start(trainer: Any) -> Callable[[], None]:
+    """Record, for :func:`fit_iterator_start`, the states around the creation of ``trainer``'s first
+    train iterator (Lightning makes it in ``setup_data``, before ``on_train_start``). Call from
+    ``on_fit_start``; the returned function removes the watch (by ``on_train_start``)."""
+    _FIT_STARTS.pop(trainer, None)
+
+    def before(loaders: list[Any]) -> None:
+        _FIT_STARTS[trainer] = IteratorStart(loaders, RngStates.capture(_generators_of(loaders)))
+
+    def after(loaders: list[Any]) -> None:
+        start = _FIT_STARTS.get(trainer)
+        if start is not None and start.after is None:
+            start.after = RngStates.capture(_generators_of(start.loaders))
+
+    remove = compat.watch_train_iterator_start(trainer, before, after)
+    return remove if remove is not None else (lambda: None)
+
+
+def fit_iterator_start(trainer: Any) -> IteratorStart | None:
+    """The states recorded by :func:`watch_fit_iterator_start` for ``trainer``'s fit, if any."""
+    return _FIT_STARTS.get(trainer)
+
+
+# -- choosing the settings ----------------------------------------------------------------------
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_counts(current: int, cpus: int) -> list[int]:
+    """Worker counts to try: the current one, then 2, 4, 8, ... up to the CPU count."""
+    counts = [current]
+    n = 2
+    while n <= max(cpus, 2):
+        if n not in counts:
+            counts.append(n)
+        n *= 2
+    return counts
+
+
+def loader_rate(loader: Iterable[Any], device: torch.device, *, clock: Clock = time.perf_counter, warmup: int = 2,
+                batches: int = 16, max_s: float = 2.0) -> float:
+    """Batches per second ``loader`` delivers once warmed up: ``warmup`` batches untimed (worker start,
+    the prefetched queue), then ``batches`` timed (fewer, at least 2, past ``max_s`` seconds on
+    ``clock``), each copied to ``device`` from pinned memory when it is a CUDA device (one wait at
+    the end of the window). An epoch that ends is started again inside the window."""
+    cuda = torch.device(device).type == "cuda"
+    it = _endless(loader)
+    try:
+        for _ in range(warmup):
+            batch = next(it)
+            if cuda:
+                move_to_device(batch, device, non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = clock()
+        n = 0
+        while n < batches and (n < 2 or clock() - start < max_s):
+            batch = next(it)
+            if cuda:
+                move_to_device(batch, device, non_blocking=True)
+            n += 1
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = clock() - start
+    finally:
+        it.close()
+        compat.shutdown_workers(loader)
+    return n / elapsed if elapsed > 0 else float("inf")
+
+
+def _endless(loader: Iterable[Any]) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch; the workers of the iterator in use stop when this closes
+    (an exhausted iterator stops its own, unless persistent: then the next epoch reuses it)."""
+    it = None
+    try:
+        while True:
+            it = iter(loader)
+            empty = True
+            for batch in it:
+                empty = False
+                yield batch
+            if empty:
+                raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+    finally:
+        if it is not None:
+            compat.shutdown_iterator(it)
+
+
+@dataclasses.dataclass
+class Choice:
+    """The settings chosen and what was measured (batches/s per candidate)."""
+
+    current: LoaderSettings
+    settings: LoaderSettings
+    rates: list[tuple[LoaderSettings, float]]
+    notes: list[str]
+
+    @property
+    def changed(self) -> bool:
+        return self.settings != self.current
+
+    def rate(self, settings: LoaderSettings) -> float | None:
+        return next((r for s, r in self.rates if s == settings), None)
+
+    def lines(self) -> list[str]:
+        measured = "; ".join(f"{s.describe()}: {r:.1f}" for s, r in self.rates)
+        return [f"loader settings measured (batches/s over a warmed-up window of host batches"
+                f"{', with the pinned copy to the device' if self.settings.pin_memory else ''}): {measured}", *self.notes]
+
+
+def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: bool = True, exact: bool = True,
+                    same_side: bool = False,
+                    pin_memory: bool | None = None, workers: int | None = None, tolerance: float = 0.03,
+                    cpus: int | None = None, measure: Callable[[LoaderSettings], float] | None = None,
+                    clock: Clock = time.perf_counter, max_s: float = 2.0) -> Choice:
+    """Choose ``loader``'s loading settings by measuring candidates.
+
+    Candidates: the current settings; the same pinned on CUDA (``pin_memory`` forces it either way);
+    with ``vary_workers``, each count of :func:`worker_counts` (``workers`` fixes it) with
+    ``prefetch_factor`` 2, then 4 for the best count. ``exact`` keeps ``persistent_workers`` as it is
+    (and so never goes from persistent workers to none); without it persistent workers are on wherever
+    there are workers (they save the workers' start at every epoch, which a window inside one epoch
+    does not see). ``same_side`` keeps loading where it is: in this process, or in workers. Each is measured by ``measure`` (default: :func:`loader_rate` of the rebuilt
+    loader on ``clock``); the cheapest (fewest workers, fewest buffered batches, unpinned) within
+    ``tolerance`` of the best allowed rate wins. The RNG and generator states are put back afterwards.
+    """
+    device = torch.device(device)
+    current = LoaderSettings.of(loader)
+    pin = (device.type == "cuda") if pin_memory is None else pin_memory
+
+    def settings(n: int, factor: int | None) -> LoaderSettings:
+        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0, (factor or 2) if n > 0 else None)
+
+    def allowed(s: LoaderSettings) -> bool:
+        return (workers is None or s.num_workers == workers) and (pin_memory is None or s.pin_memory == pin_memory) \
+            and (vary_workers or workers is not None or s.num_workers == current.num_workers)
+
+    def rate_of(s: LoaderSettings) -> float:
+        buffered = s.num_workers * (s.prefetch_factor or 0)
+        return loader_rate(rebuild_loader(loader, **dataclasses.asdict(s)), device, clock=clock, warmup=buffered + 2,
+                           batches=max(16, 2 * buffered), max_s=max_s)
+
+    run = measure or rate_of
+    if workers is not None:
+        counts = [workers]
+    elif vary_workers:
+        counts = worker_counts(current.num_workers, cpus if cpus is not None else available_cpus())
+    else:
+        counts = [current.num_workers]
+    if same_side:
+        counts = [n for n in counts if (n > 0) == (current.num_workers > 0)] or [current.num_workers]
+    if exact and current.persistent_workers and 0 in counts:
+        if counts == [0]:
+            raise ConfigError("data.num_workers", "the loader has persistent workers: going to num_workers=0 would draw a "
+                              "new base seed every epoch and change the shuffle (exact mode)")
+        counts.remove(0)
+    saved = RngStates.capture(loader_generators(loader))
+    rates: dict[LoaderSettings, float] = {}
+    try:
+        for s in [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]:
+            if s not in rates:
+                rates[s] = run(s)
+        best_count = max((s for s in rates if allowed(s)), key=rates.__getitem__).num_workers
+        for factor in (2, 4) if best_count > 0 else ():
+            s = settings(best_count, factor)
+            if s not in rates:
+                rates[s] = run(s)
+    finally:
+        saved.restore()
+    eligible = [s for s in rates if allowed(s)]
+    best = max(rates[s] for s in eligible)
+    chosen = min((s for s in eligible if rates[s] >= best * (1 - tolerance)), key=lambda s: (s.cost, -rates[s]))
+    notes = []
+    if chosen.persistent_workers and not current.persistent_workers:
+        notes.append("persistent_workers on: the workers start once, not at every epoch (not measured: a window inside "
+                     "one epoch does not see it)")
+    return Choice(current, chosen, list(rates.items()), notes)
+
+
+__all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "available_cpus", "choose_settings",
+           "fit_iterator_start", "in_process_change_blocker", "loader_rate", "not_rebuildable", "rebuild_loader", "watch_fit_iterator_start",
+           "worker_count_blocker", "worker_counts"]
+

@@ -1,0 +1,169 @@
+"""Copy the next batch to the GPU on a side stream while the current step runs.
+
+:class:`DevicePrefetcher` wraps an iterator of host batches. On CUDA, each batch is pinned (when
+the loader did not pin it) and copied with ``non_blocking`` copies on a side CUDA stream, in a
+background thread; the batch handed out is one whose copy the consumer's stream waits for (an
+event), and every tensor of it is marked used by that stream (``record_stream``), so the caching
+allocator never hands its memory to another copy while the step still reads it. Nested batches
+(lists, tuples, named tuples, dicts, dataclasses) move recursively; other leaves are left as they
+are. Host batches are pulled on the caller's thread, in order, ``lookahead`` ahead of the one handed
+out: 1 overlaps the next copy with the current step; 0 pulls nothing early (for loaders that make
+batches in the caller's process, where pulling early would move its RNG draws).
+
+The background thread waits for each copy to finish before the batch is handed out, so a loader
+that refills one pinned buffer is never read after it moved on. On a CPU device the prefetcher is a
+passthrough: the same batches, the same objects.
+
+:class:`PrefetchingLoader` is an iterable over a loader that prefetches each epoch this way and
+otherwise looks like the loader (its length, sampler, dataset): what a Lightning fit iterates.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from speedkit.data.source import batch_leaves, map_batch, move_to_device
+
+
+class TransferTimes:
+    """Host-to-device copy times of the batches a prefetcher moved (CUDA events on the side stream)."""
+
+    def __init__(self, keep: int = 512) -> None:
+        self.ms: collections.deque[float] = collections.deque(maxlen=keep)
+        self.batches = 0
+
+    def add(self, ms: float) -> None:
+        self.ms.append(ms)
+        self.batches += 1
+
+    def median_ms(self) -> float | None:
+        return statistics.median(self.ms) if self.ms else None
+
+
+def pin_batch(batch: Any) -> Any:
+    """``batch`` with its CPU tensors in pinned memory (tensors already pinned are kept as they are)."""
+    return map_batch(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                     and not t.is_pinned() else t, batch)
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index (a bare "cuda" is the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class DevicePrefetcher(Iterator[Any]):
+    """Batches of ``batches`` on ``device``, the next one copied on a side stream while this one is used.
+
+    Args:
+        batches: host batches.
+        device: where they go; a CPU device makes this a passthrough.
+        lookahead: host batches pulled ahead of the one handed out (0 or 1).
+        times: collects each batch's copy time (ms).
+    """
+
+    def __init__(self, batches: Iterator[Any], device: torch.device | str, *, lookahead: int = 1,
+                 times: TransferTimes | None = None) -> None:
+        if lookahead not in (0, 1):
+            raise ValueError(f"lookahead must be 0 or 1, found {lookahead!r}")
+        self.batches = batches
+        self.device = resolve_device(device)
+        self.lookahead = lookahead
+        self.times = times if times is not None else TransferTimes()
+        self.cuda = self.device.type == "cuda"
+        self._pending: collections.deque[Future[tuple[Any, Any]]] = collections.deque()
+        self._exhausted = False
+        self._pool: ThreadPoolExecutor | None = None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="speedkit-h2d")
+
+    def __iter__(self) -> DevicePrefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.cuda:
+            return next(self.batches)
+        if not self._pending:
+            self._stage()
+        if not self._pending:
+            self.close()
+            raise StopIteration
+        batch, done = self._pending.popleft().result()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in batch_leaves(batch):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                t.record_stream(current)
+        while len(self._pending) < self.lookahead and not self._exhausted:
+            self._stage()
+        return batch
+
+    def _stage(self) -> None:
+        """Pull the next host batch (on this thread) and start its copy (on the background one)."""
+        try:
+            host = next(self.batches)
+        except StopIteration:
+            self._exhausted = True
+            return
+        assert self._pool is not None
+        self._pending.append(self._pool.submit(self._copy, host))
+
+    def _copy(self, host: Any) -> tuple[Any, Any]:
+        pinned = pin_batch(host)
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            batch = move_to_device(pinned, self.device, non_blocking=True)
+            done.record(self.stream)
+        done.synchronize()  # the host buffers may be reused once this batch is handed out
+        self.times.add(start.elapsed_time(done))
+        return batch, done
+
+    def close(self) -> None:
+        """Stop the background thread (pending copies finish first)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._pending.clear()
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+class PrefetchingLoader:
+    """An iterable over ``loader`` whose every epoch is a :class:`DevicePrefetcher`; anything else
+    (``len``, ``sampler``, ``batch_sampler``, ``dataset``, ...) is the loader's."""
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str, *, lookahead: int = 1,
+                 times: TransferTimes | None = None) -> None:
+        self.loader = loader
+        self.device = resolve_device(device)
+        self.lookahead = lookahead
+        self.times = times if times is not None else TransferTimes()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type != "cuda":
+            return iter(self.loader)
+        return DevicePrefetcher(iter(self.loader), self.device, lookahead=self.lookahead, times=self.times)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "device", "lookahead", "times"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+__all__ = ["DevicePrefetcher", "PrefetchingLoader", "TransferTimes", "pin_batch", "resolve_device"]

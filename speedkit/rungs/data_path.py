@@ -1,0 +1,358 @@
+"""data_path: feed the step faster — loader workers and pinning chosen by measurement, and the next
+batch copied to the GPU on a side stream while the current step runs.
+
+Speeds up: steps that wait for their batch (decoding and augmenting on too few workers, pageable
+host-to-device copies on the compute stream). Does not help: a loader already faster than the step,
+batches made on the device.
+Needs: a torch ``DataLoader`` to rebuild (any other iterable is only prefetched); a CUDA device for
+pinning and prefetching (on a CPU only the worker count can change).
+
+The user's loader is copied (:func:`~speedkit.data.loader.rebuild_loader`: the same dataset,
+sampler, collate_fn, generator, ... objects) with settings chosen by measuring the loader alone
+(:func:`~speedkit.data.loader.choose_settings`). With ``exact`` (the default) only settings that
+leave every sample and every RNG stream as they were are changed: the worker count only when the
+dataset's samples do not draw random numbers, persistent workers never (see
+:mod:`speedkit.data.loader`). On CUDA, batches are copied by a
+:class:`~speedkit.data.prefetch.DevicePrefetcher`; Lightning's batch hooks still run, in their
+order, on the batch already on the device (``on_before_batch_transfer``, then
+``transfer_batch_to_device``, which finds it there, then ``on_after_batch_transfer``). A module or
+datamodule that overrides ``on_before_batch_transfer`` or ``transfer_batch_to_device`` expects the
+host batch: the copy is then left to Lightning (not prefetched), the loader settings still apply.
+
+In a Lightning fit the kept rung binds itself (:meth:`DataPathSource.bind_fit`): the fit loop
+iterates the rebuilt loader, prefetched, and its first epoch's iterator — which Lightning made
+before the trials — is made again from the RNG and generator states Lightning made it from, so the
+fit sees the same samples in the same order as without speedkit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+
+from speedkit import compat
+from speedkit.data.loader import (
+    Choice,
+    LoaderSettings,
+    RngStates,
+    choose_settings,
+    fit_iterator_start,
+    in_process_change_blocker,
+    not_rebuildable,
+    rebuild_loader,
+    worker_count_blocker,
+)
+from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
+from speedkit.data.source import BatchSource
+from speedkit.rungs.base import Handle, Rung, set_attr
+from speedkit.state import TrainState
+
+
+@dataclasses.dataclass
+class DataPathOptions:
+    """Options of the data_path rung."""
+
+    #: "auto": chosen by measurement; "keep": the loader's; a number: that many
+    workers: Literal["auto", "keep"] | int = "auto"
+    #: "auto": pinned on CUDA (where the copy to the device reads it)
+    pin_memory: Literal["auto"] | bool = "auto"
+    #: copy the next batch to the device on a side stream while the step runs (CUDA)
+    prefetch: bool = True
+    #: change only what leaves every sample and RNG stream as it was (see speedkit.data.loader)
+    exact: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, int) and self.workers < 0:
+            raise ValueError(f"workers must be 'auto', 'keep' or an integer >= 0, found {self.workers!r}")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the rung does to one source: the loader settings (None: not rebuilt) and the prefetching."""
+
+    choice: Choice | None
+    prefetch: bool
+    lookahead: int
+    notes: list[str]
+
+    @property
+    def rebuild(self) -> LoaderSettings | None:
+        return self.choice.settings if self.choice is not None and self.choice.changed else None
+
+
+def _lightning_parts(source: Any) -> tuple[Any, Any]:
+    """The Trainer and LightningModule a (wrapped) Lightning source serves, else (None, None)."""
+    while source is not None:
+        if getattr(source, "trainer", None) is not None and getattr(source, "module", None) is not None:
+            return source.trainer, source.module
+        source = getattr(source, "inner", None)
+    return None, None
+
+
+def overridden_transfer_hooks(source: Any) -> list[str]:
+    """The batch-transfer hooks the user overrides that must see the host batch (they run before
+    the copy): ``on_before_batch_transfer`` and ``transfer_batch_to_device`` of the module or datamodule."""
+    trainer, module = _lightning_parts(source)
+    if trainer is None or "lightning.pytorch" not in sys.modules:
+        return []
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    found = []
+    owners = [("LightningModule", module), ("datamodule", getattr(trainer, "datamodule", None))]
+    for hook in ("on_before_batch_transfer", "transfer_batch_to_device"):
+        for what, owner in owners:
+            if owner is not None and is_overridden(hook, owner):
+                found.append(f"{what}.{hook}")
+    return found
+
+
+class DataPathSource(BatchSource):
+    """The batches of ``inner`` from the rebuilt loader (if any), prefetched to the device (if so);
+    Lightning's transfer hooks (``inner.to_device``) still run on each; parity batches, generators,
+    state and release are ``inner``'s."""
+
+    def __init__(self, inner: BatchSource, plan: Plan) -> None:  # the inner source owns the loader: no super().__init__
+        self.inner = inner
+        self.plan = plan
+        self.loader, self.device = inner.loader, inner.device
+        settings = plan.rebuild
+        self.rebuilt = rebuild_loader(inner.loader, **dataclasses.asdict(settings)) if settings is not None else None  # type: ignore[arg-type]
+        self.iterable = self.rebuilt if self.rebuilt is not None else inner.iterable
+        self.times = TransferTimes()
+        self.waits: deque[float] = deque(maxlen=512)
+        self.fit_times: TransferTimes | None = None
+        if self.rebuilt is not None:  # the trials' workers stop with this source at the latest
+            weakref.finalize(self, compat.shutdown_workers, self.rebuilt)
+
+    def host_batches(self) -> Iterator[Any]:
+        return super().host_batches() if self.rebuilt is not None else self.inner.host_batches()
+
+    def to_device(self, batch: Any) -> Any:
+        return self.inner.to_device(batch)
+
+    def iterator(self) -> Iterator[Any]:
+        host: Iterator[Any] = self.host_batches()
+        if self.plan.prefetch:
+            host = DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times)
+        return self._timed(host)
+
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waits.append((time.perf_counter() - t0) * 1e3)
+            yield self.inner.to_device(batch)
+
+    def parity_batches(self, n: int) -> list[Any]:
+        return self.inner.parity_batches(n)
+
+    def generators(self) -> list[torch.Generator]:
+        return self.inner.generators()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def release(self) -> None:
+        self.inner.release()
+        self.release_rebuilt()
+
+    def release_rebuilt(self) -> None:
+        """Stop the workers the trials' iterator of the rebuilt loader started (persistent ones)."""
+        if self.rebuilt is not None:
+            compat.shutdown_workers(self.rebuilt)
+
+    def report_lines(self) -> list[str]:
+        """The figures behind the change: the loader alone before and after, the copies, the waits."""
+        lines = []
+        choice = self.plan.choice
+        if choice is not None:
+            before, after = choice.rate(choice.current), choice.rate(choice.settings)
+            if before and after:
+                lines.append(f"loader alone: {before:.1f} -> {after:.1f} batches/s ({1e3 / before:.2f} -> {1e3 / after:.2f} "
+                             f"ms per batch) with {choice.settings.describe()}")
+        if self.times.batches:
+            lines.append(f"host-to-device copy: {self.times.median_ms():.3f} ms per batch (median of {len(self.times.ms)}) "
+                         "on the side stream, overlapped with the step")
+        if self.waits:
+            lines.append(f"trials with data_path: {statistics.median(self.waits):.3f} ms per batch waited for the next batch "
+                         "(median; the measurements' data_wait_ms gives it per step with and without)")
+        if self.fit_times is not None and self.fit_times.batches:
+            lines.append(f"fit: host-to-device copy {self.fit_times.median_ms():.3f} ms per batch (median) on the side stream")
+        return lines
+
+    # -- the Lightning fit ---------------------------------------------------------------------
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        """Make the fit loop iterate the rebuilt loader, prefetched, its first epoch's iterator made
+        again from the states Lightning made it from (see :meth:`_first_epoch`). The handle puts the
+        user's loader back and stops the rebuilt loader's workers."""
+        loaders = compat.lightning_train_loaders(trainer)
+        if loaders is None:
+            raise RuntimeError("the fit loop has no train loader set up (Lightning's internals moved?)")
+        if len(loaders) != 1 or loaders[0] is not self.loader:
+            raise RuntimeError("the fit iterates other train loaders than the trials measured")
+        settings = self.plan.rebuild
+        if settings is None and not self.plan.prefetch:
+            return None
+        original = loaders[0]
+        fit_loader = rebuild_loader(original, **dataclasses.asdict(settings)) if settings is not None else original
+        served: Any = fit_loader
+        handle = Handle("data_path")
+        if self.plan.prefetch:
+            self.fit_times = TransferTimes()
+            served = PrefetchingLoader(fit_loader, self.device, lookahead=self.plan.lookahead, times=self.fit_times)
+        compat.lightning_set_train_loaders(trainer, [served])
+
+        def put_back() -> None:
+            if compat.lightning_train_loaders(trainer) == [served]:
+                compat.lightning_set_train_loaders(trainer, [original])
+            if fit_loader is not original:
+                compat.shutdown_workers(fit_loader)
+            compat.shutdown_workers(original)
+
+        what = f"a copy of the user's DataLoader with {settings.describe()}" if settings is not None else "the user's DataLoader"
+        handle.record(f"fit: the train loop iterates {what}"
+                      + (f", each batch copied to {self.device} on a side stream while the step before runs"
+                         if self.plan.prefetch else ""), put_back)
+        handle.record(f"fit: {self._first_epoch(trainer, original, fit_loader)}")
+        handle.report = lambda: [line for line in self.report_lines() if line.startswith("fit:")]
+        return handle
+
+    def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any) -> str:
+        """Lightning created the first epoch's iterator from ``original`` before the trials; make it
+        again from ``fit_loader``, from the RNG and generator states recorded right before Lightning
+        made it, so it draws the same base seed and shuffle. Afterwards the RNGs must be where the
+        fit would have them at its first batch: put back where they are now when both loaders draw
+        at the same moments (both with workers or both without), else left where the new iterator
+        leaves them, which is exact when nothing drew between Lightning's creation and now."""
+        later = "the first epoch runs on the iterator Lightning made; the rebuilt loader serves from the next epoch on"
+        if not compat.lightning_first_epoch_pending(trainer):
+            return f"{later} (the fit already fetched a batch, or resumes)"
+        start = fit_iterator_start(trainer)
+        if start is None or start.after is None or len(start.loaders) != 1 or start.loaders[0] is not original:
+            return f"{later} (the states it was made from were not recorded: SpeedLadder records them from on_fit_start)"
+        now = RngStates.capture([g for g, _ in start.before.generators])
+        same_moments = (getattr(original, "num_workers", 0) > 0) == (getattr(fit_loader, "num_workers", 0) > 0)
+        if not same_moments and not now.same_as(start.after):
+            return (f"{later} (the RNGs were drawn from between its creation and the trials, and the new worker count "
+                    "draws the shuffle at another moment)")
+        start.before.restore()
+        try:
+            replaced = compat.lightning_restart_train_iterator(trainer)
+        except BaseException:
+            now.restore()
+            raise
+        if same_moments:
+            now.restore()
+        for it in replaced:
+            compat.shutdown_iterator(it)
+        compat.shutdown_workers(original)  # a persistent-workers loader's live iterator
+        return "the first epoch's iterator made again from the RNG and generator states Lightning made it from"
+
+
+class DataPathRung(Rung):
+    name = "data_path"
+    Options = DataPathOptions
+    precision = None  # the same batches, in the same order
+    #: needs the train loader, which a Lightning fit has from on_train_start on
+    lightning_stage = "train_start"
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._plans: dict[tuple[int, str], Plan] = {}
+
+    def check(self, state: TrainState) -> str | None:
+        if state.data is None:
+            return "no data source: the batches are fed by hand"
+        plan = self.plan(state)
+        if plan.rebuild is None and not plan.prefetch:
+            return "nothing to change: " + "; ".join(plan.notes)
+        return None
+
+    def plan(self, state: TrainState) -> Plan:
+        """What to do for ``state.data`` (measured once per loader and device)."""
+        source = state.data
+        assert source is not None
+        key = (id(source.loader), str(state.device))
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(source, state.device)
+        return self._plans[key]
+
+    def _make_plan(self, source: BatchSource, device: torch.device) -> Plan:
+        opts, loader, notes = self.options, source.loader, []
+        cuda = device.type == "cuda"
+        prefetch = False
+        if not opts.prefetch:
+            notes.append("prefetching is off (option prefetch: false)")
+        elif not cuda:
+            notes.append("on a CPU there is no copy to a device to pin or overlap")
+        elif hooks := overridden_transfer_hooks(source):
+            notes.append(f"{', '.join(hooks)} is overridden and expects the host batch: the copy is left to Lightning")
+        else:
+            prefetch = True
+        choice = None
+        why = not_rebuildable(loader)
+        if why is not None:
+            notes.append(why)
+        else:
+            current = loader.num_workers
+            workers = opts.workers if isinstance(opts.workers, int) else None
+            vary = opts.workers == "auto"
+            if opts.exact and (vary or (workers is not None and workers != current)):
+                blocker = worker_count_blocker(loader.dataset)
+                if blocker is not None:
+                    vary, workers = False, None
+                    notes.append(f"num_workers kept at {current}: {blocker}")
+            pin = None if opts.pin_memory == "auto" else opts.pin_memory
+            if pin is None and not cuda:
+                pin = bool(loader.pin_memory)  # pinning serves a copy to a device only
+            if vary or workers is not None or pin != bool(loader.pin_memory):
+                if opts.exact and workers == 0 and loader.persistent_workers:
+                    notes.append(f"num_workers kept at {current}: the loader's persistent workers draw one base seed per "
+                                 "fit, a loader without workers one per epoch (another shuffle from the next epoch on)")
+                    workers = current
+                same_side = False
+                if opts.exact and (vary or workers is not None) and (side := in_process_change_blocker(loader)) is not None:
+                    same_side = True
+                    if workers is not None and (workers > 0) != (current > 0):
+                        workers = current
+                    notes.append(f"num_workers stays {'0' if current == 0 else 'above 0'}: {side}")
+                    vary = vary and current > 0
+                choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
+                                         same_side=same_side)
+                if not choice.changed:
+                    notes.append(f"the loader's own settings ({choice.current.describe()}) were the fastest measured")
+        settings = choice.settings if choice is not None else None
+        served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
+        return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes)
+
+    def apply(self, state: TrainState) -> Handle:
+        plan = self.plan(state)
+        handle = Handle(self.name)
+        source = DataPathSource(state.data, plan)  # type: ignore[arg-type]
+        changes = []
+        if plan.rebuild is not None:
+            changes.append(f"loader: a copy of the user's DataLoader (same dataset, sampler, collate_fn, generator) with "
+                           f"{plan.rebuild.describe()} (was {plan.choice.current.describe()})")  # type: ignore[union-attr]
+        if plan.prefetch:
+            changes.append(f"batches copied to {state.device} on a side CUDA stream while the step before runs "
+                           f"({'one batch ahead' if plan.lookahead else 'pulled when needed: the loader works in this process'})")
+        set_attr(handle, state, "data", source, "; ".join(changes))
+        handle.record("", source.release_rebuilt, persistent=True)  # at undo only: the trials' iterator lives on while suspended
+        for line in [*(plan.choice.lines() if plan.choice is not None else []), *plan.notes]:
+            handle.record(f"note: {line}")
+        handle.report = source.report_lines
+        return handle

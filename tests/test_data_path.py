@@ -1,0 +1,356 @@
+"""The data_path rung on CPU: the rebuilt loader serves the same samples in the same order (seeds
+included), the prefetcher hands out the same batches, apply/undo is exact, a Lightning fit with the
+rung bound sees exactly what it sees without speedkit, and settings are chosen on a fake clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import namedtuple
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from speedkit import rungs
+from speedkit.data import BatchSource
+from speedkit.data.loader import LoaderSettings, choose_settings, loader_rate, rebuild_loader, worker_count_blocker
+from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
+from speedkit.errors import ConfigError
+from speedkit.ladder import Ladder
+from speedkit.lightning import SpeedLadder
+from speedkit.rungs.data_path import DataPathRung, DataPathSource, overridden_transfer_hooks
+from speedkit.state import TrainState
+
+CPU = torch.device("cpu")
+
+
+class Indexed(Dataset):
+    """Sample i: (i as a tensor, a feature row made from i alone, the id of the worker that made it)."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        info = get_worker_info()
+        return torch.tensor(i), torch.full((4,), float(i)), torch.tensor(info.id if info is not None else -1)
+
+
+class RandomCrops(Indexed):
+    """Draws from the global RNG per sample, as augmentations do."""
+
+    def __getitem__(self, i: int):
+        return torch.tensor(i), torch.rand(4)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def _loader(shuffle: str, workers: int = 0, cls: type = DataLoader, **kw) -> DataLoader:
+    generator = torch.Generator().manual_seed(7) if shuffle == "generator" else None
+    return cls(Indexed(), batch_size=4, shuffle=True, generator=generator, num_workers=workers, **kw)
+
+
+def _two_epochs(loader) -> tuple[list[list[int]], torch.Tensor]:
+    torch.manual_seed(123)
+    order = [[int(i) for i in batch[0]] for _ in range(2) for batch in loader]
+    return order, torch.get_rng_state()
+
+
+# -- rebuild_loader ---------------------------------------------------------------------------------
+
+
+class MyLoader(DataLoader):
+    pass
+
+
+@pytest.mark.parametrize("cls", [DataLoader, MyLoader])
+def test_rebuild_keeps_every_object_and_changes_only_the_settings(cls):
+    loader = _loader("generator", cls=cls, collate_fn=torch.utils.data.default_collate, drop_last=True, timeout=0,
+                     worker_init_fn=lambda i: None)
+    live = iter(loader)
+    clone = rebuild_loader(loader, num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4)
+    assert type(clone) is cls and clone is not loader
+    for name in ("dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "generator", "drop_last", "timeout",
+                 "multiprocessing_context", "batch_size"):
+        assert getattr(clone, name) is getattr(loader, name), name
+    assert (clone.num_workers, clone.pin_memory, clone.persistent_workers, clone.prefetch_factor) == (2, True, True, 4)
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (0, False, False, None)
+    assert LoaderSettings.of(clone) == LoaderSettings(2, True, True, 4)
+    assert clone.__dict__["_iterator"] is None
+    back = rebuild_loader(clone, num_workers=0, pin_memory=False, persistent_workers=False, prefetch_factor=None)
+    assert back.prefetch_factor is None and back.persistent_workers is False
+    del live
+
+
+@pytest.mark.parametrize("shuffle", ["generator", "global_rng"])
+@pytest.mark.parametrize("workers", [(0, 2), (2, 0), (0, 0)], ids=["0->2", "2->0", "0->0"])
+def test_the_rebuilt_loader_yields_the_same_samples_in_the_same_order_over_two_epochs(shuffle, workers):
+    original = _loader(shuffle, workers[0])
+    clone = rebuild_loader(original, num_workers=workers[1], pin_memory=False, persistent_workers=False,
+                           prefetch_factor=2 if workers[1] else None)
+    if shuffle == "generator":
+        original.generator.manual_seed(7)
+    expected, rng_after = _two_epochs(original)
+    if shuffle == "generator":
+        clone.generator.manual_seed(7)  # the same generator object: put it back where it started
+    got, rng_after_clone = _two_epochs(clone)
+    assert got == expected and len(got) == 24
+    assert sorted(sum(got[:12], [])) == list(range(48)) and got[:12] != got[12:]  # shuffled, per epoch
+    assert torch.equal(rng_after, rng_after_clone)  # the same draws from the global RNG
+
+
+def test_bad_settings_are_one_line_errors():
+    loader = _loader("global_rng")
+    for kwargs, where in [(dict(num_workers=-1, pin_memory=False, persistent_workers=False, prefetch_factor=None), "data.num_workers"),
+                          (dict(num_workers=0, pin_memory=False, persistent_workers=True, prefetch_factor=None), "data.num_workers"),
+                          (dict(num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=0), "data.prefetch_factor")]:
+        with pytest.raises(ConfigError) as err:
+            rebuild_loader(loader, **kwargs)
+        assert str(err.value).startswith(where) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        rebuild_loader([1, 2], num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2)  # type: ignore[arg-type]
+    assert "not a torch DataLoader" in str(err.value) and "\n" not in str(err.value)
+    for options in ({"workers": -1}, {"workers": "many"}, {"prefetch": "yes"}, {"threads": 2}):
+        with pytest.raises(ConfigError) as err:
+            rungs.make({"name": "data_path", "options": options})
+        assert str(err.value).startswith("rung") and "\n" not in str(err.value)
+
+
+def test_the_worker_count_is_kept_where_samples_depend_on_the_worker():
+    torch.manual_seed(5)
+    before = torch.get_rng_state(), random.getstate()
+    assert worker_count_blocker(Indexed()) is None
+    assert "draw random numbers" in worker_count_blocker(RandomCrops())
+    assert "IterableDataset" in worker_count_blocker(Stream())
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # the probe draws nothing
+
+
+# -- choosing the settings ------------------------------------------------------------------------
+
+
+def test_the_cheapest_settings_within_three_percent_of_the_best_are_chosen():
+    table = {(0, None): 100.0, (2, 2): 190.0, (2, 4): 191.0, (4, 2): 195.0, (4, 4): 196.0, (8, 2): 150.0}
+    asked = []
+
+    def measure(s: LoaderSettings) -> float:
+        asked.append(s)
+        return table[(s.num_workers, s.prefetch_factor)]
+
+    choice = choose_settings(_loader("global_rng"), CPU, cpus=8, measure=measure)
+    assert [s.num_workers for s in asked] == [0, 2, 4, 8, 4] and asked[-1].prefetch_factor == 4  # 4 for the best count only
+    assert choice.settings == LoaderSettings(4, False, False, 2)  # 195 >= 0.97 * 196; 190 is not
+    assert choice.changed and choice.rate(choice.current) == 100.0
+    assert "num_workers=4, prefetch_factor=4, persistent_workers=False, pin_memory=False: 196.0" in choice.lines()[0]
+    same = choose_settings(_loader("global_rng"), CPU, cpus=8, measure=lambda s: 100.0 - s.num_workers / 10)
+    assert not same.changed  # all within 3%: the current (cheapest) settings stay
+    fixed = choose_settings(_loader("global_rng"), CPU, workers=2, measure=measure)
+    assert fixed.settings.num_workers == 2  # a worker count given by option is taken
+    persistent = choose_settings(_loader("global_rng"), CPU, cpus=2, exact=False, measure=measure)
+    assert persistent.settings == LoaderSettings(2, False, True, 2) and "persistent_workers on" in persistent.notes[0]
+
+
+def test_loader_rate_reads_the_clock_over_a_warmed_up_window():
+    made = [0]
+
+    class Counted(Indexed):
+        def __getitem__(self, i):
+            made[0] += 1
+            return super().__getitem__(i)
+
+    loader = DataLoader(Counted(8), batch_size=4)  # two batches an epoch: the window restarts it
+    clock = lambda: made[0] * 0.01  # noqa: E731  # 10 ms of fake time per sample made
+    assert loader_rate(loader, CPU, clock=clock, warmup=3, batches=16) == pytest.approx(25.0)  # 16 / (64 * 0.01 s)
+    assert made[0] == 4 * 19
+    made[0] = 0
+    assert loader_rate(loader, CPU, clock=clock, warmup=1, batches=16, max_s=0.1) == pytest.approx(25.0)
+    assert made[0] == 4 * (1 + 3)  # stopped past 0.1 s: 3 batches timed
+
+
+def test_measuring_real_loaders_puts_the_rng_and_generators_back():
+    loader = _loader("generator")
+    torch.manual_seed(9)
+    before = torch.get_rng_state(), loader.generator.get_state()
+    choice = choose_settings(loader, CPU, cpus=2, max_s=0.2)
+    assert {s.num_workers for s, _ in choice.rates} == {0, 2} and all(r > 0 for _, r in choice.rates)
+    assert torch.equal(torch.get_rng_state(), before[0]) and torch.equal(loader.generator.get_state(), before[1])
+
+
+# -- the prefetcher ---------------------------------------------------------------------------------
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Item:
+    image: torch.Tensor
+    name: str
+
+
+def _nested_batches():
+    return [{"pair": Pair(torch.ones(2) * i, [torch.arange(3), "tag", i]), "item": Item(torch.zeros(1, 2), f"n{i}"), "none": None}
+            for i in range(3)]
+
+
+def test_on_cpu_the_prefetcher_is_a_passthrough_of_the_same_batches():
+    batches = _nested_batches()
+    for lookahead in (0, 1):
+        got = list(DevicePrefetcher(iter(batches), CPU, lookahead=lookahead))
+        assert len(got) == 3 and all(a is b for a, b in zip(got, batches))
+    wrapped = PrefetchingLoader(_loader("generator"), CPU)
+    assert len(wrapped) == 12 and wrapped.sampler is wrapped.loader.sampler and wrapped.dataset is wrapped.loader.dataset
+    assert [b[0].tolist() for b in wrapped] == [b[0].tolist() for b in (wrapped.loader.generator.manual_seed(7) and wrapped.loader)]
+    with pytest.raises(ValueError):
+        DevicePrefetcher(iter([]), CPU, lookahead=2)
+
+
+# -- the rung -------------------------------------------------------------------------------------
+
+
+def _state(dataset=None, workers: int = 0, generator: bool = True) -> TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    loader = DataLoader(dataset if dataset is not None else Indexed(), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(3) if generator else None, num_workers=workers)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=CPU,
+                      data=BatchSource(loader, CPU))
+
+
+def test_apply_serves_the_same_batches_from_the_rebuilt_loader_and_undo_is_exact():
+    state = _state(generator=False)
+    original, loader = state.data, state.data.loader
+    settings_before = dict(loader.__dict__)
+    rung = rungs.make({"name": "data_path", "options": {"workers": 2}})
+    assert rung.check(state) is None
+    handle = rung.apply(state)
+    wrapper = state.data
+    assert isinstance(wrapper, DataPathSource) and wrapper.inner is original
+    assert wrapper.rebuilt.num_workers == 2 and wrapper.rebuilt.sampler is loader.sampler
+    assert any("num_workers=2" in c for c in handle.changes)
+    torch.manual_seed(1)
+    got = [b for _, b in zip(range(15), wrapper.iterator())]  # across an epoch boundary
+    torch.manual_seed(1)
+    want = [b for _, b in zip(range(15), original.iterator())]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    assert {int(w) for b in got for w in b[2]} <= {0, 1} and got[0][2].min() >= 0  # made by the rebuilt loader's workers
+    assert wrapper.parity_batches(1)[0][0].shape == (4,) and wrapper.generators() == original.generators() == []
+    assert any("ms per batch waited" in line for line in handle.report())
+    handle.suspend()
+    assert state.data is original
+    handle.resume()
+    assert state.data is wrapper
+    handle.undo()
+    assert state.data is original and loader.__dict__ == settings_before and loader.num_workers == 0
+    assert wrapper.rebuilt._iterator is None
+
+
+def test_check_says_why_not():
+    assert "no data source" in DataPathRung().check(TrainState(model=nn.Linear(2, 2), optimizer=None, device=CPU))
+    reason = DataPathRung().check(_state(RandomCrops()))
+    assert reason.startswith("nothing to change") and "num_workers kept at 0" in reason and "on a CPU" in reason
+    kept = rungs.make({"name": "data_path", "options": {"workers": "keep"}}).check(_state(generator=False))
+    assert kept.startswith("nothing to change")
+    seeded = rungs.make({"name": "data_path", "options": {"workers": 2}}).check(_state())  # a RandomSampler with a generator
+    assert seeded.startswith("nothing to change") and "num_workers stays 0" in seeded and "next epoch's shuffle" in seeded
+    plain = _state()
+    plain.data = BatchSource([(torch.ones(2),)], CPU)
+    assert "not a torch DataLoader" in DataPathRung().check(plain)
+
+
+def test_overridden_transfer_hooks_are_found_on_the_module_and_the_datamodule():
+    class Hooked(pl.LightningModule):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    class Moving(pl.LightningDataModule):
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch
+
+    source = SimpleNamespace(trainer=SimpleNamespace(datamodule=Moving()), module=Hooked())
+    assert overridden_transfer_hooks(SimpleNamespace(inner=source)) == [
+        "LightningModule.on_before_batch_transfer", "datamodule.transfer_batch_to_device"]
+    plain = SimpleNamespace(trainer=SimpleNamespace(datamodule=None), module=pl.LightningModule())
+    assert overridden_transfer_hooks(plain) == []
+
+
+# -- a Lightning fit --------------------------------------------------------------------------------
+
+QUICK = {"warmup": 1, "steps": 2, "repeats": 1, "parity_steps": 1, "min_blocks": 2, "max_blocks": 2, "settle": 0,
+         "budget_s": 60.0, "holds_windows": 0, "final_check": False, "telemetry": False}
+
+
+class Model(pl.LightningModule):
+    """A training step that draws from the global RNG, as dropout on a CPU does."""
+
+    def __init__(self, shuffle: str, workers: int, persistent: bool) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.shuffle, self.workers, self.persistent = shuffle, workers, persistent
+
+    def training_step(self, batch, batch_idx):
+        index, x, worker = batch
+        return self.layer(x * torch.rand(())).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(11) if self.shuffle == "generator" else None
+        return DataLoader(Indexed(), batch_size=4, shuffle=True, generator=generator, num_workers=self.workers,
+                          persistent_workers=self.persistent)
+
+
+class Seen(pl.Callback):
+    """What every real training step sees (trial steps run training_step too, never this hook): the
+    sample indices, a draw from the global RNG, and which worker made the batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+        self.draws: list[float] = []
+        self.made_by: set[int] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        index, x, worker = batch
+        self.seen.append(index.tolist())
+        self.draws.append(torch.rand(()).item())
+        self.made_by.update(worker.tolist())
+
+
+def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False) -> Seen:
+    pl.seed_everything(0, verbose=False)
+    seen = Seen()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+    trainer.fit(Model(shuffle, workers, persistent))
+    return seen
+
+
+@pytest.mark.parametrize("mode, shuffle, workers, persistent", [
+    ("given", "global_rng", (0, 2), False), ("trials", "global_rng", (0, 2), False), ("given", "global_rng", (2, 0), False),
+    ("given", "generator", (1, 2), False), ("trials", "generator", (1, 2), True), ("trials", "global_rng", (1, 2), True)],
+    ids=["given-global-0->2", "trials-global-0->2", "given-global-2->0", "given-generator-1->2",
+         "trials-generator-persistent-1->2", "trials-global-persistent-1->2"])
+def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuffle, workers, persistent, monkeypatch):
+    plain = _fit(shuffle, workers[0], [], persistent)
+    spec = {"name": "data_path", "options": {"workers": workers[1]}}
+    if mode == "trials":  # real trials and restores; only the keep decision is fixed
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
+    else:
+        ladder = SpeedLadder(rungs=[spec])
+    fast = _fit(shuffle, workers[0], [ladder], persistent)
+    changes = ladder.applied_changes["data_path"]
+    assert any("first epoch's iterator made again" in c for c in changes), changes
+    assert len(plain.seen) == 24 and fast.seen == plain.seen  # two epochs, every sample in the same order
+    assert fast.draws == plain.draws  # the global RNG stream is where it would be
+    assert plain.seen[:12] != plain.seen[12:]
+    assert fast.made_by == (set(range(workers[1])) or {-1}) and plain.made_by == (set(range(workers[0])) or {-1})
+    assert ladder.handles == []  # undone at teardown
