@@ -333,7 +333,9 @@ class DataPathRung(Rung):
                     vary = vary and current > 0
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
                                          same_side=same_side)
-                if not choice.changed:
+                if len(choice.rates) == 1:  # only the current settings were candidates
+                    choice = None
+                elif not choice.changed:
                     notes.append(f"the loader's own settings ({choice.current.describe()}) were the fastest measured")
         settings = choice.settings if choice is not None else None
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)

@@ -1,0 +1,103 @@
+"""The data_path rung on a data-bound image run, side by side in one process (recipes/image-data-bound.yaml).
+
+Variants (the same SmallResNet, precision and seeds; each a Lightning fit timed by StepTimer on
+speedkit's measurement session: CUDA events after each step, one wait per window, the median of
+windows after warm-up steps):
+  stock         the recipe's naive loader: JPEG decode + crop + flip + normalize in the main process, not pinned
+  speedkit      the same loader under SpeedLadder(rungs=["data_path"]): workers and pinning chosen by
+                measurement, the next batch copied on a side stream while the step runs
+  gpu_resident  the bound: the same kind of batches made once and kept on the GPU (no decode, no copy)
+
+Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms and step_ms,
+and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
+
+Usage: PYTHONPATH=. python bench/data_path.py [--steps 20] [--windows 5]
+       PYTHONPATH=. python bench/data_path.py --tiny      # CPU smoke test, rows to a temporary directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import lightning.pytorch as pl  # noqa: E402
+
+from bench.common import Results  # noqa: E402
+from speedkit.demos import DecodedImages, SmallResNet  # noqa: E402
+from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
+
+FULL = dict(batch_size=128, size=144, crop=128, classes=100, length=16384)
+TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
+
+
+def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool) -> tuple[StepTimer, SpeedLadder | None]:
+    pl.seed_everything(0, verbose=False)
+    device = "cpu" if tiny else "cuda"
+    datamodule = DecodedImages(**data, resident=variant == "gpu_resident", device=device, batches=16)
+    model = SmallResNet(classes=data["classes"], width=8 if tiny else 32)
+    timer = StepTimer(warmup=warmup, window=steps)
+    ladder = SpeedLadder(rungs=["data_path"]) if variant == "speedkit" else None
+    callbacks = [c for c in (ladder, timer) if c is not None]  # the ladder first: the timer starts after it applied
+    trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
+                         max_steps=warmup + steps * windows, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(model, datamodule)
+    return timer, ladder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny images on the CPU, a smoke test; rows go to a temporary directory")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 20; --tiny 2)")
+    parser.add_argument("--windows", type=int, default=None, help="timed windows per variant (default 5; --tiny 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
+    parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
+    parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
+    args = parser.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("bench/data_path.py needs a CUDA GPU (or --tiny)")
+    steps = args.steps or (2 if args.tiny else 20)
+    windows = args.windows or (2 if args.tiny else 5)
+    warmup = args.warmup or (1 if args.tiny else 10)
+    out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "data_path.jsonl" if args.tiny else None)
+    res = Results("data_path", out)
+    data = TINY if args.tiny else FULL
+    throughput: dict[str, float] = {}
+    for variant in args.variants.split(","):
+        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny)
+        m = timer.measurement
+        if m is None:
+            raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
+        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps}
+        if ladder is not None:
+            extra["changes"] = ladder.applied_changes.get("data_path", []) or [ladder.skipped.get("data_path", "")]
+        res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
+        res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread)
+        res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)")
+        throughput[variant] = m.throughput
+        print(f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
+              f"data wait {m.data_wait_ms or 0:7.2f} ms/step", flush=True)
+        if ladder is not None:
+            for line in extra["changes"]:
+                print(f"    {line}", flush=True)
+    if "speedkit" in throughput and "gpu_resident" in throughput:
+        fraction = throughput["speedkit"] / throughput["gpu_resident"]
+        res.add("speedkit", "fraction_of_gpu_resident", fraction, "fraction", target=0.95)
+        print(f"speedkit / gpu_resident: {fraction:.1%} (target >= 95%)")
+    if "speedkit" in throughput and "stock" in throughput:
+        print(f"speedkit / stock: {throughput['speedkit'] / throughput['stock']:.2f}x")
+    print(f"rows appended to {res.path}")
+
+
+if __name__ == "__main__":
+    main()

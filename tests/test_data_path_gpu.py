@@ -1,0 +1,110 @@
+"""The data_path rung on a real GPU: side-stream prefetch hands out the same values (nested
+batches, non-tensor leaves), marks every tensor used by the consumer's stream, never serves stale
+data from a reused host buffer, and a Lightning fit on CUDA sees the same samples in the same order."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
+
+pytestmark = pytest.mark.gpu
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Item:
+    image: torch.Tensor
+    name: str
+
+
+def _batch(i: int):
+    return {"pair": Pair(torch.full((256, 256), float(i)), [torch.arange(4) + i, "tag", i]),
+            "item": Item(torch.full((3, 8, 8), -float(i)), f"n{i}"), "none": None}
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_prefetched_batches_hold_the_host_values_on_the_device(lookahead):
+    host = [_batch(i) for i in range(6)]
+    prefetcher = DevicePrefetcher(iter(host), "cuda", lookahead=lookahead)
+    for i, batch in enumerate(prefetcher):
+        x = batch["pair"].x
+        assert x.is_cuda and isinstance(batch["pair"], Pair) and isinstance(batch["item"], Item)
+        big = torch.randn(2048, 2048, device="cuda")
+        for _ in range(5):  # keep the consumer's stream busy while the next copy runs
+            big = big @ big / 2048
+        assert torch.equal(x.cpu(), host[i]["pair"].x) and torch.equal(batch["pair"].y[0].cpu(), host[i]["pair"].y[0])
+        assert batch["pair"].y[1:] == ["tag", i] and batch["item"].name == f"n{i}" and batch["none"] is None
+        assert torch.equal(batch["item"].image.cpu(), host[i]["item"].image)
+    assert prefetcher.times.batches == 6 and prefetcher.times.median_ms() > 0
+
+
+def test_a_reused_pinned_host_buffer_is_never_served_stale():
+    buffer = torch.empty(1 << 20).pin_memory()
+
+    def refilled():
+        for i in range(20):
+            buffer.fill_(float(i))  # the loader reuses its one pinned buffer
+            yield buffer
+
+    seen = [float(b[0].item()) + float(b[-1].item()) for b in DevicePrefetcher(refilled(), "cuda", lookahead=1)]
+    assert seen == [2.0 * i for i in range(20)]
+
+
+def test_every_tensor_is_recorded_on_the_consumers_stream(monkeypatch):
+    recorded = []
+    original = torch.Tensor.record_stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (recorded.append((t.data_ptr(), s)), original(t, s))[1])
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        batches = list(DevicePrefetcher(iter([_batch(i) for i in range(3)]), "cuda"))
+    assert len(recorded) == 3 * 3 and all(s == consumer for _, s in recorded)
+    assert {p for p, _ in recorded} == {t.data_ptr() for b in batches for t in (b["pair"].x, b["pair"].y[0], b["item"].image)}
+
+
+def test_the_prefetching_loader_serves_each_epoch_on_the_device():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(32.0)), batch_size=4, num_workers=2,
+                                         pin_memory=True)
+    wrapped = PrefetchingLoader(loader, "cuda", lookahead=1)
+    for _ in range(2):
+        got = [b[0] for b in wrapped]
+        assert all(t.is_cuda for t in got) and torch.cat(got).cpu().tolist() == list(map(float, range(32)))
+    assert len(wrapped) == 8 and wrapped.times.batches == 16
+
+
+@pytest.mark.parametrize("mode", ["given", "trials"])
+def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, monkeypatch):
+    import lightning.pytorch as pl
+    from test_data_path import QUICK, Seen, _fit
+
+    from speedkit.ladder import Ladder
+    from speedkit.lightning import SpeedLadder
+
+    def fit(callbacks):
+        original = pl.Trainer.__init__
+        monkeypatch.setattr(pl.Trainer, "__init__", lambda self, *a, **k: original(self, *a, **{**k, "accelerator": "gpu", "devices": 1}))
+        try:
+            return _fit("global_rng", 0, callbacks)
+        finally:
+            monkeypatch.setattr(pl.Trainer, "__init__", original)
+
+    plain = fit([])
+    spec = {"name": "data_path", "options": {"workers": 2}}
+    if mode == "trials":
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
+    else:
+        ladder = SpeedLadder(rungs=[spec])
+    fast: Seen = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("side stream" in c for c in changes) and any("made again" in c for c in changes), changes
+    assert len(plain.seen) == 24 and fast.seen == plain.seen and fast.draws == plain.draws
+    assert fast.made_by == {0, 1}
