@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -99,3 +100,56 @@ def test_lightning_entries_inside_a_fit():
     assert seen["batch"] == (4, 2)
     assert seen["scratch"] == {"training_step.loss"} and seen["restored"]
     assert "loss" in trainer.callback_metrics  # the real step logged as usual
+
+
+def test_lightning_entries_a_replayed_step_uses():
+    """What a CUDA graph of the step needs from Lightning's loop: the automatic optimization's
+    ``run``, its progress counters (``global_step``), ``self.log`` recorded and made outside the step."""
+    seen = {}
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4)
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx != 1:
+                return
+            assert callable(compat.lightning_automatic_optimization(trainer).run)
+            before = trainer.global_step
+            progress = compat.lightning_optimizer_progress(trainer)
+            saved = progress.state_dict()
+            compat.lightning_count_optimizer_step(trainer)
+            seen["counted"] = trainer.global_step - before
+            progress.load_state_dict(saved)
+            seen["restored"] = trainer.global_step == before
+            logs: list = []
+            with compat.recording_logs(module, logs):
+                module.training_step(batch, batch_idx)
+            seen["recorded"] = [(args[0], kwargs) for args, kwargs, where in logs]
+            seen["where"] = logs[0][2]
+            with compat.lightning_logging_as(module, "training_step"):
+                module.log("replayed", torch.tensor(3.0))
+            seen["log_is_back"] = "log" not in module.__dict__
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer.fit(Model())
+    assert seen["counted"] == 1 and seen["restored"]
+    assert seen["recorded"] == [("loss", {"prog_bar": True})] and "test_compat.py" in seen["where"]
+    assert seen["log_is_back"] and float(trainer.callback_metrics["replayed"]) == 3.0
+    assert trainer.global_step == 3
+    with pytest.raises(RuntimeError, match="automatic_optimization"):
+        compat.lightning_automatic_optimization(object())
