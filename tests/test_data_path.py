@@ -145,16 +145,16 @@ def test_the_cheapest_settings_within_three_percent_of_the_best_are_chosen():
         asked.append(s)
         return table[(s.num_workers, s.prefetch_factor)]
 
-    choice = choose_settings(_loader("global_rng"), CPU, cpus=8, measure=measure)
+    choice = choose_settings(_loader("global_rng"), CPU, cpus=10, measure=measure)  # two cores stay for the step: 8 workers at most
     assert [s.num_workers for s in asked] == [0, 2, 4, 8, 4] and asked[-1].prefetch_factor == 4  # 4 for the best count only
     assert choice.settings == LoaderSettings(4, False, False, 2)  # 195 >= 0.97 * 196; 190 is not
     assert choice.changed and choice.rate(choice.current) == 100.0
     assert "num_workers=4, prefetch_factor=4, persistent_workers=False, pin_memory=False: 196.0" in choice.lines()[0]
-    same = choose_settings(_loader("global_rng"), CPU, cpus=8, measure=lambda s: 100.0 - s.num_workers / 10)
+    same = choose_settings(_loader("global_rng"), CPU, cpus=10, measure=lambda s: 100.0 - s.num_workers / 10)
     assert not same.changed  # all within 3%: the current (cheapest) settings stay
     fixed = choose_settings(_loader("global_rng"), CPU, workers=2, measure=measure)
     assert fixed.settings.num_workers == 2  # a worker count given by option is taken
-    persistent = choose_settings(_loader("global_rng"), CPU, cpus=2, exact=False, measure=measure)
+    persistent = choose_settings(_loader("global_rng"), CPU, cpus=4, exact=False, measure=measure)
     assert persistent.settings == LoaderSettings(2, False, True, 2) and "persistent_workers on" in persistent.notes[0]
 
 
@@ -179,7 +179,7 @@ def test_measuring_real_loaders_puts_the_rng_and_generators_back():
     loader = _loader("generator")
     torch.manual_seed(9)
     before = torch.get_rng_state(), loader.generator.get_state()
-    choice = choose_settings(loader, CPU, cpus=2, max_s=0.2)
+    choice = choose_settings(loader, CPU, cpus=4, max_s=0.2)
     assert {s.num_workers for s, _ in choice.rates} == {0, 2} and all(r > 0 for _, r in choice.rates)
     assert torch.equal(torch.get_rng_state(), before[0]) and torch.equal(loader.generator.get_state(), before[1])
 
@@ -354,3 +354,12 @@ def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuf
     assert plain.seen[:12] != plain.seen[12:]
     assert fast.made_by == (set(range(workers[1])) or {-1}) and plain.made_by == (set(range(workers[0])) or {-1})
     assert ladder.handles == []  # undone at teardown
+
+
+def test_worker_counts_leave_two_cores_to_the_training_process():
+    from speedkit.data.loader import worker_counts
+
+    assert worker_counts(0, 16) == [0, 2, 4, 8, 14]
+    assert worker_counts(4, 8) == [4, 2, 6]
+    assert worker_counts(0, 2) == [0]
+    assert worker_counts(1, 3) == [1]

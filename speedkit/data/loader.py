@@ -281,13 +281,19 @@ def available_cpus() -> int:
 
 
 def worker_counts(current: int, cpus: int) -> list[int]:
-    """Worker counts to try: the current one, then 2, 4, 8, ... up to the CPU count."""
+    """Worker counts to try: the current one, then 2, 4, 8, ... up to the CPU count less two, and
+    that count itself. Two cores stay for the training process: its Python thread issuing the step
+    (on a GPU, starving it starves the device) and the thread pinning and copying batches. Loading
+    alone measures fastest with every core busy; the step it feeds does not."""
+    limit = max(1, cpus - 2)
     counts = [current]
     n = 2
-    while n <= max(cpus, 2):
+    while n <= limit:
         if n not in counts:
             counts.append(n)
         n *= 2
+    if limit >= 2 and limit not in counts:
+        counts.append(limit)
     return counts
 
 
