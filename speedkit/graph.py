@@ -92,8 +92,19 @@ class GraphedStep(StepWrapper):
 
     def _warm(self, batches: Sequence[Any], batch_idx: int,
               run: Callable[[], Any] | None = None) -> Any:
-        """One eager warm-up step on a side stream; the last before the first capture checks syncs."""
-        run = run or (lambda: self.inner(batches, batch_idx))
+        """One eager warm-up step on a side stream; the last before the first capture checks syncs.
+
+        ``run``: the step as the caller's loop runs it (Lightning's own, in a fit). By default the
+        wrapped step, its logging done after its device work, as a loop does it (Lightning computes
+        the logged metrics, a host sync for progress-bar values, after the step, not inside it)."""
+        if run is None:
+            def run() -> torch.Tensor:
+                with self.inner.capture() as logs:
+                    loss = self.inner.compute(batches, batch_idx)
+                after.append(logs)
+                return loss
+
+        after: list[list[LogCall]] = []
         self._eager_needed -= 1
         self.eager_steps += 1
         stream = self._side_stream()
@@ -108,6 +119,9 @@ class GraphedStep(StepWrapper):
             else:
                 out = run()
         torch.cuda.current_stream(stream.device).wait_stream(stream)
+        if after:  # the wrapped step's logging and schedule, outside the device work (and the sync check)
+            self.inner.emit(after[0], batches[0] if len(batches) == 1 else batches)
+            self.inner.after_step(batch_idx)
         return out
 
     def _side_stream(self) -> Any:
