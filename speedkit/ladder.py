@@ -332,7 +332,9 @@ class Ladder:
                 entry.measurement = paired.b
                 entry.gain_vs_previous = paired.speedup
                 entry.gain_vs_baseline = chain * paired.speedup
-                entry.status, entry.reason = self._decide(paired)
+                entry.status, entry.reason = self._decide(paired, rung.memory_comparable)
+                if not rung.memory_comparable:
+                    entry.changes.append("note: peak memory is not compared: " + rung.memory_note)
         except Exception as exc:
             entry.status = "failed"
             if isinstance(exc, torch.OutOfMemoryError):
@@ -364,10 +366,13 @@ class Ladder:
         entry.seconds = self.host_clock() - t0
         return entry, losses if entry.status == "kept" else reference
 
-    def _decide(self, paired: PairedResult) -> tuple[str, str]:
+    def _decide(self, paired: PairedResult, memory_comparable: bool = True) -> tuple[str, str]:
         cfg = self.cfg
         if paired.verdict == "faster":
             return "kept", describe(paired)
+        if not memory_comparable:  # its peak memory is not what the allocator's peak shows
+            return "reverted", (f"not shown to pay within the budget: {describe(paired)}" if paired.verdict == "undecided"
+                                else describe(paired))
         a_mem = paired.a.peak_memory_bytes if paired.a else None
         b_mem = paired.b.peak_memory_bytes if paired.b else None
         if a_mem and b_mem is not None and b_mem < a_mem * (1 - cfg.memory_gain) and not_slower(paired, cfg.min_gain):

@@ -48,6 +48,9 @@ class Rung:
     #: re-judged by the ladder's closing check once later rungs are kept on top of it (its gain may
     #: depend on them: a fused kernel pays in eager and may not under torch.compile)
     recheck: ClassVar[bool] = False
+    #: whether the allocator's peak shows what the rung's configuration holds (a kept-on-memory decision needs it)
+    memory_comparable: ClassVar[bool] = True
+    memory_note: ClassVar[str] = ""
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -48,6 +48,9 @@ class CudaGraphRung(Rung):
     name = "cuda_graph"
     Options = CudaGraphOptions
     lightning_stage = "fit_start"
+    memory_comparable = False
+    memory_note = ("the graph's private memory pool is allocated at capture and replays allocate nothing, so the "
+                   "allocator's peak during timed windows leaves the graph's activations out")
 
     def check(self, state: TrainState) -> str | None:
         blockers = scan_step(state.model)
