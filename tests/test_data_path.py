@@ -342,7 +342,7 @@ def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuf
     plain = _fit(shuffle, workers[0], [], persistent)
     spec = {"name": "data_path", "options": {"workers": workers[1]}}
     if mode == "trials":  # real trials and restores; only the keep decision is fixed
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
         ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
     else:
         ladder = SpeedLadder(rungs=[spec])

@@ -99,7 +99,7 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
     plain = fit([])
     spec = {"name": "data_path", "options": {"workers": 2}}
     if mode == "trials":
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
         ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
     else:
         ladder = SpeedLadder(rungs=[spec])

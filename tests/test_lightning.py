@@ -114,7 +114,7 @@ def _explicit(result):
 @pytest.mark.parametrize("forced", [True, False], ids=["kept-rungs-forced", "real-decisions"])
 def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_explicitly(forced, monkeypatch, no_interpreter):
     if forced:  # real trials and restores; only the keep decision is fixed, so real rungs stay on
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
     with_trials, recorded = SpeedLadder(measure=QUICK), Recorder()
     model, trainer = _fit_user_model(with_trials, recorded)
     result = with_trials.result
@@ -173,7 +173,7 @@ def _assert_untouched(model, before, values=True):
     ("training", RuntimeError("user bug in training_step"), RuntimeError),
 ], ids=["exception-in-trial", "ctrl-c-in-trial", "sigterm-in-trial", "exception-in-training"])
 def test_nothing_is_left_behind(when, error, raised, no_interpreter, monkeypatch):
-    monkeypatch.setattr(Ladder, "_decide", lambda self, paired: ("kept", "forced by the test"))
+    monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
     pl.seed_everything(0, verbose=False)
     model = UserModel()
     before = _model_fingerprint(model)
