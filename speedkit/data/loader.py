@@ -148,6 +148,12 @@ def in_process_change_blocker(loader: DataLoader) -> str | None:
     draws a last (empty) permutation from it when it is read to its end, so the next epoch's shuffle
     would differ. Samplers known to draw only from a private generator at their start (a
     ``SequentialSampler``, a ``RandomSampler`` without a generator) do not.
+
+    Not done yet (the usual seeded loader, ``shuffle=True, generator=g``, stays at 0 workers): at
+    each new epoch, set the sampler's generator back to its state just after the previous epoch's
+    iterator was made. That holds for a ``RandomSampler`` without replacement whose last batch needs
+    no read past the end (``drop_last=True`` or batches that divide the dataset) and a loader longer
+    than ``prefetch_factor × num_workers``.
     """
     from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
