@@ -74,17 +74,27 @@ class GraphedStep(StepWrapper):
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         if self.stopped is not None or len(batches) != 1:
             return self._eager(batches, batch_idx)
-        self._sync_tensor_hparams()
-        if self.graph is not None and not self._still_valid():
-            self._drop()
-        if self.graph is None:
-            if self._eager_needed > 0:
-                return self._warm(batches, batch_idx)
-            return self._capture_and_replay(batches[0], batch_idx)
-        static = self.static.fill(batches[0]) if self.static is not None else None
+        if not self._ready():
+            return self._warm(batches, batch_idx)
+        static = self._buffers(batches[0], batch_idx)
         if static is None:
             return self._eager(batches, batch_idx)
         return self._replay(static, batch_idx)
+
+    def _ready(self) -> bool:
+        """Whether the next step may be replayed (or captured): the learning-rate tensors in place, a
+        graph whose optimizer state was replaced dropped, no warm-up step due."""
+        self._sync_tensor_hparams()
+        if self.graph is not None and not self._still_valid():
+            self._drop()
+        return self.graph is not None or self._eager_needed <= 0
+
+    def _buffers(self, batch: Any, batch_idx: int) -> Any | None:
+        """The static buffers holding ``batch``, capturing the graph first if there is none; None when
+        the batch must run another way (it does not fit, or the capture stopped the graph)."""
+        if self.graph is None:
+            return self._capture(batch, batch_idx)
+        return self.static.fill(batch) if self.static is not None else None
 
     def _eager(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         self.eager_steps += 1
@@ -128,12 +138,6 @@ class GraphedStep(StepWrapper):
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.inner.device)
         return self._stream
-
-    def _capture_and_replay(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        static = self._capture(batch, batch_idx)
-        if static is None:
-            return self._eager([batch], batch_idx)
-        return self._replay(static, batch_idx)
 
     def _capture(self, batch: Any, batch_idx: int) -> Any | None:
         """Capture the step's device work on static buffers filled from ``batch``; the buffers, or
@@ -302,19 +306,11 @@ class GraphedStep(StepWrapper):
         batch = kwargs.get("batch") if isinstance(kwargs, dict) else None
         if self.stopped is not None or batch is None or self.inner.accumulate != 1:
             return original(optimizer, batch_idx, kwargs)
-        self._sync_tensor_hparams()
-        if self.graph is not None and not self._still_valid():
-            self._drop()
-        if self.graph is None and self._eager_needed > 0:
+        if not self._ready():
             return self._warm([batch], batch_idx, run=lambda: original(optimizer, batch_idx, kwargs))
-        if self.graph is None:
-            static = self._capture(batch, batch_idx)
-            if static is None:
-                return original(optimizer, batch_idx, kwargs)
-        else:
-            static = self.static.fill(batch) if self.static is not None else None
-            if static is None:
-                return original(optimizer, batch_idx, kwargs)
+        static = self._buffers(batch, batch_idx)
+        if static is None:
+            return original(optimizer, batch_idx, kwargs)
         compat.lightning_count_optimizer_step(trainer)
         self.graph.replay()
         self.replays += 1
