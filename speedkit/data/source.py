@@ -152,3 +152,40 @@ class BatchSource:
         (after the trials, a kept source wrapper is bound here); None when there is nothing to bind.
         The returned handle undoes the binding."""
         return None
+
+
+class SourceWrapper(BatchSource):
+    """A source around another one (what rungs wrap ``state.data`` with, as ``StepWrapper`` is for
+    steps): everything is the inner source's; subclasses override what they change. The inner
+    source owns the loader, so no ``BatchSource.__init__``."""
+
+    def __init__(self, inner: BatchSource) -> None:
+        self.inner = inner
+        self.loader, self.device, self.iterable = inner.loader, inner.device, inner.iterable
+
+    def host_batches(self) -> Iterator[Any]:
+        return self.inner.host_batches()
+
+    def to_device(self, batch: Any) -> Any:
+        return self.inner.to_device(batch)
+
+    def iterator(self) -> Iterator[Any]:
+        return self.inner.iterator()
+
+    def parity_batches(self, n: int) -> list[Any]:
+        return self.inner.parity_batches(n)
+
+    def generators(self) -> list[torch.Generator]:
+        return self.inner.generators()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
+        return self.inner.bind_fit(trainer, module)

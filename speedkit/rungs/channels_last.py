@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from speedkit import compat
-from speedkit.data.source import BatchSource
+from speedkit.data.source import SourceWrapper
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
 
@@ -126,37 +126,15 @@ class _Layout:
         return (p for group in optimizer.param_groups for p in group["params"])
 
 
-class ChannelsLastSource(BatchSource):
+class ChannelsLastSource(SourceWrapper):
     """The batches of ``inner`` with their 4-D floating tensors channels_last once on the device;
-    everything else (host batches, parity copies, generators, release) is ``inner``'s."""
-
-    def __init__(self, inner: BatchSource) -> None:  # the inner source owns the loader: no super().__init__
-        self.inner = inner
-        self.loader, self.device, self.iterable = inner.loader, inner.device, inner.iterable
-
-    def host_batches(self) -> Iterator[Any]:
-        return self.inner.host_batches()
+    everything else (host batches, parity copies, generators, release, the fit's binding) is ``inner``'s."""
 
     def to_device(self, batch: Any) -> Any:
         return channels_last_batch(self.inner.to_device(batch))
 
     def iterator(self) -> Iterator[Any]:
         return (channels_last_batch(b) for b in self.inner.iterator())
-
-    def parity_batches(self, n: int) -> list[Any]:
-        return self.inner.parity_batches(n)
-
-    def generators(self) -> list[torch.Generator]:
-        return self.inner.generators()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def release(self) -> None:
-        self.inner.release()
 
 
 def _lightning_hook_owner(model: nn.Module) -> Any:

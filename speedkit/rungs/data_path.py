@@ -51,7 +51,7 @@ from speedkit.data.loader import (
     worker_count_blocker,
 )
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
-from speedkit.data.source import BatchSource
+from speedkit.data.source import BatchSource, SourceWrapper
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
 
@@ -114,15 +114,14 @@ def overridden_transfer_hooks(source: Any) -> list[str]:
     return found
 
 
-class DataPathSource(BatchSource):
+class DataPathSource(SourceWrapper):
     """The batches of ``inner`` from the rebuilt loader (if any), prefetched to the device (if so);
     Lightning's transfer hooks (``inner.to_device``) still run on each; parity batches, generators,
     state and release are ``inner``'s."""
 
-    def __init__(self, inner: BatchSource, plan: Plan) -> None:  # the inner source owns the loader: no super().__init__
-        self.inner = inner
+    def __init__(self, inner: BatchSource, plan: Plan) -> None:
+        super().__init__(inner)
         self.plan = plan
-        self.loader, self.device = inner.loader, inner.device
         settings = plan.rebuild
         self.rebuilt = rebuild_loader(inner.loader, **dataclasses.asdict(settings)) if settings is not None else None  # type: ignore[arg-type]
         self.iterable = self.rebuilt if self.rebuilt is not None else inner.iterable
@@ -133,10 +132,7 @@ class DataPathSource(BatchSource):
             weakref.finalize(self, compat.shutdown_workers, self.rebuilt)
 
     def host_batches(self) -> Iterator[Any]:
-        return super().host_batches() if self.rebuilt is not None else self.inner.host_batches()
-
-    def to_device(self, batch: Any) -> Any:
-        return self.inner.to_device(batch)
+        return BatchSource.host_batches(self) if self.rebuilt is not None else self.inner.host_batches()
 
     def iterator(self) -> Iterator[Any]:
         host: Iterator[Any] = self.host_batches()
@@ -153,18 +149,6 @@ class DataPathSource(BatchSource):
                 return
             self.waits.append((time.perf_counter() - t0) * 1e3)
             yield self.inner.to_device(batch)
-
-    def parity_batches(self, n: int) -> list[Any]:
-        return self.inner.parity_batches(n)
-
-    def generators(self) -> list[torch.Generator]:
-        return self.inner.generators()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
 
     def release(self) -> None:
         self.inner.release()
