@@ -62,24 +62,28 @@ def test_trial_loader_leaves_the_users_live_iterator_alone():
     compat.shutdown_workers(loader)
 
 
+class _LoggingModel(pl.LightningModule):
+    """One Linear trained on ``samples`` random pairs in batches of 4, logging its loss to the progress bar."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.samples = samples
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(self.samples, 2)), batch_size=4)
+
+
 def test_lightning_entries_inside_a_fit():
     seen = {}
-
-    class Model(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.layer(batch[0]).pow(2).mean()
-            self.log("loss", loss, prog_bar=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
 
     class Probe(pl.Callback):
         def on_train_start(self, trainer, module):
@@ -96,7 +100,7 @@ def test_lightning_entries_inside_a_fit():
 
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
-    trainer.fit(Model())
+    trainer.fit(_LoggingModel(8))
     assert seen["batch"] == (4, 2)
     assert seen["scratch"] == {"training_step.loss"} and seen["restored"]
     assert "loss" in trainer.callback_metrics  # the real step logged as usual
@@ -106,22 +110,6 @@ def test_lightning_entries_a_replayed_step_uses():
     """What a CUDA graph of the step needs from Lightning's loop: the automatic optimization's
     ``run``, its progress counters (``global_step``), ``self.log`` recorded and made outside the step."""
     seen = {}
-
-    class Model(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.layer(batch[0]).pow(2).mean()
-            self.log("loss", loss, prog_bar=True)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            return DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4)
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -146,7 +134,7 @@ def test_lightning_entries_a_replayed_step_uses():
 
     trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
-    trainer.fit(Model())
+    trainer.fit(_LoggingModel(16))
     assert seen["counted"] == 1 and seen["restored"]
     assert seen["recorded"] == [("loss", {"prog_bar": True})] and "test_compat.py" in seen["where"]
     assert seen["log_is_back"] and float(trainer.callback_metrics["replayed"]) == 3.0
