@@ -1,0 +1,133 @@
+"""Where the naive GPT-2 step's GPU time goes, per configuration. A diagnostic, not a benchmark of
+record: it prints, and writes no results file (``bench/ladder_gpt2.py`` is the record).
+
+For each configuration (rungs applied through ``speedkit.apply`` to the naive GPT-2 of
+``recipes/gpt2-small-naive.yaml``, batch 16 x 1024):
+  step      median ms per step on the step clock (CUDA events, one wait per window)
+  kernels   the kernels' own time per step from a torch.profiler trace, by kind (GEMM, attention,
+            Triton/Inductor, optimizer, copies, other), and the busy fraction of the step
+Then SDPA's backends alone on the model's attention shape (16 x 12 x 1024 x 64, bf16, causal),
+forward + backward.
+
+Usage: python bench/profile_step.py [--configs compile,compile+ce,cudnn] [--no-sdpa]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import speedkit
+from speedkit.demos import NaiveGPT
+from speedkit.measure.session import MeasureSession
+
+DEV = torch.device("cuda")
+BATCH, SEQ, VOCAB = 16, 1024, 50304
+BASE = ["tf32", "autocast", "fused_optimizer", "sdpa"]
+CE_ONLY = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False}}
+CONFIGS = {
+    "compile": BASE + ["compile"],
+    "compile+ce": BASE + [CE_ONLY, "compile"],
+    "compile+graph": BASE + ["compile", "cuda_graph"],
+    "cudnn": BASE + ["compile"],                 # SDPA restricted to cuDNN's attention
+    "cudnn+ce+graph": BASE + [CE_ONLY, "compile", "cuda_graph"],
+}
+KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
+         ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def run_config(name: str, rungs: list, profile_steps: int = 5) -> None:
+    torch.manual_seed(0)
+    cudnn_only = name.startswith("cudnn")
+    torch.backends.cuda.enable_flash_sdp(not cudnn_only)
+    torch.backends.cuda.enable_mem_efficient_sdp(not cudnn_only)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    model = NaiveGPT("small").to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    applied = speedkit.apply(model, opt, rungs=rungs, device=DEV, loss_fn=lambda m, b, i: m(*b))
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV), torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV))
+               for _ in range(4)]
+    n = [0]
+
+    def step() -> None:
+        applied.step(batches[n[0] % 4], n[0])
+        n[0] += 1
+
+    session = MeasureSession(DEV)
+    m = session.measure(step, warmup=8, steps=20, repeats=5)
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(profile_steps):
+            step()
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        by_kind[kind(e.key)] += t / profile_steps / 1e3
+        by_name[e.key] += t / profile_steps / 1e3
+    busy = sum(by_kind.values())
+    print(f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}", flush=True)
+    print(f"   step {m.step_ms:.2f} ms ({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), kernels {busy:.2f} ms/step "
+          f"({busy / m.step_ms:.0%} busy)")
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"   {k:10s} {v:7.2f} ms")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"     {v:6.2f} ms  {k[:110]}")
+    applied.undo()
+
+
+def sdpa_backends() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(BATCH, 12, SEQ, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    print("\n== SDPA alone, 16x12x1024x64 bf16 causal, forward + backward")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def fb() -> None:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(g)
+        try:
+            ms = MeasureSession(DEV).window_times(fb, warmup=5, steps=20, repeats=5)
+            print(f"   {backend.name:22s} {sorted(ms)[2]:.3f} ms  (x12 layers: {12 * sorted(ms)[2]:.2f} ms)")
+        except Exception as e:  # noqa: BLE001 - a backend this build or GPU lacks
+            print(f"   {backend.name:22s} unavailable: {str(e).splitlines()[0][:100]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--no-sdpa", action="store_true")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if not args.no_sdpa:
+        sdpa_backends()
+    for name in args.configs.split(","):
+        try:
+            run_config(name, CONFIGS[name])
+        except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
+            print(f"\n== {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
