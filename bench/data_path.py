@@ -7,9 +7,11 @@ windows after warm-up steps):
   speedkit      the same loader under SpeedLadder(rungs=["data_path"]): workers and pinning chosen by
                 measurement, the next batch copied on a side stream while the step runs
   gpu_resident  the bound: the same kind of batches made once and kept on the GPU (no decode, no copy)
+  speedkit/workers=N  (with --workers N,M,...) the rung with its worker count fixed at N: whether more
+                decoding processes slow the training process's own step (host contention)
 
-Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms and step_ms,
-and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
+Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms, host_ms and
+step_ms, and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
 
 Usage: PYTHONPATH=. python bench/data_path.py [--steps 20] [--windows 5]
        PYTHONPATH=. python bench/data_path.py --tiny      # CPU smoke test, rows to a temporary directory
@@ -38,13 +40,15 @@ FULL = dict(batch_size=128, size=144, crop=128, classes=100, length=16384)
 TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
 
 
-def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool) -> tuple[StepTimer, SpeedLadder | None]:
+def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
+                workers: int | None = None) -> tuple[StepTimer, SpeedLadder | None]:
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
     datamodule = DecodedImages(**data, resident=variant == "gpu_resident", device=device, batches=16)
     model = SmallResNet(classes=data["classes"], width=8 if tiny else 32)
     timer = StepTimer(warmup=warmup, window=steps)
-    ladder = SpeedLadder(rungs=["data_path"]) if variant == "speedkit" else None
+    rung = {"name": "data_path", "options": {"workers": workers}} if workers is not None else "data_path"
+    ladder = SpeedLadder(rungs=[rung]) if variant.startswith("speedkit") else None
     callbacks = [c for c in (ladder, timer) if c is not None]  # the ladder first: the timer starts after it applied
     trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
                          max_steps=warmup + steps * windows, logger=False, enable_checkpointing=False,
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=None, help="timed windows per variant (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
+    parser.add_argument("--workers", default="", help="also run speedkit with these fixed worker counts (e.g. 4,8,12)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -73,8 +78,9 @@ def main() -> None:
     res = Results("data_path", out)
     data = TINY if args.tiny else FULL
     throughput: dict[str, float] = {}
-    for variant in args.variants.split(","):
-        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny)
+    runs = [(v, None) for v in args.variants.split(",")] + [(f"speedkit/workers={n}", int(n)) for n in args.workers.split(",") if n]
+    for variant, workers in runs:
+        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny, workers=workers)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
@@ -84,9 +90,10 @@ def main() -> None:
         res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
         res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread)
         res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)")
+        res.add(variant, "host_ms", m.host_ms, "ms per step (host time inside the step)")
         throughput[variant] = m.throughput
         print(f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
-              f"data wait {m.data_wait_ms or 0:7.2f} ms/step", flush=True)
+              f"data wait {m.data_wait_ms or 0:7.2f} ms/step, host {m.host_ms or 0:7.2f} ms/step", flush=True)
         if ladder is not None:
             for line in extra["changes"]:
                 print(f"    {line}", flush=True)
