@@ -7,8 +7,8 @@ windows after warm-up steps):
   speedkit      the same loader under SpeedLadder(rungs=["data_path"]): workers and pinning chosen by
                 measurement, the next batch copied on a side stream while the step runs
   gpu_resident  the bound: the same kind of batches made once and kept on the GPU (no decode, no copy)
-  speedkit/workers=N  (with --workers N,M,...) the rung with its worker count fixed at N: whether more
-                decoding processes slow the training process's own step (host contention)
+  speedkit/K=V  (with --try K=V[,K=V] ...) the rung with those options (e.g. workers=8, prefetch=false):
+                diagnostics of where the loader's cost lands (data wait, or host time inside the step)
 
 Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms, host_ms and
 step_ms, and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,13 +42,13 @@ TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
 
 
 def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                workers: int | None = None) -> tuple[StepTimer, SpeedLadder | None]:
+                options: dict | None = None) -> tuple[StepTimer, SpeedLadder | None]:
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
     datamodule = DecodedImages(**data, resident=variant == "gpu_resident", device=device, batches=16)
     model = SmallResNet(classes=data["classes"], width=8 if tiny else 32)
     timer = StepTimer(warmup=warmup, window=steps)
-    rung = {"name": "data_path", "options": {"workers": workers}} if workers is not None else "data_path"
+    rung = {"name": "data_path", "options": options} if options else "data_path"
     ladder = SpeedLadder(rungs=[rung]) if variant.startswith("speedkit") else None
     callbacks = [c for c in (ladder, timer) if c is not None]  # the ladder first: the timer starts after it applied
     trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
@@ -66,7 +67,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=None, help="timed windows per variant (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
-    parser.add_argument("--workers", default="", help="also run speedkit with these fixed worker counts (e.g. 4,8,12)")
+    parser.add_argument("--try", dest="tries", action="append", default=[],
+                        help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the whole run (s)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -78,13 +81,16 @@ def main() -> None:
     res = Results("data_path", out)
     data = TINY if args.tiny else FULL
     throughput: dict[str, float] = {}
-    runs = [(v, None) for v in args.variants.split(",")] + [(f"speedkit/workers={n}", int(n)) for n in args.workers.split(",") if n]
-    for variant, workers in runs:
-        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny, workers=workers)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    runs = [(v, None) for v in args.variants.split(",") if v]
+    runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
+    for variant, options in runs:
+        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny, options=options)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
-        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps}
+        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps, "switch_interval_s": sys.getswitchinterval()}
         if ladder is not None:
             extra["changes"] = ladder.applied_changes.get("data_path", []) or [ladder.skipped.get("data_path", "")]
         res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
