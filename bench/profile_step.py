@@ -39,6 +39,8 @@ CONFIGS = {
     "compile+graph": BASE + ["compile", "cuda_graph"],
     "cudnn": BASE + ["compile"],                 # SDPA restricted to cuDNN's attention
     "cudnn+ce+graph": BASE + [CE_ONLY, "compile", "cuda_graph"],
+    "compile/cdt": BASE + ["compile"],            # Inductor's coordinate-descent tuning of its kernels
+    "compile+ce/cdt": BASE + [CE_ONLY, "compile"],
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
@@ -55,6 +57,9 @@ def run_config(name: str, rungs: list, profile_steps: int = 5) -> None:
     torch.backends.cuda.enable_flash_sdp(not cudnn_only)
     torch.backends.cuda.enable_mem_efficient_sdp(not cudnn_only)
     torch.backends.cuda.enable_cudnn_sdp(True)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = name.endswith("/cdt")
     model = NaiveGPT("small").to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     applied = speedkit.apply(model, opt, rungs=rungs, device=DEV, loss_fn=lambda m, b, i: m(*b))
