@@ -243,6 +243,7 @@ class Ladder:
         self.session = MeasureSession(state.device, clock=self.clock, host_clock=self.host_clock,
                                       flops_per_step=result.flops["per_step"], peak_tflops=peak,
                                       items_per_step=items * accumulate, unit=unit, telemetry=cfg.telemetry)
+        self.session.memory_outside_peak = self._memory_outside_peak
 
         self.on_event("baseline: parity reference")
         t0 = self.host_clock()
@@ -468,6 +469,12 @@ class Ladder:
         if key not in self._iterators:
             self._iterators[key] = state.data.iterator()
         return session.runner(lambda batches, i: state.step(batches, i), self._iterators[key], state.step.accumulate)
+
+    def _memory_outside_peak(self) -> int:
+        """What the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's
+        pool; a suspended graph's pool is not the configuration being timed)."""
+        hook = getattr(self.state.step, "memory_outside_peak", None)
+        return int(hook()) if callable(hook) else 0
 
     def _measure_alone(self) -> Measurement:
         cfg, session = self.cfg, self.session

@@ -87,3 +87,20 @@ def test_summarize_median_and_robust_noise():
     # MAD = median(|0|,|1|,|1|,|0|,|20|) = 1 -> 1.4826 * 1 / 10; the 30 ms outlier does not swamp it
     assert noise == pytest.approx(0.14826)
     assert summarize([5.0]) == (5.0, 0.0)
+
+
+def test_window_peak_adds_memory_the_allocator_peak_does_not_show(monkeypatch):
+    """A CUDA graph's pool is reserved at capture and replays allocate nothing: the window's peak is
+    the allocator's plus what ``memory_outside_peak`` reports (faked allocator, fake clock)."""
+    from speedkit.measure.session import MeasureSession
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1_000)
+    session = MeasureSession("cpu", clock=StepClock(torch.device("cpu"), backend=FakeDeviceBackend([1.0] * 20)))
+    session._cuda = True  # the allocator calls are faked above
+    assert session.window(lambda: None, 3).peak_memory_bytes == 1_000
+    pool = {"bytes": 5_000}
+    session.memory_outside_peak = lambda: pool["bytes"]
+    assert session.window(lambda: None, 3).peak_memory_bytes == 6_000
+    pool["bytes"] = 0  # the graph dropped (or its rung suspended): nothing outside the allocator
+    assert session.window(lambda: None, 3).peak_memory_bytes == 1_000

@@ -178,3 +178,43 @@ def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
         print("demo Transformer:", graph.stopped)
     else:
         assert graph.replays > 0
+
+
+def test_graphed_peak_memory_counts_the_graph_pool():
+    """Replays allocate nothing, so the allocator's peak during them leaves out the graph's pool (its
+    activations and gradients): the measured window adds the pool, and the graphed configuration's
+    peak is of the eager one's order, not a fraction of it."""
+    from speedkit.measure.session import MeasureSession
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [(torch.randn(2048, 1024, device="cuda"), torch.randint(0, 1024, (2048,), device="cuda")) for _ in range(4)]
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"),
+                       step=PlainStep(model, opt, "cuda", loss_fn=_loss))
+    session = MeasureSession("cuda")
+    session.memory_outside_peak = lambda: int(getattr(state.step, "memory_outside_peak", lambda: 0)())
+    counter = iter(range(1000))
+
+    def one() -> None:
+        i = next(counter)
+        state.step([batches[i % 4]], i)
+
+    session.warm(one, 3)
+    eager = session.window(one, 4).peak_memory_bytes
+    handle = rungs.make("cuda_graph").apply(state)
+    session.warm(one, 4)
+    graphed_step = state.step
+    assert isinstance(graphed_step, GraphedStep) and graphed_step.graph is not None, graphed_step.report()
+    torch.cuda.reset_peak_memory_stats()
+    session.warm(one, 1)
+    allocator_only = torch.cuda.max_memory_allocated()
+    graphed = session.window(one, 4).peak_memory_bytes
+    print(f"peak: eager {eager / 2**20:.0f} MiB; graphed {graphed / 2**20:.0f} MiB (allocator alone "
+          f"{allocator_only / 2**20:.0f} MiB, pool {graphed_step.pool_bytes / 2**20:.0f} MiB)")
+    assert graphed_step.pool_bytes > 0
+    assert graphed >= graphed_step.pool_bytes
+    assert graphed >= 0.8 * eager > allocator_only
+    assert any("graph pool" in line for line in graphed_step.report())
+    handle.undo()
+    assert session.memory_outside_peak() == 0  # the plain step again: nothing outside the allocator

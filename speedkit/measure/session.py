@@ -70,6 +70,9 @@ class MeasureSession:
         self.unit = unit
         self.telemetry = telemetry
         self._cuda = self.device.type == "cuda"
+        #: bytes in use that the allocator's peak does not show (a CUDA graph's private pool), added
+        #: to each window's peak; set by whoever knows the step (the ladder)
+        self.memory_outside_peak: Callable[[], int] | None = None
         self._data_wait = 0.0
         self._host = 0.0
         # hook-driven state
@@ -115,7 +118,14 @@ class MeasureSession:
             self.clock.step()
         times = self.clock.stop()
         return Window(ms=sum(times) / len(times), data_wait_ms=self._data_wait / steps * 1e3, host_ms=self._host / steps * 1e3,
-                      steps=steps, peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
+                      steps=steps, peak_memory_bytes=self._peak_memory())
+
+    def _peak_memory(self) -> int | None:
+        """The window's peak device memory: the allocator's, plus what it does not show."""
+        if not self._cuda:
+            return None
+        outside = self.memory_outside_peak() if self.memory_outside_peak is not None else 0
+        return torch.cuda.max_memory_allocated(self.device) + outside
 
     def window_times(self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int) -> list[float]:
         """Warm up, then each of ``repeats`` windows' mean step time (ms): for benchmarks of one op."""
@@ -181,7 +191,7 @@ class MeasureSession:
         times = self.clock.stop()
         n = len(times)
         window = Window(ms=sum(times) / n, data_wait_ms=self._data_wait / n * 1e3, host_ms=self._host / n * 1e3, steps=n,
-                        peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self._cuda else None)
+                        peak_memory_bytes=self._peak_memory())
         self._open_window(now)
         return window
 
