@@ -69,9 +69,11 @@ class GraphedStep(StepWrapper):
         self._hparam_drops = 0
         self._lr_tensors: dict[int, torch.Tensor] = {}
         self._stream: Any = None
-        #: device memory the capture reserved (the graph's private pool: its activations, gradients and
-        #: temporaries); replays allocate nothing, so the allocator's peak during them leaves it out
-        self.pool_bytes = 0
+        #: the graph's working set (activations, gradients, temporaries: its private pool's peak use),
+        #: the allocator's peak during capture above what was allocated before it. Replays allocate
+        #: nothing, so the allocator's peak during them leaves it out. (Not the pool's reserved size:
+        #: ``torch.cuda.graph`` empties the cache on entry, so reserved memory does not tell it.)
+        self.graph_bytes = 0
 
     # -- the step --------------------------------------------------------------------------------
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
@@ -150,7 +152,8 @@ class GraphedStep(StepWrapper):
         self._tensorize_hparams()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.inner.device)
-        reserved_before = torch.cuda.memory_reserved(self.inner.device)
+        allocated_before = torch.cuda.memory_allocated(self.inner.device)
+        torch.cuda.reset_peak_memory_stats(self.inner.device)  # captures happen in warm-up, not timed windows
         try:
             with self.inner.capture() as logs, torch.cuda.graph(graph):
                 loss = self.inner.compute([static], batch_idx)
@@ -166,7 +169,7 @@ class GraphedStep(StepWrapper):
                       "log a tensor instead")
             return None
         self.graph, self.static_loss, self.logs = graph, loss, list(logs)
-        self.pool_bytes = max(0, torch.cuda.memory_reserved(self.inner.device) - reserved_before)
+        self.graph_bytes = max(0, torch.cuda.max_memory_allocated(self.inner.device) - allocated_before)
         self.captures += 1
         self._record_captured_state()
         return static
@@ -279,12 +282,13 @@ class GraphedStep(StepWrapper):
 
     def memory_outside_peak(self) -> int:
         """Bytes in use that the allocator's peak during replays does not show: the graph's pool."""
-        return self.pool_bytes if self.graph is not None else 0
+        return self.graph_bytes if self.graph is not None else 0
 
     def report(self) -> list[str]:
         lines = [f"CUDA graph: {self.captures} captures, {self.replays} replayed steps, {self.eager_steps} eager steps"]
-        if self.pool_bytes:
-            lines.append(f"graph pool: {self.pool_bytes / 2**30:.2f} GiB reserved at capture, counted in the peak memory reported")
+        if self.graph_bytes:
+            lines.append(f"graph memory: {self.graph_bytes / 2**30:.2f} GiB in its pool at capture's peak, counted in the "
+                         "peak memory reported")
         if self.static is not None:
             lines.append(self.static.report())
         if self.logs:

@@ -211,10 +211,10 @@ def test_graphed_peak_memory_counts_the_graph_pool():
     allocator_only = torch.cuda.max_memory_allocated()
     graphed = session.window(one, 4).peak_memory_bytes
     print(f"peak: eager {eager / 2**20:.0f} MiB; graphed {graphed / 2**20:.0f} MiB (allocator alone "
-          f"{allocator_only / 2**20:.0f} MiB, pool {graphed_step.pool_bytes / 2**20:.0f} MiB)")
-    assert graphed_step.pool_bytes > 0
-    assert graphed >= graphed_step.pool_bytes
+          f"{allocator_only / 2**20:.0f} MiB, graph {graphed_step.graph_bytes / 2**20:.0f} MiB)")
+    assert graphed_step.graph_bytes > 0
+    assert graphed >= graphed_step.graph_bytes
     assert graphed >= 0.8 * eager > allocator_only
-    assert any("graph pool" in line for line in graphed_step.report())
+    assert any("graph memory" in line for line in graphed_step.report())
     handle.undo()
     assert session.memory_outside_peak() == 0  # the plain step again: nothing outside the allocator

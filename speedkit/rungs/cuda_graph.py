@@ -49,9 +49,9 @@ class CudaGraphRung(Rung):
     Options = CudaGraphOptions
     lightning_stage = "fit_start"
     memory_comparable = False
-    memory_note = ("the graph's private memory pool is allocated at capture and replays allocate nothing; the peak "
-                   "shown adds the pool as reserved at capture (whole allocator segments), which is not the same "
-                   "measure as an eager step's allocator peak")
+    memory_note = ("the graph's private memory pool is filled at capture and replays allocate nothing; the peak "
+                   "shown adds the graph's working set at capture to the allocator's peak during replays, an "
+                   "estimate, not the same measure as an eager step's allocator peak")
 
     def check(self, state: TrainState) -> str | None:
         blockers = scan_step(state.model)
