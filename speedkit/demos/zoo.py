@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -265,38 +265,46 @@ class _ImageClassifier(pl.LightningModule):
         return loss
 
 
-class TimmViT(_ImageClassifier):
+class _TimmClassifier(_ImageClassifier):
+    """A timm model built by name (``arch``), with ``tiny`` overriding its dimensions at
+    ``size="tiny"``; AdamW with weight decay 0.05, as in the recipes of both timm models here."""
+
+    arch: ClassVar[str]
+    tiny: ClassVar[dict[str, Any]]
+
+    def __init__(self, size: Size, classes: int, lr: float) -> None:
+        super().__init__()
+        import timm
+
+        _check_size(size)
+        dims = {} if size == "full" else self.tiny
+        self.model = timm.create_model(self.arch, pretrained=False, num_classes=classes, **dims)
+        self.lr = lr
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
+
+
+class TimmViT(_TimmClassifier):
     """timm's ``vit_base_patch16_224`` (ViT-B/16 at 224 px); at ``size="tiny"`` the same model class
     with 2 blocks of width 64, 8-px patches of 32-px images; AdamW as in DeiT."""
 
+    arch = "vit_base_patch16_224"
+    tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
+
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 1e-3) -> None:
-        super().__init__()
-        import timm
-
-        _check_size(size)
-        dims = {} if size == "full" else dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
-        self.model = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=classes, **dims)
-        self.lr = lr
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
+        super().__init__(size, classes, lr)
 
 
-class TimmConvNeXt(_ImageClassifier):
+class TimmConvNeXt(_TimmClassifier):
     """timm's ``convnext_tiny`` at 224 px; at ``size="tiny"`` one block per stage, widths 16 to 64;
     AdamW as in ConvNeXt's recipe."""
 
+    arch = "convnext_tiny"
+    tiny = dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64))
+
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 4e-3) -> None:
-        super().__init__()
-        import timm
-
-        _check_size(size)
-        dims = {} if size == "full" else dict(depths=(1, 1, 1, 1), dims=(16, 32, 48, 64))
-        self.model = timm.create_model("convnext_tiny", pretrained=False, num_classes=classes, **dims)
-        self.lr = lr
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
+        super().__init__(size, classes, lr)
 
 
 class TorchvisionResNet50(_ImageClassifier):
