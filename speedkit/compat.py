@@ -15,7 +15,7 @@ import copy
 import functools
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,6 +69,24 @@ def compile_errors() -> tuple[type[BaseException], ...]:
         return ()
     names = ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError", "TorchRuntimeError")
     return tuple(c for c in (getattr(exc, n, None) for n in names) if isinstance(c, type))
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The Inductor settings a ``torch.compile`` mode stands for ({} for "default"), so that a mode
+    and extra settings can go to ``torch.compile`` together as ``options``."""
+    if mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def unknown_inductor_settings(names: Iterable[str]) -> list[str]:
+    """The names that are not Inductor settings of this torch (``torch.compile(options=...)`` keys)."""
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    return [n for n in names if n not in known]
 
 
 def is_compiled_module(module: Any) -> bool:

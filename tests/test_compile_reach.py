@@ -133,3 +133,28 @@ def test_in_the_ladder_compile_counts_frames_of_the_inner_model():
     assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason
     ran = next(line for line in entry.changes if line.startswith("ran model (FreshBackbone).forward"))
     assert " 0 graphs" not in ran and " 0 calls" not in ran
+
+
+def test_inductor_settings_go_to_torch_compile_with_the_modes_own(monkeypatch):
+    """``inductor`` reaches ``torch.compile(options=...)`` merged over the mode's settings (torch takes
+    a mode or options, not both); a name Inductor lacks is one line naming it, before any work."""
+    from speedkit.errors import ConfigError
+    from speedkit.options import parse_options
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    options = parse_options(CompileOptions, {"mode": "max-autotune-no-cudagraphs",
+                                             "inductor": {"coordinate_descent_tuning": False}}, "ladder[0].options")
+    wrapped = Wrapped()
+    handle = CompileRung(options).apply(_state(wrapped))
+    assert "mode" not in seen[0]
+    assert seen[0]["options"]["max_autotune"] is True  # from the mode
+    assert seen[0]["options"]["coordinate_descent_tuning"] is False  # the setting given wins
+    assert "options={'coordinate_descent_tuning': False}" in " ".join(handle.changes)
+    handle.undo()
+    plain = CompileOptions(mode="max-autotune-no-cudagraphs").compile_kwargs()
+    assert plain["mode"] == "max-autotune-no-cudagraphs" and "options" not in plain
+    with pytest.raises(ConfigError, match="'no_such_setting' is not an Inductor setting"):
+        parse_options(CompileOptions, {"inductor": {"no_such_setting": 1}}, "ladder[0].options")
+    with pytest.raises(ConfigError, match="need backend 'inductor'"):
+        parse_options(CompileOptions, {"backend": "eager", "inductor": {"max_autotune": True}}, "ladder[0].options")

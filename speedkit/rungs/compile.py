@@ -50,10 +50,38 @@ class CompileOptions:
     backend: str = "inductor"
     #: new graphs tolerated after the first before falling back to eager
     max_recompiles: int = 8
+    #: Inductor settings for these compiled forwards only (``torch.compile(options=...)``), on top of
+    #: those of ``mode``; e.g. ``{coordinate_descent_tuning: true}`` tunes each generated kernel's
+    #: launch configuration by measurement (longer compile, a faster step on some GPUs)
+    inductor: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_recompiles < 0:
             raise ValueError(f"max_recompiles must be >= 0, found {self.max_recompiles}")
+        if self.inductor is not None:
+            if not isinstance(self.inductor, dict) or not all(isinstance(k, str) for k in self.inductor):
+                raise ValueError(f"inductor must map Inductor setting names to values, found {self.inductor!r}")
+            unknown = compat.unknown_inductor_settings(self.inductor)
+            if unknown:
+                raise ValueError(f"{unknown[0]!r} is not an Inductor setting of torch {torch.__version__} "
+                                 "(see torch._inductor.config)")
+            if self.backend != "inductor":
+                raise ValueError(f"inductor settings need backend 'inductor', found backend {self.backend!r}")
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile``: ``mode`` alone, or (torch accepts one or the
+        other) the mode's own Inductor settings merged with ``inductor`` as ``options``."""
+        kwargs: dict[str, Any] = dict(fullgraph=self.fullgraph, dynamic=self.dynamic, backend=self.backend)
+        if not self.inductor:
+            kwargs["mode"] = None if self.mode == "default" else self.mode
+        else:
+            kwargs["options"] = {**compat.inductor_mode_options(self.mode), **self.inductor}
+        return kwargs
+
+    def describe(self) -> str:
+        settings = f", options={self.inductor!r}" if self.inductor else ""
+        return (f"mode={self.mode!r}{settings}, fullgraph={self.fullgraph}, dynamic={self.dynamic}, "
+                f"backend={self.backend!r}")
 
 
 class GuardedForward:
@@ -226,12 +254,10 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
 
 def _compile_forward(handle: Handle, module: nn.Module, label: str, options: CompileOptions) -> GuardedForward:
     eager = module.forward
-    compiled = torch.compile(eager, mode=None if options.mode == "default" else options.mode,
-                             fullgraph=options.fullgraph, dynamic=options.dynamic, backend=options.backend)
+    compiled = torch.compile(eager, **options.compile_kwargs())
     guarded = GuardedForward(eager, compiled, options.max_recompiles)
     # redo binds the same compiled function: switching compile off and on recompiles nothing
-    set_attr(handle, module, "forward", guarded, f"{label} = torch.compile(forward, mode={options.mode!r}, "
-             f"fullgraph={options.fullgraph}, dynamic={options.dynamic}, backend={options.backend!r})")
+    set_attr(handle, module, "forward", guarded, f"{label} = torch.compile(forward, {options.describe()})")
     return guarded
 
 
