@@ -197,7 +197,8 @@ class GraphedStep(StepWrapper):
         self._eager_needed = self.rewarm
 
     def reset(self) -> None:
-        """Forget the graph and warm up again (before binding into a fit, whose state is fresh)."""
+        """Forget the graph and warm up again: before binding into a fit (whose state is fresh), or
+        when what it captured changed beneath it (a rung under it switched)."""
         self._drop()
         self._eager_needed = self.warmup
         self._checked = False

@@ -30,6 +30,10 @@ class Handle:
         report: returns lines on what the change did once steps ran (e.g. graphs compiled).
         draws_differently: the change computes the same function but draws its random numbers
             (dropout masks) from another stream; the ladder then judges parity with dropout off.
+        rebase: called after :meth:`resume` when changes beneath this one were switched while it
+            was suspended, for a change that holds what it wrapped by value (a captured CUDA graph).
+        settle_steps: steps the change needs after a rebase before its steps are representative
+            (e.g. an eager warm-up step and the capture).
     """
 
     def __init__(self, rung: str) -> None:
@@ -41,6 +45,8 @@ class Handle:
         self.problem: Callable[[], str | None] = lambda: None
         self.report: Callable[[], list[str]] = lambda: []
         self.draws_differently = False
+        self.rebase: Callable[[], None] = lambda: None
+        self.settle_steps = 0
 
     def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None, *,
                persistent: bool = False) -> None:

@@ -109,8 +109,10 @@ class _Slot:
     """A kept (or candidate) rung in the stack, switched off and on through its handle: suspended
     and resumed when the handle can redo its changes, else undone and applied again."""
 
-    def __init__(self, rung: Rung, handle: Handle) -> None:
+    def __init__(self, rung: Rung, handle: Handle, below: tuple[bool, ...]) -> None:
         self.rung, self.handle = rung, handle
+        #: which slots beneath it were on when it was last switched on (applied on top of them)
+        self.below = below
 
     @property
     def on(self) -> bool:
@@ -167,6 +169,7 @@ class Ladder:
         self.host_clock = host_clock
         self.run_info = dict(run_info or {})
         self.slots: list[_Slot] = []
+        self._settle_needed = 0  # untimed steps a rebased rung asks for after the next switch
         self.result: LadderResult | None = None
         self.session: MeasureSession | None = None
         self._candidate: _Slot | None = None
@@ -298,7 +301,7 @@ class Ladder:
         precision_before = state.precision
         slot: _Slot | None = None
         try:
-            slot = self._candidate = _Slot(rung, rung.apply(state))
+            slot = self._candidate = _Slot(rung, rung.apply(state), tuple(s.on for s in self.slots))
             entry.changes = list(slot.handle.changes)
             entry.precision = state.precision
             self.on_event(f"  {rung.name}: parity over {self.cfg.parity_steps} steps")
@@ -415,6 +418,8 @@ class Ladder:
             if status == "reverted":  # it no longer pays with the later rungs on top
                 self._configure(without)
                 self.slots.pop(j).undo()
+                for above in self.slots[j:]:  # what they were applied on no longer has slot j
+                    above.below = above.below[:j] + above.below[j + 1:]
                 entry.status = "reverted"
                 entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
                 closing.reason = f"final configuration without {slot.rung.name}"
@@ -450,9 +455,22 @@ class Ladder:
         first = next(i for i, (c, m) in enumerate(zip(current, mask)) if c != m)
         for slot in reversed(self.slots[first:]):
             slot.disable()
-        for slot, on in zip(self.slots[first:], mask[first:]):
-            if on:
-                slot.enable(self.state)
+        for i in range(first, len(self.slots)):
+            slot = self.slots[i]
+            if not mask[i]:
+                continue
+            slot.enable(self.state)
+            below = tuple(mask[:i])
+            if slot.below != below:  # what it wraps changed beneath it while it was off
+                slot.handle.rebase()
+                self._settle_needed = max(self._settle_needed, slot.handle.settle_steps)
+            slot.below = below
+
+    def _settle(self) -> int:
+        """Untimed steps after switching configuration: the configured ones, or more where a rung
+        that was rebased needs them (and forget that need)."""
+        steps, self._settle_needed = max(self.cfg.settle, self._settle_needed), 0
+        return steps
 
     def revert(self) -> None:
         """Undo every kept rung, last first."""
@@ -491,9 +509,9 @@ class Ladder:
         start = self.host_clock()
         set_candidate(True)
         with self._heartbeat(f"  {label}: warm-up"):
-            session.warm(self._runner(), cfg.warmup)
+            session.warm(self._runner(), max(cfg.warmup, self._settle()))
         set_candidate(False)
-        session.warm(self._runner(), cfg.settle)
+        session.warm(self._runner(), self._settle())
         on = False
         a_windows: list[Window] = []
         b_windows: list[Window] = []
@@ -506,7 +524,7 @@ class Ladder:
                 if candidate != on:
                     set_candidate(candidate)
                     on = candidate
-                    session.warm(self._runner(), cfg.settle)
+                    session.warm(self._runner(), self._settle())
                 block[candidate].append(session.window(self._runner(), cfg.steps))
             a_windows += block[False]
             b_windows += block[True]

@@ -158,3 +158,35 @@ def test_inductor_settings_go_to_torch_compile_with_the_modes_own(monkeypatch):
         parse_options(CompileOptions, {"inductor": {"no_such_setting": 1}}, "ladder[0].options")
     with pytest.raises(ConfigError, match="need backend 'inductor'"):
         parse_options(CompileOptions, {"backend": "eager", "inductor": {"max_autotune": True}}, "ladder[0].options")
+
+
+def test_compile_follows_a_forward_rewritten_beneath_it_and_undo_leaves_nothing():
+    """A rung that replaced ``forward`` before compile, switched off while compile is off and on again
+    (the ladder's closing check), is off under compile too; switching back compiles nothing new; and
+    undoing it and then compile leaves the class's forward, not the rewritten one."""
+    from speedkit.handle import Handle, set_attr
+
+    model = Backbone()
+    x = torch.randn(3, 8)
+    expected = model(x)
+
+    def rewritten(x):
+        return Backbone.forward(model, x) + 1.0
+
+    below = Handle("rewrite")
+    set_attr(below, model, "forward", rewritten)
+    compiled = CompileRung(CompileOptions(backend="eager")).apply(_state(model))
+    guarded = model.__dict__["forward"]
+    torch.testing.assert_close(model(x), expected + 1.0)
+    compiled.suspend(), below.suspend(), compiled.resume()  # without the rewrite, compile on
+    assert model.__dict__["forward"] is guarded
+    torch.testing.assert_close(model(x), expected)
+    compiled.suspend(), below.resume(), compiled.resume()  # back: the first compiled function again
+    torch.testing.assert_close(model(x), expected + 1.0)
+    assert guarded.variants == 2 and guarded.recompiles == 0
+    compiled.suspend(), below.suspend(), compiled.resume()
+    below.undo()  # reverted beneath compile, which stays
+    torch.testing.assert_close(model(x), expected)
+    compiled.undo()
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(model(x), expected)

@@ -398,6 +398,53 @@ def test_closing_check_skips_rungs_that_do_not_ask_for_it():
     assert [r.status for r in result.rungs[1:]] == ["kept", "kept"]
 
 
+class CapturingRung(FlagRung):
+    """Like a CUDA graph: holds what was beneath it (flag a) by value, captured at apply; a rebase
+    captures again, and the first steps after it (warm-up, capture) are slow and untimed."""
+
+    def apply(self, state):
+        flags = state.notes["flags"]
+        handle = super().apply(state)
+        flags.b_saw_a = flags.a
+        flags.rebases = 0
+
+        def rebase():
+            flags.b_saw_a, flags.rebases, flags.capture_in = flags.a, flags.rebases + 1, 2
+
+        handle.rebase, handle.settle_steps = rebase, 2
+        return handle
+
+
+class CapturedCost(FlagCost):
+    def __call__(self, batches, batch_idx):
+        flags = self.flags
+        loss = self.inner(batches, batch_idx)
+        a = flags.b_saw_a if flags.b else flags.a
+        self.time.spend(self.costs[(a, flags.b)])
+        if getattr(flags, "capture_in", 0):
+            flags.capture_in -= 1
+            if flags.capture_in == 0:
+                self.time.spend(1.0)  # the capture: far slower than any step
+        return loss
+
+
+def test_a_rung_holding_what_is_beneath_it_is_rebased_when_that_switches():
+    # b holds a by value: without the rebase the closing check would time "without a" as "with a",
+    # find no difference and revert a, which still pays 3.75x under b
+    time = VirtualTime(noise=0.005, seed=0)
+    state = mlp_state()
+    flags = Flags()
+    state.notes["flags"] = flags
+    costs = {(False, False): 0.04, (True, False): 0.02, (True, True): 0.008, (False, True): 0.03}
+    state.step = CapturedCost(state.step, time, costs, flags)
+    ladder, result = _run(state, [FlagRung("a"), CapturingRung("b")], time)
+    assert [r.status for r in result.rungs[1:]] == ["kept", "kept"], result.rungs[1].reason
+    assert flags.rebases >= 2  # b captured again each time a switched beneath it
+    closing = result.rungs[1].reason
+    assert "closing check with b on top" in closing and "3.7" in closing  # the capture steps are not timed
+    assert result.final_check.speedup == pytest.approx(5, rel=0.05)
+
+
 # -- interruption ------------------------------------------------------------------------------------------
 
 

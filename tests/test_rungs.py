@@ -209,7 +209,7 @@ def test_compile_falls_back_to_eager_when_compilation_fails():
         Exception.__init__(exc, "inductor exploded")
         raise exc
 
-    guarded = GuardedForward(eager, broken, max_recompiles=8)
+    guarded = GuardedForward(eager, lambda fn: broken, max_recompiles=8)
     with pytest.warns(UserWarning, match="torch.compile failed"):
         assert guarded(torch.ones(1)).item() == 2
     assert "BackendCompilerFailed" in guarded.fallback_reason

@@ -27,6 +27,7 @@ import inspect
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from speedkit import compat, rewrite
 from speedkit.errors import first_line
-from speedkit.rungs.base import Handle, Rung, active_dropouts, set_attr
+from speedkit.rungs.base import Handle, Rung, active_dropouts
 from speedkit.state import TrainState
 
 
@@ -86,18 +87,35 @@ class CompileOptions:
 
 class GuardedForward:
     """A compiled forward that falls back to eager on a compile failure or a recompilation storm,
-    and counts what it ran: calls, graphs compiled during them, recompiles."""
+    and counts what it ran: calls, graphs compiled during them, recompiles.
 
-    def __init__(self, eager: Any, compiled: Any, max_recompiles: int) -> None:
-        self.eager = eager
-        self.compiled = compiled
+    It compiles the forward in effect beneath it (:meth:`use`), one compiled function per distinct
+    forward: when another rung switches the forward it wraps (a rewritten one, or the class's own),
+    compile follows, and switching back reuses what was compiled, so it is never compiled twice."""
+
+    def __init__(self, eager: Any, compile_fn: Callable[[Any], Any], max_recompiles: int) -> None:
+        self._compile_fn = compile_fn
+        self._variants: dict[tuple[int, int], _Variant] = {}
         self.max_recompiles = max_recompiles
         self.fallback_reason: str | None = None
-        self._first_graphs: int | None = None
         self.recompiles = 0
         self.calls = 0
         self.graphs = 0
+        self.use(eager)
         functools.update_wrapper(self, eager)
+
+    def use(self, eager: Any) -> None:
+        """Compile (once) and run ``eager``, the forward now in effect beneath this one."""
+        key = (id(getattr(eager, "__func__", eager)), id(getattr(eager, "__self__", None)))
+        if key not in self._variants:
+            self._variants[key] = _Variant(eager, self._compile_fn(eager))
+        self._variant = self._variants[key]
+        self.eager = self._variant.eager
+
+    @property
+    def variants(self) -> int:
+        """How many distinct forwards were compiled."""
+        return len(self._variants)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if compat.is_compiling():  # called inside another compiled forward: traced into that graph
@@ -105,16 +123,17 @@ class GuardedForward:
         self.calls += 1
         if self.fallback_reason is not None:
             return self.eager(*args, **kwargs)
+        variant = self._variant
         before = compat.graph_count()
         try:
-            out = self.compiled(*args, **kwargs)
+            out = variant.compiled(*args, **kwargs)
         except compat.compile_errors() as exc:
             self._fall_back(f"torch.compile failed ({type(exc).__name__}: {first_line(exc, type(exc).__name__)[:200]})")
             return self.eager(*args, **kwargs)
         new_graphs = compat.graph_count() - before
         self.graphs += new_graphs
-        if self._first_graphs is None:
-            self._first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
+        if variant.first_graphs is None:
+            variant.first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
         elif new_graphs:
             self.recompiles += new_graphs
             if self.recompiles > self.max_recompiles:
@@ -124,6 +143,40 @@ class GuardedForward:
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
         warnings.warn(f"speedkit compile: {reason}; running the eager forward from now on", stacklevel=3)
+
+
+@dataclass
+class _Variant:
+    """One forward and its compiled function; ``first_graphs``: graphs its first call compiled."""
+
+    eager: Any
+    compiled: Any
+    first_graphs: int | None = None
+
+
+def _wrap_forward(handle: Handle, module: nn.Module, guarded: GuardedForward, change: str) -> None:
+    """``module.forward = guarded``, compiling the forward in effect each time it is set: a rung
+    beneath that is switched off while compile is switched off and on again is then off under
+    compile too, and undo puts back what was there when compile was last set, not a stale forward."""
+    before: list[Any] = []
+
+    def wrap() -> None:
+        before[:] = [module.__dict__.get("forward", _ABSENT)]
+        guarded.use(module.forward)
+        module.forward = guarded
+
+    def unwrap() -> None:
+        previous = before.pop() if before else _ABSENT
+        if previous is _ABSENT:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    wrap()
+    handle.record(change, unwrap, wrap)
+
+
+_ABSENT = object()
 
 
 # -- what the training step runs ---------------------------------------------------------------------
@@ -253,11 +306,11 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
 
 
 def _compile_forward(handle: Handle, module: nn.Module, label: str, options: CompileOptions) -> GuardedForward:
-    eager = module.forward
-    compiled = torch.compile(eager, **options.compile_kwargs())
-    guarded = GuardedForward(eager, compiled, options.max_recompiles)
-    # redo binds the same compiled function: switching compile off and on recompiles nothing
-    set_attr(handle, module, "forward", guarded, f"{label} = torch.compile(forward, {options.describe()})")
+    kwargs = options.compile_kwargs()
+    guarded = GuardedForward(module.forward, lambda fn: torch.compile(fn, **kwargs), options.max_recompiles)
+    # redo binds the compiled function of the forward then in effect: switching compile off and on
+    # recompiles nothing; switching a rung beneath it compiles that forward once
+    _wrap_forward(handle, module, guarded, f"{label} = torch.compile(forward, {options.describe()})")
     return guarded
 
 
