@@ -64,8 +64,8 @@ class CompileOptions:
                 raise ValueError(f"inductor must map Inductor setting names to values, found {self.inductor!r}")
             unknown = compat.unknown_inductor_settings(self.inductor)
             if unknown:
-                raise ValueError(f"{unknown[0]!r} is not an Inductor setting of torch {torch.__version__} "
-                                 "(see torch._inductor.config)")
+                raise ValueError(f"{unknown[0]!r} is not an Inductor setting of torch {torch.__version__}; "
+                                 "check its spelling against Inductor's config module")
             if self.backend != "inductor":
                 raise ValueError(f"inductor settings need backend 'inductor', found backend {self.backend!r}")
 
