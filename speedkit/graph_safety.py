@@ -71,7 +71,7 @@ def scan_step(model: nn.Module) -> list[Blocker]:
         _scan_method(model, step, blockers, seen, depth=0, per_step_args=True)
     home = _package(type(model).__module__)
     for module in model.modules():
-        if _package(type(module).__module__) != home:
+        if _package(type(module).__module__) != home or _speedkit_layer(type(module).__module__):
             continue
         forward = _own_function(type(module), "forward")
         if forward is not None and forward not in seen:
@@ -88,6 +88,12 @@ def scan_function(fn: Callable[..., Any], *, per_step_args: bool = True) -> list
 
 def _package(module_name: str) -> str:
     return (module_name or "").split(".")[0]
+
+
+def _speedkit_layer(module_name: str) -> bool:
+    """A module speedkit swapped in (its norms and activations): built to be captured, its branches
+    read only the input's device, dtype and shape, which a graph fixes. The demo models are user code."""
+    return module_name.startswith("speedkit.") and not module_name.startswith("speedkit.demos")
 
 
 def _own_function(cls: type, name: str) -> Any:

@@ -229,6 +229,17 @@ def test_demo_models_pass_the_check():
         assert scan_step(model) == [], [str(b) for b in scan_step(model)]
 
 
+def test_speedkit_layers_swapped_into_a_demo_model_pass_the_check():
+    """The zoo's models live in speedkit.demos (their own package is speedkit): the norms that
+    triton_layers swaps in are speedkit's, capture-safe by construction, and not scanned as user code."""
+    from speedkit.demos.gpt2 import NaiveGPT
+    from speedkit.layers import LayerNorm
+
+    model = NaiveGPT(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    model.ln_f = LayerNorm(16)
+    assert scan_step(model) == [], [str(b) for b in scan_step(model)]
+
+
 def test_forward_option_arguments_are_not_per_step():
     def forward(x, use_cache: bool = False, mask=None):
         if use_cache:
