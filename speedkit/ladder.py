@@ -169,6 +169,9 @@ class Ladder:
         self.host_clock = host_clock
         self.run_info = dict(run_info or {})
         self.slots: list[_Slot] = []
+        #: steps of every parity trajectory: the configured ones, or more where a rung needs more to be
+        #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
+        self._parity_steps = max([self.cfg.parity_steps, *(r.parity_steps_needed() for r in rungs)])
         self._settle_needed = 0  # untimed steps a rebased rung asks for after the next switch
         self.result: LadderResult | None = None
         self.session: MeasureSession | None = None
@@ -234,7 +237,7 @@ class Ladder:
             raise RuntimeError("the ladder needs batches: give the state a data source")
         self._phase = "the baseline"
         accumulate = state.step.accumulate
-        self._parity_batches = state.data.parity_batches(cfg.parity_steps * accumulate)
+        self._parity_batches = state.data.parity_batches(self._parity_steps * accumulate)
         first = state.data.to_device(self._parity_batches[0])
         flops = count_step_flops(state.step, first)
         self._snapshot.restore()
@@ -304,7 +307,7 @@ class Ladder:
             slot = self._candidate = _Slot(rung, rung.apply(state), tuple(s.on for s in self.slots))
             entry.changes = list(slot.handle.changes)
             entry.precision = state.precision
-            self.on_event(f"  {rung.name}: parity over {self.cfg.parity_steps} steps")
+            self.on_event(f"  {rung.name}: parity over {self._parity_steps} steps")
             with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
                 losses = self._trajectory()
             entry.parity = self._parity(losses, reference)
@@ -597,7 +600,7 @@ class Ladder:
         assert data is not None
         losses = []
         with _RoundingNoise(state.model, perturb) if perturb else contextlib.nullcontext():
-            for i in range(self.cfg.parity_steps):
+            for i in range(self._parity_steps):
                 micro = [data.to_device(b) for b in self._parity_batches[i * n:(i + 1) * n]]
                 losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]

@@ -445,6 +445,23 @@ def test_a_rung_holding_what_is_beneath_it_is_rebased_when_that_switches():
     assert result.final_check.speedup == pytest.approx(5, rel=0.05)
 
 
+class SlowToTakeEffectRung(WrappingRung):
+    """Like a CUDA graph: its first steps are eager warm-up; only later steps run the change."""
+
+    def parity_steps_needed(self):
+        return 5
+
+
+def test_parity_runs_as_long_as_a_rung_needs_to_take_effect_and_the_reference_lines_up():
+    time = VirtualTime(noise=0.005, seed=0)
+    state = timed_state(time, 0.01)
+    rung = SlowToTakeEffectRung("graph_like", "step", CountingStep)
+    _, result = _run(state, [rung], time)  # FAST: parity_steps 3
+    parity = result.rungs[1].parity
+    assert parity.steps == 5 and len(parity.losses) == len(parity.reference_losses) == 5
+    assert parity.passed
+
+
 # -- interruption ------------------------------------------------------------------------------------------
 
 

@@ -62,6 +62,11 @@ class Rung:
     def apply(self, state: TrainState) -> Handle:
         raise NotImplementedError
 
+    def parity_steps_needed(self) -> int:
+        """Optimizer steps a parity trajectory needs to exercise the change (0: any number): the
+        ladder runs every trajectory at least this long, so the steps compared are the changed ones."""
+        return 0
+
     def options_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.options)
 

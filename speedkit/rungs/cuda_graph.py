@@ -74,6 +74,9 @@ class CudaGraphRung(Rung):
             return reason
         return _hook_blocker(state)
 
+    def parity_steps_needed(self) -> int:
+        return self.options.warmup + 2  # the eager warm-up steps, the capture, and a replay after it
+
     def apply(self, state: TrainState) -> Handle:
         handle = Handle(self.name)
         opt = state.optimizer
