@@ -15,6 +15,7 @@ import copy
 import functools
 import shutil
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -69,6 +70,30 @@ def compile_errors() -> tuple[type[BaseException], ...]:
         return ()
     names = ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError", "TorchRuntimeError")
     return tuple(c for c in (getattr(exc, n, None) for n in names) if isinstance(c, type))
+
+
+def end_failed_capture(device: torch.device, graph: Any) -> None:
+    """Put CUDA's random generators back out of capture mode after a capture that raised.
+
+    ``CUDAGraph.capture_end`` takes the generators registered with a graph out of capture mode only
+    after the stream capture ended well; when it raised, they stay in it and the process's next
+    random op on the device (dropout, ``torch.randn``) raises "Offset increment outside graph capture
+    encountered unexpectedly". Capturing an empty graph runs the generators' capture prologue and
+    epilogue once more, which ends it (torch 2.11 to 2.14); the empty graph is then freed."""
+    if device.type != "cuda":
+        return
+    for cleanup in (graph.reset, lambda: torch.cuda.synchronize(device)):
+        try:
+            cleanup()
+        except Exception:  # noqa: BLE001 - the failed capture's error may surface here once more
+            pass
+    empty = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():  # "the CUDA graph is empty": it is meant to be
+        warnings.simplefilter("ignore")
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            empty.capture_begin()
+            empty.capture_end()
+    empty.reset()
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

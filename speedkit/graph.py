@@ -155,9 +155,12 @@ class GraphedStep(StepWrapper):
         allocated_before = torch.cuda.memory_allocated(self.inner.device)
         torch.cuda.reset_peak_memory_stats(self.inner.device)  # captures happen in warm-up, not timed windows
         try:
-            with self.inner.capture() as logs, torch.cuda.graph(graph):
+            # thread_local: a loader's pin-memory thread may allocate pinned memory meanwhile (global
+            # mode fails that thread's call and the capture); this thread's own unsafe calls still fail it
+            with self.inner.capture() as logs, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self.inner.compute([static], batch_idx)
         except Exception as exc:
+            compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
             self._clear_grads()
             self.stop(f"capture failed: {type(exc).__name__}: {first_line(exc)[:300]}")
             return None
@@ -220,7 +223,7 @@ class GraphedStep(StepWrapper):
                     self._state_ids.append((p, k, id(v)))
         for group in opt.param_groups:
             for k, v in group.items():
-                if k != "params" and k not in TENSOR_HPARAMS and not isinstance(v, torch.Tensor):
+                if k != "params" and not isinstance(v, torch.Tensor):  # a learning rate left a number too
                     self._baked.append((group, k, _frozen(v)))
 
     def _still_valid(self) -> bool:
@@ -241,10 +244,15 @@ class GraphedStep(StepWrapper):
         return True
 
     def _tensorize_hparams(self) -> None:
+        """Learning rates of capturable param groups into device tensors. Other optimizers (SGD)
+        read a tensor learning rate on the host (``.item()``, a sync a capture refuses): theirs stays
+        a number baked into the graph, and a change of it captures again (:meth:`_still_valid`)."""
         opt = self.inner.optimizer
         if opt is None:
             return
         for group in opt.param_groups:
+            if not group.get("capturable", False):
+                continue
             for key in TENSOR_HPARAMS:
                 value = group.get(key)
                 if value is None or isinstance(value, torch.Tensor):
