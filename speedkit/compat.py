@@ -214,9 +214,7 @@ def shutdown_workers(loader: Any) -> None:
     it = getattr(loader, "_iterator", None)
     if it is None:
         return
-    shutdown = getattr(it, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    shutdown_iterator(it)
     loader.__dict__["_iterator"] = None
 
 

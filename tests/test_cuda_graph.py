@@ -20,6 +20,7 @@ from speedkit.graph_safety import scan_function, scan_step
 from speedkit.handle import Handle
 from speedkit.rungs.cuda_graph import optimizer_blocker
 from speedkit.state import TrainState
+from speedkit.step import PlainStep
 
 
 class _Base(pl.LightningModule):
@@ -352,3 +353,15 @@ def test_persistent_changes_survive_suspend_and_go_with_undo():
     h2.record("wrap", lambda: log.append("unwrap2"), lambda: None)
     h2.undo()
     assert log[-2:] == ["unwrap2", "flag2 off"]
+
+
+def test_the_report_says_how_the_learning_rate_reaches_the_graph():
+    """AdamW (capturable) reads it from a device tensor; SGD keeps a number baked into the graph."""
+    for opt_cls, says in ((torch.optim.AdamW, "read from a device tensor"), (torch.optim.SGD, "baked into the graph")):
+        model = nn.Linear(4, 2)
+        opt = opt_cls(model.parameters(), lr=0.1)
+        state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"),
+                           step=PlainStep(model, opt, "cpu", loss_fn=lambda m, b, i: m(b[0]).sum()))
+        handle = rungs.make("cuda_graph").apply(state)
+        assert any(line.startswith(f"{opt_cls.__name__}: learning rate {says}") for line in handle.changes), handle.changes
+        handle.undo()

@@ -86,8 +86,9 @@ class CudaGraphRung(Rung):
                 if not group.get("capturable"):
                     _set_capturable(handle, opt, group, i)
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
-        handle.record(f"{type(opt).__name__}: learning rate read from a device tensor that the schedule fills",
-                      graphed.untensorize_hparams, persistent=True)
+        lr = ("learning rate read from a device tensor that the schedule fills" if "capturable" in opt.defaults else
+              "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
+        handle.record(f"{type(opt).__name__}: {lr}", graphed.untensorize_hparams, persistent=True)
         set_attr(handle, state, "step", graphed,
                  f"the whole step (forward, backward, {type(opt).__name__} update, zero-grad) captured in one CUDA graph "
                  f"after {self.options.warmup} warm-up steps, fed from static batch buffers")
