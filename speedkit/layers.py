@@ -1,4 +1,5 @@
-"""Modules and functions that run speedkit's Triton kernels in place of PyTorch's layers.
+"""Modules and functions that speedkit swaps in for PyTorch's layers: its Triton kernels, and the
+linear layer computed on an aligned (padded) weight.
 
 The modules subclass the PyTorch module they stand in for and add nothing to it (no parameter,
 buffer or attribute), so a model whose ``nn.LayerNorm`` became :class:`LayerNorm` has the same
@@ -226,3 +227,46 @@ def _output_dtype(original: Any, module: nn.Module, x: Tensor) -> torch.dtype | 
     except Exception:  # the original cannot take this input: it runs as it is, and raises as it would
         return None
     return out.dtype if isinstance(out, Tensor) and out.is_floating_point() else None
+
+
+class AlignedLinear(nn.Linear):
+    """``nn.Linear`` through :func:`padded_linear`: its output features padded to a multiple of
+    :attr:`multiple` inside the GEMM (subclasses fix the multiple; no attribute is added to the
+    instance, so ``module.__class__ = nn.Linear`` turns it back exactly)."""
+
+    multiple: int = 64
+
+    def forward(self, input: Tensor) -> Tensor:
+        return padded_linear(input, self.weight, self.bias, self.multiple)
+
+    def _get_name(self) -> str:
+        return "speedkit.AlignedLinear"
+
+
+def aligned_linear_class(multiple: int) -> type[AlignedLinear]:
+    """The :class:`AlignedLinear` subclass that pads to ``multiple`` (one class per multiple)."""
+    if multiple not in _ALIGNED:
+        _ALIGNED[multiple] = type(f"AlignedLinear{multiple}", (AlignedLinear,), {"multiple": multiple, "__module__": __name__})
+    return _ALIGNED[multiple]
+
+
+_ALIGNED: dict[int, type[AlignedLinear]] = {AlignedLinear.multiple: AlignedLinear}
+
+
+def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, multiple: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` computed on a weight padded with zero rows to a multiple of
+    ``multiple`` output features, the output sliced back: the same values, but the GEMM writes
+    rows whose length is aligned (cuBLAS picks slower kernels for a leading dimension such as
+    50,257). Under autocast the weight is cast before it is padded, so the pad copies half-size
+    data; the returned tensor is a view whose rows are the padded width apart."""
+    out_features = weight.shape[0]
+    pad = -out_features % multiple
+    if pad == 0:
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        weight = weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    weight = F.pad(weight, (0, 0, 0, pad))
+    bias = F.pad(bias, (0, pad)) if bias is not None else None
+    return F.linear(x, weight, bias)[..., :out_features]
