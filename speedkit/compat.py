@@ -225,6 +225,13 @@ def set_persistent_workers(loader: Any, value: bool) -> None:
     loader.__dict__["persistent_workers"] = bool(value)
 
 
+def set_loader_samplers(loader: Any, sampler: Any, batch_sampler: Any) -> None:
+    """Set a DataLoader's ``sampler`` and ``batch_sampler`` after construction (``DataLoader.__setattr__``
+    refuses both once it is initialized; ``__iter__`` and ``__len__`` read the plain attributes)."""
+    loader.__dict__["sampler"] = sampler
+    loader.__dict__["batch_sampler"] = batch_sampler
+
+
 def shutdown_iterator(iterator: Any) -> None:
     """Stop the worker processes of a DataLoader iterator (``_shutdown_workers``), if it has any."""
     shutdown = getattr(iterator, "_shutdown_workers", None)

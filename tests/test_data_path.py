@@ -8,6 +8,7 @@ import dataclasses
 import random
 from collections import namedtuple
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -258,8 +259,10 @@ def test_check_says_why_not():
     assert reason.startswith("nothing to change") and "num_workers kept at 0" in reason and "on a CPU" in reason
     kept = rungs.make({"name": "data_path", "options": {"workers": "keep"}}).check(_state(generator=False))
     assert kept.startswith("nothing to change")
-    seeded = rungs.make({"name": "data_path", "options": {"workers": 2}}).check(_state())  # a RandomSampler with a generator
-    assert seeded.startswith("nothing to change") and "num_workers stays 0" in seeded and "next epoch's shuffle" in seeded
+    # a RandomSampler with a generator: to workers exactly (the fit reads it through StopAtLength), back to none not
+    assert rungs.make({"name": "data_path", "options": {"workers": 2}}).check(_state()) is None
+    seeded = rungs.make({"name": "data_path", "options": {"workers": 0}}).check(_state(workers=2))
+    assert seeded.startswith("nothing to change") and "num_workers stays above 0" in seeded and "next epoch's shuffle" in seeded
     plain = _state()
     plain.data = BatchSource([(torch.ones(2),)], CPU)
     assert "not a torch DataLoader" in DataPathRung().check(plain)
@@ -290,10 +293,12 @@ QUICK = {"warmup": 1, "steps": 2, "repeats": 1, "parity_steps": 1, "min_blocks":
 class Model(pl.LightningModule):
     """A training step that draws from the global RNG, as dropout on a CPU does."""
 
-    def __init__(self, shuffle: str, workers: int, persistent: bool) -> None:
+    def __init__(self, shuffle: str, workers: int, persistent: bool, batch_size: int = 4, drop_last: bool = False) -> None:
         super().__init__()
         self.layer = nn.Linear(4, 1)
         self.shuffle, self.workers, self.persistent = shuffle, workers, persistent
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.generator = torch.Generator().manual_seed(11) if shuffle == "generator" else None
 
     def training_step(self, batch, batch_idx):
         index, x, worker = batch
@@ -303,9 +308,8 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
-        generator = torch.Generator().manual_seed(11) if self.shuffle == "generator" else None
-        return DataLoader(Indexed(), batch_size=4, shuffle=True, generator=generator, num_workers=self.workers,
-                          persistent_workers=self.persistent)
+        return DataLoader(Indexed(), batch_size=self.batch_size, shuffle=True, generator=self.generator,
+                          num_workers=self.workers, persistent_workers=self.persistent, drop_last=self.drop_last)
 
 
 class Seen(pl.Callback):
@@ -324,12 +328,14 @@ class Seen(pl.Callback):
         self.made_by.update(worker.tolist())
 
 
-def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False) -> Seen:
+def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **loader: Any) -> Seen:
     pl.seed_everything(0, verbose=False)
     seen = Seen()
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-    trainer.fit(Model(shuffle, workers, persistent))
+    model = Model(shuffle, workers, persistent, **loader)
+    trainer.fit(model)
+    seen.generator_state = model.generator.get_state() if model.generator is not None else None
     return seen
 
 
@@ -354,6 +360,53 @@ def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuf
     assert plain.seen[:12] != plain.seen[12:]
     assert fast.made_by == (set(range(workers[1])) or {-1}) and plain.made_by == (set(range(workers[0])) or {-1})
     assert ladder.handles == []  # undone at teardown
+
+
+@pytest.mark.parametrize("mode, loader, stops", [
+    ("given", {}, True), ("trials", {}, True), ("given", {"batch_size": 5, "drop_last": True}, True),
+    ("given", {"batch_size": 5}, False)],
+    ids=["given-divides", "trials-divides", "given-drop-last", "given-partial-last-batch"])
+def test_a_seeded_shuffle_moves_from_no_workers_to_workers_exactly(mode, loader, stops, monkeypatch):
+    """``shuffle=True, generator=g`` at 0 workers -> 2 workers: the same samples in the same order over
+    two epochs and the generator left where the fit without workers leaves it (its next shuffle)."""
+    plain = _fit("generator", 0, [], **loader)
+    spec = {"name": "data_path", "options": {"workers": 2}}
+    if mode == "trials":
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
+    else:
+        ladder = SpeedLadder(rungs=[spec])
+    fast = _fit("generator", 0, [ladder], **loader)
+    changes = ladder.applied_changes["data_path"]
+    assert any("num_workers=2" in c for c in changes) and fast.made_by == {0, 1}, changes
+    assert any("StopAtLength" in c for c in changes) == stops, changes
+    per_epoch = len(plain.seen) // 2
+    assert fast.seen == plain.seen and plain.seen[:per_epoch] != plain.seen[per_epoch:]
+    assert torch.equal(fast.generator_state, plain.generator_state)
+    assert fast.draws == plain.draws
+
+
+def test_stop_at_length_reads_no_further_than_the_sampler_length():
+    from torch.utils.data import RandomSampler
+
+    from speedkit.data.loader import StopAtLength, needs_stop_at_length, reads_sampler_to_its_end
+
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    wrapped, plain = StopAtLength(RandomSampler(range(10), generator=g1)), RandomSampler(range(10), generator=g2)
+    it = iter(plain)
+    first = [next(it) for _ in range(10)]
+    assert list(wrapped) == first and len(wrapped) == 10 and wrapped.generator is g1
+    assert torch.equal(g1.get_state(), g2.get_state())  # the plain one was not asked for an 11th index either
+    assert list(it) == [] and not torch.equal(g1.get_state(), g2.get_state())  # read to its end, it draws once more
+    seeded = _loader("generator")  # 48 samples, batches of 4
+    assert not reads_sampler_to_its_end(seeded) and needs_stop_at_length(seeded, 2) and not needs_stop_at_length(seeded, 0)
+    partial = DataLoader(Indexed(), batch_size=5, shuffle=True, generator=torch.Generator())
+    assert reads_sampler_to_its_end(partial) and not needs_stop_at_length(partial, 2)
+    rebuilt = rebuild_loader(seeded, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2,
+                             stop_at_length=True)
+    assert isinstance(rebuilt.sampler, StopAtLength) and rebuilt.sampler.sampler is seeded.sampler
+    assert rebuilt.batch_sampler.batch_size == 4 and len(rebuilt) == len(seeded) == 12
+    assert seeded.sampler is not rebuilt.sampler and seeded.batch_sampler.sampler is seeded.sampler  # the user's untouched
 
 
 def test_worker_counts_leave_two_cores_to_the_training_process():

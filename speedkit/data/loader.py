@@ -14,6 +14,9 @@ Which of those keep every sample *exactly* as it was (``exact`` mode):
   base seed and its worker id, so a dataset that augments with ``torch.rand`` would draw other
   numbers for the same index with another worker count. An ``IterableDataset`` is replicated per
   worker, so its stream depends on the worker count: never changed.
+  A sampler with a generator of its own is read to its end by workers, and may draw from it once
+  more there (:func:`in_process_change_blocker`); where the fit without workers would not read it
+  that far, the fit's copy reads it through :class:`StopAtLength` (the one object that is new).
 * ``persistent_workers``: never turned on in exact mode. A persistent iterator does not draw a new
   base seed per epoch, which moves every later draw from the loader's generator (or the global RNG):
   the next epoch's shuffle would differ.
@@ -27,6 +30,7 @@ Lightning fit creates its first train iterator, so that iterator can be made aga
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 import weakref
@@ -34,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from speedkit import compat
 from speedkit.data.source import loader_generators, move_to_device
@@ -78,10 +82,12 @@ def not_rebuildable(loader: Any) -> str | None:
 
 
 def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, persistent_workers: bool,
-                   prefetch_factor: int | None) -> DataLoader:
+                   prefetch_factor: int | None, stop_at_length: bool = False) -> DataLoader:
     """A copy of ``loader`` (same class, the same dataset, sampler, batch sampler, collate_fn,
     worker_init_fn, generator, drop_last, timeout and multiprocessing context objects) with these
-    loading settings and no live iterator.
+    loading settings and no live iterator. ``stop_at_length``: its batch sampler is a new
+    ``BatchSampler`` (same batch size and drop_last) over the same sampler read through
+    :class:`StopAtLength` (see :func:`needs_stop_at_length`).
 
     Raises:
         ConfigError: settings a DataLoader refuses (one line).
@@ -102,6 +108,17 @@ def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, pe
     clone.pin_memory = bool(pin_memory)
     clone.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if num_workers > 0 else None
     compat.set_persistent_workers(clone, persistent_workers)
+    if stop_at_length:
+        from torch.utils.data import BatchSampler
+
+        batch_sampler = loader.batch_sampler
+        if batch_sampler is None:  # no automatic batching: the loader reads the sampler itself
+            compat.set_loader_samplers(clone, StopAtLength(loader.sampler), None)
+        elif type(batch_sampler) is BatchSampler:
+            sampler = StopAtLength(batch_sampler.sampler)
+            compat.set_loader_samplers(clone, sampler, BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last))
+        else:
+            raise ValueError(f"stop_at_length needs a torch BatchSampler, found {type(batch_sampler).__name__}")
     return clone
 
 
@@ -140,20 +157,20 @@ def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
 
 
 def in_process_change_blocker(loader: DataLoader) -> str | None:
-    """None when moving between loading in this process (no workers) and in workers leaves every draw
-    of the loader's generators where it was; else why it would not.
+    """None when moving ``loader`` between loading in this process (no workers) and in workers can
+    leave every draw of its generators where it was; else why it would not.
 
-    With workers, the sampler is read ahead, to its end by the epoch's last batches; without, a fit
-    that stops at the loader's length never asks it for more. A ``RandomSampler`` with a generator
-    draws a last (empty) permutation from it when it is read to its end, so the next epoch's shuffle
-    would differ. Samplers known to draw only from a private generator at their start (a
-    ``SequentialSampler``, a ``RandomSampler`` without a generator) do not.
+    With workers, the sampler is read ahead, to its end by the epoch's last batches. Without, a fit
+    that stops at the loader's length reads it to its end only when the last batch is partial
+    (:func:`reads_sampler_to_its_end`). A ``RandomSampler`` with a generator draws one more (empty)
+    permutation from it when it is read to its end, so the next epoch's shuffle would differ:
 
-    Not done yet (the usual seeded loader, ``shuffle=True, generator=g``, stays at 0 workers): at
-    each new epoch, set the sampler's generator back to its state just after the previous epoch's
-    iterator was made. That holds for a ``RandomSampler`` without replacement whose last batch needs
-    no read past the end (``drop_last=True`` or batches that divide the dataset) and a loader longer
-    than ``prefetch_factor × num_workers``.
+    * from no workers to workers, the fit's loader reads the sampler through :class:`StopAtLength`
+      where the fit without workers would not read it to its end (:func:`needs_stop_at_length`);
+    * from workers to none, only where the fit without workers reads it to its end too.
+
+    Samplers known to draw only from a private generator at their start (a ``SequentialSampler``, a
+    ``RandomSampler`` without a generator) need nothing.
     """
     from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
@@ -164,9 +181,57 @@ def in_process_change_blocker(loader: DataLoader) -> str | None:
     if type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and sampler.generator is None):
         return None
     if type(sampler) is RandomSampler:
-        return ("its RandomSampler draws from a generator of its own, and does so once more when workers read it to its "
-                "end: the next epoch's shuffle would differ")
+        if sampler.replacement:
+            return ("its RandomSampler draws with replacement from a generator of its own, in chunks as it is read: "
+                    "workers reading ahead would draw at other moments")
+        if loader.num_workers == 0 or reads_sampler_to_its_end(loader):
+            return None
+        return ("its RandomSampler draws from a generator of its own, once more when workers read it to its end, which "
+                "a fit without workers does not: the next epoch's shuffle would differ")
     return f"its sampler is a {type(sampler).__name__}, whose draws speedkit cannot see"
+
+
+def reads_sampler_to_its_end(loader: DataLoader) -> bool:
+    """Whether a loop that stops at ``len(loader)`` batches still reads the sampler to its end, as
+    workers always do: when the last batch is partial (``drop_last=False`` and the batch size does
+    not divide the sampler's length), the batch sampler asks for indices until there are none."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        return False
+    return not loader.drop_last and len(batch_sampler.sampler) % loader.batch_size != 0
+
+
+def needs_stop_at_length(loader: DataLoader, num_workers: int) -> bool:
+    """Whether a fit of ``loader`` (no workers) moved to ``num_workers`` workers must read its sampler
+    through :class:`StopAtLength` to draw what it draws now: a sampler with a generator of its own,
+    which the fit without workers never reads to its end."""
+    from torch.utils.data import RandomSampler
+
+    if loader.num_workers != 0 or num_workers == 0 or reads_sampler_to_its_end(loader):
+        return False
+    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+    return type(sampler) is RandomSampler and sampler.generator is not None and not sampler.replacement
+
+
+class StopAtLength(Sampler):
+    """``sampler``'s indices, ``len(sampler)`` of them, without asking it for another: a sampler read
+    to its end may draw from its generator once more (``RandomSampler`` does), which workers reading
+    ahead would do and a fit without workers, stopping at the loader's length, does not. Every other
+    attribute (``generator``, ``set_epoch``) is the sampler's own."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), len(self.sampler))
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "sampler":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
 
 
 def _seeded(seed: int) -> dict[str, Any]:
@@ -444,6 +509,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
 
 
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "available_cpus", "choose_settings",
-           "fit_iterator_start", "in_process_change_blocker", "loader_rate", "not_rebuildable", "rebuild_loader", "watch_fit_iterator_start",
+           "fit_iterator_start", "in_process_change_blocker", "loader_rate", "needs_stop_at_length", "not_rebuildable",
+           "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]
 

@@ -46,6 +46,7 @@ from speedkit.data.loader import (
     choose_settings,
     fit_iterator_start,
     in_process_change_blocker,
+    needs_stop_at_length,
     not_rebuildable,
     rebuild_loader,
     worker_count_blocker,
@@ -192,7 +193,9 @@ class DataPathSource(SourceWrapper):
         if settings is None and not self.plan.prefetch:
             return None
         original = loaders[0]
-        fit_loader = rebuild_loader(original, **dataclasses.asdict(settings)) if settings is not None else original
+        stop = settings is not None and needs_stop_at_length(original, settings.num_workers)
+        fit_loader = rebuild_loader(original, **dataclasses.asdict(settings), stop_at_length=stop) if settings is not None \
+            else original
         served: Any = fit_loader
         handle = Handle("data_path")
         if self.plan.prefetch:
@@ -208,6 +211,9 @@ class DataPathSource(SourceWrapper):
             compat.shutdown_workers(original)
 
         what = f"a copy of the user's DataLoader with {settings.describe()}" if settings is not None else "the user's DataLoader"
+        if stop:
+            what += (" (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
+                     "so its generator draws the same shuffles)")
         handle.record(f"fit: the train loop iterates {what}"
                       + (f", each batch copied to {self.device} on a side stream while the step before runs"
                          if self.plan.prefetch else ""), put_back)
