@@ -328,6 +328,16 @@ class Seen(pl.Callback):
         self.made_by.update(worker.tolist())
 
 
+def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
+    """SpeedLadder with the data_path rung at ``workers`` workers: "given" applies it without trials;
+    "trials" runs real trials and restores, only the keep decision fixed."""
+    spec = {"name": "data_path", "options": {"workers": workers}}
+    if mode == "trials":
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        return SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
+    return SpeedLadder(rungs=[spec])
+
+
 def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **loader: Any) -> Seen:
     pl.seed_everything(0, verbose=False)
     seen = Seen()
@@ -346,12 +356,7 @@ def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **load
          "trials-generator-persistent-1->2", "trials-global-persistent-1->2"])
 def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuffle, workers, persistent, monkeypatch):
     plain = _fit(shuffle, workers[0], [], persistent)
-    spec = {"name": "data_path", "options": {"workers": workers[1]}}
-    if mode == "trials":  # real trials and restores; only the keep decision is fixed
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
-        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
-    else:
-        ladder = SpeedLadder(rungs=[spec])
+    ladder = data_path_ladder(mode, workers[1], monkeypatch)
     fast = _fit(shuffle, workers[0], [ladder], persistent)
     changes = ladder.applied_changes["data_path"]
     assert any("first epoch's iterator made again" in c for c in changes), changes
@@ -370,12 +375,7 @@ def test_a_seeded_shuffle_moves_from_no_workers_to_workers_exactly(mode, loader,
     """``shuffle=True, generator=g`` at 0 workers -> 2 workers: the same samples in the same order over
     two epochs and the generator left where the fit without workers leaves it (its next shuffle)."""
     plain = _fit("generator", 0, [], **loader)
-    spec = {"name": "data_path", "options": {"workers": 2}}
-    if mode == "trials":
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
-        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
-    else:
-        ladder = SpeedLadder(rungs=[spec])
+    ladder = data_path_ladder(mode, 2, monkeypatch)
     fast = _fit("generator", 0, [ladder], **loader)
     changes = ladder.applied_changes["data_path"]
     assert any("num_workers=2" in c for c in changes) and fast.made_by == {0, 1}, changes

@@ -83,10 +83,7 @@ def test_the_prefetching_loader_serves_each_epoch_on_the_device():
 @pytest.mark.parametrize("mode", ["given", "trials"])
 def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, monkeypatch):
     import lightning.pytorch as pl
-    from test_data_path import QUICK, Seen, _fit
-
-    from speedkit.ladder import Ladder
-    from speedkit.lightning import SpeedLadder
+    from test_data_path import Seen, _fit, data_path_ladder
 
     def fit(callbacks):
         original = pl.Trainer.__init__
@@ -97,12 +94,7 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
             monkeypatch.setattr(pl.Trainer, "__init__", original)
 
     plain = fit([])
-    spec = {"name": "data_path", "options": {"workers": 2}}
-    if mode == "trials":
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
-        ladder = SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
-    else:
-        ladder = SpeedLadder(rungs=[spec])
+    ladder = data_path_ladder(mode, 2, monkeypatch)
     fast: Seen = fit([ladder])
     changes = ladder.applied_changes["data_path"]
     assert any("side stream" in c for c in changes) and any("made again" in c for c in changes), changes
