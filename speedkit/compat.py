@@ -56,6 +56,15 @@ def graph_breaks() -> dict[str, int]:
     return {str(reason): int(n) for reason, n in dynamo_counters().get("graph_break", {}).items()}
 
 
+def dynamo_ignored_logging() -> set[Any] | None:
+    """The logging functions Dynamo skips inside compiled code instead of breaking the graph there
+    (``torch._dynamo.config.ignore_logging_functions``, a set the caller may add to and remove from);
+    None where this torch has no such setting."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    found = getattr(config, "ignore_logging_functions", None)
+    return found if isinstance(found, set) else None
+
+
 def is_compiling() -> bool:
     """Whether the caller is being traced by Dynamo (``torch.compiler.is_compiling``)."""
     check = getattr(getattr(torch, "compiler", None), "is_compiling", None)

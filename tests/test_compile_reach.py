@@ -190,3 +190,45 @@ def test_compile_follows_a_forward_rewritten_beneath_it_and_undo_leaves_nothing(
     compiled.undo()
     assert "forward" not in model.__dict__
     torch.testing.assert_close(model(x), expected)
+
+
+def test_logging_inside_a_hugging_face_forward_does_not_break_the_graph():
+    """transformers' models call ``logger.warning_once`` in forward (5.x: ``loss_function`` when the
+    config has no ``loss_type``), which breaks Dynamo's graph; under the rung Dynamo skips it."""
+    import logging
+
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speedkit import compat
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=63,
+                                       eos_token_id=63))
+    skipped = compat.dynamo_ignored_logging()
+    assert skipped is not None and logging.Logger.warning_once not in skipped
+    handle = CompileRung(CompileOptions(backend="eager")).apply(_state(model))
+    assert logging.Logger.warning_once in skipped
+    assert any(c.startswith("Dynamo skips transformers' logger.warning_once") for c in handle.changes)
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+    assert handle.report()[-1] == "graph breaks: none"
+    handle.suspend()
+    assert logging.Logger.warning_once not in skipped
+    handle.resume()
+    assert logging.Logger.warning_once in skipped
+    handle.undo()
+    assert logging.Logger.warning_once not in skipped and "forward" not in model.__dict__
+
+
+def test_plain_models_leave_dynamos_logging_alone():
+    import logging
+
+    from speedkit import compat
+
+    before = set(compat.dynamo_ignored_logging() or ())
+    handle = CompileRung(CompileOptions(backend="eager")).apply(_state(Wrapped()))
+    assert set(compat.dynamo_ignored_logging() or ()) == before and not any("logger" in c for c in handle.changes)
+    assert getattr(logging.Logger, "warning_once", None) not in (compat.dynamo_ignored_logging() or ())
+    handle.undo()

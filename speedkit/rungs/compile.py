@@ -17,6 +17,12 @@ Once trial steps ran, the report lists per compiled forward its calls, graphs an
 the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
 with a warning, a recompilation storm (more than ``max_recompiles`` new graphs) too, and a compile
 the step never ran ("compiled nothing that the training step runs") is a failed rung, not a slow one.
+
+Hugging Face models call ``logger.warning_once`` inside ``forward`` (transformers 5 does in
+``loss_function`` when the config's ``loss_type`` is None), and Dynamo breaks the graph at every
+logging call: the loss then runs eagerly after the compiled forward. Where a compiled module is a
+transformers model, Dynamo is told to skip those calls inside compiled code (such a message is not
+printed from there); undo takes it back.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import logging
 import sys
 import textwrap
 import warnings
@@ -314,6 +321,21 @@ def _compile_forward(handle: Handle, module: nn.Module, label: str, options: Com
     return guarded
 
 
+def _skip_library_logging(handle: Handle, modules: list[nn.Module]) -> None:
+    """Have Dynamo skip transformers' ``Logger.warning_once`` in compiled code when one of ``modules``
+    is a transformers model (see the module doc), recorded on ``handle`` with its undo and redo."""
+    warning_once = getattr(logging.Logger, "warning_once", None)  # transformers adds it to every Logger
+    if warning_once is None or not any(type(m).__module__.startswith("transformers.") for m in modules):
+        return
+    skipped = compat.dynamo_ignored_logging()
+    if skipped is None or warning_once in skipped:
+        return
+    skipped.add(warning_once)
+    handle.record("Dynamo skips transformers' logger.warning_once calls inside the compiled forwards (each would break "
+                  "the graph; such a message is not printed from compiled code)",
+                  functools.partial(skipped.discard, warning_once), functools.partial(skipped.add, warning_once))
+
+
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
     """Compile the forwards the training step runs; the handle reports what ran once steps did."""
     handle = Handle("compile")
@@ -322,6 +344,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     guards = [(label, _compile_forward(handle, module, label, options)) for label, module in labels]
     for note in notes:
         handle.record(f"note: {note}")
+    _skip_library_logging(handle, [module for _, module in targets])
     breaks_before = compat.graph_breaks()
 
     def problem() -> str | None:
