@@ -253,6 +253,11 @@ def aligned_linear_class(multiple: int) -> type[AlignedLinear]:
 _ALIGNED: dict[int, type[AlignedLinear]] = {AlignedLinear.multiple: AlignedLinear}
 
 
+def padded_width(features: int, multiple: int) -> int:
+    """``features`` rounded up to a multiple of ``multiple``: the width :func:`padded_linear` computes on."""
+    return -(-features // multiple) * multiple
+
+
 def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, multiple: int) -> Tensor:
     """``F.linear(x, weight, bias)`` computed on a weight padded with zero rows to a multiple of
     ``multiple`` output features, the output sliced back: the same values, but the GEMM writes
@@ -260,7 +265,7 @@ def padded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, multiple: int)
     50,257). Under autocast the weight is cast before it is padded, so the pad copies half-size
     data; the returned tensor is a view whose rows are the padded width apart."""
     out_features = weight.shape[0]
-    pad = -out_features % multiple
+    pad = padded_width(out_features, multiple) - out_features
     if pad == 0:
         return F.linear(x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):

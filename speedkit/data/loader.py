@@ -111,11 +111,10 @@ def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, pe
     if stop_at_length:
         from torch.utils.data import BatchSampler
 
-        batch_sampler = loader.batch_sampler
+        batch_sampler, sampler = loader.batch_sampler, StopAtLength(index_sampler(loader))
         if batch_sampler is None:  # no automatic batching: the loader reads the sampler itself
-            compat.set_loader_samplers(clone, StopAtLength(loader.sampler), None)
+            compat.set_loader_samplers(clone, sampler, None)
         elif type(batch_sampler) is BatchSampler:
-            sampler = StopAtLength(batch_sampler.sampler)
             compat.set_loader_samplers(clone, sampler, BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last))
         else:
             raise ValueError(f"stop_at_length needs a torch BatchSampler, found {type(batch_sampler).__name__}")
@@ -177,18 +176,31 @@ def in_process_change_blocker(loader: DataLoader) -> str | None:
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return f"its batch sampler is a {type(batch_sampler).__name__}, whose draws speedkit cannot see"
-    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    sampler = index_sampler(loader)
     if type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and sampler.generator is None):
         return None
-    if type(sampler) is RandomSampler:
-        if sampler.replacement:
-            return ("its RandomSampler draws with replacement from a generator of its own, in chunks as it is read: "
-                    "workers reading ahead would draw at other moments")
+    if _shuffles_from_own_generator(sampler):
         if loader.num_workers == 0 or reads_sampler_to_its_end(loader):
             return None
         return ("its RandomSampler draws from a generator of its own, once more when workers read it to its end, which "
                 "a fit without workers does not: the next epoch's shuffle would differ")
+    if type(sampler) is RandomSampler:  # with replacement
+        return ("its RandomSampler draws with replacement from a generator of its own, in chunks as it is read: "
+                "workers reading ahead would draw at other moments")
     return f"its sampler is a {type(sampler).__name__}, whose draws speedkit cannot see"
+
+
+def index_sampler(loader: DataLoader) -> Any:
+    """The sampler whose indices ``loader`` reads: its batch sampler's, or (no automatic batching) its own."""
+    return loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def _shuffles_from_own_generator(sampler: Any) -> bool:
+    """A ``RandomSampler`` without replacement that draws from a generator of its own
+    (``shuffle=True, generator=g``): one permutation per epoch, one more when read to its end."""
+    from torch.utils.data import RandomSampler
+
+    return type(sampler) is RandomSampler and sampler.generator is not None and not sampler.replacement
 
 
 def reads_sampler_to_its_end(loader: DataLoader) -> bool:
@@ -205,12 +217,9 @@ def needs_stop_at_length(loader: DataLoader, num_workers: int) -> bool:
     """Whether a fit of ``loader`` (no workers) moved to ``num_workers`` workers must read its sampler
     through :class:`StopAtLength` to draw what it draws now: a sampler with a generator of its own,
     which the fit without workers never reads to its end."""
-    from torch.utils.data import RandomSampler
-
     if loader.num_workers != 0 or num_workers == 0 or reads_sampler_to_its_end(loader):
         return False
-    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
-    return type(sampler) is RandomSampler and sampler.generator is not None and not sampler.replacement
+    return _shuffles_from_own_generator(index_sampler(loader))
 
 
 class StopAtLength(Sampler):
@@ -509,7 +518,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
 
 
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "available_cpus", "choose_settings",
-           "fit_iterator_start", "in_process_change_blocker", "loader_rate", "needs_stop_at_length", "not_rebuildable",
+           "fit_iterator_start", "in_process_change_blocker", "index_sampler", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]
 

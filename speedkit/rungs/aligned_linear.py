@@ -90,7 +90,7 @@ class AlignedLinearRung(Rung):
             inner.record("", functools.partial(setattr, module, "__class__", nn.Linear),
                          functools.partial(setattr, module, "__class__", aligned))
             module.__class__ = aligned
-        sites = ", ".join(f"{name} ({m.out_features} → {-(-m.out_features // self.options.multiple) * self.options.multiple})"
+        sites = ", ".join(f"{name} ({m.out_features} → {layers.padded_width(m.out_features, self.options.multiple)})"
                           for name, m in found)
         nested(handle, inner, f"linear layers computed on weights padded to a multiple of {self.options.multiple} "
                               f"output features: {sites}")
