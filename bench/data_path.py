@@ -9,6 +9,12 @@ windows after warm-up steps):
   gpu_resident  the bound: the same kind of batches made once and kept on the GPU (no decode, no copy)
   speedkit/K=V  (with --try K=V[,K=V] ...) the rung with those options (e.g. workers=8, prefetch=false):
                 diagnostics of where the loader's cost lands (data wait, or host time inside the step)
+  V+burnN[iso]  (diagnostic) variant V while N processes do the dataset's per-sample work in a loop,
+                anywhere, or with "iso" off the CPUs speedkit leaves to the training process: does
+                CPU work beside the fit, without any data reaching it, slow the fit's own thread?
+
+Per variant it also prints the fit thread's CPU time and context switches per step (/proc): a thread
+slowed by a neighbour on its core runs longer; one waiting (for the GIL, or preempted) switches more.
 
 Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms, host_ms and
 step_ms, and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
@@ -20,8 +26,10 @@ Usage: PYTHONPATH=. python bench/data_path.py [--steps 20] [--windows 5]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from bench.common import Results  # noqa: E402
 from speedkit.demos import DecodedImages, SmallResNet  # noqa: E402
@@ -41,23 +50,105 @@ FULL = dict(batch_size=128, size=144, crop=128, classes=100, length=16384)
 TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
 
 
+class ThreadCounters(Callback):
+    """Per step (batch start to the next), of the thread running the fit: wall and CPU time, and its
+    voluntary and involuntary context switches, averaged over the steps after ``warmup``."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.marks, self.steps = warmup, None, 0
+        self.sums = [0.0, 0.0, 0, 0]
+
+    @staticmethod
+    def read() -> tuple[float, float, int, int]:
+        switches = {"voluntary_ctxt_switches": 0, "nonvoluntary_ctxt_switches": 0}
+        try:
+            for line in Path("/proc/thread-self/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in switches:
+                    switches[key] = int(value)
+        except OSError:
+            pass
+        return time.perf_counter(), time.thread_time(), switches["voluntary_ctxt_switches"], switches["nonvoluntary_ctxt_switches"]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        now = self.read()
+        if self.marks is not None and batch_idx > self.warmup:
+            self.sums = [a + (n - m) for a, n, m in zip(self.sums, now, self.marks)]
+            self.steps += 1
+        self.marks = now
+
+    def line(self) -> str:
+        if not self.steps:
+            return "fit thread: no step counted"
+        wall, cpu, vol, invol = (v / self.steps for v in self.sums)
+        return (f"fit thread per step: wall {wall * 1e3:.2f} ms, CPU {cpu * 1e3:.2f} ms ({cpu / wall:.0%}), "
+                f"context switches {vol:.1f} voluntary, {invol:.1f} involuntary")
+
+
+def _burn(dataset, cpus, stop) -> None:  # type: ignore[no-untyped-def]
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(1)
+    i = 0
+    while not stop.is_set():
+        dataset[i % len(dataset)]
+        i += 1
+
+
+def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
+    """``n`` processes doing the dataset's per-sample work until the returned event is set."""
+    import multiprocessing
+
+    from speedkit.data.loader import training_cpus
+    from speedkit.demos.data import _JpegSamples
+
+    dataset = _JpegSamples(data["length"], data["size"], data["crop"], data["classes"], seed=1)
+    cpus = tuple(sorted(training_cpus()[1])) if isolated else None
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_burn, args=(dataset, cpus, stop), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs, stop
+
+
 def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                options: dict | None = None) -> tuple[StepTimer, SpeedLadder | None]:
+                options: dict | None = None) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
+    base, _, burn = variant.partition("+burn")
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
-    datamodule = DecodedImages(**data, resident=variant == "gpu_resident", device=device, batches=16)
+    datamodule = DecodedImages(**data, resident=base == "gpu_resident", device=device, batches=16)
     model = SmallResNet(classes=data["classes"], width=8 if tiny else 32)
     timer = StepTimer(warmup=warmup, window=steps)
+    counters = ThreadCounters(warmup)
     rung = {"name": "data_path", "options": options} if options else "data_path"
-    ladder = SpeedLadder(rungs=[rung]) if variant.startswith("speedkit") else None
-    callbacks = [c for c in (ladder, timer) if c is not None]  # the ladder first: the timer starts after it applied
+    ladder = SpeedLadder(rungs=[rung]) if base.startswith("speedkit") else None
+    callbacks = [c for c in (ladder, timer, counters) if c is not None]  # the ladder first: the timer starts after it applied
     trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
                          max_steps=warmup + steps * windows, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        trainer.fit(model, datamodule)
-    return timer, ladder
+    burners, stop = start_burners(int(burn.removesuffix("iso")), burn.endswith("iso"), data) if burn else ([], None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            trainer.fit(model, datamodule)
+    finally:
+        if stop is not None:
+            stop.set()  # type: ignore[attr-defined]
+            for p in burners:
+                p.join(timeout=10)
+    return timer, ladder, counters
+
+
+def print_cpus() -> None:
+    """The CPUs this process may use and which share a core (a diagnostic's context)."""
+    from speedkit.data.loader import allowed_cpus, core_siblings, current_cpu, format_cpu_list, training_cpus
+
+    cpus = sorted(allowed_cpus())
+    pairs = sorted({format_cpu_list(core_siblings(c)) for c in cpus})
+    kept, rest = training_cpus()
+    print(f"CPUs {format_cpu_list(cpus)}; cores (hyperthread siblings): {' '.join(pairs)}; this thread on CPU {current_cpu()}; "
+          f"kept for training: {format_cpu_list(kept) or 'none'}, workers on {format_cpu_list(rest)}", flush=True)
 
 
 def main() -> None:
@@ -79,6 +170,7 @@ def main() -> None:
     warmup = args.warmup or (1 if args.tiny else 10)
     out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "data_path.jsonl" if args.tiny else None)
     res = Results("data_path", out)
+    print_cpus()
     data = TINY if args.tiny else FULL
     throughput: dict[str, float] = {}
     if args.switch_interval is not None:
@@ -86,7 +178,8 @@ def main() -> None:
     runs = [(v, None) for v in args.variants.split(",") if v]
     runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
     for variant, options in runs:
-        timer, ladder = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny, options=options)
+        timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
+                                              options=options)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
@@ -100,6 +193,7 @@ def main() -> None:
         throughput[variant] = m.throughput
         print(f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
               f"data wait {m.data_wait_ms or 0:7.2f} ms/step, host {m.host_ms or 0:7.2f} ms/step", flush=True)
+        print(f"    {counters.line()}", flush=True)
         if ladder is not None:
             for line in extra["changes"]:
                 print(f"    {line}", flush=True)

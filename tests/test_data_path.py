@@ -416,3 +416,84 @@ def test_worker_counts_leave_two_cores_to_the_training_process():
     assert worker_counts(4, 8) == [4, 2, 6]
     assert worker_counts(0, 2) == [0]
     assert worker_counts(1, 3) == [1]
+
+
+# -- keeping workers off the training process's cores ------------------------------------------------
+
+
+def test_cpu_lists_parse_and_format_as_linux_writes_them():
+    from speedkit.data.loader import format_cpu_list, parse_cpu_list
+
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert format_cpu_list({11, 0, 1, 2, 3, 8, 10}) == "0-3,8,10-11"
+    assert format_cpu_list([5]) == "5" and parse_cpu_list("") == set()
+
+
+def test_training_cpus_keep_the_core_issuing_the_step_and_one_more_with_their_hyperthreads():
+    from speedkit.data.loader import training_cpus
+
+    allowed = set(range(16))
+    kept, rest = training_cpus(allowed=allowed, here=5, siblings=lambda c: {c % 8, c % 8 + 8})
+    assert kept == {5, 13, 0, 8} and rest == allowed - kept
+    kept, rest = training_cpus(allowed=allowed, here=5, siblings=lambda c: {c})  # no hyperthreads shown
+    assert kept == {5, 0} and len(rest) == 14
+    kept, rest = training_cpus(allowed={0, 1, 2}, here=1, siblings=lambda c: {c})  # one CPU would be left: none kept
+    assert kept == set() and rest == {0, 1, 2}
+    kept, rest = training_cpus(allowed={2, 3, 4, 5}, here=9, siblings=lambda c: {c})  # here outside the affinity
+    assert kept == {2, 3} and rest == {4, 5}
+
+
+class Affinities(Dataset):
+    """Sample i: i, and the CPUs the process making it may run on."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, list[int]]:
+        import os
+
+        return i, sorted(os.sched_getaffinity(0))
+
+
+def _note_worker(worker_id: int) -> None:
+    torch.manual_seed(1000 + worker_id)  # a user's worker_init_fn, run after the affinity is set
+
+
+def test_rebuilt_workers_run_on_the_cpus_given_and_still_call_the_loaders_worker_init_fn():
+    import os
+    import pickle
+
+    from speedkit.data.loader import WorkerAffinity
+
+    one = (min(os.sched_getaffinity(0)),)
+    loader = DataLoader(Affinities(), batch_size=None, num_workers=0, worker_init_fn=_note_worker)
+    rebuilt = rebuild_loader(loader, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2,
+                             worker_cpus=one)
+    assert isinstance(rebuilt.worker_init_fn, WorkerAffinity) and rebuilt.worker_init_fn.then is _note_worker
+    assert loader.worker_init_fn is _note_worker  # the user's loader untouched
+    assert LoaderSettings.of(rebuilt) == LoaderSettings(2, False, False, 2, one)
+    assert [(i, cpus) for i, cpus in rebuilt] == [(i, list(one)) for i in range(8)]
+    again = rebuild_loader(rebuilt, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2)
+    assert again.worker_init_fn is _note_worker  # rebuilt without CPUs: the loader's own function, unwrapped
+    assert rebuild_loader(rebuilt, num_workers=0, pin_memory=False, persistent_workers=False,
+                          prefetch_factor=None, worker_cpus=one).worker_init_fn is _note_worker  # no workers to keep
+    restored = pickle.loads(pickle.dumps(rebuilt.worker_init_fn))  # a spawn context pickles it
+    assert restored.cpus == one and restored.then is _note_worker
+    seen = []
+    WorkerAffinity(tuple(sorted(os.sched_getaffinity(0))), seen.append)(3)
+    assert seen == [3]
+
+
+def test_choose_settings_puts_every_worker_candidate_on_the_cpus_given_and_tries_no_more_workers_than_cpus():
+    tried = []
+
+    def measure(s: LoaderSettings) -> float:
+        tried.append(s)
+        return 10.0 + s.num_workers
+
+    loader = _loader("none")
+    choice = choose_settings(loader, torch.device("cpu"), measure=measure, cpus=16, worker_cpus=(4, 5, 6, 7, 8, 9))
+    assert {s.num_workers for s in tried} == {0, 2, 4, 6}
+    assert all(s.worker_cpus == (4, 5, 6, 7, 8, 9) for s in tried if s.num_workers > 0)
+    assert all(s.worker_cpus is None for s in tried if s.num_workers == 0)
+    assert choice.settings.num_workers == 6 and "workers on CPUs 4-9" in choice.settings.describe()

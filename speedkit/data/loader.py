@@ -56,11 +56,15 @@ class LoaderSettings:
     pin_memory: bool
     persistent_workers: bool
     prefetch_factor: int | None
+    #: the CPUs the workers may run on (None: wherever the process may)
+    worker_cpus: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, loader: DataLoader) -> LoaderSettings:
+        keeper = loader.worker_init_fn
+        cpus = keeper.cpus if isinstance(keeper, WorkerAffinity) and loader.num_workers > 0 else None
         return cls(int(loader.num_workers), bool(loader.pin_memory), bool(loader.persistent_workers),
-                   loader.prefetch_factor if loader.num_workers > 0 else None)
+                   loader.prefetch_factor if loader.num_workers > 0 else None, cpus)
 
     @property
     def cost(self) -> tuple[int, int, bool, bool]:
@@ -71,6 +75,8 @@ class LoaderSettings:
         parts = [f"num_workers={self.num_workers}"]
         if self.num_workers:
             parts += [f"prefetch_factor={self.prefetch_factor}", f"persistent_workers={self.persistent_workers}"]
+            if self.worker_cpus is not None:
+                parts.append(f"workers on CPUs {format_cpu_list(self.worker_cpus)}")
         return ", ".join([*parts, f"pin_memory={self.pin_memory}"])
 
 
@@ -82,12 +88,14 @@ def not_rebuildable(loader: Any) -> str | None:
 
 
 def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, persistent_workers: bool,
-                   prefetch_factor: int | None, stop_at_length: bool = False) -> DataLoader:
+                   prefetch_factor: int | None, worker_cpus: tuple[int, ...] | None = None,
+                   stop_at_length: bool = False) -> DataLoader:
     """A copy of ``loader`` (same class, the same dataset, sampler, batch sampler, collate_fn,
     worker_init_fn, generator, drop_last, timeout and multiprocessing context objects) with these
-    loading settings and no live iterator. ``stop_at_length``: its batch sampler is a new
-    ``BatchSampler`` (same batch size and drop_last) over the same sampler read through
-    :class:`StopAtLength` (see :func:`needs_stop_at_length`).
+    loading settings and no live iterator. ``worker_cpus``: each worker first keeps itself on those
+    CPUs (:class:`WorkerAffinity`), then calls the loader's own ``worker_init_fn``.
+    ``stop_at_length``: its batch sampler is a new ``BatchSampler`` (same batch size and drop_last)
+    over the same sampler read through :class:`StopAtLength` (see :func:`needs_stop_at_length`).
 
     Raises:
         ConfigError: settings a DataLoader refuses (one line).
@@ -108,6 +116,8 @@ def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, pe
     clone.pin_memory = bool(pin_memory)
     clone.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if num_workers > 0 else None
     compat.set_persistent_workers(clone, persistent_workers)
+    own_init = loader.worker_init_fn.then if isinstance(loader.worker_init_fn, WorkerAffinity) else loader.worker_init_fn
+    clone.worker_init_fn = WorkerAffinity(tuple(worker_cpus), own_init) if worker_cpus and num_workers > 0 else own_init
     if stop_at_length:
         from torch.utils.data import BatchSampler
 
@@ -119,6 +129,23 @@ def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, pe
         else:
             raise ValueError(f"stop_at_length needs a torch BatchSampler, found {type(batch_sampler).__name__}")
     return clone
+
+
+class WorkerAffinity:
+    """A DataLoader ``worker_init_fn`` that keeps its worker on ``cpus``, then calls ``then`` (the
+    loader's own ``worker_init_fn``, if any) with the worker id. The CPUs a process runs on change no
+    sample and no random draw."""
+
+    def __init__(self, cpus: tuple[int, ...], then: Callable[[int], Any] | None = None) -> None:
+        self.cpus, self.then = cpus, then
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            os.sched_setaffinity(0, self.cpus)
+        except (AttributeError, OSError, ValueError):  # not Linux, or CPUs gone: the worker runs where it may
+            pass
+        if self.then is not None:
+            self.then(worker_id)
 
 
 # -- what a worker count changes ------------------------------------------------------------------
@@ -352,20 +379,88 @@ def fit_iterator_start(trainer: Any) -> IteratorStart | None:
 # -- choosing the settings ----------------------------------------------------------------------
 
 
-def available_cpus() -> int:
-    """CPU cores this process may run on (its affinity where the OS tells it)."""
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
-def worker_counts(current: int, cpus: int) -> list[int]:
-    """Worker counts to try: the current one, then 2, 4, 8, ... up to the CPU count less two, and
-    that count itself. Two cores stay for the training process: its Python thread issuing the step
-    (on a GPU, starving it starves the device) and the thread pinning and copying batches. Loading
-    alone measures fastest with every core busy; the step it feeds does not."""
-    limit = max(1, cpus - 2)
+def available_cpus() -> int:
+    """How many CPUs this process may run on."""
+    return len(allowed_cpus())
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """A Linux CPU list ("0-3,8,10-11") as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """CPU numbers as a Linux CPU list: runs of consecutive numbers as "a-b"."""
+    ordered, runs = sorted(set(cpus)), []
+    for _, run in itertools.groupby(enumerate(ordered), lambda iv: iv[1] - iv[0]):
+        values = [v for _, v in run]
+        runs.append(f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0]))
+    return ",".join(runs)
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """The CPUs sharing ``cpu``'s physical core (its hyperthreads, itself included), from sysfs."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return parse_cpu_list(f.read()) | {cpu}
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def current_cpu() -> int | None:
+    """The CPU the calling thread last ran on (Linux), else None."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def training_cpus(cores: int = 2, *, allowed: set[int] | None = None, here: int | None = None,
+                  siblings: Callable[[int], set[int]] = core_siblings) -> tuple[set[int], set[int]]:
+    """Split the CPUs this process may use into those left to the training process and those for
+    loader workers. The training process keeps ``cores`` physical cores, each with its hyperthread
+    siblings: the one its calling thread runs on (``here``), then the lowest-numbered others. A worker
+    on the sibling of the thread that issues the step slows that thread (they share one core), and on
+    a GPU the step waits for it. Where fewer than two CPUs would be left to workers, none is kept."""
+    allowed = allowed_cpus() if allowed is None else set(allowed)
+    here = current_cpu() if here is None else here
+    order = ([here] if here in allowed else []) + sorted(allowed)
+    kept: set[int] = set()
+    taken = 0
+    for cpu in order:
+        if taken == cores:
+            break
+        if cpu in kept:
+            continue
+        kept |= siblings(cpu) & allowed
+        taken += 1
+    rest = allowed - kept
+    if len(rest) < 2:
+        return set(), allowed
+    return kept, rest
+
+
+def worker_counts(current: int, cpus: int, *, limit: int | None = None) -> list[int]:
+    """Worker counts to try: the current one, then 2, 4, 8, ... up to ``limit`` (default: the CPU
+    count less two), and that count itself. Two cores stay for the training process: its Python
+    thread issuing the step (on a GPU, starving it starves the device) and the thread pinning and
+    copying batches. Loading alone measures fastest with every core busy; the step it feeds does not."""
+    limit = max(1, cpus - 2) if limit is None else max(1, limit)
     counts = [current]
     n = 2
     while n <= limit:
@@ -449,7 +544,7 @@ class Choice:
 
 
 def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: bool = True, exact: bool = True,
-                    same_side: bool = False,
+                    same_side: bool = False, worker_cpus: tuple[int, ...] | None = None,
                     pin_memory: bool | None = None, workers: int | None = None, tolerance: float = 0.03,
                     cpus: int | None = None, measure: Callable[[LoaderSettings], float] | None = None,
                     clock: Clock = time.perf_counter, max_s: float = 2.0) -> Choice:
@@ -460,7 +555,9 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     ``prefetch_factor`` 2, then 4 for the best count. ``exact`` keeps ``persistent_workers`` as it is
     (and so never goes from persistent workers to none); without it persistent workers are on wherever
     there are workers (they save the workers' start at every epoch, which a window inside one epoch
-    does not see). ``same_side`` keeps loading where it is: in this process, or in workers. Each is measured by ``measure`` (default: :func:`loader_rate` of the rebuilt
+    does not see). ``same_side`` keeps loading where it is: in this process, or in workers.
+    ``worker_cpus``: the workers of every candidate run on those CPUs (see :func:`training_cpus`), and
+    there are at most that many. Each is measured by ``measure`` (default: :func:`loader_rate` of the rebuilt
     loader on ``clock``); the cheapest (fewest workers, fewest buffered batches, unpinned) within
     ``tolerance`` of the best allowed rate wins. The RNG and generator states are put back afterwards.
     """
@@ -469,7 +566,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     pin = (device.type == "cuda") if pin_memory is None else pin_memory
 
     def settings(n: int, factor: int | None) -> LoaderSettings:
-        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0, (factor or 2) if n > 0 else None)
+        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0, (factor or 2) if n > 0 else None,
+                              worker_cpus if n > 0 else None)
 
     def allowed(s: LoaderSettings) -> bool:
         return (workers is None or s.num_workers == workers) and (pin_memory is None or s.pin_memory == pin_memory) \
@@ -484,7 +582,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     if workers is not None:
         counts = [workers]
     elif vary_workers:
-        counts = worker_counts(current.num_workers, cpus if cpus is not None else available_cpus())
+        counts = worker_counts(current.num_workers, cpus if cpus is not None else available_cpus(),
+                               limit=len(worker_cpus) if worker_cpus else None)
     else:
         counts = [current.num_workers]
     if same_side:
@@ -517,7 +616,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     return Choice(current, chosen, list(rates.items()), notes)
 
 
-__all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "available_cpus", "choose_settings",
+__all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffinity", "allowed_cpus", "available_cpus",
+           "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "parse_cpu_list", "training_cpus",
            "fit_iterator_start", "in_process_change_blocker", "index_sampler", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]

@@ -45,10 +45,12 @@ from speedkit.data.loader import (
     RngStates,
     choose_settings,
     fit_iterator_start,
+    format_cpu_list,
     in_process_change_blocker,
     needs_stop_at_length,
     not_rebuildable,
     rebuild_loader,
+    training_cpus,
     worker_count_blocker,
 )
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
@@ -69,10 +71,15 @@ class DataPathOptions:
     prefetch: bool = True
     #: change only what leaves every sample and RNG stream as it was (see speedkit.data.loader)
     exact: bool = True
+    #: "auto": workers run off the two cores (and their hyperthreads) left to the training process
+    #: (speedkit.data.loader.training_cpus); "any": wherever the process may run
+    worker_cpus: Literal["auto", "any"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, int) and self.workers < 0:
             raise ValueError(f"workers must be 'auto', 'keep' or an integer >= 0, found {self.workers!r}")
+        if self.worker_cpus not in ("auto", "any"):
+            raise ValueError(f"worker_cpus must be 'auto' or 'any', found {self.worker_cpus!r}")
 
 
 @dataclasses.dataclass
@@ -321,8 +328,12 @@ class DataPathRung(Rung):
                         workers = current
                     notes.append(f"num_workers stays {'0' if current == 0 else 'above 0'}: {side}")
                     vary = vary and current > 0
+                kept, rest = training_cpus() if opts.worker_cpus == "auto" else (set(), set())
+                if kept:
+                    notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
+                                 f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}")
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
-                                         same_side=same_side)
+                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None)
                 if len(choice.rates) == 1:  # only the current settings were candidates
                     choice = None
                 elif not choice.changed:
