@@ -236,8 +236,9 @@ def test_apply_serves_the_same_batches_from_the_rebuilt_loader_and_undo_is_exact
     assert isinstance(wrapper, DataPathSource) and wrapper.inner is original
     assert wrapper.rebuilt.num_workers == 2 and wrapper.rebuilt.sampler is loader.sampler
     assert any("num_workers=2" in c for c in handle.changes)
+    assert torch.multiprocessing.get_sharing_strategy() == "file_system" and any("file_system" in c for c in handle.changes)
     torch.manual_seed(1)
-    got = [b for _, b in zip(range(15), wrapper.iterator())]  # across an epoch boundary
+    got = [b for _, b in zip(range(15), wrapper.iterator())]  # across an epoch boundary, through named shared memory
     torch.manual_seed(1)
     want = [b for _, b in zip(range(15), original.iterator())]
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
@@ -245,12 +246,19 @@ def test_apply_serves_the_same_batches_from_the_rebuilt_loader_and_undo_is_exact
     assert wrapper.parity_batches(1)[0][0].shape == (4,) and wrapper.generators() == original.generators() == []
     assert any("ms per batch waited" in line for line in handle.report())
     handle.suspend()
-    assert state.data is original
+    assert state.data is original and torch.multiprocessing.get_sharing_strategy() == "file_system"  # changes no value
     handle.resume()
     assert state.data is wrapper
     handle.undo()
     assert state.data is original and loader.__dict__ == settings_before and loader.num_workers == 0
-    assert wrapper.rebuilt._iterator is None
+    assert wrapper.rebuilt._iterator is None and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    kept = rungs.make({"name": "data_path", "options": {"workers": 2, "sharing": "keep"}}).apply(_state(generator=False))
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor" and not any("file_system" in c for c in kept.changes)
+    kept.undo()
+    with pytest.raises(ValueError, match="sharing"):
+        rungs.make({"name": "data_path", "options": {"sharing": "names"}})
+    with pytest.raises(ValueError, match="worker_cpus"):
+        rungs.make({"name": "data_path", "options": {"worker_cpus": 3}})
 
 
 def test_check_says_why_not():

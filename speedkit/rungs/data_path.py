@@ -74,12 +74,17 @@ class DataPathOptions:
     #: "auto": workers run off the two cores (and their hyperthreads) left to the training process
     #: (speedkit.data.loader.training_cpus); "any": wherever the process may run
     worker_cpus: Literal["auto", "any"] = "auto"
+    #: "auto": workers hand batches over through named shared memory (torch.multiprocessing's
+    #: "file_system" sharing strategy) while the rung is on; "keep": the process's strategy
+    sharing: Literal["auto", "keep"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, int) and self.workers < 0:
             raise ValueError(f"workers must be 'auto', 'keep' or an integer >= 0, found {self.workers!r}")
         if self.worker_cpus not in ("auto", "any"):
             raise ValueError(f"worker_cpus must be 'auto' or 'any', found {self.worker_cpus!r}")
+        if self.sharing not in ("auto", "keep"):
+            raise ValueError(f"sharing must be 'auto' or 'keep', found {self.sharing!r}")
 
 
 @dataclasses.dataclass
@@ -260,6 +265,26 @@ class DataPathSource(SourceWrapper):
         return "the first epoch's iterator made again from the RNG and generator states Lightning made it from"
 
 
+def share_by_name(handle: Handle) -> None:
+    """Workers hand their batches to this process through named shared memory while ``handle`` is on.
+
+    torch's default strategy ("file_descriptor") passes each tensor's memory as a file descriptor:
+    for every tensor of every batch the receiving thread (the loader's pinning thread) opens an
+    authenticated socket connection to the worker, a few round trips, each one releasing and taking
+    back the GIL, which the thread issuing the step then waits for. "file_system" passes a name,
+    opened without a round trip. Which memory carries a batch changes none of its values.
+    """
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    if before != "file_descriptor" or "file_system" not in mp.get_all_sharing_strategies():
+        return
+    mp.set_sharing_strategy("file_system")
+    handle.record("workers hand batches over through named shared memory (torch.multiprocessing sharing strategy "
+                  "file_system, was file_descriptor: no socket round trips per tensor in the training process)",
+                  lambda: mp.set_sharing_strategy(before), persistent=True)
+
+
 class DataPathRung(Rung):
     name = "data_path"
     Options = DataPathOptions
@@ -354,6 +379,8 @@ class DataPathRung(Rung):
             changes.append(f"batches copied to {state.device} on a side CUDA stream while the step before runs "
                            f"({'one batch ahead' if plan.lookahead else 'pulled when needed: the loader works in this process'})")
         set_attr(handle, state, "data", source, "; ".join(changes))
+        if plan.rebuild is not None and plan.rebuild.num_workers > 0 and self.options.sharing == "auto":
+            share_by_name(handle)
         handle.record("", source.release_rebuilt, persistent=True)  # at undo only: the trials' iterator lives on while suspended
         for line in [*(plan.choice.lines() if plan.choice is not None else []), *plan.notes]:
             handle.record(f"note: {line}")
