@@ -248,6 +248,26 @@ def shutdown_iterator(iterator: Any) -> None:
         shutdown()
 
 
+def cuda_host_register(memory: torch.Tensor) -> bool:
+    """Page-lock ``memory``'s bytes in place for CUDA copies (``cudaHostRegister``); False where this
+    build or machine cannot (no CUDA, or the call fails)."""
+    if not torch.cuda.is_available() or memory.numel() == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel() * memory.element_size(), 0)
+    except (AttributeError, RuntimeError):
+        return False
+    return int(err) == 0
+
+
+def cuda_host_unregister(memory: torch.Tensor) -> None:
+    """Undo :func:`cuda_host_register`."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+    except (AttributeError, RuntimeError):
+        pass
+
+
 # -- Lightning -----------------------------------------------------------------------------------
 
 

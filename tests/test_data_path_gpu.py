@@ -100,3 +100,37 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
     assert any("side stream" in c for c in changes) and any("made again" in c for c in changes), changes
     assert len(plain.seen) == 24 and fast.seen == plain.seen and fast.draws == plain.draws
     assert fast.made_by == {0, 1}
+
+
+class _Images(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 37
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((3, 64, 64), float(i)), "y": i, "tag": f"t{i}"}
+
+
+def test_batches_through_the_ring_reach_the_device_unchanged_over_two_epochs():
+    from torch.utils.data import DataLoader
+
+    from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
+
+    loader = DataLoader(_Images(), batch_size=4, shuffle=True, num_workers=3, generator=torch.Generator().manual_seed(2))
+    ring = BatchRing(workers=3, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 3 * 64 * 64 * 4 + 64))
+    assert ring.register()
+    served = PrefetchingLoader(handoff_loader(loader, ring), "cuda", lookahead=1, ring=ring)
+    got = []
+    for _ in range(2):
+        for batch in served:
+            assert batch["x"].is_cuda and batch["tag"][0].startswith("t")
+            big = torch.randn(1024, 1024, device="cuda")
+            for _ in range(3):  # the consumer's stream busy while the next copy runs
+                big = big @ big / 1024
+            got.append((batch["x"].cpu(), batch["y"].cpu(), batch["tag"]))
+    served.close()
+    ring.close()
+    loader.generator.manual_seed(2)
+    want = [(b["x"], b["y"], b["tag"]) for _ in range(2) for b in loader]
+    assert len(got) == len(want) == 20
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, want))
+    assert served.times.via_ring == 20 and not ring.copying and not ring.registered

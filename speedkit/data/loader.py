@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from speedkit import compat
-from speedkit.data.source import loader_generators, move_to_device
+from speedkit.data.source import batch_leaves, loader_generators, move_to_device
 from speedkit.errors import ConfigError
 from speedkit.snapshot import rng_state, set_rng_state
 
@@ -472,12 +472,18 @@ def worker_counts(current: int, cpus: int, *, limit: int | None = None) -> list[
     return counts
 
 
+def tensor_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a (nested) batch."""
+    return sum(t.numel() * t.element_size() for t in batch_leaves(batch) if isinstance(t, torch.Tensor))
+
+
 def loader_rate(loader: Iterable[Any], device: torch.device, *, clock: Clock = time.perf_counter, warmup: int = 2,
-                batches: int = 16, max_s: float = 2.0) -> float:
+                batches: int = 16, max_s: float = 2.0, sizes: list[int] | None = None) -> float:
     """Batches per second ``loader`` delivers once warmed up: ``warmup`` batches untimed (worker start,
     the prefetched queue), then ``batches`` timed (fewer, at least 2, past ``max_s`` seconds on
     ``clock``), each copied to ``device`` from pinned memory when it is a CUDA device (one wait at
-    the end of the window). An epoch that ends is started again inside the window."""
+    the end of the window). An epoch that ends is started again inside the window. ``sizes``: the
+    tensor bytes of each timed batch are appended to it."""
     cuda = torch.device(device).type == "cuda"
     it = _endless(loader)
     try:
@@ -493,6 +499,8 @@ def loader_rate(loader: Iterable[Any], device: torch.device, *, clock: Clock = t
             batch = next(it)
             if cuda:
                 move_to_device(batch, device, non_blocking=True)
+            if sizes is not None:
+                sizes.append(tensor_bytes(batch))
             n += 1
         if cuda:
             torch.cuda.synchronize(device)
@@ -529,6 +537,8 @@ class Choice:
     settings: LoaderSettings
     rates: list[tuple[LoaderSettings, float]]
     notes: list[str]
+    #: the most tensor bytes one measured batch held (None: not measured)
+    batch_bytes: int | None = None
 
     @property
     def changed(self) -> bool:
@@ -576,7 +586,9 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     def rate_of(s: LoaderSettings) -> float:
         buffered = s.num_workers * (s.prefetch_factor or 0)
         return loader_rate(rebuild_loader(loader, **dataclasses.asdict(s)), device, clock=clock, warmup=buffered + 2,
-                           batches=max(16, 2 * buffered), max_s=max_s)
+                           batches=max(16, 2 * buffered), max_s=max_s, sizes=sizes)
+
+    sizes: list[int] = []
 
     run = measure or rate_of
     if workers is not None:
@@ -613,12 +625,12 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     if chosen.persistent_workers and not current.persistent_workers:
         notes.append("persistent_workers on: the workers start once, not at every epoch (not measured: a window inside "
                      "one epoch does not see it)")
-    return Choice(current, chosen, list(rates.items()), notes)
+    return Choice(current, chosen, list(rates.items()), notes, max(sizes) if sizes else None)
 
 
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffinity", "allowed_cpus", "available_cpus",
            "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "parse_cpu_list", "training_cpus",
            "fit_iterator_start", "in_process_change_blocker", "index_sampler", "loader_rate", "needs_stop_at_length", "not_rebuildable",
-           "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "watch_fit_iterator_start",
+           "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "tensor_bytes", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]
 

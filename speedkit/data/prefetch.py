@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from speedkit.data.ring import BatchRing, Packed, ring_epoch
 from speedkit.data.source import batch_leaves, map_batch, move_to_device
 
 
@@ -37,6 +38,7 @@ class TransferTimes:
     def __init__(self, keep: int = 512) -> None:
         self.ms: collections.deque[float] = collections.deque(maxlen=keep)
         self.batches = 0
+        self.via_ring = 0  # of them, batches read from a ring slot
 
     def add(self, ms: float) -> None:
         self.ms.append(ms)
@@ -50,6 +52,11 @@ def pin_batch(batch: Any) -> Any:
     """``batch`` with its CPU tensors in pinned memory (tensors already pinned are kept as they are)."""
     return map_batch(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu"
                      and not t.is_pinned() else t, batch)
+
+
+def all_pinned(batch: Any) -> bool:
+    """Whether no tensor of ``batch`` is in pageable host memory (so its copy needs no pinning first)."""
+    return all(t.device.type != "cpu" or t.is_pinned() for t in batch_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -71,15 +78,17 @@ class DevicePrefetcher(Iterator[Any]):
     """
 
     def __init__(self, batches: Iterator[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None) -> None:
         if lookahead not in (0, 1):
             raise ValueError(f"lookahead must be 0 or 1, found {lookahead!r}")
         self.batches = batches
         self.device = resolve_device(device)
         self.lookahead = lookahead
         self.times = times if times is not None else TransferTimes()
+        self.ring = ring
         self.cuda = self.device.type == "cuda"
         self._pending: collections.deque[Future[tuple[Any, Any]]] = collections.deque()
+        self._issued: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # (start, done, host) copied here
         self._exhausted = False
         self._pool: ThreadPoolExecutor | None = None
         if self.cuda:
@@ -108,14 +117,49 @@ class DevicePrefetcher(Iterator[Any]):
         return batch
 
     def _stage(self) -> None:
-        """Pull the next host batch (on this thread) and start its copy (on the background one)."""
+        """Pull the next host batch (on this thread) and start its copy: here when its memory is pinned
+        already (a ring slot, a pinning loader's batch), else on the background thread, which pins it."""
+        self._settle()  # before pulling: a loader may refill the buffer a copy issued here read
         try:
             host = next(self.batches)
         except StopIteration:
             self._exhausted = True
             return
+        slot = None
+        if isinstance(host, Packed):
+            if self.ring is None:
+                raise RuntimeError("a batch packed into a ring reached a prefetcher that was not given the ring")
+            slot, host = host.slot, self.ring.host_batch(host)
+            self.times.via_ring += 1
+        if slot is not None or all_pinned(host):
+            done_now: Future[tuple[Any, Any]] = Future()
+            done_now.set_result(self._copy_here(host, slot))
+            self._pending.append(done_now)
+            return
         assert self._pool is not None
         self._pending.append(self._pool.submit(self._copy, host))
+
+    def _copy_here(self, host: Any, slot: int | None) -> tuple[Any, Any]:
+        """Issue the copy of a pinned batch on the side stream, on this thread; it is waited for (and
+        its ring slot freed) before the next host batch is pulled."""
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            batch = move_to_device(host, self.device, non_blocking=True)
+            done.record(self.stream)
+        self._issued.append((start, done, host))
+        if slot is not None:
+            self.ring.copying_from(slot, done)  # type: ignore[union-attr]
+        return batch, done
+
+    def _settle(self) -> None:
+        """Wait for the copies issued on this thread (a step ago: done by now), time them, free their slots."""
+        while self._issued:
+            start, done, _ = self._issued.popleft()
+            done.synchronize()
+            self.times.add(start.elapsed_time(done))
+        if self.ring is not None:
+            self.ring.settle()
 
     def _copy(self, host: Any) -> tuple[Any, Any]:
         pinned = pin_batch(host)
@@ -133,7 +177,13 @@ class DevicePrefetcher(Iterator[Any]):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        if self.cuda:
+            self._settle()
         self._pending.clear()
+        if self.ring is not None:  # stop the workers that write into the ring before anyone resets it
+            close = getattr(self.batches, "close", None)
+            if close is not None:
+                close()
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -146,24 +196,40 @@ class PrefetchingLoader:
     (``len``, ``sampler``, ``batch_sampler``, ``dataset``, ...) is the loader's."""
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None) -> None:
         self.loader = loader
         self.device = resolve_device(device)
         self.lookahead = lookahead
         self.times = times if times is not None else TransferTimes()
+        self.ring = ring
+        self._live: DevicePrefetcher | None = None
 
     def __iter__(self) -> Iterator[Any]:
         if self.device.type != "cuda":
             return iter(self.loader)
-        return DevicePrefetcher(iter(self.loader), self.device, lookahead=self.lookahead, times=self.times)
+        batches: Iterator[Any]
+        if self.ring is not None:
+            if self._live is not None:  # the last epoch's workers stop before the slots are reset
+                self._live.close()
+            batches = ring_epoch(self.loader, self.ring)
+        else:
+            batches = iter(self.loader)
+        self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring)
+        return self._live
+
+    def close(self) -> None:
+        """Stop the live epoch (its copies settled, its workers stopped)."""
+        if self._live is not None:
+            self._live.close()
+            self._live = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "device", "lookahead", "times"):
+        if name in ("loader", "device", "lookahead", "times", "ring", "_live"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
 
-__all__ = ["DevicePrefetcher", "PrefetchingLoader", "TransferTimes", "pin_batch", "resolve_device"]
+__all__ = ["DevicePrefetcher", "PrefetchingLoader", "TransferTimes", "all_pinned", "pin_batch", "resolve_device"]

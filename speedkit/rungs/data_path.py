@@ -54,6 +54,7 @@ from speedkit.data.loader import (
     worker_count_blocker,
 )
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
+from speedkit.data.ring import BatchRing, handoff_loader, ring_batches, slot_bytes_for
 from speedkit.data.source import BatchSource, SourceWrapper
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
@@ -77,6 +78,11 @@ class DataPathOptions:
     #: "auto": workers hand batches over through named shared memory (torch.multiprocessing's
     #: "file_system" sharing strategy) while the rung is on; "keep": the process's strategy
     sharing: Literal["auto", "keep"] = "auto"
+    #: on CUDA with workers: they write each batch into shared memory pinned once (a ring of slots)
+    #: and the copy to the device reads it there (speedkit.data.ring)
+    ring: bool = True
+    #: the most host memory the ring may pin (bytes)
+    ring_max_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, int) and self.workers < 0:
@@ -95,6 +101,8 @@ class Plan:
     prefetch: bool
     lookahead: int
     notes: list[str]
+    #: the ring the workers write into: (workers, slots per worker, bytes per slot); None: no ring
+    ring: tuple[int, int, int] | None = None
 
     @property
     def rebuild(self) -> LoaderSettings | None:
@@ -141,6 +149,8 @@ class DataPathSource(SourceWrapper):
         self.times = TransferTimes()
         self.waits: deque[float] = deque(maxlen=512)
         self.fit_times: TransferTimes | None = None
+        self._trial_ring: BatchRing | None = None
+        self._live: DevicePrefetcher | None = None  # the trials' prefetcher reading the ring
         if self.rebuilt is not None:  # the trials' workers stop with this source at the latest
             weakref.finalize(self, compat.shutdown_workers, self.rebuilt)
 
@@ -148,10 +158,28 @@ class DataPathSource(SourceWrapper):
         return BatchSource.host_batches(self) if self.rebuilt is not None else self.inner.host_batches()
 
     def iterator(self) -> Iterator[Any]:
-        host: Iterator[Any] = self.host_batches()
-        if self.plan.prefetch:
-            host = DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times)
-        return self._timed(host)
+        if not self.plan.prefetch:
+            return self._timed(self.host_batches())
+        ring = None
+        if self.plan.ring is not None and self.rebuilt is not None:
+            if self._live is not None:  # the last trial's workers stop before the ring is reset
+                self._live.close()
+            if self._trial_ring is None:
+                self._trial_ring = make_ring(self.plan.ring)
+            ring = self._trial_ring
+        host = ring_batches(handoff_loader(self.rebuilt, ring), ring) if ring is not None else self.host_batches()
+        prefetcher = DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times, ring=ring)
+        self._live = prefetcher if ring is not None else None
+        return self._timed(prefetcher)
+
+    def release_ring(self) -> None:
+        """Stop the trials' reading of the ring and unpin it."""
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+        if self._trial_ring is not None:
+            self._trial_ring.close()
+            self._trial_ring = None
 
     def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
         while True:
@@ -168,7 +196,8 @@ class DataPathSource(SourceWrapper):
         self.release_rebuilt()
 
     def release_rebuilt(self) -> None:
-        """Stop the workers the trials' iterator of the rebuilt loader started (persistent ones)."""
+        """Stop the workers the trials' iterator of the rebuilt loader started (persistent ones), and the ring's."""
+        self.release_ring()
         if self.rebuilt is not None:
             compat.shutdown_workers(self.rebuilt)
 
@@ -188,7 +217,10 @@ class DataPathSource(SourceWrapper):
             lines.append(f"trials with data_path: {statistics.median(self.waits):.3f} ms per batch waited for the next batch "
                          "(median; the measurements' data_wait_ms gives it per step with and without)")
         if self.fit_times is not None and self.fit_times.batches:
-            lines.append(f"fit: host-to-device copy {self.fit_times.median_ms():.3f} ms per batch (median) on the side stream")
+            ring = (f"; {self.fit_times.via_ring} of {self.fit_times.batches} batches read from the ring"
+                    if self.plan.ring is not None else "")
+            lines.append(f"fit: host-to-device copy {self.fit_times.median_ms():.3f} ms per batch (median) on the side "
+                         f"stream{ring}")
         return lines
 
     # -- the Lightning fit ---------------------------------------------------------------------
@@ -210,14 +242,23 @@ class DataPathSource(SourceWrapper):
             else original
         served: Any = fit_loader
         handle = Handle("data_path")
+        ring = None
         if self.plan.prefetch:
             self.fit_times = TransferTimes()
-            served = PrefetchingLoader(fit_loader, self.device, lookahead=self.plan.lookahead, times=self.fit_times)
+            if self.plan.ring is not None and settings is not None and settings.num_workers > 0:
+                self.release_ring()  # the trials' ring: their workers stopped, their memory unpinned
+                ring = make_ring(self.plan.ring)
+            served = PrefetchingLoader(handoff_loader(fit_loader, ring) if ring is not None else fit_loader, self.device,
+                                       lookahead=self.plan.lookahead, times=self.fit_times, ring=ring)
         compat.lightning_set_train_loaders(trainer, [served])
 
         def put_back() -> None:
             if compat.lightning_train_loaders(trainer) == [served]:
                 compat.lightning_set_train_loaders(trainer, [original])
+            if isinstance(served, PrefetchingLoader):
+                served.close()
+            if ring is not None:
+                ring.close()
             if fit_loader is not original:
                 compat.shutdown_workers(fit_loader)
             compat.shutdown_workers(original)
@@ -226,6 +267,8 @@ class DataPathSource(SourceWrapper):
         if stop:
             what += (" (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
                      "so its generator draws the same shuffles)")
+        if ring is not None:
+            what += f", its workers writing each batch into {describe_ring(ring)}"
         handle.record(f"fit: the train loop iterates {what}"
                       + (f", each batch copied to {self.device} on a side stream while the step before runs"
                          if self.plan.prefetch else ""), put_back)
@@ -263,6 +306,31 @@ class DataPathSource(SourceWrapper):
             compat.shutdown_iterator(it)
         compat.shutdown_workers(original)  # a persistent-workers loader's live iterator
         return "the first epoch's iterator made again from the RNG and generator states Lightning made it from"
+
+
+def make_ring(spec: tuple[int, int, int]) -> BatchRing | None:
+    """A ring of ``spec`` (workers, slots per worker, bytes per slot), pinned; None where it cannot be pinned."""
+    ring = BatchRing(*spec)
+    return ring if ring.register() else None
+
+
+def describe_ring(ring: BatchRing) -> str:
+    return (f"a ring of shared pinned memory ({ring.nbytes / 2**20:,.0f} MiB: {ring.slots_per_worker} slots of "
+            f"{ring.slot_bytes / 2**20:.1f} MiB per worker), copied to the device from there")
+
+
+def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str]) -> tuple[int, int, int] | None:
+    """The ring for the chosen settings: one slot per batch a worker may have outstanding, plus two."""
+    if not options.ring or choice is None or choice.settings.num_workers == 0 or not choice.batch_bytes:
+        return None
+    settings = choice.settings
+    spec = (settings.num_workers, (settings.prefetch_factor or 2) + 2, slot_bytes_for(choice.batch_bytes))
+    total = spec[0] * spec[1] * spec[2]
+    if total > options.ring_max_bytes:
+        notes.append(f"no ring: {total / 2**30:.1f} GiB of pinned memory for {spec[0]} workers x {spec[1]} slots of "
+                     f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({options.ring_max_bytes / 2**30:.1f} GiB)")
+        return None
+    return spec
 
 
 def share_by_name(handle: Handle) -> None:
@@ -365,7 +433,8 @@ class DataPathRung(Rung):
                     notes.append(f"the loader's own settings ({choice.current.describe()}) were the fastest measured")
         settings = choice.settings if choice is not None else None
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
-        return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes)
+        ring = plan_ring(choice if choice is not None and choice.changed else None, opts, notes) if prefetch else None
+        return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes, ring)
 
     def apply(self, state: TrainState) -> Handle:
         plan = self.plan(state)
@@ -378,6 +447,10 @@ class DataPathRung(Rung):
         if plan.prefetch:
             changes.append(f"batches copied to {state.device} on a side CUDA stream while the step before runs "
                            f"({'one batch ahead' if plan.lookahead else 'pulled when needed: the loader works in this process'})")
+        if plan.ring is not None:
+            workers, slots, slot = plan.ring
+            changes.append(f"workers write each batch into shared memory pinned once ({workers} x {slots} slots of "
+                           f"{slot / 2**20:.1f} MiB), read from there by the copy (no pinning thread, no handoff per tensor)")
         set_attr(handle, state, "data", source, "; ".join(changes))
         if plan.rebuild is not None and plan.rebuild.num_workers > 0 and self.options.sharing == "auto":
             share_by_name(handle)

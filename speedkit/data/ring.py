@@ -1,0 +1,250 @@
+"""Batches handed from DataLoader workers to the device through one block of shared, pinned memory.
+
+By default a worker's batch reaches the training process as shared-memory tensors that the loader's
+pinning thread maps, copies into pinned memory and queues: per batch a few thousand page faults, a
+copy, and several turns of the GIL, each of which the thread issuing the step waits for. Here the
+training process allocates a :class:`BatchRing` once, shared with the workers and registered with
+CUDA as pinned; each worker writes its collated batch into one of its own slots
+(:class:`RingCollate`, around the loader's own ``collate_fn``) and sends only a small
+:class:`Packed` description. The training process copies the slot straight to the device and frees
+it once the copy is done (:class:`~speedkit.data.prefetch.DevicePrefetcher`); no thread of its own
+touches the batch.
+
+A batch is packed only when every tensor in it is a plain, contiguous CPU tensor and all of them fit
+a slot; else it travels the usual way (and is pinned and copied as before). A worker that finds its
+next slot still in use waits ``wait_s`` for it, then sends its batch the usual way, so nothing ever
+waits on a slot forever. Values, dtypes, shapes and the batch's structure are kept exactly.
+
+Slots: worker ``w`` owns ``slots_per_worker`` of them and fills them in turn. A DataLoader keeps at
+most ``prefetch_factor`` batches of a worker outstanding, and the prefetcher frees a batch's slot
+before it takes the next batch, so ``prefetch_factor + 2`` slots per worker never make one wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from speedkit import compat
+from speedkit.data.source import batch_leaves, map_batch
+from speedkit.errors import ConfigError
+
+#: byte alignment of each tensor in a slot (any dtype may view it)
+ALIGN = 256
+
+
+class RingLeaf:
+    """A tensor a worker wrote into its slot: where, and as what. (A plain class, not a dataclass or a
+    named tuple, so that walking a batch treats it as a leaf.)"""
+
+    __slots__ = ("dtype", "offset", "shape")
+
+    def __init__(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.offset, self.shape, self.dtype = offset, shape, dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RingLeaf, (self.offset, self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"RingLeaf(offset={self.offset}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Packed:
+    """A batch in ``slot`` of the ring: the batch's structure with its tensors as :class:`RingLeaf`."""
+
+    __slots__ = ("batch", "slot")
+
+    def __init__(self, slot: int, batch: Any) -> None:
+        self.slot, self.batch = slot, batch
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Packed, (self.slot, self.batch)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def packable(batch: Any) -> list[torch.Tensor] | None:
+    """The tensors of ``batch`` when every one is a plain contiguous CPU tensor (and there is one), else None."""
+    tensors = [leaf for leaf in batch_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not tensors or any(type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad
+                          or not t.is_contiguous() for t in tensors):
+        return None
+    return tensors
+
+
+def slot_bytes_for(batch_bytes: int, leaves: int = 64) -> int:
+    """A slot for batches of up to ``batch_bytes`` bytes of tensors (and 5% more), each of up to ``leaves``
+    tensors aligned."""
+    return _aligned(int(batch_bytes * 1.05) + ALIGN * leaves)
+
+
+class BatchRing:
+    """Shared host memory in slots, ``slots_per_worker`` per worker, each ``slot_bytes`` long.
+
+    Args:
+        workers: loader workers that write into it (worker ``w`` uses slots ``w * slots_per_worker`` on).
+        slots_per_worker: slots each worker fills in turn.
+        slot_bytes: bytes of one slot.
+        wait_s: how long a worker waits for its next slot to be freed before sending its batch the usual way.
+        clock, sleep: the waiting worker's (injectable for tests).
+    """
+
+    def __init__(self, workers: int, slots_per_worker: int, slot_bytes: int, *, wait_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        if workers < 1 or slots_per_worker < 1 or slot_bytes < ALIGN:
+            raise ValueError(f"a ring needs workers >= 1, slots_per_worker >= 1 and slot_bytes >= {ALIGN}, found "
+                             f"{workers}, {slots_per_worker}, {slot_bytes}")
+        self.workers, self.slots_per_worker, self.slot_bytes = workers, slots_per_worker, _aligned(slot_bytes)
+        self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
+        self.memory = torch.empty(workers * slots_per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
+        self.free = torch.ones(workers * slots_per_worker, dtype=torch.int32).share_memory_()
+        self.turn = [0] * workers  # each worker process advances its own copy
+        self.registered = False
+        self.fallbacks = 0  # batches this process sent the usual way (counted in the worker that did)
+        self.copying: dict[int, Any] = {}  # slot -> the CUDA event after its copy (the training process's)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.numel()
+
+    def register(self) -> bool:
+        """Pin the ring for copies to CUDA devices (page-locked in place); False where it cannot be."""
+        if not self.registered:
+            self.registered = compat.cuda_host_register(self.memory)
+        return self.registered
+
+    def unregister(self) -> None:
+        if self.registered:
+            compat.cuda_host_unregister(self.memory)
+            self.registered = False
+
+    # -- the worker's side ------------------------------------------------------------------------
+    def pack(self, batch: Any, worker: int) -> Any:
+        """``batch`` written into ``worker``'s next slot, as a :class:`Packed`; or ``batch`` itself when
+        it cannot be packed (see :func:`packable`), does not fit, or the slot stays in use."""
+        tensors = packable(batch)
+        if tensors is None or not 0 <= worker < self.workers:
+            return batch
+        if sum(_aligned(t.numel() * t.element_size()) for t in tensors) > self.slot_bytes:
+            return batch
+        slot = worker * self.slots_per_worker + self.turn[worker] % self.slots_per_worker
+        if not self._claim(slot):
+            self.fallbacks += 1
+            return batch
+        self.turn[worker] += 1
+        base, used = slot * self.slot_bytes, [0]
+
+        def put(leaf: Any) -> Any:
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            offset = used[0]
+            self.view(base + offset, tuple(leaf.shape), leaf.dtype).copy_(leaf)
+            used[0] += _aligned(leaf.numel() * leaf.element_size())
+            return RingLeaf(offset, tuple(leaf.shape), leaf.dtype)
+
+        return Packed(slot, map_batch(put, batch))
+
+    def _claim(self, slot: int) -> bool:
+        deadline = self.clock() + self.wait_s
+        while int(self.free[slot]) == 0:
+            if self.clock() >= deadline:
+                return False
+            self.sleep(0.0002)
+        self.free[slot] = 0
+        return True
+
+    # -- the training process's side -------------------------------------------------------------
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The ring's bytes at ``offset`` as a tensor of ``shape`` and ``dtype``."""
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self.memory[offset:offset + size].view(dtype).view(shape)
+
+    def host_batch(self, packed: Packed) -> Any:
+        """The packed batch as views of its slot (valid until :meth:`release`)."""
+        base = packed.slot * self.slot_bytes
+        return map_batch(lambda leaf: self.view(base + leaf.offset, leaf.shape, leaf.dtype)
+                         if isinstance(leaf, RingLeaf) else leaf, packed.batch)
+
+    def release(self, slot: int) -> None:
+        """The batch in ``slot`` was read: its worker may write the slot again."""
+        self.free[slot] = 1
+
+    def copying_from(self, slot: int, done: Any) -> None:
+        """A copy from ``slot`` was issued; ``done`` (a CUDA event) completes with it."""
+        self.copying[slot] = done
+
+    def settle(self) -> None:
+        """Wait for the copies issued from the ring (issued a step ago, so done by now) and free their slots."""
+        for slot, done in list(self.copying.items()):
+            done.synchronize()
+            del self.copying[slot]
+            self.release(slot)
+
+    def reset(self) -> None:
+        """Before a new iterator's workers start: every slot free, once no copy from it is pending
+        (batches the last iterator's workers packed but nobody took leave their slots claimed)."""
+        self.settle()
+        self.free.fill_(1)
+
+    def close(self) -> None:
+        """No copy pending, and the memory no longer pinned."""
+        self.settle()
+        self.unregister()
+
+
+class RingCollate:
+    """The loader's ``collate_fn``, then the batch written into the calling worker's slot of ``ring``
+    (in the training process itself, where there is no worker, the batch is returned as it is)."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], ring: BatchRing) -> None:
+        self.collate_fn, self.ring = collate_fn, ring
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.collate_fn(samples)
+        info = torch.utils.data.get_worker_info()
+        return batch if info is None else self.ring.pack(batch, info.id)
+
+
+def handoff_loader(loader: Any, ring: BatchRing) -> Any:
+    """A copy of ``loader`` (a DataLoader with workers) whose workers pack their batches into ``ring``:
+    its ``collate_fn`` wrapped by :class:`RingCollate` (the loader's own still collates), not pinned
+    (the ring is pinned; a batch sent the usual way is pinned by the prefetcher)."""
+    clone = compat.trial_loader(loader)
+    clone.collate_fn = RingCollate(loader.collate_fn, ring)
+    clone.pin_memory = False
+    return clone
+
+
+def ring_epoch(loader: Any, ring: BatchRing) -> Iterator[Any]:
+    """One epoch of a :func:`handoff_loader`, every slot free first; its workers stop when it ends or
+    when this generator is closed."""
+    ring.reset()
+    it = iter(loader)
+    try:
+        yield from it
+    finally:
+        compat.shutdown_iterator(it)
+
+
+def ring_batches(loader: Any, ring: BatchRing) -> Iterator[Any]:
+    """The batches of a :func:`handoff_loader`, epoch after epoch (each a :func:`ring_epoch`)."""
+    while True:
+        empty = True
+        epoch = ring_epoch(loader, ring)
+        try:
+            for batch in epoch:
+                empty = False
+                yield batch
+        finally:
+            epoch.close()
+        if empty:
+            raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+
+
+__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "ring_batches", "ring_epoch",
+           "slot_bytes_for"]

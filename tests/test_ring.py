@@ -1,0 +1,131 @@
+"""The ring workers write batches into (speedkit.data.ring): the same batches, in the same order and
+structure, from slots a worker fills in turn and the training process frees; every case it cannot
+pack travels the usual way."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from speedkit.data.ring import BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_batches, slot_bytes_for
+from speedkit.data.source import batch_leaves
+from speedkit.rungs.data_path import DataPathOptions, plan_ring
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Item:
+    image: torch.Tensor
+    name: str
+
+
+def _batch(i: int):
+    g = torch.Generator().manual_seed(i)
+    return {"pair": Pair(torch.randn(3, 7, 5, generator=g), [torch.arange(11) + i, "tag", i]),
+            "item": Item(torch.randint(0, 255, (2, 9), generator=g, dtype=torch.uint8), f"n{i}"), "none": None,
+            "half": torch.randn(13, generator=g).to(torch.bfloat16)}
+
+
+def _same(a, b) -> bool:
+    la, lb = batch_leaves(a), batch_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_a_packed_batch_reads_back_with_the_same_values_dtypes_shapes_and_structure():
+    ring = BatchRing(workers=2, slots_per_worker=3, slot_bytes=slot_bytes_for(4096))
+    batch = _batch(0)
+    packed = ring.pack(batch, worker=1)
+    assert isinstance(packed, Packed) and packed.slot == 3  # worker 1's first slot
+    assert isinstance(packed.batch["pair"].x, RingLeaf) and packed.batch["pair"].y[1:] == ["tag", 0]
+    back = ring.host_batch(packed)
+    assert _same(back, batch) and isinstance(back["pair"], Pair) and isinstance(back["item"], Item)
+    assert back["pair"].x.data_ptr() >= ring.memory.data_ptr()  # read in place, in the slot
+    assert all(t.data_ptr() % 256 == 0 for t in batch_leaves(back) if isinstance(t, torch.Tensor))
+
+
+def test_a_worker_fills_its_slots_in_turn_and_waits_for_a_freed_one_then_sends_the_usual_way():
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    ring = BatchRing(workers=2, slots_per_worker=2, slot_bytes=slot_bytes_for(4096), wait_s=0.01,
+                     clock=lambda: now[0], sleep=sleep)
+    first, second = ring.pack(_batch(1), 0), ring.pack(_batch(2), 0)
+    assert (first.slot, second.slot) == (0, 1) and ring.free.tolist() == [0, 0, 1, 1]
+    third = ring.pack(_batch(3), 0)  # slot 0 still being copied: waits 10 ms on the clock, then as it is
+    assert not isinstance(third, Packed) and _same(third, _batch(3)) and ring.fallbacks == 1 and now[0] >= 0.01
+    assert _same(ring.host_batch(first), _batch(1))
+    ring.release(first.slot)
+    again = ring.pack(_batch(4), 0)
+    assert again.slot == 0 and _same(ring.host_batch(again), _batch(4)) and _same(ring.host_batch(second), _batch(2))
+    ring.reset()
+    assert ring.free.tolist() == [1, 1, 1, 1]
+
+
+def test_what_cannot_be_packed_travels_the_usual_way():
+    ring = BatchRing(workers=1, slots_per_worker=2, slot_bytes=slot_bytes_for(1024))
+    strided = torch.randn(8, 8).t()
+    for batch in ([strided], [torch.zeros(10_000)], ["no tensor"], [torch.zeros(3, requires_grad=True)]):
+        assert ring.pack(batch, 0) is batch
+    assert packable([strided]) is None and packable([torch.zeros(2)]) is not None
+    assert ring.pack([torch.zeros(2)], worker=5) is not None and ring.free.tolist() == [1, 1]  # no such worker: as it is
+    assert RingCollate(lambda s: torch.stack(s), ring)([torch.zeros(2)] * 3).shape == (3, 2)  # in this process: as collated
+    with pytest.raises(ValueError):
+        BatchRing(workers=0, slots_per_worker=1, slot_bytes=1024)
+
+
+class Samples(Dataset):
+    def __len__(self) -> int:
+        return 22
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((3, 5), float(i)), "y": i, "name": f"s{i}"}
+
+
+def test_a_handoff_loaders_workers_pack_every_batch_and_two_epochs_read_back_in_order():
+    loader = DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5))
+    ring = BatchRing(workers=2, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 15 * 4 + 4 * 8))
+    handoff = handoff_loader(loader, ring)
+    assert handoff.pin_memory is False and isinstance(handoff.collate_fn, RingCollate)
+    assert handoff.collate_fn.collate_fn is loader.collate_fn and loader.collate_fn is not handoff.collate_fn
+    torch.manual_seed(0)
+    got, it = [], ring_batches(handoff, ring)
+    for _ in range(12):  # two epochs of 6 batches (the last one short)
+        packed = next(it)
+        assert isinstance(packed, Packed)
+        got.append(ring.host_batch(packed))
+        got[-1] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in got[-1].items()}
+        ring.release(packed.slot)  # what the prefetcher does once the copy is done
+    it.close()
+    torch.manual_seed(0)
+    loader.generator.manual_seed(5)
+    want = [b for _ in range(2) for b in loader]
+    assert len(want) == 12 and all(_same(a, b) for a, b in zip(got, want))
+
+
+def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
+    from speedkit.data.loader import Choice, LoaderSettings
+
+    current, chosen = LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2)
+    choice = Choice(current, chosen, [], [], batch_bytes=25 << 20)
+    notes: list[str] = []
+    workers, slots, slot = plan_ring(choice, DataPathOptions(), notes)
+    assert (workers, slots) == (8, 4) and slot >= 25 << 20 and not notes
+    assert plan_ring(choice, DataPathOptions(ring=False), notes) is None
+    assert plan_ring(choice, DataPathOptions(ring_max_bytes=100 << 20), notes) is None and "ring_max_bytes" in notes[0]
+    assert plan_ring(Choice(current, LoaderSettings(0, True, False, None), [], [], 1 << 20), DataPathOptions(), []) is None
+    assert plan_ring(Choice(current, chosen, [], []), DataPathOptions(), []) is None  # batch size not measured
