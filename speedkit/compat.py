@@ -248,6 +248,21 @@ def shutdown_iterator(iterator: Any) -> None:
         shutdown()
 
 
+@contextlib.contextmanager
+def outside_worker() -> Iterator[None]:
+    """Inside a DataLoader worker, ``get_worker_info()`` returns None for the duration (torch's
+    ``default_collate`` then stacks into ordinary memory instead of a fresh shared-memory block,
+    which a batch written into a ring does not need)."""
+    from torch.utils.data._utils import worker
+
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
+
+
 def cuda_host_register(memory: torch.Tensor) -> bool:
     """Page-lock ``memory``'s bytes in place for CUDA copies (``cudaHostRegister``); False where this
     build or machine cannot (no CUDA, or the call fails)."""

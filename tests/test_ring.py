@@ -129,3 +129,33 @@ def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
     assert plan_ring(choice, DataPathOptions(ring_max_bytes=100 << 20), notes) is None and "ring_max_bytes" in notes[0]
     assert plan_ring(Choice(current, LoaderSettings(0, True, False, None), [], [], 1 << 20), DataPathOptions(), []) is None
     assert plan_ring(Choice(current, chosen, [], []), DataPathOptions(), []) is None  # batch size not measured
+
+
+def test_default_collate_in_a_worker_stacks_into_ordinary_memory_for_the_ring_and_its_worker_info_stays():
+    from torch.utils.data import default_collate, get_worker_info
+
+    class InfoSamples(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            return torch.full((4,), float(i))
+
+    def collate(samples):  # a user's collate: it still sees its worker
+        return default_collate(samples), torch.tensor(get_worker_info() is not None)
+
+    for fn in (default_collate, collate):
+        loader = DataLoader(InfoSamples(), batch_size=4, num_workers=1, collate_fn=fn)
+        ring = BatchRing(workers=1, slots_per_worker=3, slot_bytes=slot_bytes_for(64))
+        got = []
+        for packed in handoff_loader(loader, ring):
+            assert isinstance(packed, Packed)
+            batch = ring.host_batch(packed)
+            got.append(batch.clone() if fn is default_collate else (batch[0].clone(), bool(batch[1])))
+            ring.release(packed.slot)
+        if fn is default_collate:
+            assert [b[:, 0].tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        else:
+            assert [(b[:, 0].tolist(), in_worker) for b, in_worker in got] == [([0, 1, 2, 3], True), ([4, 5, 6, 7], True)]
+    ring = BatchRing(workers=1, slots_per_worker=1, slot_bytes=slot_bytes_for(16))
+    assert not isinstance(RingCollate(default_collate, ring)([torch.zeros(8)] * 2), Packed)  # in this process

@@ -161,7 +161,7 @@ class BatchRing:
     # -- the training process's side -------------------------------------------------------------
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The ring's bytes at ``offset`` as a tensor of ``shape`` and ``dtype``."""
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = torch.Size(shape).numel() * dtype.itemsize
         return self.memory[offset:offset + size].view(dtype).view(shape)
 
     def host_batch(self, packed: Packed) -> Any:
@@ -199,15 +199,25 @@ class BatchRing:
 
 class RingCollate:
     """The loader's ``collate_fn``, then the batch written into the calling worker's slot of ``ring``
-    (in the training process itself, where there is no worker, the batch is returned as it is)."""
+    (in the training process itself, where there is no worker, the batch is returned as it is).
+
+    torch's own ``default_collate`` stacks a worker's batch into a fresh block of shared memory (so the
+    batch can travel the usual way), which costs the worker a new mapping and its page faults every
+    batch; here it stacks into ordinary memory instead, which the ring copy reads. Any other
+    ``collate_fn`` runs exactly as in the loader."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], ring: BatchRing) -> None:
         self.collate_fn, self.ring = collate_fn, ring
 
     def __call__(self, samples: Any) -> Any:
-        batch = self.collate_fn(samples)
         info = torch.utils.data.get_worker_info()
-        return batch if info is None else self.ring.pack(batch, info.id)
+        if info is None:
+            return self.collate_fn(samples)
+        if self.collate_fn is torch.utils.data.default_collate:
+            with compat.outside_worker():
+                batch = self.collate_fn(samples)
+            return self.ring.pack(batch, info.id)  # unpacked, its tensors move to shared memory as they are sent
+        return self.ring.pack(self.collate_fn(samples), info.id)
 
 
 def handoff_loader(loader: Any, ring: BatchRing) -> Any:
