@@ -123,7 +123,7 @@ def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
     current, chosen = LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2)
     choice = Choice(current, chosen, [], [], batch_bytes=25 << 20)
     notes: list[str] = []
-    workers, slots, slot = plan_ring(choice, DataPathOptions(), notes)
+    workers, slots, slot = plan_ring(choice, DataPathOptions(ring_max_bytes=8 << 30), notes)
     assert (workers, slots) == (8, 4) and slot >= 25 << 20 and not notes
     assert plan_ring(choice, DataPathOptions(ring=False), notes) is None
     assert plan_ring(choice, DataPathOptions(ring_max_bytes=100 << 20), notes) is None and "ring_max_bytes" in notes[0]
@@ -159,3 +159,15 @@ def test_default_collate_in_a_worker_stacks_into_ordinary_memory_for_the_ring_an
             assert [(b[:, 0].tolist(), in_worker) for b, in_worker in got] == [([0, 1, 2, 3], True), ([4, 5, 6, 7], True)]
     ring = BatchRing(workers=1, slots_per_worker=1, slot_bytes=slot_bytes_for(16))
     assert not isinstance(RingCollate(default_collate, ring)([torch.zeros(8)] * 2), Packed)  # in this process
+
+
+def test_the_rings_default_cap_is_an_eighth_of_the_machines_memory(monkeypatch):
+    import speedkit.rungs.data_path as data_path
+    from speedkit.data.loader import Choice, LoaderSettings
+
+    choice = Choice(LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2), [], [], batch_bytes=25 << 20)
+    monkeypatch.setattr(data_path, "physical_memory", lambda: 4 << 30)  # an eighth: 512 MiB, under the ring's 840 MiB
+    notes = []
+    assert plan_ring(choice, DataPathOptions(), notes) is None and "0.5 GiB" in notes[0]
+    monkeypatch.setattr(data_path, "physical_memory", lambda: 64 << 30)
+    assert plan_ring(choice, DataPathOptions(), []) is not None

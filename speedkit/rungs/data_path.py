@@ -19,6 +19,15 @@ order, on the batch already on the device (``on_before_batch_transfer``, then
 datamodule that overrides ``on_before_batch_transfer`` or ``transfer_batch_to_device`` expects the
 host batch: the copy is then left to Lightning (not prefetched), the loader settings still apply.
 
+Where the loader's work runs in workers, three things keep it from slowing the thread that issues
+the step (on a GPU, the step waits for that thread): the workers run off two cores left to the
+training process (``worker_cpus``); on CUDA each worker writes its batch into a ring of shared memory
+pinned once, from which the copy to the device reads (``ring``, :mod:`speedkit.data.ring`), so the
+training process runs no pinning thread and takes no handoff per tensor; a batch that travels the
+usual way comes through named shared memory (``sharing``), without a socket round trip per tensor.
+Each of those handoffs turned the GIL over to another thread of the training process, which the
+step's thread then waited for.
+
 In a Lightning fit the kept rung binds itself (:meth:`DataPathSource.bind_fit`): the fit loop
 iterates the rebuilt loader, prefetched, and its first epoch's iterator — which Lightning made
 before the trials — is made again from the RNG and generator states Lightning made it from, so the
@@ -28,6 +37,7 @@ fit sees the same samples in the same order as without speedkit.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -81,8 +91,8 @@ class DataPathOptions:
     #: on CUDA with workers: they write each batch into shared memory pinned once (a ring of slots)
     #: and the copy to the device reads it there (speedkit.data.ring)
     ring: bool = True
-    #: the most host memory the ring may pin (bytes)
-    ring_max_bytes: int = 8 << 30
+    #: the most host memory the ring may pin (bytes); None: an eighth of the machine's memory, at most 8 GiB
+    ring_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, int) and self.workers < 0:
@@ -325,12 +335,22 @@ def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str])
         return None
     settings = choice.settings
     spec = (settings.num_workers, (settings.prefetch_factor or 2) + 2, slot_bytes_for(choice.batch_bytes))
-    total = spec[0] * spec[1] * spec[2]
-    if total > options.ring_max_bytes:
+    total, cap = spec[0] * spec[1] * spec[2], options.ring_max_bytes
+    if cap is None:
+        cap = min(8 << 30, physical_memory() // 8)
+    if total > cap:
         notes.append(f"no ring: {total / 2**30:.1f} GiB of pinned memory for {spec[0]} workers x {spec[1]} slots of "
-                     f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({options.ring_max_bytes / 2**30:.1f} GiB)")
+                     f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({cap / 2**30:.1f} GiB)")
         return None
     return spec
+
+
+def physical_memory() -> int:
+    """Bytes of memory the machine reports (0 where it does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def share_by_name(handle: Handle) -> None:
