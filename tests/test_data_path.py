@@ -505,3 +505,27 @@ def test_choose_settings_puts_every_worker_candidate_on_the_cpus_given_and_tries
     assert all(s.worker_cpus == (4, 5, 6, 7, 8, 9) for s in tried if s.num_workers > 0)
     assert all(s.worker_cpus is None for s in tried if s.num_workers == 0)
     assert choice.settings.num_workers == 6 and "workers on CPUs 4-9" in choice.settings.describe()
+
+
+def test_the_threads_a_loader_iterator_starts_here_go_to_the_cpus_its_workers_were_kept_off():
+    import os
+    import threading
+
+    from speedkit.data.loader import iterate_with_threads_kept
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    other = DataLoader(list(range(40)), batch_size=4, num_workers=1)
+    other_it = iter(other)  # another loader's feeder thread, started before: left where it is
+    loader = DataLoader(list(range(40)), batch_size=4, num_workers=1)
+    rebuilt = rebuild_loader(loader, num_workers=1, pin_memory=False, persistent_workers=False, prefetch_factor=2,
+                             worker_cpus=(cpus[-1],))
+    before = {t.native_id for t in threading.enumerate()}
+    it = iterate_with_threads_kept(rebuilt)
+    new = [t for t in threading.enumerate() if t.native_id not in before and t.name == "QueueFeederThread"]
+    assert new and all(os.sched_getaffinity(t.native_id) == set(cpus[:-1]) for t in new)
+    old = [t for t in threading.enumerate() if t.native_id in before and t.name == "QueueFeederThread"]
+    assert old and all(os.sched_getaffinity(t.native_id) == set(cpus) for t in old)
+    assert [b.tolist() for b in it] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    del other_it

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -146,6 +147,41 @@ class WorkerAffinity:
             pass
         if self.then is not None:
             self.then(worker_id)
+
+
+#: the threads a DataLoader iterator starts in the training process: one feeding each worker's index
+#: queue, and the pinning thread
+LOADER_THREADS = ("QueueFeederThread", "_pin_memory_loop")
+
+
+def iterate_with_threads_kept(loader: Any) -> Iterator[Any]:
+    """``iter(loader)``; the threads that iterator started in this process (:data:`LOADER_THREADS`)
+    are moved onto the CPUs its workers were kept off (see :class:`WorkerAffinity`). Each of them
+    takes the GIL for a moment per batch; on a CPU where a worker is busy it may wait for the CPU
+    first, and the thread issuing the step waits for the GIL meanwhile."""
+    before = {t.native_id for t in threading.enumerate()}
+    it = iter(loader)
+    keeper = getattr(loader, "worker_init_fn", None)
+    if isinstance(keeper, WorkerAffinity) and getattr(loader, "num_workers", 0) > 0:
+        keep_threads_on(allowed_cpus() - set(keeper.cpus), skip=before)
+    return it
+
+
+def keep_threads_on(cpus: set[int], *, skip: set[Any] = frozenset()) -> int:  # type: ignore[assignment]
+    """Put this process's :data:`LOADER_THREADS` (but those in ``skip``, by native id) on ``cpus``;
+    returns how many moved."""
+    if not cpus:
+        return 0
+    moved = 0
+    for thread in threading.enumerate():
+        if thread.native_id is None or thread.native_id in skip or not any(n in thread.name for n in LOADER_THREADS):
+            continue
+        try:
+            os.sched_setaffinity(thread.native_id, cpus)
+            moved += 1
+        except (AttributeError, OSError, ValueError):  # not Linux, or the thread ended
+            pass
+    return moved
 
 
 # -- what a worker count changes ------------------------------------------------------------------
@@ -630,7 +666,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
 
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffinity", "allowed_cpus", "available_cpus",
            "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "parse_cpu_list", "training_cpus",
-           "fit_iterator_start", "in_process_change_blocker", "index_sampler", "loader_rate", "needs_stop_at_length", "not_rebuildable",
+           "fit_iterator_start", "in_process_change_blocker", "index_sampler", "iterate_with_threads_kept", "keep_threads_on", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "tensor_bytes", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from speedkit.data.loader import iterate_with_threads_kept
 from speedkit.data.ring import BatchRing, Packed, ring_epoch
 from speedkit.data.source import batch_leaves, map_batch, move_to_device
 
@@ -213,7 +214,7 @@ class PrefetchingLoader:
                 self._live.close()
             batches = ring_epoch(self.loader, self.ring)
         else:
-            batches = iter(self.loader)
+            batches = iterate_with_threads_kept(self.loader)
         self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring)
         return self._live
 

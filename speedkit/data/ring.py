@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from speedkit import compat
+from speedkit.data.loader import iterate_with_threads_kept
 from speedkit.data.source import batch_leaves, map_batch
 from speedkit.errors import ConfigError
 
@@ -234,7 +235,7 @@ def ring_epoch(loader: Any, ring: BatchRing) -> Iterator[Any]:
     """One epoch of a :func:`handoff_loader`, every slot free first; its workers stop when it ends or
     when this generator is closed."""
     ring.reset()
-    it = iter(loader)
+    it = iterate_with_threads_kept(loader)
     try:
         yield from it
     finally:
