@@ -19,7 +19,7 @@ slowed by a neighbour on its core runs longer; one waiting (for the GIL, or pree
 Rows: bench "data_path", metric "throughput" (samples/s) per variant, plus data_wait_ms, host_ms and
 step_ms, and speedkit's fraction of gpu_resident (target >= 0.95 on a GPU).
 
-Usage: PYTHONPATH=. python bench/data_path.py [--steps 20] [--windows 5]
+Usage: PYTHONPATH=. python bench/data_path.py [--steps 20] [--windows 5] [--repeats 3]
        PYTHONPATH=. python bench/data_path.py --tiny      # CPU smoke test, rows to a temporary directory
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -161,8 +162,13 @@ def main() -> None:
     parser.add_argument("--try", dest="tries", action="append", default=[],
                         help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the whole run (s)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the variants this many times in rotation (a machine's slow spell then hits every variant "
+                             "alike); the fraction is the median of the repeats' fractions, each repeat's rows kept")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench/data_path.py needs a CUDA GPU (or --tiny)")
     steps = args.steps or (2 if args.tiny else 20)
@@ -172,24 +178,51 @@ def main() -> None:
     res = Results("data_path", out)
     print_cpus()
     data = TINY if args.tiny else FULL
-    throughput: dict[str, float] = {}
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     runs = [(v, None) for v in args.variants.split(",") if v]
     runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
+    fractions, speedups = [], []
+    for repeat in range(args.repeats):
+        throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
+                              repeat=repeat if args.repeats > 1 else None)
+        if "speedkit" in throughput and "gpu_resident" in throughput:
+            fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
+            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95,
+                    **({"repeat": repeat} if args.repeats > 1 else {}))
+            print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
+        if "speedkit" in throughput and "stock" in throughput:
+            speedups.append(throughput["speedkit"] / throughput["stock"])
+            print(f"speedkit / stock: {speedups[-1]:.2f}x")
+    if args.repeats > 1 and fractions:
+        median = statistics.median(fractions)
+        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, repeats=len(fractions),
+                fractions=fractions)
+        print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
+              f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
+                                                                      if speedups else ""))
+    print(f"rows appended to {res.path}")
+
+
+def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
+             repeat: int | None) -> dict[str, float]:
+    """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
+    throughput: dict[str, float] = {}
+    tag = {"repeat": repeat} if repeat is not None else {}
     for variant, options in runs:
-        timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
+        timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
                                               options=options)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
-        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps, "switch_interval_s": sys.getswitchinterval()}
+        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps,
+                 "switch_interval_s": sys.getswitchinterval(), **tag}
         if ladder is not None:
             extra["changes"] = ladder.applied_changes.get("data_path", []) or [ladder.skipped.get("data_path", "")]
         res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
-        res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread)
-        res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)")
-        res.add(variant, "host_ms", m.host_ms, "ms per step (host time inside the step)")
+        res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread, **tag)
+        res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)", **tag)
+        res.add(variant, "host_ms", m.host_ms, "ms per step (host time inside the step)", **tag)
         throughput[variant] = m.throughput
         print(f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
               f"data wait {m.data_wait_ms or 0:7.2f} ms/step, host {m.host_ms or 0:7.2f} ms/step", flush=True)
@@ -197,13 +230,7 @@ def main() -> None:
         if ladder is not None:
             for line in extra["changes"]:
                 print(f"    {line}", flush=True)
-    if "speedkit" in throughput and "gpu_resident" in throughput:
-        fraction = throughput["speedkit"] / throughput["gpu_resident"]
-        res.add("speedkit", "fraction_of_gpu_resident", fraction, "fraction", target=0.95)
-        print(f"speedkit / gpu_resident: {fraction:.1%} (target >= 95%)")
-    if "speedkit" in throughput and "stock" in throughput:
-        print(f"speedkit / stock: {throughput['speedkit'] / throughput['stock']:.2f}x")
-    print(f"rows appended to {res.path}")
+    return throughput
 
 
 if __name__ == "__main__":
