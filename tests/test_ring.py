@@ -171,3 +171,15 @@ def test_the_rings_default_cap_is_an_eighth_of_the_machines_memory(monkeypatch):
     assert plan_ring(choice, DataPathOptions(), notes) is None and "0.5 GiB" in notes[0]
     monkeypatch.setattr(data_path, "physical_memory", lambda: 64 << 30)
     assert plan_ring(choice, DataPathOptions(), []) is not None
+
+
+def test_no_ring_where_shared_memory_is_too_small(monkeypatch):
+    import speedkit.rungs.data_path as data_path
+    from speedkit.data.loader import Choice, LoaderSettings
+
+    choice = Choice(LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2), [], [], batch_bytes=25 << 20)
+    monkeypatch.setattr(data_path, "shared_memory_free", lambda: 64 << 20)  # a container's default /dev/shm
+    notes = []
+    assert plan_ring(choice, DataPathOptions(ring_max_bytes=8 << 30), notes) is None and "--shm-size" in notes[0]
+    monkeypatch.setattr(data_path, "shared_memory_free", lambda: None)
+    assert plan_ring(choice, DataPathOptions(ring_max_bytes=8 << 30), []) is not None

@@ -319,8 +319,12 @@ class DataPathSource(SourceWrapper):
 
 
 def make_ring(spec: tuple[int, int, int]) -> BatchRing | None:
-    """A ring of ``spec`` (workers, slots per worker, bytes per slot), pinned; None where it cannot be pinned."""
-    ring = BatchRing(*spec)
+    """A ring of ``spec`` (workers, slots per worker, bytes per slot), pinned; None where it cannot be made
+    or pinned (the batches then travel the usual way)."""
+    try:
+        ring = BatchRing(*spec)
+    except (RuntimeError, OSError, MemoryError):
+        return None
     return ring if ring.register() else None
 
 
@@ -342,7 +346,22 @@ def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str])
         notes.append(f"no ring: {total / 2**30:.1f} GiB of pinned memory for {spec[0]} workers x {spec[1]} slots of "
                      f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({cap / 2**30:.1f} GiB)")
         return None
+    free = shared_memory_free()
+    if free is not None and 2 * total > free:  # the trials' ring and the fit's, and room for batches sent the usual way
+        notes.append(f"no ring: {total / 2**30:.2f} GiB of shared memory per ring, and /dev/shm has {free / 2**30:.2f} GiB "
+                     "free (a full /dev/shm ends a process that writes to it; a container's is often 64 MiB: "
+                     "docker run --shm-size raises it)")
+        return None
     return spec
+
+
+def shared_memory_free(path: str = "/dev/shm") -> int | None:
+    """Bytes free where shared memory lives (None where there is no such place to ask)."""
+    try:
+        stat = os.statvfs(path)
+    except (AttributeError, OSError):
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def physical_memory() -> int:
