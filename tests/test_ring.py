@@ -129,6 +129,9 @@ def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
     assert plan_ring(choice, DataPathOptions(ring_max_bytes=100 << 20), notes) is None and "ring_max_bytes" in notes[0]
     assert plan_ring(Choice(current, LoaderSettings(0, True, False, None), [], [], 1 << 20), DataPathOptions(), []) is None
     assert plan_ring(Choice(current, chosen, [], []), DataPathOptions(), []) is None  # batch size not measured
+    persistent = Choice(current, LoaderSettings(8, True, True, 2), [], [], batch_bytes=25 << 20)
+    notes = []
+    assert plan_ring(persistent, DataPathOptions(ring_max_bytes=8 << 30), notes) is None and "persistent" in notes[0]
 
 
 def test_default_collate_in_a_worker_stacks_into_ordinary_memory_for_the_ring_and_its_worker_info_stays():
