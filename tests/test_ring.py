@@ -4,9 +4,6 @@ pack travels the usual way."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections import namedtuple
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -14,14 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from speedkit.data.ring import BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_batches, slot_bytes_for
 from speedkit.data.source import batch_leaves
 from speedkit.rungs.data_path import DataPathOptions, plan_ring
-
-Pair = namedtuple("Pair", "x y")
-
-
-@dataclasses.dataclass
-class Item:
-    image: torch.Tensor
-    name: str
+from test_data_path_gpu import Item, Pair  # the nested batch types the GPU prefetch tests use
 
 
 def _batch(i: int):
