@@ -89,7 +89,8 @@ class DevicePrefetcher(Iterator[Any]):
         self.ring = ring
         self.cuda = self.device.type == "cuda"
         self._pending: collections.deque[Future[tuple[Any, Any]]] = collections.deque()
-        self._issued: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # (start, done, host) copied here
+        #: copies issued on this thread, not yet waited for: (start, done, host batch, ring slot or None)
+        self._issued: collections.deque[tuple[Any, Any, Any, int | None]] = collections.deque()
         self._exhausted = False
         self._pool: ThreadPoolExecutor | None = None
         if self.cuda:
@@ -148,19 +149,17 @@ class DevicePrefetcher(Iterator[Any]):
             start.record(self.stream)
             batch = move_to_device(host, self.device, non_blocking=True)
             done.record(self.stream)
-        self._issued.append((start, done, host))
-        if slot is not None:
-            self.ring.copying_from(slot, done)  # type: ignore[union-attr]
+        self._issued.append((start, done, host, slot))
         return batch, done
 
     def _settle(self) -> None:
         """Wait for the copies issued on this thread (a step ago: done by now), time them, free their slots."""
         while self._issued:
-            start, done, _ = self._issued.popleft()
+            start, done, _, slot = self._issued.popleft()
             done.synchronize()
             self.times.add(start.elapsed_time(done))
-        if self.ring is not None:
-            self.ring.settle()
+            if slot is not None:
+                self.ring.release(slot)  # type: ignore[union-attr]
 
     def _copy(self, host: Any) -> tuple[Any, Any]:
         pinned = pin_batch(host)

@@ -107,7 +107,6 @@ class BatchRing:
         self.turn = [0] * workers  # each worker process advances its own copy
         self.registered = False
         self.fallbacks = 0  # batches this process sent the usual way (counted in the worker that did)
-        self.copying: dict[int, Any] = {}  # slot -> the CUDA event after its copy (the training process's)
 
     @property
     def nbytes(self) -> int:
@@ -172,29 +171,17 @@ class BatchRing:
                          if isinstance(leaf, RingLeaf) else leaf, packed.batch)
 
     def release(self, slot: int) -> None:
-        """The batch in ``slot`` was read: its worker may write the slot again."""
+        """The batch in ``slot`` was read (its copy is done): its worker may write the slot again."""
         self.free[slot] = 1
 
-    def copying_from(self, slot: int, done: Any) -> None:
-        """A copy from ``slot`` was issued; ``done`` (a CUDA event) completes with it."""
-        self.copying[slot] = done
-
-    def settle(self) -> None:
-        """Wait for the copies issued from the ring (issued a step ago, so done by now) and free their slots."""
-        for slot, done in list(self.copying.items()):
-            done.synchronize()
-            del self.copying[slot]
-            self.release(slot)
-
     def reset(self) -> None:
-        """Before a new iterator's workers start: every slot free, once no copy from it is pending
-        (batches the last iterator's workers packed but nobody took leave their slots claimed)."""
-        self.settle()
+        """Before a new iterator's workers start, with no copy from the ring pending (the prefetcher
+        waits for its copies before it pulls a batch and when it closes): every slot free (batches the
+        last iterator's workers packed but nobody took leave their slots claimed)."""
         self.free.fill_(1)
 
     def close(self) -> None:
-        """No copy pending, and the memory no longer pinned."""
-        self.settle()
+        """The memory no longer pinned (its readers closed first)."""
         self.unregister()
 
 
