@@ -47,6 +47,8 @@ from bench.common import Results  # noqa: E402
 from speedkit.demos import DecodedImages, SmallResNet  # noqa: E402
 from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
 
+#: the rows' model field: the recipe this bench runs (recipes/image-data-bound.yaml)
+MODEL = "image-data-bound"
 FULL = dict(batch_size=128, size=144, crop=128, classes=100, length=16384)
 TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
 
@@ -188,7 +190,7 @@ def main() -> None:
                               repeat=repeat if args.repeats > 1 else None)
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
-            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95,
+            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=MODEL,
                     **({"repeat": repeat} if args.repeats > 1 else {}))
             print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
         if "speedkit" in throughput and "stock" in throughput:
@@ -196,7 +198,7 @@ def main() -> None:
             print(f"speedkit / stock: {speedups[-1]:.2f}x")
     if args.repeats > 1 and fractions:
         median = statistics.median(fractions)
-        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, repeats=len(fractions),
+        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=MODEL, repeats=len(fractions),
                 fractions=fractions)
         print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
               f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
@@ -208,7 +210,7 @@ def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, 
              repeat: int | None) -> dict[str, float]:
     """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
     throughput: dict[str, float] = {}
-    tag = {"repeat": repeat} if repeat is not None else {}
+    tag = {"model": MODEL, **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
         timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
                                               options=options)
