@@ -9,6 +9,8 @@ windows after warm-up steps):
   gpu_resident  the bound: the same kind of batches made once and kept on the GPU (no decode, no copy)
   speedkit/K=V  (with --try K=V[,K=V] ...) the rung with those options (e.g. workers=8, prefetch=false):
                 diagnostics of where the loader's cost lands (data wait, or host time inside the step)
+  --with R,...  every variant's step also gets these rungs (e.g. cuda_graph: the step's host work, which
+                the loader's CPU work beside it slows, out of the way); rows carry them as step_rungs
   V+burnN[iso]  (diagnostic) variant V while N processes do the dataset's per-sample work in a loop,
                 anywhere, or with "iso" off the CPUs speedkit leaves to the training process: does
                 CPU work beside the fit, without any data reaching it, slow the fit's own thread?
@@ -116,7 +118,7 @@ def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
 
 
 def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                options: dict | None = None) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
+                options: dict | None = None, step_rungs: tuple[str, ...] = ()) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
     base, _, burn = variant.partition("+burn")
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
@@ -125,7 +127,8 @@ def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: i
     timer = StepTimer(warmup=warmup, window=steps)
     counters = ThreadCounters(warmup)
     rung = {"name": "data_path", "options": options} if options else "data_path"
-    ladder = SpeedLadder(rungs=[rung]) if base.startswith("speedkit") else None
+    rungs = ([rung] if base.startswith("speedkit") else []) + list(step_rungs)
+    ladder = SpeedLadder(rungs=rungs) if rungs else None
     callbacks = [c for c in (ladder, timer, counters) if c is not None]  # the ladder first: the timer starts after it applied
     trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
                          max_steps=warmup + steps * windows, logger=False, enable_checkpointing=False,
@@ -163,6 +166,8 @@ def main() -> None:
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
     parser.add_argument("--try", dest="tries", action="append", default=[],
                         help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
+    parser.add_argument("--with", dest="step_rungs", default="",
+                        help="rungs every variant's step also gets, comma-separated (e.g. cuda_graph); after data_path")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the whole run (s)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the variants this many times in rotation (a machine's slow spell then hits every variant "
@@ -184,14 +189,15 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     runs = [(v, None) for v in args.variants.split(",") if v]
     runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
+    step_rungs = tuple(r for r in args.step_rungs.split(",") if r)
     fractions, speedups = [], []
     for repeat in range(args.repeats):
         throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
-                              repeat=repeat if args.repeats > 1 else None)
+                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs)
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
             res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=MODEL,
-                    **({"repeat": repeat} if args.repeats > 1 else {}))
+                    **({"step_rungs": list(step_rungs)} if step_rungs else {}), **({"repeat": repeat} if args.repeats > 1 else {}))
             print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
         if "speedkit" in throughput and "stock" in throughput:
             speedups.append(throughput["speedkit"] / throughput["stock"])
@@ -199,7 +205,7 @@ def main() -> None:
     if args.repeats > 1 and fractions:
         median = statistics.median(fractions)
         res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=MODEL, repeats=len(fractions),
-                fractions=fractions)
+                fractions=fractions, **({"step_rungs": list(step_rungs)} if step_rungs else {}))
         print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
               f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
                                                                       if speedups else ""))
@@ -207,20 +213,22 @@ def main() -> None:
 
 
 def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
-             repeat: int | None) -> dict[str, float]:
+             repeat: int | None, step_rungs: tuple[str, ...] = ()) -> dict[str, float]:
     """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
     throughput: dict[str, float] = {}
-    tag = {"model": MODEL, **({"repeat": repeat} if repeat is not None else {})}
+    tag = {"model": MODEL, **({"step_rungs": list(step_rungs)} if step_rungs else {}),
+           **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
         timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
-                                              options=options)
+                                              options=options, step_rungs=step_rungs)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
         extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps,
                  "switch_interval_s": sys.getswitchinterval(), **tag}
         if ladder is not None:
-            extra["changes"] = ladder.applied_changes.get("data_path", []) or [ladder.skipped.get("data_path", "")]
+            extra["changes"] = [line for r in ladder.rungs for line in
+                                (ladder.applied_changes.get(r.name, []) or [f"{r.name} skipped: {ladder.skipped.get(r.name, '')}"])]
         res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
         res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread, **tag)
         res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)", **tag)
