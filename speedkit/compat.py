@@ -227,6 +227,12 @@ def shutdown_workers(loader: Any) -> None:
     loader.__dict__["_iterator"] = None
 
 
+def has_live_iterator(loader: Any) -> bool:
+    """Whether a ``persistent_workers`` DataLoader keeps a live iterator (its workers run; the next
+    ``iter()`` resets it instead of starting workers)."""
+    return getattr(loader, "_iterator", None) is not None
+
+
 def set_persistent_workers(loader: Any, value: bool) -> None:
     """Set a DataLoader's ``persistent_workers`` after construction: ``DataLoader.__setattr__``
     refuses it once the loader is initialized, so it is written to the instance dict (the attribute

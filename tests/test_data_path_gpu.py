@@ -110,27 +110,45 @@ class _Images(torch.utils.data.Dataset):
         return {"x": torch.full((3, 64, 64), float(i)), "y": i, "tag": f"t{i}"}
 
 
-def test_batches_through_the_ring_reach_the_device_unchanged_over_two_epochs():
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers_per_epoch", "persistent_workers"])
+def test_batches_through_the_ring_reach_the_device_unchanged_over_epochs(persistent):
+    """Two whole epochs; with persistent workers an epoch cut short after 3 batches first (its workers
+    had more batches packed, which the next epoch drops and whose slots come back)."""
     from torch.utils.data import DataLoader
 
+    from speedkit import compat
     from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
 
-    loader = DataLoader(_Images(), batch_size=4, shuffle=True, num_workers=3, generator=torch.Generator().manual_seed(2))
-    ring = BatchRing(workers=3, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 3 * 64 * 64 * 4 + 64))
+    def loader_with(seed: int) -> DataLoader:
+        return DataLoader(_Images(), batch_size=4, shuffle=True, num_workers=3, persistent_workers=persistent,
+                          generator=torch.Generator().manual_seed(seed))
+
+    ring = BatchRing(workers=3, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 3 * 64 * 64 * 4 + 64), wait_s=30.0)
     assert ring.register()
-    served = PrefetchingLoader(handoff_loader(loader, ring), "cuda", lookahead=1, ring=ring)
+    handoff = handoff_loader(loader_with(2), ring)
+    served = PrefetchingLoader(handoff, "cuda", lookahead=1, ring=ring)
+    cuts = [3, None, None] if persistent else [None, None]
     got = []
-    for _ in range(2):
-        for batch in served:
+    for cut in cuts:
+        for i, batch in enumerate(served):
             assert batch["x"].is_cuda and batch["tag"][0].startswith("t")
             big = torch.randn(1024, 1024, device="cuda")
             for _ in range(3):  # the consumer's stream busy while the next copy runs
                 big = big @ big / 1024
             got.append((batch["x"].cpu(), batch["y"].cpu(), batch["tag"]))
+            if cut is not None and i + 1 == cut:
+                break
     served.close()
     ring.close()
-    loader.generator.manual_seed(2)
-    want = [(b["x"], b["y"], b["tag"]) for _ in range(2) for b in loader]
-    assert len(got) == len(want) == 20
+    assert not compat.has_live_iterator(handoff)  # persistent workers stopped with the loader that served them
+    plain = loader_with(2)
+    it = iter(plain)
+    want = [next(it) for _ in range(3)] if persistent else []
+    want += [b for _ in range(2) for b in plain]
+    compat.shutdown_workers(plain)
+    want = [(b["x"], b["y"], b["tag"]) for b in want]
+    assert len(got) == len(want) == len(cuts) * 10 - (7 if persistent else 0)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, want))
-    assert served.times.via_ring == 20 and bool(ring.free.all()) and not ring.registered  # every copy waited for, its slot freed
+    # every batch came through the ring (none waited out wait_s), every copy waited for and its slot freed
+    assert served.times.via_ring == len(got) and bool(ring.free.all()) and not ring.registered
+    assert ring.recovered > 0 if persistent else ring.recovered == 0

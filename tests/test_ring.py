@@ -120,8 +120,7 @@ def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
     assert plan_ring(Choice(current, LoaderSettings(0, True, False, None), [], [], 1 << 20), DataPathOptions(), []) is None
     assert plan_ring(Choice(current, chosen, [], []), DataPathOptions(), []) is None  # batch size not measured
     persistent = Choice(current, LoaderSettings(8, True, True, 2), [], [], batch_bytes=25 << 20)
-    notes = []
-    assert plan_ring(persistent, DataPathOptions(ring_max_bytes=8 << 30), notes) is None and "persistent" in notes[0]
+    assert plan_ring(persistent, DataPathOptions(ring_max_bytes=8 << 30), []) == (8, 4, slot)  # the ring outlives epochs
 
 
 def test_default_collate_in_a_worker_stacks_into_ordinary_memory_for_the_ring_and_its_worker_info_stays():
@@ -176,3 +175,94 @@ def test_no_ring_where_shared_memory_is_too_small(monkeypatch):
     assert plan_ring(choice, DataPathOptions(ring_max_bytes=8 << 30), notes) is None and "--shm-size" in notes[0]
     monkeypatch.setattr(data_path, "shared_memory_free", lambda: None)
     assert plan_ring(choice, DataPathOptions(ring_max_bytes=8 << 30), []) is not None
+
+
+def _fake_clock_ring(workers: int, slots: int) -> BatchRing:
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    return BatchRing(workers=workers, slots_per_worker=slots, slot_bytes=slot_bytes_for(4096), wait_s=0.01,
+                     clock=lambda: now[0], sleep=sleep)
+
+
+def test_the_training_process_frees_the_slots_of_batches_dropped_unread_and_no_other():
+    ring = _fake_clock_ring(1, 4)
+    packed = [ring.pack(_batch(i), 0) for i in range(3)]  # turns 0, 1, 2 in slots 0, 1, 2
+    assert [(p.slot, p.turn) for p in packed] == [(0, 0), (1, 1), (2, 2)]
+    assert _same(ring.take(packed[0]), _batch(0)) and ring.held == {0}  # taken, its copy not done yet
+    # the epoch is cut short: turns 1 and 2 are dropped by the next epoch's iterator; the worker goes on
+    later = ring.pack(_batch(3), 0)
+    assert (later.slot, later.turn) == (3, 3)
+    full = ring.pack(_batch(4), 0)  # 0 is being read, 1 and 2 not freed yet, 3 just written: sent the usual way
+    assert not isinstance(full, Packed) and ring.fallbacks == 1
+    assert _same(ring.take(later), _batch(3))
+    assert ring.free.tolist() == [0, 1, 1, 0] and ring.recovered == 2  # 1 and 2 freed, 0 still held, 3 just taken
+    ring.release(0)
+    ring.release(3)
+    assert ring.free.tolist() == [1, 1, 1, 1] and not ring.held
+
+
+def test_a_worker_skips_a_slot_still_read_and_a_later_claim_is_never_freed_early():
+    ring = _fake_clock_ring(2, 3)  # worker 1 owns slots 3, 4, 5
+    a = ring.pack(_batch(0), 1)
+    ring.take(a)  # its copy still running
+    for i in (1, 2):
+        p = ring.pack(_batch(i), 1)
+        ring.take(p)
+        ring.release(p.slot)
+    d = ring.pack(_batch(3), 1)  # turn 3 would be slot 3, still read: skipped to slot 4 at turn 4
+    assert (a.slot, a.turn, d.slot, d.turn) == (3, 0, 4, 4)
+    assert _same(ring.take(d), _batch(3))
+    assert ring.free.tolist()[3:] == [0, 0, 1] and ring.recovered == 0  # the slot being read is never freed
+    ring.release(a.slot)
+    e = ring.pack(_batch(4), 1)  # turn 5, slot 5: dropped unread below
+    g = ring.pack(_batch(5), 1)  # turn 6, slot 3
+    ring.release(d.slot)
+    h = ring.pack(_batch(6), 1)  # turn 7, slot 4: packed after g, not yet taken
+    assert [(x.slot, x.turn) for x in (e, g, h)] == [(5, 5), (3, 6), (4, 7)]
+    assert _same(ring.take(g), _batch(5))
+    assert ring.free.tolist()[3:] == [0, 0, 1] and ring.recovered == 1  # e's slot freed; h's (a later turn) kept
+    assert _same(ring.take(h), _batch(6))
+    ring.reset()
+    assert ring.free.tolist() == [1] * 6 and ring.owner.tolist() == [-1] * 6 and not ring.held and ring.last_turn == [-1, -1]
+
+
+def test_persistent_workers_keep_the_ring_over_an_epoch_cut_short_and_two_whole_ones():
+    from speedkit import compat
+    from speedkit.data.ring import ring_epoch, stop_ring_workers
+
+    def loader_with(seed: int) -> DataLoader:
+        return DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, prefetch_factor=2,
+                          generator=torch.Generator().manual_seed(seed))
+
+    def read(epoch, ring, limit=None):
+        got = []
+        for packed in epoch:
+            assert isinstance(packed, Packed)  # never sent the usual way: every slot it needed was free in time
+            got.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ring.take(packed).items()})
+            ring.release(packed.slot)
+            if limit is not None and len(got) == limit:
+                break
+        epoch.close()
+        return got
+
+    ring = BatchRing(workers=2, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 15 * 4 + 4 * 8), wait_s=30.0)
+    handoff = handoff_loader(loader_with(5), ring)
+    torch.manual_seed(0)
+    try:
+        got = read(ring_epoch(handoff, ring), ring, limit=2)  # cut short: the workers have more packed
+        workers = compat.has_live_iterator(handoff)
+        for _ in range(2):
+            got += read(ring_epoch(handoff, ring), ring)
+    finally:
+        stop_ring_workers(handoff)
+    assert workers and not compat.has_live_iterator(handoff)
+    assert ring.recovered >= 1  # the dropped batches' slots came back
+    torch.manual_seed(0)
+    plain = loader_with(5)
+    it = iter(plain)
+    want = [next(it), next(it)] + [b for _ in range(2) for b in plain]
+    compat.shutdown_workers(plain)
+    assert len(got) == len(want) == 14 and all(_same(a, b) for a, b in zip(got, want))

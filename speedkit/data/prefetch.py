@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from speedkit.data.loader import iterate_with_threads_kept
-from speedkit.data.ring import BatchRing, Packed, ring_epoch
+from speedkit.data.ring import BatchRing, Packed, ring_epoch, stop_ring_workers
 from speedkit.data.source import batch_leaves, map_batch, move_to_device
 
 
@@ -131,7 +131,7 @@ class DevicePrefetcher(Iterator[Any]):
         if isinstance(host, Packed):
             if self.ring is None:
                 raise RuntimeError("a batch packed into a ring reached a prefetcher that was not given the ring")
-            slot, host = host.slot, self.ring.host_batch(host)
+            slot, host = host.slot, self.ring.take(host)
             self.times.via_ring += 1
         if slot is not None or all_pinned(host):
             done_now: Future[tuple[Any, Any]] = Future()
@@ -218,10 +218,12 @@ class PrefetchingLoader:
         return self._live
 
     def close(self) -> None:
-        """Stop the live epoch (its copies settled, its workers stopped)."""
+        """Stop the live epoch (its copies settled, its workers stopped, persistent ones too)."""
         if self._live is not None:
             self._live.close()
             self._live = None
+        if self.ring is not None:
+            stop_ring_workers(self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -18,6 +18,13 @@ waits on a slot forever. Values, dtypes, shapes and the batch's structure are ke
 Slots: worker ``w`` owns ``slots_per_worker`` of them and fills them in turn. A DataLoader keeps at
 most ``prefetch_factor`` batches of a worker outstanding, and the prefetcher frees a batch's slot
 before it takes the next batch, so ``prefetch_factor + 2`` slots per worker never make one wait.
+
+Persistent workers outlive an epoch, and so does the ring. An epoch cut short (a ``break``, a fit's
+``max_steps``, a trial) leaves batches its workers had packed that nobody reads: the next epoch's
+iterator drops them. Each claim records its turn (the worker's count of claims); when the training
+process takes a batch of turn ``t`` from a worker, any of that worker's slots still claimed by an
+earlier turn and not being read is such a dropped batch, and is freed (:meth:`BatchRing.take`). A
+worker meanwhile skips a slot still claimed for the next free one of its own.
 """
 
 from __future__ import annotations
@@ -54,15 +61,16 @@ class RingLeaf:
 
 
 class Packed:
-    """A batch in ``slot`` of the ring: the batch's structure with its tensors as :class:`RingLeaf`."""
+    """A batch in ``slot`` of the ring, claimed at its worker's ``turn``: the batch's structure with its
+    tensors as :class:`RingLeaf`."""
 
-    __slots__ = ("batch", "slot")
+    __slots__ = ("batch", "slot", "turn")
 
-    def __init__(self, slot: int, batch: Any) -> None:
-        self.slot, self.batch = slot, batch
+    def __init__(self, slot: int, turn: int, batch: Any) -> None:
+        self.slot, self.turn, self.batch = slot, turn, batch
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Packed, (self.slot, self.batch)
+        return Packed, (self.slot, self.turn, self.batch)
 
 
 def _aligned(n: int) -> int:
@@ -104,9 +112,15 @@ class BatchRing:
         self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
         self.memory = torch.empty(workers * slots_per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self.free = torch.ones(workers * slots_per_worker, dtype=torch.int32).share_memory_()
+        #: the turn that claimed each slot (-1: none since the last reset)
+        self.owner = torch.full((workers * slots_per_worker,), -1, dtype=torch.int64).share_memory_()
         self.turn = [0] * workers  # each worker process advances its own copy
         self.registered = False
         self.fallbacks = 0  # batches this process sent the usual way (counted in the worker that did)
+        # the training process's side (its own copy): slots taken and not yet released, each worker's last turn taken
+        self.held: set[int] = set()
+        self.last_turn = [-1] * workers
+        self.recovered = 0  # slots freed because the batch in them was dropped unread
 
     @property
     def nbytes(self) -> int:
@@ -132,11 +146,15 @@ class BatchRing:
             return batch
         if sum(_aligned(t.numel() * t.element_size()) for t in tensors) > self.slot_bytes:
             return batch
-        slot = worker * self.slots_per_worker + self.turn[worker] % self.slots_per_worker
-        if not self._claim(slot):
-            self.fallbacks += 1
-            return batch
-        self.turn[worker] += 1
+        turn, slot = self._next_free(worker)
+        if slot is None:
+            turn, slot = self.turn[worker], self._slot(worker, self.turn[worker])
+            if not self._wait_free(slot):
+                self.fallbacks += 1
+                return batch
+        self.free[slot] = 0
+        self.owner[slot] = turn
+        self.turn[worker] = turn + 1
         base, used = slot * self.slot_bytes, [0]
 
         def put(leaf: Any) -> Any:
@@ -147,15 +165,26 @@ class BatchRing:
             used[0] += _aligned(leaf.numel() * leaf.element_size())
             return RingLeaf(offset, tuple(leaf.shape), leaf.dtype)
 
-        return Packed(slot, map_batch(put, batch))
+        return Packed(slot, turn, map_batch(put, batch))
 
-    def _claim(self, slot: int) -> bool:
+    def _slot(self, worker: int, turn: int) -> int:
+        return worker * self.slots_per_worker + turn % self.slots_per_worker
+
+    def _next_free(self, worker: int) -> tuple[int, int | None]:
+        """The worker's first free slot from its turn on, and the turn that reaches it (None: all in use)."""
+        start = self.turn[worker]
+        for turn in range(start, start + self.slots_per_worker):
+            slot = self._slot(worker, turn)
+            if int(self.free[slot]):
+                return turn, slot
+        return start, None
+
+    def _wait_free(self, slot: int) -> bool:
         deadline = self.clock() + self.wait_s
         while int(self.free[slot]) == 0:
             if self.clock() >= deadline:
                 return False
             self.sleep(0.0002)
-        self.free[slot] = 0
         return True
 
     # -- the training process's side -------------------------------------------------------------
@@ -163,6 +192,21 @@ class BatchRing:
         """The ring's bytes at ``offset`` as a tensor of ``shape`` and ``dtype``."""
         size = torch.Size(shape).numel() * dtype.itemsize
         return self.memory[offset:offset + size].view(dtype).view(shape)
+
+    def take(self, packed: Packed) -> Any:
+        """The training process takes ``packed`` (see :meth:`host_batch`; :meth:`release` its slot once read).
+        Its worker's slots still claimed by an earlier turn, and not taken, hold batches dropped unread
+        (an epoch of persistent workers cut short): they are freed."""
+        worker = packed.slot // self.slots_per_worker
+        if packed.turn > self.last_turn[worker] + 1:  # turns were skipped or their batches dropped
+            for slot in range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker):
+                if slot != packed.slot and slot not in self.held and int(self.free[slot]) == 0 \
+                        and int(self.owner[slot]) < packed.turn:
+                    self.free[slot] = 1
+                    self.recovered += 1
+        self.last_turn[worker] = packed.turn
+        self.held.add(packed.slot)
+        return self.host_batch(packed)
 
     def host_batch(self, packed: Packed) -> Any:
         """The packed batch as views of its slot (valid until :meth:`release`)."""
@@ -173,12 +217,16 @@ class BatchRing:
     def release(self, slot: int) -> None:
         """The batch in ``slot`` was read (its copy is done): its worker may write the slot again."""
         self.free[slot] = 1
+        self.held.discard(slot)
 
     def reset(self) -> None:
-        """Before a new iterator's workers start, with no copy from the ring pending (the prefetcher
-        waits for its copies before it pulls a batch and when it closes): every slot free (batches the
-        last iterator's workers packed but nobody took leave their slots claimed)."""
+        """Before new workers start (their turns count from 0), with no copy from the ring pending (the
+        prefetcher waits for its copies before it pulls a batch and when it closes): every slot free
+        (batches the last workers packed but nobody took leave their slots claimed)."""
         self.free.fill_(1)
+        self.owner.fill_(-1)
+        self.held.clear()
+        self.last_turn = [-1] * self.workers
 
     def close(self) -> None:
         """The memory no longer pinned (its readers closed first)."""
@@ -218,31 +266,48 @@ def handoff_loader(loader: Any, ring: BatchRing) -> Any:
     return clone
 
 
+def persistent(loader: Any) -> bool:
+    """Whether ``loader``'s workers outlive an epoch."""
+    return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
+
+
 def ring_epoch(loader: Any, ring: BatchRing) -> Iterator[Any]:
-    """One epoch of a :func:`handoff_loader`, every slot free first; its workers stop when it ends or
-    when this generator is closed."""
-    ring.reset()
+    """One epoch of a :func:`handoff_loader`. Where its workers start afresh, every slot is free first,
+    and they stop when the epoch ends or this generator is closed. Persistent workers that already run
+    go on into the next epoch (see :func:`stop_ring_workers`)."""
+    if not persistent(loader) or not compat.has_live_iterator(loader):
+        ring.reset()
     it = iterate_with_threads_kept(loader)
     try:
         yield from it
     finally:
-        compat.shutdown_iterator(it)
+        if not persistent(loader):
+            compat.shutdown_iterator(it)
+
+
+def stop_ring_workers(loader: Any) -> None:
+    """Stop a :func:`handoff_loader`'s persistent workers (once nobody reads its ring any more)."""
+    compat.shutdown_workers(loader)
 
 
 def ring_batches(loader: Any, ring: BatchRing) -> Iterator[Any]:
-    """The batches of a :func:`handoff_loader`, epoch after epoch (each a :func:`ring_epoch`)."""
-    while True:
-        empty = True
-        epoch = ring_epoch(loader, ring)
-        try:
-            for batch in epoch:
-                empty = False
-                yield batch
-        finally:
-            epoch.close()
-        if empty:
-            raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+    """The batches of a :func:`handoff_loader`, epoch after epoch (each a :func:`ring_epoch`); persistent
+    workers stop when this generator is closed."""
+    try:
+        while True:
+            empty = True
+            epoch = ring_epoch(loader, ring)
+            try:
+                for batch in epoch:
+                    empty = False
+                    yield batch
+            finally:
+                epoch.close()
+            if empty:
+                raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+    finally:
+        stop_ring_workers(loader)
 
 
-__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "ring_batches", "ring_epoch",
-           "slot_bytes_for"]
+__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "persistent", "ring_batches",
+           "ring_epoch", "slot_bytes_for", "stop_ring_workers"]

@@ -338,10 +338,6 @@ def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str])
     if not options.ring or choice is None or choice.settings.num_workers == 0 or not choice.batch_bytes:
         return None
     settings = choice.settings
-    if settings.persistent_workers:
-        notes.append("no ring: the loader's workers are persistent, and a ring is made afresh with each epoch's workers "
-                     "(the batches come through named shared memory and the pinning thread)")
-        return None
     spec = (settings.num_workers, (settings.prefetch_factor or 2) + 2, slot_bytes_for(choice.batch_bytes))
     total, cap = spec[0] * spec[1] * spec[2], options.ring_max_bytes
     if cap is None:
