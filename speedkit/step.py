@@ -15,6 +15,7 @@ is not the model's or the optimizer's (schedulers, grad scaler) and hands it to 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,6 +59,16 @@ def loss_of(out: Any) -> torch.Tensor:
     return out
 
 
+def local_processes_from_env(environ: Any = None) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them; (0, 1) where unset or not numbers."""
+    env = os.environ if environ is None else environ
+    try:
+        rank, count = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+    return (rank, count) if 0 <= rank < count else (0, 1)
+
+
 class Step:
     """The interface: what the engine and rungs may ask of a training step."""
 
@@ -98,6 +109,11 @@ class Step:
     def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         """Forward and loss of one batch under the precision in effect (no backward)."""
         raise NotImplementedError
+
+    def host_processes(self) -> tuple[int, int]:
+        """(this process's index, how many training processes) on this machine: several under DDP,
+        which share its CPUs. From torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE where set, else (0, 1)."""
+        return local_processes_from_env()
 
     # -- precision -------------------------------------------------------------------------
     @property
@@ -176,6 +192,9 @@ class StepWrapper(Step):
 
     def precision_choice(self) -> str | None:
         return self.inner.precision_choice()
+
+    def host_processes(self) -> tuple[int, int]:
+        return self.inner.host_processes()
 
     def set_autocast(self, dtype_name: str) -> Handle:
         return self.inner.set_autocast(dtype_name)

@@ -451,6 +451,43 @@ def test_training_cpus_keep_the_core_issuing_the_step_and_one_more_with_their_hy
     assert kept == {2, 3} and rest == {4, 5}
 
 
+def test_ddp_ranks_on_one_machine_each_keep_their_own_share_and_no_worker_runs_on_another_ranks_cores():
+    from speedkit.data.loader import host_share, physical_cores, training_cpus
+
+    allowed, ht = set(range(16)), (lambda c: {c % 8, c % 8 + 8})  # 8 cores, CPU c and c + 8 share one
+    assert physical_cores(allowed, ht)[:2] == [{0, 8}, {1, 9}]
+    shares = [host_share(allowed, r, 3, ht) for r in range(3)]  # 8 cores for 3 ranks: 3, 3, 2
+    assert shares == [{0, 8, 1, 9, 2, 10}, {3, 11, 4, 12, 5, 13}, {6, 14, 7, 15}]
+    splits = [training_cpus(allowed=allowed, here=h, siblings=ht, processes=(r, 2), machine=allowed)
+              for r, h in ((0, 9), (1, 3))]  # rank 1's thread happens to run in rank 0's share
+    (kept0, rest0), (kept1, rest1) = splits
+    assert kept0 == {1, 9, 0, 8} and rest0 == {2, 10, 3, 11}
+    assert kept1 == {4, 12, 5, 13} and rest1 == {6, 14, 7, 15}
+    assert not (kept0 | rest0) & (kept1 | rest1)
+    # a launcher already pinned each rank to its CPUs: they are split as they are
+    kept, rest = training_cpus(allowed={4, 5, 6, 7}, here=4, siblings=lambda c: {c}, processes=(1, 2), machine=allowed)
+    assert kept == {4, 5} and rest == {6, 7}
+    # more ranks than cores: every rank shares them all
+    assert host_share({0, 1}, 1, 4, lambda c: {c}) == {0, 1}
+    assert training_cpus(allowed=allowed, here=0, siblings=ht, processes=(0, 1)) == training_cpus(allowed=allowed, here=0,
+                                                                                                  siblings=ht)
+
+
+def test_the_steps_say_how_many_training_processes_share_the_machine(monkeypatch):
+    from speedkit.step import PlainStep, StepWrapper, local_processes_from_env
+
+    assert local_processes_from_env({}) == (0, 1)
+    assert local_processes_from_env({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}) == (1, 4)
+    assert local_processes_from_env({"LOCAL_RANK": "1"}) == (0, 1)  # a rank without a count: as one process
+    assert local_processes_from_env({"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "2"}) == (0, 1)
+    model = torch.nn.Linear(2, 1)
+    step = PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu")
+    assert step.host_processes() == (0, 1) or "LOCAL_RANK" in __import__("os").environ
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
+    assert step.host_processes() == (1, 2) and StepWrapper(step).host_processes() == (1, 2)
+
+
 class Affinities(Dataset):
     """Sample i: i, and the CPUs the process making it may run on."""
 
@@ -529,3 +566,42 @@ def test_the_threads_a_loader_iterator_starts_here_go_to_the_cpus_its_workers_we
     assert old and all(os.sched_getaffinity(t.native_id) == set(cpus) for t in old)
     assert [b.tolist() for b in it] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
     del other_it
+
+
+def test_a_lightning_step_counts_the_trainers_processes_on_this_machine():
+    from types import SimpleNamespace
+
+    from speedkit.lightning.step import LightningStep
+
+    ddp = SimpleNamespace(trainer=SimpleNamespace(world_size=4, local_rank=1, num_devices=2))  # 2 machines x 2 GPUs
+    assert LightningStep.host_processes(ddp) == (1, 2)  # type: ignore[arg-type]
+    single = SimpleNamespace(trainer=SimpleNamespace(world_size=1, local_rank=0, num_devices=1))
+    assert LightningStep.host_processes(single) == (0, 1)  # type: ignore[arg-type]
+
+
+def test_under_ddp_the_rung_plans_workers_within_its_ranks_share(monkeypatch):
+    import speedkit.rungs.data_path as data_path_module
+    from speedkit.data.loader import Choice, LoaderSettings
+
+    seen = {}
+
+    def fake_training_cpus(*, processes=(0, 1)):
+        seen["processes"] = processes
+        return ({0, 1}, {2, 3, 4, 5}) if seen.get("keep") else (set(), set())
+
+    def fake_choose(loader, device, **kwargs):
+        seen.update(kwargs)
+        current = LoaderSettings.of(loader)
+        return Choice(current, current, [(current, 1.0)], [])
+
+    monkeypatch.setattr(data_path_module, "training_cpus", fake_training_cpus)
+    monkeypatch.setattr(data_path_module, "choose_settings", fake_choose)
+    monkeypatch.setattr(data_path_module, "available_cpus", lambda: 16)
+    state = _state(generator=False)
+    state.step = SimpleNamespace(host_processes=lambda: (1, 2))
+    DataPathRung().check(state)
+    assert seen["processes"] == (1, 2) and seen["cpus"] == 8 and seen["worker_cpus"] is None  # none kept: half the CPUs
+    seen.clear()
+    seen["keep"] = True
+    DataPathRung().check(state)
+    assert seen["worker_cpus"] == (2, 3, 4, 5) and seen["cpus"] is None  # the workers' CPUs bound the count

@@ -466,14 +466,67 @@ def current_cpu() -> int | None:
         return None
 
 
+def physical_cores(cpus: set[int], siblings: Callable[[int], set[int]] = core_siblings) -> list[set[int]]:
+    """``cpus`` grouped by physical core (each CPU with its hyperthread siblings among ``cpus``), in
+    order of each core's lowest CPU number."""
+    cores, seen = [], set()
+    for cpu in sorted(cpus):
+        if cpu not in seen:
+            core = (siblings(cpu) & cpus) | {cpu}
+            seen |= core
+            cores.append(core)
+    return cores
+
+
+def host_share(cpus: set[int], rank: int, processes: int,
+               siblings: Callable[[int], set[int]] = core_siblings) -> set[int]:
+    """Process ``rank``'s share of ``cpus`` when ``processes`` training processes (DDP ranks on one
+    machine) run on them: the physical cores, in order, cut into ``processes`` runs as even as can be
+    (hyperthreads of one core never split). With fewer cores than processes, each has all of them."""
+    if processes <= 1:
+        return set(cpus)
+    cores = physical_cores(cpus, siblings)
+    if len(cores) < processes or not 0 <= rank < processes:
+        return set(cpus)
+    per, extra = divmod(len(cores), processes)
+    start = rank * per + min(rank, extra)
+    return set().union(*cores[start:start + per + (1 if rank < extra else 0)])
+
+
+def machine_cpus() -> set[int] | None:
+    """The CPUs every process here may use unless a launcher narrowed its own: the container's cpuset
+    (cgroup v2, then v1), else the CPUs online; None where none of them can be read."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+                 "/sys/devices/system/cpu/online"):
+        try:
+            with open(path) as f:
+                cpus = parse_cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return None
+
+
 def training_cpus(cores: int = 2, *, allowed: set[int] | None = None, here: int | None = None,
-                  siblings: Callable[[int], set[int]] = core_siblings) -> tuple[set[int], set[int]]:
+                  siblings: Callable[[int], set[int]] = core_siblings, processes: tuple[int, int] = (0, 1),
+                  machine: set[int] | None = None) -> tuple[set[int], set[int]]:
     """Split the CPUs this process may use into those left to the training process and those for
     loader workers. The training process keeps ``cores`` physical cores, each with its hyperthread
     siblings: the one its calling thread runs on (``here``), then the lowest-numbered others. A worker
     on the sibling of the thread that issues the step slows that thread (they share one core), and on
-    a GPU the step waits for it. Where fewer than two CPUs would be left to workers, none is kept."""
+    a GPU the step waits for it. Where fewer than two CPUs would be left to workers, none is kept.
+
+    ``processes``: (this one's index, how many) training processes share the machine (DDP ranks). Where
+    the CPUs this process may use are all of ``machine``'s (default :func:`machine_cpus`: nobody gave
+    each rank its own), it takes only its :func:`host_share`, so that no rank's workers run on the
+    cores another rank keeps. A process a launcher already pinned to fewer CPUs splits those as they are."""
     allowed = allowed_cpus() if allowed is None else set(allowed)
+    rank, count = processes
+    if count > 1:
+        machine = machine_cpus() if machine is None else machine
+        if machine is None or allowed >= machine:
+            allowed = host_share(allowed, rank, count, siblings)
     here = current_cpu() if here is None else here
     order = ([here] if here in allowed else []) + sorted(allowed)
     kept: set[int] = set()
@@ -665,7 +718,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
 
 
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffinity", "allowed_cpus", "available_cpus",
-           "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "parse_cpu_list", "training_cpus",
+           "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "host_share", "machine_cpus", "parse_cpu_list",
+           "physical_cores", "training_cpus",
            "fit_iterator_start", "in_process_change_blocker", "index_sampler", "iterate_with_threads_kept", "keep_threads_on", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "tensor_bytes", "watch_fit_iterator_start",
            "worker_count_blocker", "worker_counts"]

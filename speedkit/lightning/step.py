@@ -69,6 +69,12 @@ class LightningStep(Step):
     def accumulate(self) -> int:
         return int(self.trainer.accumulate_grad_batches)
 
+    def host_processes(self) -> tuple[int, int]:
+        """The Trainer's local rank among its devices on this machine (one process per device)."""
+        if self.trainer.world_size <= 1:
+            return 0, 1
+        return int(self.trainer.local_rank), max(1, int(self.trainer.num_devices))
+
     # -- the step --------------------------------------------------------------------------
     def forward_loss(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         return loss_of(self.strategy.training_step(*self._args(batch, batch_idx)))

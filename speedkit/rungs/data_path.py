@@ -51,6 +51,7 @@ import torch
 from speedkit import compat
 from speedkit.data.loader import (
     Choice,
+    available_cpus,
     LoaderSettings,
     RngStates,
     choose_settings,
@@ -417,10 +418,11 @@ class DataPathRung(Rung):
         assert source is not None
         key = (id(source.loader), str(state.device))
         if key not in self._plans:
-            self._plans[key] = self._make_plan(source, state.device)
+            step = getattr(state, "step", None)
+            self._plans[key] = self._make_plan(source, state.device, step.host_processes() if step is not None else (0, 1))
         return self._plans[key]
 
-    def _make_plan(self, source: BatchSource, device: torch.device) -> Plan:
+    def _make_plan(self, source: BatchSource, device: torch.device, processes: tuple[int, int] = (0, 1)) -> Plan:
         opts, loader, notes = self.options, source.loader, []
         cuda = device.type == "cuda"
         prefetch = False
@@ -460,12 +462,15 @@ class DataPathRung(Rung):
                         workers = current
                     notes.append(f"num_workers stays {'0' if current == 0 else 'above 0'}: {side}")
                     vary = vary and current > 0
-                kept, rest = training_cpus() if opts.worker_cpus == "auto" else (set(), set())
+                kept, rest = training_cpus(processes=processes) if opts.worker_cpus == "auto" else (set(), set())
                 if kept:
+                    ranks = (f" (training process {processes[0]} of {processes[1]} on this machine: its share of the CPUs)"
+                             if processes[1] > 1 else "")
                     notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
-                                 f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}")
+                                 f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
+                share = None if kept or processes[1] <= 1 else max(1, available_cpus() // processes[1])  # each rank's part
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
-                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None)
+                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None, cpus=share)
                 if len(choice.rates) == 1:  # only the current settings were candidates
                     choice = None
                 elif not choice.changed:
