@@ -1,6 +1,15 @@
-"""The data_path rung on a data-bound image run, side by side in one process (recipes/image-data-bound.yaml).
+"""The data_path rung on a data-bound image run, side by side in one process.
 
-Variants (the same SmallResNet, precision and seeds; each a Lightning fit timed by StepTimer on
+Models (--model):
+  image-data-bound  recipes/image-data-bound.yaml: a small ResNet, bf16-mixed, batch 128 of 128-px crops.
+                    Its step is host-bound (Lightning's per-step work and launches take longer than the
+                    GPU's), so whatever slows the fit's thread, the loader's workers beside it included,
+                    shows in full
+  timm-vit          the data path's anchor (shared ANCHORS.md): timm's ViT-B/16 with the user's three
+                    switches (bf16-mixed, torch.compile, TF32), batch 64 of 224-px crops decoded from
+                    256-px JPEGs; a step the GPU bounds
+
+Variants (the same model, precision and seeds; each a Lightning fit timed by StepTimer on
 speedkit's measurement session: CUDA events after each step, one wait per window, the median of
 windows after warm-up steps):
   stock         the recipe's naive loader: JPEG decode + crop + flip + normalize in the main process, not pinned
@@ -49,10 +58,28 @@ from bench.common import Results  # noqa: E402
 from speedkit.demos import DecodedImages, SmallResNet  # noqa: E402
 from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
 
-#: the rows' model field: the recipe this bench runs (recipes/image-data-bound.yaml)
-MODEL = "image-data-bound"
-FULL = dict(batch_size=128, size=144, crop=128, classes=100, length=16384)
-TINY = dict(batch_size=8, size=40, crop=32, classes=10, length=512)
+#: per --model (the rows' model field): the data at full size and tiny (--tiny, CPU)
+DATA = {
+    "image-data-bound": {"full": dict(batch_size=128, size=144, crop=128, classes=100, length=16384),
+                         "tiny": dict(batch_size=8, size=40, crop=32, classes=10, length=512)},
+    "timm-vit": {"full": dict(batch_size=64, size=256, crop=224, classes=100, length=16384),
+                 "tiny": dict(batch_size=4, size=40, crop=32, classes=10, length=256)},
+}
+
+
+def make_model(name: str, data: dict, tiny: bool) -> pl.LightningModule:
+    """The model of ``name`` with the user's own switches (for timm-vit: TF32 on and the network under
+    torch.compile, on a GPU; bf16-mixed is the Trainer's, for every model)."""
+    if name == "image-data-bound":
+        return SmallResNet(classes=data["classes"], width=8 if tiny else 32)
+    from speedkit.demos.zoo import TimmViT
+
+    module = TimmViT(size="tiny" if tiny else "full", classes=data["classes"])
+    if not tiny:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        module.model = torch.compile(module.model)
+    return module
 
 
 class ThreadCounters(Callback):
@@ -118,12 +145,12 @@ def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
 
 
 def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                options: dict | None = None, step_rungs: tuple[str, ...] = ()) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
+                options: dict | None = None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound") -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
     base, _, burn = variant.partition("+burn")
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
     datamodule = DecodedImages(**data, resident=base == "gpu_resident", device=device, batches=16)
-    model = SmallResNet(classes=data["classes"], width=8 if tiny else 32)
+    model = make_model(model_name, data, tiny)
     timer = StepTimer(warmup=warmup, window=steps)
     counters = ThreadCounters(warmup)
     rung = {"name": "data_path", "options": options} if options else "data_path"
@@ -163,6 +190,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 20; --tiny 2)")
     parser.add_argument("--windows", type=int, default=None, help="timed windows per variant (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
+    parser.add_argument("--model", choices=sorted(DATA), default="image-data-bound", help="see above")
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
     parser.add_argument("--try", dest="tries", action="append", default=[],
                         help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
@@ -184,7 +212,8 @@ def main() -> None:
     out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "data_path.jsonl" if args.tiny else None)
     res = Results("data_path", out)
     print_cpus()
-    data = TINY if args.tiny else FULL
+    data = DATA[args.model]["tiny" if args.tiny else "full"]
+    print(f"model {args.model}, data {data}", flush=True)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     runs = [(v, None) for v in args.variants.split(",") if v]
@@ -193,10 +222,10 @@ def main() -> None:
     fractions, speedups = [], []
     for repeat in range(args.repeats):
         throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
-                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs)
+                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs, model_name=args.model)
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
-            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=MODEL,
+            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=args.model,
                     **({"step_rungs": list(step_rungs)} if step_rungs else {}), **({"repeat": repeat} if args.repeats > 1 else {}))
             print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
         if "speedkit" in throughput and "stock" in throughput:
@@ -204,7 +233,7 @@ def main() -> None:
             print(f"speedkit / stock: {speedups[-1]:.2f}x")
     if args.repeats > 1 and fractions:
         median = statistics.median(fractions)
-        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=MODEL, repeats=len(fractions),
+        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=args.model, repeats=len(fractions),
                 fractions=fractions, **({"step_rungs": list(step_rungs)} if step_rungs else {}))
         print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
               f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
@@ -213,14 +242,14 @@ def main() -> None:
 
 
 def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
-             repeat: int | None, step_rungs: tuple[str, ...] = ()) -> dict[str, float]:
+             repeat: int | None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound") -> dict[str, float]:
     """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
     throughput: dict[str, float] = {}
-    tag = {"model": MODEL, **({"step_rungs": list(step_rungs)} if step_rungs else {}),
+    tag = {"model": model_name, **({"step_rungs": list(step_rungs)} if step_rungs else {}),
            **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
         timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
-                                              options=options, step_rungs=step_rungs)
+                                              options=options, step_rungs=step_rungs, model_name=model_name)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
