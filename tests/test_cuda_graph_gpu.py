@@ -161,6 +161,24 @@ def test_lightning_fit_with_a_graph_matches_eager():
     assert abs(float(trainer.callback_metrics["train_loss"]) - float(eager_trainer.callback_metrics["train_loss"])) <= 1e-5
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_fit_with_data_path_feeding_the_graph_matches_eager(workers):
+    """data_path's batches, copied ahead on its side stream (with workers, through the ring), fill the
+    graph's static buffers: the same losses and parameters as the eager fit with the plain loader."""
+    eager, eager_params, eager_trainer, _ = _fit([], capturable=True)
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": workers}}, "cuda_graph"])
+    record, params, trainer, _ = _fit([ladder])
+    graph = record.graph
+    assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
+    assert graph.replays >= 18, graph.report()
+    assert "data_path" in ladder.applied_changes, ladder.skipped
+    assert trainer.global_step == eager_trainer.global_step == 25
+    for a, b in zip(record.losses, eager.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
+    worst = max(_rel(p, q) for p, q in zip(params, eager_params))
+    assert worst <= 1e-5, worst
+
+
 def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
     from speedkit.demos.zoo import ZOO
 
