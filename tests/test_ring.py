@@ -229,11 +229,23 @@ def test_a_worker_skips_a_slot_still_read_and_a_later_claim_is_never_freed_early
     assert ring.free.tolist() == [1] * 6 and ring.owner.tolist() == [-1] * 6 and not ring.held and ring.last_turn == [-1, -1]
 
 
-def test_persistent_workers_keep_the_ring_over_an_epoch_cut_short_and_two_whole_ones():
+class Streamed(torch.utils.data.IterableDataset):
+    """The samples of :class:`Samples`, each worker streaming every other one."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return (Samples()[i] for i in range(start, len(Samples()), step))
+
+
+@pytest.mark.parametrize("kind", ["map_style", "iterable"])
+def test_persistent_workers_keep_the_ring_over_an_epoch_cut_short_and_two_whole_ones(kind):
     from speedkit import compat
     from speedkit.data.ring import ring_epoch, stop_ring_workers
 
     def loader_with(seed: int) -> DataLoader:
+        if kind == "iterable":
+            return DataLoader(Streamed(), batch_size=4, num_workers=2, persistent_workers=True, prefetch_factor=2)
         return DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, prefetch_factor=2,
                           generator=torch.Generator().manual_seed(seed))
 
@@ -265,4 +277,4 @@ def test_persistent_workers_keep_the_ring_over_an_epoch_cut_short_and_two_whole_
     it = iter(plain)
     want = [next(it), next(it)] + [b for _ in range(2) for b in plain]
     compat.shutdown_workers(plain)
-    assert len(got) == len(want) == 14 and all(_same(a, b) for a, b in zip(got, want))
+    assert len(got) == len(want) == 2 + 2 * 6 and all(_same(a, b) for a, b in zip(got, want))
