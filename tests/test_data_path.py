@@ -365,9 +365,12 @@ def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **load
 def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuffle, workers, persistent, monkeypatch):
     plain = _fit(shuffle, workers[0], [], persistent)
     ladder = data_path_ladder(mode, workers[1], monkeypatch)
+    events: list[str] = []
+    ladder.on_event = events.append
     fast = _fit(shuffle, workers[0], [ladder], persistent)
     changes = ladder.applied_changes["data_path"]
     assert any("first epoch's iterator made again" in c for c in changes), changes
+    assert any(e.startswith("fit: the train loop iterates") for e in events) and not any("fit: fit:" in e for e in events)
     assert len(plain.seen) == 24 and fast.seen == plain.seen  # two epochs, every sample in the same order
     assert fast.draws == plain.draws  # the global RNG stream is where it would be
     assert plain.seen[:12] != plain.seen[12:]

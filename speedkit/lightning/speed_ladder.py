@@ -232,7 +232,7 @@ class SpeedLadder(Callback):
                 self.handles.append(handle)
                 self.applied_changes.setdefault(handle.rung, []).extend(handle.changes)
                 for change in handle.changes:
-                    self.on_event(f"fit: {change}")
+                    self.on_event(change if change.startswith("fit: ") else f"fit: {change}")
 
     def _finish_holds(self, trainer: pl.Trainer) -> None:
         probe, self._probe = self._probe, None
