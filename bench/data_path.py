@@ -67,11 +67,13 @@ DATA = {
 }
 
 
-def make_model(name: str, data: dict, tiny: bool) -> pl.LightningModule:
+def make_model(name: str, data: dict, tiny: bool, prog_bar: bool = True) -> pl.LightningModule:
     """The model of ``name`` with the user's own switches (for timm-vit: TF32 on and the network under
     torch.compile, on a GPU; bf16-mixed is the Trainer's, for every model)."""
     if name == "image-data-bound":
-        return SmallResNet(classes=data["classes"], width=8 if tiny else 32)
+        return SmallResNet(classes=data["classes"], width=8 if tiny else 32, prog_bar=prog_bar)
+    if not prog_bar:
+        raise SystemExit("--prog-bar off: only the image-data-bound model has the switch")
     from speedkit.demos.zoo import TimmViT
 
     module = TimmViT(size="tiny" if tiny else "full", classes=data["classes"])
@@ -145,12 +147,13 @@ def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
 
 
 def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                options: dict | None = None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound") -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
+                options: dict | None = None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound",
+                prog_bar: bool = True) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
     base, _, burn = variant.partition("+burn")
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
     datamodule = DecodedImages(**data, resident=base == "gpu_resident", device=device, batches=16)
-    model = make_model(model_name, data, tiny)
+    model = make_model(model_name, data, tiny, prog_bar)
     timer = StepTimer(warmup=warmup, window=steps)
     counters = ThreadCounters(warmup)
     rung = {"name": "data_path", "options": options} if options else "data_path"
@@ -192,6 +195,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
     parser.add_argument("--model", choices=sorted(DATA), default="image-data-bound", help="see above")
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
+    parser.add_argument("--prog-bar", choices=("on", "off"), default="on",
+                        help="off: the model logs its loss without prog_bar=True, so Lightning does not turn it into a "
+                             "float (a host sync) after every step (a diagnostic of what that sync costs)")
     parser.add_argument("--try", dest="tries", action="append", default=[],
                         help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
     parser.add_argument("--with", dest="step_rungs", default="",
@@ -219,14 +225,17 @@ def main() -> None:
     runs = [(v, None) for v in args.variants.split(",") if v]
     runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
     step_rungs = tuple(r for r in args.step_rungs.split(",") if r)
+    #: what every row of this run carries besides the model: the rungs every step got, the logging
+    setup = {**({"step_rungs": list(step_rungs)} if step_rungs else {}), **({"prog_bar": False} if args.prog_bar == "off" else {})}
     fractions, speedups = [], []
     for repeat in range(args.repeats):
         throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
-                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs, model_name=args.model)
+                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs, model_name=args.model,
+                              prog_bar=args.prog_bar == "on")
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
             res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=args.model,
-                    **({"step_rungs": list(step_rungs)} if step_rungs else {}), **({"repeat": repeat} if args.repeats > 1 else {}))
+                    **setup, **({"repeat": repeat} if args.repeats > 1 else {}))
             print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
         if "speedkit" in throughput and "stock" in throughput:
             speedups.append(throughput["speedkit"] / throughput["stock"])
@@ -234,7 +243,7 @@ def main() -> None:
     if args.repeats > 1 and fractions:
         median = statistics.median(fractions)
         res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=args.model, repeats=len(fractions),
-                fractions=fractions, **({"step_rungs": list(step_rungs)} if step_rungs else {}))
+                fractions=fractions, **setup)
         print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
               f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
                                                                       if speedups else ""))
@@ -242,14 +251,17 @@ def main() -> None:
 
 
 def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
-             repeat: int | None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound") -> dict[str, float]:
+             repeat: int | None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound",
+             prog_bar: bool = True) -> dict[str, float]:
     """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
     throughput: dict[str, float] = {}
     tag = {"model": model_name, **({"step_rungs": list(step_rungs)} if step_rungs else {}),
+           **({} if prog_bar else {"prog_bar": False}),
            **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
         timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
-                                              options=options, step_rungs=step_rungs, model_name=model_name)
+                                              options=options, step_rungs=step_rungs, model_name=model_name,
+                                              prog_bar=prog_bar)
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
