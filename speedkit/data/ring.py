@@ -152,8 +152,8 @@ class BatchRing:
             if not self._wait_free(slot):
                 self.fallbacks += 1
                 return batch
+        self.owner[slot] = turn  # before the slot reads as claimed: take() never frees a fresh claim by its old turn
         self.free[slot] = 0
-        self.owner[slot] = turn
         self.turn[worker] = turn + 1
         base, used = slot * self.slot_bytes, [0]
 
@@ -200,6 +200,7 @@ class BatchRing:
         worker = packed.slot // self.slots_per_worker
         if packed.turn > self.last_turn[worker] + 1:  # turns were skipped or their batches dropped
             for slot in range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker):
+                # free is read before owner: the worker writes owner first, so a claim in progress shows its new turn
                 if slot != packed.slot and slot not in self.held and int(self.free[slot]) == 0 \
                         and int(self.owner[slot]) < packed.turn:
                     self.free[slot] = 1
