@@ -592,7 +592,7 @@ def test_under_ddp_the_rung_plans_workers_within_its_ranks_share(monkeypatch):
 
     def fake_training_cpus(*, processes=(0, 1)):
         seen["processes"] = processes
-        return ({0, 1}, {2, 3, 4, 5}) if seen.get("keep") else (set(), set())
+        return ({0, 1}, {2, 3, 4, 5}) if seen.get("keep") else (set(), set(range(8)))  # none kept: the rank's share
 
     def fake_choose(loader, device, **kwargs):
         seen.update(kwargs)
@@ -601,7 +601,6 @@ def test_under_ddp_the_rung_plans_workers_within_its_ranks_share(monkeypatch):
 
     monkeypatch.setattr(data_path_module, "training_cpus", fake_training_cpus)
     monkeypatch.setattr(data_path_module, "choose_settings", fake_choose)
-    monkeypatch.setattr(data_path_module, "available_cpus", lambda: 16)
     state = _state(generator=False)
     state.step = SimpleNamespace(host_processes=lambda: (1, 2))
     DataPathRung().check(state)

@@ -51,7 +51,6 @@ import torch
 from speedkit import compat
 from speedkit.data.loader import (
     Choice,
-    available_cpus,
     LoaderSettings,
     RngStates,
     choose_settings,
@@ -462,15 +461,17 @@ class DataPathRung(Rung):
                         workers = current
                     notes.append(f"num_workers stays {'0' if current == 0 else 'above 0'}: {side}")
                     vary = vary and current > 0
-                kept, rest = training_cpus(processes=processes) if opts.worker_cpus == "auto" else (set(), set())
+                kept, rest = training_cpus(processes=processes)  # with none kept, rest is this process's share
+                if opts.worker_cpus != "auto":
+                    kept, rest = set(), kept | rest
                 if kept:
                     ranks = (f" (training process {processes[0]} of {processes[1]} on this machine: its share of the CPUs)"
                              if processes[1] > 1 else "")
                     notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
                                  f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
-                share = None if kept or processes[1] <= 1 else max(1, available_cpus() // processes[1])  # each rank's part
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
-                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None, cpus=share)
+                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None,
+                                         cpus=None if kept else len(rest))
                 if len(choice.rates) == 1:  # only the current settings were candidates
                     choice = None
                 elif not choice.changed:
