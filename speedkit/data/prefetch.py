@@ -141,14 +141,20 @@ class DevicePrefetcher(Iterator[Any]):
         assert self._pool is not None
         self._pending.append(self._pool.submit(self._copy, host))
 
-    def _copy_here(self, host: Any, slot: int | None) -> tuple[Any, Any]:
-        """Issue the copy of a pinned batch on the side stream, on this thread; it is waited for (and
-        its ring slot freed) before the next host batch is pulled."""
+    def _issue(self, host: Any) -> tuple[Any, Any, Any]:
+        """Start copying pinned ``host`` to the device on the side stream: the device batch, and the
+        timing events around the copy."""
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             batch = move_to_device(host, self.device, non_blocking=True)
             done.record(self.stream)
+        return batch, start, done
+
+    def _copy_here(self, host: Any, slot: int | None) -> tuple[Any, Any]:
+        """Issue the copy of a pinned batch on the side stream, on this thread; it is waited for (and
+        its ring slot freed) before the next host batch is pulled."""
+        batch, start, done = self._issue(host)
         self._issued.append((start, done, host, slot))
         return batch, done
 
@@ -162,12 +168,8 @@ class DevicePrefetcher(Iterator[Any]):
                 self.ring.release(slot)  # type: ignore[union-attr]
 
     def _copy(self, host: Any) -> tuple[Any, Any]:
-        pinned = pin_batch(host)
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            batch = move_to_device(pinned, self.device, non_blocking=True)
-            done.record(self.stream)
+        pinned = pin_batch(host)  # held until its copy is done
+        batch, start, done = self._issue(pinned)
         done.synchronize()  # the host buffers may be reused once this batch is handed out
         self.times.add(start.elapsed_time(done))
         return batch, done
