@@ -231,7 +231,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
                               repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs, model_name=args.model,
-                              prog_bar=args.prog_bar == "on")
+                              prog_bar=args.prog_bar == "on", setup=setup)
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
             res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=args.model,
@@ -252,12 +252,11 @@ def main() -> None:
 
 def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
              repeat: int | None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound",
-             prog_bar: bool = True) -> dict[str, float]:
-    """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating)."""
+             prog_bar: bool = True, setup: dict | None = None) -> dict[str, float]:
+    """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating, and
+    ``setup``: what every row of the run carries)."""
     throughput: dict[str, float] = {}
-    tag = {"model": model_name, **({"step_rungs": list(step_rungs)} if step_rungs else {}),
-           **({} if prog_bar else {"prog_bar": False}),
-           **({"repeat": repeat} if repeat is not None else {})}
+    tag = {"model": model_name, **(setup or {}), **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
         timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
                                               options=options, step_rungs=step_rungs, model_name=model_name,
