@@ -414,6 +414,54 @@ def recording_logs(module: Any, logs: list[Any]) -> Iterator[None]:
             module.__dict__["log"] = previous
 
 
+def lightning_step_progress_bar(convert: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[], None]:
+    """Make Lightning's training result collections hand their per-step progress-bar values to
+    ``convert`` as tensors (name -> tensor; it returns name -> what the bar shows) instead of
+    turning each into a float with ``.item()``; returns the function that puts Lightning's way
+    back. Epoch values and other loops (validation) keep Lightning's conversion.
+
+    Lightning (2.x) converts inside ``_ResultCollection.metrics`` through the module's
+    ``convert_tensors_to_scalars``; while the patched method calls the original, that name is an
+    identity, so the values come out as tensors. Raises AttributeError/ImportError where these
+    internals moved."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result as lightning_result
+
+    cls = lightning_result._ResultCollection
+    original = cls.__dict__["metrics"]
+    lightning_convert = lightning_result.convert_tensors_to_scalars
+
+    @functools.wraps(original)
+    def metrics(self: Any, on_step: bool) -> Any:
+        if not (on_step and self.training):
+            return original(self, on_step)
+        lightning_result.convert_tensors_to_scalars = _as_is
+        try:
+            out = original(self, on_step)
+        finally:
+            lightning_result.convert_tensors_to_scalars = lightning_convert
+        out["pbar"] = convert(out["pbar"])
+        return out
+
+    cls.metrics = metrics
+
+    def restore() -> None:
+        if cls.__dict__.get("metrics") is metrics:
+            cls.metrics = original
+
+    return restore
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def lightning_progress_bar_values(trainer: Any) -> dict[str, Any] | None:
+    """The dict of progress-bar values a Trainer keeps between steps (``trainer.progress_bar_metrics``
+    reads it), or None where Lightning moved it."""
+    values = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
+    return values if isinstance(values, dict) else None
+
+
 @contextlib.contextmanager
 def lightning_logging_as(module: Any, hook: str) -> Iterator[None]:
     """Let ``self.log`` run outside the hook it was written in, as if inside ``hook`` (Lightning

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -14,6 +14,7 @@ from speedkit.errors import ConfigError
 from speedkit.handle import Handle
 from speedkit.options import parse_options
 from speedkit.rungs.aligned_linear import AlignedLinearRung
+from speedkit.rungs.async_progress_bar import AsyncProgressBarRung
 from speedkit.rungs.autocast import AutocastRung
 from speedkit.rungs.base import NoOptions, Rung
 from speedkit.rungs.batched import BatchedRung
@@ -39,7 +40,7 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung):
+             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung):
     register(_cls)
 
 
