@@ -414,29 +414,32 @@ def recording_logs(module: Any, logs: list[Any]) -> Iterator[None]:
             module.__dict__["log"] = previous
 
 
-def lightning_step_progress_bar(convert: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[], None]:
-    """Make Lightning's training result collections hand their per-step progress-bar values to
-    ``convert`` as tensors (name -> tensor; it returns name -> what the bar shows) instead of
-    turning each into a float with ``.item()``; returns the function that puts Lightning's way
-    back. Epoch values and other loops (validation) keep Lightning's conversion.
+def lightning_step_progress_bar(trainer: Any, convert: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[], None]:
+    """Make ``trainer``'s training result collection (the fit's, or the trials' scratch one in its
+    place) hand its per-step progress-bar values to ``convert`` as tensors (name -> tensor; it
+    returns name -> what the bar shows) instead of turning each into a float with ``.item()``;
+    returns the function that puts Lightning's way back. Epoch values, other loops (validation) and
+    other Trainers keep Lightning's conversion.
 
     Lightning (2.x) converts inside ``_ResultCollection.metrics`` through the module's
-    ``convert_tensors_to_scalars``; while the patched method calls the original, that name is an
-    identity, so the values come out as tensors. Raises AttributeError/ImportError where these
+    ``convert_tensors_to_scalars``; while the patched method calls the one it replaced, that name is
+    an identity, so the values come out as tensors. Raises AttributeError/ImportError where these
     internals moved."""
     from lightning.pytorch.trainer.connectors.logger_connector import result as lightning_result
 
     cls = lightning_result._ResultCollection
-    original = cls.__dict__["metrics"]
+    replaced = cls.__dict__["metrics"]  # Lightning's, or another Trainer's patch over it
     lightning_convert = lightning_result.convert_tensors_to_scalars
+    loop = trainer.fit_loop.epoch_loop
+    active = [True]
 
-    @functools.wraps(original)
+    @functools.wraps(replaced)
     def metrics(self: Any, on_step: bool) -> Any:
-        if not (on_step and self.training):
-            return original(self, on_step)
+        if not (active[0] and on_step and self.training and self is loop._results):
+            return replaced(self, on_step)
         lightning_result.convert_tensors_to_scalars = _as_is
         try:
-            out = original(self, on_step)
+            out = replaced(self, on_step)
         finally:
             lightning_result.convert_tensors_to_scalars = lightning_convert
         out["pbar"] = convert(out["pbar"])
@@ -445,8 +448,9 @@ def lightning_step_progress_bar(convert: Callable[[dict[str, Any]], dict[str, An
     cls.metrics = metrics
 
     def restore() -> None:
+        active[0] = False  # under another Trainer's patch it stays in the chain, passing values through
         if cls.__dict__.get("metrics") is metrics:
-            cls.metrics = original
+            cls.metrics = replaced
 
     return restore
 

@@ -114,6 +114,7 @@ def _trainer(callbacks, **kwargs):
 
 
 def test_lightning_hands_the_training_steps_progress_bar_tensors_to_the_converter_and_gets_its_way_back():
+    """Only the given Trainer's training collection; another Trainer fitting meanwhile is left alone."""
     original = lightning_result._ResultCollection.__dict__["metrics"]
     seen: list[dict] = []
 
@@ -125,10 +126,14 @@ def test_lightning_hands_the_training_steps_progress_bar_tensors_to_the_converte
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.last = dict(trainer.progress_bar_metrics)
 
-    restore = compat.lightning_step_progress_bar(convert)
+    watch = Watch()
+    trainer = _trainer([watch], limit_val_batches=2, val_check_interval=5)
+    restore = compat.lightning_step_progress_bar(trainer, convert)
     try:
-        watch = Watch()
-        _trainer([watch], limit_val_batches=2, val_check_interval=5).fit(Logs())
+        other = _trainer([])
+        other.fit(Logs())  # another Trainer meanwhile: Lightning's own conversion
+        assert isinstance(other.progress_bar_metrics["loss"], float) and not seen
+        trainer.fit(Logs())
     finally:
         restore()
     assert lightning_result._ResultCollection.__dict__["metrics"] is original
@@ -145,9 +150,9 @@ def test_lightning_hands_the_training_steps_progress_bar_tensors_to_the_converte
 
 
 def test_epoch_and_validation_values_keep_lightnings_conversion():
-    restore = compat.lightning_step_progress_bar(lambda values: {name: "lagged" for name in values})
+    trainer = _trainer([], max_epochs=1, max_steps=-1, limit_val_batches=2)
+    restore = compat.lightning_step_progress_bar(trainer, lambda values: {name: "lagged" for name in values})
     try:
-        trainer = _trainer([], max_epochs=1, max_steps=-1, limit_val_batches=2)
         trainer.fit(Logs())
     finally:
         restore()
@@ -217,3 +222,26 @@ def test_in_a_fit_the_rung_shows_lagged_values_switches_off_and_on_and_leaves_ex
     assert trainer.progress_bar_metrics["loss"] == exact[0] and trainer.progress_bar_metrics["twice_step"] == exact[1]
     assert handles[0].changes and "up to 2 steps late" in handles[0].changes[0]
 
+
+
+def test_the_trials_scratch_collection_in_the_fit_loops_place_is_converted_too():
+    """Trials log into a scratch collection put where the fit loop keeps its own: the rung's change is
+    what the trials time."""
+    seen: list[dict] = []
+    trainer = _trainer([], max_steps=1)
+
+    class Trial(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            with compat.lightning_trial_logging(trainer, pl_module) as log:
+                assert log is not None
+                log.batch(torch.zeros(4, 6))
+                pl_module.log("trial_loss", torch.tensor(0.5), prog_bar=True)
+                log.step_done()
+
+    trainer.callbacks.append(Trial())
+    restore = compat.lightning_step_progress_bar(trainer, lambda values: seen.append(dict(values)) or {})
+    try:
+        trainer.fit(Logs())
+    finally:
+        restore()
+    assert seen[0].keys() == {"trial_loss"} and isinstance(seen[0]["trial_loss"], torch.Tensor)

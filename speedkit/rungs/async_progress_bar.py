@@ -79,7 +79,7 @@ class AsyncProgressBarRung(Rung):
         trainer = state.step.trainer  # type: ignore[attr-defined]
         handle = Handle(self.name)
         lagged = LaggedScalars(self.options.lag)
-        restore = [compat.lightning_step_progress_bar(lagged.convert)]
+        restore = [compat.lightning_step_progress_bar(trainer, lagged.convert)]
 
         def off() -> None:
             restore.pop()()
@@ -87,7 +87,7 @@ class AsyncProgressBarRung(Rung):
             lagged.latest.clear()
 
         def on() -> None:
-            restore.append(compat.lightning_step_progress_bar(lagged.convert))
+            restore.append(compat.lightning_step_progress_bar(trainer, lagged.convert))
 
         def finish() -> None:
             """The fit's last values read exactly into the bar's dict (names its own steps set)."""
