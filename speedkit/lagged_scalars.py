@@ -57,13 +57,14 @@ class LaggedScalars:
         self.pending: dict[str, collections.deque[Copy]] = collections.defaultdict(collections.deque)
         self.latest: dict[str, float | int | bool] = {}
         self.source: dict[str, torch.Tensor] = {}  # the tensor each name's newest copy was started from
-        self.reads = 0  # values handed out
+        self.reads = 0  # values asked for (copied or read at once)
         self.waits = 0  # copies waited for because more than `lag` were outstanding
 
     def read(self, name: str, value: torch.Tensor) -> float | int | bool | None:
         """The newest finished value of ``name`` after starting a copy of ``value`` (once per tensor:
         Lightning reads the same step's values again for the bar); None while no copy of ``name`` has
         finished yet. A value on another device than ``devices`` is read at once."""
+        self.reads += 1
         if value.device.type not in self.devices:
             self.latest[name] = value.item()
             return self.latest[name]
@@ -71,25 +72,28 @@ class LaggedScalars:
         if not _same(self.source.get(name), value):  # read again within a step (the bar after the loop): no new copy
             self.source[name] = value
             queue.append(self.start_copy(value))
-        while queue and queue[0][1]():
-            self.latest[name] = queue.popleft()[0].item()
-        while len(queue) > self.lag:
-            host, _, wait = queue.popleft()
-            wait()
-            self.waits += 1
-            self.latest[name] = host.item()
-        self.reads += 1
+        self.waits += self._drain(name, queue, self.lag)
         return self.latest.get(name)
 
     def flush(self) -> dict[str, float | int | bool]:
         """Wait for every outstanding copy; the exact latest value of every name."""
         for name, queue in self.pending.items():
-            while queue:
-                host, _, wait = queue.popleft()
-                wait()
-                self.latest[name] = host.item()
+            self._drain(name, queue, 0)
         self.source.clear()
         return dict(self.latest)
+
+    def _drain(self, name: str, queue: collections.deque[Copy], keep: int) -> int:
+        """Take ``name``'s finished copies, then wait for the oldest until at most ``keep`` are
+        outstanding; how many were waited for."""
+        while queue and queue[0][1]():
+            self.latest[name] = queue.popleft()[0].item()
+        waited = 0
+        while len(queue) > keep:
+            host, _, wait = queue.popleft()
+            wait()
+            waited += 1
+            self.latest[name] = host.item()
+        return waited
 
     def convert(self, values: dict[str, Any]) -> dict[str, Any]:
         """``values`` with every one-element tensor read through :meth:`read`; names with no finished
