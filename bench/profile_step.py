@@ -48,6 +48,8 @@ CONFIGS = {
     "compile+ce/ma": BASE + [CE_ONLY, MA],
     "compile+graph/ma": BASE + [MA, "cuda_graph"],
     "compile+ce+graph/ma": BASE + [CE_ONLY, MA, "cuda_graph"],
+    "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],          # what recipes/gpt2-small-naive.yaml keeps
+    "recipe/cudnn": BASE + [CE_ONLY, CDT, "cuda_graph"],    # the same, SDPA restricted to cuDNN's attention
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
@@ -58,9 +60,9 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-def run_config(name: str, rungs: list, profile_steps: int = 5) -> None:
+def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14) -> None:
     torch.manual_seed(0)
-    cudnn_only = name.startswith("cudnn")
+    cudnn_only = "cudnn" in name
     torch.backends.cuda.enable_flash_sdp(not cudnn_only)
     torch.backends.cuda.enable_mem_efficient_sdp(not cudnn_only)
     torch.backends.cuda.enable_cudnn_sdp(True)
@@ -84,6 +86,7 @@ def run_config(name: str, rungs: list, profile_steps: int = 5) -> None:
     m = session.measure(step, warmup=5, steps=20, repeats=5)
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(profile_steps):
             step()
@@ -96,14 +99,15 @@ def run_config(name: str, rungs: list, profile_steps: int = 5) -> None:
             continue
         by_kind[kind(e.key)] += t / profile_steps / 1e3
         by_name[e.key] += t / profile_steps / 1e3
+        calls[e.key] += e.count / profile_steps
     busy = sum(by_kind.values())
     print(f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}", flush=True)
     print(f"   step {m.step_ms:.2f} ms ({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), kernels {busy:.2f} ms/step "
           f"({busy / m.step_ms:.0%} busy); first 3 steps (compile, tuning, capture) {first_s:.0f} s")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"   {k:10s} {v:7.2f} ms")
-    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
-        print(f"     {v:6.2f} ms  {k[:110]}")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"     {v:6.2f} ms {calls[k]:5.0f}x  {k[:110]}")
     applied.undo()
 
 
@@ -125,17 +129,43 @@ def sdpa_backends() -> None:
             print(f"   {backend.name:22s} unavailable: {str(e).splitlines()[0][:100]}")
 
 
+def gemm_floor() -> None:
+    """The step's GEMMs alone, bf16 on cuBLAS: forward, input gradient and weight gradient of each
+    linear layer (x12 for the blocks), the language-model head, and their sum: the GEMM time no
+    fusion elsewhere can take away."""
+    tokens, d = BATCH * SEQ, 768
+    layers = [("qkv", d, 3 * d, 12), ("proj", d, d, 12), ("fc", d, 4 * d, 12), ("fc2", 4 * d, d, 12), ("head", d, VOCAB, 1)]
+    print("\n== GEMMs alone, bf16, tokens 16384: fwd / dgrad / wgrad ms (TFLOP/s)")
+    total = 0.0
+    for name, k, n, times in layers:
+        x = torch.randn(tokens, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        gy = torch.randn(tokens, n, device=DEV, dtype=torch.bfloat16)
+        flops = 2 * tokens * k * n
+        parts = []
+        for what, fn in (("fwd", lambda: x @ w.t()), ("dgrad", lambda: gy @ w), ("wgrad", lambda: gy.t() @ x)):
+            ms = sorted(MeasureSession(DEV).window_times(fn, warmup=5, steps=20, repeats=5))[2]
+            parts.append(f"{what} {ms:.3f} ({flops / ms / 1e9:.0f})")
+            total += ms * times
+        print(f"   {name:5s} {k}x{n} x{times}: " + ", ".join(parts))
+    print(f"   all GEMMs of a step: {total:.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--gemms", action="store_true", help="time the step's GEMM shapes alone (bf16, cuBLAS)")
+    ap.add_argument("--top", type=int, default=14, help="kernels listed per configuration")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if not args.no_sdpa:
         sdpa_backends()
+    if args.gemms:
+        gemm_floor()
     for name in args.configs.split(","):
         try:
-            run_config(name, CONFIGS[name])
+            run_config(name, CONFIGS[name], top=args.top)
         except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"\n== {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         gc.collect()
