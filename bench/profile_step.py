@@ -50,6 +50,7 @@ CONFIGS = {
     "compile+ce+graph/ma": BASE + [CE_ONLY, MA, "cuda_graph"],
     "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],          # what recipes/gpt2-small-naive.yaml keeps
     "recipe/cudnn": BASE + [CE_ONLY, CDT, "cuda_graph"],    # the same, SDPA restricted to cuDNN's attention
+    "recipe/ma": BASE + [CE_ONLY, MA, "cuda_graph"],        # the recipe with max-autotune instead of coordinate descent
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
@@ -60,7 +61,7 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14) -> None:
+def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, ops: bool = False) -> None:
     torch.manual_seed(0)
     cudnn_only = "cudnn" in name
     torch.backends.cuda.enable_flash_sdp(not cudnn_only)
@@ -87,10 +88,17 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14) ->
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
     calls: dict[str, float] = defaultdict(float)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if ops else [])
+    with torch.profiler.profile(activities=activities, record_shapes=ops) as prof:
         for _ in range(profile_steps):
             step()
         torch.cuda.synchronize()
+    if ops:  # which host ops launch the kernels (a graph replay shows none: profile without cuda_graph)
+        print(f"\n== {name}: host ops by their own device time per step (calls per step, input shapes)")
+        rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == torch.autograd.DeviceType.CPU]
+        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
+            print(f"     {e.self_device_time_total / profile_steps / 1e3:6.2f} ms {e.count / profile_steps:5.0f}x  "
+                  f"{e.key[:60]}  {str(e.input_shapes)[:90]}")
     for e in prof.key_averages():
         t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if t <= 0 or e.key.startswith("ProfilerStep"):
@@ -156,6 +164,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--gemms", action="store_true", help="time the step's GEMM shapes alone (bf16, cuBLAS)")
+    ap.add_argument("--ops", action="store_true", help="also list the host ops that launch the kernels")
     ap.add_argument("--top", type=int, default=14, help="kernels listed per configuration")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -165,7 +174,7 @@ def main() -> None:
         gemm_floor()
     for name in args.configs.split(","):
         try:
-            run_config(name, CONFIGS[name], top=args.top)
+            run_config(name, CONFIGS[name], top=args.top, ops=args.ops)
         except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"\n== {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         gc.collect()
