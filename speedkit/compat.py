@@ -622,6 +622,18 @@ def lightning_restart_train_iterator(trainer: Any) -> list[Any]:
     return list(previous)
 
 
+def lightning_wrap_train_iterators(trainer: Any, wrap: Any) -> bool:
+    """Replace each live train iterator of the fit loop (its ``CombinedLoader``'s, made by
+    ``setup_data``) by ``wrap(iterator)``, in place: the epoch goes on from where it is. False where
+    there is none (before ``setup_data``, or Lightning's internals moved)."""
+    live = getattr(getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None), "_iterator", None)
+    iterators = getattr(live, "iterators", None)
+    if not iterators:
+        return False
+    live.iterators = [wrap(it) for it in iterators]
+    return True
+
+
 def lightning_first_epoch_pending(trainer: Any) -> bool:
     """The fit has not fetched a train batch yet and runs its first epoch (a resumed fit or a
     restarted loop is not one whose first iterator can be recreated as it was made)."""

@@ -23,7 +23,8 @@ from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.errors import ConfigError
 from speedkit.ladder import Ladder
 from speedkit.lightning import SpeedLadder
-from speedkit.rungs.data_path import DataPathRung, DataPathSource, overridden_transfer_hooks
+from speedkit.rungs import data_path
+from speedkit.rungs.data_path import DataPathRung, DataPathSource, Plan, overridden_transfer_hooks
 from speedkit.state import TrainState
 
 CPU = torch.device("cpu")
@@ -213,6 +214,50 @@ def test_on_cpu_the_prefetcher_is_a_passthrough_of_the_same_batches():
         DevicePrefetcher(iter([]), CPU, lookahead=2)
 
 
+def test_a_prefetcher_pulls_one_batch_ahead_and_no_more_than_its_limit():
+    pulled: list[int] = []
+
+    def counted(n: int):
+        for i in range(n):
+            pulled.append(i)
+            yield i
+
+    ahead = DevicePrefetcher(counted(6), CPU, lookahead=1)
+    assert next(ahead) == 0 and pulled == [0, 1]  # the next batch pulled while this one is used
+    capped = DevicePrefetcher(counted(6), CPU, lookahead=1, limit=3)
+    pulled.clear()
+    assert list(capped) == [0, 1, 2] and pulled == [0, 1, 2] and capped.pulled == 3
+    pulled.clear()
+    assert list(DevicePrefetcher(counted(6), CPU, lookahead=0, limit=0)) == [] and pulled == []
+    with pytest.raises(ValueError, match="limit"):
+        DevicePrefetcher(iter([]), CPU, limit=-1)
+
+
+def test_prefetching_reads_into_the_next_epoch_only_when_the_loop_asks_for_it():
+    """Making an epoch's iterator draws its shuffle (and its workers' base seed) from the global RNG,
+    which the step draws from too (dropout): the next epoch is shuffled as in the plain loop only if
+    its iterator is made after the last step of the epoch before, not one batch ahead of it."""
+    loader = _loader("global_rng")  # 12 batches per epoch
+
+    def run(batches) -> list[list[int]]:
+        torch.manual_seed(5)
+        seen, it = [], batches()
+        for _ in range(30):  # two and a half epochs
+            seen.append(next(it)[0].tolist())
+            torch.rand(())  # the step's own draw
+        return seen
+
+    def plain():
+        while True:
+            yield from loader
+
+    source = DataPathSource(BatchSource(loader, CPU), Plan(None, True, 1, []))
+    want = run(plain)
+    assert run(source.iterator) == want
+    # a single prefetcher over the chained epochs makes the next epoch's iterator a step early: another shuffle
+    assert run(lambda: DevicePrefetcher(source.host_batches(), CPU, lookahead=1)) != want
+
+
 # -- the rung -------------------------------------------------------------------------------------
 
 
@@ -328,12 +373,14 @@ class Seen(pl.Callback):
         self.seen: list[list[int]] = []
         self.draws: list[float] = []
         self.made_by: set[int] = set()
+        self.values: list[list[float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         index, x, worker = batch
         self.seen.append(index.tolist())
         self.draws.append(torch.rand(()).item())
         self.made_by.update(worker.tolist())
+        self.values.append(x.sum(dim=1).tolist())
 
 
 def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
@@ -395,6 +442,57 @@ def test_a_seeded_shuffle_moves_from_no_workers_to_workers_exactly(mode, loader,
     assert fast.seen == plain.seen and plain.seen[:per_epoch] != plain.seen[per_epoch:]
     assert torch.equal(fast.generator_state, plain.generator_state)
     assert fast.draws == plain.draws
+
+
+class Augmented(Indexed):
+    """Draws from its worker's RNG per sample, as augmentations do: with persistent workers, how many
+    batches a worker made in one epoch decides what it draws in the next."""
+
+    def __getitem__(self, i: int):
+        index, _, worker = super().__getitem__(i)
+        return index, torch.rand(4), worker
+
+
+class AugmentedModel(Model):
+    def train_dataloader(self):
+        return DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+
+
+@pytest.mark.parametrize("limit, capped", [(3, True), (3, False), (1.0, True)], ids=["cut-capped", "cut-not-capped", "whole"])
+def test_persistent_workers_make_and_draw_what_they_would_without_prefetching(limit, capped, monkeypatch):
+    """The user's own loader, prefetched, with persistent workers whose samples draw random numbers.
+    Cut short (``limit_train_batches``), an epoch takes that many batches and the prefetcher pulls no
+    more, so the workers make as many batches as without it and draw the same numbers next epoch.
+    The first epoch's iterator, which Lightning made, is prefetched as it is (made again, its
+    persistent workers restarted, the fit lost that epoch). Prefetching is forced on the CPU here
+    (the same pull schedule, nothing copied)."""
+    make_plan = DataPathRung._make_plan
+
+    def prefetching(self, *args, **kwargs):
+        return dataclasses.replace(make_plan(self, *args, **kwargs), prefetch=True, lookahead=1)
+
+    monkeypatch.setattr(DataPathRung, "_make_plan", prefetching)
+    if not capped:  # what the fit read before the cap: one batch more per epoch than Lightning took
+        monkeypatch.setattr(data_path, "epoch_batches", lambda trainer: None)
+
+    def fit(callbacks) -> Seen:
+        pl.seed_everything(0, verbose=False)
+        seen = Seen()
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=3, limit_train_batches=limit, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             callbacks=[*callbacks, seen])
+        trainer.fit(AugmentedModel("global_rng", 2, True))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep"}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("fit: the train loop iterates" in c for c in changes)
+    assert any("first epoch's iterator, which Lightning made, prefetched as it is" in c for c in changes), changes
+    assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
+    assert plain.made_by == fast.made_by == {0, 1}
+    assert (fast.values == plain.values) == capped
 
 
 def test_stop_at_length_reads_no_further_than_the_sampler_length():

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speedkit.data.ring import BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_batches, slot_bytes_for
-from speedkit.data.source import batch_leaves
+from speedkit.data.ring import (BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_epoch, slot_bytes_for,
+                                stop_ring_workers)
+from speedkit.data.source import batch_leaves, chain_epochs
 from speedkit.rungs.data_path import DataPathOptions, plan_ring
 from test_data_path_gpu import Item, Pair  # the nested batch types the GPU prefetch tests use
 
@@ -93,7 +94,7 @@ def test_a_handoff_loaders_workers_pack_every_batch_and_two_epochs_read_back_in_
     assert handoff.pin_memory is False and isinstance(handoff.collate_fn, RingCollate)
     assert handoff.collate_fn.collate_fn is loader.collate_fn and loader.collate_fn is not handoff.collate_fn
     torch.manual_seed(0)
-    got, it = [], ring_batches(handoff, ring)
+    got, it = [], chain_epochs(lambda: ring_epoch(handoff, ring))
     for _ in range(12):  # two epochs of 6 batches (the last one short)
         packed = next(it)
         assert isinstance(packed, Packed)
@@ -101,6 +102,7 @@ def test_a_handoff_loaders_workers_pack_every_batch_and_two_epochs_read_back_in_
         got[-1] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in got[-1].items()}
         ring.release(packed.slot)  # what the prefetcher does once the copy is done
     it.close()
+    stop_ring_workers(handoff)
     torch.manual_seed(0)
     loader.generator.manual_seed(5)
     want = [b for _ in range(2) for b in loader]
@@ -226,7 +228,7 @@ def test_a_worker_skips_a_slot_still_read_and_a_later_claim_is_never_freed_early
     assert ring.free.tolist()[3:] == [0, 0, 1] and ring.recovered == 1  # e's slot freed; h's (a later turn) kept
     assert _same(ring.take(h), _batch(6))
     ring.reset()
-    assert ring.free.tolist() == [1] * 6 and ring.owner.tolist() == [-1] * 6 and not ring.held and ring.last_turn == [-1, -1]
+    assert ring.free.tolist() == [1] * 6 and ring.claim.tolist() == [-1] * 6 and not ring.held and ring.last_turn == [-1, -1]
 
 
 class Streamed(torch.utils.data.IterableDataset):

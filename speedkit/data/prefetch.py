@@ -8,14 +8,19 @@ allocator never hands its memory to another copy while the step still reads it. 
 (lists, tuples, named tuples, dicts, dataclasses) move recursively; other leaves are left as they
 are. Host batches are pulled on the caller's thread, in order, ``lookahead`` ahead of the one handed
 out: 1 overlaps the next copy with the current step; 0 pulls nothing early (for loaders that make
-batches in the caller's process, where pulling early would move its RNG draws).
+batches in the caller's process, where pulling early would move its RNG draws). ``limit`` caps the
+host batches pulled: a loop that stops after ``limit`` batches then leaves the loader exactly as
+deep as it would without the prefetcher (a persistent worker's RNG, a shuffle's generator).
 
 The background thread waits for each copy to finish before the batch is handed out, so a loader
-that refills one pinned buffer is never read after it moved on. On a CPU device the prefetcher is a
-passthrough: the same batches, the same objects.
+that refills one pinned buffer is never read after it moved on. On a CPU device nothing is copied:
+the same batch objects, pulled on the same schedule.
 
-:class:`PrefetchingLoader` is an iterable over a loader that prefetches each epoch this way and
-otherwise looks like the loader (its length, sampler, dataset): what a Lightning fit iterates.
+A prefetcher serves one epoch. :class:`PrefetchingLoader` is an iterable over a loader that
+prefetches each epoch this way and otherwise looks like the loader (its length, sampler, dataset):
+what a Lightning fit iterates. Never reading into the next epoch early matters: making an epoch's
+iterator draws its shuffle and its workers' seeds from the generators or the global RNG, which the
+step itself may draw from (dropout), so it must happen after the last step of the epoch before.
 """
 
 from __future__ import annotations
@@ -76,15 +81,21 @@ class DevicePrefetcher(Iterator[Any]):
         device: where they go; a CPU device makes this a passthrough.
         lookahead: host batches pulled ahead of the one handed out (0 or 1).
         times: collects each batch's copy time (ms).
+        ring: the shared memory a handoff loader's workers pack their batches into.
+        limit: host batches pulled at most (None: until ``batches`` ends).
     """
 
     def __init__(self, batches: Iterator[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None) -> None:
         if lookahead not in (0, 1):
             raise ValueError(f"lookahead must be 0 or 1, found {lookahead!r}")
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be None or an integer >= 0, found {limit!r}")
         self.batches = batches
         self.device = resolve_device(device)
         self.lookahead = lookahead
+        self.limit = limit
+        self.pulled = 0  # host batches pulled from ``batches``
         self.times = times if times is not None else TransferTimes()
         self.ring = ring
         self.cuda = self.device.type == "cuda"
@@ -101,19 +112,18 @@ class DevicePrefetcher(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        if not self.cuda:
-            return next(self.batches)
         if not self._pending:
             self._stage()
         if not self._pending:
             self.close()
             raise StopIteration
         batch, done = self._pending.popleft().result()
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(done)
-        for t in batch_leaves(batch):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                t.record_stream(current)
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            for t in batch_leaves(batch):
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(current)
         while len(self._pending) < self.lookahead and not self._exhausted:
             self._stage()
         return batch
@@ -121,11 +131,20 @@ class DevicePrefetcher(Iterator[Any]):
     def _stage(self) -> None:
         """Pull the next host batch (on this thread) and start its copy: here when its memory is pinned
         already (a ring slot, a pinning loader's batch), else on the background thread, which pins it."""
+        if self.limit is not None and self.pulled >= self.limit:
+            self._exhausted = True
+            return
         self._settle()  # before pulling: a loader may refill the buffer a copy issued here read
         try:
             host = next(self.batches)
         except StopIteration:
             self._exhausted = True
+            return
+        self.pulled += 1
+        if not self.cuda:  # nothing to copy: the batch itself, on the same pull schedule
+            here: Future[tuple[Any, Any]] = Future()
+            here.set_result((host, None))
+            self._pending.append(here)
             return
         slot = None
         if isinstance(host, Packed):
@@ -194,21 +213,21 @@ class DevicePrefetcher(Iterator[Any]):
 
 
 class PrefetchingLoader:
-    """An iterable over ``loader`` whose every epoch is a :class:`DevicePrefetcher`; anything else
+    """An iterable over ``loader`` whose every epoch is a :class:`DevicePrefetcher` (pulling at most
+    ``limit`` batches: where the loop stops an epoch early, it is told how early); anything else
     (``len``, ``sampler``, ``batch_sampler``, ``dataset``, ...) is the loader's."""
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None) -> None:
         self.loader = loader
         self.device = resolve_device(device)
         self.lookahead = lookahead
         self.times = times if times is not None else TransferTimes()
         self.ring = ring
+        self.limit = limit
         self._live: DevicePrefetcher | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type != "cuda":
-            return iter(self.loader)
         batches: Iterator[Any]
         if self.ring is not None:
             if self._live is not None:  # the last epoch's workers stop before the slots are reset
@@ -216,7 +235,13 @@ class PrefetchingLoader:
             batches = ring_epoch(self.loader, self.ring)
         else:
             batches = iterate_with_threads_kept(self.loader)
-        self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring)
+        return self.prefetch(batches)
+
+    def prefetch(self, batches: Iterator[Any]) -> DevicePrefetcher:
+        """One epoch's ``batches`` (an iterator of the loader made elsewhere: the first epoch's, which
+        Lightning made before speedkit bound this loader), prefetched as every epoch is here."""
+        self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring,
+                                      limit=self.limit)
         return self._live
 
     def close(self) -> None:
@@ -231,7 +256,7 @@ class PrefetchingLoader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "device", "lookahead", "times", "ring", "_live"):
+        if name in ("loader", "device", "lookahead", "times", "ring", "limit", "_live"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 

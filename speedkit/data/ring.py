@@ -38,7 +38,6 @@ import torch
 from speedkit import compat
 from speedkit.data.loader import iterate_with_threads_kept
 from speedkit.data.source import batch_leaves, map_batch
-from speedkit.errors import ConfigError
 
 #: byte alignment of each tensor in a slot (any dtype may view it)
 ALIGN = 256
@@ -111,9 +110,10 @@ class BatchRing:
         self.workers, self.slots_per_worker, self.slot_bytes = workers, slots_per_worker, _aligned(slot_bytes)
         self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
         self.memory = torch.empty(workers * slots_per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
-        self.free = torch.ones(workers * slots_per_worker, dtype=torch.int32).share_memory_()
-        #: the turn that claimed each slot (-1: none since the last reset)
-        self.owner = torch.full((workers * slots_per_worker,), -1, dtype=torch.int64).share_memory_()
+        #: per slot, the turn of the worker's claim on it, or -1 where it is free: one word, written by one
+        #: store, so a reader never sees a claim without its turn (no ordering between two stores to trust:
+        #: x86 keeps stores in order, ARM does not)
+        self.claim = torch.full((workers * slots_per_worker,), -1, dtype=torch.int64).share_memory_()
         self.turn = [0] * workers  # each worker process advances its own copy
         self.registered = False
         self.fallbacks = 0  # batches this process sent the usual way (counted in the worker that did)
@@ -121,6 +121,11 @@ class BatchRing:
         self.held: set[int] = set()
         self.last_turn = [-1] * workers
         self.recovered = 0  # slots freed because the batch in them was dropped unread
+
+    @property
+    def free(self) -> torch.Tensor:
+        """1 for each free slot, 0 for each claimed one."""
+        return (self.claim < 0).int()
 
     @property
     def nbytes(self) -> int:
@@ -152,8 +157,7 @@ class BatchRing:
             if not self._wait_free(slot):
                 self.fallbacks += 1
                 return batch
-        self.owner[slot] = turn  # before the slot reads as claimed: take() never frees a fresh claim by its old turn
-        self.free[slot] = 0
+        self.claim[slot] = turn  # claimed, with the turn that claimed it, in one store (see ``claim``)
         self.turn[worker] = turn + 1
         base, used = slot * self.slot_bytes, [0]
 
@@ -175,13 +179,13 @@ class BatchRing:
         start = self.turn[worker]
         for turn in range(start, start + self.slots_per_worker):
             slot = self._slot(worker, turn)
-            if int(self.free[slot]):
+            if int(self.claim[slot]) < 0:
                 return turn, slot
         return start, None
 
     def _wait_free(self, slot: int) -> bool:
         deadline = self.clock() + self.wait_s
-        while int(self.free[slot]) == 0:
+        while int(self.claim[slot]) >= 0:
             if self.clock() >= deadline:
                 return False
             self.sleep(0.0002)
@@ -200,10 +204,11 @@ class BatchRing:
         worker = packed.slot // self.slots_per_worker
         if packed.turn > self.last_turn[worker] + 1:  # turns were skipped or their batches dropped
             for slot in range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker):
-                # free is read before owner: the worker writes owner first, so a claim in progress shows its new turn
-                if slot != packed.slot and slot not in self.held and int(self.free[slot]) == 0 \
-                        and int(self.owner[slot]) < packed.turn:
-                    self.free[slot] = 1
+                # read once: a claim the worker makes meanwhile is of a later turn; one of an earlier turn is
+                # not free, so the worker cannot be claiming that slot while it is freed here
+                turn = int(self.claim[slot])
+                if slot != packed.slot and slot not in self.held and 0 <= turn < packed.turn:
+                    self.claim[slot] = -1
                     self.recovered += 1
         self.last_turn[worker] = packed.turn
         self.held.add(packed.slot)
@@ -217,15 +222,14 @@ class BatchRing:
 
     def release(self, slot: int) -> None:
         """The batch in ``slot`` was read (its copy is done): its worker may write the slot again."""
-        self.free[slot] = 1
+        self.claim[slot] = -1
         self.held.discard(slot)
 
     def reset(self) -> None:
         """Before new workers start (their turns count from 0), with no copy from the ring pending (the
         prefetcher waits for its copies before it pulls a batch and when it closes): every slot free
         (batches the last workers packed but nobody took leave their slots claimed)."""
-        self.free.fill_(1)
-        self.owner.fill_(-1)
+        self.claim.fill_(-1)
         self.held.clear()
         self.last_turn = [-1] * self.workers
 
@@ -291,24 +295,5 @@ def stop_ring_workers(loader: Any) -> None:
     compat.shutdown_workers(loader)
 
 
-def ring_batches(loader: Any, ring: BatchRing) -> Iterator[Any]:
-    """The batches of a :func:`handoff_loader`, epoch after epoch (each a :func:`ring_epoch`); persistent
-    workers stop when this generator is closed."""
-    try:
-        while True:
-            empty = True
-            epoch = ring_epoch(loader, ring)
-            try:
-                for batch in epoch:
-                    empty = False
-                    yield batch
-            finally:
-                epoch.close()
-            if empty:
-                raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
-    finally:
-        stop_ring_workers(loader)
-
-
-__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "persistent", "ring_batches",
+__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "persistent",
            "ring_epoch", "slot_bytes_for", "stop_ring_workers"]

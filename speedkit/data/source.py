@@ -94,11 +94,24 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def chain_epochs(make_epoch: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """Batches epoch after epoch, each epoch's iterator made by ``make_epoch()`` when its first batch
+    is asked for (not before the last batch of the epoch before is handed out); an epoch without a
+    batch is a one-line error rather than an endless loop."""
+    while True:
+        empty = True
+        for batch in make_epoch():
+            empty = False
+            yield batch
+        if empty:
+            raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+
+
 class BatchSource:
     """Batches for the training step: host batches from ``loader``, moved by :meth:`to_device`.
 
-    Subclasses override :meth:`to_device` (how a host batch reaches the device) or
-    :meth:`host_batches` (where host batches come from). Args:
+    Subclasses override :meth:`to_device` (how a host batch reaches the device) or :meth:`epoch`
+    (where one epoch of host batches comes from). Args:
         loader: any iterable of batches (a DataLoader, a list).
         device: where the step runs.
     """
@@ -109,15 +122,13 @@ class BatchSource:
         #: what the trials iterate: the loader, or a copy of it that leaves its live iterator alone
         self.iterable = compat.trial_loader(loader)
 
+    def epoch(self) -> Iterator[Any]:
+        """One epoch of host batches: a fresh iterator of the loader, made when this is called."""
+        return iter(self.iterable)
+
     def host_batches(self) -> Iterator[Any]:
         """Host batches forever: the loader is iterated again (a new epoch) when it runs out."""
-        while True:
-            empty = True
-            for batch in self.iterable:
-                empty = False
-                yield batch
-            if empty:
-                raise ConfigError("data", "the train loader yielded no batch; check the dataset length and batch size")
+        return chain_epochs(self.epoch)
 
     def to_device(self, batch: Any) -> Any:
         return move_to_device(batch, self.device, non_blocking=True)
@@ -162,6 +173,9 @@ class SourceWrapper(BatchSource):
     def __init__(self, inner: BatchSource) -> None:
         self.inner = inner
         self.loader, self.device, self.iterable = inner.loader, inner.device, inner.iterable
+
+    def epoch(self) -> Iterator[Any]:
+        return self.inner.epoch()
 
     def host_batches(self) -> Iterator[Any]:
         return self.inner.host_batches()

@@ -267,9 +267,10 @@ class LightningSource(BatchSource):
         self.trainer = trainer
         self.module = module
 
-    def host_batches(self) -> Iterator[Any]:
-        for item in super().host_batches():
-            yield item[0] if self._combined else item  # CombinedLoader yields (batch, batch_idx, dataloader_idx)
+    def epoch(self) -> Iterator[Any]:
+        items = super().epoch()
+        # a CombinedLoader yields (batch, batch_idx, dataloader_idx)
+        return (item[0] for item in items) if self._combined else items
 
     def to_device(self, batch: Any) -> Any:
         batch = compat.lightning_before_batch_transfer(self.trainer, self.module, batch)

@@ -43,7 +43,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any, Literal
 
 import torch
@@ -64,8 +64,8 @@ from speedkit.data.loader import (
     worker_count_blocker,
 )
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
-from speedkit.data.ring import BatchRing, handoff_loader, ring_batches, slot_bytes_for
-from speedkit.data.source import BatchSource, SourceWrapper
+from speedkit.data.ring import BatchRing, handoff_loader, ring_epoch, slot_bytes_for, stop_ring_workers
+from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
 
@@ -119,6 +119,14 @@ class Plan:
         return self.choice.settings if self.choice is not None and self.choice.changed else None
 
 
+def epoch_batches(trainer: Any) -> int | None:
+    """The batches a Lightning fit takes from its train loader per epoch (``num_training_batches``:
+    its length, or fewer under ``limit_train_batches``), or None where it is not known in advance.
+    The fit loop stops there without asking for another, so the prefetcher pulls no further."""
+    n = getattr(trainer, "num_training_batches", None)
+    return n if isinstance(n, int) and n >= 0 else None
+
+
 def _lightning_parts(source: Any) -> tuple[Any, Any]:
     """The Trainer and LightningModule a (wrapped) Lightning source serves, else (None, None)."""
     while source is not None:
@@ -160,27 +168,53 @@ class DataPathSource(SourceWrapper):
         self.waits: deque[float] = deque(maxlen=512)
         self.fit_times: TransferTimes | None = None
         self._trial_ring: BatchRing | None = None
-        self._live: DevicePrefetcher | None = None  # the trials' prefetcher reading the ring
+        self._live: Generator[Any, None, None] | None = None  # the batches of the live iterator reading the ring
         if self.rebuilt is not None:  # the trials' workers stop with this source at the latest
             weakref.finalize(self, compat.shutdown_workers, self.rebuilt)
 
+    def epoch(self) -> Iterator[Any]:
+        return iter(self.rebuilt) if self.rebuilt is not None else self.inner.epoch()
+
     def host_batches(self) -> Iterator[Any]:
-        return BatchSource.host_batches(self) if self.rebuilt is not None else self.inner.host_batches()
+        return BatchSource.host_batches(self)
 
     def iterator(self) -> Iterator[Any]:
         if not self.plan.prefetch:
             return self._timed(self.host_batches())
         ring = None
         if self.plan.ring is not None and self.rebuilt is not None:
-            if self._live is not None:  # the last trial's workers stop before the ring is reset
+            if self._live is not None:  # the last iterator's workers stop before the ring is reset
                 self._live.close()
             if self._trial_ring is None:
                 self._trial_ring = make_ring(self.plan.ring)
             ring = self._trial_ring
-        host = ring_batches(handoff_loader(self.rebuilt, ring), ring) if ring is not None else self.host_batches()
-        prefetcher = DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times, ring=ring)
-        self._live = prefetcher if ring is not None else None
-        return self._timed(prefetcher)
+        batches = self._prefetched_epochs(ring)
+        self._live = batches if ring is not None else None
+        return self._timed(batches)
+
+    def _prefetched_epochs(self, ring: BatchRing | None) -> Generator[Any, None, None]:
+        """Device batches epoch after epoch, one prefetcher per epoch, made when the loop asks for
+        the epoch's first batch: the lookahead never reads into the next epoch, whose iterator (its
+        shuffle, its workers' seeds: draws from the generators or the global RNG, which the step may
+        draw from too) is made after the last step of the epoch before, as in the loop without
+        speedkit. Closing this generator stops the epoch's copies and the ring's workers."""
+        handoff = handoff_loader(self.rebuilt, ring) if ring is not None else None
+        live: list[DevicePrefetcher] = []
+
+        def one_epoch() -> DevicePrefetcher:
+            if live:
+                live.pop().close()
+            host = ring_epoch(handoff, ring) if ring is not None else self.epoch()
+            live.append(DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times, ring=ring))
+            return live[-1]
+
+        try:
+            yield from chain_epochs(one_epoch)
+        finally:
+            if live:
+                live.pop().close()
+            if handoff is not None:
+                stop_ring_workers(handoff)
 
     def release_ring(self) -> None:
         """Stop the trials' reading of the ring and unpin it."""
@@ -259,7 +293,8 @@ class DataPathSource(SourceWrapper):
                 self.release_ring()  # the trials' ring: their workers stopped, their memory unpinned
                 ring = make_ring(self.plan.ring)
             served = PrefetchingLoader(handoff_loader(fit_loader, ring) if ring is not None else fit_loader, self.device,
-                                       lookahead=self.plan.lookahead, times=self.fit_times, ring=ring)
+                                       lookahead=self.plan.lookahead, times=self.fit_times, ring=ring,
+                                       limit=epoch_batches(trainer))
         compat.lightning_set_train_loaders(trainer, [served])
 
         def put_back() -> None:
@@ -282,20 +317,28 @@ class DataPathSource(SourceWrapper):
         handle.record(f"fit: the train loop iterates {what}"
                       + (f", each batch copied to {self.device} on a side stream while the step before runs"
                          if self.plan.prefetch else ""), put_back)
-        handle.record(f"fit: {self._first_epoch(trainer, original, fit_loader)}")
+        handle.record(f"fit: {self._first_epoch(trainer, original, fit_loader, served)}")
         handle.report = lambda: [line for line in self.report_lines() if line.startswith("fit:")]
         return handle
 
-    def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any) -> str:
+    def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any, served: Any) -> str:
         """Lightning created the first epoch's iterator from ``original`` before the trials; make it
         again from ``fit_loader``, from the RNG and generator states recorded right before Lightning
         made it, so it draws the same base seed and shuffle. Afterwards the RNGs must be where the
         fit would have them at its first batch: put back where they are now when both loaders draw
         at the same moments (both with workers or both without), else left where the new iterator
-        leaves them, which is exact when nothing drew between Lightning's creation and now."""
+        leaves them, which is exact when nothing drew between Lightning's creation and now.
+
+        Where the loader is the user's own (only prefetched), the iterator Lightning made is
+        prefetched as it is instead: making it again would restart a persistent-workers loader's
+        live iterator, whose workers already made (and drew random numbers for) its first batches."""
         later = "the first epoch runs on the iterator Lightning made; the rebuilt loader serves from the next epoch on"
         if not compat.lightning_first_epoch_pending(trainer):
             return f"{later} (the fit already fetched a batch, or resumes)"
+        if fit_loader is original:
+            if isinstance(served, PrefetchingLoader) and compat.lightning_wrap_train_iterators(trainer, served.prefetch):
+                return "the first epoch's iterator, which Lightning made, prefetched as it is"
+            return "the first epoch runs on the iterator Lightning made; prefetching starts with the next epoch"
         start = fit_iterator_start(trainer)
         if start is None or start.after is None or len(start.loaders) != 1 or start.loaders[0] is not original:
             return f"{later} (the states it was made from were not recorded: SpeedLadder records them from on_fit_start)"
