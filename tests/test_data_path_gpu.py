@@ -102,6 +102,36 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
     assert fast.made_by == {0, 1}
 
 
+@pytest.mark.parametrize("limit", [3, 1.0], ids=["cut", "whole"])
+@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), ("auto", "made again")], ids=["users-loader", "pinned-copy"])
+def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_would(limit, pin, first):
+    """Persistent workers whose samples draw random numbers, the worker count kept: the user's own
+    loader only prefetched (its first-epoch iterator, which Lightning made, prefetched as it is), or a
+    pinned copy (that iterator made again). An epoch cut by ``limit_train_batches`` pulls no further
+    than Lightning takes, so every sample, augmentation and draw is what the fit without speedkit sees."""
+    import lightning.pytorch as pl
+    from test_data_path import AugmentedModel, Seen
+
+    from speedkit.lightning import SpeedLadder
+
+    def fit(callbacks) -> Seen:
+        pl.seed_everything(0, verbose=False)
+        seen = Seen()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_train_batches=limit, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+        trainer.fit(AugmentedModel("global_rng", 2, True))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("side stream" in c for c in changes) and any(first in c for c in changes), changes
+    assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
+    assert fast.values == plain.values and fast.made_by == {0, 1}
+
+
 class _Images(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 37
