@@ -103,11 +103,12 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
 
 
 @pytest.mark.parametrize("limit", [3, 1.0], ids=["cut", "whole"])
-@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), ("auto", "made again")], ids=["users-loader", "pinned-copy"])
+@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), (True, "made again")], ids=["users-loader", "pinned-copy"])
 def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_would(limit, pin, first):
     """Persistent workers whose samples draw random numbers, the worker count kept: the user's own
     loader only prefetched (its first-epoch iterator, which Lightning made, prefetched as it is), or a
-    pinned copy (that iterator made again). An epoch cut by ``limit_train_batches`` pulls no further
+    copy of it pinned (asked for: "auto" keeps the user's loader where pinning measures no faster),
+    whose first-epoch iterator is made again. An epoch cut by ``limit_train_batches`` pulls no further
     than Lightning takes, so every sample, augmentation and draw is what the fit without speedkit sees."""
     import lightning.pytorch as pl
     from test_data_path import AugmentedModel, Seen
