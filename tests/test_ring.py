@@ -109,6 +109,23 @@ def test_a_handoff_loaders_workers_pack_every_batch_and_two_epochs_read_back_in_
     assert len(want) == 12 and all(_same(a, b) for a, b in zip(got, want))
 
 
+def test_a_ring_epoch_draws_its_shuffle_when_it_is_made_not_at_its_first_batch():
+    """A fit makes its first epoch's iterator again from restored RNG states, then puts the RNGs back:
+    the epoch's shuffle (from the global RNG here) must be drawn at that moment."""
+    loader = DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2)
+    ring = BatchRing(workers=2, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 15 * 4 + 4 * 8))
+    handoff = handoff_loader(loader, ring)
+    torch.manual_seed(0)
+    epoch = ring_epoch(handoff, ring)
+    torch.rand(8)  # the RNG moves on before the first batch is asked for
+    got = []
+    for packed in epoch:
+        got.append(ring.host_batch(packed)["y"].tolist())
+        ring.release(packed.slot)
+    torch.manual_seed(0)
+    assert got == [b["y"].tolist() for b in loader] and len(got) == 6
+
+
 def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
     from speedkit.data.loader import Choice, LoaderSettings
 

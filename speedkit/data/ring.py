@@ -277,12 +277,17 @@ def persistent(loader: Any) -> bool:
 
 
 def ring_epoch(loader: Any, ring: BatchRing) -> Iterator[Any]:
-    """One epoch of a :func:`handoff_loader`. Where its workers start afresh, every slot is free first,
-    and they stop when the epoch ends or this generator is closed. Persistent workers that already run
-    go on into the next epoch (see :func:`stop_ring_workers`)."""
+    """One epoch of a :func:`handoff_loader`, its iterator made now (as ``iter(loader)`` would: the
+    shuffle and the workers' seeds are drawn from the RNGs as they are at this call, not at the first
+    batch). Where its workers start afresh, every slot is free first, and they stop when the epoch
+    ends or the returned generator is closed. Persistent workers that already run go on into the next
+    epoch (see :func:`stop_ring_workers`)."""
     if not persistent(loader) or not compat.has_live_iterator(loader):
         ring.reset()
-    it = iterate_with_threads_kept(loader)
+    return _epoch_then_stop(loader, iterate_with_threads_kept(loader))
+
+
+def _epoch_then_stop(loader: Any, it: Iterator[Any]) -> Iterator[Any]:
     try:
         yield from it
     finally:
