@@ -276,23 +276,29 @@ def persistent(loader: Any) -> bool:
     return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
 
 
-def ring_epoch(loader: Any, ring: BatchRing) -> Iterator[Any]:
+def ring_epoch(loader: Any, ring: BatchRing) -> RingEpoch:
     """One epoch of a :func:`handoff_loader`, its iterator made now (as ``iter(loader)`` would: the
     shuffle and the workers' seeds are drawn from the RNGs as they are at this call, not at the first
-    batch). Where its workers start afresh, every slot is free first, and they stop when the epoch
-    ends or the returned generator is closed. Persistent workers that already run go on into the next
-    epoch (see :func:`stop_ring_workers`)."""
+    batch). Where its workers start afresh, every slot is free first."""
     if not persistent(loader) or not compat.has_live_iterator(loader):
         ring.reset()
-    return _epoch_then_stop(loader, iterate_with_threads_kept(loader))
+    return RingEpoch(loader, iterate_with_threads_kept(loader))
 
 
-def _epoch_then_stop(loader: Any, it: Iterator[Any]) -> Iterator[Any]:
-    try:
-        yield from it
-    finally:
-        if not persistent(loader):
-            compat.shutdown_iterator(it)
+class RingEpoch(Iterator[Any]):
+    """The batches of one epoch of a handoff loader. :meth:`close` stops its workers, whether or not
+    a batch was read (they started with the epoch); persistent workers that already run go on into
+    the next epoch (see :func:`stop_ring_workers`)."""
+
+    def __init__(self, loader: Any, it: Iterator[Any]) -> None:
+        self.loader, self.it = loader, it
+
+    def __next__(self) -> Any:
+        return next(self.it)
+
+    def close(self) -> None:
+        if not persistent(self.loader):
+            compat.shutdown_iterator(self.it)
 
 
 def stop_ring_workers(loader: Any) -> None:
@@ -300,5 +306,5 @@ def stop_ring_workers(loader: Any) -> None:
     compat.shutdown_workers(loader)
 
 
-__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingLeaf", "handoff_loader", "packable", "persistent",
+__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingEpoch", "RingLeaf", "handoff_loader", "packable", "persistent",
            "ring_epoch", "slot_bytes_for", "stop_ring_workers"]
