@@ -78,7 +78,7 @@ class DevicePrefetcher(Iterator[Any]):
 
     Args:
         batches: host batches.
-        device: where they go; a CPU device makes this a passthrough.
+        device: where they go; on a CPU device nothing is copied (the same batch objects, on the same schedule).
         lookahead: host batches pulled ahead of the one handed out (0 or 1).
         times: collects each batch's copy time (ms).
         ring: the shared memory a handoff loader's workers pack their batches into.
