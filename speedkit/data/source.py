@@ -177,9 +177,6 @@ class SourceWrapper(BatchSource):
     def epoch(self) -> Iterator[Any]:
         return self.inner.epoch()
 
-    def host_batches(self) -> Iterator[Any]:
-        return self.inner.host_batches()
-
     def to_device(self, batch: Any) -> Any:
         return self.inner.to_device(batch)
 

@@ -63,8 +63,8 @@ from speedkit.data.loader import (
     training_cpus,
     worker_count_blocker,
 )
-from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader, TransferTimes
-from speedkit.data.ring import BatchRing, handoff_loader, ring_epoch, slot_bytes_for, stop_ring_workers
+from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
+from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
@@ -117,6 +117,16 @@ class Plan:
     @property
     def rebuild(self) -> LoaderSettings | None:
         return self.choice.settings if self.choice is not None and self.choice.changed else None
+
+
+class _Epochs:
+    """An iterable whose every iterator is one epoch of ``source`` (:meth:`BatchSource.epoch`)."""
+
+    def __init__(self, source: BatchSource) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.source.epoch()
 
 
 def epoch_batches(trainer: Any) -> int | None:
@@ -175,9 +185,6 @@ class DataPathSource(SourceWrapper):
     def epoch(self) -> Iterator[Any]:
         return iter(self.rebuilt) if self.rebuilt is not None else self.inner.epoch()
 
-    def host_batches(self) -> Iterator[Any]:
-        return BatchSource.host_batches(self)
-
     def iterator(self) -> Iterator[Any]:
         if not self.plan.prefetch:
             return self._timed(self.host_batches())
@@ -193,28 +200,18 @@ class DataPathSource(SourceWrapper):
         return self._timed(batches)
 
     def _prefetched_epochs(self, ring: BatchRing | None) -> Generator[Any, None, None]:
-        """Device batches epoch after epoch, one prefetcher per epoch, made when the loop asks for
-        the epoch's first batch: the lookahead never reads into the next epoch, whose iterator (its
-        shuffle, its workers' seeds: draws from the generators or the global RNG, which the step may
-        draw from too) is made after the last step of the epoch before, as in the loop without
-        speedkit. Closing this generator stops the epoch's copies and the ring's workers."""
-        handoff = handoff_loader(self.rebuilt, ring) if ring is not None else None
-        live: list[DevicePrefetcher] = []
-
-        def one_epoch() -> DevicePrefetcher:
-            if live:
-                live.pop().close()
-            host = ring_epoch(handoff, ring) if ring is not None else self.epoch()
-            live.append(DevicePrefetcher(host, self.device, lookahead=self.plan.lookahead, times=self.times, ring=ring))
-            return live[-1]
-
+        """Device batches epoch after epoch, each epoch prefetched as a fit's is (a
+        :class:`PrefetchingLoader`) and made when the loop asks for its first batch: the lookahead
+        never reads into the next epoch, whose iterator (its shuffle, its workers' seeds: draws from
+        the generators or the global RNG, which the step may draw from too) is made after the last
+        step of the epoch before, as in the loop without speedkit. Closing this generator stops the
+        epoch's copies and the ring's workers."""
+        served = PrefetchingLoader(handoff_loader(self.rebuilt, ring) if ring is not None else _Epochs(self), self.device,
+                                   lookahead=self.plan.lookahead, times=self.times, ring=ring)
         try:
-            yield from chain_epochs(one_epoch)
+            yield from chain_epochs(served.__iter__)
         finally:
-            if live:
-                live.pop().close()
-            if handoff is not None:
-                stop_ring_workers(handoff)
+            served.close()
 
     def release_ring(self) -> None:
         """Stop the trials' reading of the ring and unpin it."""
