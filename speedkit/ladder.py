@@ -42,6 +42,7 @@ import torch
 from speedkit import compat, config
 from speedkit.data.source import count_items
 from speedkit.errors import first_line
+from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
@@ -161,6 +162,8 @@ class Ladder:
                  recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
                  host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None) -> None:
         self.state = state
+        if state.device.type == "cuda":  # the ladder makes CUDA events and streams: keep forked workers off them
+            protect_forked_children()
         self.rungs = list(rungs)
         self.cfg = measure if isinstance(measure, MeasureConfig) else MeasureConfig.from_dict(measure)
         self.recipe = recipe

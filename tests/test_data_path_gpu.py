@@ -130,7 +130,7 @@ def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_wo
     changes = ladder.applied_changes["data_path"]
     assert any("side stream" in c for c in changes) and any(first in c for c in changes), changes
     assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
-    assert fast.values == plain.values and fast.made_by == {0, 1}
+    assert fast.values == plain.values and fast.made_by == {0, 1}, changes
 
 
 class _Images(torch.utils.data.Dataset):

@@ -36,6 +36,7 @@ import torch
 from speedkit.data.loader import iterate_with_threads_kept
 from speedkit.data.ring import BatchRing, Packed, ring_epoch, stop_ring_workers
 from speedkit.data.source import batch_leaves, map_batch, move_to_device
+from speedkit.fork_safety import protect_forked_children
 
 
 class TransferTimes:
@@ -99,6 +100,8 @@ class DevicePrefetcher(Iterator[Any]):
         self.times = times if times is not None else TransferTimes()
         self.ring = ring
         self.cuda = self.device.type == "cuda"
+        if self.cuda:  # its copy events must not be freed by a worker forked later (see fork_safety)
+            protect_forked_children()
         self._pending: collections.deque[Future[tuple[Any, Any]]] = collections.deque()
         #: copies issued on this thread, not yet waited for: (start, done, host batch, ring slot or None)
         self._issued: collections.deque[tuple[Any, Any, Any, int | None]] = collections.deque()

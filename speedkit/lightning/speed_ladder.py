@@ -37,6 +37,7 @@ from typing_extensions import override
 from speedkit import config
 from speedkit import rungs as rung_registry
 from speedkit.data.loader import watch_fit_iterator_start
+from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
 from speedkit.ladder import Ladder, MeasureConfig
 from speedkit.lightning.step import LightningSource, LightningStep
@@ -307,6 +308,11 @@ class SpeedLadder(Callback):
                 errors.append(exc)
         if self._ladder is not None:
             self._ladder.slots = []
+        # what the trials made (sources, prefetchers, sessions: CUDA events among them) is let go of
+        # here and freed in this process, not by a DataLoader worker forked later (fork_safety)
+        self._ladder = None
+        if torch.cuda.is_initialized():
+            collect_garbage()
         if errors:
             raise errors[0]
 
