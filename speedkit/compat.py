@@ -600,6 +600,30 @@ def watch_train_iterator_start(trainer: Any, before: Callable[[list[Any]], None]
     return remove
 
 
+def lightning_watch_train_reload(trainer: Any, on_reload: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``on_reload()`` each time ``trainer``'s fit loop makes a new train loader and its
+    iterator (``reload_dataloaders_every_n_epochs``: ``setup_data`` at an epoch's start, before
+    ``on_train_epoch_start``); returns the function that removes the watch, or None where
+    Lightning's internals moved. The watch is an instance attribute wrapping ``setup_data``."""
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is None or not callable(getattr(type(loop), "setup_data", None)) or not hasattr(loop, "_combined_loader"):
+        return None
+
+    def setup_data() -> None:
+        before = loop._combined_loader
+        type(loop).setup_data(loop)
+        if before is not None and loop._combined_loader is not before:
+            on_reload()
+
+    loop.setup_data = setup_data
+
+    def remove() -> None:
+        if loop.__dict__.get("setup_data") is setup_data:
+            del loop.setup_data
+
+    return remove
+
+
 def lightning_train_loaders(trainer: Any) -> list[Any] | None:
     """The train loaders the fit loop iterates (its ``CombinedLoader``'s flattened list), or None
     before ``setup_data`` or where the internals moved."""

@@ -495,6 +495,103 @@ def test_persistent_workers_make_and_draw_what_they_would_without_prefetching(li
     assert (fast.values == plain.values) == capped
 
 
+class _Pulls:
+    """Counts the host batches every DevicePrefetcher made during a test pulls."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.made: list[DevicePrefetcher] = []
+        init = DevicePrefetcher.__init__
+
+        def counting(prefetcher, *args, **kwargs):
+            init(prefetcher, *args, **kwargs)
+            self.made.append(prefetcher)
+
+        monkeypatch.setattr(DevicePrefetcher, "__init__", counting)
+
+    @property
+    def pulled(self) -> int:
+        return sum(p.pulled for p in self.made)
+
+
+class _SeenPerBatch(Seen):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.workers = [*getattr(self, "workers", []), sorted(set(batch[2].tolist()))]
+
+
+@pytest.mark.parametrize("every, workers, model", [
+    (1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers")],
+    ids=["every-epoch-prefetched-persistent", "every-2-epochs-0->2-workers", "every-epoch-0->2-workers"])
+def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, workers, model, monkeypatch):
+    """``reload_dataloaders_every_n_epochs``: Lightning makes a new train loader at those epochs'
+    start. Each is served like the first (rebuilt, prefetched), every batch of every epoch
+    prefetched, and the fit sees what it sees without speedkit (samples, draws, augmentations).
+    Before, the fit iterated the reloaded loaders as Lightning made them, unprefetched, its report
+    still saying the train loop iterated the rebuilt loader."""
+    make_plan = DataPathRung._make_plan
+    monkeypatch.setattr(DataPathRung, "_make_plan",
+                        lambda self, *a, **k: dataclasses.replace(make_plan(self, *a, **k), prefetch=True, lookahead=1))
+    pulls = _Pulls(monkeypatch)
+    epochs = 5
+
+    def fit(callbacks) -> _SeenPerBatch:
+        pl.seed_everything(0, verbose=False)
+        seen = _SeenPerBatch()
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, reload_dataloaders_every_n_epochs=every, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+        trainer.fit(AugmentedModel("global_rng", 2, True) if model == "persistent-augmented" else Model("global_rng", 0, False))
+        return seen
+
+    plain = fit([])
+    assert not pulls.made
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": workers}}])
+    fast = fit([ladder])
+    per_epoch = len(plain.seen) // epochs
+    assert per_epoch == 12
+    assert fast.seen == plain.seen and fast.draws == plain.draws and fast.values == plain.values
+    assert pulls.pulled == len(plain.seen)  # every batch of every epoch prefetched, none beyond
+    changes = ladder.applied_changes["data_path"]
+    assert any("each train loader the fit reloads (reload_dataloaders_every_n_epochs) is served the same way" in c
+               for c in changes), changes
+    if workers == 2:  # every epoch made by the rebuilt copy's workers, reloads included
+        for e in range(epochs):
+            made_by = set().union(*map(set, fast.workers[e * per_epoch:(e + 1) * per_epoch]))
+            assert made_by == {0, 1}, (e, made_by)
+    assert ladder.handles == []
+
+
+def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_made_it(monkeypatch):
+    """Serving a reloaded loader fails: the fit goes on, on the loader Lightning made, and says why."""
+    serve = DataPathSource._serve
+    calls = []
+
+    def failing(self, trainer, original):
+        calls.append(original)
+        if len(calls) > 1:
+            raise RuntimeError("no room")
+        return serve(self, trainer, original)
+
+    monkeypatch.setattr(DataPathSource, "_serve", failing)
+
+    def fit(callbacks) -> Seen:
+        pl.seed_everything(0, verbose=False)
+        seen = Seen()
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=3, reload_dataloaders_every_n_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+        trainer.fit(Model("global_rng", 0, False))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 2}}])
+    with pytest.warns(UserWarning, match="serving the reloaded train loader failed"):
+        fast = fit([ladder])
+    assert fast.seen == plain.seen and fast.draws == plain.draws and len(plain.seen) == 36
+    assert any("serving the reloaded train loader failed (RuntimeError: no room)" in c for c in ladder.applied_changes["data_path"])
+    assert fast.made_by == {-1, 0, 1} and ladder.handles == []
+
+
 def test_stop_at_length_reads_no_further_than_the_sampler_length():
     from torch.utils.data import RandomSampler
 

@@ -95,6 +95,7 @@ class SpeedLadder(Callback):
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
+        self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
 
     @property
     def state_key(self) -> str:
@@ -232,6 +233,7 @@ class SpeedLadder(Callback):
             if handle is not None:
                 self.handles.append(handle)
                 self.applied_changes.setdefault(handle.rung, []).extend(handle.changes)
+                self._bound.append((handle, len(handle.changes)))
                 for change in handle.changes:
                     self.on_event(change if change.startswith("fit: ") else f"fit: {change}")
 
@@ -300,6 +302,11 @@ class SpeedLadder(Callback):
         rank_zero_warn(f"speedkit: rung {rung.name!r} not applied: {reason}", category=UserWarning)
 
     def _undo_all(self) -> None:
+        bound, self._bound = self._bound, []
+        for handle, reported in bound:  # what a binding did during the fit (e.g. a reloaded loader served)
+            for change in handle.changes[reported:]:
+                self.applied_changes.setdefault(handle.rung, []).append(change)
+                self.on_event(change)
         errors = []
         while self.handles:
             try:

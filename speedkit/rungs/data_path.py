@@ -31,7 +31,8 @@ step's thread then waited for.
 In a Lightning fit the kept rung binds itself (:meth:`DataPathSource.bind_fit`): the fit loop
 iterates the rebuilt loader, prefetched, and its first epoch's iterator — which Lightning made
 before the trials — is made again from the RNG and generator states Lightning made it from, so the
-fit sees the same samples in the same order as without speedkit.
+fit sees the same samples in the same order as without speedkit. A fit that reloads its train
+loader (``reload_dataloaders_every_n_epochs``) has each new loader served the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
@@ -163,6 +165,53 @@ def overridden_transfer_hooks(source: Any) -> list[str]:
     return found
 
 
+@dataclasses.dataclass
+class _Serving:
+    """What a fit's train loop iterates in place of the user's loader: ``original`` (the user's),
+    ``fit_loader`` (its rebuilt copy, or ``original``), ``served`` (what the loop iterates: the
+    prefetching loader, or ``fit_loader``) and the ring its workers write into."""
+
+    original: Any
+    fit_loader: Any
+    served: Any
+    ring: BatchRing | None
+    settings: LoaderSettings | None
+    stop_at_length: bool
+    prefetch: bool
+    device: torch.device
+    reloads: int = 0
+
+    def describe(self) -> str:
+        what = (f"a copy of the user's DataLoader with {self.settings.describe()}" if self.settings is not None
+                else "the user's DataLoader")
+        if self.stop_at_length:
+            what += (" (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
+                     "so its generator draws the same shuffles)")
+        if self.ring is not None:
+            what += f", its workers writing each batch into {describe_ring(self.ring)}"
+        if self.prefetch:
+            what += f", each batch copied to {self.device} on a side stream while the step before runs"
+        return what
+
+    def replace(self, other: _Serving) -> None:
+        for field in ("original", "fit_loader", "served", "ring", "settings", "stop_at_length"):
+            setattr(self, field, getattr(other, field))
+
+    def close(self, trainer: Any, *, put_back: bool = True) -> None:
+        """Stop serving: the user's loader back in the loop (``put_back``), the prefetcher closed,
+        the ring unpinned, the workers of the rebuilt loader and of the user's stopped."""
+        if put_back and compat.lightning_train_loaders(trainer) == [self.served]:
+            compat.lightning_set_train_loaders(trainer, [self.original])
+        if isinstance(self.served, PrefetchingLoader):
+            self.served.close()
+        if self.ring is not None:
+            self.ring.close()
+        if self.fit_loader is not self.original:
+            compat.shutdown_workers(self.fit_loader)
+        if put_back:
+            compat.shutdown_workers(self.original)
+
+
 class DataPathSource(SourceWrapper):
     """The batches of ``inner`` from the rebuilt loader (if any), prefetched to the device (if so);
     Lightning's transfer hooks (``inner.to_device``) still run on each; parity batches, generators,
@@ -266,9 +315,11 @@ class DataPathSource(SourceWrapper):
 
     # -- the Lightning fit ---------------------------------------------------------------------
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
-        """Make the fit loop iterate the rebuilt loader, prefetched, its first epoch's iterator made
-        again from the states Lightning made it from (see :meth:`_first_epoch`). The handle puts the
-        user's loader back and stops the rebuilt loader's workers."""
+        """Make the fit loop iterate the rebuilt loader (or the user's), prefetched; the first
+        epoch's iterator made again from the states Lightning made it from (see :meth:`_first_epoch`).
+        A fit that reloads its train loader (``reload_dataloaders_every_n_epochs``) gets each new
+        loader served the same way (see :meth:`_reloaded`). The handle puts the user's loader back
+        and stops the rebuilt loader's workers."""
         loaders = compat.lightning_train_loaders(trainer)
         if loaders is None:
             raise RuntimeError("the fit loop has no train loader set up (Lightning's internals moved?)")
@@ -277,46 +328,72 @@ class DataPathSource(SourceWrapper):
         settings = self.plan.rebuild
         if settings is None and not self.plan.prefetch:
             return None
-        original = loaders[0]
+        if self.plan.prefetch:
+            self.fit_times = TransferTimes()
+            self.release_ring()  # the trials' ring: their workers stopped, their memory unpinned
+        serving = self._serve(trainer, loaders[0])
+        handle = Handle("data_path")
+        unwatch = compat.lightning_watch_train_reload(trainer, lambda: self._reloaded(trainer, serving, handle)) \
+            if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) else None
+
+        def put_back() -> None:
+            if unwatch is not None:
+                unwatch()
+            serving.close(trainer)
+
+        handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
+        handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
+        if unwatch is None and getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
+            handle.record(f"fit: reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}, but its "
+                          "reloads cannot be watched (Lightning's internals moved?): from the first reload on, the "
+                          "fit iterates the new loader as Lightning makes it")
+        handle.report = lambda: [line for line in self.report_lines() if line.startswith("fit:")]
+        return handle
+
+    def _serve(self, trainer: Any, original: Any) -> _Serving:
+        """Make the fit loop iterate ``original`` rebuilt with the plan's settings and prefetched
+        (each from its next ``iter()`` on)."""
+        settings = self.plan.rebuild
         stop = settings is not None and needs_stop_at_length(original, settings.num_workers)
         fit_loader = rebuild_loader(original, **dataclasses.asdict(settings), stop_at_length=stop) if settings is not None \
             else original
         served: Any = fit_loader
-        handle = Handle("data_path")
         ring = None
         if self.plan.prefetch:
-            self.fit_times = TransferTimes()
             if self.plan.ring is not None and settings is not None and settings.num_workers > 0:
-                self.release_ring()  # the trials' ring: their workers stopped, their memory unpinned
                 ring = make_ring(self.plan.ring)
             served = PrefetchingLoader(handoff_loader(fit_loader, ring) if ring is not None else fit_loader, self.device,
                                        lookahead=self.plan.lookahead, times=self.fit_times, ring=ring,
                                        limit=epoch_batches(trainer))
         compat.lightning_set_train_loaders(trainer, [served])
+        return _Serving(original, fit_loader, served, ring, settings, stop, self.plan.prefetch, self.device)
 
-        def put_back() -> None:
-            if compat.lightning_train_loaders(trainer) == [served]:
-                compat.lightning_set_train_loaders(trainer, [original])
-            if isinstance(served, PrefetchingLoader):
-                served.close()
-            if ring is not None:
-                ring.close()
-            if fit_loader is not original:
-                compat.shutdown_workers(fit_loader)
-            compat.shutdown_workers(original)
-
-        what = f"a copy of the user's DataLoader with {settings.describe()}" if settings is not None else "the user's DataLoader"
-        if stop:
-            what += (" (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
-                     "so its generator draws the same shuffles)")
-        if ring is not None:
-            what += f", its workers writing each batch into {describe_ring(ring)}"
-        handle.record(f"fit: the train loop iterates {what}"
-                      + (f", each batch copied to {self.device} on a side stream while the step before runs"
-                         if self.plan.prefetch else ""), put_back)
-        handle.record(f"fit: {self._first_epoch(trainer, original, fit_loader, served)}")
-        handle.report = lambda: [line for line in self.report_lines() if line.startswith("fit:")]
-        return handle
+    def _reloaded(self, trainer: Any, serving: _Serving, handle: Handle) -> None:
+        """The fit loop made a new train loader (``reload_dataloaders_every_n_epochs``): stop
+        serving the last one and serve the new one, rebuilt and prefetched. The iterator of it that
+        ``setup_data`` made is not the epoch's: past the first epoch, the epoch loop makes the
+        epoch's iterator again when it starts (``iter(data_fetcher)``), from the served loader, at
+        the moment it would without speedkit (the rebuilt loader draws its shuffle from the same
+        sampler and generators)."""
+        loaders = compat.lightning_train_loaders(trainer)
+        serving.close(trainer, put_back=False)
+        if loaders is None or len(loaders) != 1:
+            serving.served = serving.fit_loader = serving.original = None
+            handle.record("fit: the reloaded train loaders are several (or none): iterated as Lightning makes them")
+            return
+        try:
+            serving.replace(self._serve(trainer, loaders[0]))
+        except Exception as exc:  # the fit goes on with the loader as Lightning made it
+            compat.lightning_set_train_loaders(trainer, loaders)
+            serving.served = serving.fit_loader = serving.original = loaders[0]
+            serving.ring = None
+            line = f"fit: serving the reloaded train loader failed ({type(exc).__name__}: {exc}); iterated as Lightning makes it"
+            handle.record(line)
+            warnings.warn(f"speedkit: data_path {line}", UserWarning, stacklevel=2)
+            return
+        serving.reloads += 1
+        if serving.reloads == 1:
+            handle.record("fit: each train loader the fit reloads (reload_dataloaders_every_n_epochs) is served the same way")
 
     def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any, served: Any) -> str:
         """Lightning created the first epoch's iterator from ``original`` before the trials; make it
