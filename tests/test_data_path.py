@@ -520,8 +520,9 @@ class _SeenPerBatch(Seen):
 
 
 @pytest.mark.parametrize("every, workers, model", [
-    (1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers")],
-    ids=["every-epoch-prefetched-persistent", "every-2-epochs-0->2-workers", "every-epoch-0->2-workers"])
+    (1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers"), (1, 2, "persistent-1-worker")],
+    ids=["every-epoch-prefetched-persistent", "every-2-epochs-0->2-workers", "every-epoch-0->2-workers",
+         "every-epoch-persistent-1->2-workers"])
 def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, workers, model, monkeypatch):
     """``reload_dataloaders_every_n_epochs``: Lightning makes a new train loader at those epochs'
     start. Each is served like the first (rebuilt, prefetched), every batch of every epoch
@@ -540,7 +541,8 @@ def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, 
         trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, reload_dataloaders_every_n_epochs=every, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-        trainer.fit(AugmentedModel("global_rng", 2, True) if model == "persistent-augmented" else Model("global_rng", 0, False))
+        trainer.fit({"persistent-augmented": AugmentedModel("global_rng", 2, True), "no-workers": Model("global_rng", 0, False),
+                     "persistent-1-worker": Model("global_rng", 1, True)}[model])
         return seen
 
     plain = fit([])

@@ -188,3 +188,33 @@ def test_batches_through_the_ring_reach_the_device_unchanged_over_epochs(persist
     # batch after its last one), every copy waited for and its slot freed
     assert served.times.via_ring == len(got) + (1 if persistent else 0) and bool(ring.free.all()) and not ring.registered
     assert ring.recovered > 0 if persistent else ring.recovered == 0
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["users-loader", "pinned-copy"])
+def test_a_cuda_fit_that_reloads_its_train_loader_is_served_after_each_reload(pin):
+    """``reload_dataloaders_every_n_epochs=1`` on CUDA, persistent workers whose samples draw random
+    numbers: each reloaded loader is served like the first (prefetched; the pinned copy through a new
+    ring), and the fit sees every sample, draw and augmentation it sees without speedkit."""
+    import lightning.pytorch as pl
+    from test_data_path import AugmentedModel, Seen
+
+    from speedkit.lightning import SpeedLadder
+
+    def fit(callbacks) -> Seen:
+        pl.seed_everything(0, verbose=False)
+        seen = Seen()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, reload_dataloaders_every_n_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+        trainer.fit(AugmentedModel("global_rng", 2, True))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("is served the same way" in c for c in changes), changes
+    assert any("ring of shared pinned memory" in c for c in changes) == pin, changes
+    assert len(plain.seen) == 36 and fast.seen == plain.seen and fast.draws == plain.draws
+    assert fast.values == plain.values and fast.made_by == {0, 1}, changes
+    assert ladder.handles == []

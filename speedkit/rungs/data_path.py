@@ -45,7 +45,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Literal
 
 import torch
@@ -63,10 +63,11 @@ from speedkit.data.loader import (
     not_rebuildable,
     rebuild_loader,
     training_cpus,
+    watch_fit_iterator_start,
     worker_count_blocker,
 )
 from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
-from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
+from speedkit.data.ring import BatchRing, handoff_loader, persistent, slot_bytes_for
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.state import TrainState
@@ -333,16 +334,20 @@ class DataPathSource(SourceWrapper):
             self.release_ring()  # the trials' ring: their workers stopped, their memory unpinned
         serving = self._serve(trainer, loaders[0])
         handle = Handle("data_path")
-        unwatch = compat.lightning_watch_train_reload(trainer, lambda: self._reloaded(trainer, serving, handle)) \
-            if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) else None
+        watches: list[Callable[[], None]] = []
 
         def put_back() -> None:
-            if unwatch is not None:
-                unwatch()
+            while watches:
+                watches.pop()()
             serving.close(trainer)
 
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
+        unwatch = None
+        if getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
+            unwatch = compat.lightning_watch_train_reload(trainer, lambda: self._reloaded(trainer, serving, handle))
+            if unwatch is not None:  # and the states each reload's iterator is made from (see _reloaded)
+                watches += [unwatch, watch_fit_iterator_start(trainer)]
         if unwatch is None and getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
             handle.record(f"fit: reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}, but its "
                           "reloads cannot be watched (Lightning's internals moved?): from the first reload on, the "
@@ -394,6 +399,13 @@ class DataPathSource(SourceWrapper):
         serving.reloads += 1
         if serving.reloads == 1:
             handle.record("fit: each train loader the fit reloads (reload_dataloaders_every_n_epochs) is served the same way")
+        if persistent(serving.original) and serving.fit_loader is not serving.original:
+            # the epoch loop resets the persistent iterator setup_data made (drawing only the shuffle);
+            # a first iterator of the copy would draw its workers' base seed too: make it now instead
+            problem = self._make_again(trainer, serving.original, serving.fit_loader)
+            if problem is not None and serving.reloads == 1:
+                handle.record(f"fit: a reloaded loader's persistent workers were not made again ({problem}): its copy "
+                              "draws its workers' seeds where the fit without speedkit does not")
 
     def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any, served: Any) -> str:
         """Lightning created the first epoch's iterator from ``original`` before the trials; make it
@@ -413,14 +425,25 @@ class DataPathSource(SourceWrapper):
             if isinstance(served, PrefetchingLoader) and compat.lightning_wrap_train_iterators(trainer, served.prefetch):
                 return "the first epoch's iterator, which Lightning made, prefetched as it is"
             return "the first epoch runs on the iterator Lightning made; prefetching starts with the next epoch"
+        problem = self._make_again(trainer, original, fit_loader)
+        if problem is not None:
+            return f"{later} ({problem})"
+        return "the first epoch's iterator made again from the RNG and generator states Lightning made it from"
+
+    @staticmethod
+    def _make_again(trainer: Any, original: Any, fit_loader: Any) -> str | None:
+        """Make the fit loop's train iterator again, now from the loader it iterates, from the RNG and
+        generator states recorded right before Lightning made it from ``original`` (then put back
+        where they are now, where both loaders draw at the same moments); stop ``original``'s
+        workers. None when done, else why not (nothing changed)."""
         start = fit_iterator_start(trainer)
         if start is None or start.after is None or len(start.loaders) != 1 or start.loaders[0] is not original:
-            return f"{later} (the states it was made from were not recorded: SpeedLadder records them from on_fit_start)"
+            return "the states it was made from were not recorded: SpeedLadder records them from on_fit_start"
         now = RngStates.capture([g for g, _ in start.before.generators])
         same_moments = (getattr(original, "num_workers", 0) > 0) == (getattr(fit_loader, "num_workers", 0) > 0)
         if not same_moments and not now.same_as(start.after):
-            return (f"{later} (the RNGs were drawn from between its creation and the trials, and the new worker count "
-                    "draws the shuffle at another moment)")
+            return ("the RNGs were drawn from between its creation and the trials, and the new worker count "
+                    "draws the shuffle at another moment")
         start.before.restore()
         try:
             replaced = compat.lightning_restart_train_iterator(trainer)
@@ -432,7 +455,7 @@ class DataPathSource(SourceWrapper):
         for it in replaced:
             compat.shutdown_iterator(it)
         compat.shutdown_workers(original)  # a persistent-workers loader's live iterator
-        return "the first epoch's iterator made again from the RNG and generator states Lightning made it from"
+        return None
 
 
 def make_ring(spec: tuple[int, int, int]) -> BatchRing | None:
