@@ -102,14 +102,10 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
     assert fast.made_by == {0, 1}
 
 
-@pytest.mark.parametrize("limit", [3, 1.0], ids=["cut", "whole"])
-@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), (True, "made again")], ids=["users-loader", "pinned-copy"])
-def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_would(limit, pin, first):
-    """Persistent workers whose samples draw random numbers, the worker count kept: the user's own
-    loader only prefetched (its first-epoch iterator, which Lightning made, prefetched as it is), or a
-    copy of it pinned (asked for: "auto" keeps the user's loader where pinning measures no faster),
-    whose first-epoch iterator is made again. An epoch cut by ``limit_train_batches`` pulls no further
-    than Lightning takes, so every sample, augmentation and draw is what the fit without speedkit sees."""
+def _augmented_fits(pin: bool, **trainer_options):
+    """Three CUDA epochs of a loader with two persistent workers whose samples draw random numbers:
+    what the fit sees without speedkit and with the data_path rung (the worker count kept; ``pin``:
+    a pinned copy of the loader), and the SpeedLadder."""
     import lightning.pytorch as pl
     from test_data_path import AugmentedModel, Seen
 
@@ -118,15 +114,26 @@ def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_wo
     def fit(callbacks) -> Seen:
         pl.seed_everything(0, verbose=False)
         seen = Seen()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_train_batches=limit, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             callbacks=[*callbacks, seen], **trainer_options)
         trainer.fit(AugmentedModel("global_rng", 2, True))
         return seen
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
-    fast = fit([ladder])
+    return plain, fit([ladder]), ladder
+
+
+@pytest.mark.parametrize("limit", [3, 1.0], ids=["cut", "whole"])
+@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), (True, "made again")], ids=["users-loader", "pinned-copy"])
+def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_would(limit, pin, first):
+    """Persistent workers whose samples draw random numbers, the worker count kept: the user's own
+    loader only prefetched (its first-epoch iterator, which Lightning made, prefetched as it is), or a
+    copy of it pinned (asked for: "auto" keeps the user's loader where pinning measures no faster),
+    whose first-epoch iterator is made again. An epoch cut by ``limit_train_batches`` pulls no further
+    than Lightning takes, so every sample, augmentation and draw is what the fit without speedkit sees."""
+    plain, fast, ladder = _augmented_fits(pin, limit_train_batches=limit)
     changes = ladder.applied_changes["data_path"]
     assert any("side stream" in c for c in changes) and any(first in c for c in changes), changes
     assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
@@ -195,23 +202,7 @@ def test_a_cuda_fit_that_reloads_its_train_loader_is_served_after_each_reload(pi
     """``reload_dataloaders_every_n_epochs=1`` on CUDA, persistent workers whose samples draw random
     numbers: each reloaded loader is served like the first (prefetched; the pinned copy through a new
     ring), and the fit sees every sample, draw and augmentation it sees without speedkit."""
-    import lightning.pytorch as pl
-    from test_data_path import AugmentedModel, Seen
-
-    from speedkit.lightning import SpeedLadder
-
-    def fit(callbacks) -> Seen:
-        pl.seed_everything(0, verbose=False)
-        seen = Seen()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, reload_dataloaders_every_n_epochs=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-        trainer.fit(AugmentedModel("global_rng", 2, True))
-        return seen
-
-    plain = fit([])
-    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
-    fast = fit([ladder])
+    plain, fast, ladder = _augmented_fits(pin, reload_dataloaders_every_n_epochs=1)
     changes = ladder.applied_changes["data_path"]
     assert any("is served the same way" in c for c in changes), changes
     assert any("ring of shared pinned memory" in c for c in changes) == pin, changes
