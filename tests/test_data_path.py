@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import namedtuple
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -367,20 +368,48 @@ class Model(pl.LightningModule):
 
 class Seen(pl.Callback):
     """What every real training step sees (trial steps run training_step too, never this hook): the
-    sample indices, a draw from the global RNG, and which worker made the batch."""
+    sample indices, a draw from the global RNG, which workers made each batch (and all of them), and
+    the module fitted."""
 
     def __init__(self) -> None:
         self.seen: list[list[int]] = []
         self.draws: list[float] = []
-        self.made_by: set[int] = set()
+        self.workers: list[list[int]] = []
         self.values: list[list[float]] = []
+        self.module: pl.LightningModule | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         index, x, worker = batch
         self.seen.append(index.tolist())
         self.draws.append(torch.rand(()).item())
-        self.made_by.update(worker.tolist())
+        self.workers.append(sorted(set(worker.tolist())))
         self.values.append(x.sum(dim=1).tolist())
+
+    def on_fit_end(self, trainer, pl_module):
+        self.module = pl_module
+
+    @property
+    def made_by(self) -> set[int]:
+        return set().union(*map(set, self.workers))
+
+
+def fit_and_see(make_model: Callable[[], pl.LightningModule], callbacks: list, **trainer_options: Any) -> Seen:
+    """Fit ``make_model()`` from seed 0 (on the CPU for 2 epochs, unless ``trainer_options`` say
+    otherwise), nothing logged or saved: what its training steps saw."""
+    pl.seed_everything(0, verbose=False)
+    seen = Seen()
+    options = {"accelerator": "cpu", "max_epochs": 2, **trainer_options}
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=[*callbacks, seen], **options)
+    trainer.fit(make_model())
+    return seen
+
+
+def force_prefetch(monkeypatch) -> None:
+    """Prefetch one batch ahead on the CPU too (the same pull schedule as on CUDA, nothing copied)."""
+    make_plan = DataPathRung._make_plan
+    monkeypatch.setattr(DataPathRung, "_make_plan",
+                        lambda self, *a, **k: dataclasses.replace(make_plan(self, *a, **k), prefetch=True, lookahead=1))
 
 
 def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
@@ -394,13 +423,8 @@ def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
 
 
 def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **loader: Any) -> Seen:
-    pl.seed_everything(0, verbose=False)
-    seen = Seen()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-    model = Model(shuffle, workers, persistent, **loader)
-    trainer.fit(model)
-    seen.generator_state = model.generator.get_state() if model.generator is not None else None
+    seen = fit_and_see(lambda: Model(shuffle, workers, persistent, **loader), callbacks)
+    seen.generator_state = seen.module.generator.get_state() if seen.module.generator is not None else None
     return seen
 
 
@@ -466,23 +490,12 @@ def test_persistent_workers_make_and_draw_what_they_would_without_prefetching(li
     The first epoch's iterator, which Lightning made, is prefetched as it is (made again, its
     persistent workers restarted, the fit lost that epoch). Prefetching is forced on the CPU here
     (the same pull schedule, nothing copied)."""
-    make_plan = DataPathRung._make_plan
-
-    def prefetching(self, *args, **kwargs):
-        return dataclasses.replace(make_plan(self, *args, **kwargs), prefetch=True, lookahead=1)
-
-    monkeypatch.setattr(DataPathRung, "_make_plan", prefetching)
+    force_prefetch(monkeypatch)
     if not capped:  # what the fit read before the cap: one batch more per epoch than Lightning took
         monkeypatch.setattr(data_path, "epoch_batches", lambda trainer: None)
 
     def fit(callbacks) -> Seen:
-        pl.seed_everything(0, verbose=False)
-        seen = Seen()
-        trainer = pl.Trainer(accelerator="cpu", max_epochs=3, limit_train_batches=limit, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             callbacks=[*callbacks, seen])
-        trainer.fit(AugmentedModel("global_rng", 2, True))
-        return seen
+        return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, max_epochs=3, limit_train_batches=limit)
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep"}}])
@@ -513,12 +526,6 @@ class _Pulls:
         return sum(p.pulled for p in self.made)
 
 
-class _SeenPerBatch(Seen):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.workers = [*getattr(self, "workers", []), sorted(set(batch[2].tolist()))]
-
-
 @pytest.mark.parametrize("every, workers, model", [
     (1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers"), (1, 2, "persistent-1-worker")],
     ids=["every-epoch-prefetched-persistent", "every-2-epochs-0->2-workers", "every-epoch-0->2-workers",
@@ -529,21 +536,14 @@ def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, 
     prefetched, and the fit sees what it sees without speedkit (samples, draws, augmentations).
     Before, the fit iterated the reloaded loaders as Lightning made them, unprefetched, its report
     still saying the train loop iterated the rebuilt loader."""
-    make_plan = DataPathRung._make_plan
-    monkeypatch.setattr(DataPathRung, "_make_plan",
-                        lambda self, *a, **k: dataclasses.replace(make_plan(self, *a, **k), prefetch=True, lookahead=1))
+    force_prefetch(monkeypatch)
     pulls = _Pulls(monkeypatch)
     epochs = 5
+    make_model = {"persistent-augmented": lambda: AugmentedModel("global_rng", 2, True),
+                  "no-workers": lambda: Model("global_rng", 0, False), "persistent-1-worker": lambda: Model("global_rng", 1, True)}[model]
 
-    def fit(callbacks) -> _SeenPerBatch:
-        pl.seed_everything(0, verbose=False)
-        seen = _SeenPerBatch()
-        trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, reload_dataloaders_every_n_epochs=every, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-        trainer.fit({"persistent-augmented": AugmentedModel("global_rng", 2, True), "no-workers": Model("global_rng", 0, False),
-                     "persistent-1-worker": Model("global_rng", 1, True)}[model])
-        return seen
+    def fit(callbacks) -> Seen:
+        return fit_and_see(make_model, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=every)
 
     plain = fit([])
     assert not pulls.made
@@ -577,13 +577,7 @@ def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_
     monkeypatch.setattr(DataPathSource, "_serve", failing)
 
     def fit(callbacks) -> Seen:
-        pl.seed_everything(0, verbose=False)
-        seen = Seen()
-        trainer = pl.Trainer(accelerator="cpu", max_epochs=3, reload_dataloaders_every_n_epochs=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, callbacks=[*callbacks, seen])
-        trainer.fit(Model("global_rng", 0, False))
-        return seen
+        return fit_and_see(lambda: Model("global_rng", 0, False), callbacks, max_epochs=3, reload_dataloaders_every_n_epochs=1)
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 2}}])

@@ -106,19 +106,13 @@ def _augmented_fits(pin: bool, **trainer_options):
     """Three CUDA epochs of a loader with two persistent workers whose samples draw random numbers:
     what the fit sees without speedkit and with the data_path rung (the worker count kept; ``pin``:
     a pinned copy of the loader), and the SpeedLadder."""
-    import lightning.pytorch as pl
-    from test_data_path import AugmentedModel, Seen
+    from test_data_path import AugmentedModel, fit_and_see
 
     from speedkit.lightning import SpeedLadder
 
-    def fit(callbacks) -> Seen:
-        pl.seed_everything(0, verbose=False)
-        seen = Seen()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             callbacks=[*callbacks, seen], **trainer_options)
-        trainer.fit(AugmentedModel("global_rng", 2, True))
-        return seen
+    def fit(callbacks):
+        return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, accelerator="gpu", devices=1,
+                           max_epochs=3, **trainer_options)
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])

@@ -198,6 +198,11 @@ class _Serving:
         for field in ("original", "fit_loader", "served", "ring", "settings", "stop_at_length"):
             setattr(self, field, getattr(other, field))
 
+    def unserved(self, loader: Any) -> None:
+        """The loop iterates ``loader`` as Lightning made it (nothing of speedkit's to close)."""
+        self.original = self.fit_loader = self.served = loader
+        self.ring, self.stop_at_length = None, False
+
     def close(self, trainer: Any, *, put_back: bool = True) -> None:
         """Stop serving: the user's loader back in the loop (``put_back``), the prefetcher closed,
         the ring unpinned, the workers of the rebuilt loader and of the user's stopped."""
@@ -343,15 +348,15 @@ class DataPathSource(SourceWrapper):
 
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
-        unwatch = None
-        if getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
+        reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        if reload_every:
             unwatch = compat.lightning_watch_train_reload(trainer, lambda: self._reloaded(trainer, serving, handle))
-            if unwatch is not None:  # and the states each reload's iterator is made from (see _reloaded)
+            if unwatch is None:
+                handle.record(f"fit: reload_dataloaders_every_n_epochs={reload_every}, but its reloads cannot be watched "
+                              "(Lightning's internals moved?): from the first reload on, the fit iterates the new loader "
+                              "as Lightning makes it")
+            else:  # and the states each reload's iterator is made from (see _reloaded)
                 watches += [unwatch, watch_fit_iterator_start(trainer)]
-        if unwatch is None and getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
-            handle.record(f"fit: reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}, but its "
-                          "reloads cannot be watched (Lightning's internals moved?): from the first reload on, the "
-                          "fit iterates the new loader as Lightning makes it")
         handle.report = lambda: [line for line in self.report_lines() if line.startswith("fit:")]
         return handle
 
@@ -383,15 +388,14 @@ class DataPathSource(SourceWrapper):
         loaders = compat.lightning_train_loaders(trainer)
         serving.close(trainer, put_back=False)
         if loaders is None or len(loaders) != 1:
-            serving.served = serving.fit_loader = serving.original = None
+            serving.unserved(None)
             handle.record("fit: the reloaded train loaders are several (or none): iterated as Lightning makes them")
             return
         try:
             serving.replace(self._serve(trainer, loaders[0]))
         except Exception as exc:  # the fit goes on with the loader as Lightning made it
             compat.lightning_set_train_loaders(trainer, loaders)
-            serving.served = serving.fit_loader = serving.original = loaders[0]
-            serving.ring = None
+            serving.unserved(loaders[0])
             line = f"fit: serving the reloaded train loader failed ({type(exc).__name__}: {exc}); iterated as Lightning makes it"
             handle.record(line)
             warnings.warn(f"speedkit: data_path {line}", UserWarning, stacklevel=2)
