@@ -234,6 +234,25 @@ def test_a_prefetcher_pulls_one_batch_ahead_and_no_more_than_its_limit():
         DevicePrefetcher(iter([]), CPU, limit=-1)
 
 
+def test_a_prefetcher_told_when_to_pull_ahead_pulls_nothing_early_before_it_is_told():
+    pulled: list[int] = []
+
+    def counted(n: int):
+        for i in range(n):
+            pulled.append(i)
+            yield i
+
+    told = DevicePrefetcher(counted(4), CPU, lookahead=1, ahead_when_told=True)
+    assert next(told) == 0 and pulled == [0]  # handed out: nothing pulled ahead yet
+    told.pull_ahead()
+    told.pull_ahead()  # told twice: still one batch ahead
+    assert pulled == [0, 1] and next(told) == 1 and pulled == [0, 1]
+    assert next(told) == 2 and pulled == [0, 1, 2]  # never told: pulled when asked for
+    told.close()
+    told.pull_ahead()  # closed: pulls nothing more
+    assert pulled == [0, 1, 2] and list(told) == []
+
+
 def test_prefetching_reads_into_the_next_epoch_only_when_the_loop_asks_for_it():
     """Making an epoch's iterator draws its shuffle (and its workers' base seed) from the global RNG,
     which the step draws from too (dropout): the next epoch is shuffled as in the plain loop only if
@@ -506,6 +525,39 @@ def test_persistent_workers_make_and_draw_what_they_would_without_prefetching(li
     assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
     assert plain.made_by == fast.made_by == {0, 1}
     assert (fast.values == plain.values) == capped
+
+
+class EndsEpochsEarly(AugmentedModel):
+    """Ends each epoch at its fifth batch (of 12), returning -1 from ``on_train_batch_start``."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 4 else None
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["pulled-ahead-after-the-hook", "pulled-ahead-at-handout"])
+def test_an_epoch_the_module_ends_at_batch_start_leaves_the_persistent_workers_where_they_would_be(told, monkeypatch):
+    """``on_train_batch_start`` returning -1 ends the epoch after Lightning fetched that batch and
+    before its step. The batch ahead is pulled only once the hook let the step run, so the persistent
+    workers make (and draw for) as many batches as without speedkit: the next epochs' augmentations
+    are the same. Pulled when the batch is handed out (``told`` False: what the prefetcher did before),
+    one batch more per epoch, and the augmentations move. Prefetching is forced on the CPU here."""
+    force_prefetch(monkeypatch)
+    if not told:
+        monkeypatch.setattr(data_path, "may_end_epoch_at_batch_start", lambda trainer: False)
+    pulls = _Pulls(monkeypatch)
+
+    def fit(callbacks) -> Seen:
+        return fit_and_see(lambda: EndsEpochsEarly("global_rng", 2, True), callbacks, max_epochs=3)
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep"}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("on_train_batch_start lets the step run" in c for c in changes) == told, changes
+    assert len(plain.seen) == 15 and fast.seen == plain.seen and fast.draws == plain.draws  # 5 batches an epoch
+    assert pulls.pulled == (15 if told else 18)
+    assert (fast.values == plain.values) == told
+    assert "on_train_batch_start" not in vars(fast.module)  # the wrapper removed at teardown
 
 
 class _Pulls:

@@ -102,17 +102,18 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
     assert fast.made_by == {0, 1}
 
 
-def _augmented_fits(pin: bool, **trainer_options):
-    """Three CUDA epochs of a loader with two persistent workers whose samples draw random numbers:
-    what the fit sees without speedkit and with the data_path rung (the worker count kept; ``pin``:
-    a pinned copy of the loader), and the SpeedLadder."""
-    from test_data_path import AugmentedModel, fit_and_see
+def _augmented_fits(pin: bool, model: str = "AugmentedModel", **trainer_options):
+    """Three CUDA epochs of a loader with two persistent workers whose samples draw random numbers
+    (``model``: a module of test_data_path): what the fit sees without speedkit and with the data_path
+    rung (the worker count kept; ``pin``: a pinned copy of the loader), and the SpeedLadder."""
+    import test_data_path
+    from test_data_path import fit_and_see
 
     from speedkit.lightning import SpeedLadder
 
     def fit(callbacks):
-        return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, accelerator="gpu", devices=1,
-                           max_epochs=3, **trainer_options)
+        return fit_and_see(lambda: getattr(test_data_path, model)("global_rng", 2, True), callbacks, accelerator="gpu",
+                           devices=1, max_epochs=3, **trainer_options)
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
@@ -131,6 +132,18 @@ def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_wo
     changes = ladder.applied_changes["data_path"]
     assert any("side stream" in c for c in changes) and any(first in c for c in changes), changes
     assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
+    assert fast.values == plain.values and fast.made_by == {0, 1}, changes
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["users-loader", "pinned-copy"])
+def test_a_cuda_fit_whose_module_ends_epochs_at_batch_start_makes_and_draws_what_it_would(pin):
+    """``on_train_batch_start`` returns -1 at each epoch's fifth batch: the batch ahead is pulled and
+    copied only once the hook let the step run, so the persistent workers make and draw what they
+    would without speedkit, and every batch the steps see holds its host values."""
+    plain, fast, ladder = _augmented_fits(pin, "EndsEpochsEarly")
+    changes = ladder.applied_changes["data_path"]
+    assert any("side stream" in c for c in changes) and any("lets the step run" in c for c in changes), changes
+    assert len(plain.seen) == 15 and fast.seen == plain.seen and fast.draws == plain.draws
     assert fast.values == plain.values and fast.made_by == {0, 1}, changes
 
 

@@ -10,7 +10,11 @@ are. Host batches are pulled on the caller's thread, in order, ``lookahead`` ahe
 out: 1 overlaps the next copy with the current step; 0 pulls nothing early (for loaders that make
 batches in the caller's process, where pulling early would move its RNG draws). ``limit`` caps the
 host batches pulled: a loop that stops after ``limit`` batches then leaves the loader exactly as
-deep as it would without the prefetcher (a persistent worker's RNG, a shuffle's generator).
+deep as it would without the prefetcher (a persistent worker's RNG, a shuffle's generator). With
+``ahead_when_told`` the batch ahead is pulled only when :meth:`~DevicePrefetcher.pull_ahead` is
+called, for a loop that knows later than the handout whether its step runs (a Lightning module's
+``on_train_batch_start`` may end the epoch there): an epoch ended before that leaves the loader as
+deep as without the prefetcher.
 
 The background thread waits for each copy to finish before the batch is handed out, so a loader
 that refills one pinned buffer is never read after it moved on. On a CPU device nothing is copied:
@@ -84,10 +88,13 @@ class DevicePrefetcher(Iterator[Any]):
         times: collects each batch's copy time (ms).
         ring: the shared memory a handoff loader's workers pack their batches into.
         limit: host batches pulled at most (None: until ``batches`` ends).
+        ahead_when_told: pull the batch ahead when :meth:`pull_ahead` is called, not when one is
+            handed out (never told: nothing is pulled early).
     """
 
     def __init__(self, batches: Iterator[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None,
+                 ahead_when_told: bool = False) -> None:
         if lookahead not in (0, 1):
             raise ValueError(f"lookahead must be 0 or 1, found {lookahead!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
@@ -96,6 +103,7 @@ class DevicePrefetcher(Iterator[Any]):
         self.device = resolve_device(device)
         self.lookahead = lookahead
         self.limit = limit
+        self.ahead_when_told = ahead_when_told
         self.pulled = 0  # host batches pulled from ``batches``
         self.times = times if times is not None else TransferTimes()
         self.ring = ring
@@ -127,13 +135,20 @@ class DevicePrefetcher(Iterator[Any]):
             for t in batch_leaves(batch):
                 if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                     t.record_stream(current)
+        if not self.ahead_when_told:
+            self.pull_ahead()
+        return batch
+
+    def pull_ahead(self) -> None:
+        """Pull the host batches ``lookahead`` ahead of the one handed out (if not pulled yet) and start their copies."""
         while len(self._pending) < self.lookahead and not self._exhausted:
             self._stage()
-        return batch
 
     def _stage(self) -> None:
         """Pull the next host batch (on this thread) and start its copy: here when its memory is pinned
         already (a ring slot, a pinning loader's batch), else on the background thread, which pins it."""
+        if self._exhausted:
+            return
         if self.limit is not None and self.pulled >= self.limit:
             self._exhausted = True
             return
@@ -198,6 +213,7 @@ class DevicePrefetcher(Iterator[Any]):
 
     def close(self) -> None:
         """Stop the background thread (pending copies finish first)."""
+        self._exhausted = True  # nothing is pulled after this, told or not
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -217,14 +233,17 @@ class DevicePrefetcher(Iterator[Any]):
 
 class PrefetchingLoader:
     """An iterable over ``loader`` whose every epoch is a :class:`DevicePrefetcher` (pulling at most
-    ``limit`` batches: where the loop stops an epoch early, it is told how early); anything else
+    ``limit`` batches: where the loop stops an epoch early, it is told how early; with
+    ``ahead_when_told``, pulling the batch ahead when :meth:`pull_ahead` says the step runs); anything else
     (``len``, ``sampler``, ``batch_sampler``, ``dataset``, ...) is the loader's."""
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None) -> None:
+                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None,
+                 ahead_when_told: bool = False) -> None:
         self.loader = loader
         self.device = resolve_device(device)
         self.lookahead = lookahead
+        self.ahead_when_told = ahead_when_told
         self.times = times if times is not None else TransferTimes()
         self.ring = ring
         self.limit = limit
@@ -244,8 +263,13 @@ class PrefetchingLoader:
         """One epoch's ``batches`` (an iterator of the loader made elsewhere: the first epoch's, which
         Lightning made before speedkit bound this loader), prefetched as every epoch is here."""
         self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring,
-                                      limit=self.limit)
+                                      limit=self.limit, ahead_when_told=self.ahead_when_told)
         return self._live
+
+    def pull_ahead(self) -> None:
+        """The live epoch's :meth:`DevicePrefetcher.pull_ahead` (the loop's step will run)."""
+        if self._live is not None:
+            self._live.pull_ahead()
 
     def close(self) -> None:
         """Stop the live epoch (its copies settled, its workers stopped, persistent ones too)."""
@@ -259,7 +283,7 @@ class PrefetchingLoader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "device", "lookahead", "times", "ring", "limit", "_live"):
+        if name in ("loader", "device", "lookahead", "times", "ring", "limit", "ahead_when_told", "_live"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 

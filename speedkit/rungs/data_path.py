@@ -140,6 +140,43 @@ def epoch_batches(trainer: Any) -> int | None:
     return n if isinstance(n, int) and n >= 0 else None
 
 
+def may_end_epoch_at_batch_start(trainer: Any) -> bool:
+    """Whether the fitted module overrides ``on_train_batch_start``, which ends the epoch by returning
+    -1 after Lightning fetched the batch and before its step: the loop knows there, not when the batch
+    is handed out, whether it asks for another."""
+    module = getattr(trainer, "lightning_module", None)
+    if module is None or "lightning.pytorch" not in sys.modules:
+        return False
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden("on_train_batch_start", module)
+
+
+def watch_batch_start(module: Any, serving: _Serving) -> Callable[[], None]:
+    """Wrap ``module.on_train_batch_start`` (an instance attribute) so that, unless it ends the
+    epoch (-1), the served loader pulls the batch ahead right after it, before the step; returns the
+    function that removes the wrapper."""
+    hook = module.on_train_batch_start
+
+    def on_train_batch_start(*args: Any, **kwargs: Any) -> Any:
+        response = hook(*args, **kwargs)
+        if not (isinstance(response, int) and response == -1) and isinstance(serving.served, PrefetchingLoader):
+            serving.served.pull_ahead()
+        return response
+
+    had = "on_train_batch_start" in vars(module)
+    module.on_train_batch_start = on_train_batch_start
+
+    def remove() -> None:
+        if vars(module).get("on_train_batch_start") is on_train_batch_start:
+            if had:
+                module.on_train_batch_start = hook
+            else:
+                del module.on_train_batch_start
+
+    return remove
+
+
 def _lightning_parts(source: Any) -> tuple[Any, Any]:
     """The Trainer and LightningModule a (wrapped) Lightning source serves, else (None, None)."""
     while source is not None:
@@ -192,6 +229,9 @@ class _Serving:
             what += f", its workers writing each batch into {describe_ring(self.ring)}"
         if self.prefetch:
             what += f", each batch copied to {self.device} on a side stream while the step before runs"
+            if getattr(self.served, "ahead_when_told", False):
+                what += (" (the batch ahead pulled once the module's on_train_batch_start lets the step run: an epoch it "
+                         "ends with -1 leaves the loader where the fit without speedkit leaves it)")
         return what
 
     def replace(self, other: _Serving) -> None:
@@ -346,6 +386,8 @@ class DataPathSource(SourceWrapper):
                 watches.pop()()
             serving.close(trainer)
 
+        if isinstance(serving.served, PrefetchingLoader) and serving.served.ahead_when_told:
+            watches.append(watch_batch_start(module, serving))
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
         reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
@@ -374,7 +416,7 @@ class DataPathSource(SourceWrapper):
                 ring = make_ring(self.plan.ring)
             served = PrefetchingLoader(handoff_loader(fit_loader, ring) if ring is not None else fit_loader, self.device,
                                        lookahead=self.plan.lookahead, times=self.fit_times, ring=ring,
-                                       limit=epoch_batches(trainer))
+                                       limit=epoch_batches(trainer), ahead_when_told=may_end_epoch_at_batch_start(trainer))
         compat.lightning_set_train_loaders(trainer, [served])
         return _Serving(original, fit_loader, served, ring, settings, stop, self.plan.prefetch, self.device)
 
