@@ -18,7 +18,7 @@ from speedkit import rungs
 from speedkit.data.static import StaticBatch
 from speedkit.graph_safety import scan_function, scan_step
 from speedkit.handle import Handle
-from speedkit.rungs.cuda_graph import optimizer_blocker
+from speedkit.rungs.cuda_graph import optimizer_blocker, scaler_blocker
 from speedkit.state import TrainState
 from speedkit.step import PlainStep
 
@@ -269,6 +269,12 @@ def test_optimizer_blockers():
     assert optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=False) is None
     assert "cannot read a scheduled learning rate" in optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=True)
     assert "LBFGS" in optimizer_blocker(torch.optim.LBFGS(p), scheduled=False)
+
+
+def test_fp16_loss_scaling_blocks_only_optimizers_that_unscale_on_the_host():
+    p = [nn.Parameter(torch.zeros(2))]
+    assert "fused=True" in scaler_blocker(torch.optim.AdamW(p))
+    assert scaler_blocker(torch.optim.AdamW(p, fused=True)) is None  # the scale and the inf check taken on the device
 
 
 def test_bad_options_are_one_line_errors():

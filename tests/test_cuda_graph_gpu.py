@@ -276,3 +276,86 @@ def test_a_failed_capture_leaves_the_devices_random_generator_usable():
     torch.randn(4, device="cuda")
     F.dropout(torch.ones(16, device="cuda"), p=0.5, training=True)
     torch.cuda.synchronize()
+
+
+# -- fp16 loss scaling ----------------------------------------------------------------------------
+#: a loss scale so large that the first steps' fp16 gradients overflow: the scaler skips those
+#: steps and halves the scale until they fit, which a graph must do exactly as the eager step does
+_OVERFLOWING_SCALE = 2.0 ** 30
+
+
+def _fp16_plain_run(graphed: bool, steps: int = 20):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=not graphed)
+    step = PlainStep(model, opt, "cuda", loss_fn=_loss, clip_grad_norm=0.5)
+    step.set_autocast("fp16")
+    step.scaler = torch.amp.GradScaler("cuda", init_scale=_OVERFLOWING_SCALE)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step)
+    if graphed:
+        assert rungs.make("cuda_graph").check(state) is None
+        rungs.make("cuda_graph").apply(state)
+    losses = [float(state.step([b], i)) for i, b in enumerate(_batches(steps))]
+    return losses, [p.detach().clone() for p in model.parameters()], step.scaler.get_scale(), state.step
+
+
+def test_fp16_loss_scaling_is_captured_with_a_fused_optimizer_and_skips_what_eager_skips():
+    """GradScaler with fused AdamW: the inf check, the skipped update and the scale's backoff are
+    device work, so the whole fp16 step (clipping of the unscaled gradients included) is captured;
+    the first steps overflow and are skipped. 20 steps: the same losses, parameters and final scale
+    as the eager step with the same optimizer."""
+    eager_losses, eager_params, eager_scale, _ = _fp16_plain_run(False)
+    losses, params, scale, graphed = _fp16_plain_run(True)
+    assert isinstance(graphed, GraphedStep) and graphed.stopped is None, graphed.report()
+    assert graphed.captures == 1 and graphed.replays == 20 - graphed.warmup, graphed.report()
+    assert eager_scale < _OVERFLOWING_SCALE / 4  # steps were skipped, some of them inside the graph
+    assert scale == eager_scale
+    for a, b in zip(losses, eager_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, eager_losses)
+    assert max(_rel(p, q) for p, q in zip(params, eager_params)) <= 1e-5
+
+
+class _Fp16Logged(_Logged):
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True, capturable=self.capturable)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fp16_fit(callbacks: list, capturable: bool = False, steps: int = 25):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _Fp16Logged(capturable)
+    record = _Record()
+    plugin = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", init_scale=_OVERFLOWING_SCALE))
+    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, plugins=[plugin], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[*callbacks, record])
+    trainer.fit(model)
+    return record, [p.detach().clone() for p in model.parameters()], trainer, plugin.scaler.get_scale()
+
+
+def test_a_lightning_16_mixed_fit_is_captured_with_the_plugins_scaler():
+    """precision 16-mixed (Lightning's MixedPrecision plugin and its GradScaler) with a fused AdamW and
+    a step schedule: the graph captures the plugin's scaled backward, scaler step and update; the
+    losses, parameters and final loss scale match the eager fit's."""
+    eager, eager_params, eager_trainer, eager_scale = _fp16_fit([], capturable=True)
+    record, params, trainer, scale = _fp16_fit([SpeedLadder(rungs=["cuda_graph"])])
+    graph = record.graph
+    assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
+    assert graph.replays >= 18, graph.report()
+    assert trainer.global_step == eager_trainer.global_step == 25
+    assert eager_scale < _OVERFLOWING_SCALE / 4 and scale == eager_scale
+    for a, b in zip(record.losses, eager.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
+    assert max(_rel(p, q) for p, q in zip(params, eager_params)) <= 1e-5
+
+
+def test_fp16_loss_scaling_with_an_optimizer_that_unscales_on_the_host_is_refused_with_the_reason():
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = PlainStep(model, opt, "cuda", loss_fn=_loss)
+    step.set_autocast("fp16")
+    reason = rungs.make("cuda_graph").check(TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step))
+    assert reason is not None and "fused=True" in reason and "host" in reason, reason

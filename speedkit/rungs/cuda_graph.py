@@ -11,7 +11,9 @@ the rung refuses with the first reason and its source line. The last warm-up ste
 CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
 wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
 it (their step counters move to the device) and read their learning rate from a device tensor that
-the schedules fill. In a Lightning fit, the graph binds into the loop's automatic optimization.
+the schedules fill. Under fp16 loss scaling the scaler's step and update are captured too, for an
+optimizer that unscales and skips an overflowed step on the device (``fused=True``). In a Lightning
+fit, the graph binds into the loop's automatic optimization.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 
 import torch
 
+from speedkit import compat
 from speedkit.graph import GraphedStep
 from speedkit.graph_safety import scan_step
 from speedkit.handle import Handle, set_attr
@@ -64,12 +67,10 @@ class CudaGraphRung(Rung):
         if step.accumulate != 1:
             return (f"gradient accumulation ({step.accumulate} batches per optimizer step): the graph captures the step "
                     "of one batch")
-        if step.numerics == "fp16":
-            return "fp16 loss scaling: the GradScaler reads found_inf on the host every step (use bf16, which needs no scaler)"
         opt = state.optimizer
         if opt is None:
             return "needs exactly one optimizer"
-        reason = optimizer_blocker(opt, _has_schedule(step))
+        reason = optimizer_blocker(opt, _has_schedule(step)) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
         if reason is not None:
             return reason
         return _hook_blocker(state)
@@ -122,6 +123,18 @@ def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool) -> str | None
     if isinstance(opt, torch.optim.SGD) or "foreach" in opt.defaults:
         return None
     return f"{name} has no capturable option"
+
+
+def scaler_blocker(opt: torch.optim.Optimizer) -> str | None:
+    """Why fp16 loss scaling stops ``opt``'s step from being captured, if it does. ``GradScaler.step``
+    reads the inf check on the host (``.item()``) before an ordinary optimizer's step; an optimizer
+    that takes the scale and the inf check as device tensors (``fused=True``) skips an overflowed step
+    on the device, and the scaler's update is device work too: the whole step can be captured."""
+    if getattr(opt, compat.AMP_SCALING_FLAG, False):
+        return None
+    return (f"fp16 loss scaling with {type(opt).__name__}: GradScaler.step reads the inf check on the host every step; "
+            "an optimizer built with fused=True (the fused_optimizer rung) takes it on the device and can be captured, "
+            "or use bf16, which needs no scaler")
 
 
 def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, group: dict, index: int) -> None:
