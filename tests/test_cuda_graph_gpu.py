@@ -308,8 +308,8 @@ def test_fp16_loss_scaling_is_captured_with_a_fused_optimizer_and_skips_what_eag
     losses, params, scale, graphed = _fp16_plain_run(True)
     assert isinstance(graphed, GraphedStep) and graphed.stopped is None, graphed.report()
     assert graphed.captures == 1 and graphed.replays == 20 - graphed.warmup, graphed.report()
-    assert eager_scale < _OVERFLOWING_SCALE / 4  # steps were skipped, some of them inside the graph
-    assert scale == eager_scale
+    # halved once per skipped step: more skips than the eager warm-up steps and the capture, so replays skipped too
+    assert eager_scale <= _OVERFLOWING_SCALE / 2 ** (graphed.warmup + 2) and scale == eager_scale
     for a, b in zip(losses, eager_losses):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, eager_losses)
     assert max(_rel(p, q) for p, q in zip(params, eager_params)) <= 1e-5
@@ -346,7 +346,7 @@ def test_a_lightning_16_mixed_fit_is_captured_with_the_plugins_scaler():
     assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
     assert graph.replays >= 18, graph.report()
     assert trainer.global_step == eager_trainer.global_step == 25
-    assert eager_scale < _OVERFLOWING_SCALE / 4 and scale == eager_scale
+    assert eager_scale <= _OVERFLOWING_SCALE / 2 ** (graph.warmup + 2) and scale == eager_scale  # replays skipped too
     for a, b in zip(record.losses, eager.losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
     assert max(_rel(p, q) for p, q in zip(params, eager_params)) <= 1e-5
