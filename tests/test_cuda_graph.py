@@ -4,6 +4,8 @@ applicability, and the handle changes that stay on while a rung is suspended."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import dataclasses
 import inspect
 import random
@@ -261,6 +263,18 @@ def _state(model: nn.Module, device: str = "cpu", opt=None) -> TrainState:
 def test_rung_needs_cuda_for_a_safe_step():
     reason = rungs.make("cuda_graph").check(_state(Safe()))
     assert reason == "CUDA graphs need a CUDA device; this run is on cpu"
+
+
+def test_training_across_processes_is_refused_on_every_rank_alike():
+    """A Lightning fit on two processes (DDP): every rank refuses alike, before anything is captured."""
+    model = Safe()
+    trainer = SimpleNamespace(world_size=2, lr_scheduler_configs=[], callbacks=[])
+    state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cpu"),
+                       step=SimpleNamespace(trainer=trainer, accumulate=1, numerics="fp32"))
+    reason = rungs.make("cuda_graph").check(state)
+    assert reason is not None and "across 2 processes" in reason and "all-reduce" in reason, reason
+    trainer.world_size = 1
+    assert "CUDA device" in rungs.make("cuda_graph").check(state)
 
 
 def test_optimizer_blockers():

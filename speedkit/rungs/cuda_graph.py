@@ -61,6 +61,9 @@ class CudaGraphRung(Rung):
         if blockers:
             more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
             return f"{blockers[0]}{more}"
+        reason = _distributed_blocker(state.step)
+        if reason is not None:
+            return reason
         if state.device.type != "cuda":
             return f"CUDA graphs need a CUDA device; this run is on {state.device.type}"
         step = state.step
@@ -159,6 +162,23 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, group: dict, ind
     on()
     handle.record(f"{type(opt).__name__} param group {index}: capturable=True (step counters on the device)", off, on,
                   persistent=True)
+
+
+def _distributed_blocker(step: object) -> str | None:
+    """Training across processes (DDP): each rank would capture, or fail to, on its own, and the
+    gradient all-reduce inside the graph needs what speedkit does not set up yet."""
+    trainer = getattr(step, "trainer", None)
+    if trainer is not None:
+        world = int(getattr(trainer, "world_size", 1) or 1)
+    else:
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world <= 1:
+        return None
+    return (f"training across {world} processes: capturing the gradient all-reduce needs NCCL's graph support set up "
+            "before the process group (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), 11 eager DDP steps before the capture, and "
+            "every rank agreeing that its capture succeeded (one rank replaying while another steps eagerly would hang "
+            "the collectives); not supported yet")
 
 
 def _has_schedule(step: object) -> bool:
