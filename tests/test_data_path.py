@@ -5,6 +5,7 @@ rung bound sees exactly what it sees without speedkit, and settings are chosen o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections import namedtuple
 from collections.abc import Callable
@@ -215,14 +216,16 @@ def test_on_cpu_the_prefetcher_is_a_passthrough_of_the_same_batches():
         DevicePrefetcher(iter([]), CPU, lookahead=2)
 
 
+def _counted(pulled: list[int], n: int):
+    """Batches 0..n-1, each noted in ``pulled`` when it is pulled."""
+    for i in range(n):
+        pulled.append(i)
+        yield i
+
+
 def test_a_prefetcher_pulls_one_batch_ahead_and_no_more_than_its_limit():
     pulled: list[int] = []
-
-    def counted(n: int):
-        for i in range(n):
-            pulled.append(i)
-            yield i
-
+    counted = functools.partial(_counted, pulled)
     ahead = DevicePrefetcher(counted(6), CPU, lookahead=1)
     assert next(ahead) == 0 and pulled == [0, 1]  # the next batch pulled while this one is used
     capped = DevicePrefetcher(counted(6), CPU, lookahead=1, limit=3)
@@ -236,13 +239,7 @@ def test_a_prefetcher_pulls_one_batch_ahead_and_no_more_than_its_limit():
 
 def test_a_prefetcher_told_when_to_pull_ahead_pulls_nothing_early_before_it_is_told():
     pulled: list[int] = []
-
-    def counted(n: int):
-        for i in range(n):
-            pulled.append(i)
-            yield i
-
-    told = DevicePrefetcher(counted(4), CPU, lookahead=1, ahead_when_told=True)
+    told = DevicePrefetcher(_counted(pulled, 4), CPU, lookahead=1, ahead_when_told=True)
     assert next(told) == 0 and pulled == [0]  # handed out: nothing pulled ahead yet
     told.pull_ahead()
     told.pull_ahead()  # told twice: still one batch ahead
