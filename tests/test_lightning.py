@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import signal
 
 import lightning.pytorch as pl
@@ -287,6 +288,15 @@ def test_state_dict_round_trip_tolerates_missing_keys():
     ladder.load_state_dict({})
     ladder.load_state_dict({"skipped": {"tf32": "no GPU"}, "future_key": 1})
     assert ladder.state_dict()["skipped"] == {"tf32": "no GPU"}
+
+
+def test_the_callback_pickles_for_strategies_that_spawn_their_processes():
+    """``strategy="ddp_spawn"`` pickles the Trainer's callbacks into each process it starts (a
+    lambda as the default progress log made that fail before the fit began)."""
+    for ladder in (SpeedLadder(), SpeedLadder(rungs=["tf32", {"name": "compile", "options": {"mode": "default"}}])):
+        copy = pickle.loads(pickle.dumps(ladder))
+        assert [r.name for r in copy.rungs] == [r.name for r in ladder.rungs] and copy.trials == ladder.trials
+        assert copy.on_event is ladder.on_event  # the module-level default, by reference
 
 
 def test_bad_arguments_fail_at_construction():

@@ -48,6 +48,11 @@ from speedkit.rungs.base import Rung
 from speedkit.state import TrainState
 
 
+def log_event(line: str) -> None:
+    """SpeedLadder's default progress line: Lightning's rank-zero info log."""
+    rank_zero_info(f"speedkit: {line}")
+
+
 class SpeedLadder(Callback):
     """Make the Trainer's run faster, with trials (default) or with given rungs.
 
@@ -80,7 +85,7 @@ class SpeedLadder(Callback):
         self.measure = MeasureConfig.from_dict(validate_measure(measure))
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.stop_after_holds = stop_after_holds
-        self.on_event = on_event or (lambda line: rank_zero_info(f"speedkit: {line}"))
+        self.on_event = on_event or log_event  # a module-level function: the callback pickles (ddp_spawn)
         self.handles: list[Handle] = []
         self.skipped: dict[str, str] = {}
         #: every change applied during the run, kept after teardown undoes them (for reports)
