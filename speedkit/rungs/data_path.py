@@ -152,11 +152,9 @@ def may_end_epoch_at_batch_start(trainer: Any) -> bool:
     return is_overridden("on_train_batch_start", module)
 
 
-def watch_batch_start(module: Any, serving: _Serving) -> Callable[[], None]:
-    """Wrap ``module.on_train_batch_start`` (an instance attribute) so that, unless it ends the
-    epoch (-1), the served loader pulls the batch ahead right after it, before the step; returns the
-    function that removes the wrapper."""
-    hook = module.on_train_batch_start
+def pull_ahead_after(hook: Callable[..., Any], serving: _Serving) -> Callable[..., Any]:
+    """``hook`` (the module's ``on_train_batch_start``) followed, unless it ends the epoch (-1), by
+    the served loader pulling the batch ahead, before the step."""
 
     def on_train_batch_start(*args: Any, **kwargs: Any) -> Any:
         response = hook(*args, **kwargs)
@@ -164,17 +162,7 @@ def watch_batch_start(module: Any, serving: _Serving) -> Callable[[], None]:
             serving.served.pull_ahead()
         return response
 
-    had = "on_train_batch_start" in vars(module)
-    module.on_train_batch_start = on_train_batch_start
-
-    def remove() -> None:
-        if vars(module).get("on_train_batch_start") is on_train_batch_start:
-            if had:
-                module.on_train_batch_start = hook
-            else:
-                del module.on_train_batch_start
-
-    return remove
+    return on_train_batch_start
 
 
 def _lightning_parts(source: Any) -> tuple[Any, Any]:
@@ -215,8 +203,6 @@ class _Serving:
     ring: BatchRing | None
     settings: LoaderSettings | None
     stop_at_length: bool
-    prefetch: bool
-    device: torch.device
     reloads: int = 0
 
     def describe(self) -> str:
@@ -227,9 +213,9 @@ class _Serving:
                      "so its generator draws the same shuffles)")
         if self.ring is not None:
             what += f", its workers writing each batch into {describe_ring(self.ring)}"
-        if self.prefetch:
-            what += f", each batch copied to {self.device} on a side stream while the step before runs"
-            if getattr(self.served, "ahead_when_told", False):
+        if isinstance(self.served, PrefetchingLoader):
+            what += f", each batch copied to {self.served.device} on a side stream while the step before runs"
+            if self.served.ahead_when_told:
                 what += (" (the batch ahead pulled once the module's on_train_batch_start lets the step run: an epoch it "
                          "ends with -1 leaves the loader where the fit without speedkit leaves it)")
         return what
@@ -386,9 +372,10 @@ class DataPathSource(SourceWrapper):
                 watches.pop()()
             serving.close(trainer)
 
-        if isinstance(serving.served, PrefetchingLoader) and serving.served.ahead_when_told:
-            watches.append(watch_batch_start(module, serving))
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
+        if isinstance(serving.served, PrefetchingLoader) and serving.served.ahead_when_told:
+            set_attr(handle, module, "on_train_batch_start", pull_ahead_after(module.on_train_batch_start, serving),
+                     "fit: the module's on_train_batch_start is followed by the pull of the batch ahead")
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
         reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         if reload_every:
@@ -418,7 +405,7 @@ class DataPathSource(SourceWrapper):
                                        lookahead=self.plan.lookahead, times=self.fit_times, ring=ring,
                                        limit=epoch_batches(trainer), ahead_when_told=may_end_epoch_at_batch_start(trainer))
         compat.lightning_set_train_loaders(trainer, [served])
-        return _Serving(original, fit_loader, served, ring, settings, stop, self.plan.prefetch, self.device)
+        return _Serving(original, fit_loader, served, ring, settings, stop)
 
     def _reloaded(self, trainer: Any, serving: _Serving, handle: Handle) -> None:
         """The fit loop made a new train loader (``reload_dataloaders_every_n_epochs``): stop
