@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from speedkit import rungs
+from speedkit import compat, rungs
 from speedkit.data import BatchSource
 from speedkit.data.loader import LoaderSettings, choose_settings, loader_rate, rebuild_loader, worker_count_blocker
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
@@ -555,6 +555,70 @@ def test_an_epoch_the_module_ends_at_batch_start_leaves_the_persistent_workers_w
     assert pulls.pulled == (15 if told else 18)
     assert (fast.values == plain.values) == told
     assert "on_train_batch_start" not in vars(fast.module)  # the wrapper removed at teardown
+
+
+def _measured_factor_4_fastest(monkeypatch) -> None:
+    """Loader measurements in which prefetch_factor 4 is clearly fastest (the rung's choice made certain)."""
+    def measure(s: LoaderSettings) -> float:
+        return 100.0 + (20.0 if s.prefetch_factor == 4 else 0.0) + (1.0 if s.pin_memory else 0.0)
+
+    monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=measure))
+
+
+@pytest.mark.parametrize("dataset, factor", [(Augmented, 2), (Indexed, 4)], ids=["augmenting", "not-augmenting"])
+def test_persistent_workers_keep_their_prefetch_factor_where_samples_draw_random_numbers(dataset, factor, monkeypatch):
+    """Persistent workers carry what they drew into the next epoch, including for the batches they made
+    ahead of an epoch that ended early: where samples draw random numbers, the factor measured fastest
+    (4) would change later augmentations, so the loader's own (2) is kept and the note says why."""
+    _measured_factor_4_fastest(monkeypatch)
+    loader = DataLoader(dataset(), batch_size=4, num_workers=2, persistent_workers=True)
+    plan = DataPathRung(data_path.DataPathOptions(workers="keep", pin_memory=True))._make_plan(BatchSource(loader, CPU), CPU)
+    assert plan.rebuild is not None and plan.rebuild.pin_memory and plan.rebuild.prefetch_factor == factor
+    kept = [n for n in plan.notes if n.startswith("prefetch_factor kept at 2: the loader's workers are persistent and its "
+                                                 "samples draw random numbers")]
+    assert len(kept) == (factor == 2), plan.notes
+    assert {s.prefetch_factor for s, _ in plan.choice.rates} == ({2} if factor == 2 else {2, 4})
+
+
+def test_a_cut_epoch_of_persistent_augmenting_workers_moves_later_draws_with_another_prefetch_factor():
+    """Why the factor is kept: an epoch broken off after 3 batches leaves prefetch_factor batches per
+    worker made ahead and dropped; the next epoch's augmentations are the same only with the same factor."""
+    def epochs(factor: int) -> list[list[float]]:
+        loader = rebuild_loader(DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
+                                num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=factor)
+        torch.manual_seed(3)
+        values = []
+        for cut in (3, None):
+            for i, (_, x, _) in enumerate(loader):
+                if i == cut:
+                    break
+                values.append(x.sum(dim=1).tolist())
+        compat.shutdown_workers(loader)
+        return values
+
+    by_two, again, by_four = epochs(2), epochs(2), epochs(4)
+    assert len(by_two) == 3 + 12 and by_two == again
+    assert by_four[:3] == by_two[:3] and by_four[3:] != by_two[3:]
+
+
+def test_a_fit_with_cut_epochs_sees_the_augmentations_it_would_after_a_rebuild_measured_faster_at_another_factor(monkeypatch):
+    """The rung rebuilds a persistent, augmenting loader (pinned, asked for) where prefetch_factor 4
+    measures fastest; with epochs cut by ``limit_train_batches`` the fit still sees every sample, draw
+    and augmentation it sees without speedkit (prefetching forced on the CPU: the same pull schedule)."""
+    force_prefetch(monkeypatch)
+    _measured_factor_4_fastest(monkeypatch)
+
+    def fit(callbacks) -> Seen:
+        return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, max_epochs=3, limit_train_batches=3)
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": True}}])
+    fast = fit([ladder])
+    assert len(plain.seen) == 9 and fast.seen == plain.seen and fast.draws == plain.draws
+    assert fast.values == plain.values and fast.made_by == {0, 1}
+    changes = ladder.applied_changes["data_path"]
+    assert any("prefetch_factor=2" in c and "pin_memory=True" in c for c in changes), changes
+    assert any(c.startswith("note: prefetch_factor kept at 2") for c in changes), changes
 
 
 class _Pulls:

@@ -7,8 +7,13 @@ generator, drop_last, timeout, multiprocessing context: the very same objects) a
 
 Which of those keep every sample *exactly* as it was (``exact`` mode):
 
-* ``pin_memory`` and ``prefetch_factor``: always (the same batches, the same workers in the same
-  round-robin, the same draws from every generator).
+* ``pin_memory``: always (the same batches, the same workers in the same round-robin, the same
+  draws from every generator).
+* ``prefetch_factor``: the same, except with persistent workers whose samples depend on the
+  worker's state (:func:`worker_count_blocker`). An epoch that ends before its loader does
+  (``limit_train_batches``, a ``break``, ``on_train_batch_start`` returning -1) leaves the batches
+  dispatched ahead (``prefetch_factor`` per worker) made and dropped; persistent workers carry what
+  making them drew into every later epoch, so another factor would change later augmentations.
 * ``num_workers``: only when a sample does not depend on the random state of the process that makes
   it (:func:`worker_count_blocker` probes the dataset): each worker seeds its RNGs from the loader's
   base seed and its worker id, so a dataset that augments with ``torch.rand`` would draw other
@@ -646,12 +651,13 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
                     same_side: bool = False, worker_cpus: tuple[int, ...] | None = None,
                     pin_memory: bool | None = None, workers: int | None = None, tolerance: float = 0.03,
                     cpus: int | None = None, measure: Callable[[LoaderSettings], float] | None = None,
-                    clock: Clock = time.perf_counter, max_s: float = 2.0) -> Choice:
+                    clock: Clock = time.perf_counter, max_s: float = 2.0, factors: tuple[int, ...] = (2, 4)) -> Choice:
     """Choose ``loader``'s loading settings by measuring candidates.
 
     Candidates: the current settings; the same pinned on CUDA (``pin_memory`` forces it either way);
     with ``vary_workers``, each count of :func:`worker_counts` (``workers`` fixes it) with
-    ``prefetch_factor`` 2, then 4 for the best count. ``exact`` keeps ``persistent_workers`` as it is
+    ``prefetch_factor`` 2, then each of ``factors`` for the best count (``factors=(f,)``, ``f`` the
+    loader's own factor, keeps it: see the module docstring). ``exact`` keeps ``persistent_workers`` as it is
     (and so never goes from persistent workers to none); without it persistent workers are on wherever
     there are workers (they save the workers' start at every epoch, which a window inside one epoch
     does not see). ``same_side`` keeps loading where it is: in this process, or in workers.
@@ -665,8 +671,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     pin = (device.type == "cuda") if pin_memory is None else pin_memory
 
     def settings(n: int, factor: int | None) -> LoaderSettings:
-        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0, (factor or 2) if n > 0 else None,
-                              worker_cpus if n > 0 else None)
+        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0,
+                              (factor or 2) if n > 0 else None, worker_cpus if n > 0 else None)
 
     def allowed(s: LoaderSettings) -> bool:
         return (workers is None or s.num_workers == workers) and (pin_memory is None or s.pin_memory == pin_memory) \
@@ -701,7 +707,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
             if s not in rates:
                 rates[s] = run(s)
         best_count = max((s for s in rates if allowed(s)), key=rates.__getitem__).num_workers
-        for factor in (2, 4) if best_count > 0 else ():
+        for factor in factors if best_count > 0 else ():
             s = settings(best_count, factor)
             if s not in rates:
                 rates[s] = run(s)

@@ -11,8 +11,8 @@ The user's loader is copied (:func:`~speedkit.data.loader.rebuild_loader`: the s
 sampler, collate_fn, generator, ... objects) with settings chosen by measuring the loader alone
 (:func:`~speedkit.data.loader.choose_settings`). With ``exact`` (the default) only settings that
 leave every sample and every RNG stream as they were are changed: the worker count only when the
-dataset's samples do not draw random numbers, persistent workers never (see
-:mod:`speedkit.data.loader`). On CUDA, batches are copied by a
+dataset's samples do not draw random numbers, the prefetch factor only when they do not or the
+workers are not persistent, persistent workers never (see :mod:`speedkit.data.loader`). On CUDA, batches are copied by a
 :class:`~speedkit.data.prefetch.DevicePrefetcher`; Lightning's batch hooks still run, in their
 order, on the batch already on the device (``on_before_batch_transfer``, then
 ``transfer_batch_to_device``, which finds it there, then ``on_after_batch_transfer``). A module or
@@ -614,11 +614,19 @@ class DataPathRung(Rung):
             current = loader.num_workers
             workers = opts.workers if isinstance(opts.workers, int) else None
             vary = opts.workers == "auto"
-            if opts.exact and (vary or (workers is not None and workers != current)):
-                blocker = worker_count_blocker(loader.dataset)
-                if blocker is not None:
-                    vary, workers = False, None
-                    notes.append(f"num_workers kept at {current}: {blocker}")
+            # whether its samples depend on the worker's state: decides what exact mode may change
+            blocker = worker_count_blocker(loader.dataset) if opts.exact and (
+                vary or (workers is not None and workers != current) or persistent(loader)) else None
+            if blocker is not None and (vary or (workers is not None and workers != current)):
+                vary, workers = False, None
+                notes.append(f"num_workers kept at {current}: {blocker}")
+            factors: tuple[int, ...] = (2, 4)
+            if blocker is not None and persistent(loader):
+                factors = (loader.prefetch_factor,)
+                keep_factor = (f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
+                               f"{blocker.split(':')[0]}; an epoch that ends before its loader (limit_train_batches, a break, "
+                               "on_train_batch_start returning -1) leaves prefetch_factor batches per worker made ahead and "
+                               "dropped, which moves what the workers make in every later epoch")
             pin = None if opts.pin_memory == "auto" else opts.pin_memory
             if pin is None and not cuda:
                 pin = bool(loader.pin_memory)  # pinning serves a copy to a device only
@@ -642,9 +650,11 @@ class DataPathRung(Rung):
                              if processes[1] > 1 else "")
                     notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
                                  f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
+                if len(factors) == 1:
+                    notes.append(keep_factor)
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
                                          same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None,
-                                         cpus=None if kept else len(rest))
+                                         cpus=None if kept else len(rest), factors=factors)
                 if len(choice.rates) == 1:  # only the current settings were candidates
                     choice = None
                 elif not choice.changed:
