@@ -129,12 +129,38 @@ def test_bad_settings_are_one_line_errors():
         assert str(err.value).startswith("rung") and "\n" not in str(err.value)
 
 
+class Flips(Indexed):
+    """Flips a sample with probability 0.5, as ``RandomHorizontalFlip`` does: under seeds 1 and 2 of
+    the probe neither read flips (``torch.rand(1)`` is 0.758 and 0.615), yet each worker would flip others."""
+
+    def __getitem__(self, i: int):
+        index, x, _ = super().__getitem__(i)
+        return index, x.flip(0) if torch.rand(1) < 0.5 else x
+
+
+class PythonCoin(Indexed):
+    def __getitem__(self, i: int):
+        index, x, _ = super().__getitem__(i)
+        return index, -x if random.random() < 0.01 else x
+
+
+class NumpyCoin(Indexed):
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        index, x, _ = super().__getitem__(i)
+        return index, -x if np.random.rand() < 0.01 else x
+
+
 def test_the_worker_count_is_kept_where_samples_depend_on_the_worker():
     torch.manual_seed(5)
     before = torch.get_rng_state(), random.getstate()
     assert worker_count_blocker(Indexed()) is None
     assert "draw random numbers" in worker_count_blocker(RandomCrops())
     assert "IterableDataset" in worker_count_blocker(Stream())
+    # a draw whose outcome both probing seeds happen to agree on is still a draw
+    for dataset, rng in ((Flips(), "torch"), (PythonCoin(), "python"), (NumpyCoin(), "numpy")):
+        assert f"samples draw random numbers (reading one draws from the {rng} RNG)" in worker_count_blocker(dataset)
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # the probe draws nothing
 
 

@@ -131,6 +131,8 @@ def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_wo
     plain, fast, ladder = _augmented_fits(pin, limit_train_batches=limit)
     changes = ladder.applied_changes["data_path"]
     assert any("side stream" in c for c in changes) and any(first in c for c in changes), changes
+    # the pinned copy keeps the loader's prefetch_factor, whatever measured fastest (see test_data_path)
+    assert any(c.startswith("note: prefetch_factor kept at 2") for c in changes) == pin, changes
     assert len(plain.seen) == (9 if limit == 3 else 36) and fast.seen == plain.seen and fast.draws == plain.draws
     assert fast.values == plain.values and fast.made_by == {0, 1}, changes
 

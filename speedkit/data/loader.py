@@ -196,9 +196,10 @@ def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
     """None when changing the number of workers leaves every sample as it is; else why it would not.
 
     A map-style dataset's item ``probe`` is read twice, under two different seeds of every RNG a
-    worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. Samples that
-    differ depend on the worker's random state. An ``IterableDataset`` is split (or replicated) by
-    worker: its stream is the worker count's.
+    worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. A read that moves
+    one of those RNGs draws from the worker's random state, whatever it made of the draw (a flip with
+    probability 0.5 may flip under neither seed); samples that differ depend on it too. An
+    ``IterableDataset`` is split (or replicated) by worker: its stream is the worker count's.
     """
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset yields per worker: its stream depends on the number of workers"
@@ -209,17 +210,21 @@ def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
         return "the dataset has no length to probe"
     saved = rng_state()
     try:
-        samples = []
+        samples, drew = [], []
         for seed in (1, 2):
-            set_rng_state({**saved, **_seeded(seed)})
+            seeded = _seeded(seed)
+            set_rng_state({**saved, **seeded})
             samples.append(dataset[probe])
+            drew += [name for name, state in _seeded_states().items() if not _same_state(state, seeded.get(name))]
     except Exception as exc:  # a dataset that cannot be read here: assume the worst
         return f"reading a sample to probe it raised {type(exc).__name__}"
     finally:
         set_rng_state(saved)
-    if not _same(samples[0], samples[1]):
-        return ("its samples draw random numbers (the same index read under two seeds differs): each worker seeds "
-                "its own RNGs, so another worker count would draw other numbers")
+    why = (f"reading one draws from the {' and '.join(sorted(set(drew), key=drew.index))} RNG" if drew
+           else "the same index read under two seeds differs" if not _same(samples[0], samples[1]) else None)
+    if why is not None:
+        return (f"its samples draw random numbers ({why}): each worker seeds its own RNGs, so another worker count "
+                "would draw other numbers")
     return None
 
 
@@ -323,6 +328,33 @@ def _seeded(seed: int) -> dict[str, Any]:
     except ImportError:
         pass
     return state
+
+
+def _seeded_states() -> dict[str, Any]:
+    """The states of the RNGs :func:`_seeded` sets, now."""
+    import random
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two RNG states (a torch state tensor, Python's or NumPy's state tuple) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__array__") and not isinstance(a, (str, bytes)):
+        import numpy as np
+
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return a == b
 
 
 def _same(a: Any, b: Any) -> bool:
