@@ -152,6 +152,12 @@ class NumpyCoin(Indexed):
         return index, -x if np.random.rand() < 0.01 else x
 
 
+class CropsTheLastOnly(Indexed):
+    def __getitem__(self, i: int):
+        index, x, _ = super().__getitem__(i)
+        return index, x + torch.rand(4) if i == len(self) - 1 else x
+
+
 def test_the_worker_count_is_kept_where_samples_depend_on_the_worker():
     torch.manual_seed(5)
     before = torch.get_rng_state(), random.getstate()
@@ -161,6 +167,7 @@ def test_the_worker_count_is_kept_where_samples_depend_on_the_worker():
     # a draw whose outcome both probing seeds happen to agree on is still a draw
     for dataset, rng in ((Flips(), "torch"), (PythonCoin(), "python"), (NumpyCoin(), "numpy")):
         assert f"samples draw random numbers (reading one draws from the {rng} RNG)" in worker_count_blocker(dataset)
+    assert "torch RNG" in worker_count_blocker(CropsTheLastOnly())  # the first, middle and last items are read
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # the probe draws nothing
 
 

@@ -192,11 +192,11 @@ def keep_threads_on(cpus: set[int], *, skip: set[Any] = frozenset()) -> int:  # 
 # -- what a worker count changes ------------------------------------------------------------------
 
 
-def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
+def worker_count_blocker(dataset: Any) -> str | None:
     """None when changing the number of workers leaves every sample as it is; else why it would not.
 
-    A map-style dataset's item ``probe`` is read twice, under two different seeds of every RNG a
-    worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. A read that moves
+    A map-style dataset's first, middle and last items are each read twice, under two different seeds
+    of every RNG a worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. A read that moves
     one of those RNGs draws from the worker's random state, whatever it made of the draw (a flip with
     probability 0.5 may flip under neither seed); samples that differ depend on it too. An
     ``IterableDataset`` is split (or replicated) by worker: its stream is the worker count's.
@@ -204,24 +204,29 @@ def worker_count_blocker(dataset: Any, probe: int = 0) -> str | None:
     if isinstance(dataset, IterableDataset):
         return "an IterableDataset yields per worker: its stream depends on the number of workers"
     try:
-        if len(dataset) <= probe:
-            return "the dataset is empty"
+        length = len(dataset)
     except TypeError:
         return "the dataset has no length to probe"
+    if length < 1:
+        return "the dataset is empty"
     saved = rng_state()
+    drew: list[str] = []
+    differs = False
     try:
-        samples, drew = [], []
-        for seed in (1, 2):
-            seeded = _seeded(seed)
-            set_rng_state({**saved, **seeded})
-            samples.append(dataset[probe])
-            drew += [name for name, state in _seeded_states().items() if not _same_state(state, seeded.get(name))]
+        for index in sorted({0, length // 2, length - 1}):
+            samples = []
+            for seed in (1, 2):
+                seeded = _seeded(seed)
+                set_rng_state({**saved, **seeded})
+                samples.append(dataset[index])
+                drew += [name for name, state in _seeded_states().items() if not _same_state(state, seeded.get(name))]
+            differs = differs or not _same(samples[0], samples[1])
     except Exception as exc:  # a dataset that cannot be read here: assume the worst
         return f"reading a sample to probe it raised {type(exc).__name__}"
     finally:
         set_rng_state(saved)
     why = (f"reading one draws from the {' and '.join(sorted(set(drew), key=drew.index))} RNG" if drew
-           else "the same index read under two seeds differs" if not _same(samples[0], samples[1]) else None)
+           else "the same index read under two seeds differs" if differs else None)
     if why is not None:
         return (f"its samples draw random numbers ({why}): each worker seeds its own RNGs, so another worker count "
                 "would draw other numbers")
