@@ -122,6 +122,23 @@ def set_attr(handle: Handle, obj: Any, attr: str, value: Any, describe: str | No
     handle.record(describe or f"{type(obj).__name__}.{attr} = {value!r}", restore, lambda: setattr(obj, attr, value))
 
 
+class AttributeWrapper:
+    """Base of the callables a rung sets as an attribute of the user's object (a module's forward or
+    hook) around what was there, ``wrapped``. Copied with that object (``copy.deepcopy``: an EMA or SWA
+    callback copying the module mid-fit) or pickled with it (``torch.save(module)``), a wrapper comes
+    back as what it wraps, bound to the copy: the copy computes with its own weights, never through a
+    wrapper still bound to the original, and nothing of the rung's (compiled code, a loader) travels."""
+
+    wrapped: Any
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _itself, (self.wrapped,)
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
 def nested(handle: Handle, inner: Handle, change: str) -> None:
     """Record ``inner``'s changes as one line of ``handle`` (toggled and undone with it)."""
     handle.record(change, inner.suspend if inner.toggleable else inner.undo, inner.resume if inner.toggleable else None)

@@ -315,3 +315,74 @@ def test_step_timer_times_windows_after_warmup():
     assert timer.items_per_step == 32 and timer.throughput_unit == "tokens/s"
     assert timer.session.clock.syncs == 2
     assert timer.measurement.data_wait_ms >= 0 and timer.measurement.host_ms > 0
+
+
+class ConvModel(pl.LightningModule):
+    """A conv classifier with a ``forward`` the step calls and an ``on_train_batch_start`` of its own:
+    compile, channels_last and the data path's pull-ahead each set an attribute on it during the fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+        g = torch.Generator().manual_seed(1)
+        self.data = TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 5, (32,), generator=g))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return None
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=4, shuffle=True)
+
+
+class CopiesMidFit(pl.Callback):
+    """At the third step, copies the module as an EMA or SWA callback does (``copy.deepcopy``) and as
+    ``torch.save(module)`` does (pickle), and runs each copy."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx != 2:
+            return
+        import copy
+
+        self.set_by_speedkit = {name: type(vars(pl_module)[name]).__name__ for name in
+                                ("forward", "on_train_batch_start", "on_after_batch_transfer") if name in vars(pl_module)}
+        x = batch[0][:3].contiguous()
+        copied = copy.deepcopy(pl_module)
+        self.copied_attrs_bound_to_the_copy = all(getattr(vars(copied)[name], "__self__", None) is copied
+                                                  for name in self.set_by_speedkit)
+        restored = pickle.loads(pickle.dumps(pl_module))
+        with torch.no_grad():
+            self.original = pl_module(x)
+            self.restored = restored(x)
+            for p in copied.parameters():
+                p.zero_()
+            self.zeroed_copy = copied(x)
+
+
+def test_the_module_copied_or_pickled_mid_fit_computes_with_its_own_weights(monkeypatch):
+    """Rungs set a compiled forward and wrapped hooks as attributes of the user's module. A copy made
+    mid-fit (an EMA or SWA callback's deepcopy) gets the module's own forward and hooks bound to the copy,
+    so zeroing the copy's weights zeroes its output; before, its forward still ran the original's
+    weights through the compiled function. Pickled (torch.save), the module no longer fails on them."""
+    from test_data_path import force_prefetch
+
+    force_prefetch(monkeypatch)
+    copies = CopiesMidFit()
+    ladder = SpeedLadder(rungs=["channels_last", {"name": "compile", "options": {"backend": "eager"}},
+                                {"name": "data_path", "options": {"workers": "keep"}}])
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[ladder, copies])
+    trainer.fit(ConvModel())
+    assert copies.set_by_speedkit == {"forward": "GuardedForward", "on_train_batch_start": "PullAheadAfter",
+                                      "on_after_batch_transfer": "ChannelsLastAfterTransfer"}
+    assert copies.copied_attrs_bound_to_the_copy
+    assert torch.equal(copies.zeroed_copy, torch.zeros_like(copies.original)) and copies.original.abs().sum() > 0
+    torch.testing.assert_close(copies.restored, copies.original)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from speedkit.handle import Handle, nested, set_attr
+from speedkit.handle import AttributeWrapper, Handle, nested, set_attr
 from speedkit.options import check_value, parse_options
 from speedkit.state import TrainState
 
@@ -84,4 +84,4 @@ def active_dropouts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, _DROPOUTS) and m.p > 0]
 
 
-__all__ = ["Handle", "NoOptions", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]
+__all__ = ["AttributeWrapper", "Handle", "NoOptions", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from speedkit import compat
 from speedkit.data.source import SourceWrapper
-from speedkit.rungs.base import Handle, Rung, set_attr
+from speedkit.rungs.base import AttributeWrapper, Handle, Rung, set_attr
 from speedkit.state import TrainState
 
 _CONVOLUTIONS_2D = (nn.Conv2d, nn.ConvTranspose2d)
@@ -154,16 +154,21 @@ def _lightning_hook_owner(model: nn.Module) -> Any:
     return model
 
 
+class ChannelsLastAfterTransfer(AttributeWrapper):
+    """``hook`` (an ``on_after_batch_transfer``) returning channels_last batches. Its ``__wrapped__``
+    keeps Lightning's view of whether the hook is overridden; a copy of the owner gets ``hook``."""
+
+    def __init__(self, hook: Callable[[Any, int], Any]) -> None:
+        self.wrapped = hook
+        functools.update_wrapper(self, hook)
+
+    def __call__(self, batch: Any, dataloader_idx: int) -> Any:
+        return channels_last_batch(self.wrapped(batch, dataloader_idx))
+
+
 def _convert_after_transfer(handle: Handle, owner: Any) -> None:
-    """Wrap ``owner.on_after_batch_transfer`` (an instance attribute) to return channels_last
-    batches. ``functools.wraps`` keeps Lightning's view of whether the hook is overridden."""
-    original = owner.on_after_batch_transfer
-
-    @functools.wraps(original)
-    def on_after_batch_transfer(batch: Any, dataloader_idx: int) -> Any:
-        return channels_last_batch(original(batch, dataloader_idx))
-
-    set_attr(handle, owner, "on_after_batch_transfer", on_after_batch_transfer,
+    """Wrap ``owner.on_after_batch_transfer`` (an instance attribute) to return channels_last batches."""
+    set_attr(handle, owner, "on_after_batch_transfer", ChannelsLastAfterTransfer(owner.on_after_batch_transfer),
              f"inputs: 4-D floating batch tensors made channels_last in {type(owner).__name__}.on_after_batch_transfer "
              "(the Lightning fit's batches)")
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from speedkit import compat, rewrite
 from speedkit.errors import first_line
-from speedkit.rungs.base import Handle, Rung, active_dropouts
+from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
 from speedkit.state import TrainState
 
 
@@ -92,9 +92,10 @@ class CompileOptions:
                 f"backend={self.backend!r}")
 
 
-class GuardedForward:
+class GuardedForward(AttributeWrapper):
     """A compiled forward that falls back to eager on a compile failure or a recompilation storm,
-    and counts what it ran: calls, graphs compiled during them, recompiles.
+    and counts what it ran: calls, graphs compiled during them, recompiles. A copy of the module
+    (deepcopy, pickle) gets the eager forward, bound to the copy (see :class:`AttributeWrapper`).
 
     It compiles the forward in effect beneath it (:meth:`use`), one compiled function per distinct
     forward: when another rung switches the forward it wraps (a rewritten one, or the class's own),
@@ -118,6 +119,10 @@ class GuardedForward:
             self._variants[key] = _Variant(eager, self._compile_fn(eager))
         self._variant = self._variants[key]
         self.eager = self._variant.eager
+
+    @property
+    def wrapped(self) -> Any:  # type: ignore[override]
+        return self.eager
 
     @property
     def variants(self) -> int:

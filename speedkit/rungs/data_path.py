@@ -38,6 +38,7 @@ loader (``reload_dataloaders_every_n_epochs``) has each new loader served the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -69,7 +70,7 @@ from speedkit.data.loader import (
 from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
 from speedkit.data.ring import BatchRing, handoff_loader, persistent, slot_bytes_for
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
-from speedkit.rungs.base import Handle, Rung, set_attr
+from speedkit.rungs.base import AttributeWrapper, Handle, Rung, set_attr
 from speedkit.state import TrainState
 
 
@@ -152,17 +153,19 @@ def may_end_epoch_at_batch_start(trainer: Any) -> bool:
     return is_overridden("on_train_batch_start", module)
 
 
-def pull_ahead_after(hook: Callable[..., Any], serving: _Serving) -> Callable[..., Any]:
+class PullAheadAfter(AttributeWrapper):
     """``hook`` (the module's ``on_train_batch_start``) followed, unless it ends the epoch (-1), by
-    the served loader pulling the batch ahead, before the step."""
+    the served loader pulling the batch ahead, before the step. A copy of the module gets ``hook``."""
 
-    def on_train_batch_start(*args: Any, **kwargs: Any) -> Any:
-        response = hook(*args, **kwargs)
-        if not (isinstance(response, int) and response == -1) and isinstance(serving.served, PrefetchingLoader):
-            serving.served.pull_ahead()
+    def __init__(self, hook: Callable[..., Any], serving: _Serving) -> None:
+        self.wrapped, self.serving = hook, serving
+        functools.update_wrapper(self, hook)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        response = self.wrapped(*args, **kwargs)
+        if not (isinstance(response, int) and response == -1) and isinstance(self.serving.served, PrefetchingLoader):
+            self.serving.served.pull_ahead()
         return response
-
-    return on_train_batch_start
 
 
 def _lightning_parts(source: Any) -> tuple[Any, Any]:
@@ -374,7 +377,7 @@ class DataPathSource(SourceWrapper):
 
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
         if isinstance(serving.served, PrefetchingLoader) and serving.served.ahead_when_told:
-            set_attr(handle, module, "on_train_batch_start", pull_ahead_after(module.on_train_batch_start, serving),
+            set_attr(handle, module, "on_train_batch_start", PullAheadAfter(module.on_train_batch_start, serving),
                      "fit: the module's on_train_batch_start is followed by the pull of the batch ahead")
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
         reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
