@@ -219,7 +219,8 @@ def worker_count_blocker(dataset: Any) -> str | None:
                 seeded = _seeded(seed)
                 set_rng_state({**saved, **seeded})
                 samples.append(dataset[index])
-                drew += [name for name, state in _seeded_states().items() if not _same_state(state, seeded.get(name))]
+                now = rng_state()
+                drew += [name for name, state in seeded.items() if not _same(now.get(name), state)]
             differs = differs or not _same(samples[0], samples[1])
     except Exception as exc:  # a dataset that cannot be read here: assume the worst
         return f"reading a sample to probe it raised {type(exc).__name__}"
@@ -335,35 +336,8 @@ def _seeded(seed: int) -> dict[str, Any]:
     return state
 
 
-def _seeded_states() -> dict[str, Any]:
-    """The states of the RNGs :func:`_seeded` sets, now."""
-    import random
-
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    """Whether two RNG states (a torch state tensor, Python's or NumPy's state tuple) are equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
-    if hasattr(a, "__array__") and not isinstance(a, (str, bytes)):
-        import numpy as np
-
-        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
-    return a == b
-
-
 def _same(a: Any, b: Any) -> bool:
-    """Whether two samples are equal, leaf by leaf (tensors, arrays, images, nested containers)."""
+    """Whether two samples (or RNG states) are equal, leaf by leaf (tensors, arrays, images, nested containers)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
