@@ -206,6 +206,50 @@ def test_batches_through_the_ring_reach_the_device_unchanged_over_epochs(persist
     assert ring.recovered > 0 if persistent else ring.recovered == 0
 
 
+class _Stamped(torch.utils.data.Dataset):
+    """Sample i holds i everywhere: a batch on the device can check itself."""
+
+    def __len__(self) -> int:
+        return 997
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((3, 64, 64), float(i)), "y": i}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers_per_epoch", "persistent_workers"])
+def test_the_ring_serves_no_wrong_batch_over_cut_epochs_and_random_step_lengths(persistent):
+    """Twelve epochs of 4 workers writing into a ring of 4 slots each, six of them cut (at batches 1 to
+    58, the last epoch whole), each step busy on the GPU for a random time before it reads its batch:
+    every batch, checked on the device (its values against its indices), is whole; slots come back
+    from cut epochs, and none is left claimed after a whole last epoch."""
+    import random
+
+    from torch.utils.data import DataLoader
+
+    from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
+
+    rnd = random.Random(0)
+    loader = DataLoader(_Stamped(), batch_size=8, shuffle=True, num_workers=4, persistent_workers=persistent)
+    ring = BatchRing(workers=4, slots_per_worker=4, slot_bytes=slot_bytes_for(8 * 3 * 64 * 64 * 4 + 64), wait_s=30.0)
+    assert ring.register()
+    served = PrefetchingLoader(handoff_loader(loader, ring), "cuda", lookahead=1, ring=ring)
+    wrong = torch.zeros((), dtype=torch.int64, device="cuda")
+    batches = 0
+    for cut in [None, 7, None, 33, 1, None, 58, 2, None, 20, None, None]:
+        for i, batch in enumerate(served):
+            if i == cut:
+                break
+            torch.cuda._sleep(rnd.randint(0, 400_000))  # the step: up to ~0.3 ms of GPU work before the batch is read
+            x, y = batch["x"], batch["y"]
+            wrong += (x.view(len(y), -1) != y.to(x.dtype)[:, None]).any(dim=1).sum()
+            batches += 1
+    served.close()
+    ring.close()
+    assert int(wrong) == 0 and batches == 6 * 125 + (7 + 33 + 1 + 58 + 2 + 20)
+    assert served.times.via_ring >= batches and bool(ring.free.all())
+    assert ring.recovered > 0 if persistent else ring.recovered == 0
+
+
 @pytest.mark.parametrize("pin", [False, True], ids=["users-loader", "pinned-copy"])
 def test_a_cuda_fit_that_reloads_its_train_loader_is_served_after_each_reload(pin):
     """``reload_dataloaders_every_n_epochs=1`` on CUDA, persistent workers whose samples draw random

@@ -4,6 +4,8 @@ pack travels the usual way."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -206,46 +208,97 @@ def _fake_clock_ring(workers: int, slots: int) -> BatchRing:
                      clock=lambda: now[0], sleep=sleep)
 
 
-def test_the_training_process_frees_the_slots_of_batches_dropped_unread_and_no_other():
-    ring = _fake_clock_ring(1, 4)
-    packed = [ring.pack(_batch(i), 0) for i in range(3)]  # turns 0, 1, 2 in slots 0, 1, 2
-    assert [(p.slot, p.turn) for p in packed] == [(0, 0), (1, 1), (2, 2)]
-    assert _same(ring.take(packed[0]), _batch(0)) and ring.held == {0}  # taken, its copy not done yet
-    # the epoch is cut short: turns 1 and 2 are dropped by the next epoch's iterator; the worker goes on
-    later = ring.pack(_batch(3), 0)
-    assert (later.slot, later.turn) == (3, 3)
-    full = ring.pack(_batch(4), 0)  # 0 is being read, 1 and 2 not freed yet, 3 just written: sent the usual way
-    assert not isinstance(full, Packed) and ring.fallbacks == 1
-    assert _same(ring.take(later), _batch(3))
-    assert ring.free.tolist() == [0, 1, 1, 0] and ring.recovered == 2  # 1 and 2 freed, 0 still held, 3 just taken
-    ring.release(0)
-    ring.release(3)
-    assert ring.free.tolist() == [1, 1, 1, 1] and not ring.held
+def _arrive(packed: Packed) -> Packed:
+    """``packed`` as it reaches the training process from a worker (through a queue: pickled)."""
+    return pickle.loads(pickle.dumps(packed))
 
 
-def test_a_worker_skips_a_slot_still_read_and_a_later_claim_is_never_freed_early():
+def test_slots_of_batches_that_arrived_and_were_not_taken_are_freed_after_the_reset_and_no_other():
+    ring = _fake_clock_ring(2, 3)  # worker 0 owns slots 0-2, worker 1 slots 3-5
+    a, b, c = (_arrive(ring.pack(_batch(i), 0)) for i in range(3))  # turns 0, 1, 2 in slots 0, 1, 2
+    d = _arrive(ring.pack(_batch(3), 1))  # worker 1, none of whose batches the epoch reads
+    assert [(p.slot, p.turn) for p in (a, b, c, d)] == [(0, 0), (1, 1), (2, 2), (3, 0)]
+    assert _same(ring.take(a), _batch(0))
+    ring.release(a.slot)
+    assert _same(ring.take(b), _batch(1)) and ring.held == {1}  # taken, its copy not done yet
+    # the epoch is cut short: c and d arrived and are dropped unread by the next epoch's iterator
+    full = ring.pack(_batch(4), 0)  # the next task's claim: slot 0 (turn 3)
+    assert (full.slot, full.turn) == (0, 3)
+    assert not isinstance(ring.pack(_batch(5), 0), Packed) and ring.fallbacks == 1  # 1 read, 2 dropped: waited, sent as it is
+    ring.drop_untaken()  # the next epoch's iterator was made: c and d were drained and dropped
+    assert ring.free.tolist() == [0, 0, 1, 1, 1, 1] and ring.recovered == 2  # c's and d's; 0 claimed again, 1 being read
+    ring.drop_untaken()
+    assert ring.recovered == 2  # each only once
+    e = _arrive(ring.pack(_batch(6), 1))  # worker 1 goes on at its next turn, with every slot free again
+    assert (e.slot, e.turn) == (4, 1) and _same(ring.take(e), _batch(6))
+    for slot in (0, 1, e.slot):
+        ring.release(slot)
+    assert ring.free.all() and not ring.held
+
+
+def test_a_worker_skips_a_slot_still_read_and_a_claim_made_again_is_never_freed():
     ring = _fake_clock_ring(2, 3)  # worker 1 owns slots 3, 4, 5
-    a = ring.pack(_batch(0), 1)
+    a = _arrive(ring.pack(_batch(0), 1))
     ring.take(a)  # its copy still running
     for i in (1, 2):
-        p = ring.pack(_batch(i), 1)
+        p = _arrive(ring.pack(_batch(i), 1))
         ring.take(p)
         ring.release(p.slot)
     d = ring.pack(_batch(3), 1)  # turn 3 would be slot 3, still read: skipped to slot 4 at turn 4
     assert (a.slot, a.turn, d.slot, d.turn) == (3, 0, 4, 4)
-    assert _same(ring.take(d), _batch(3))
-    assert ring.free.tolist()[3:] == [0, 0, 1] and ring.recovered == 0  # the slot being read is never freed
-    ring.release(a.slot)
-    e = ring.pack(_batch(4), 1)  # turn 5, slot 5: dropped unread below
-    g = ring.pack(_batch(5), 1)  # turn 6, slot 3
-    ring.release(d.slot)
-    h = ring.pack(_batch(6), 1)  # turn 7, slot 4: packed after g, not yet taken
-    assert [(x.slot, x.turn) for x in (e, g, h)] == [(5, 5), (3, 6), (4, 7)]
-    assert _same(ring.take(g), _batch(5))
-    assert ring.free.tolist()[3:] == [0, 0, 1] and ring.recovered == 1  # e's slot freed; h's (a later turn) kept
-    assert _same(ring.take(h), _batch(6))
+    e = _arrive(ring.pack(_batch(4), 1))  # turn 5 in slot 5: arrived, not taken
+    ring.release(e.slot)  # its slot freed by other means (as reset does) ...
+    f = ring.pack(_batch(5), 1)  # ... and claimed again (turns 6 and 7 skip slots 3 and 4, still claimed)
+    assert (f.slot, f.turn) == (5, 8)
+    ring.drop_untaken()
+    assert ring.free.tolist()[3:] == [0, 0, 0] and ring.recovered == 0  # neither the slot read nor the one claimed again
     ring.reset()
-    assert ring.free.tolist() == [1] * 6 and ring.claim.tolist() == [-1] * 6 and not ring.held and ring.last_turn == [-1, -1]
+    assert ring.free.tolist() == [1] * 6 and ring.claim.tolist() == [-1] * 6 and not ring.held
+
+
+class Stamped(Dataset):
+    """Sample i: a small image of i."""
+
+    def __len__(self) -> int:
+        return 997
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((3, 8, 8), float(i)), "y": i}
+
+
+def test_persistent_workers_none_of_whose_batches_a_short_epoch_read_get_their_slots_back():
+    """Four persistent workers with 4 slots each. An epoch cut after 34 batches, then one cut after 2
+    (batches of workers 0 and 1 only) leave workers 2 and 3 with every slot holding a dropped batch.
+    Their slots come back when the next epoch's iterator is made, so every batch of the whole epochs
+    after comes through the ring and none waits for a slot. (Freed only when a later batch of the same
+    worker was taken, as before, they never came back: workers 2 and 3 sent every later batch the usual
+    way, each after waiting ``wait_s`` for a slot, 15 s an epoch.)"""
+    loader = DataLoader(Stamped(), batch_size=8, shuffle=True, num_workers=4, persistent_workers=True)
+    ring = BatchRing(workers=4, slots_per_worker=4, slot_bytes=slot_bytes_for(8 * 3 * 8 * 8 * 4 + 64), wait_s=0.5)
+    handoff = handoff_loader(loader, ring)
+    read = []
+    try:
+        for cut in (33, 1, None, None):
+            epoch, held, n = ring_epoch(handoff, ring), None, 0
+            for i, batch in enumerate(epoch):  # as the prefetcher reads: a slot freed before the next is taken
+                if held is not None:
+                    ring.release(held)
+                    held = None
+                if isinstance(batch, Packed):
+                    host = ring.take(batch)
+                    assert bool((host["x"].flatten(1) == host["y"][:, None]).all())
+                    held = batch.slot
+                read.append(isinstance(batch, Packed))
+                n += 1
+                if i == cut:  # the loop stops, the batch after the last one it used already pulled
+                    break
+            if held is not None:
+                ring.release(held)
+            epoch.close()
+    finally:
+        stop_ring_workers(handoff)
+    assert len(read) == 34 + 2 + 2 * 125 and all(read), read.count(False)
+    assert ring.recovered > 0 and ring.free.all()
 
 
 class Streamed(torch.utils.data.IterableDataset):

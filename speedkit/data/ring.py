@@ -19,17 +19,21 @@ Slots: worker ``w`` owns ``slots_per_worker`` of them and fills them in turn. A 
 most ``prefetch_factor`` batches of a worker outstanding, and the prefetcher frees a batch's slot
 before it takes the next batch, so ``prefetch_factor + 2`` slots per worker never make one wait.
 
-Persistent workers outlive an epoch, and so does the ring. An epoch cut short (a ``break``, a fit's
-``max_steps``, a trial) leaves batches its workers had packed that nobody reads: the next epoch's
-iterator drops them. Each claim records its turn (the worker's count of claims); when the training
-process takes a batch of turn ``t`` from a worker, any of that worker's slots still claimed by an
-earlier turn and not being read is such a dropped batch, and is freed (:meth:`BatchRing.take`). A
-worker meanwhile skips a slot still claimed for the next free one of its own.
+Persistent workers outlive an epoch, and so does the ring. An epoch cut short (a ``break``,
+``limit_train_batches``, a trial) leaves batches its workers had packed that nobody reads: the next
+epoch's iterator, when it is made, drains them from the workers and drops them. Every packed batch
+reaches the training process before it is dropped (each :class:`Packed` records its arrival as it is
+unpickled there), so once the next epoch's iterator is made, the batches that arrived and were never
+taken are exactly the dropped ones, and their slots are freed (:meth:`BatchRing.drop_untaken`), for
+every worker alike: a worker none of whose batches the short epoch read gets its slots back too. Each
+claim records its turn (the worker's count of claims), so a slot claimed again since is never freed.
+A worker meanwhile skips a slot still claimed for the next free one of its own.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,17 +63,30 @@ class RingLeaf:
         return f"RingLeaf(offset={self.offset}, shape={self.shape}, dtype={self.dtype})"
 
 
+#: per ring (by its token), in the training process: the (slot, turn) of each packed batch that arrived
+#: and was not taken yet (an ordered set)
+_ARRIVED: dict[str, dict[tuple[int, int], None]] = {}
+
+
 class Packed:
-    """A batch in ``slot`` of the ring, claimed at its worker's ``turn``: the batch's structure with its
-    tensors as :class:`RingLeaf`."""
+    """A batch in ``slot`` of the ring ``ring`` (its token), claimed at its worker's ``turn``: the
+    batch's structure with its tensors as :class:`RingLeaf`. Unpickled in the training process, it
+    records its arrival with its ring."""
 
-    __slots__ = ("batch", "slot", "turn")
+    __slots__ = ("batch", "ring", "slot", "turn")
 
-    def __init__(self, slot: int, turn: int, batch: Any) -> None:
-        self.slot, self.turn, self.batch = slot, turn, batch
+    def __init__(self, slot: int, turn: int, batch: Any, ring: str = "") -> None:
+        self.slot, self.turn, self.batch, self.ring = slot, turn, batch, ring
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Packed, (self.slot, self.turn, self.batch)
+        return _arrived, (self.slot, self.turn, self.batch, self.ring)
+
+
+def _arrived(slot: int, turn: int, batch: Any, ring: str) -> Packed:
+    arrived = _ARRIVED.get(ring)
+    if arrived is not None:  # the process that owns the ring (workers never unpickle a Packed)
+        arrived[(slot, turn)] = None
+    return Packed(slot, turn, batch, ring)
 
 
 def _aligned(n: int) -> int:
@@ -117,9 +134,10 @@ class BatchRing:
         self.turn = [0] * workers  # each worker process advances its own copy
         self.registered = False
         self.fallbacks = 0  # batches this process sent the usual way (counted in the worker that did)
-        # the training process's side (its own copy): slots taken and not yet released, each worker's last turn taken
+        # the training process's side (its own copy): slots taken and not yet released, batches arrived
         self.held: set[int] = set()
-        self.last_turn = [-1] * workers
+        self.token = uuid.uuid4().hex
+        _ARRIVED[self.token] = {}
         self.recovered = 0  # slots freed because the batch in them was dropped unread
 
     @property
@@ -169,7 +187,7 @@ class BatchRing:
             used[0] += _aligned(leaf.numel() * leaf.element_size())
             return RingLeaf(offset, tuple(leaf.shape), leaf.dtype)
 
-        return Packed(slot, turn, map_batch(put, batch))
+        return Packed(slot, turn, map_batch(put, batch), self.token)
 
     def _slot(self, worker: int, turn: int) -> int:
         return worker * self.slots_per_worker + turn % self.slots_per_worker
@@ -198,21 +216,22 @@ class BatchRing:
         return self.memory[offset:offset + size].view(dtype).view(shape)
 
     def take(self, packed: Packed) -> Any:
-        """The training process takes ``packed`` (see :meth:`host_batch`; :meth:`release` its slot once read).
-        Its worker's slots still claimed by an earlier turn, and not taken, hold batches dropped unread
-        (an epoch of persistent workers cut short): they are freed."""
-        worker = packed.slot // self.slots_per_worker
-        if packed.turn > self.last_turn[worker] + 1:  # turns were skipped or their batches dropped
-            for slot in range(worker * self.slots_per_worker, (worker + 1) * self.slots_per_worker):
-                # read once: a claim the worker makes meanwhile is of a later turn; one of an earlier turn is
-                # not free, so the worker cannot be claiming that slot while it is freed here
-                turn = int(self.claim[slot])
-                if slot != packed.slot and slot not in self.held and 0 <= turn < packed.turn:
-                    self.claim[slot] = -1
-                    self.recovered += 1
-        self.last_turn[worker] = packed.turn
+        """The training process takes ``packed`` (see :meth:`host_batch`; :meth:`release` its slot once read)."""
+        _ARRIVED.get(self.token, {}).pop((packed.slot, packed.turn), None)
         self.held.add(packed.slot)
         return self.host_batch(packed)
+
+    def drop_untaken(self) -> None:
+        """Free the slots of the batches that arrived here and were never taken: call it right after a
+        persistent iterator's reset, which drained and dropped every batch its workers had made ahead.
+        A slot claimed again since (by a later turn) or being read is left alone; the claims the new
+        epoch's first tasks make meanwhile are of other slots and turns."""
+        arrived = _ARRIVED.get(self.token, {})
+        for slot, turn in list(arrived):
+            if slot not in self.held and int(self.claim[slot]) == turn:  # the worker cannot claim a slot not free
+                self.claim[slot] = -1
+                self.recovered += 1
+        arrived.clear()
 
     def host_batch(self, packed: Packed) -> Any:
         """The packed batch as views of its slot (valid until :meth:`release`)."""
@@ -231,11 +250,12 @@ class BatchRing:
         (batches the last workers packed but nobody took leave their slots claimed)."""
         self.claim.fill_(-1)
         self.held.clear()
-        self.last_turn = [-1] * self.workers
+        _ARRIVED.get(self.token, {}).clear()
 
     def close(self) -> None:
         """The memory no longer pinned (its readers closed first)."""
         self.unregister()
+        _ARRIVED.pop(self.token, None)
 
 
 class RingCollate:
@@ -279,10 +299,15 @@ def persistent(loader: Any) -> bool:
 def ring_epoch(loader: Any, ring: BatchRing) -> RingEpoch:
     """One epoch of a :func:`handoff_loader`, its iterator made now (as ``iter(loader)`` would: the
     shuffle and the workers' seeds are drawn from the RNGs as they are at this call, not at the first
-    batch). Where its workers start afresh, every slot is free first."""
-    if not persistent(loader) or not compat.has_live_iterator(loader):
+    batch). Where its workers start afresh, every slot is free first; where persistent workers go on,
+    the slots of the batches the last epoch left unread are freed once the new iterator dropped them."""
+    going_on = persistent(loader) and compat.has_live_iterator(loader)
+    if not going_on:
         ring.reset()
-    return RingEpoch(loader, iterate_with_threads_kept(loader))
+    it = iterate_with_threads_kept(loader)
+    if going_on:
+        ring.drop_untaken()
+    return RingEpoch(loader, it)
 
 
 class RingEpoch(Iterator[Any]):
