@@ -206,14 +206,17 @@ def test_batches_through_the_ring_reach_the_device_unchanged_over_epochs(persist
     assert ring.recovered > 0 if persistent else ring.recovered == 0
 
 
-class _Stamped(torch.utils.data.Dataset):
-    """Sample i holds i everywhere: a batch on the device can check itself."""
+class Stamped(torch.utils.data.Dataset):
+    """Sample i: an image of ``side`` x ``side`` holding i everywhere, and i (a batch can check itself)."""
+
+    def __init__(self, side: int = 64) -> None:
+        self.side = side
 
     def __len__(self) -> int:
         return 997
 
     def __getitem__(self, i: int):
-        return {"x": torch.full((3, 64, 64), float(i)), "y": i}
+        return {"x": torch.full((3, self.side, self.side), float(i)), "y": i}
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["workers_per_epoch", "persistent_workers"])
@@ -229,7 +232,7 @@ def test_the_ring_serves_no_wrong_batch_over_cut_epochs_and_random_step_lengths(
     from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
 
     rnd = random.Random(0)
-    loader = DataLoader(_Stamped(), batch_size=8, shuffle=True, num_workers=4, persistent_workers=persistent)
+    loader = DataLoader(Stamped(), batch_size=8, shuffle=True, num_workers=4, persistent_workers=persistent)
     ring = BatchRing(workers=4, slots_per_worker=4, slot_bytes=slot_bytes_for(8 * 3 * 64 * 64 * 4 + 64), wait_s=30.0)
     assert ring.register()
     served = PrefetchingLoader(handoff_loader(loader, ring), "cuda", lookahead=1, ring=ring)

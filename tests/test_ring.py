@@ -14,7 +14,7 @@ from speedkit.data.ring import (BatchRing, Packed, RingCollate, RingLeaf, handof
                                 stop_ring_workers)
 from speedkit.data.source import batch_leaves, chain_epochs
 from speedkit.rungs.data_path import DataPathOptions, plan_ring
-from test_data_path_gpu import Item, Pair  # the nested batch types the GPU prefetch tests use
+from test_data_path_gpu import Item, Pair, Stamped  # the batch types the GPU prefetch tests use
 
 
 def _batch(i: int):
@@ -256,16 +256,6 @@ def test_a_worker_skips_a_slot_still_read_and_a_claim_made_again_is_never_freed(
     assert ring.free.tolist() == [1] * 6 and ring.claim.tolist() == [-1] * 6 and not ring.held
 
 
-class Stamped(Dataset):
-    """Sample i: a small image of i."""
-
-    def __len__(self) -> int:
-        return 997
-
-    def __getitem__(self, i: int):
-        return {"x": torch.full((3, 8, 8), float(i)), "y": i}
-
-
 def test_persistent_workers_none_of_whose_batches_a_short_epoch_read_get_their_slots_back():
     """Four persistent workers with 4 slots each. An epoch cut after 34 batches, then one cut after 2
     (batches of workers 0 and 1 only) leave workers 2 and 3 with every slot holding a dropped batch.
@@ -273,7 +263,7 @@ def test_persistent_workers_none_of_whose_batches_a_short_epoch_read_get_their_s
     after comes through the ring and none waits for a slot. (Freed only when a later batch of the same
     worker was taken, as before, they never came back: workers 2 and 3 sent every later batch the usual
     way, each after waiting ``wait_s`` for a slot, 15 s an epoch.)"""
-    loader = DataLoader(Stamped(), batch_size=8, shuffle=True, num_workers=4, persistent_workers=True)
+    loader = DataLoader(Stamped(side=8), batch_size=8, shuffle=True, num_workers=4, persistent_workers=True)
     ring = BatchRing(workers=4, slots_per_worker=4, slot_bytes=slot_bytes_for(8 * 3 * 8 * 8 * 4 + 64), wait_s=0.5)
     handoff = handoff_loader(loader, ring)
     read = []

@@ -617,13 +617,14 @@ class DataPathRung(Rung):
             current = loader.num_workers
             workers = opts.workers if isinstance(opts.workers, int) else None
             vary = opts.workers == "auto"
+            count_may_change = vary or (workers is not None and workers != current)
             # whether its samples depend on the worker's state: decides what exact mode may change
-            blocker = worker_count_blocker(loader.dataset) if opts.exact and (
-                vary or (workers is not None and workers != current) or persistent(loader)) else None
-            if blocker is not None and (vary or (workers is not None and workers != current)):
+            blocker = worker_count_blocker(loader.dataset) if opts.exact and (count_may_change or persistent(loader)) else None
+            if blocker is not None and count_may_change:
                 vary, workers = False, None
                 notes.append(f"num_workers kept at {current}: {blocker}")
             factors: tuple[int, ...] = (2, 4)
+            keep_factor = None
             if blocker is not None and persistent(loader):
                 factors = (loader.prefetch_factor,)
                 keep_factor = (f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
@@ -653,7 +654,7 @@ class DataPathRung(Rung):
                              if processes[1] > 1 else "")
                     notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
                                  f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
-                if len(factors) == 1:
+                if keep_factor is not None:
                     notes.append(keep_factor)
                 choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
                                          same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None,
