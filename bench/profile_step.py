@@ -9,9 +9,7 @@ For each configuration (rungs applied through ``speedkit.apply`` to the naive GP
 Then SDPA's backends alone on the model's attention shape (16 x 12 x 1024 x 64, bf16, causal),
 forward + backward.
 
-With --bandwidth, the bytes Inductor's kernels move in one step against the device's copy rate.
-
-Usage: python bench/profile_step.py [--configs compile,compile+ce,cudnn] [--no-sdpa] [--gemms] [--bandwidth]
+Usage: python bench/profile_step.py [--configs compile,compile+ce,cudnn] [--no-sdpa] [--gemms]
 """
 
 from __future__ import annotations
@@ -167,68 +165,11 @@ def gemm_floor() -> None:
     print(f"   all GEMMs of a step: {total:.2f} ms")
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written per second (GB/s): the rate a
-    memory-bound kernel can at best move its bytes at."""
-    src = torch.empty(2**30 // 4, device=DEV)
-    dst = torch.empty_like(src)
-    ms = sorted(MeasureSession(DEV).window_times(lambda: dst.copy_(src), warmup=3, steps=10, repeats=5))[2]
-    return 2 * src.numel() * 4 / 1e9 / (ms / 1e3)
-
-
-def inductor_bandwidth(path: str = "/tmp/speedkit_inductor_bandwidth.txt") -> None:
-    """The bytes the compiled step's Inductor kernels move and their time, each kernel timed alone
-    by Inductor's own bandwidth profiler (``profile_bandwidth``; cold cache), against the device's
-    copy rate: how far those kernels are from the memory-bound floor of this fusion plan.
-    (The profiler runs each kernel once and replays its timing after, so the step's numbers are
-    not computed: a diagnostic of timing only.)"""
-    Path(path).unlink(missing_ok=True)
-    rungs = BASE + [CE_ONLY, CDT]
-    torch.manual_seed(0)
-    model = NaiveGPT("small").to(DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    applied = speedkit.apply(model, opt, rungs=rungs, device=DEV, loss_fn=lambda m, b, i: m(*b))
-    batch = (torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV), torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV))
-    from torch._inductor import config as inductor_config
-
-    # set around the first calls, where Inductor compiles; no cached compilation without the profiler
-    with inductor_config.patch(profile_bandwidth=True, profile_bandwidth_output=path, force_disable_caches=True):
-        for i in range(3):
-            applied.step(batch, i)
-        torch.cuda.synchronize()
-    applied.undo()
-    blocks = Path(path).read_text().split("====================\n")[1:]
-    step_blocks = blocks[-2:]  # the last step: its forward graph and its backward graph
-    calls = []
-    for block in step_blocks:
-        for line in block.splitlines()[1:]:
-            if line.startswith("SUMMARY"):
-                break
-            if "GB/s" not in line:
-                continue
-            parts = [p.strip() for p in line.split("\t")]
-            calls.append((float(parts[0].rstrip("ms")), float(parts[1].split()[0]), parts[-1]))
-    total_ms = sum(c[0] for c in calls)
-    total_gb = sum(c[1] for c in calls)
-    copy_gbs = copy_bandwidth()
-    print(f"\n== Inductor's kernels of one step, each timed alone (compile+ce/cdt, {len(step_blocks)} graphs)")
-    print(f"   {len(calls)} launches, {total_ms:.2f} ms, {total_gb:.2f} GB moved: {total_gb / total_ms * 1e3:,.0f} GB/s; "
-          f"device copy {copy_gbs:,.0f} GB/s; the same bytes at copy rate {total_gb / copy_gbs * 1e3:.2f} ms")
-    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0])
-    for ms, gb, name in calls:
-        by_name[name][0] += ms
-        by_name[name][1] += gb
-        by_name[name][2] += 1
-    for name, (ms, gb, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:16]:
-        print(f"     {ms:6.2f} ms {n:4d}x {gb:7.2f} GB {gb / ms * 1e3 if ms else 0:7,.0f} GB/s  {name[:80]}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--gemms", action="store_true", help="time the step's GEMM shapes alone (bf16, cuBLAS)")
-    ap.add_argument("--bandwidth", action="store_true", help="Inductor's kernels' bytes and time against the copy rate")
     ap.add_argument("--ops", action="store_true", help="also list the host ops that launch the kernels")
     ap.add_argument("--top", type=int, default=14, help="kernels listed per configuration")
     args = ap.parse_args()
@@ -237,8 +178,6 @@ def main() -> None:
         sdpa_backends()
     if args.gemms:
         gemm_floor()
-    if args.bandwidth:
-        inductor_bandwidth()
     for name in filter(None, args.configs.split(",")):
         try:
             run_config(name, CONFIGS[name], top=args.top, ops=args.ops)
