@@ -55,6 +55,8 @@ CONFIGS = {
     "recipe/pdl": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "triton.enable_pdl": True}}}, "cuda_graph"],
     # Horizontal fusion of independent Inductor kernels (fewer launches)
     "recipe/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "combo_kernels": True}}}, "cuda_graph"],
+    # Inductor's LayerNorm backward without mix-order reduction (its weight/bias sums apart)
+    "recipe/nomix": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "triton.mix_order_reduction": False}}}, "cuda_graph"],
     "recipe/pdl+combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {
         "coordinate_descent_tuning": True, "triton.enable_pdl": True, "combo_kernels": True}}}, "cuda_graph"],
 }
