@@ -4,7 +4,8 @@ with the bias-gradient partial sums in one kernel, against cuBLAS plus the separ
 (Inductor's, as the compiled step has them), on GPT-2 small's MLP shapes (16384 tokens, 768 -> 3072).
 Two forms of each kernel: tiled Triton GEMMs with pointer loads, and the same with TMA tensor
 descriptors; both software-pipelined with autotuned tiles, neither persistent nor warp-specialized.
-H100, torch 2.11, Triton 3.6, at aefab2a and the commit after it: the fused forward took 0.249 ms
+H100, torch 2.11, Triton 3.6, the code of a91a1b7 (the K loop of the pointer-load kernels has been one
+helper since; not timed again): the fused forward took 0.249 ms
 (pointer loads) and 0.266 ms (TMA), against 0.188 ms for cuBLAS's addmm (0.123) plus GELU. The fused
 backward took 0.338 and 0.288 ms, against 0.269 ms for cuBLAS's mm (0.121) plus Inductor's GELU
 backward and bias sum. The fusion removes the elementwise passes but loses more than they cost in the
@@ -42,20 +43,28 @@ def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
     pn = (pid % width) // size
     return pm, pn
 
-@triton.autotune(CONFIGS, key=["M", "N", "K"])
 @triton.jit
-def _fwd(X, W, B, H, G, M, N, K, sxm, sxk, swn, swk, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    pm, pn = _tile(M, N, BM, BN, GROUP)
-    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN); rk = tl.arange(0, BK)
-    a_ptr = X + rm.to(tl.int64)[:, None] * sxm + rk[None, :] * sxk
-    b_ptr = W + rn.to(tl.int64)[None, :] * swn + rk[:, None] * swk
+def _mm_acc(A, Bm, rm, rn, M, N, K, sam, sak, sbk, sbn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The fp32 tile A[rm, :] @ Bm[:, rn], strides given for A (m, k) and Bm (k, n), pointer loads."""
+    rk = tl.arange(0, BK)
+    a_ptr = A + rm.to(tl.int64)[:, None] * sam + rk[None, :] * sak
+    b_ptr = Bm + rk.to(tl.int64)[:, None] * sbk + rn[None, :] * sbn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BK)):
         kk = k * BK + rk
         a = tl.load(a_ptr, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_ptr, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         acc = tl.dot(a, b, acc)
-        a_ptr += BK * sxk; b_ptr += BK * swk
+        a_ptr += BK * sak
+        b_ptr += BK * sbk
+    return acc
+
+@triton.autotune(CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _fwd(X, W, B, H, G, M, N, K, sxm, sxk, swn, swk, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    pm, pn = _tile(M, N, BM, BN, GROUP)
+    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN)
+    acc = _mm_acc(X, W, rm, rn, M, N, K, sxm, sxk, swk, swn, BM, BN, BK)
     bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
     h = (acc + bias[None, :]).to(H.dtype.element_ty)
     g, _ = _gelu_and_grad(h.to(tl.float32), TANH, False)
@@ -68,16 +77,8 @@ def _fwd(X, W, B, H, G, M, N, K, sxm, sxk, swn, swk, TANH: tl.constexpr, BM: tl.
 @triton.jit
 def _bwd(DY, W2, Hs, DH, DBP, M, N, K, sdm, sdk, swk, swn, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pm, pn = _tile(M, N, BM, BN, GROUP)
-    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN); rk = tl.arange(0, BK)
-    a_ptr = DY + rm.to(tl.int64)[:, None] * sdm + rk[None, :] * sdk
-    b_ptr = W2 + rk.to(tl.int64)[:, None] * swk + rn[None, :] * swn
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        kk = k * BK + rk
-        a = tl.load(a_ptr, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptr += BK * sdk; b_ptr += BK * swk
+    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN)
+    acc = _mm_acc(DY, W2, rm, rn, M, N, K, sdm, sdk, swk, swn, BM, BN, BK)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     off = rm.to(tl.int64)[:, None] * N + rn[None, :]
     h = tl.load(Hs + off, mask=mask, other=0.0).to(tl.float32)
