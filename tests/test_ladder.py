@@ -532,6 +532,17 @@ def test_measure_config_defaults_come_from_configs_only():
         MeasureConfig()  # no second home for the defaults
 
 
+def test_default_ladder_order():
+    """data_path first (the rungs after it are timed on a fed step); async_progress_bar after compile,
+    where the host's share of the step it removes is worth measuring; cuda_graph last (it captures
+    the step the rungs before it made)."""
+    from speedkit import config
+
+    names = [spec if isinstance(spec, str) else spec["name"] for spec in config.default_ladder()]
+    assert names[0] == "data_path" and names[-1] == "cuda_graph"
+    assert names.index("compile") < names.index("async_progress_bar") == len(names) - 2
+
+
 # -- parity calibrated on the model ----------------------------------------------------------------
 
 
