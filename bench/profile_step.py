@@ -34,7 +34,14 @@ DEV = torch.device("cuda")
 BATCH, SEQ, VOCAB = 16, 1024, 50304
 BASE = ["tf32", "autocast", "fused_optimizer", "sdpa"]
 CE_ONLY = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False}}
-CDT = {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True}}}  # tunes Inductor's kernels
+
+
+def cdt(**inductor: object) -> dict:
+    """The compile rung with Inductor's coordinate-descent tuning of its kernels, and ``inductor`` settings."""
+    return {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, **inductor}}}
+
+
+CDT = cdt()  # tunes Inductor's kernels
 MA = {"name": "compile", "options": {"mode": "max-autotune-no-cudagraphs"}}  # + Triton GEMM templates, autotuned
 CONFIGS = {
     "compile": BASE + ["compile"],
@@ -48,17 +55,16 @@ CONFIGS = {
     "compile+ce/ma": BASE + [CE_ONLY, MA],
     "compile+graph/ma": BASE + [MA, "cuda_graph"],
     "compile+ce+graph/ma": BASE + [CE_ONLY, MA, "cuda_graph"],
-    "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],          # what recipes/gpt2-small-naive.yaml keeps
+    "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],          # the model rungs of recipes/gpt2-small-naive.yaml
     "recipe/cudnn": BASE + [CE_ONLY, CDT, "cuda_graph"],    # the same, SDPA restricted to cuDNN's attention
     "recipe/ma": BASE + [CE_ONLY, MA, "cuda_graph"],        # the recipe with max-autotune instead of coordinate descent
     # Programmatic dependent launch: each Inductor kernel may start while the one before drains
-    "recipe/pdl": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "triton.enable_pdl": True}}}, "cuda_graph"],
+    "recipe/pdl": BASE + [CE_ONLY, cdt(**{"triton.enable_pdl": True}), "cuda_graph"],
     # Horizontal fusion of independent Inductor kernels (fewer launches)
-    "recipe/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "combo_kernels": True}}}, "cuda_graph"],
+    "recipe/combo": BASE + [CE_ONLY, cdt(combo_kernels=True), "cuda_graph"],
+    "recipe/pdl+combo": BASE + [CE_ONLY, cdt(combo_kernels=True, **{"triton.enable_pdl": True}), "cuda_graph"],
     # Inductor's LayerNorm backward without mix-order reduction (its weight/bias sums apart)
-    "recipe/nomix": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"coordinate_descent_tuning": True, "triton.mix_order_reduction": False}}}, "cuda_graph"],
-    "recipe/pdl+combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {
-        "coordinate_descent_tuning": True, "triton.enable_pdl": True, "combo_kernels": True}}}, "cuda_graph"],
+    "recipe/nomix": BASE + [CE_ONLY, cdt(**{"triton.mix_order_reduction": False}), "cuda_graph"],
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
