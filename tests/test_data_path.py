@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from speedkit import compat, rungs
 from speedkit.data import BatchSource
-from speedkit.data.loader import LoaderSettings, choose_settings, loader_rate, rebuild_loader, worker_count_blocker
+from speedkit.data.loader import LoaderSettings, choose_settings, loader_rate, rebuild_loader, worker_dependence
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.errors import ConfigError
 from speedkit.ladder import Ladder
@@ -161,13 +161,13 @@ class CropsTheLastOnly(Indexed):
 def test_the_worker_count_is_kept_where_samples_depend_on_the_worker():
     torch.manual_seed(5)
     before = torch.get_rng_state(), random.getstate()
-    assert worker_count_blocker(Indexed()) is None
-    assert "draw random numbers" in worker_count_blocker(RandomCrops())
-    assert "IterableDataset" in worker_count_blocker(Stream())
+    assert worker_dependence(Indexed()) is None
+    assert "draw random numbers" in str(worker_dependence(RandomCrops()))
+    assert "IterableDataset" in str(worker_dependence(Stream()))
     # a draw whose outcome both probing seeds happen to agree on is still a draw
     for dataset, rng in ((Flips(), "torch"), (PythonCoin(), "python"), (NumpyCoin(), "numpy")):
-        assert f"samples draw random numbers (reading one draws from the {rng} RNG)" in worker_count_blocker(dataset)
-    assert "torch RNG" in worker_count_blocker(CropsTheLastOnly())  # the first, middle and last items are read
+        assert f"samples draw random numbers (reading one draws from the {rng} RNG)" in str(worker_dependence(dataset))
+    assert "torch RNG" in str(worker_dependence(CropsTheLastOnly()))  # the first, middle and last items are read
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # the probe draws nothing
 
 

@@ -10,12 +10,12 @@ Which of those keep every sample *exactly* as it was (``exact`` mode):
 * ``pin_memory``: always (the same batches, the same workers in the same round-robin, the same
   draws from every generator).
 * ``prefetch_factor``: the same, except with persistent workers whose samples depend on the
-  worker's state (:func:`worker_count_blocker`). An epoch that ends before its loader does
+  worker's state (:func:`worker_dependence`). An epoch that ends before its loader does
   (``limit_train_batches``, a ``break``, ``on_train_batch_start`` returning -1) leaves the batches
   dispatched ahead (``prefetch_factor`` per worker) made and dropped; persistent workers carry what
   making them drew into every later epoch, so another factor would change later augmentations.
 * ``num_workers``: only when a sample does not depend on the random state of the process that makes
-  it (:func:`worker_count_blocker` probes the dataset): each worker seeds its RNGs from the loader's
+  it (:func:`worker_dependence` probes the dataset): each worker seeds its RNGs from the loader's
   base seed and its worker id, so a dataset that augments with ``torch.rand`` would draw other
   numbers for the same index with another worker count. An ``IterableDataset`` is replicated per
   worker, so its stream depends on the worker count: never changed.
@@ -192,7 +192,19 @@ def keep_threads_on(cpus: set[int], *, skip: set[Any] = frozenset()) -> int:  # 
 # -- what a worker count changes ------------------------------------------------------------------
 
 
-def worker_count_blocker(dataset: Any) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class WorkerDependence:
+    """Why a dataset's samples may depend on the worker that makes them: ``what`` (or why that could
+    not be ruled out) and, where known, ``effect``, what another worker count would do."""
+
+    what: str
+    effect: str | None = None
+
+    def __str__(self) -> str:
+        return self.what if self.effect is None else f"{self.what}: {self.effect}"
+
+
+def worker_dependence(dataset: Any) -> WorkerDependence | None:
     """None when changing the number of workers leaves every sample as it is; else why it would not.
 
     A map-style dataset's first, middle and last items are each read twice, under two different seeds
@@ -202,13 +214,13 @@ def worker_count_blocker(dataset: Any) -> str | None:
     ``IterableDataset`` is split (or replicated) by worker: its stream is the worker count's.
     """
     if isinstance(dataset, IterableDataset):
-        return "an IterableDataset yields per worker: its stream depends on the number of workers"
+        return WorkerDependence("an IterableDataset yields per worker", "its stream depends on the number of workers")
     try:
         length = len(dataset)
     except TypeError:
-        return "the dataset has no length to probe"
+        return WorkerDependence("the dataset has no length to probe")
     if length < 1:
-        return "the dataset is empty"
+        return WorkerDependence("the dataset is empty")
     saved = rng_state()
     drew: list[str] = []
     differs = False
@@ -223,14 +235,14 @@ def worker_count_blocker(dataset: Any) -> str | None:
                 drew += [name for name, state in seeded.items() if not _same(now.get(name), state)]
             differs = differs or not _same(samples[0], samples[1])
     except Exception as exc:  # a dataset that cannot be read here: assume the worst
-        return f"reading a sample to probe it raised {type(exc).__name__}"
+        return WorkerDependence(f"reading a sample to probe it raised {type(exc).__name__}")
     finally:
         set_rng_state(saved)
     why = (f"reading one draws from the {' and '.join(sorted(set(drew), key=drew.index))} RNG" if drew
            else "the same index read under two seeds differs" if differs else None)
     if why is not None:
-        return (f"its samples draw random numbers ({why}): each worker seeds its own RNGs, so another worker count "
-                "would draw other numbers")
+        return WorkerDependence(f"its samples draw random numbers ({why})",
+                                "each worker seeds its own RNGs, so another worker count would draw other numbers")
     return None
 
 
@@ -739,5 +751,5 @@ __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffi
            "physical_cores", "training_cpus",
            "fit_iterator_start", "in_process_change_blocker", "index_sampler", "iterate_with_threads_kept", "keep_threads_on", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "tensor_bytes", "watch_fit_iterator_start",
-           "worker_count_blocker", "worker_counts"]
+           "WorkerDependence", "worker_counts", "worker_dependence"]
 

@@ -38,7 +38,6 @@ loader (``reload_dataloaders_every_n_epochs``) has each new loader served the sa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import statistics
 import sys
@@ -65,7 +64,7 @@ from speedkit.data.loader import (
     rebuild_loader,
     training_cpus,
     watch_fit_iterator_start,
-    worker_count_blocker,
+    worker_dependence,
 )
 from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
 from speedkit.data.ring import BatchRing, handoff_loader, persistent, slot_bytes_for
@@ -158,8 +157,8 @@ class PullAheadAfter(AttributeWrapper):
     the served loader pulling the batch ahead, before the step. A copy of the module gets ``hook``."""
 
     def __init__(self, hook: Callable[..., Any], serving: _Serving) -> None:
-        self.wrapped, self.serving = hook, serving
-        functools.update_wrapper(self, hook)
+        super().__init__(hook)
+        self.serving = serving
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         response = self.wrapped(*args, **kwargs)
@@ -619,16 +618,16 @@ class DataPathRung(Rung):
             vary = opts.workers == "auto"
             count_may_change = vary or (workers is not None and workers != current)
             # whether its samples depend on the worker's state: decides what exact mode may change
-            blocker = worker_count_blocker(loader.dataset) if opts.exact and (count_may_change or persistent(loader)) else None
-            if blocker is not None and count_may_change:
+            dependence = worker_dependence(loader.dataset) if opts.exact and (count_may_change or persistent(loader)) else None
+            if dependence is not None and count_may_change:
                 vary, workers = False, None
-                notes.append(f"num_workers kept at {current}: {blocker}")
+                notes.append(f"num_workers kept at {current}: {dependence}")
             factors: tuple[int, ...] = (2, 4)
             keep_factor = None
-            if blocker is not None and persistent(loader):
+            if dependence is not None and persistent(loader):
                 factors = (loader.prefetch_factor,)
                 keep_factor = (f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
-                               f"{blocker.split(':')[0]}; an epoch that ends before its loader (limit_train_batches, a break, "
+                               f"{dependence.what}; an epoch that ends before its loader (limit_train_batches, a break, "
                                "on_train_batch_start returning -1) leaves prefetch_factor batches per worker made ahead and "
                                "dropped, which moves what the workers make in every later epoch")
             pin = None if opts.pin_memory == "auto" else opts.pin_memory
