@@ -12,6 +12,7 @@ This module depends on nothing else in speedkit, so any layer (rewrites, steps, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,12 @@ class AttributeWrapper:
     wrapper still bound to the original, and nothing of the rung's (compiled code, a loader) travels."""
 
     wrapped: Any
+
+    def __init__(self, wrapped: Any) -> None:
+        """Wrap ``wrapped``, whose name, docstring and ``__wrapped__`` the wrapper carries (Lightning
+        reads through ``__wrapped__`` whether a hook is overridden)."""
+        self.wrapped = wrapped
+        functools.update_wrapper(self, wrapped)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _itself, (self.wrapped,)

@@ -22,10 +22,9 @@ tensor back contiguous, with the same values, and removes the hook and the wrapp
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -155,12 +154,8 @@ def _lightning_hook_owner(model: nn.Module) -> Any:
 
 
 class ChannelsLastAfterTransfer(AttributeWrapper):
-    """``hook`` (an ``on_after_batch_transfer``) returning channels_last batches. Its ``__wrapped__``
-    keeps Lightning's view of whether the hook is overridden; a copy of the owner gets ``hook``."""
-
-    def __init__(self, hook: Callable[[Any, int], Any]) -> None:
-        self.wrapped = hook
-        functools.update_wrapper(self, hook)
+    """The wrapped ``on_after_batch_transfer`` returning channels_last batches. Its ``__wrapped__``
+    keeps Lightning's view of whether the hook is overridden; a copy of the owner gets the hook."""
 
     def __call__(self, batch: Any, dataloader_idx: int) -> Any:
         return channels_last_batch(self.wrapped(batch, dataloader_idx))
