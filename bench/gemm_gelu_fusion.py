@@ -135,6 +135,14 @@ def _bwd_tma(DYD, W2D, HSD, DHD, DBP, M, N, K, TANH: tl.constexpr, BM: tl.conste
     DHD.store([pm * BM, pn * BN], dh)
     tl.store(DBP + pm.to(tl.int64) * N + rn, tl.sum(dh.to(tl.float32), axis=0), mask=rn < N)
 
+def _grid(M, N):
+    """One program per (BM, BN) output tile of the config the autotuner runs."""
+    return lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
+
+def _bias_partials(M, N, device):
+    """The backward's bias-gradient partial sums, one row per row block (BM >= 32 in every config)."""
+    return torch.zeros(triton.cdiv(M, 32), N, device=device, dtype=torch.float32)
+
 def _desc(t):
     from triton.tools.tensor_descriptor import TensorDescriptor
     return TensorDescriptor.from_tensor(t, [1, 1])  # block shape set per config by the pre-hook
@@ -142,32 +150,27 @@ def _desc(t):
 def fwd_tma(x, w, b, tanh=True):
     M, K = x.shape; N = w.shape[0]
     h = torch.empty(M, N, device=x.device, dtype=x.dtype); g = torch.empty_like(h)
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
-    _fwd_tma[grid](_desc(x), _desc(w), b, _desc(h), _desc(g), M, N, K, TANH=tanh)
+    _fwd_tma[_grid(M, N)](_desc(x), _desc(w), b, _desc(h), _desc(g), M, N, K, TANH=tanh)
     return h, g
 
 def bwd_tma(dy, w2, h, tanh=True):
     M, K = dy.shape; N = w2.shape[1]
     dh = torch.empty_like(h)
-    dbp = torch.zeros(triton.cdiv(M, 32), N, device=dy.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
-    _bwd_tma[grid](_desc(dy), _desc(w2), _desc(h), _desc(dh), dbp, M, N, K, TANH=tanh)
+    dbp = _bias_partials(M, N, dy.device)
+    _bwd_tma[_grid(M, N)](_desc(dy), _desc(w2), _desc(h), _desc(dh), dbp, M, N, K, TANH=tanh)
     return dh, dbp.sum(0)
 
 def fwd(x, w, b, tanh=True):
     M, K = x.shape; N = w.shape[0]
     h = torch.empty(M, N, device=x.device, dtype=x.dtype); g = torch.empty_like(h)
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
-    _fwd[grid](x, w, b, h, g, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), TANH=tanh)
+    _fwd[_grid(M, N)](x, w, b, h, g, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), TANH=tanh)
     return h, g
 
 def bwd(dy, w2, h, tanh=True):
     M, K = dy.shape; N = w2.shape[1]
     dh = torch.empty_like(h)
-    # partials: one row per row block; BM of the chosen config is known after the first call
-    dbp = torch.zeros(triton.cdiv(M, 32), N, device=dy.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
-    _bwd[grid](dy, w2, h, dh, dbp, M, N, K, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), TANH=tanh)
+    dbp = _bias_partials(M, N, dy.device)
+    _bwd[_grid(M, N)](dy, w2, h, dh, dbp, M, N, K, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), TANH=tanh)
     return dh, dbp.sum(0)
 
 def check(dev, M, K, N, dt=torch.bfloat16, fwd=fwd, bwd=bwd):
