@@ -269,7 +269,7 @@ def test_persistent_workers_none_of_whose_batches_a_short_epoch_read_get_their_s
     read = []
     try:
         for cut in (33, 1, None, None):
-            epoch, held, n = ring_epoch(handoff, ring), None, 0
+            epoch, held = ring_epoch(handoff, ring), None
             for i, batch in enumerate(epoch):  # as the prefetcher reads: a slot freed before the next is taken
                 if held is not None:
                     ring.release(held)
@@ -279,7 +279,6 @@ def test_persistent_workers_none_of_whose_batches_a_short_epoch_read_get_their_s
                     assert bool((host["x"].flatten(1) == host["y"][:, None]).all())
                     held = batch.slot
                 read.append(isinstance(batch, Packed))
-                n += 1
                 if i == cut:  # the loop stops, the batch after the last one it used already pulled
                     break
             if held is not None:
