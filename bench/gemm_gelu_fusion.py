@@ -4,8 +4,8 @@ with the bias-gradient partial sums in one kernel, against cuBLAS plus the separ
 (Inductor's, as the compiled step has them), on GPT-2 small's MLP shapes (16384 tokens, 768 -> 3072).
 Two forms of each kernel: tiled Triton GEMMs with pointer loads, and the same with TMA tensor
 descriptors; both software-pipelined with autotuned tiles, neither persistent nor warp-specialized.
-H100, torch 2.11, Triton 3.6, the code of a91a1b7 (the K loop of the pointer-load kernels has been one
-helper since; not timed again): the fused forward took 0.249 ms (pointer loads) and 0.266 ms (TMA), against 0.188 ms for cuBLAS's addmm (0.123) plus GELU. The fused
+H100, torch 2.11, Triton 3.6, the code of a91a1b7 (the K loops of both forms have been shared
+helpers since; not timed again): the fused forward took 0.249 ms (pointer loads) and 0.266 ms (TMA), against 0.188 ms for cuBLAS's addmm (0.123) plus GELU. The fused
 backward took 0.338 and 0.288 ms, against 0.269 ms for cuBLAS's mm (0.121) plus Inductor's GELU
 backward and bias sum. The fusion removes the elementwise passes, but each fused kernel takes about
 twice cuBLAS's GEMM alone: it loses more in the GEMM than the passes cost.
@@ -101,15 +101,23 @@ _BWD_DESCS = [("DYD", "BM", "BK"), ("W2D", "BK", "BN"), ("HSD", "BM", "BN"), ("D
 def _tma_configs(names):
     return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_desc_hook(names)) for c in CONFIGS]
 
+@triton.jit
+def _mm_acc_tma(AD, BD, pm, pn, K, B_ROWS_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The fp32 tile (pm, pn) of A @ B through descriptors; B stored (N, K) when ``B_ROWS_N``, else (K, N)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = AD.load([pm * BM, k * BK])
+        if B_ROWS_N:
+            acc = tl.dot(a, BD.load([pn * BN, k * BK]).T, acc)
+        else:
+            acc = tl.dot(a, BD.load([k * BK, pn * BN]), acc)
+    return acc
+
 @triton.autotune(_tma_configs(_FWD_DESCS), key=["M", "N", "K"])
 @triton.jit
 def _fwd_tma(XD, WD, B, HD, GD, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pm, pn = _tile(M, N, BM, BN, GROUP)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        a = XD.load([pm * BM, k * BK])
-        b = WD.load([pn * BN, k * BK])
-        acc = tl.dot(a, b.T, acc)
+    acc = _mm_acc_tma(XD, WD, pm, pn, K, True, BM, BN, BK)
     rn = pn * BN + tl.arange(0, BN)
     bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
     h = (acc + bias[None, :]).to(HD.dtype)
@@ -121,11 +129,7 @@ def _fwd_tma(XD, WD, B, HD, GD, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, B
 @triton.jit
 def _bwd_tma(DYD, W2D, HSD, DHD, DBP, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pm, pn = _tile(M, N, BM, BN, GROUP)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        a = DYD.load([pm * BM, k * BK])
-        b = W2D.load([k * BK, pn * BN])
-        acc = tl.dot(a, b, acc)
+    acc = _mm_acc_tma(DYD, W2D, pm, pn, K, False, BM, BN, BK)
     h = HSD.load([pm * BM, pn * BN]).to(tl.float32)
     dg = acc.to(DHD.dtype).to(tl.float32)
     _, d = _gelu_and_grad(h, TANH, True)
