@@ -45,8 +45,9 @@ def commit() -> str:
 class Results:
     """Appends result lines to the day's file for this GPU and keeps them for a summary table."""
 
-    def __init__(self, bench: str, out: Path | None = None) -> None:
+    def __init__(self, bench: str, out: Path | None = None, model: str | None = None) -> None:
         self.bench = bench
+        self.model = model  # the model every row is of, unless a row names its own
         self.date = datetime.date.today().isoformat()
         self.device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.path = out or RESULTS / f"{self.date}_{gpu_slug()}.jsonl"
@@ -56,7 +57,8 @@ class Results:
 
     def add(self, variant: str, metric: str, value: float | None, unit: str, **extra) -> None:
         """Append one row; ``extra`` may hold ``bench`` to file it under another benchmark's name."""
-        row = {"bench": extra.pop("bench", self.bench), "variant": variant, "device": self.device, "metric": metric,
+        model = {"model": extra.pop("model", self.model)} if self.model or "model" in extra else {}
+        row = {"bench": extra.pop("bench", self.bench), **model, "variant": variant, "device": self.device, "metric": metric,
                "value": value, "unit": unit, "commit": self.commit, "date": self.date, **extra}
         self.rows.append(row)
         with open(self.path, "a") as f:

@@ -178,7 +178,7 @@ def main() -> None:
         raise SystemExit("bench/ladder_gpt2.py needs a CUDA GPU")
     warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")
     parts = args.parts.split(",")
-    res = Results("ladder_gpt2")
+    res = Results("ladder_gpt2", model="naive-gpt2")
     ceiling = gemm_ceiling_tflops()
     res.add("machine", "bf16_gemm_8192_tflops", ceiling, "TFLOP/s")
     torch.manual_seed(0)
