@@ -359,3 +359,34 @@ def test_fp16_loss_scaling_with_an_optimizer_that_unscales_on_the_host_is_refuse
     step.set_autocast("fp16")
     reason = rungs.make("cuda_graph").check(TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step))
     assert reason is not None and "fused=True" in reason and "host" in reason, reason
+
+
+def test_async_progress_bar_and_a_graph_in_one_fit_match_eager_and_the_bar_is_exact():
+    """The default ladder applies async_progress_bar before cuda_graph: the graph replays under the
+    progress bar's deferred conversion (prog_bar=True logging, a StepLR per step, clipping), the
+    losses and parameters are the eager fit's, and the bar's values after the fit are the eager ones."""
+    def fit(callbacks: list):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        model = _Logged(capturable=True)
+        record = _Record()
+        trainer = pl.Trainer(max_steps=25, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
+                             callbacks=[*callbacks, record])
+        trainer.fit(model)
+        return record, [p.detach().clone() for p in model.parameters()], trainer
+
+    eager, eager_params, eager_trainer = fit([])
+    ladder = SpeedLadder(rungs=["async_progress_bar", "cuda_graph"])
+    record, params, trainer = fit([ladder])
+    graph = record.graph
+    assert "async_progress_bar" in ladder.applied_changes, ladder.skipped
+    assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
+    assert graph.replays >= 18, graph.report()
+    assert trainer.global_step == eager_trainer.global_step == 25
+    for a, b in zip(record.losses, eager.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
+    worst = max(_rel(p, q) for p, q in zip(params, eager_params))
+    assert worst <= 1e-5, worst
+    bar, eager_bar = trainer.progress_bar_metrics, eager_trainer.progress_bar_metrics
+    assert bar.keys() == eager_bar.keys() and "train_loss" in bar
+    assert abs(bar["train_loss"] - eager_bar["train_loss"]) <= 1e-5 * abs(eager_bar["train_loss"]), (bar, eager_bar)
