@@ -277,6 +277,10 @@ class GraphedStep(StepWrapper):
                     tensor.fill_(float(group[key]))
                     group[key] = tensor
 
+    def holds_hparam(self, value: object) -> bool:
+        """Is ``value`` one of the device tensors this graph put in place of a number hyper-parameter?"""
+        return isinstance(value, torch.Tensor) and any(value is t for t in self._lr_tensors.values())
+
     def untensorize_hparams(self) -> None:
         """Put plain float learning rates back (the rung's undo)."""
         opt = self.inner.optimizer

@@ -390,3 +390,45 @@ def test_async_progress_bar_and_a_graph_in_one_fit_match_eager_and_the_bar_is_ex
     bar, eager_bar = trainer.progress_bar_metrics, eager_trainer.progress_bar_metrics
     assert bar.keys() == eager_bar.keys() and "train_loss" in bar
     assert abs(bar["train_loss"] - eager_bar["train_loss"]) <= 1e-5 * abs(eager_bar["train_loss"]), (bar, eager_bar)
+
+
+def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_graphed_again(tmp_path):
+    """ModelCheckpoint mid-fit with the graph replaying: the file's AdamW groups hold the user's flags
+    (not capturable, not fused), a learning rate as a number and step counters on the CPU, as a plain
+    fit writes them. A fit resumed from it with the rungs given captures again and computes what a
+    plain resumed fit computes; one resumed without speedkit runs the user's own optimizer."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def fit(callbacks: list, steps: int, ckpt_path=None, checkpoint_every: int | None = None):
+        model, record = _Logged(), _Record()
+        saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every)] if checkpoint_every else []
+        trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
+                             enable_checkpointing=bool(saving), enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[*callbacks, *saving, record])
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return record, trainer, saving
+
+    rungs_given = ["fused_optimizer", "cuda_graph"]
+    record, _, saving = fit([SpeedLadder(rungs=rungs_given)], 12, checkpoint_every=12)
+    assert isinstance(record.graph, GraphedStep) and record.graph.replays >= 5, record.graph and record.graph.report()
+    path = saving[0].best_model_path
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    groups, state = checkpoint["optimizer_states"][0]["param_groups"], checkpoint["optimizer_states"][0]["state"]
+    user = torch.optim.AdamW(_Logged().parameters(), lr=1e-2).param_groups[0]
+    assert all({k: g[k] for k in ("capturable", "fused", "foreach")} == {k: user[k] for k in ("capturable", "fused", "foreach")}
+               for g in groups), groups
+    assert all(isinstance(g["lr"], float) for g in groups)
+    assert all(s["step"].device.type == "cpu" for s in state.values())
+
+    plain, plain_trainer, _ = fit([], 25, ckpt_path=path)
+    assert not plain_trainer.optimizers[0].param_groups[0]["capturable"]
+    resumed, trainer, _ = fit([SpeedLadder(rungs=rungs_given)], 25, ckpt_path=path)
+    graph = resumed.graph
+    assert isinstance(graph, GraphedStep) and graph.stopped is None and graph.replays >= 8, graph and graph.report()
+    assert trainer.global_step == plain_trainer.global_step == 25
+    for a, b in zip(resumed.losses, plain.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (resumed.losses, plain.losses)
+    assert trainer.optimizers[0].param_groups[0]["capturable"] is False
+    assert isinstance(trainer.optimizers[0].param_groups[0]["lr"], float)

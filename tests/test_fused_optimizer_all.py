@@ -189,6 +189,42 @@ def test_suspend_and_resume_twice(cls, kwargs):
     assert _flags(cand_opt) == before
 
 
+def _saved(state_dict: dict[str, Any]) -> tuple[Any, ...]:
+    """A saved optimizer state's group settings and where and how its step counters are kept."""
+    steps = {i: (s["step"].device, s["step"].dtype) for i, s in state_dict["state"].items() if torch.is_tensor(s.get("step"))}
+    return [{k: v for k, v in g.items() if k != "params"} for g in state_dict["param_groups"]], steps
+
+
+@pytest.mark.parametrize("cls, kwargs", CASES)
+def test_a_state_dict_saved_while_applied_is_the_users_and_one_loaded_keeps_the_switch(cls, kwargs):
+    """A checkpoint written with the rung on is the one the user's configuration writes (its flags,
+    step counters where it keeps them); the live optimizer keeps the switch. One loaded with the
+    rung on (a resumed fit) gets the switch again, and training goes on as without the rung."""
+    ref, ref_opt, cand, cand_opt = _pair(cls, kwargs)
+    _step(ref_opt, ref)
+    _step(cand_opt, cand)
+    handle = FusedOptimizerRung().apply(_state(cand, cand_opt))
+    applied = copy.deepcopy(_flags(cand_opt))
+    saved = cand_opt.state_dict()
+    assert _saved(saved) == _saved(ref_opt.state_dict())
+    assert _flags(cand_opt) == applied
+    user = cls(_model().parameters(), **kwargs)  # the user's own optimizer, without speedkit, loads it as its own
+    user_groups = copy.deepcopy(_flags(user)[0])
+    user.load_state_dict(saved)
+    assert _flags(user)[0] == user_groups
+    cand_opt.load_state_dict(saved)
+    assert _flags(cand_opt)[0::2] == applied[0::2]  # (loading adds keys to Adafactor's defaults by itself)
+    for _ in range(2):
+        _step(cand_opt, cand)
+        _step(ref_opt, ref)
+    _assert_params_close(cand, ref)
+    handle.suspend()  # the switch off: what is saved is what is live
+    assert _saved(cand_opt.state_dict())[0] == _flags(cand_opt)[0]
+    handle.resume()
+    handle.undo()
+    assert _saved(cand_opt.state_dict())[0] == _flags(cand_opt)[0]
+
+
 # -- settings torch's implementations take or refuse ----------------------------------------------------------
 
 

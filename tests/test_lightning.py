@@ -386,3 +386,65 @@ def test_the_module_copied_or_pickled_mid_fit_computes_with_its_own_weights(monk
     assert copies.copied_attrs_bound_to_the_copy
     assert torch.equal(copies.zeroed_copy, torch.zeros_like(copies.original)) and copies.original.abs().sum() > 0
     torch.testing.assert_close(copies.restored, copies.original)
+
+
+def test_a_checkpoint_saved_with_rungs_applied_loads_strictly_into_the_users_plain_module(tmp_path):
+    """ModelCheckpoint saves mid-fit, while the rungs are applied (swapped attention and norm classes,
+    a compiled forward, a fused optimizer): the file holds the plain module's keys, shapes and dtypes,
+    and loads strictly into a fresh module and the user's own optimizer, leaving its flags its own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    model = NaiveGPT("tiny")
+    plain = {k: (v.shape, v.dtype) for k, v in NaiveGPT("tiny").state_dict().items()}
+    ladder = SpeedLadder(rungs=["fused_optimizer", "sdpa", "triton_layers", {"name": "compile", "options": {"backend": "eager"}}])
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = _trainer([ladder, every], max_steps=4, enable_checkpointing=True)
+    trainer.fit(model, datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
+    assert {"fused_optimizer", "sdpa", "triton_layers", "compile"} <= set(ladder.applied_changes), ladder.skipped
+    files = sorted(tmp_path.glob("*.ckpt"))
+    assert len(files) == 2
+    for file in files:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=False)
+        assert {k: (v.shape, v.dtype) for k, v in checkpoint["state_dict"].items()} == plain
+        fresh = NaiveGPT("tiny")
+        fresh.load_state_dict(checkpoint["state_dict"], strict=True)
+        optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-4)
+        user_flags = {k: optimizer.param_groups[0][k] for k in ("fused", "foreach", "capturable")}
+        optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+        assert all(len(optimizer.state[p]) for p in fresh.parameters())
+        assert {k: optimizer.param_groups[0][k] for k in user_flags} == user_flags  # not turned fused by the file
+
+
+def test_a_fit_resumed_from_such_a_checkpoint_gets_the_rungs_again_and_trains_as_without_them(tmp_path):
+    """Lightning loads the optimizer's state after the rungs of ``on_fit_start`` applied: the loaded
+    state gets the fused switch again, the resumed fit computes what a resumed plain fit computes,
+    and the flags are the user's after it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    first = NaiveGPT("tiny")
+    data = SyntheticTokens(batch_size=2, seq_len=16, length=64)
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3)
+    _trainer([SpeedLadder(rungs=["fused_optimizer"]), saving], max_steps=3, enable_checkpointing=True).fit(first, datamodule=data)
+    checkpoint = saving.best_model_path
+    fused_in_fit: list[object] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            fused_in_fit.append(trainer.optimizers[0].param_groups[0].get("fused"))
+
+    losses = {}
+    for label, callbacks in (("plain", []), ("ladder", [SpeedLadder(rungs=["fused_optimizer"]), Probe()])):
+        torch.manual_seed(1)
+        model, record = NaiveGPT("tiny"), Recorder()
+        trainer = _trainer([*callbacks, record], max_steps=6)
+        trainer.fit(model, datamodule=data, ckpt_path=checkpoint)
+        assert trainer.global_step == 6
+        losses[label] = record.losses
+        if label == "ladder":
+            assert fused_in_fit == [True] * 3
+            assert trainer.optimizers[0].param_groups[0]["fused"] is None
+    assert len(losses["plain"]) == 3
+    for a, b in zip(losses["ladder"], losses["plain"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), losses

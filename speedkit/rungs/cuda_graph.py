@@ -27,6 +27,7 @@ from speedkit.graph import GraphedStep
 from speedkit.graph_safety import scan_step
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung
+from speedkit.saved_optimizer import SavedAsUser, number
 from speedkit.state import TrainState
 
 #: hooks of a LightningModule or callback that Lightning calls inside the step: their host code would run once, at capture
@@ -85,11 +86,8 @@ class CudaGraphRung(Rung):
         handle = Handle(self.name)
         opt = state.optimizer
         assert opt is not None
-        if "capturable" in opt.defaults:
-            for i, group in enumerate(opt.param_groups):
-                if not group.get("capturable"):
-                    _set_capturable(handle, opt, group, i)
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
+        _set_capturable(handle, opt, graphed)
         lr = ("learning rate read from a device tensor that the schedule fills" if "capturable" in opt.defaults else
               "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
         handle.record(f"{type(opt).__name__}: {lr}", graphed.untensorize_hparams, persistent=True)
@@ -140,28 +138,47 @@ def scaler_blocker(opt: torch.optim.Optimizer) -> str | None:
             "or use bf16, which needs no scaler")
 
 
-def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, group: dict, index: int) -> None:
-    """``capturable=True`` on one param group, its step counters moved to the device (and back)."""
-    previous = group.get("capturable", False)
+def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: GraphedStep) -> None:
+    """``capturable=True`` on the param groups without it, their step counters moved to the device (and
+    back). Checkpoints written meanwhile hold the groups' own flags and learning rates as numbers; a
+    checkpoint loaded meanwhile (a resumed fit) gets the flags again."""
+    changed = [i for i, g in enumerate(opt.param_groups) if "capturable" in opt.defaults and not g.get("capturable")]
+    previous = {i: opt.param_groups[i].get("capturable", False) for i in changed}
 
-    def move_steps(on_device: bool) -> None:
+    def move_steps(group: dict, on_device: bool) -> None:
         for p in group["params"]:
             step = opt.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
                 target = p.device if on_device or group.get("fused") else torch.device("cpu")
                 opt.state[p]["step"] = step.to(target)
 
+    def capturable(on: bool) -> None:
+        for i in changed:
+            if i < len(opt.param_groups):  # by position: loading a state dict replaces the group dicts
+                group = opt.param_groups[i]
+                group["capturable"] = True if on else previous[i]
+                move_steps(group, on or bool(previous[i]))
+
+    def user_values(i: int, group: dict) -> dict:
+        values = {"capturable": previous[i]} if i in previous else {}
+        if graphed.holds_hparam(group.get("lr")):
+            values["lr"] = number(group["lr"])
+        return values
+
+    saved = SavedAsUser(opt, user_values, lambda: capturable(True))
+
     def on() -> None:
-        group["capturable"] = True
-        move_steps(True)
+        capturable(True)
+        saved.on()
 
     def off() -> None:
-        group["capturable"] = previous
-        move_steps(bool(previous))
+        saved.off()
+        capturable(False)
 
     on()
-    handle.record(f"{type(opt).__name__} param group {index}: capturable=True (step counters on the device)", off, on,
-                  persistent=True)
+    for i in changed:
+        handle.record(f"{type(opt).__name__} param group {i}: capturable=True (step counters on the device)")
+    handle.record("", off, on, persistent=True)
 
 
 def _distributed_blocker(step: object) -> str | None:

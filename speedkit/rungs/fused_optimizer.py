@@ -32,6 +32,7 @@ from torch import nn
 from speedkit import compat
 from speedkit.errors import first_line
 from speedkit.rungs.base import Handle, Rung
+from speedkit.saved_optimizer import SavedAsUser
 from speedkit.state import TrainState
 
 _FLAGS = ("fused", "foreach")
@@ -144,6 +145,10 @@ class _ImplementationSwitch:
         self.saved_defaults = _flags(optimizer.defaults)
         self.saved_amp = optimizer.__dict__.get(compat.AMP_SCALING_FLAG, _ABSENT)
 
+    def user_flags(self, index: int) -> dict[str, Any]:
+        """Param group ``index``'s flags before the switch (a group added since: the defaults' flags before)."""
+        return dict(self.saved_groups[index] if index < len(self.saved_groups) else self.saved_defaults)
+
     def on(self) -> None:
         opt = self.optimizer
         wanted = {"fused": self.fused, "foreach": not self.fused}
@@ -157,7 +162,7 @@ class _ImplementationSwitch:
     def off(self) -> None:
         opt = self.optimizer
         for i, group in enumerate(opt.param_groups):
-            group.update(self.saved_groups[i] if i < len(self.saved_groups) else self.saved_defaults)
+            group.update(self.user_flags(i))
         opt.defaults.update(self.saved_defaults)
         if self.fused:
             if self.saved_amp is _ABSENT:
@@ -180,10 +185,21 @@ class _ImplementationSwitch:
 def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str, why_not_fused: str | None = None) -> Handle:
     handle = Handle("fused_optimizer")
     switch = _ImplementationSwitch(optimizer, implementation)
-    switch.on()
+    # checkpoints written meanwhile hold the user's flags; one loaded meanwhile gets the switch again
+    saved = SavedAsUser(optimizer, lambda i, group: switch.user_flags(i), switch.on)
+
+    def on() -> None:
+        switch.on()
+        saved.on()
+
+    def off() -> None:
+        saved.off()
+        switch.off()
+
+    on()
     was = ", ".join(f"{k}={v}" for k, v in switch.saved_groups[0].items())
-    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was {was}); state and hyper-parameters kept",
-                  switch.off, switch.on)
+    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was {was}); state and hyper-parameters kept; "
+                  "checkpoints written meanwhile hold the flags it had", off, on)
     if why_not_fused:
         handle.record(f"not fused: {why_not_fused}")
     return handle

@@ -1,0 +1,75 @@
+"""The user's optimizer as its checkpoints see it while rungs change it.
+
+Rungs switch flags on the user's own optimizer object (``fused_optimizer``: fused/foreach;
+``cuda_graph``: capturable, and a learning rate held in a device tensor) and move its step counters
+to the device. A checkpoint written meanwhile (Lightning's ``ModelCheckpoint``, or the user's own
+``optimizer.state_dict()``) must be the one the user's own configuration writes: loaded later into
+the user's optimizer without speedkit, it must not turn that optimizer fused or capturable, hand it
+a device tensor for a learning rate, or leave its step counters on the device.
+
+:class:`SavedAsUser` does that through the optimizer's public state-dict hooks, while a rung's
+change is on: ``state_dict()`` writes the user's values of the flags the rung switched (the live
+optimizer is not touched), and ``load_state_dict()`` (resuming a fit with the rung applied) is
+followed by the rung's change made again on the loaded state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: a saved param group (its "params" are indices) and its position -> the user's values of what the rung changed
+UserValues = Callable[[int, dict[str, Any]], dict[str, Any]]
+
+
+class SavedAsUser:
+    """While on, ``optimizer.state_dict()`` holds ``user_values(i, group)`` in each param group ``i``
+    and step counters where those flags keep them; after ``optimizer.load_state_dict()``, ``again()``
+    runs (the rung's change made on the loaded state). ``on``/``off`` register and remove the hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, user_values: UserValues, again: Callable[[], None]) -> None:
+        self.optimizer = optimizer
+        self.user_values = user_values
+        self.again = again
+        self._hooks: list[Any] = []
+
+    def on(self) -> None:
+        if not self._hooks:
+            self._hooks = [self.optimizer.register_state_dict_post_hook(self._as_user),
+                           self.optimizer.register_load_state_dict_post_hook(self._loaded)]
+
+    def off(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+    def _as_user(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for i, group in enumerate(state_dict["param_groups"]):  # the saved groups are copies; their values are not
+            group.update(self.user_values(i, group))
+        return steps_where_saved_flags_keep_them(state_dict)
+
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self.again()
+
+
+def steps_where_saved_flags_keep_them(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Step counters on the CPU for the param groups that are neither fused nor capturable, as the
+    optimizer keeps them then; the per-parameter entries changed are copies (the live ones are the
+    optimizer's own)."""
+    state = state_dict["state"]
+    for group in state_dict["param_groups"]:
+        if group.get("fused") or group.get("capturable"):
+            continue
+        for index in group["params"]:
+            entry = state.get(index)
+            step = entry.get("step") if entry is not None else None
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                state[index] = {**entry, "step": step.to("cpu")}
+    return state_dict
+
+
+def number(value: Any) -> Any:
+    """A one-element tensor hyper-parameter as a Python float (a device read: at checkpoint time only)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else value
