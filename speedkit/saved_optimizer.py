@@ -25,13 +25,17 @@ UserValues = Callable[[int, dict[str, Any]], dict[str, Any]]
 
 
 class SavedAsUser:
-    """While on, ``optimizer.state_dict()`` holds ``user_values(i, group)`` in each param group ``i``
-    and step counters where those flags keep them; after ``optimizer.load_state_dict()``, ``again()``
-    runs (the rung's change made on the loaded state). ``on``/``off`` register and remove the hooks."""
+    """While on, ``optimizer.state_dict()`` holds ``user_values(i, group)`` in each param group ``i``;
+    in the groups where the rung moved the step counters to the device (``moved_steps(i)``), they are
+    saved on the CPU unless the saved flags keep them on the device, as the rung's undo puts them.
+    After ``optimizer.load_state_dict()``, ``again()`` runs (the rung's change made on the loaded
+    state). ``on``/``off`` register and remove the hooks."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, user_values: UserValues, again: Callable[[], None]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, user_values: UserValues, moved_steps: Callable[[int], bool],
+                 again: Callable[[], None]) -> None:
         self.optimizer = optimizer
         self.user_values = user_values
+        self.moved_steps = moved_steps
         self.again = again
         self._hooks: list[Any] = []
 
@@ -46,28 +50,25 @@ class SavedAsUser:
             hook.remove()
 
     def _as_user(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = state_dict["state"]
         for i, group in enumerate(state_dict["param_groups"]):  # the saved groups are copies; their values are not
             group.update(self.user_values(i, group))
-        return steps_where_saved_flags_keep_them(state_dict)
+            if self.moved_steps(i) and not (group.get("fused") or group.get("capturable")):
+                steps_on_the_cpu(state, group["params"])
+        return state_dict
 
     def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self.again()
 
 
-def steps_where_saved_flags_keep_them(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Step counters on the CPU for the param groups that are neither fused nor capturable, as the
-    optimizer keeps them then; the per-parameter entries changed are copies (the live ones are the
-    optimizer's own)."""
-    state = state_dict["state"]
-    for group in state_dict["param_groups"]:
-        if group.get("fused") or group.get("capturable"):
-            continue
-        for index in group["params"]:
-            entry = state.get(index)
-            step = entry.get("step") if entry is not None else None
-            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
-                state[index] = {**entry, "step": step.to("cpu")}
-    return state_dict
+def steps_on_the_cpu(state: dict[Any, dict[str, Any]], indices: list[int]) -> None:
+    """Saved step counters of ``indices`` moved to the CPU; the per-parameter entries changed are
+    copies (the live ones are the optimizer's own)."""
+    for index in indices:
+        entry = state.get(index)
+        step = entry.get("step") if entry is not None else None
+        if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+            state[index] = {**entry, "step": step.to("cpu")}
 
 
 def number(value: Any) -> Any:

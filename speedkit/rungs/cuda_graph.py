@@ -165,7 +165,7 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: Graphed
             values["lr"] = number(group["lr"])
         return values
 
-    saved = SavedAsUser(opt, user_values, lambda: capturable(True))
+    saved = SavedAsUser(opt, user_values, lambda i: i in previous, lambda: capturable(True))
 
     def on() -> None:
         capturable(True)

@@ -186,7 +186,7 @@ def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str,
     handle = Handle("fused_optimizer")
     switch = _ImplementationSwitch(optimizer, implementation)
     # checkpoints written meanwhile hold the user's flags; one loaded meanwhile gets the switch again
-    saved = SavedAsUser(optimizer, lambda i, group: switch.user_flags(i), switch.on)
+    saved = SavedAsUser(optimizer, lambda i, group: switch.user_flags(i), lambda i: switch.fused, switch.on)
 
     def on() -> None:
         switch.on()
