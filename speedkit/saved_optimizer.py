@@ -74,3 +74,12 @@ def steps_on_the_cpu(state: dict[Any, dict[str, Any]], indices: list[int]) -> No
 def number(value: Any) -> Any:
     """A one-element tensor hyper-parameter as a Python float (a device read: at checkpoint time only)."""
     return float(value.item()) if isinstance(value, torch.Tensor) else value
+
+
+def schedule_saved_as_user(saved: dict[str, Any], groups: list[dict[str, Any]], held: Callable[[Any], bool]) -> None:
+    """A learning-rate scheduler's saved state (``saved``, a copy of its ``__dict__``) with the rates it
+    last set as numbers, where a rung holds its optimizer's rates (``groups``) in device tensors
+    (``held``): schedulers keep copies of those tensors (``_last_lr``). The live list is not changed."""
+    last = saved.get("_last_lr")
+    if isinstance(last, list) and any(held(g.get("lr")) for g in groups):
+        saved["_last_lr"] = [number(v) for v in last]

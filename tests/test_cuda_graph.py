@@ -385,3 +385,26 @@ def test_the_report_says_how_the_learning_rate_reaches_the_graph():
         handle = rungs.make("cuda_graph").apply(state)
         assert any(line.startswith(f"{opt_cls.__name__}: learning rate {says}") for line in handle.changes), handle.changes
         handle.undo()
+
+
+def test_a_schedulers_saved_rates_are_numbers_where_the_graph_holds_the_rate_in_a_tensor():
+    """Schedulers keep copies of a tensor learning rate (``_last_lr``): a checkpoint written while the
+    graph holds the rate in a device tensor saves them as the numbers a plain fit saves."""
+    from speedkit.saved_optimizer import schedule_saved_as_user
+
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([param], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    held = torch.tensor(0.1)
+    opt.param_groups[0]["lr"] = held  # as GraphedStep puts it
+    param.grad = torch.ones(3)
+    opt.step()
+    sched.step()
+    assert isinstance(sched.get_last_lr()[0], torch.Tensor)
+    saved = sched.state_dict()
+    schedule_saved_as_user(saved, opt.param_groups, lambda value: value is held)
+    assert saved["_last_lr"] == [pytest.approx(0.05, rel=1e-7)] and isinstance(saved["_last_lr"][0], float)
+    assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # the live scheduler keeps its own
+    untouched = sched.state_dict()
+    schedule_saved_as_user(untouched, opt.param_groups, lambda value: False)  # a rate the user made a tensor stays one
+    assert isinstance(untouched["_last_lr"][0], torch.Tensor)

@@ -420,6 +420,7 @@ def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_gr
     assert all({k: g[k] for k in ("capturable", "fused", "foreach")} == {k: user[k] for k in ("capturable", "fused", "foreach")}
                for g in groups), groups
     assert all(isinstance(g["lr"], float) for g in groups)
+    assert all(isinstance(lr, float) for lr in checkpoint["lr_schedulers"][0]["_last_lr"])  # StepLR's copies of it
     assert all(s["step"].device.type == "cpu" for s in state.values())
 
     plain, plain_trainer, _ = fit([], 25, ckpt_path=path)

@@ -45,6 +45,7 @@ from speedkit.measure.holds import judge_holds
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
 from speedkit.rungs.base import Rung
+from speedkit.saved_optimizer import schedule_saved_as_user
 from speedkit.state import TrainState
 
 
@@ -178,6 +179,16 @@ class SpeedLadder(Callback):
         self._stop_watch()
         self._undo_all()
         self._state = None
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """The optimizers' saved state is the user's already (:mod:`speedkit.saved_optimizer`); the
+        schedulers' last rates are numbers again where a graph holds the rates in device tensors."""
+        held = getattr(self._state.step, "holds_hparam", None) if self._state is not None else None
+        if held is None:
+            return
+        for scheduler_config, saved in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+            schedule_saved_as_user(saved, scheduler_config.scheduler.optimizer.param_groups, held)
 
     # -- state -----------------------------------------------------------------------------
     @override
