@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -392,8 +393,6 @@ def test_a_checkpoint_saved_with_rungs_applied_loads_strictly_into_the_users_pla
     """ModelCheckpoint saves mid-fit, while the rungs are applied (swapped attention and norm classes,
     a compiled forward, a fused optimizer): the file holds the plain module's keys, shapes and dtypes,
     and loads strictly into a fresh module and the user's own optimizer, leaving its flags its own."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     torch.manual_seed(0)
     model = NaiveGPT("tiny")
     plain = {k: (v.shape, v.dtype) for k, v in NaiveGPT("tiny").state_dict().items()}
@@ -420,8 +419,6 @@ def test_a_fit_resumed_from_such_a_checkpoint_gets_the_rungs_again_and_trains_as
     """Lightning loads the optimizer's state after the rungs of ``on_fit_start`` applied: the loaded
     state gets the fused switch again, the resumed fit computes what a resumed plain fit computes,
     and the flags are the user's after it."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     torch.manual_seed(0)
     first = NaiveGPT("tiny")
     data = SyntheticTokens(batch_size=2, seq_len=16, length=64)
