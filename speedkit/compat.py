@@ -165,6 +165,13 @@ def inductor_cpu_compiler() -> str | None:
 AMP_SCALING_FLAG = "_step_supports_amp_scaling"
 
 
+def step_counter_device(group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where ``torch.optim`` keeps ``param``'s step counter under ``group``'s flags: on the parameter's
+    device when the group is fused or capturable (the step runs without host reads), else on the CPU.
+    (ASGD keeps its own on the device either way; it steps correctly with them on the CPU too.)"""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
 # -- CPU capabilities ----------------------------------------------------------------------------
 
 

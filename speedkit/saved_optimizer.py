@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from speedkit import compat
+
 #: a saved param group (its "params" are indices) and its position -> the user's values of what the rung changed
 UserValues = Callable[[int, dict[str, Any]], dict[str, Any]]
 
@@ -53,22 +55,25 @@ class SavedAsUser:
         state = state_dict["state"]
         for i, group in enumerate(state_dict["param_groups"]):  # the saved groups are copies; their values are not
             group.update(self.user_values(i, group))
-            if self.moved_steps(i) and not (group.get("fused") or group.get("capturable")):
-                steps_on_the_cpu(state, group["params"])
+            if self.moved_steps(i):
+                steps_where_saved_flags_keep_them(state, group)
         return state_dict
 
     def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self.again()
 
 
-def steps_on_the_cpu(state: dict[Any, dict[str, Any]], indices: list[int]) -> None:
-    """Saved step counters of ``indices`` moved to the CPU; the per-parameter entries changed are
-    copies (the live ones are the optimizer's own)."""
-    for index in indices:
+def steps_where_saved_flags_keep_them(state: dict[Any, dict[str, Any]], group: dict[str, Any]) -> None:
+    """The saved step counters of ``group``'s parameters (indices) moved where its saved flags keep them
+    (:func:`speedkit.compat.step_counter_device`); the per-parameter entries changed are copies (the live
+    ones are the optimizer's own)."""
+    for index in group["params"]:
         entry = state.get(index)
         step = entry.get("step") if entry is not None else None
-        if isinstance(step, torch.Tensor) and step.device.type != "cpu":
-            state[index] = {**entry, "step": step.to("cpu")}
+        if isinstance(step, torch.Tensor):
+            device = compat.step_counter_device(group, step)
+            if step.device != device:
+                state[index] = {**entry, "step": step.to(device)}
 
 
 def number(value: Any) -> Any:

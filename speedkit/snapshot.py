@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedkit import compat
+
 _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
@@ -108,9 +110,7 @@ class Snapshot:
                 restored = {}
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
-                        # step counters live on the CPU except for fused/capturable optimizers
-                        on_device = k != "step" or group.get("fused") or group.get("capturable")
-                        target = p.device if on_device else torch.device("cpu")
+                        target = compat.step_counter_device(group, p) if k == "step" else p.device
                         restored[k] = v.to(target, copy=True)
                     else:
                         restored[k] = copy.deepcopy(v)

@@ -39,6 +39,14 @@ def test_optimizer_entries():
     assert getattr(opt, compat.AMP_SCALING_FLAG) is True  # what the fused constructor sets, as the rung does
 
 
+def test_step_counters_live_on_the_device_only_for_fused_or_capturable_groups():
+    param = torch.empty(3, device="meta")  # a device other than the CPU, without a GPU
+    assert compat.step_counter_device({"fused": True, "capturable": False}, param) == torch.device("meta")
+    assert compat.step_counter_device({"fused": None, "capturable": True}, param) == torch.device("meta")
+    for plain in ({"fused": None, "foreach": True, "capturable": False}, {"lr": 0.1}):
+        assert compat.step_counter_device(plain, param) == torch.device("cpu")
+
+
 def test_hooks_and_pytree():
     lin = nn.Linear(2, 2)
     assert not compat.has_hooks(lin)

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -133,14 +134,17 @@ class _Record(pl.Callback):
                 self.graph = cb._state.step
 
 
-def _fit(callbacks: list, steps: int = 25, capturable: bool = False):
+def _fit(callbacks: list, steps: int = 25, capturable: bool = False, ckpt_path=None, **trainer_args):
+    """A fit of ``_Logged`` on the GPU (batches of 16 and a short last one, clipping, a StepLR per step, prog-bar
+    logging); ``trainer_args`` override the Trainer's (a progress bar, checkpointing). Returns the recorder, the parameters after it,
+    the trainer and the last learning rate."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _Logged(capturable)
     record = _Record()
-    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*callbacks, record])
-    trainer.fit(model)
+    args = dict(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(**{**args, **trainer_args}, callbacks=[*callbacks, record])
+    trainer.fit(model, ckpt_path=ckpt_path)
     lr = float(trainer.optimizers[0].param_groups[0]["lr"])
     return record, [p.detach().clone() for p in model.parameters()], trainer, lr
 
@@ -365,19 +369,9 @@ def test_async_progress_bar_and_a_graph_in_one_fit_match_eager_and_the_bar_is_ex
     """The default ladder applies async_progress_bar before cuda_graph: the graph replays under the
     progress bar's deferred conversion (prog_bar=True logging, a StepLR per step, clipping), the
     losses and parameters are the eager fit's, and the bar's values after the fit are the eager ones."""
-    def fit(callbacks: list):
-        torch.backends.cuda.matmul.allow_tf32 = False
-        model = _Logged(capturable=True)
-        record = _Record()
-        trainer = pl.Trainer(max_steps=25, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
-                             callbacks=[*callbacks, record])
-        trainer.fit(model)
-        return record, [p.detach().clone() for p in model.parameters()], trainer
-
-    eager, eager_params, eager_trainer = fit([])
+    eager, eager_params, eager_trainer, _ = _fit([], capturable=True, enable_progress_bar=True)
     ladder = SpeedLadder(rungs=["async_progress_bar", "cuda_graph"])
-    record, params, trainer = fit([ladder])
+    record, params, trainer, _ = _fit([ladder], capturable=True, enable_progress_bar=True)
     graph = record.graph
     assert "async_progress_bar" in ladder.applied_changes, ladder.skipped
     assert isinstance(graph, GraphedStep) and graph.stopped is None, graph and graph.report()
@@ -397,17 +391,9 @@ def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_gr
     (not capturable, not fused), a learning rate as a number and step counters on the CPU, as a plain
     fit writes them. A fit resumed from it with the rungs given captures again and computes what a
     plain resumed fit computes; one resumed without speedkit runs the user's own optimizer."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-
     def fit(callbacks: list, steps: int, ckpt_path=None, checkpoint_every: int | None = None):
-        model, record = _Logged(), _Record()
         saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every)] if checkpoint_every else []
-        trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
-                             enable_checkpointing=bool(saving), enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[*callbacks, *saving, record])
-        trainer.fit(model, ckpt_path=ckpt_path)
+        record, _, trainer, _ = _fit([*callbacks, *saving], steps, ckpt_path=ckpt_path, enable_checkpointing=bool(saving))
         return record, trainer, saving
 
     rungs_given = ["fused_optimizer", "cuda_graph"]

@@ -145,19 +145,18 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: Graphed
     changed = [i for i, g in enumerate(opt.param_groups) if "capturable" in opt.defaults and not g.get("capturable")]
     previous = {i: opt.param_groups[i].get("capturable", False) for i in changed}
 
-    def move_steps(group: dict, on_device: bool) -> None:
+    def move_steps(group: dict) -> None:
         for p in group["params"]:
             step = opt.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
-                target = p.device if on_device or group.get("fused") else torch.device("cpu")
-                opt.state[p]["step"] = step.to(target)
+                opt.state[p]["step"] = step.to(compat.step_counter_device(group, p))
 
     def capturable(on: bool) -> None:
         for i in changed:
             if i < len(opt.param_groups):  # by position: loading a state dict replaces the group dicts
                 group = opt.param_groups[i]
                 group["capturable"] = True if on else previous[i]
-                move_steps(group, on or bool(previous[i]))
+                move_steps(group)
 
     def user_values(i: int, group: dict) -> dict:
         values = {"capturable": previous[i]} if i in previous else {}

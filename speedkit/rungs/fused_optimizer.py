@@ -157,7 +157,7 @@ class _ImplementationSwitch:
         if self.fused:
             # what the optimizer's constructor sets when built with fused=True (GradScaler reads it)
             setattr(opt, compat.AMP_SCALING_FLAG, True)
-            self._move_steps(on_device=True)
+            self._move_steps()
 
     def off(self) -> None:
         opt = self.optimizer
@@ -169,17 +169,17 @@ class _ImplementationSwitch:
                 opt.__dict__.pop(compat.AMP_SCALING_FLAG, None)
             else:
                 setattr(opt, compat.AMP_SCALING_FLAG, self.saved_amp)
-            self._move_steps(on_device=False)
+            self._move_steps()
 
-    def _move_steps(self, on_device: bool) -> None:
+    def _move_steps(self) -> None:
+        """Step counters where the groups' flags (just switched) keep them (the fused kernel reads fp32 ones)."""
         for group in self.optimizer.param_groups:
-            if group.get("capturable"):
-                continue
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
                 step = st.get("step") if st else None
                 if isinstance(step, torch.Tensor):
-                    st["step"] = step.to(p.device, torch.float32) if on_device else step.to("cpu")
+                    device = compat.step_counter_device(group, p)
+                    st["step"] = step.to(device, torch.float32) if device.type != "cpu" else step.to(device)
 
 
 def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str, why_not_fused: str | None = None) -> Handle:
