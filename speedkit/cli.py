@@ -3,13 +3,14 @@
     speedkit optimize [RECIPE] [--out DIR] [--KEY.PATH VALUE ...]   climb the ladder in the recipe's
                                        Trainer; write report.json/.md and optimized.yaml
     speedkit fit RECIPE [--KEY.PATH VALUE ...]   train with Lightning, the recipe's rungs applied (no trials)
-    speedkit validate RECIPE           check a recipe without running anything
+    speedkit validate RECIPE           check a recipe without running anything (noting what this machine lacks)
     speedkit rungs                     list the rungs
     speedkit --version
 
 Without RECIPE, ``optimize`` runs the embedded default (a tiny model on CPU). Overrides follow
 LightningCLI: ``--trainer.max_steps 50``, ``--measure.steps=20``, ``--ladder '[tf32, compile]'``
-(values are read as YAML). Errors in the input print one line and exit with code 2; an interrupted
+(values are read as YAML). Errors in the input print one line and exit with code 2; an exception in
+your own code prints its frames in your code and one line, and exits with 1; an interrupted
 ``optimize`` writes a partial report, prints one line and exits with 130 (Ctrl-C) or 143 (SIGTERM).
 """
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError, SpeedkitError
+from speedkit.errors import ConfigError, SpeedkitError, UserCodeError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,12 +42,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
-    """Take ``--a.b value`` / ``--a.b=value`` pairs (a dotted key) out of ``argv``; values read as YAML.
+    """Take ``--a.b value`` / ``--a.b=value`` pairs (a dotted key, or a recipe's top-level key such as
+    ``--seed 1`` or ``--ladder '[tf32, compile]'``) out of ``argv``; values read as YAML.
 
     Done before argparse sees the arguments: it would take a value such as ``50`` for the optional
     recipe argument. One-line ConfigError for a key without a value or a value that is not YAML.
     """
     import yaml
+
+    from speedkit.recipe import TOP_LEVEL_KEYS
 
     rest: list[str] = []
     out: list[tuple[str, Any]] = []
@@ -54,7 +58,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
     while i < len(argv):
         arg = argv[i]
         key, eq, text = arg[2:].partition("=")
-        if not arg.startswith("--") or "." not in key:
+        if not arg.startswith("--") or ("." not in key and key not in TOP_LEVEL_KEYS):
             rest.append(arg)
             i += 1
             continue
@@ -82,11 +86,13 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     from rich.console import Console
 
     from speedkit.report.console import render_console
-    from speedkit.runner import Interrupted, check_output_dir, optimize
+    from speedkit.runner import Interrupted, check_optimize_inputs, optimize
 
     recipe = _load(args.recipe, overrides)
+    if args.out is not None and not args.out.strip():
+        raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
-    check_output_dir(out)
+    check_optimize_inputs(recipe, out)  # before the header: a wrong input gets one line
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}")
@@ -112,10 +118,14 @@ def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    from speedkit.runner import check_trainer
+
     recipe = _load(args.recipe, overrides)
+    note = check_trainer(recipe, here=False)
     recipe.build_model()
     recipe.build_datamodule()
-    print(f"{recipe.path}: ok ({len(recipe.ladder)} rungs: {', '.join(r.name for r in recipe.ladder)})")
+    print(f"{recipe.path}: ok ({len(recipe.ladder)} rungs: {', '.join(r.name for r in recipe.ladder)})"
+          + (f"; note: {note}" if note else ""))
     return 0
 
 
@@ -143,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if overrides and args.command == "rungs":
             raise ConfigError(f"--{overrides[0][0]}", "speedkit rungs takes no overrides")
         return handler(args, overrides)
+    except UserCodeError as exc:
+        print("Traceback of your code (most recent call last):\n" + "".join(exc.frames).rstrip(), file=sys.stderr)
+        print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return 1
     except SpeedkitError as exc:
         where = getattr(args, "recipe", None)
         prefix = f"{where}: " if where else ""

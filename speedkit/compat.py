@@ -51,6 +51,16 @@ def graph_count() -> int:
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
 
+def frames_given_up() -> tuple[int, dict[str, int]]:
+    """Frames Dynamo tried to compile and gave up on so far (``counters["frames"]`` total minus ok;
+    a frame found in the compile cache is not counted), and the reasons it could not trace
+    (``counters["unimplemented"]``, by reason)."""
+    counters = dynamo_counters()
+    frames = counters.get("frames", {})
+    return (int(frames.get("total", 0)) - int(frames.get("ok", 0)),
+            {str(reason): int(n) for reason, n in counters.get("unimplemented", {}).items()})
+
+
 def graph_breaks() -> dict[str, int]:
     """Graph breaks so far in this process, by reason (``counters["graph_break"]``)."""
     return {str(reason): int(n) for reason, n in dynamo_counters().get("graph_break", {}).items()}

@@ -41,7 +41,7 @@ import torch
 
 from speedkit import compat, config
 from speedkit.data.source import count_items
-from speedkit.errors import first_line
+from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
@@ -59,6 +59,11 @@ from speedkit.results import (
 from speedkit.rungs.base import Rung, active_dropouts
 from speedkit.snapshot import Snapshot
 from speedkit.state import TrainState
+
+
+class TrialsNotRun(SpeedkitError):
+    """The trials cannot judge anything on this run (the baseline's own loss is not finite): nothing
+    was applied, the state is the user's, the message says why."""
 
 
 @dataclass
@@ -257,6 +262,10 @@ class Ladder:
         self.on_event("baseline: parity reference")
         t0 = self.host_clock()
         reference = self._reference = self._trajectory()
+        broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
+        if broken is not None:
+            raise TrialsNotRun(f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
+                               "rung: no rung's numerics can be checked against it; fix the model's loss first")
         in_play = {"fp32", state.precision, *(r.precision for r in self.rungs if r.precision)}
         self.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
         for precision in sorted(in_play, key=config.PRECISION_ORDER.index):

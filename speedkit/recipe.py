@@ -385,6 +385,8 @@ def _trainer(value: Any) -> dict[str, Any]:
                 continue
         if key in hints:
             _check(item, hints[key], where)
+        if key == "accumulate_grad_batches" and not (isinstance(item, int) and not isinstance(item, bool) and item >= 1):
+            raise ConfigError(where, f"expected a number of batches per optimizer step >= 1, found {_describe(item)}")
         out[key] = item
     return out
 

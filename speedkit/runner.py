@@ -13,13 +13,14 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
+from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError, failure_in_user_code, first_line
 from speedkit.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
 
@@ -45,8 +46,16 @@ class Interrupted(SpeedkitError):
                          else f"interrupted ({signal_name}) during {phase}; nothing was measured yet")
 
 
-def check_output_dir(out: Path) -> None:
-    """A usable output folder, or a one-line ConfigError, before any work starts."""
+#: the files ``optimize`` writes into its output folder, and how each begins when speedkit wrote it
+_OUTPUTS = {"report.json": '{\n  "schema_version"', "report.md": "# ", "optimized.yaml": "# Written by `speedkit optimize`"}
+
+
+def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
+    """A usable output folder, or a one-line ConfigError, before any work starts: one that can be
+    created and written to, and whose files ``optimize`` would replace are its own earlier output (not
+    the recipe being read, not a file of the user's with the same name)."""
+    if not str(out).strip():
+        raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file, not a folder; give a folder for the report")
     existing = out
@@ -54,8 +63,43 @@ def check_output_dir(out: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError("--out", f"{existing} is a file, so {out} cannot be created; give another folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("--out", f"{existing} is not writable; give a folder you can write to")
+    try:  # permissions alone do not tell (a read-only mount, /proc): make something there and remove it
+        os.rmdir(tempfile.mkdtemp(prefix=".speedkit-", dir=existing))
+    except OSError as exc:
+        raise ConfigError("--out", f"cannot write in {existing} ({exc.strerror or exc}); give a folder you can write to") from None
+    for name, start in _OUTPUTS.items():
+        path = out / name
+        if not path.exists():
+            continue
+        if recipe_path is not None and recipe_path.exists() and path.samefile(recipe_path):
+            raise ConfigError("--out", f"{path} is the recipe being optimized, and optimize writes {name} there; "
+                              "give another --out folder")
+        if not _written_by_speedkit(path, start):
+            raise ConfigError("--out", f"{path} exists and speedkit did not write it; optimize would replace it: "
+                              "move it or give another --out folder")
+
+
+def check_optimize_inputs(recipe: Recipe, out_dir: Path) -> None:
+    """What ``optimize`` checks before any work (one-line ConfigErrors): a ladder to climb, a usable
+    output folder, and Trainer arguments Lightning accepts."""
+    from speedkit import rungs
+
+    if not recipe.ladder:
+        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
+    check_output_dir(out_dir, recipe.path)
+    check_trainer(recipe)
+
+
+def _written_by_speedkit(path: Path, start: str) -> bool:
+    """Whether ``path`` looks like speedkit's own earlier output (how it begins; a report.md by its summary line)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            head = f.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    if path.name == "report.md":
+        return head.startswith(start) and "\n**Summary:**" in head
+    return head.startswith(start)
 
 
 @contextlib.contextmanager
@@ -87,6 +131,33 @@ def build_trainer(recipe: Recipe, callbacks: list[Any], **overrides: Any) -> Any
     return pl.Trainer(**kwargs, callbacks=[*callbacks, *own])
 
 
+
+
+def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
+    """Build the recipe's own Trainer (nothing runs, nothing is written) to have Lightning check the
+    values it alone knows (``devices: 0``, ``max_steps: -5``, an accelerator this machine lacks): a
+    one-line ConfigError naming what it refused, before any work. With ``here=False`` (validating a
+    recipe meant for another machine) what only this machine lacks is returned as a note instead."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    refused = (MisconfigurationException, ValueError, TypeError)
+    with _quiet_lightning():
+        try:
+            build_trainer(recipe, [])
+            return None
+        except refused as exc:
+            reason = f"Lightning refuses these Trainer arguments: {first_line(exc)}"
+        if here or recipe.trainer.get("accelerator", "auto") in ("cpu", "auto"):
+            raise ConfigError("trainer", reason)
+        devices = recipe.trainer.get("devices", "auto")
+        try:  # the same on CPUs: does it fail for want of this machine's accelerator, or for a wrong value?
+            build_trainer(recipe, [], accelerator="cpu", strategy="auto",
+                          devices=len(devices) if isinstance(devices, (list, tuple)) else devices)
+        except refused as exc:  # wrong on any machine: that is what to fix
+            raise ConfigError("trainer", f"Lightning refuses these Trainer arguments: {first_line(exc)}") from None
+    return f"this machine cannot run it as it is: {reason}"
+
+
 def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
@@ -97,13 +168,10 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     from lightning.fabric.utilities.seed import seed_everything
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from speedkit import rungs
     from speedkit.lightning import SpeedLadder
     from speedkit.report import write_report
 
-    if not recipe.ladder:
-        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
-    check_output_dir(out_dir)
+    check_optimize_inputs(recipe, out_dir)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure
@@ -131,6 +199,9 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
                 out_dir.mkdir(parents=True, exist_ok=True)
                 written = write_report(result, out_dir, formats=formats)
             raise Interrupted("SIGTERM" if isinstance(cause, SIGTERMException) else "SIGINT", phase, written) from None
+        except Exception as exc:
+            _raise_as_user_failure(exc, "speedkit optimize")
+            raise
     result = ladder.result
     if result is None:
         raise UnsupportedError(f"speedkit optimize could not run its trials: {ladder.not_run or 'the fit ended before them'}")
@@ -159,10 +230,25 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
 
     from speedkit.lightning import SpeedLadder
 
+    check_trainer(recipe)
     seed_everything(recipe.seed, verbose=False)
     model = recipe.build_model()
     datamodule = recipe.build_datamodule()
     ladder = SpeedLadder(rungs=recipe.ladder)
     trainer = build_trainer(recipe, [ladder, *(extra_callbacks or [])])
-    trainer.fit(model, datamodule=datamodule)
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    except Exception as exc:
+        _raise_as_user_failure(exc, "speedkit fit")
+        raise
     return trainer, ladder
+
+
+def _raise_as_user_failure(exc: Exception, during: str) -> None:
+    """A failure of the user's code (or of their data module building its data) as one-line error;
+    returns when ``exc`` is speedkit's own or a library's (its traceback is what tells then)."""
+    if isinstance(exc, SpeedkitError):
+        return
+    failure = failure_in_user_code(exc, during)
+    if failure is not None:
+        raise failure from exc

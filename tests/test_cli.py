@@ -155,15 +155,136 @@ def test_output_folder_problems_are_one_line_errors_before_any_work(tmp_path, ca
         assert main(["optimize", "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0] and "--out" in err[0]
-    import os
+    import tempfile
 
-    locked = tmp_path / "locked"
+    locked = tmp_path / "locked"  # permissions do not stop root: a folder where nothing can be made
     locked.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if str(dir) == str(locked):
+            raise PermissionError(13, "Permission denied")
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     assert main(["optimize", "--out", str(locked / "run")]) == 2
-    assert "is not writable" in capsys.readouterr().err
+    assert "cannot write in" in capsys.readouterr().err
     assert not (locked / "run").exists()
+    assert main(["optimize", "--out", ""]) == 2
+    assert "--out: is empty" in capsys.readouterr().err
+
+
+def test_optimize_never_replaces_the_recipe_it_reads_or_files_it_did_not_write(tmp_path, capsys):
+    recipe = (REPO / "recipes" / "tiny-cpu.yaml").read_text()
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "optimized.yaml").write_text(recipe)  # the user optimizes a file called optimized.yaml into its own folder
+    assert main(["optimize", str(own / "optimized.yaml"), "--out", str(own)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the recipe being optimized" in err[0], err
+    assert (own / "optimized.yaml").read_text() == recipe and sorted(p.name for p in own.iterdir()) == ["optimized.yaml"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("MY NOTES\n")
+    assert main(["optimize", "--out", str(notes)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "speedkit did not write it" in err[0] and "report.md" in err[0], err
+    assert (notes / "report.md").read_text() == "MY NOTES\n"
+
+
+@pytest.mark.parametrize("command", ["validate", "optimize", "fit"])
+@pytest.mark.parametrize("args, words", [(["--trainer.max_steps=-5"], "`max_steps` must be"),
+                                         (["--trainer.devices", "0"], "devices=0"),
+                                         (["--trainer.gradient_clip_algorithm", "bogus"], "gradient_clip_algorithm")])
+def test_trainer_values_lightning_refuses_are_one_line_before_any_work(tmp_path, capsys, command, args, words):
+    out = tmp_path / "out"
+    code = main([command, str(REPO / "recipes" / "tiny-cpu.yaml"), *args, *(["--out", str(out)] if command == "optimize" else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "trainer: Lightning refuses" in err[0] and words in err[0], err
+    assert not out.exists()
+
+
+def test_validate_notes_what_only_this_machine_lacks(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the GPU the recipe asks for")
+    assert main(["validate", str(REPO / "recipes" / "tiny-cpu.yaml"), "--trainer.accelerator", "gpu"]) == 0
+    assert "note: this machine cannot run it" in capsys.readouterr().out
+    assert main(["optimize", str(REPO / "recipes" / "tiny-cpu.yaml"), "--trainer.accelerator", "gpu"]) == 2
+    assert "trainer: Lightning refuses" in capsys.readouterr().err
+
+
+USER_CODE = """
+import math
+
+import torch
+from speedkit.demos import NaiveGPT, SyntheticTokens
+
+
+class BrokenGPT(NaiveGPT):
+    def __init__(self, fail: str = "raise", **kwargs):
+        super().__init__(**kwargs)
+        self.fail = fail
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.fail == "raise" and batch_idx >= 2:
+            raise RuntimeError("boom in the user's step")
+        return loss * math.nan if self.fail == "nan" else loss
+
+
+class NoBatches(SyntheticTokens):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(8)), batch_size=0)
+"""
+
+
+@pytest.fixture
+def user_recipe(tmp_path, monkeypatch):
+    (tmp_path / "speedkit_test_user_code.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(fail: str = "raise", data: str = "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}") -> Path:
+        path = tmp_path / f"{fail}.yaml"
+        path.write_text("model: {class_path: speedkit_test_user_code.BrokenGPT, init_args: {size: tiny, fail: %s}}\n"
+                        "data: %s\ntrainer: {accelerator: cpu, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
+                        "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (fail, data))
+        return path
+
+    return make
+
+
+def test_an_exception_in_the_users_step_shows_their_frames_and_one_line(user_recipe, tmp_path, capsys):
+    for command in ("optimize", "fit"):
+        assert main([command, str(user_recipe("raise")), *(["--out", str(tmp_path / "out")] if command == "optimize" else [])]) == 1
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"speedkit: error: speedkit {command}: your code raised RuntimeError: boom in the user's step")
+        assert "speedkit_test_user_code.py" in last and "BrokenGPT.training_step" in last
+        frames = err[err.index("Traceback of your code"):]
+        assert "speedkit_test_user_code.py" in frames and "/speedkit/" not in frames and "lightning" not in frames
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_data_module_that_cannot_build_its_loader_is_one_line(user_recipe, tmp_path, capsys):
+    path = user_recipe("none", data="{class_path: speedkit_test_user_code.NoBatches}")
+    assert main(["optimize", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("speedkit: error:") and "data: NoBatches.train_dataloader() raised ValueError" in err[-1], err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_a_baseline_whose_loss_is_not_finite_runs_no_trials(user_recipe, tmp_path, capsys):
+    assert main(["optimize", str(user_recipe("nan")), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "could not run its trials: the training loss is nan at step 1 of the baseline" in err[-1], err
+
+
+def test_top_level_keys_are_overrides_too(tmp_path, capsys):
+    recipe = REPO / "recipes" / "tiny-cpu.yaml"
+    assert main(["validate", str(recipe), "--seed", "3", "--ladder", "[sdpa, compile]"]) == 0
+    assert "2 rungs: sdpa, compile" in capsys.readouterr().out
 
 
 def test_optimize_on_a_model_the_trials_cannot_run_is_one_line(tmp_path, capsys):

@@ -79,6 +79,7 @@ BAD_RECIPES = [
     ("trainer_callback_not_a_spec", recipe_text(trainer="trainer: {callbacks: [EarlyStopping]}\n"), "trainer.callbacks[0]"),
     ("trainer_callback_not_a_callback", recipe_text(trainer="trainer: {callbacks: [{class_path: speedkit.demos.SyntheticTokens}]}\n"), "trainer.callbacks[0].class_path"),
     ("trainer_not_a_mapping", recipe_text(trainer="trainer: [max_steps]\n"), "trainer"),
+    ("accumulate_zero_batches", recipe_text(trainer="trainer: {accumulate_grad_batches: 0}\n"), "trainer.accumulate_grad_batches"),
     # measure
     ("negative_measure_steps", recipe_text(measure="measure: {steps: -3}\n"), "measure.steps"),
     ("measure_warmup_string", recipe_text(measure="measure: {warmup: three}\n"), "measure.warmup"),

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from conftest import mlp_state, tiny_gpt_state
 
 from speedkit import rungs
@@ -214,6 +215,42 @@ def test_compile_falls_back_to_eager_when_compilation_fails():
         assert guarded(torch.ones(1)).item() == 2
     assert "BackendCompilerFailed" in guarded.fallback_reason
     assert guarded(torch.ones(1)).item() == 2 and calls == ["eager", "eager"]
+
+
+class _FailsUnderCompile(nn.Module):
+    """A model whose forward raises while Dynamo traces it: Dynamo gives the frame up and runs it eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 10)
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            raise RuntimeError("this model cannot be traced")
+        return self.net(x)
+
+
+def test_compile_that_compiled_nothing_is_a_problem_not_a_cache_hit():
+    torch._dynamo.reset()
+    state = mlp_state()
+    state.model = model = _FailsUnderCompile()
+    handle = rungs.make({"name": "compile", "options": {"backend": "eager"}}).apply(state)
+    with pytest.warns(UserWarning, match="compiled no graph"):
+        assert model(torch.randn(4, 16)).shape == (4, 10)
+    assert model(torch.randn(4, 16)).shape == (4, 10)
+    problem = handle.problem()
+    assert problem is not None and "compiled no graph: Dynamo gave up on the forward" in problem, problem
+    assert "this model cannot be traced" in problem
+    assert not any("compile cache" in line for line in handle.report()), handle.report()
+    handle.undo()
+    torch._dynamo.reset()  # a second model of a class compiled before: its graph comes from the cache, no problem
+    states = [mlp_state() for _ in range(2)]
+    handles = [rungs.make({"name": "compile", "options": {"backend": "eager"}}).apply(st) for st in states]
+    for st in states:
+        st.model(torch.randn(4, 16))
+    assert [h.problem() for h in handles] == [None, None]
+    for h in handles:
+        h.undo()
 
 
 def test_tf32_reverts_global_flags():

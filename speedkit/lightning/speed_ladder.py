@@ -39,7 +39,7 @@ from speedkit import rungs as rung_registry
 from speedkit.data.loader import watch_fit_iterator_start
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
-from speedkit.ladder import Ladder, MeasureConfig
+from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
 from speedkit.lightning.step import LightningSource, LightningStep
 from speedkit.measure.holds import judge_holds
 from speedkit.measure.session import MeasureSession, Window
@@ -218,8 +218,13 @@ class SpeedLadder(Callback):
         try:
             with _sigterm_raises():
                 self.result = self._ladder.run()
+        except TrialsNotRun as exc:  # the fit goes on as the user set it up, nothing applied
+            self.result, self.not_run, self._state = None, str(exc), None
+            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
+            return
         finally:
-            self.result = self._ladder.result
+            if self.not_run is None:
+                self.result = self._ladder.result
         self.handles = list(self._ladder.handles)
         for entry in self.result.rungs[1:]:
             if entry.status == "kept":

@@ -137,6 +137,7 @@ class GuardedForward(AttributeWrapper):
             return self.eager(*args, **kwargs)
         variant = self._variant
         before = compat.graph_count()
+        given_up = compat.frames_given_up() if variant.first_graphs is None else None
         try:
             out = variant.compiled(*args, **kwargs)
         except compat.compile_errors() as exc:
@@ -146,15 +147,32 @@ class GuardedForward(AttributeWrapper):
         self.graphs += new_graphs
         if variant.first_graphs is None:
             variant.first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
+            if given_up is not None and not new_graphs:
+                self._nothing_compiled(given_up)
         elif new_graphs:
             self.recompiles += new_graphs
             if self.recompiles > self.max_recompiles:
                 self._fall_back(f"recompilation storm: {self.recompiles} recompiles, more than max_recompiles={self.max_recompiles}")
         return out
 
-    def _fall_back(self, reason: str) -> None:
+    def _nothing_compiled(self, before: tuple[int, dict[str, int]]) -> None:
+        """The first call compiled no graph: fall back, with Dynamo's reason, when Dynamo gave up on
+        the forward (it then runs eagerly inside the compiled wrapper; timing it would compare eager
+        with eager). A first call whose graphs were in the compile cache tried no frame."""
+        frames, reasons = compat.frames_given_up()
+        if frames <= before[0]:
+            return
+        new = [reason for reason, n in reasons.items() if n > before[1].get(reason, 0)]
+        why = ""
+        if new:
+            lines = [line.strip() for line in new[0].splitlines() if line.strip()]
+            context = next((line for line in lines if line.startswith("Developer debug context:")), "")
+            why = f": {lines[0][:120]}" + (f" ({context.split(':', 1)[1].strip()[:160]})" if context else "")
+        self._fall_back(f"compiled no graph: Dynamo gave up on the forward{why}", stacklevel=4)
+
+    def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
         self.fallback_reason = reason
-        warnings.warn(f"speedkit compile: {reason}; running the eager forward from now on", stacklevel=3)
+        warnings.warn(f"speedkit compile: {reason}; running the eager forward from now on", stacklevel=stacklevel)
 
 
 @dataclass
@@ -362,7 +380,8 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
 
     def report() -> list[str]:
         lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
-                 + (" (its graphs were already in this process's compile cache)" if g.calls and not g.graphs else "")
+                 + (" (its graphs were already in this process's compile cache)"
+                    if g.calls and not g.graphs and not g.fallback_reason else "")
                  for label, g in guards]
         after = compat.graph_breaks()
         new = {reason: n - breaks_before.get(reason, 0) for reason, n in after.items() if n > breaks_before.get(reason, 0)}
