@@ -131,8 +131,6 @@ def build_trainer(recipe: Recipe, callbacks: list[Any], **overrides: Any) -> Any
     return pl.Trainer(**kwargs, callbacks=[*callbacks, *own])
 
 
-
-
 def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
     """Build the recipe's own Trainer (nothing runs, nothing is written) to have Lightning check the
     values it alone knows (``devices: 0``, ``max_steps: -5``, an accelerator this machine lacks): a
@@ -162,7 +160,9 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
     Raises:
-        ConfigError: an empty ladder or an unusable output folder, before any work.
+        ConfigError: an empty ladder, an unusable output folder or Trainer arguments Lightning refuses,
+            before any work; a data module that cannot build its loader.
+        UserCodeError: the user's own code raised (speedkit's changes undone).
         Interrupted: Ctrl-C or SIGTERM; the rungs finished so far are in the partial report.
     """
     from lightning.fabric.utilities.seed import seed_everything
@@ -225,6 +225,8 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
     """Train a recipe with Lightning, its ``ladder`` applied by the SpeedLadder callback (no trials).
 
     Returns the Trainer and the SpeedLadder callback (which records what it applied and skipped).
+    Raises ConfigError (Trainer arguments Lightning refuses, before any work; a data module that cannot
+    build its loader) or UserCodeError (the user's own code raised; the rungs undone).
     """
     from lightning.fabric.utilities.seed import seed_everything
 
