@@ -146,6 +146,46 @@ def test_trials_leave_the_data_order_of_a_persistent_workers_loader(no_interpret
     assert all(torch.equal(a, b) for a, b in zip(plain.first_rows, with_trials.first_rows)) and len(plain.first_rows) == 12
 
 
+class _TwoShuffledLoaders(pl.LightningModule):
+    """A dict of two train loaders, each shuffling from a generator of its own (Lightning combines them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = sum(F.cross_entropy(self.net(x), y) for x, y in batch.values())
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        def loader(n: int, seed: int) -> DataLoader:
+            g = torch.Generator().manual_seed(seed)
+            data = TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+            return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed + 1))
+        return {"a": loader(64, 0), "b": loader(40, 5)}
+
+
+def test_trials_put_back_the_generators_of_every_combined_loader():
+    """Trials iterate copies of each combined loader, which share its generator: each one's state is
+    put back, so the fit after them draws what the plain fit draws (the losses are equal)."""
+    def fit(callbacks: list) -> list[float]:
+        pl.seed_everything(0, verbose=False)
+        model = _TwoShuffledLoaders()
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(model)
+        return model.losses[-trainer.global_step:]
+
+    plain = fit([])
+    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)])
+    assert len(plain) == 16 and with_trials == plain
+
+
 def _model_fingerprint(model):
     return {
         "values": {k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -410,13 +410,6 @@ class IteratorStart:
 _FIT_STARTS: weakref.WeakKeyDictionary[Any, IteratorStart] = weakref.WeakKeyDictionary()
 
 
-def _generators_of(loaders: list[Any]) -> list[torch.Generator]:
-    found: list[torch.Generator] = []
-    for loader in loaders:
-        found += [g for g in loader_generators(loader) if all(g is not f for f in found)]
-    return found
-
-
 def watch_fit_iterator_start(trainer: Any) -> Callable[[], None]:
     """Record, for :func:`fit_iterator_start`, the states around the creation of ``trainer``'s first
     train iterator (Lightning makes it in ``setup_data``, before ``on_train_start``). Call from
@@ -424,12 +417,12 @@ def watch_fit_iterator_start(trainer: Any) -> Callable[[], None]:
     _FIT_STARTS.pop(trainer, None)
 
     def before(loaders: list[Any]) -> None:
-        _FIT_STARTS[trainer] = IteratorStart(loaders, RngStates.capture(_generators_of(loaders)))
+        _FIT_STARTS[trainer] = IteratorStart(loaders, RngStates.capture(loader_generators(loaders)))
 
     def after(loaders: list[Any]) -> None:
         start = _FIT_STARTS.get(trainer)
         if start is not None and start.after is None:
-            start.after = RngStates.capture(_generators_of(start.loaders))
+            start.after = RngStates.capture(loader_generators(start.loaders))
 
     remove = compat.watch_train_iterator_start(trainer, before, after)
     return remove if remove is not None else (lambda: None)

@@ -84,10 +84,16 @@ def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:
-    """The generators that iterating ``loader`` advances: its own, its sampler's, its batch sampler's."""
+    """The generators that iterating ``loader`` advances: its own, its sampler's, its batch sampler's;
+    for several loaders (a list, tuple or dict, as Lightning combines them), each one's."""
+    if isinstance(loader, dict):
+        loader = list(loader.values())
+    owners: list[Any] = []
+    for one in loader if isinstance(loader, (list, tuple)) else [loader]:
+        owners += [one, getattr(one, "sampler", None), getattr(one, "batch_sampler", None),
+                   getattr(getattr(one, "batch_sampler", None), "sampler", None)]
     found: list[torch.Generator] = []
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    for owner in owners:
         g = getattr(owner, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
