@@ -12,6 +12,7 @@ from torch import nn
 
 from speedkit import rungs as rung_registry
 from speedkit.data.source import BatchSource
+from speedkit.errors import ConfigError, first_line
 from speedkit.handle import Handle
 from speedkit.rungs.base import Rung
 from speedkit.state import TrainState
@@ -67,7 +68,12 @@ class Applied:
     def step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         """One whole training step on ``batch`` (already on the device); returns the detached loss.
         With ``accumulate=N``, pass a list of N micro-batches."""
-        batches = batch if self.state.step.accumulate > 1 else [batch]
+        accumulate = self.state.step.accumulate
+        if accumulate > 1 and not (isinstance(batch, list) and len(batch) == accumulate):
+            raise ConfigError("batch", f"with accumulate={accumulate}, step() takes a list of {accumulate} micro-batches "
+                              f"(one optimizer step), found {type(batch).__name__}"
+                              + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
+        batches = batch if accumulate > 1 else [batch]
         return self.state.step(batches, batch_idx)
 
     def batches(self) -> Iterator[Any]:
@@ -95,7 +101,9 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
     """Apply rungs to plain PyTorch objects, without trials (``speedkit optimize`` measures).
 
     Rungs that do not apply are skipped with a warning naming the reason; a rung that raises is
-    undone along with the ones before it, and the error propagates.
+    undone along with the ones before it, and the error propagates. An argument that cannot work (a
+    string of rungs, an optimizer of other parameters, ``accumulate=0``, CUDA on a machine without it)
+    is a one-line ConfigError naming it, before anything changes.
 
     Args:
         model: the module to train (a LightningModule works too).
@@ -106,11 +114,17 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
         accumulate, clip_grad_norm, scheduler: the step's gradient accumulation, clipping and schedule.
     """
-    built = rung_registry.make_all(list(rungs), "rungs")
+    _check_arguments(model, optimizer, loader, loss_fn, accumulate, clip_grad_norm, scheduler)
+    built = rung_registry.make_all(rungs, "rungs")
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError("device", f"{first_line(exc)}; give e.g. 'cuda', 'cuda:0' or 'cpu'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} was asked for, but this machine has no usable CUDA GPU")
     step = PlainStep(model, optimizer, device, loss_fn=loss_fn, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
                      scheduler=scheduler)
     state = TrainState(model=model, optimizer=optimizer, device=device, step=step,
@@ -130,3 +144,27 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
                 h.undo()
             raise
     return Applied(state, handles, skipped)
+
+
+def _check_arguments(model: Any, optimizer: Any, loader: Any, loss_fn: Any, accumulate: Any, clip_grad_norm: Any,
+                     scheduler: Any) -> None:
+    """One ConfigError naming the first argument of :func:`apply` that cannot work, before anything changes."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"expected a torch.nn.Module, found {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("optimizer", f"expected a torch.optim.Optimizer, found {type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters()}
+    if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ConfigError("optimizer", "holds none of the model's parameters: the model would never train; build it "
+                          "from model.parameters()")
+    if loader is not None and not isinstance(loader, Iterable):
+        raise ConfigError("loader", f"expected an iterable of batches (a DataLoader), found {type(loader).__name__}")
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn", f"expected a function (model, batch, batch_idx) -> loss, found {type(loss_fn).__name__}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError("accumulate", f"expected a number of batches per optimizer step >= 1, found {accumulate!r}")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                       or not clip_grad_norm > 0):
+        raise ConfigError("clip_grad_norm", f"expected a positive number or None, found {clip_grad_norm!r}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ConfigError("scheduler", f"expected a learning-rate scheduler (with step()), found {type(scheduler).__name__}")

@@ -48,3 +48,40 @@ def test_own_loop_with_autocast_and_backward():
         sk.backward(loss)
         sk.optimizer_step()
     assert sk.state.autocast_dtype is None
+
+
+def test_arguments_that_cannot_work_are_one_line_errors_before_anything_changes():
+    from speedkit.errors import ConfigError
+
+    model, opt, loader = _plain()
+    other = torch.optim.AdamW(LaunchBoundMLP(features=16, hidden=32, depth=2).parameters())
+    loss = lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    cases = [(dict(rungs="compile"), "rungs: expected a list of rungs"), (dict(rungs=None), "rungs: expected a list"),
+             (dict(optimizer=other), "optimizer: holds none of the model's parameters"),
+             (dict(accumulate=1.5), "accumulate:"), (dict(accumulate="2"), "accumulate:"),
+             (dict(clip_grad_norm=-1.0), "clip_grad_norm:"), (dict(clip_grad_norm="x"), "clip_grad_norm:"),
+             (dict(loader=42), "loader:"), (dict(loss_fn=3), "loss_fn:"), (dict(scheduler=5), "scheduler:"),
+             (dict(model="resnet"), "model:"), (dict(device="nonsense"), "device:")]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), "device: cuda was asked for"))
+    for change, words in cases:
+        args = {**dict(model=model, optimizer=opt, loader=loader, rungs=["fused_optimizer"], loss_fn=loss), **change}
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as raised:
+            speedkit.apply(args.pop("model"), args.pop("optimizer"), args.pop("loader"), **args)
+        assert "\n" not in str(raised.value)
+        assert opt.param_groups[0]["fused"] is None and "forward" not in model.__dict__
+    sk = speedkit.apply(model, opt, loader, rungs=["fused_optimizer"], loss_fn=loss, accumulate=3)
+    with pytest.raises(ConfigError, match="accumulate=3, step\\(\\) takes a list of 3 micro-batches"):
+        sk.step(loader[0], 0)  # one (x, y) batch: the README's loop with accumulate needs micro-batches grouped
+    assert torch.isfinite(sk.step(loader[:3], 0))
+    sk.undo()
+
+
+def test_speedladder_arguments_that_cannot_work_are_one_line_errors():
+    from speedkit.errors import ConfigError
+    from speedkit.lightning import SpeedLadder
+
+    for kwargs, words in ((dict(rungs="compile"), "rungs: expected a list of rungs"), (dict(trials="no"), "trials:"),
+                          (dict(on_event=3), "on_event:"), (dict(report_dir=5), "report_dir:")):
+        with pytest.raises(ConfigError, match=words):
+            SpeedLadder(**kwargs)

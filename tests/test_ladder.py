@@ -632,10 +632,12 @@ def test_the_ladder_holds_no_copy_of_the_training_state_after_it_ran():
 
     time = VirtualTime()
     state = timed_state(time)
+    param = next(state.model.parameters())
+    with torch.no_grad():  # values no other test's model has: a copy found is one this ladder made
+        param.add_(0.4242)
     ladder, _ = _run(state, [SpeedRung("x", time, 0.01, -0.2)], time)
     assert ladder._snapshot is None and ladder._parity_batches == []
     gc.collect()
-    param = next(state.model.parameters())
     # plain tensors only: a tracing subclass left by another test (a FakeTensor of torch.compile) cannot be compared
     copies = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o is not param and o.shape == param.shape
               and o.dtype == param.dtype and torch.equal(o, param.detach())]

@@ -21,6 +21,7 @@ The callback is a layer of hooks; the ladder, the rungs and the measurement know
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from typing_extensions import override
 from speedkit import config
 from speedkit import rungs as rung_registry
 from speedkit.data.loader import watch_fit_iterator_start
+from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
 from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
@@ -81,8 +83,14 @@ class SpeedLadder(Callback):
         from speedkit.recipe import validate_measure
 
         super().__init__()
-        self.trials = rungs is None if trials is None else bool(trials)
-        self.rungs = rung_registry.make_all(list(rungs if rungs is not None else config.default_ladder()), "rungs")
+        if trials is not None and not isinstance(trials, bool):
+            raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
+        if on_event is not None and not callable(on_event):
+            raise ConfigError("on_event", f"expected a function taking one line of text, found {type(on_event).__name__}")
+        if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
+            raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
+        self.trials = rungs is None if trials is None else trials
+        self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
         self.measure = MeasureConfig.from_dict(validate_measure(measure))
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.stop_after_holds = stop_after_holds
