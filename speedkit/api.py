@@ -114,7 +114,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
         accumulate, clip_grad_norm, scheduler: the step's gradient accumulation, clipping and schedule.
     """
-    _check_arguments(model, optimizer, loader, loss_fn, accumulate, clip_grad_norm, scheduler)
+    _check_arguments(model, optimizer, loader)
     built = rung_registry.make_all(rungs, "rungs")
     if device is None:
         first = next(model.parameters(), None)
@@ -146,9 +146,9 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
     return Applied(state, handles, skipped)
 
 
-def _check_arguments(model: Any, optimizer: Any, loader: Any, loss_fn: Any, accumulate: Any, clip_grad_norm: Any,
-                     scheduler: Any) -> None:
-    """One ConfigError naming the first argument of :func:`apply` that cannot work, before anything changes."""
+def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:
+    """One ConfigError naming the first of :func:`apply`'s objects that cannot work, before anything
+    changes (the step's own arguments are :class:`~speedkit.step.PlainStep`'s to check)."""
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, found {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -159,12 +159,3 @@ def _check_arguments(model: Any, optimizer: Any, loader: Any, loss_fn: Any, accu
                           "from model.parameters()")
     if loader is not None and not isinstance(loader, Iterable):
         raise ConfigError("loader", f"expected an iterable of batches (a DataLoader), found {type(loader).__name__}")
-    if not callable(loss_fn):
-        raise ConfigError("loss_fn", f"expected a function (model, batch, batch_idx) -> loss, found {type(loss_fn).__name__}")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ConfigError("accumulate", f"expected a number of batches per optimizer step >= 1, found {accumulate!r}")
-    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-                                       or not clip_grad_norm > 0):
-        raise ConfigError("clip_grad_norm", f"expected a positive number or None, found {clip_grad_norm!r}")
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise ConfigError("scheduler", f"expected a learning-rate scheduler (with step()), found {type(scheduler).__name__}")

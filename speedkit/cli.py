@@ -86,18 +86,25 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     from rich.console import Console
 
     from speedkit.report.console import render_console
-    from speedkit.runner import Interrupted, check_optimize_inputs, optimize
+    from speedkit.runner import Interrupted, optimize
 
     recipe = _load(args.recipe, overrides)
     if args.out is not None and not args.out.strip():
         raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
-    check_optimize_inputs(recipe, out)  # before the header: a wrong input gets one line
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}")
+    header: str | None = f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}"
+
+    def on_event(line: str) -> None:
+        nonlocal header
+        if header is not None:  # with the first event, after optimize's checks: a wrong input gets its one line alone
+            console.print(header)
+            header = None
+        console.print(f"[dim]{line}[/dim]", highlight=False)
+
     try:
-        result, written = optimize(recipe, out, on_event=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False))
+        result, written = optimize(recipe, out, on_event=on_event)
     except Interrupted as exc:
         print(f"speedkit: {exc}", file=sys.stderr)
         return exc.exit_code

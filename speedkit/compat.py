@@ -182,6 +182,17 @@ def step_counter_device(group: dict[str, Any], param: torch.Tensor) -> torch.dev
     return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
+def place_step_counters(optimizer: torch.optim.Optimizer, group: dict[str, Any], device_dtype: torch.dtype | None = None) -> None:
+    """``group``'s step counters moved where its flags (just switched) keep them
+    (:func:`step_counter_device`); on a device, in ``device_dtype`` when given (fused kernels read fp32)."""
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        step = state.get("step") if state else None
+        if isinstance(step, torch.Tensor):
+            device = step_counter_device(group, p)
+            state["step"] = step.to(device, device_dtype) if device_dtype is not None and device.type != "cpu" else step.to(device)
+
+
 # -- CPU capabilities ----------------------------------------------------------------------------
 
 

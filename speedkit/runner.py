@@ -54,8 +54,6 @@ def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
     """A usable output folder, or a one-line ConfigError, before any work starts: one that can be
     created and written to, and whose files ``optimize`` would replace are its own earlier output (not
     the recipe being read, not a file of the user's with the same name)."""
-    if not str(out).strip():
-        raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file, not a folder; give a folder for the report")
     existing = out
@@ -77,17 +75,6 @@ def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
         if not _written_by_speedkit(path, start):
             raise ConfigError("--out", f"{path} exists and speedkit did not write it; optimize would replace it: "
                               "move it or give another --out folder")
-
-
-def check_optimize_inputs(recipe: Recipe, out_dir: Path) -> None:
-    """What ``optimize`` checks before any work (one-line ConfigErrors): a ladder to climb, a usable
-    output folder, and Trainer arguments Lightning accepts."""
-    from speedkit import rungs
-
-    if not recipe.ladder:
-        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
-    check_output_dir(out_dir, recipe.path)
-    check_trainer(recipe)
 
 
 def _written_by_speedkit(path: Path, start: str) -> bool:
@@ -168,10 +155,14 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     from lightning.fabric.utilities.seed import seed_everything
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from speedkit import rungs
     from speedkit.lightning import SpeedLadder
     from speedkit.report import write_report
 
-    check_optimize_inputs(recipe, out_dir)
+    if not recipe.ladder:
+        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
+    check_output_dir(out_dir, recipe.path)
+    check_trainer(recipe)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure

@@ -262,6 +262,19 @@ def _group_hparams(scheduler: Any) -> list[dict[str, Any]]:
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _check_step_arguments(loss_fn: Any, accumulate: Any, clip_grad_norm: Any, scheduler: Any) -> None:
+    """One ConfigError naming the first of a plain step's arguments that cannot work."""
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn", f"expected a function (model, batch, batch_idx) -> loss, found {type(loss_fn).__name__}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError("accumulate", f"expected a number of batches per optimizer step >= 1, found {accumulate!r}")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                       or not clip_grad_norm > 0):
+        raise ConfigError("clip_grad_norm", f"expected a positive number or None, found {clip_grad_norm!r}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ConfigError("scheduler", f"expected a learning-rate scheduler (with step()), found {type(scheduler).__name__}")
+
+
 class PlainStep(Step):
     """A training step in plain PyTorch.
 
@@ -278,8 +291,7 @@ class PlainStep(Step):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
                  loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
                  scheduler: Any = None) -> None:
-        if accumulate < 1:
-            raise ConfigError("accumulate", f"expected an integer >= 1, found {accumulate!r}")
+        _check_step_arguments(loss_fn, accumulate, clip_grad_norm, scheduler)
         self.model = model
         self.optimizer = optimizer
         self.device = torch.device(device)

@@ -142,21 +142,15 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: Graphed
     """``capturable=True`` on the param groups without it, their step counters moved to the device (and
     back). Checkpoints written meanwhile hold the groups' own flags and learning rates as numbers; a
     checkpoint loaded meanwhile (a resumed fit) gets the flags again."""
-    changed = [i for i, g in enumerate(opt.param_groups) if "capturable" in opt.defaults and not g.get("capturable")]
+    changed = [i for i, g in enumerate(opt.param_groups) if not g.get("capturable")] if "capturable" in opt.defaults else []
     previous = {i: opt.param_groups[i].get("capturable", False) for i in changed}
-
-    def move_steps(group: dict) -> None:
-        for p in group["params"]:
-            step = opt.state.get(p, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                opt.state[p]["step"] = step.to(compat.step_counter_device(group, p))
 
     def capturable(on: bool) -> None:
         for i in changed:
             if i < len(opt.param_groups):  # by position: loading a state dict replaces the group dicts
                 group = opt.param_groups[i]
                 group["capturable"] = True if on else previous[i]
-                move_steps(group)
+                compat.place_step_counters(opt, group)
 
     def user_values(i: int, group: dict) -> dict:
         values = {"capturable": previous[i]} if i in previous else {}

@@ -174,12 +174,7 @@ class _ImplementationSwitch:
     def _move_steps(self) -> None:
         """Step counters where the groups' flags (just switched) keep them (the fused kernel reads fp32 ones)."""
         for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                st = self.optimizer.state.get(p)
-                step = st.get("step") if st else None
-                if isinstance(step, torch.Tensor):
-                    device = compat.step_counter_device(group, p)
-                    st["step"] = step.to(device, torch.float32) if device.type != "cpu" else step.to(device)
+            compat.place_step_counters(self.optimizer, group, torch.float32)
 
 
 def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str, why_not_fused: str | None = None) -> Handle:
