@@ -400,6 +400,15 @@ def lightning_count_optimizer_step(trainer: Any) -> None:
                 fn()
 
 
+def lightning_no_optimizer(optimizer: Any) -> bool:
+    """``optimizer`` is the stand-in Lightning uses when ``configure_optimizers`` returns None."""
+    try:
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+    except ImportError:  # another Lightning layout: such a stand-in holds no parameter group either
+        return not getattr(optimizer, "param_groups", None)
+    return isinstance(optimizer, _MockOptimizer)
+
+
 def lightning_automatic_optimization(trainer: Any) -> Any:
     """The object whose ``run(optimizer, batch_idx, kwargs)`` Lightning's training epoch loop calls
     for every batch under automatic optimization (where a whole-step CUDA graph binds into the fit)."""

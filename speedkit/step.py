@@ -133,6 +133,15 @@ class Step:
         """Why this step cannot run an optimizer that unscales its own gradients (a fused one), if so."""
         return None
 
+    def why_no_optimizer(self) -> str | None:
+        """Why rungs that change the optimizer find none to change (None: :attr:`optimizer` is the one)."""
+        opt = self.optimizer
+        if opt is None:
+            return "the run has no optimizer"
+        if not opt.param_groups:
+            return f"{type(opt).__name__} holds no parameters"
+        return None
+
     # -- training state the step owns (schedulers, grad scaler) ------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -201,6 +210,9 @@ class StepWrapper(Step):
 
     def fused_optimizer_blocker(self) -> str | None:
         return self.inner.fused_optimizer_blocker()
+
+    def why_no_optimizer(self) -> str | None:
+        return self.inner.why_no_optimizer()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

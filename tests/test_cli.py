@@ -237,6 +237,11 @@ class BrokenGPT(NaiveGPT):
 class NoBatches(SyntheticTokens):
     def train_dataloader(self):
         return torch.utils.data.DataLoader(list(range(8)), batch_size=0)
+
+
+class SmallerThanABatch(SyntheticTokens):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(3)), batch_size=4, drop_last=True)
 """
 
 
@@ -273,6 +278,13 @@ def test_a_data_module_that_cannot_build_its_loader_is_one_line(user_recipe, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("speedkit: error:") and "data: NoBatches.train_dataloader() raised ValueError" in err[-1], err
     assert "Traceback" not in "\n".join(err)
+
+
+def test_a_loader_without_batches_is_named(user_recipe, tmp_path, capsys):
+    path = user_recipe("none", data="{class_path: speedkit_test_user_code.SmallerThanABatch}")
+    assert main(["optimize", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "could not run its trials: the train loader yields no batches" in err[-1], err
 
 
 def test_a_baseline_whose_loss_is_not_finite_runs_no_trials(user_recipe, tmp_path, capsys):

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import signal
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -322,6 +323,36 @@ def test_one_callback_serves_two_fits_and_refuses_manual_optimization(no_interpr
     with pytest.warns(UserWarning, match="automatic_optimization = False"):
         _trainer([ladder], max_steps=2).fit(Manual())
     assert ladder.result is None and "automatic_optimization" in ladder.not_run
+
+
+def test_optimizer_rungs_say_why_a_fit_has_no_single_optimizer(no_interpreter):
+    class TwoOptimizers(UserModel):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers()
+            self.manual_backward(F.cross_entropy(self.model(batch[0]), batch[1]))
+            for opt in (first, second):
+                opt.step()
+                opt.zero_grad()
+
+        def configure_optimizers(self):
+            params = list(self.parameters())
+            return [torch.optim.AdamW(params[:2]), torch.optim.AdamW(params[2:])]
+
+    class NoOptimizer(UserModel):
+        def configure_optimizers(self):
+            return None
+
+    for module, reason in ((TwoOptimizers(), "the Trainer has 2 optimizers"),
+                           (NoOptimizer(), "configure_optimizers returned None")):
+        ladder = SpeedLadder(rungs=["fused_optimizer"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's warning that the fit has no optimizer
+            _trainer([ladder], max_steps=2).fit(module)
+        assert ladder.applied == [] and reason in ladder.skipped["fused_optimizer"], ladder.skipped
 
 
 def test_state_dict_round_trip_tolerates_missing_keys():

@@ -122,6 +122,8 @@ class SpeedLadder(Callback):
     # -- hooks ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.trials:
+            self.result, self.not_run = None, None  # this fit's, not an earlier fit's
         if stage != "fit" or self.trials:
             return
         step = LightningStep(trainer, pl_module)
@@ -187,6 +189,12 @@ class SpeedLadder(Callback):
         self._stop_watch()
         self._undo_all()
         self._state = None
+        if stage == "fit" and self.trials and self.result is None and self.not_run is None \
+                and trainer.num_training_batches == 0:
+            self.not_run = ("the fit has no training batches (limit_train_batches is 0)" if trainer.limit_train_batches == 0
+                            else "the train loader yields no batches: its dataset is smaller than one batch with "
+                                 "drop_last=True, or empty")
+            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -165,6 +165,17 @@ class LightningStep(Step):
             return f"the Trainer already runs precision={precision!r}; speedkit leaves it as chosen"
         return None
 
+    def why_no_optimizer(self) -> str | None:
+        optimizers = self.trainer.optimizers
+        if len(optimizers) > 1:
+            return (f"the Trainer has {len(optimizers)} optimizers (configure_optimizers returned several); "
+                    "this rung changes the optimizer of a single-optimizer fit")
+        if not optimizers:
+            return "the Trainer has no optimizer yet (Lightning builds it as the fit starts)"
+        if compat.lightning_no_optimizer(optimizers[0]):
+            return "configure_optimizers returned None: the fit trains no parameters"
+        return super().why_no_optimizer()
+
     def fused_optimizer_blocker(self) -> str | None:
         from lightning.pytorch.plugins.precision import MixedPrecision
 

@@ -72,8 +72,9 @@ class CudaGraphRung(Rung):
             return (f"gradient accumulation ({step.accumulate} batches per optimizer step): the graph captures the step "
                     "of one batch")
         opt = state.optimizer
-        if opt is None:
-            return "needs exactly one optimizer"
+        missing = step.why_no_optimizer()
+        if opt is None or missing is not None:
+            return missing or "the run has no optimizer"
         reason = optimizer_blocker(opt, _has_schedule(step)) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
         if reason is not None:
             return reason
