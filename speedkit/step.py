@@ -115,6 +115,15 @@ class Step:
         which share its CPUs. From torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE where set, else (0, 1)."""
         return local_processes_from_env()
 
+    def world_size(self) -> int:
+        """How many processes train together (all machines): the default process group's size."""
+        dist = torch.distributed
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def has_schedule(self) -> bool:
+        """Whether a learning-rate schedule changes the optimizer's hyper-parameters between steps."""
+        return False
+
     # -- precision -------------------------------------------------------------------------
     @property
     def numerics(self) -> str:
@@ -204,6 +213,12 @@ class StepWrapper(Step):
 
     def host_processes(self) -> tuple[int, int]:
         return self.inner.host_processes()
+
+    def world_size(self) -> int:
+        return self.inner.world_size()
+
+    def has_schedule(self) -> bool:
+        return self.inner.has_schedule()
 
     def set_autocast(self, dtype_name: str) -> Handle:
         return self.inner.set_autocast(dtype_name)
@@ -319,6 +334,9 @@ class PlainStep(Step):
     @property
     def accumulate(self) -> int:
         return self._accumulate
+
+    def has_schedule(self) -> bool:
+        return self.scheduler is not None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context of the forward pass (a no-op without autocast)."""

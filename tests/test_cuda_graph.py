@@ -267,14 +267,25 @@ def test_rung_needs_cuda_for_a_safe_step():
 
 def test_training_across_processes_is_refused_on_every_rank_alike():
     """A Lightning fit on two processes (DDP): every rank refuses alike, before anything is captured."""
-    model = Safe()
-    trainer = SimpleNamespace(world_size=2, lr_scheduler_configs=[], callbacks=[])
-    state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cpu"),
-                       step=SimpleNamespace(trainer=trainer, accumulate=1, numerics="fp32"))
+    from speedkit.lightning.step import LightningStep
+
+    class Module(Safe):
+        def training_step(self, batch, batch_idx):
+            return self(batch)
+
+    model = Module()
+    opt = torch.optim.AdamW(model.parameters())
+    trainer = SimpleNamespace(world_size=2, lr_scheduler_configs=[], callbacks=[], accumulate_grad_batches=1,
+                              optimizers=[opt], strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                              precision_plugin=SimpleNamespace(precision="32-true"))
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=LightningStep(trainer, model))
     reason = rungs.make("cuda_graph").check(state)
     assert reason is not None and "across 2 processes" in reason and "all-reduce" in reason, reason
     trainer.world_size = 1
     assert "CUDA device" in rungs.make("cuda_graph").check(state)
+    plain = _state(Safe())
+    plain.step.world_size = lambda: 4  # a plain loop under torchrun: the default process group's size
+    assert "across 4 processes" in rungs.make("cuda_graph").check(plain)
 
 
 def test_optimizer_blockers():

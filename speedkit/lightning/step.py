@@ -69,6 +69,12 @@ class LightningStep(Step):
     def accumulate(self) -> int:
         return int(self.trainer.accumulate_grad_batches)
 
+    def world_size(self) -> int:
+        return int(self.trainer.world_size or 1)
+
+    def has_schedule(self) -> bool:
+        return bool(self.trainer.lr_scheduler_configs)
+
     def host_processes(self) -> tuple[int, int]:
         """The Trainer's local rank among its devices on this machine (one process per device)."""
         if self.trainer.world_size <= 1:

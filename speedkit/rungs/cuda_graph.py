@@ -29,6 +29,7 @@ from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung
 from speedkit.saved_optimizer import SavedAsUser, number
 from speedkit.state import TrainState
+from speedkit.step import Step
 
 #: hooks of a LightningModule or callback that Lightning calls inside the step: their host code would run once, at capture
 _IN_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
@@ -75,7 +76,7 @@ class CudaGraphRung(Rung):
         missing = step.why_no_optimizer()
         if opt is None or missing is not None:
             return missing or "the run has no optimizer"
-        reason = optimizer_blocker(opt, _has_schedule(step)) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
+        reason = optimizer_blocker(opt, step.has_schedule()) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
         if reason is not None:
             return reason
         return _hook_blocker(state)
@@ -175,28 +176,16 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: Graphed
     handle.record("", off, on, persistent=True)
 
 
-def _distributed_blocker(step: object) -> str | None:
+def _distributed_blocker(step: Step) -> str | None:
     """Training across processes (DDP): each rank would capture, or fail to, on its own, and the
     gradient all-reduce inside the graph needs what speedkit does not set up yet."""
-    trainer = getattr(step, "trainer", None)
-    if trainer is not None:
-        world = int(getattr(trainer, "world_size", 1) or 1)
-    else:
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = step.world_size()
     if world <= 1:
         return None
     return (f"training across {world} processes: capturing the gradient all-reduce needs NCCL's graph support set up "
             "before the process group (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), 11 eager DDP steps before the capture, and "
             "every rank agreeing that its capture succeeded (one rank replaying while another steps eagerly would hang "
             "the collectives); not supported yet")
-
-
-def _has_schedule(step: object) -> bool:
-    if getattr(step, "scheduler", None) is not None:
-        return True
-    trainer = getattr(step, "trainer", None)
-    return bool(getattr(trainer, "lr_scheduler_configs", None))
 
 
 def _hook_blocker(state: TrainState) -> str | None:
