@@ -68,11 +68,51 @@ def graph_breaks() -> dict[str, int]:
 
 def dynamo_ignored_logging() -> set[Any] | None:
     """The logging functions Dynamo skips inside compiled code instead of breaking the graph there
-    (``torch._dynamo.config.ignore_logging_functions``, a set the caller may add to and remove from);
-    None where this torch has no such setting."""
+    (``torch._dynamo.config.ignore_logging_functions``, a set the caller may add to and remove from,
+    through :func:`dynamo_logging_key`); None where this torch has no such setting."""
     config = getattr(getattr(torch, "_dynamo", None), "config", None)
     found = getattr(config, "ignore_logging_functions", None)
     return found if isinstance(found, set) else None
+
+
+class _LoggingFunctionKey(str):
+    """An entry of Dynamo's ignored logging functions equal to one function (same hash, equal to it)
+    that reads as the function's name where Dynamo writes its config as JSON.
+
+    torch 2.11 logs its config with every compilation's metrics, ``json.dumps`` of each set sorted,
+    and does not leave this set out (torch 2.14 does): a function in it fails that dump, and torch
+    prints the TypeError's whole traceback at error level after each compilation. Dynamo only asks
+    whether the logger method it meets is ``in`` the set, which this key answers as the function."""
+
+    fn: Callable[..., Any]
+
+    def __new__(cls, fn: Callable[..., Any]) -> _LoggingFunctionKey:
+        key = super().__new__(cls, f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}")
+        key.fn = fn
+        return key
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __eq__(self, other: object) -> bool:
+        return self.fn == (other.fn if isinstance(other, _LoggingFunctionKey) else other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles of Dynamo's config keep the function
+        return type(self), (self.fn,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LoggingFunctionKey:
+        return self
+
+
+def dynamo_logging_key(fn: Callable[..., Any]) -> Any:
+    """What to add to :func:`dynamo_ignored_logging`'s set for ``fn`` (see :class:`_LoggingFunctionKey`)."""
+    return _LoggingFunctionKey(fn)
 
 
 def is_compiling() -> bool:

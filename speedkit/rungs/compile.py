@@ -353,10 +353,11 @@ def _skip_library_logging(handle: Handle, modules: list[nn.Module]) -> None:
     skipped = compat.dynamo_ignored_logging()
     if skipped is None or warning_once in skipped:
         return
-    skipped.add(warning_once)
+    key = compat.dynamo_logging_key(warning_once)
+    skipped.add(key)
     handle.record("Dynamo skips transformers' logger.warning_once calls inside the compiled forwards (each would break "
                   "the graph; such a message is not printed from compiled code)",
-                  functools.partial(skipped.discard, warning_once), functools.partial(skipped.add, warning_once))
+                  functools.partial(skipped.discard, key), functools.partial(skipped.add, key))
 
 
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
