@@ -162,7 +162,7 @@ class GraphedStep(StepWrapper):
         except Exception as exc:
             compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
             self._clear_grads()
-            self.stop(f"capture failed: {type(exc).__name__}: {first_line(exc)[:300]}")
+            self.stop(f"capture failed: {capture_failure(exc)}")
             return None
         frozen = [(args, where) for args, kwargs, where in logs
                   if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)]
@@ -345,6 +345,22 @@ class GraphedStep(StepWrapper):
         with compat.lightning_logging_as(self.inner.model, "training_step"):
             self.inner.emit(self.logs, static)
         return {"loss": self.static_loss.clone()}
+
+
+#: what a capture's error means, where torch's own message does not say it: (words of the error, why)
+_CAPTURE_FAILURES = (
+    ("generator not in capture mode",
+     "the step sets the CUDA random generator's state while it is captured (activation checkpointing does, "
+     "torch.utils.checkpoint with preserve_rng_state=True or a library's gradient_checkpointing, to draw the same "
+     "dropout when it recomputes)"),
+)
+
+
+def capture_failure(exc: BaseException) -> str:
+    """One line saying why a capture raised ``exc``: its cause where known, then torch's message."""
+    message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+    why = next((why for words, why in _CAPTURE_FAILURES if words in message), None)
+    return f"{why}; {message}" if why else message
 
 
 def _frozen(value: Any) -> Any:

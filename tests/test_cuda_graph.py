@@ -419,3 +419,12 @@ def test_a_schedulers_saved_rates_are_numbers_where_the_graph_holds_the_rate_in_
     untouched = sched.state_dict()
     schedule_saved_as_user(untouched, opt.param_groups, lambda value: False)  # a rate the user made a tensor stays one
     assert isinstance(untouched["_last_lr"][0], torch.Tensor)
+
+
+def test_a_capture_error_torch_words_obscurely_is_explained():
+    from speedkit.graph import capture_failure
+
+    why = capture_failure(RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode."))
+    assert why.startswith("the step sets the CUDA random generator's state while it is captured (activation checkpointing")
+    assert why.endswith("RuntimeError: Attempt to increase offset for a CUDA generator not in capture mode.")
+    assert capture_failure(ValueError("other\nlines")) == "ValueError: other"
