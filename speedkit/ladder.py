@@ -41,6 +41,7 @@ import torch
 
 from speedkit import compat, config
 from speedkit.data.source import count_items
+from speedkit.data.static import signature
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
@@ -186,6 +187,10 @@ class Ladder:
         self._candidate: _Slot | None = None
         self._iterators: dict[int, Iterator[Any]] = {}
         self._parity_batches: list[Any] = []
+        #: batches differ in shape (padded to each batch's longest sequence): each A/B block then
+        #: times both configurations on the same batches, whose work would otherwise differ more
+        #: between windows than most rungs change it
+        self._shapes_vary = False
         self._current: RungResult | None = None
         self._phase = "the setup"  # what the ladder is doing, for an interruption's report
         self._reference: list[float] = []
@@ -246,6 +251,9 @@ class Ladder:
         self._phase = "the baseline"
         accumulate = state.step.accumulate
         self._parity_batches = state.data.parity_batches(self._parity_steps * accumulate)
+        self._shapes_vary = len({repr(signature(b)) for b in self._parity_batches}) > 1
+        if self._shapes_vary:
+            result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
         first = state.data.to_device(self._parity_batches[0])
         flops = count_step_flops(state.step, first)
         self._snapshot.restore()
@@ -493,15 +501,31 @@ class Ladder:
             self.slots.pop().undo()
 
     # -- measuring -------------------------------------------------------------------------
-    def _runner(self) -> Callable[[], None]:
-        """One step of the current configuration, fed by the current data source's iterator."""
+    def _runner(self, batches: list[Any] | None = None) -> Callable[[], None]:
+        """One step of the current configuration, fed by the current data source's iterator, or by
+        ``batches`` (the block's own, see ``_shapes_vary``) where given."""
         state = self.state
         session = self.session
         assert session is not None and state.data is not None
         key = id(state.data)
         if key not in self._iterators:
             self._iterators[key] = state.data.iterator()
-        return session.runner(lambda batches, i: state.step(batches, i), self._iterators[key], state.step.accumulate)
+        source = iter(batches) if batches is not None else self._iterators[key]
+        return session.runner(lambda micro, i: state.step(micro, i), source, state.step.accumulate)
+
+    def _block_batches(self, same_source: bool) -> list[Any] | None:
+        """The batches every window of the next A/B block runs, drawn once (untimed) from the data
+        source, where batch shapes vary and both configurations read the same source; else None
+        (each window draws its own: a change of the data path is timed on the data it serves)."""
+        if not (self._shapes_vary and same_source):
+            return None
+        state = self.state
+        assert state.data is not None
+        key = id(state.data)
+        if key not in self._iterators:
+            self._iterators[key] = state.data.iterator()
+        source = self._iterators[key]
+        return [next(source) for _ in range(self.cfg.steps * state.step.accumulate)]
 
     def _memory_outside_peak(self) -> int:
         """What the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's
@@ -523,9 +547,11 @@ class Ladder:
         self._snapshot.restore(rng=False)
         start = self.host_clock()
         set_candidate(True)
+        source_b = self.state.data
         with self._heartbeat(f"  {label}: warm-up"):
             session.warm(self._runner(), max(cfg.warmup, self._settle()))
         set_candidate(False)
+        same_source = self.state.data is source_b
         session.warm(self._runner(), self._settle())
         on = False
         a_windows: list[Window] = []
@@ -535,12 +561,13 @@ class Ladder:
         stops = looks(cfg.min_blocks, cfg.max_blocks)
         while True:
             block: dict[bool, list[Window]] = {False: [], True: []}
+            shared = self._block_batches(same_source)
             for candidate in (False, True, True, False):
                 if candidate != on:
                     set_candidate(candidate)
                     on = candidate
                     session.warm(self._runner(), self._settle())
-                block[candidate].append(session.window(self._runner(), cfg.steps))
+                block[candidate].append(session.window(self._runner(shared), cfg.steps))
             a_windows += block[False]
             b_windows += block[True]
             gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))

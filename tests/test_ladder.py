@@ -642,3 +642,64 @@ def test_the_ladder_holds_no_copy_of_the_training_state_after_it_ran():
     copies = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o is not param and o.shape == param.shape
               and o.dtype == param.dtype and torch.equal(o, param.detach())]
     assert copies == [], f"{len(copies)} copies of a weight still alive"
+
+
+# -- batches of varying shapes ---------------------------------------------------------------------
+
+
+class RowsCost(StepWrapper):
+    """``seconds`` of virtual time per 16 rows of the step's batch: work that follows the batch."""
+
+    def __init__(self, inner, time: VirtualTime, seconds: float, counts: bool = True):
+        super().__init__(inner)
+        self.time, self.seconds, self.counts = time, seconds, counts
+
+    def __call__(self, batches, batch_idx):
+        loss = self.inner(batches, batch_idx)
+        self.time.spend(self.seconds * sum(len(b[0]) for b in batches) / 16)
+        self.time.steps += self.counts
+        return loss
+
+
+class RowsFaster(Rung):
+    name = "rows_faster"
+
+    def __init__(self, time: VirtualTime, base: float, change: float):
+        super().__init__()
+        self.time, self.base, self.change = time, base, change
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        set_attr(handle, state, "step", RowsCost(state.step, self.time, self.base * self.change, counts=False),
+                 f"cost per row {self.change:+.0%}")
+        return handle
+
+
+def test_batches_of_varying_shapes_are_timed_alike_in_both_configurations_of_a_block():
+    """Padded to each batch's longest sequence, batches differ in work more than most rungs change
+    it: each A/B block times both configurations on the same batches, so the comparison sees the rung
+    alone (here exactly 1/0.95 in every block; drawn anew, each window's batches would differ)."""
+    import random
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    time = VirtualTime()
+    state = mlp_state()
+    rng = random.Random(0)
+    sizes = [rng.randint(2, 30) for _ in range(200)]
+    starts = [sum(sizes[:i]) % 400 for i in range(len(sizes))]
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(432, 16, generator=g), torch.randint(0, 10, (432,), generator=g))
+    state.data = BatchSource(DataLoader(data, batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, sizes)]),
+                             torch.device("cpu"))
+    state.step = RowsCost(state.step, time, 0.01)
+    _, result = _run(state, [RowsFaster(time, 0.01, -0.05)], time, final_check=False)
+    entry = result.rungs[1]
+    assert entry.status == "kept", entry.reason
+    assert entry.comparison.speedup == pytest.approx(1 / 0.95, rel=1e-9)
+    assert entry.comparison.low == pytest.approx(1 / 0.95, rel=1e-9)
+    assert "same batches" in result.run["batch_shapes"]
+    # batches of one shape: each window draws its own, as before
+    other = VirtualTime()
+    _, fixed = _run(timed_state(other), [SpeedRung("faster", other, 0.01, -0.05)], other, final_check=False)
+    assert "batch_shapes" not in fixed.run
