@@ -350,8 +350,8 @@ class GraphedStep(StepWrapper):
 #: what a capture's error means, where torch's own message does not say it: (words of the error, why)
 _CAPTURE_FAILURES = (
     ("generator not in capture mode",
-     "the step sets the CUDA random generator's state while it is captured (activation checkpointing does, "
-     "torch.utils.checkpoint with preserve_rng_state=True or a library's gradient_checkpointing, to draw the same "
+     "the step sets the CUDA random generator's state while it is captured (activation checkpointing can: "
+     "torch.utils.checkpoint's preserve_rng_state, a library's gradient_checkpointing, sets it back to draw the same "
      "dropout when it recomputes)"),
 )
 
