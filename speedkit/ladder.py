@@ -352,7 +352,8 @@ class Ladder:
                 entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
                                 f"tolerance {entry.parity.tolerance:.0e} for {state.precision}")
             else:
-                paired = self._compare(lambda on: slot.enable(state) if on else slot.disable(), rung.name)
+                paired = self._compare(lambda on: slot.enable(state) if on else slot.disable(), rung.name,
+                                       shared_batches=not rung.new_shape_cost)
                 if slot.handle.problem():
                     raise _RungProblem(slot.handle.problem())
                 entry.comparison = paired
@@ -432,7 +433,8 @@ class Ladder:
                 closing.parity = self._parity(losses, reference)
                 if not closing.parity.passed:  # the configuration without it must be the same function
                     raise RuntimeError("the configuration without it changes numerics")
-                paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name)
+                paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name,
+                                       shared_batches=self._shared_batches_fit())
                 status, why = self._decide(paired)
             except Exception as exc:  # put the configuration back and say why the check failed
                 paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
@@ -464,7 +466,8 @@ class Ladder:
         n = len(self.slots)
         self.on_event(f"final check: {', '.join(s.rung.name for s in self.slots)} against the baseline")
         try:
-            self.result.final_check = self._compare(lambda on: self._configure([on] * n), "final")
+            self.result.final_check = self._compare(lambda on: self._configure([on] * n), "final",
+                                                    shared_batches=self._shared_batches_fit())
         finally:
             self._configure([True] * n)
             self._snapshot.restore()
@@ -539,9 +542,15 @@ class Ladder:
         self._snapshot.restore(rng=False)
         return session.measure(self._runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
 
-    def _compare(self, set_candidate: Callable[[bool], None], label: str) -> PairedResult:
+    def _shared_batches_fit(self) -> bool:
+        """Whether the kept rungs may be timed on batches an A/B block shares (none of them does work
+        per new input shape)."""
+        return not any(s.rung.new_shape_cost for s in self.slots)
+
+    def _compare(self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
-        paired decision is made, ``max_blocks`` are spent or ``budget_s`` is out. Leaves A on."""
+        paired decision is made, ``max_blocks`` are spent or ``budget_s`` is out. Leaves A on.
+        ``shared_batches``: where batch shapes vary, the windows of a block may run the same batches."""
         cfg, session = self.cfg, self.session
         assert session is not None
         self._snapshot.restore(rng=False)
@@ -561,7 +570,7 @@ class Ladder:
         stops = looks(cfg.min_blocks, cfg.max_blocks)
         while True:
             block: dict[bool, list[Window]] = {False: [], True: []}
-            shared = self._block_batches(same_source)
+            shared = self._block_batches(same_source and shared_batches)
             for candidate in (False, True, True, False):
                 if candidate != on:
                     set_candidate(candidate)

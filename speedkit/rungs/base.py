@@ -51,6 +51,10 @@ class Rung:
     #: whether the allocator's peak shows what the rung's configuration holds (a kept-on-memory decision needs it)
     memory_comparable: ClassVar[bool] = True
     memory_note: ClassVar[str] = ""
+    #: its cost includes work each new input shape brings (compiling, searching algorithms, autotuning,
+    #: capturing): where batch shapes vary, it is timed on batches each window draws anew, as a fit
+    #: meets them, not on the batches an A/B block shares (see the ladder's ``_shapes_vary``)
+    new_shape_cost: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -403,6 +403,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
 
 class CompileRung(Rung):
     name = "compile"
+    new_shape_cost = True  # a new shape compiles again (or once more, dynamic)
     Options = CompileOptions
 
     def check(self, state: TrainState) -> str | None:

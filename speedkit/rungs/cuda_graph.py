@@ -51,6 +51,7 @@ class CudaGraphOptions:
 
 class CudaGraphRung(Rung):
     name = "cuda_graph"
+    new_shape_cost = True  # a batch of another shape runs eagerly
     Options = CudaGraphOptions
     lightning_stage = "fit_start"
     memory_comparable = False

@@ -29,6 +29,7 @@ def _set_benchmark(on: bool) -> None:
 
 class CudnnBenchmarkRung(Rung):
     name = "cudnn_benchmark"
+    new_shape_cost = True  # each new shape benchmarks the convolution algorithms again
     precision = None  # another algorithm sums in another order at most
 
     def check(self, state: TrainState) -> str | None:
