@@ -571,6 +571,12 @@ class Ladder:
         while True:
             block: dict[bool, list[Window]] = {False: [], True: []}
             shared = self._block_batches(same_source and shared_batches)
+            if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
+                for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
+                    if candidate != on:  # then timed in neither configuration's windows, not in the first
+                        set_candidate(candidate)
+                        on = candidate
+                    session.warm(self._runner(shared), cfg.steps)
             for candidate in (False, True, True, False):
                 if candidate != on:
                     set_candidate(candidate)
