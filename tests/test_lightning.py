@@ -187,6 +187,41 @@ def test_trials_put_back_the_generators_of_every_combined_loader():
     assert len(plain) == 16 and with_trials == plain
 
 
+class _PaddedSequences(pl.LightningModule):
+    """Token sequences of 4 to 16 tokens, each batch padded to its longest (``attention_mask``): the
+    way Hugging Face's data collators feed language models."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        g = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(1, 32, (int(n),), generator=g) for n in torch.randint(4, 17, (96,), generator=g)]
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["input_ids"].flatten(), reduction="none")
+        return (loss * batch["attention_mask"].flatten()).sum() / batch["attention_mask"].sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        def pad(rows):
+            ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
+            return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+        return DataLoader(self.rows, batch_size=4, collate_fn=pad)
+
+
+def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(no_interpreter, tmp_path):
+    from speedkit.report import write_report
+
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
+    _trainer([ladder], max_steps=4).fit(_PaddedSequences())
+    assert ladder.result is not None and "same batches" in ladder.result.run["batch_shapes"]
+    written = write_report(ladder.result, tmp_path, formats=("md",))
+    assert 'batch_shapes="vary: each A/B block times both configurations on the same batches"' in written["md"].read_text()
+
+
 def _model_fingerprint(model):
     return {
         "values": {k: v.detach().clone() for k, v in model.state_dict().items()},
