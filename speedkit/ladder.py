@@ -434,7 +434,7 @@ class Ladder:
                 if not closing.parity.passed:  # the configuration without it must be the same function
                     raise RuntimeError("the configuration without it changes numerics")
                 paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name,
-                                       shared_batches=self._shared_batches_fit())
+                                       shared_batches=self._kept_rungs_share_batches())
                 status, why = self._decide(paired)
             except Exception as exc:  # put the configuration back and say why the check failed
                 paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
@@ -467,7 +467,7 @@ class Ladder:
         self.on_event(f"final check: {', '.join(s.rung.name for s in self.slots)} against the baseline")
         try:
             self.result.final_check = self._compare(lambda on: self._configure([on] * n), "final",
-                                                    shared_batches=self._shared_batches_fit())
+                                                    shared_batches=self._kept_rungs_share_batches())
         finally:
             self._configure([True] * n)
             self._snapshot.restore()
@@ -509,12 +509,17 @@ class Ladder:
         ``batches`` (the block's own, see ``_shapes_vary``) where given."""
         state = self.state
         session = self.session
-        assert session is not None and state.data is not None
-        key = id(state.data)
-        if key not in self._iterators:
-            self._iterators[key] = state.data.iterator()
-        source = iter(batches) if batches is not None else self._iterators[key]
+        assert session is not None
+        source = iter(batches) if batches is not None else self._source_iterator()
         return session.runner(lambda micro, i: state.step(micro, i), source, state.step.accumulate)
+
+    def _source_iterator(self) -> Iterator[Any]:
+        """The current data source's iterator, made on first use and kept across windows."""
+        data = self.state.data
+        assert data is not None
+        if id(data) not in self._iterators:
+            self._iterators[id(data)] = data.iterator()
+        return self._iterators[id(data)]
 
     def _block_batches(self, same_source: bool) -> list[Any] | None:
         """The batches every window of the next A/B block runs, drawn once (untimed) from the data
@@ -522,13 +527,8 @@ class Ladder:
         (each window draws its own: a change of the data path is timed on the data it serves)."""
         if not (self._shapes_vary and same_source):
             return None
-        state = self.state
-        assert state.data is not None
-        key = id(state.data)
-        if key not in self._iterators:
-            self._iterators[key] = state.data.iterator()
-        source = self._iterators[key]
-        return [next(source) for _ in range(self.cfg.steps * state.step.accumulate)]
+        source = self._source_iterator()
+        return [next(source) for _ in range(self.cfg.steps * self.state.step.accumulate)]
 
     def _memory_outside_peak(self) -> int:
         """What the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's
@@ -542,7 +542,7 @@ class Ladder:
         self._snapshot.restore(rng=False)
         return session.measure(self._runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
 
-    def _shared_batches_fit(self) -> bool:
+    def _kept_rungs_share_batches(self) -> bool:
         """Whether the kept rungs may be timed on batches an A/B block shares (none of them does work
         per new input shape)."""
         return not any(s.rung.new_shape_cost for s in self.slots)
@@ -563,6 +563,16 @@ class Ladder:
         same_source = self.state.data is source_b
         session.warm(self._runner(), self._settle())
         on = False
+
+        def switch(candidate: bool) -> bool:
+            """The candidate on or off; whether that changed anything."""
+            nonlocal on
+            if candidate == on:
+                return False
+            set_candidate(candidate)
+            on = candidate
+            return True
+
         a_windows: list[Window] = []
         b_windows: list[Window] = []
         gains: list[float] = []
@@ -573,14 +583,10 @@ class Ladder:
             shared = self._block_batches(same_source and shared_batches)
             if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
                 for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
-                    if candidate != on:  # then timed in neither configuration's windows, not in the first
-                        set_candidate(candidate)
-                        on = candidate
+                    switch(candidate)  # then timed in neither configuration's windows, not in the first
                     session.warm(self._runner(shared), cfg.steps)
             for candidate in (False, True, True, False):
-                if candidate != on:
-                    set_candidate(candidate)
-                    on = candidate
+                if switch(candidate):
                     session.warm(self._runner(), self._settle())
                 block[candidate].append(session.window(self._runner(shared), cfg.steps))
             a_windows += block[False]
@@ -594,8 +600,7 @@ class Ladder:
                           f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
             if verdict.verdict != "undecided" or out_of_budget:
                 break
-        if on:
-            set_candidate(False)
+        switch(False)
         return PairedResult(**asdict(verdict), a=session.measurement(a_windows, warmup=cfg.warmup),
                             b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
 

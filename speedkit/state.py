@@ -50,6 +50,12 @@ class TrainState:
         if not self.precision:
             self.precision = current_numerics(self.step)
 
+    def why_no_optimizer(self) -> str | None:
+        """Why rungs that change the optimizer find none to change (None: :attr:`optimizer` is the one)."""
+        if self.optimizer is None:
+            return self.step.why_no_optimizer() or "the run has no optimizer"
+        return self.step.why_no_optimizer()
+
 
 def current_numerics(step: Step) -> str:
     """The numerics a run is in before any rung: the step's precision, TF32 if the user enabled it."""

@@ -153,7 +153,7 @@ class SpeedLadder(Callback):
         elif not pl_module.automatic_optimization:
             self.not_run = "trials run automatic-optimization steps; this LightningModule sets automatic_optimization = False"
         if self.not_run is not None:
-            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
+            self._warn_not_run()
             return
         self._run_trials(trainer, pl_module)
 
@@ -194,7 +194,10 @@ class SpeedLadder(Callback):
             self.not_run = ("the fit has no training batches (limit_train_batches is 0)" if trainer.limit_train_batches == 0
                             else "the train loader yields no batches: its dataset is smaller than one batch with "
                                  "drop_last=True, or empty")
-            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
+            self._warn_not_run()
+
+    def _warn_not_run(self) -> None:
+        rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -236,7 +239,7 @@ class SpeedLadder(Callback):
                 self.result = self._ladder.run()
         except TrialsNotRun as exc:  # the fit goes on as the user set it up, nothing applied
             self.result, self.not_run, self._state = None, str(exc), None
-            rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
+            self._warn_not_run()
             return
         finally:
             if self.not_run is None:

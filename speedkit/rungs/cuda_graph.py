@@ -73,10 +73,11 @@ class CudaGraphRung(Rung):
         if step.accumulate != 1:
             return (f"gradient accumulation ({step.accumulate} batches per optimizer step): the graph captures the step "
                     "of one batch")
+        missing = state.why_no_optimizer()
+        if missing is not None:
+            return missing
         opt = state.optimizer
-        missing = step.why_no_optimizer()
-        if opt is None or missing is not None:
-            return missing or "the run has no optimizer"
+        assert opt is not None
         reason = optimizer_blocker(opt, step.has_schedule()) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
         if reason is not None:
             return reason

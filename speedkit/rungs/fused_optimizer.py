@@ -93,17 +93,13 @@ def _blocker(optimizer: torch.optim.Optimizer, implementation: str, sparse: set[
     return next((r for r in (_try_step(optimizer, g, p, implementation) for g, p in probes.values()) if r), None)
 
 
-def choose_implementation(optimizer: torch.optim.Optimizer | None, wanted: str = "auto", step_blocker: str | None = None,
-                          model: nn.Module | None = None, no_optimizer: str | None = None) -> tuple[str | None, str | None]:
+def choose_implementation(optimizer: torch.optim.Optimizer, wanted: str = "auto", step_blocker: str | None = None,
+                          model: nn.Module | None = None) -> tuple[str | None, str | None]:
     """``(implementation, why it is not "fused" or None)``, or ``(None, why the rung does not apply)``.
 
     ``step_blocker`` is why the training step cannot run a fused optimizer, if it cannot; ``model``
-    is where parameters with sparse gradients are looked for; ``no_optimizer`` is why the step has
-    no optimizer to change, if it has none (``Step.why_no_optimizer``).
+    is where parameters with sparse gradients are looked for.
     """
-    if optimizer is None or no_optimizer is not None or not optimizer.param_groups:
-        return None, no_optimizer or ("the run has no optimizer" if optimizer is None else
-                                      f"{type(optimizer).__name__} holds no parameters")
     name, groups = type(optimizer).__name__, optimizer.param_groups
     if all(g.get("fused") for g in groups):
         return None, f"{name} is already fused"
@@ -208,8 +204,12 @@ class FusedOptimizerRung(Rung):
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
 
     def _choose(self, state: TrainState) -> tuple[str | None, str | None]:
+        missing = state.why_no_optimizer()
+        if missing is not None:
+            return None, missing
+        assert state.optimizer is not None
         return choose_implementation(state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker(),
-                                     state.model, state.step.why_no_optimizer())
+                                     state.model)
 
     def check(self, state: TrainState) -> str | None:
         implementation, reason = self._choose(state)
