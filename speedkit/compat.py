@@ -47,7 +47,11 @@ def dynamo_counters() -> dict[str, Any]:
 
 
 def graph_count() -> int:
-    """Unique graphs Dynamo compiled so far in this process (0 when the counter is unknown)."""
+    """Unique graphs Dynamo compiled so far in this process (0 when the counter is unknown, or when
+    nothing imported Dynamo yet: then it compiled nothing, and counting does not import it).
+    Cheap: the measurement session reads it around every timed window."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
 

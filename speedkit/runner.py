@@ -167,7 +167,8 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure
     ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
-    fit_steps = measure["warmup"] + max(1, measure["holds_windows"]) * measure["steps"]
+    # room for the holds check to time as many windows again in place of windows that compiled
+    fit_steps = measure["warmup"] + 2 * max(1, measure["holds_windows"]) * measure["steps"]
     with _quiet_lightning():
         seed_everything(recipe.seed, verbose=False)
         model = recipe.build_model()

@@ -104,3 +104,23 @@ def test_window_peak_adds_memory_the_allocator_peak_does_not_show(monkeypatch):
     assert session.window(lambda: None, 3).peak_memory_bytes == 6_000
     pool["bytes"] = 0  # the graph dropped (or its rung suspended): nothing outside the allocator
     assert session.window(lambda: None, 3).peak_memory_bytes == 1_000
+
+
+def test_a_window_counts_the_graphs_torch_compile_compiled_in_it():
+    """Real Dynamo (eager backend): a new shape recompiles inside the first windows, none after."""
+    from speedkit.measure.session import MeasureSession
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    shapes = iter([3, 5, 7, 9, 11, 13])  # 3: the first graph; 5: one with a dynamic size; then no more
+    session = MeasureSession("cpu", clock=StepClock(torch.device("cpu"), backend=FakeDeviceBackend([1.0] * 20)))
+    session.warm(lambda: None, 0)
+
+    def run_one():
+        double(torch.ones(next(shapes)))
+
+    assert [session.window(run_one, 2).compiled_graphs for _ in range(3)] == [2, 0, 0]
+    session.begin_steps(1)  # the hook-driven path counts the same way
+    session.batch_started()
+    double(torch.ones(2, 2))  # another rank: a new graph
+    assert session.batch_ended().compiled_graphs == 1

@@ -331,6 +331,47 @@ def test_the_fit_check_times_the_real_steps_after_the_trials(no_interpreter):
     assert holds.fit.data_wait_ms is not None and holds.fit.host_ms is not None
 
 
+class _Compiles(pl.Callback):
+    """Stands in for torch.compile compiling inside the fit's steps: the graph counter the
+    measurement reads goes up at the fit's batches ``at`` (1-based; None: every batch)."""
+
+    def __init__(self, monkeypatch, at: set[int] | None) -> None:
+        from speedkit import compat
+
+        self.graphs, self.batches, self.at = 0, 0, at
+        monkeypatch.setattr(compat, "graph_count", lambda: self.graphs)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+        if self.at is None or self.batches in self.at:
+            self.graphs += 1
+
+
+def test_the_fit_check_leaves_out_windows_in_which_torch_compile_compiled(monkeypatch, no_interpreter):
+    """On the H100 a compiled Hugging Face GPT-2 met, in the fit, a sequence length outside the
+    range its graphs covered: one compilation of about 25 s in the check's first windows read as a
+    step 57x slower than the trials. Such a window is left out and another timed in its place."""
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    compiles = _Compiles(monkeypatch, at={9})  # 4 micro-batches a step: warm-up step 1, windows (2, 3) (4, 5) (6, 7)
+    _fit_user_model(ladder, compiles, max_steps=12)
+    holds = ladder.result.holds
+    assert compiles.batches == 48 and compiles.graphs == 1
+    assert holds.fit is not None and len(holds.fit.window_ms) == 2
+    assert "torch.compile compiled 1 new graph in 1 of the fit's timed windows" in holds.note
+    assert "left out" in holds.note and (holds.cause is None or "compiled" not in holds.cause)
+
+
+def test_the_fit_check_names_compilation_where_every_window_compiled(monkeypatch, no_interpreter):
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    compiles = _Compiles(monkeypatch, at=None)
+    _fit_user_model(ladder, compiles, max_steps=12)
+    holds = ladder.result.holds
+    assert holds.fit is not None and len(holds.fit.window_ms) == 2  # it stopped looking after 2 windows left out
+    said = holds.cause if holds.flagged else holds.note
+    assert "torch.compile compiled 16 new graphs in 2 of the fit's timed windows" in said
+    assert "in every window timed: it compiles again as the inputs change" in said
+
+
 def test_a_fit_too_short_to_time_says_so(no_interpreter):
     ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 3, "steps": 5})
     _fit_user_model(ladder, max_steps=2)

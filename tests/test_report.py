@@ -196,5 +196,18 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
     assert faster.flagged and faster.cause.startswith("the fit ran faster")
     cpu = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(60.0, 0.5, 59.0, "perf_counter"), 0.05)
     assert cpu.flagged and cpu.cause.startswith("on a CPU")
+    compiled = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(900.0, 0.5, 899.0, "perf_counter"), 0.05, None, "torch.compile compiled")
+    assert compiled.flagged and compiled.cause.startswith("torch.compile compiled (")  # before the CPU's own noise
+    compiled_held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05, "1 of 3 windows", "torch.compile compiled")
+    assert not compiled_held.flagged and compiled_held.note == "torch.compile compiled; 1 of 3 windows"
     missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
     assert missing.gap is None and not missing.flagged and missing.note == "the fit ran 2 steps"
+
+
+def test_the_in_training_line_keeps_its_note_when_flagged():
+    from speedkit.report.markdown import holds_line
+
+    h = {"ladder": {"step_ms": 30.0}, "fit": {"step_ms": 40.0, "spread": 0.01}, "gap": 0.333, "flagged": True,
+         "threshold": 0.05, "cause": "host time in the steps", "note": "1 window left out: torch.compile compiled"}
+    line = holds_line({"holds": h})
+    assert "Likely cause: host time in the steps." in line and line.endswith("(1 window left out: torch.compile compiled)")

@@ -286,7 +286,8 @@ class SpeedLadder(Callback):
         if holds.gap is not None:
             verdict = f"flagged: {holds.cause}" if holds.flagged else "holds"
             self.on_event(f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
-                          f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}")  # type: ignore[union-attr]
+                          f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}"  # type: ignore[union-attr]
+                          + (f" ({holds.note})" if holds.note else ""))
         if self.report_dir is not None:
             from speedkit.report import write_report
 
@@ -365,7 +366,13 @@ class SpeedLadder(Callback):
 
 
 class _HoldsProbe:
-    """Times the fit's own optimizer steps after the trials, on the same clock as the ladder."""
+    """Times the fit's own optimizer steps after the trials, on the same clock as the ladder.
+
+    A window in which ``torch.compile`` compiled (the fit met inputs its guards had not seen in the
+    trials: another range of a dynamic size, a value it specialized on) times the compilation, not
+    the step: it is left out and another window timed in its place, up to ``holds_windows`` such
+    windows. Where every window compiled, those windows are the figure and the compilation its cause.
+    """
 
     def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device) -> None:
         base = result.baseline.measurement
@@ -375,30 +382,44 @@ class _HoldsProbe:
                                       items_per_step=base.items_per_step if base else 1,
                                       unit=base.throughput_unit if base else "samples/s")
         self.windows: list[Window] = []
+        self.compiling: list[Window] = []  # windows left out: they compiled
         self.session.begin_steps(cfg.steps, warmup=cfg.warmup)
 
     def batch_started(self) -> None:
         self.session.batch_started()
 
     def batch_ended(self, step_done: bool) -> bool:
-        """True once enough windows are timed."""
+        """True once enough windows are timed (or enough left out for compiling)."""
         window = self.session.batch_ended(step_done)
         if window is not None:
-            self.windows.append(window)
-        return len(self.windows) >= self.cfg.holds_windows
+            (self.compiling if window.compiled_graphs else self.windows).append(window)
+        return len(self.windows) >= self.cfg.holds_windows or len(self.compiling) >= self.cfg.holds_windows
 
     def judge(self) -> Any:
         cfg = self.cfg
         ladder = self.result.final_measurement
         if cfg.holds_windows == 0:
             return judge_holds(ladder, None, cfg.holds_threshold, "not measured (measure.holds_windows is 0)")
-        if not self.windows:
+        windows, compiled = self.windows, None
+        if not windows and not self.compiling:
             needed = cfg.warmup + cfg.steps
             return judge_holds(ladder, None, cfg.holds_threshold,
                                f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
                                f"one window needs {needed} (measure.warmup + measure.steps)")
-        note = None if len(self.windows) >= cfg.holds_windows else f"{len(self.windows)} of {cfg.holds_windows} windows (the fit ended)"
-        return judge_holds(ladder, self.session.measurement(self.windows, warmup=cfg.warmup), cfg.holds_threshold, note)
+        notes = []
+        if self.compiling:
+            graphs = sum(w.compiled_graphs for w in self.compiling)
+            what = (f"torch.compile compiled {graphs} new graph{'s' if graphs > 1 else ''} in {len(self.compiling)} of the fit's "
+                    f"timed windows: the fit met inputs its guards had not seen in the trials (TORCH_LOGS=recompiles names "
+                    f"the guard)")
+            if windows:
+                notes.append(f"{what}; those windows are left out, as a compilation is paid once per new guard, not per step")
+            else:
+                windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
+        if len(windows) < cfg.holds_windows and not compiled:
+            notes.append(f"{len(windows)} of {cfg.holds_windows} windows (the fit ended)")
+        return judge_holds(ladder, self.session.measurement(windows, warmup=cfg.warmup), cfg.holds_threshold,
+                           "; ".join(notes) or None, compiled)
 
 
 @contextlib.contextmanager

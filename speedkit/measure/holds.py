@@ -3,26 +3,31 @@ against the same Trainer's next real steps, and, where they differ, the likely c
 
 Host time splits in two: between steps (``data_wait_ms``: fetching and moving the next batch and,
 in Lightning's loop, its per-batch bookkeeping, where its logging waits for the GPU) and in the
-steps (``host_ms``). A gap mostly explained by one of them is attributed to it."""
+steps (``host_ms``). A gap mostly explained by one of them is attributed to it, unless the fit's
+timed steps compiled: then the compilation explains it."""
 
 from __future__ import annotations
 
 from speedkit.results import Holds, Measurement
 
 
-def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None) -> Holds:
-    """Compare the two figures; flag a gap over ``threshold`` with what explains most of it."""
+def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
+                compiled: str | None = None) -> Holds:
+    """Compare the two figures; flag a gap over ``threshold`` with what explains most of it.
+    ``compiled``: what ``torch.compile`` compiled during the fit's timed steps, where it did."""
     if ladder is None or fit is None:
         return Holds(ladder, fit, None, False, threshold, None, note or "not measured")
     gap = fit.step_ms / ladder.step_ms - 1
     if abs(gap) <= threshold:
-        return Holds(ladder, fit, gap, False, threshold, None, note)
+        return Holds(ladder, fit, gap, False, threshold, None, "; ".join(n for n in (compiled, note) if n) or None)
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
     per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps and {fit.host_ms or 0:.2f} ms/step in them on the host in "
                 f"the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
-    if fit.clock == "perf_counter":  # a CPU: the step is host time through and through
+    if compiled is not None and gap_ms > 0:
+        cause = f"{compiled} ({per_step})"
+    elif fit.clock == "perf_counter":  # a CPU: the step is host time through and through
         cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
                  f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
                  f"own per-batch work ({per_step})")

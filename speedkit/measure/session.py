@@ -3,7 +3,8 @@
 A :class:`MeasureSession` times *windows* of training steps on the step clock (CUDA events, one
 host wait per window; ``perf_counter`` on CPU) and, per step, the host time spent waiting for the
 batch (data wait: the loader, collation, the copy to the device) and issuing the step (host time).
-It turns windows into a :class:`~speedkit.results.Measurement`: median step time and its noise,
+Each window also counts the graphs ``torch.compile`` compiled during it, so a caller can tell a
+compilation's seconds from the step's own time. It turns windows into a :class:`~speedkit.results.Measurement`: median step time and its noise,
 items per second, MFU, peak memory, NVML telemetry, data wait and host time.
 
 Two ways to drive it:
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from speedkit import compat
 from speedkit.measure.clock import StepClock, summarize
 from speedkit.measure.flops import mfu
 from speedkit.results import Measurement
@@ -44,6 +46,7 @@ class Window:
     host_ms: float                     # host time issuing the step
     steps: int                         # steps in the window
     peak_memory_bytes: int | None = None
+    compiled_graphs: int = 0           # graphs torch.compile compiled during it (its time is in the window's)
 
 
 class MeasureSession:
@@ -83,6 +86,7 @@ class MeasureSession:
         self._in_window = 0
         self._last_end: float | None = None
         self._started: float | None = None
+        self._graphs_at_start = 0
 
     # -- the session runs the steps ----------------------------------------------------------
     def runner(self, step: Callable[[Sequence[Any], int], Any], batches: Iterator[Any], accumulate: int = 1) -> Callable[[], None]:
@@ -112,13 +116,14 @@ class MeasureSession:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._data_wait = self._host = 0.0
+        graphs = compat.graph_count()
         self.clock.start()
         for _ in range(steps):
             run_one()
             self.clock.step()
         times = self.clock.stop()
         return Window(ms=sum(times) / len(times), data_wait_ms=self._data_wait / steps * 1e3, host_ms=self._host / steps * 1e3,
-                      steps=steps, peak_memory_bytes=self._peak_memory())
+                      steps=steps, peak_memory_bytes=self._peak_memory(), compiled_graphs=compat.graph_count() - graphs)
 
     def _peak_memory(self) -> int | None:
         """The window's peak device memory: the allocator's, plus what it does not show."""
@@ -158,6 +163,7 @@ class MeasureSession:
         self._data_wait = self._host = 0.0
         self._last_end = now
         self._started = None
+        self._graphs_at_start = compat.graph_count()
         self.clock.start()
 
     def batch_started(self) -> None:
@@ -191,7 +197,7 @@ class MeasureSession:
         times = self.clock.stop()
         n = len(times)
         window = Window(ms=sum(times) / n, data_wait_ms=self._data_wait / n * 1e3, host_ms=self._host / n * 1e3, steps=n,
-                        peak_memory_bytes=self._peak_memory())
+                        peak_memory_bytes=self._peak_memory(), compiled_graphs=compat.graph_count() - self._graphs_at_start)
         self._open_window(now)
         return window
 

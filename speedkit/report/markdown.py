@@ -134,9 +134,10 @@ def holds_line(d: dict[str, Any]) -> str | None:
         return f"The fit's own steps: {h.get('note') or 'not measured'}."
     line = (f"The fit's own steps: {format_step(fit.get('step_ms'), fit.get('spread'))} ms against the ladder's "
             f"{format_step(ladder.get('step_ms'))} ms ({h['gap']:+.1%})")
+    note = f" ({h['note']})" if h.get("note") else ""
     if h.get("flagged"):
-        return f"{line}, more than {h.get('threshold', 0):.0%} apart. Likely cause: {h.get('cause')}."
-    return f"{line}: the figure holds (within {h.get('threshold', 0):.0%})." + (f" ({h['note']})" if h.get("note") else "")
+        return f"{line}, more than {h.get('threshold', 0):.0%} apart. Likely cause: {h.get('cause')}.{note}"
+    return f"{line}: the figure holds (within {h.get('threshold', 0):.0%}).{note}"
 
 
 # -- the document ---------------------------------------------------------------------------
