@@ -157,6 +157,7 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
 
     from speedkit import rungs
     from speedkit.lightning import SpeedLadder
+    from speedkit.measure.holds import left_out_at_most
     from speedkit.report import write_report
 
     if not recipe.ladder:
@@ -167,8 +168,9 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure
     ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
-    # room for the holds check to time as many windows again in place of windows that compiled
-    fit_steps = measure["warmup"] + 2 * max(1, measure["holds_windows"]) * measure["steps"]
+    # room for the holds check to time windows in place of those in which torch.compile compiled
+    windows = max(1, measure["holds_windows"])
+    fit_steps = measure["warmup"] + (windows + left_out_at_most(windows)) * measure["steps"]
     with _quiet_lightning():
         seed_everything(recipe.seed, verbose=False)
         model = recipe.build_model()

@@ -366,10 +366,20 @@ def test_the_fit_check_names_compilation_where_every_window_compiled(monkeypatch
     compiles = _Compiles(monkeypatch, at=None)
     _fit_user_model(ladder, compiles, max_steps=12)
     holds = ladder.result.holds
-    assert holds.fit is not None and len(holds.fit.window_ms) == 2  # it stopped looking after 2 windows left out
+    assert holds.fit is not None and len(holds.fit.window_ms) == 3  # it stopped looking after 3 windows left out
     said = holds.cause if holds.flagged else holds.note
-    assert "torch.compile compiled 16 new graphs in 2 of the fit's timed windows" in said
+    assert "torch.compile compiled 24 new graphs in 3 of the fit's timed windows" in said
     assert "in every window timed: it compiles again as the inputs change" in said
+
+
+def test_a_fit_that_ends_in_a_compiling_window_does_not_call_it_every_window(monkeypatch, no_interpreter):
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 1})
+    compiles = _Compiles(monkeypatch, at={5})
+    _fit_user_model(ladder, compiles, max_steps=3)  # warm-up step 1, one window (2, 3): it compiled
+    holds = ladder.result.holds
+    said = holds.cause if holds.flagged else holds.note
+    assert "compiled 1 new graph in 1 of the fit's timed windows" in said and "every window" not in said
+    assert "0 of 1 windows without compiling (the fit ended)" in holds.note
 
 
 def test_a_fit_too_short_to_time_says_so(no_interpreter):

@@ -43,7 +43,7 @@ from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
 from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
 from speedkit.lightning.step import LightningSource, LightningStep
-from speedkit.measure.holds import judge_holds
+from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
 from speedkit.rungs.base import Rung
@@ -370,7 +370,7 @@ class _HoldsProbe:
 
     A window in which ``torch.compile`` compiled (the fit met inputs its guards had not seen in the
     trials: another range of a dynamic size, a value it specialized on) times the compilation, not
-    the step: it is left out and another window timed in its place, up to ``holds_windows`` such
+    the step: it is left out and another window timed in its place, up to ``left_out_at_most`` such
     windows. Where every window compiled, those windows are the figure and the compilation its cause.
     """
 
@@ -393,7 +393,7 @@ class _HoldsProbe:
         window = self.session.batch_ended(step_done)
         if window is not None:
             (self.compiling if window.compiled_graphs else self.windows).append(window)
-        return len(self.windows) >= self.cfg.holds_windows or len(self.compiling) >= self.cfg.holds_windows
+        return len(self.windows) >= self.cfg.holds_windows or len(self.compiling) >= left_out_at_most(self.cfg.holds_windows)
 
     def judge(self) -> Any:
         cfg = self.cfg
@@ -407,17 +407,20 @@ class _HoldsProbe:
                                f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
                                f"one window needs {needed} (measure.warmup + measure.steps)")
         notes = []
+        if len(self.windows) < cfg.holds_windows and len(self.compiling) < left_out_at_most(cfg.holds_windows):
+            notes.append(f"{len(self.windows)} of {cfg.holds_windows} windows{' without compiling' if self.compiling else ''} "
+                         "(the fit ended)")
         if self.compiling:
             graphs = sum(w.compiled_graphs for w in self.compiling)
             what = (f"torch.compile compiled {graphs} new graph{'s' if graphs > 1 else ''} in {len(self.compiling)} of the fit's "
                     f"timed windows: the fit met inputs its guards had not seen in the trials (TORCH_LOGS=recompiles names "
                     f"the guard)")
             if windows:
-                notes.append(f"{what}; those windows are left out, as a compilation is paid once per new guard, not per step")
+                notes.insert(0, f"{what}; those windows are left out, as a compilation is paid once per new guard, not per step")
+            elif notes:  # the fit ended
+                windows, compiled = self.compiling, what
             else:
                 windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
-        if len(windows) < cfg.holds_windows and not compiled:
-            notes.append(f"{len(windows)} of {cfg.holds_windows} windows (the fit ended)")
         return judge_holds(ladder, self.session.measurement(windows, warmup=cfg.warmup), cfg.holds_threshold,
                            "; ".join(notes) or None, compiled)
 

@@ -11,6 +11,13 @@ from __future__ import annotations
 from speedkit.results import Holds, Measurement
 
 
+def left_out_at_most(holds_windows: int) -> int:
+    """Windows in which ``torch.compile`` compiled that the fit check leaves out before it takes them
+    as the figure: a few compilations are paid once (another range of a dynamic size); one window
+    after another is a cost of every step."""
+    return max(3, holds_windows)
+
+
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
                 compiled: str | None = None) -> Holds:
     """Compare the two figures; flag a gap over ``threshold`` with what explains most of it.
