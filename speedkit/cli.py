@@ -131,7 +131,8 @@ def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     note = check_trainer(recipe, here=False)
     recipe.build_model()
     recipe.build_datamodule()
-    print(f"{recipe.path}: ok ({len(recipe.ladder)} rungs: {', '.join(r.name for r in recipe.ladder)})"
+    which = "rungs" if recipe.ladder_given else "rungs of the default ladder, as the recipe lists none"
+    print(f"{recipe.path}: ok ({len(recipe.ladder)} {which}: {', '.join(r.name for r in recipe.ladder)})"
           + (f"; note: {note}" if note else ""))
     return 0
 

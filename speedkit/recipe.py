@@ -8,7 +8,7 @@ the ladder of rungs and how to measure them::
       init_args: {size: tiny}
     data: {synthetic: tokens, batch_size: 8}       # or {class_path: ..., init_args: {...}}
     trainer: {max_steps: 50, logger: false}        # lightning.pytorch.Trainer keyword arguments
-    ladder: [tf32, autocast, {name: compile, options: {mode: default}}]
+    ladder: [tf32, autocast, {name: compile, options: {mode: default}}]   # omitted: the default ladder
     measure: {steps: 10}                           # overrides configs/defaults.yaml `measure:`
     report: {formats: [json, md], title: my run}
     seed: 0
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from speedkit.config import measure_defaults
+from speedkit.config import default_ladder, measure_defaults
 from speedkit.errors import ConfigError
 
 if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is loaded
@@ -124,11 +124,13 @@ class Recipe:
     data: ClassSpec | None
     #: Trainer keyword arguments; class_path specs (callbacks, logger) are built by build_trainer_kwargs
     trainer: dict[str, Any]
+    #: the recipe's rungs; configs/defaults.yaml ``ladder:`` where it lists none (``ladder_given`` False)
     ladder: list[Rung]
     #: configs/defaults.yaml ``measure:`` overridden by the recipe
     measure: dict[str, Any]
     report: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REPORT_DEFAULTS))
     seed: int = 0
+    ladder_given: bool = True
 
     def build_model(self) -> pl.LightningModule:
         """A fresh model; call ``lightning.seed_everything(recipe.seed)`` first for repeatable weights."""
@@ -292,19 +294,18 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     model = _class_spec(raw.get("model"), "model", "lightning.pytorch.LightningModule", required=True)
     data = _data_spec(raw.get("data"), model)
     trainer = _trainer(raw.get("trainer"))
-    if "ladder" not in raw:
-        raise ConfigError("ladder", f"missing; list the rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
-    if raw["ladder"] is None:
-        raise ConfigError("ladder", f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none)")
+    if "ladder" in raw and raw["ladder"] is None:
+        raise ConfigError("ladder", f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none), "
+                                    "or leave the key out for the default ladder")
     # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
-    ladder = rungs.make_all(raw["ladder"], "ladder")
+    ladder = rungs.make_all(raw["ladder"] if "ladder" in raw else default_ladder(), "ladder")
     measure = validate_measure(raw.get("measure"))
     report = _report(raw.get("report"))
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ConfigError("seed", f"expected an integer in [0, 2**32), found {_describe(seed)}")
     return Recipe(path=path, raw=raw, model=model, data=data, trainer=trainer, ladder=ladder,
-                  measure=measure, report=report, seed=seed)
+                  measure=measure, report=report, seed=seed, ladder_given="ladder" in raw)
 
 
 def _extend_import_path(path: Path | None) -> None:

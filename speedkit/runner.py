@@ -226,6 +226,9 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
 
     from speedkit.lightning import SpeedLadder
 
+    if not recipe.ladder_given:
+        raise ConfigError("ladder", "missing: `speedkit fit` applies the rungs a recipe lists, without trials; run `speedkit "
+                                    "optimize` on it and fit the optimized.yaml it writes, or list the rungs (ladder: [] for none)")
     check_trainer(recipe)
     seed_everything(recipe.seed, verbose=False)
     model = recipe.build_model()

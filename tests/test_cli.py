@@ -55,6 +55,26 @@ def test_optimize_refuses_an_empty_ladder_but_validate_accepts_it(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_recipe_without_a_ladder_climbs_the_default_one_and_fit_refuses_it(tmp_path, capsys):
+    """A user's first recipe often lists no rungs: optimize climbs SpeedLadder()'s default ladder;
+    fit, which applies rungs without trials, does not apply untried ones and says what to do."""
+    from test_recipe import recipe_text
+
+    from speedkit.config import default_ladder
+    from speedkit.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_text(ladder=None))
+    recipe = load_recipe(path)
+    assert not recipe.ladder_given and [r.name for r in recipe.ladder] == [n if isinstance(n, str) else n["name"] for n in default_ladder()]
+    assert main(["validate", str(path)]) == 0
+    assert "rungs of the default ladder, as the recipe lists none" in capsys.readouterr().out
+    assert main(["fit", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("speedkit: error:") and "ladder: missing: `speedkit fit` applies" in err
+    assert "run `speedkit optimize` on it" in err
+
+
 def test_all_shipped_recipes_validate(capsys):
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err

@@ -54,7 +54,6 @@ BAD_RECIPES = [
     ("rung_listed_twice", recipe_text(ladder="ladder: [tf32, autocast, tf32]\n"), "ladder[2]"),
     ("ladder_not_a_list", recipe_text(ladder="ladder: tf32\n"), "ladder"),
     ("null_ladder", recipe_text(ladder="ladder:\n"), "ladder"),
-    ("missing_ladder", recipe_text(ladder=None), "ladder"),
     # model
     ("class_path_no_dot", recipe_text(model="model: {class_path: NaiveGPT}\n"), "model.class_path"),
     ("class_path_module_missing", recipe_text(model="model: {class_path: no_such_speedkit_module.Model}\n"), "model.class_path"),
