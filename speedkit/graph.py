@@ -7,8 +7,10 @@ data-dependent size) stops the graph with its file and line. Then the step's dev
 loss, backward, clipping, the optimizer's update, zero-grad (``Step.compute``) — is captured on
 :class:`~speedkit.data.static.StaticBatch` buffers and replayed: each step copies its batch into the
 buffers, replays, makes the step's recorded ``self.log`` calls with the replayed values, and runs
-the host work of the step (learning-rate schedules, ``Step.after_step``) as usual. The learning
-rate lives in a device tensor the schedules fill, so a replay reads the current one.
+the host work of the step (learning-rate schedules, ``Step.after_step``) as usual. The optimizer's
+learning rates stay the numbers schedules set and checkpoints save; a capturable optimizer's graph
+reads each from a device tensor, in the param group only while the step is captured and filled from
+the group's number before each replay, so a replay uses the current one.
 
 What cannot be replayed runs eagerly and is said: a batch that does not fit the buffers (a short
 last batch), a step after something replaced the optimizer's state (a restored snapshot: the
@@ -36,8 +38,26 @@ from speedkit.graph_safety import find_syncs
 from speedkit.handle import Handle
 from speedkit.step import LogCall, Step, StepWrapper
 
-#: optimizer hyper-parameters a schedule may change, kept in device tensors the graph reads
+#: optimizer hyper-parameters a schedule may change, read by the graph from device tensors
 TENSOR_HPARAMS = ("lr",)
+
+
+class _Rate:
+    """A number hyper-parameter of one param group that the graph reads from ``tensor``."""
+
+    def __init__(self, group: dict[str, Any], key: str, tensor: torch.Tensor) -> None:
+        self.group, self.key, self.tensor = group, key, tensor
+        self.filled: Any = None  # the number last written into the tensor
+
+    def fill(self) -> None:
+        """The group's current value into the tensor (one small device write, no host sync; none
+        while the value stays as it was)."""
+        value = self.group.get(self.key)
+        if isinstance(value, torch.Tensor):  # the user's own tensor rate
+            self.tensor.copy_(value)
+        elif value != self.filled:
+            self.tensor.fill_(float(value))
+            self.filled = value
 
 
 class GraphedStep(StepWrapper):
@@ -67,7 +87,8 @@ class GraphedStep(StepWrapper):
         self._state_ids: list[tuple[Any, str, int]] = []
         self._baked: list[tuple[dict[str, Any], str, Any]] = []
         self._hparam_drops = 0
-        self._lr_tensors: dict[int, torch.Tensor] = {}
+        self._lr_tensors: dict[int, torch.Tensor] = {}  # by param group: reused by the next capture
+        self._rates: list[_Rate] = []                    # what the captured graph reads
         self._stream: Any = None
         #: the graph's working set (activations, gradients, temporaries: its private pool's peak use),
         #: the allocator's peak during capture above what was allocated before it. Replays allocate
@@ -87,9 +108,8 @@ class GraphedStep(StepWrapper):
         return self._replay(static, batch_idx)
 
     def _ready(self) -> bool:
-        """Whether the next step may be replayed (or captured): the learning-rate tensors in place, a
-        graph whose optimizer state was replaced dropped, no warm-up step due."""
-        self._sync_tensor_hparams()
+        """Whether the next step may be replayed (or captured): a graph whose optimizer state was
+        replaced dropped, no warm-up step due."""
         if self.graph is not None and not self._still_valid():
             self._drop()
         return self.graph is not None or self._eager_needed <= 0
@@ -149,8 +169,8 @@ class GraphedStep(StepWrapper):
         None when the graph had to stop (nothing ran on the device: the caller runs the step)."""
         self.static = StaticBatch(batch)
         static = self.static.fill(batch)
-        self._tensorize_hparams()
         graph = torch.cuda.CUDAGraph()
+        numbers = self._rates_into_tensors()
         torch.cuda.synchronize(self.inner.device)
         allocated_before = torch.cuda.memory_allocated(self.inner.device)
         torch.cuda.reset_peak_memory_stats(self.inner.device)  # captures happen in warm-up, not timed windows
@@ -161,9 +181,12 @@ class GraphedStep(StepWrapper):
                 loss = self.inner.compute([static], batch_idx)
         except Exception as exc:
             compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
+            self._rates_back(numbers)
             self._clear_grads()
             self.stop(f"capture failed: {capture_failure(exc)}")
             return None
+        self._record_captured_state()  # the rates still tensors: not among the numbers baked in
+        self._rates_back(numbers)
         frozen = [(args, where) for args, kwargs, where in logs
                   if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)]
         if frozen:
@@ -174,13 +197,18 @@ class GraphedStep(StepWrapper):
         self.graph, self.static_loss, self.logs = graph, loss, list(logs)
         self.graph_bytes = max(0, torch.cuda.max_memory_allocated(self.inner.device) - allocated_before)
         self.captures += 1
-        self._record_captured_state()
         return static
 
-    def _replay(self, static: Any, batch_idx: int) -> torch.Tensor:
-        assert self.graph is not None and self.static_loss is not None
+    def _replay_graph(self) -> None:
+        assert self.graph is not None
+        for rate in self._rates:
+            rate.fill()
         self.graph.replay()
         self.replays += 1
+
+    def _replay(self, static: Any, batch_idx: int) -> torch.Tensor:
+        assert self.static_loss is not None
+        self._replay_graph()
         loss = self.static_loss.clone()
         self.inner.emit(self.logs, static)
         self.inner.after_step(batch_idx)
@@ -197,6 +225,7 @@ class GraphedStep(StepWrapper):
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.static_loss, self.logs = None, None, []
+        self._rates = []
         self._eager_needed = self.rewarm
 
     def reset(self) -> None:
@@ -233,6 +262,8 @@ class GraphedStep(StepWrapper):
         for p, k, ident in self._state_ids:
             if id(opt.state.get(p, {}).get(k)) != ident:
                 return False  # a snapshot restored (or a checkpoint loaded) new state tensors
+        if any(not any(rate.group is g for g in opt.param_groups) for rate in self._rates):
+            return False  # a loaded state dict replaced the param groups whose rates the graph reads
         changed = [k for group, k, v in self._baked if _frozen(group.get(k)) != v]
         if changed:
             self._hparam_drops += 1
@@ -243,13 +274,17 @@ class GraphedStep(StepWrapper):
         self._hparam_drops = 0
         return True
 
-    def _tensorize_hparams(self) -> None:
-        """Learning rates of capturable param groups into device tensors. Other optimizers (SGD)
-        read a tensor learning rate on the host (``.item()``, a sync a capture refuses): theirs stays
-        a number baked into the graph, and a change of it captures again (:meth:`_still_valid`)."""
+    def _rates_into_tensors(self) -> list[tuple[_Rate, Any]]:
+        """For the capture: the learning rates of capturable param groups as device tensors in the
+        groups, so the captured update reads them from the device; returns what to put back. Other
+        optimizers (SGD) read a tensor learning rate on the host (``.item()``, a sync a capture
+        refuses): theirs stays a number baked into the graph, and a change of it captures again
+        (:meth:`_still_valid`)."""
         opt = self.inner.optimizer
+        self._rates = []
+        numbers: list[tuple[_Rate, Any]] = []
         if opt is None:
-            return
+            return numbers
         for group in opt.param_groups:
             if not group.get("capturable", False):
                 continue
@@ -260,37 +295,23 @@ class GraphedStep(StepWrapper):
                 device = group["params"][0].device if group["params"] else self.inner.device
                 tensor = self._lr_tensors.get(id(group))
                 if tensor is None:
-                    tensor = self._lr_tensors[id(group)] = torch.tensor(float(value), device=device)
-                else:
-                    tensor.fill_(float(value))
+                    tensor = self._lr_tensors[id(group)] = torch.empty((), device=device)
+                rate = _Rate(group, key, tensor)
+                rate.fill()
                 group[key] = tensor
+                self._rates.append(rate)
+                numbers.append((rate, value))
+        return numbers
 
-    def _sync_tensor_hparams(self) -> None:
-        """A restored snapshot puts a float learning rate back: copy it into the graph's tensor."""
-        opt = self.inner.optimizer
-        if opt is None or not self._lr_tensors:
-            return
-        for group in opt.param_groups:
-            tensor = self._lr_tensors.get(id(group))
-            for key in TENSOR_HPARAMS:
-                if tensor is not None and group.get(key) is not tensor:
-                    tensor.fill_(float(group[key]))
-                    group[key] = tensor
-
-    def holds_hparam(self, value: object) -> bool:
-        """Is ``value`` one of the device tensors this graph put in place of a number hyper-parameter?"""
-        return isinstance(value, torch.Tensor) and any(value is t for t in self._lr_tensors.values())
+    @staticmethod
+    def _rates_back(numbers: list[tuple[_Rate, Any]]) -> None:
+        """After the capture: the groups' learning rates are numbers again (the replays read the tensors)."""
+        for rate, value in numbers:
+            rate.group[rate.key] = value
 
     def untensorize_hparams(self) -> None:
-        """Put plain float learning rates back (the rung's undo)."""
-        opt = self.inner.optimizer
-        if opt is None:
-            return
-        for group in opt.param_groups:
-            tensor = self._lr_tensors.get(id(group))
-            for key in TENSOR_HPARAMS:
-                if tensor is not None and group.get(key) is tensor:
-                    group[key] = float(tensor.item())
+        """Drop the graph's learning-rate tensors (the rung's undo; the groups hold numbers already)."""
+        self._rates = []
         self._lr_tensors.clear()
 
     def memory_outside_peak(self) -> int:
@@ -340,8 +361,7 @@ class GraphedStep(StepWrapper):
         if static is None:
             return original(optimizer, batch_idx, kwargs)
         compat.lightning_count_optimizer_step(trainer)
-        self.graph.replay()
-        self.replays += 1
+        self._replay_graph()
         with compat.lightning_logging_as(self.inner.model, "training_step"):
             self.inner.emit(self.logs, static)
         return {"loss": self.static_loss.clone()}

@@ -1,11 +1,11 @@
 """The user's optimizer as its checkpoints see it while rungs change it.
 
 Rungs switch flags on the user's own optimizer object (``fused_optimizer``: fused/foreach;
-``cuda_graph``: capturable, and a learning rate held in a device tensor) and move its step counters
+``cuda_graph``: capturable) and move its step counters
 to the device. A checkpoint written meanwhile (Lightning's ``ModelCheckpoint``, or the user's own
 ``optimizer.state_dict()``) must be the one the user's own configuration writes: loaded later into
-the user's optimizer without speedkit, it must not turn that optimizer fused or capturable, hand it
-a device tensor for a learning rate, or leave its step counters on the device.
+the user's optimizer without speedkit, it must not turn that optimizer fused or capturable or leave
+its step counters on the device.
 
 :class:`SavedAsUser` does that through the optimizer's public state-dict hooks, while a rung's
 change is on: ``state_dict()`` writes the user's values of the flags the rung switched (the live
@@ -74,17 +74,3 @@ def steps_where_saved_flags_keep_them(state: dict[Any, dict[str, Any]], group: d
             device = compat.step_counter_device(group, step)
             if step.device != device:
                 state[index] = {**entry, "step": step.to(device)}
-
-
-def number(value: Any) -> Any:
-    """A one-element tensor hyper-parameter as a Python float (a device read: at checkpoint time only)."""
-    return float(value.item()) if isinstance(value, torch.Tensor) else value
-
-
-def schedule_saved_as_user(saved: dict[str, Any], groups: list[dict[str, Any]], held: Callable[[Any], bool]) -> None:
-    """A learning-rate scheduler's saved state (``saved``, a copy of its ``__dict__``) with the rates it
-    last set as numbers, where a rung holds its optimizer's rates (``groups``) in device tensors
-    (``held``): schedulers keep copies of those tensors (``_last_lr``). The live list is not changed."""
-    last = saved.get("_last_lr")
-    if isinstance(last, list) and any(held(g.get("lr")) for g in groups):
-        saved["_last_lr"] = [number(v) for v in last]

@@ -388,7 +388,7 @@ def test_persistent_changes_survive_suspend_and_go_with_undo():
 
 def test_the_report_says_how_the_learning_rate_reaches_the_graph():
     """AdamW (capturable) reads it from a device tensor; SGD keeps a number baked into the graph."""
-    for opt_cls, says in ((torch.optim.AdamW, "read from a device tensor"), (torch.optim.SGD, "baked into the graph")):
+    for opt_cls, says in ((torch.optim.AdamW, "read by the graph from a device tensor"), (torch.optim.SGD, "baked into the graph")):
         model = nn.Linear(4, 2)
         opt = opt_cls(model.parameters(), lr=0.1)
         state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"),
@@ -398,27 +398,37 @@ def test_the_report_says_how_the_learning_rate_reaches_the_graph():
         handle.undo()
 
 
-def test_a_schedulers_saved_rates_are_numbers_where_the_graph_holds_the_rate_in_a_tensor():
-    """Schedulers keep copies of a tensor learning rate (``_last_lr``): a checkpoint written while the
-    graph holds the rate in a device tensor saves them as the numbers a plain fit saves."""
-    from speedkit.saved_optimizer import schedule_saved_as_user
+def test_the_graphs_rate_tensors_sit_in_the_groups_only_for_the_capture_and_follow_their_numbers():
+    """Schedules, get_last_lr() and checkpoints see numbers: a tensor is in a capturable group only
+    while the step is captured; before each replay the group's number is written into it, once per
+    change (a user's own tensor rate is copied)."""
+    from speedkit.graph import GraphedStep
 
-    param = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([param], lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    held = torch.tensor(0.1)
-    opt.param_groups[0]["lr"] = held  # as GraphedStep puts it
-    param.grad = torch.ones(3)
-    opt.step()
-    sched.step()
-    assert isinstance(sched.get_last_lr()[0], torch.Tensor)
-    saved = sched.state_dict()
-    schedule_saved_as_user(saved, opt.param_groups, lambda value: value is held)
-    assert saved["_last_lr"] == [pytest.approx(0.05, rel=1e-7)] and isinstance(saved["_last_lr"][0], float)
-    assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # the live scheduler keeps its own
-    untouched = sched.state_dict()
-    schedule_saved_as_user(untouched, opt.param_groups, lambda value: False)  # a rate the user made a tensor stays one
-    assert isinstance(untouched["_last_lr"][0], torch.Tensor)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}], capturable=True)
+    graphed = GraphedStep(PlainStep(model, opt, "cpu", loss_fn=lambda m, b, i: m(b[0]).sum()))
+    numbers = graphed._rates_into_tensors()
+    groups = opt.param_groups
+    assert [float(g["lr"]) for g in groups] == [pytest.approx(0.1), pytest.approx(0.2)]
+    assert all(isinstance(g["lr"], torch.Tensor) for g in groups)
+    tensors = [g["lr"] for g in groups]
+    graphed._rates_back(numbers)
+    assert [g["lr"] for g in groups] == [0.1, 0.2]  # the very numbers, not a float() of a tensor
+    writes = []
+    for t in tensors:
+        t.fill_ = (lambda t: lambda v: (writes.append(v), torch.Tensor.fill_(t, v))[1])(t)
+    for rate in graphed._rates:
+        rate.fill()
+    assert writes == []  # unchanged since the capture: nothing written
+    groups[0]["lr"] = 0.05  # the schedule stepped
+    for rate in graphed._rates:
+        rate.fill()
+    assert writes == [0.05] and float(tensors[0]) == pytest.approx(0.05) and float(tensors[1]) == pytest.approx(0.2)
+    groups[1]["lr"] = torch.tensor(0.3)  # a user's own tensor rate
+    graphed._rates[1].fill()
+    assert float(tensors[1]) == pytest.approx(0.3)
+    graphed.untensorize_hparams()
+    assert graphed._rates == [] and groups[0]["lr"] == 0.05
 
 
 def test_a_capture_error_torch_words_obscurely_is_explained():

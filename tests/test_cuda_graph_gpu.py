@@ -51,7 +51,10 @@ def _plain_run(graphed: bool, steps: int = 20, capturable: bool = False):
     handle = rungs.make("cuda_graph").apply(state) if graphed else None
     batches = _batches(steps)
     losses = [float(state.step([b], i)) for i, b in enumerate(batches)]
-    lr = float(opt.param_groups[0]["lr"])
+    lr = opt.param_groups[0]["lr"]
+    # what the user's own code reads of the schedule (a logger, a checkpoint) stays numbers, graphed or not
+    assert isinstance(lr, float) and all(isinstance(v, float) for v in sched.get_last_lr())
+    assert all(isinstance(v, float) for v in sched.state_dict()["_last_lr"])
     params = [p.detach().clone() for p in model.parameters()]
     return losses, params, lr, state.step, handle
 

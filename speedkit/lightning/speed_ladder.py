@@ -47,7 +47,6 @@ from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
 from speedkit.rungs.base import Rung
-from speedkit.saved_optimizer import schedule_saved_as_user
 from speedkit.state import TrainState
 
 
@@ -198,16 +197,6 @@ class SpeedLadder(Callback):
 
     def _warn_not_run(self) -> None:
         rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
-
-    @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """The optimizers' saved state is the user's already (:mod:`speedkit.saved_optimizer`); the
-        schedulers' last rates are numbers again where a graph holds the rates in device tensors."""
-        held = getattr(self._state.step, "holds_hparam", None) if self._state is not None else None
-        if held is None:
-            return
-        for scheduler_config, saved in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
-            schedule_saved_as_user(saved, scheduler_config.scheduler.optimizer.param_groups, held)
 
     # -- state -----------------------------------------------------------------------------
     @override

@@ -10,8 +10,8 @@ Before anything is captured, the step's own source is read for what would make a
 the rung refuses with the first reason and its source line. The last warm-up step then runs under
 CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
 wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
-it (their step counters move to the device) and read their learning rate from a device tensor that
-the schedules fill. Under fp16 loss scaling the scaler's step and update are captured too, for an
+it (their step counters move to the device), and the graph reads their learning rate from a device
+tensor filled from the param group's number before each replay. Under fp16 loss scaling the scaler's step and update are captured too, for an
 optimizer that unscales and skips an overflowed step on the device (``fused=True``). In a Lightning
 fit, the graph binds into the loop's automatic optimization.
 """
@@ -27,7 +27,7 @@ from speedkit.graph import GraphedStep
 from speedkit.graph_safety import scan_step
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung
-from speedkit.saved_optimizer import SavedAsUser, number
+from speedkit.saved_optimizer import SavedAsUser
 from speedkit.state import TrainState
 from speedkit.step import Step
 
@@ -91,8 +91,9 @@ class CudaGraphRung(Rung):
         opt = state.optimizer
         assert opt is not None
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
-        _set_capturable(handle, opt, graphed)
-        lr = ("learning rate read from a device tensor that the schedule fills" if "capturable" in opt.defaults else
+        _set_capturable(handle, opt)
+        lr = ("learning rate read by the graph from a device tensor filled from the param group's number before each "
+              "replay (the group, its schedule and checkpoints keep numbers)" if "capturable" in opt.defaults else
               "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
         handle.record(f"{type(opt).__name__}: {lr}", graphed.untensorize_hparams, persistent=True)
         set_attr(handle, state, "step", graphed,
@@ -142,10 +143,10 @@ def scaler_blocker(opt: torch.optim.Optimizer) -> str | None:
             "or use bf16, which needs no scaler")
 
 
-def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: GraphedStep) -> None:
+def _set_capturable(handle: Handle, opt: torch.optim.Optimizer) -> None:
     """``capturable=True`` on the param groups without it, their step counters moved to the device (and
-    back). Checkpoints written meanwhile hold the groups' own flags and learning rates as numbers; a
-    checkpoint loaded meanwhile (a resumed fit) gets the flags again."""
+    back). Checkpoints written meanwhile hold the groups' own flags; a checkpoint loaded meanwhile (a
+    resumed fit) gets the flags again."""
     changed = [i for i, g in enumerate(opt.param_groups) if not g.get("capturable")] if "capturable" in opt.defaults else []
     previous = {i: opt.param_groups[i].get("capturable", False) for i in changed}
 
@@ -157,10 +158,7 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer, graphed: Graphed
                 compat.place_step_counters(opt, group)
 
     def user_values(i: int, group: dict) -> dict:
-        values = {"capturable": previous[i]} if i in previous else {}
-        if graphed.holds_hparam(group.get("lr")):
-            values["lr"] = number(group["lr"])
-        return values
+        return {"capturable": previous[i]} if i in previous else {}
 
     saved = SavedAsUser(opt, user_values, lambda i: i in previous, lambda: capturable(True))
 
