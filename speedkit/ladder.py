@@ -17,8 +17,9 @@ For every rung, in order:
    ``memory_gain`` and not slower); else undo.
 
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
-later rungs on top, the same way, and a final check times the final configuration against the
-baseline, interleaved, for the headline figure.
+later rungs on top, the same way; a second look tries again, at their place beneath the rungs kept
+after them, rungs that ask for it (``Rung.second_look``) and were reverted undecided; and a final
+check times the final configuration against the baseline, interleaved, for the headline figure.
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
 end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
@@ -295,7 +296,9 @@ class Ladder:
                 chain *= entry.gain_vs_previous or 1.0
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
         self._phase = "the closing check"
-        self._closing_check(reference)
+        reference = self._closing_check(reference)
+        self._phase = "the second look"
+        self._second_look(reference)
         if cfg.final_check and self.slots:
             self._phase = "the final check"
             try:
@@ -410,8 +413,9 @@ class Ladder:
         return "reverted", describe(paired)
 
     # -- closing and final checks ------------------------------------------------------------
-    def _closing_check(self, reference: list[float]) -> None:
-        """Re-judge each kept rung that asks for it, with the kept rungs after it on top."""
+    def _closing_check(self, reference: list[float]) -> list[float]:
+        """Re-judge each kept rung that asks for it, with the kept rungs after it on top; returns the
+        final configuration's loss trajectory."""
         result = self.result
         assert result is not None
         j = 0
@@ -459,6 +463,65 @@ class Ladder:
             entry.reason = f"{entry.reason}; {note}" if entry.reason else note
             self.on_event(f"closing check: {slot.rung.name} kept")
             j += 1
+        return reference
+
+    def _second_look(self, reference: list[float]) -> None:
+        """Each rung that asks for it (``Rung.second_look``) and was reverted undecided, with rungs kept
+        after it, is applied again at its place beneath them (they are switched off, then on again
+        on top of it, rebased) and judged against the final configuration without it, the same way."""
+        result = self.result
+        assert result is not None
+        order = {rung.name: i for i, rung in enumerate(self.rungs)}
+        for rung in self.rungs:
+            entry = next((r for r in result.rungs if r.name == rung.name and r.status != "closing"), None)
+            place = sum(order[s.rung.name] < order[rung.name] for s in self.slots)
+            if (not rung.second_look or entry is None or entry.status != "reverted" or entry.comparison is None
+                    or entry.comparison.verdict != "undecided" or place == len(self.slots)):
+                continue
+            names = ", ".join(s.rung.name for s in self.slots[place:])
+            self.on_event(f"second look: {rung.name} beneath {names}")
+            t0, slot = self.host_clock(), None
+            n = len(self.slots)
+            try:
+                self._configure([i < place for i in range(n)])
+                reason = rung.check(self.state)
+                if reason is not None:
+                    raise RuntimeError(f"no longer applies: {reason}")
+                slot = _Slot(rung, rung.apply(self.state), (True,) * place)
+                self.slots.insert(place, slot)
+                self._configure([True] * (n + 1))
+                losses = self._trajectory()
+                parity = self._parity(losses, reference)
+                if not parity.passed:
+                    raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+                if slot.handle.problem():
+                    raise RuntimeError(slot.handle.problem())
+                without = [i != place for i in range(n + 1)]
+                paired = self._compare(lambda on: self._configure([True] * (n + 1) if on else without), rung.name,
+                                       shared_batches=self._kept_rungs_share_batches())
+                status, why = self._decide(paired, rung.memory_comparable)
+            except Exception as exc:
+                paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
+            finally:
+                self._snapshot.restore()
+            if status == "kept":
+                assert slot is not None and paired is not None
+                entry.status, entry.comparison, entry.measurement = "kept", paired, paired.b
+                entry.gain_vs_previous, entry.parity = paired.speedup, parity
+                entry.gain_vs_baseline = None  # judged against the final configuration, not the chain up to its place
+                entry.changes = list(slot.handle.changes) + slot.handle.report()
+                entry.reason = f"kept on a second look beneath {names}: {why}; before them: {entry.reason}"
+                reference = losses
+            else:
+                if slot is not None:
+                    self._configure([i != place for i in range(len(self.slots))])
+                    self.slots.pop(place).undo()
+                    for above in self.slots[place:]:  # what they were applied on no longer has the slot
+                        above.below = above.below[:place] + above.below[place + 1:]
+                self._configure([True] * len(self.slots))
+                entry.reason = f"{entry.reason}; second look beneath {names}: {why}, reverted"
+            entry.seconds = (entry.seconds or 0.0) + self.host_clock() - t0
+            self.on_event(f"second look: {rung.name} {'kept' if status == 'kept' else 'reverted'} ({why})")
 
     def _final_check(self) -> None:
         """The final configuration against the baseline, interleaved: the headline figure."""
