@@ -422,3 +422,48 @@ def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_gr
         assert abs(a - b) <= 1e-5 * abs(b), (resumed.losses, plain.losses)
     assert trainer.optimizers[0].param_groups[0]["capturable"] is False
     assert isinstance(trainer.optimizers[0].param_groups[0]["lr"], float)
+
+
+def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures_again(monkeypatch):
+    """fused_optimizer undecided on the eager step (the verdict forced here; the timing is real) is
+    applied again beneath the kept graph: the graph captures again around the fused update, the
+    configuration with it keeps the graphed numerics, and it is judged on real replays."""
+    from dataclasses import replace
+
+    from conftest import mlp_state
+
+    from speedkit.ladder import Ladder
+
+    real = Ladder._compare
+    forced = []
+
+    def compare(self, set_candidate, label, shared_batches=True):
+        paired = real(self, set_candidate, label, shared_batches)
+        if label == "fused_optimizer" and not forced:
+            forced.append(paired)
+            paired = replace(paired, verdict="undecided")
+        return paired
+
+    monkeypatch.setattr(Ladder, "_compare", compare)
+    state = mlp_state("cuda")
+    opt = state.optimizer
+    ladder = Ladder(state, rungs.make_all(["fused_optimizer", "cuda_graph"]),
+                    {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 6, "telemetry": False})
+    result = ladder.run()
+    fused, graph = result.rungs[1:3]
+    assert graph.status == "kept", graph.reason
+    assert fused.reason.startswith("kept on a second look beneath cuda_graph") or "second look beneath cuda_graph" in fused.reason, fused.reason
+    graphed = state.step
+    assert isinstance(graphed, GraphedStep) and graphed.stopped is None, graphed.report()
+    if fused.status == "kept":  # beneath the graph: the fused update, captured again
+        assert [s.rung.name for s in ladder.slots] == ["fused_optimizer", "cuda_graph"]
+        assert all(g["fused"] and g["capturable"] for g in opt.param_groups)
+        assert fused.parity.passed and fused.comparison.blocks >= 3
+    else:
+        assert [s.rung.name for s in ladder.slots] == ["cuda_graph"] and not opt.param_groups[0]["fused"]
+    batches = iter(state.data.iterator())
+    losses = [float(state.step([next(batches)], i)) for i in range(6)]
+    assert all(torch.isfinite(torch.tensor(losses))) and graphed.replays > 0
+    print(f"second look: {fused.status}: {fused.reason}")
+    ladder.revert()
+    assert not opt.param_groups[0]["fused"] and not opt.param_groups[0]["capturable"]
