@@ -504,13 +504,15 @@ class Ladder:
                 paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
             finally:
                 self._snapshot.restore()
-            if status == "kept":
+            if status == "kept":  # its entry keeps its first figures; the row after says what changed
                 assert slot is not None and paired is not None
-                entry.status, entry.comparison, entry.measurement = "kept", paired, paired.b
-                entry.gain_vs_previous, entry.parity = paired.speedup, parity
-                entry.gain_vs_baseline = None  # judged against the final configuration, not the chain up to its place
-                entry.changes = list(slot.handle.changes) + slot.handle.report()
+                entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
                 entry.reason = f"kept on a second look beneath {names}: {why}; before them: {entry.reason}"
+                result.rungs.append(RungResult(
+                    f"second look: {rung.name} beneath {names}", "closing", precision=self.state.precision,
+                    changes=[f"applied {rung.name} beneath {names}"], parity=parity, comparison=paired,
+                    measurement=paired.b, gain_vs_previous=paired.speedup, reason=f"final configuration with {rung.name}",
+                    seconds=self.host_clock() - t0))
                 reference = losses
             else:
                 if slot is not None:

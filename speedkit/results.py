@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 SCHEMA_VERSION = 2
 
-#: "closing": the final configuration re-measured by the ladder's closing check after it reverted a
-#: kept rung that no longer paid with the later rungs on top of it; "interrupted": the rung the
+#: "closing": the final configuration re-measured after the rungs changed it: by the closing check,
+#: which reverted a kept rung that no longer paid with the later rungs on top of it, or by a second
+#: look, which kept a rung beneath them that was undecided on its own; "interrupted": the rung the
 #: ladder was trying when it was interrupted (undone)
 Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing", "interrupted"]
 

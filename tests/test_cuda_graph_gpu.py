@@ -458,7 +458,9 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
     if fused.status == "kept":  # beneath the graph: the fused update, captured again
         assert [s.rung.name for s in ladder.slots] == ["fused_optimizer", "cuda_graph"]
         assert all(g["fused"] and g["capturable"] for g in opt.param_groups)
-        assert fused.parity.passed and fused.comparison.blocks >= 3
+        again = result.rungs[-1]
+        assert again.name == "second look: fused_optimizer beneath cuda_graph" and again.parity.passed, again
+        assert again.comparison.blocks >= 3 and again.measurement.clock == "cuda_events"
     else:
         assert [s.rung.name for s in ladder.slots] == ["cuda_graph"] and not opt.param_groups[0]["fused"]
     batches = iter(state.data.iterator())

@@ -465,10 +465,13 @@ def test_a_rung_undecided_on_a_noisy_step_is_kept_on_a_second_look_beneath_a_lat
     rebased when a comes in) it makes the step 25% faster."""
     costs = {(False, False): 0.040, (True, False): 0.0398, (False, True): 0.004, (True, True): 0.003}
     ladder, result, flags, a = _second_look_run(costs)
-    ra, rb = result.rungs[1:3]
+    assert [r.name for r in result.rungs] == ["baseline", "a", "b", "second look: a beneath b"]
+    ra, rb, again = result.rungs[1:]
     assert rb.status == "kept" and ra.status == "kept", ra.reason
     assert ra.reason.startswith("kept on a second look beneath b: ") and "before them: not shown to pay" in ra.reason
-    assert ra.comparison.speedup == pytest.approx(4 / 3, rel=0.05) and ra.comparison.verdict == "faster"
+    assert ra.comparison.verdict == "undecided"  # its row keeps its first figures
+    assert again.status == "closing" and again.comparison.verdict == "faster" and again.parity.passed
+    assert again.comparison.speedup == pytest.approx(4 / 3, rel=0.05) and result.final is again
     assert [s.rung.name for s in ladder.slots] == ["a", "b"] and (flags.a, flags.b, flags.b_saw_a) == (True, True, True)
     assert result.final_check.speedup == pytest.approx(0.040 / 0.003, rel=0.06)
     assert [r.name for r in result.kept] == ["a", "b"]
@@ -479,6 +482,7 @@ def test_a_rung_undecided_on_a_noisy_step_is_kept_on_a_second_look_beneath_a_lat
 def test_a_second_look_that_shows_no_gain_leaves_the_configuration_as_it_was():
     costs = {(False, False): 0.040, (True, False): 0.0398, (False, True): 0.004, (True, True): 0.004}
     ladder, result, flags, _ = _second_look_run(costs)
+    assert [r.name for r in result.rungs] == ["baseline", "a", "b"]
     ra = result.rungs[1]
     assert ra.status == "reverted" and "second look beneath b: " in ra.reason and ra.reason.endswith(", reverted")
     assert [s.rung.name for s in ladder.slots] == ["b"] and (flags.a, flags.b, flags.b_saw_a) == (False, True, False)

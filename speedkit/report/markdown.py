@@ -21,7 +21,7 @@ STATUS_LABELS = {
     "reverted": "reverted",
     "not_applicable": "n/a",
     "failed": "failed",
-    "closing": "final (closing check)",
+    "closing": "final (re-measured)",
     "interrupted": "interrupted",
 }
 
