@@ -179,14 +179,14 @@ class GraphedStep(StepWrapper):
             # mode fails that thread's call and the capture); this thread's own unsafe calls still fail it
             with self.inner.capture() as logs, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self.inner.compute([static], batch_idx)
+            self._record_captured_state()  # the rates still tensors: not among the numbers baked in
         except Exception as exc:
             compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
-            self._rates_back(numbers)
             self._clear_grads()
             self.stop(f"capture failed: {capture_failure(exc)}")
             return None
-        self._record_captured_state()  # the rates still tensors: not among the numbers baked in
-        self._rates_back(numbers)
+        finally:  # also when interrupted: the user's groups hold numbers
+            self._rates_back(numbers)
         frozen = [(args, where) for args, kwargs, where in logs
                   if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)]
         if frozen:
@@ -310,7 +310,11 @@ class GraphedStep(StepWrapper):
             rate.group[rate.key] = value
 
     def untensorize_hparams(self) -> None:
-        """Drop the graph's learning-rate tensors (the rung's undo; the groups hold numbers already)."""
+        """Drop the graph's learning-rate tensors (the rung's undo); a group still holding one (a
+        capture cut short before it put the number back) gets the number again."""
+        for rate in self._rates:
+            if rate.group.get(rate.key) is rate.tensor:
+                rate.group[rate.key] = float(rate.tensor.item())
         self._rates = []
         self._lr_tensors.clear()
 

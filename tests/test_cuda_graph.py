@@ -429,6 +429,9 @@ def test_the_graphs_rate_tensors_sit_in_the_groups_only_for_the_capture_and_foll
     assert float(tensors[1]) == pytest.approx(0.3)
     graphed.untensorize_hparams()
     assert graphed._rates == [] and groups[0]["lr"] == 0.05
+    graphed._rates_into_tensors()  # a capture cut short, its numbers never put back: the undo does it
+    graphed.untensorize_hparams()
+    assert [type(g["lr"]) for g in groups] == [float, torch.Tensor] and groups[0]["lr"] == pytest.approx(0.05)
 
 
 def test_a_capture_error_torch_words_obscurely_is_explained():
