@@ -168,9 +168,10 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure
     ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
-    # room for the holds check to time windows in place of those in which torch.compile compiled
+    # room for the holds check: the kept rungs' own warm-up in the fit (a CUDA graph warms up and
+    # captures again), and windows timed in place of those in which torch.compile compiled
     windows = max(1, measure["holds_windows"])
-    fit_steps = measure["warmup"] + (windows + left_out_at_most(windows)) * measure["steps"]
+    fit_steps = max(measure["warmup"], _FIT_SETTLE_ROOM) + (windows + left_out_at_most(windows)) * measure["steps"]
     with _quiet_lightning():
         seed_everything(recipe.seed, verbose=False)
         model = recipe.build_model()
@@ -213,6 +214,10 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     dump_recipe(recipe.raw, kept, optimized, header)
     written["optimized"] = optimized
     return result, written
+
+
+#: untimed steps the fit after the trials leaves room for before the holds check's first window
+_FIT_SETTLE_ROOM = 8
 
 
 def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, Any]:

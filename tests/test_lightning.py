@@ -382,6 +382,27 @@ def test_a_fit_that_ends_in_a_compiling_window_does_not_call_it_every_window(mon
     assert "0 of 1 windows without compiling (the fit ended)" in holds.note
 
 
+def test_the_fit_check_waits_out_the_warm_up_kept_rungs_need_in_the_fit(monkeypatch, no_interpreter):
+    """A CUDA graph kept in the trials warms up and captures again in the fit's first steps (H100,
+    HF T5 with measure.warmup 2: the capture step, 157 ms against 16, fell in the first window and
+    read as +230%); the check's warm-up is the longer of measure.warmup and the kept rungs' settle."""
+    from speedkit.rungs.fused_optimizer import FusedOptimizerRung
+
+    monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+    apply = FusedOptimizerRung.apply
+
+    def settling(self, state):
+        handle = apply(self, state)
+        handle.settle_steps = 4
+        return handle
+
+    monkeypatch.setattr(FusedOptimizerRung, "apply", settling)
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2})
+    _fit_user_model(ladder, max_steps=5)
+    assert ladder.result.holds.fit is None
+    assert "needs 6 (the kept rungs' warm-up + measure.steps)" in ladder.result.holds.note
+
+
 def test_a_fit_too_short_to_time_says_so(no_interpreter):
     ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 3, "steps": 5})
     _fit_user_model(ladder, max_steps=2)

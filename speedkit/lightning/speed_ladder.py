@@ -240,7 +240,9 @@ class SpeedLadder(Callback):
             elif entry.status in ("not_applicable", "failed"):
                 self.skipped[entry.name] = entry.reason or entry.status
         self._bind_fit(trainer, pl_module, state, step, source)  # after: its lines add to the kept rungs' changes
-        self._probe = _HoldsProbe(self.measure, self.result, step.device)
+        # the fit starts the kept rungs afresh (a graph warms up and captures again in its first steps)
+        settle = max((h.settle_steps for h in self.handles), default=0)
+        self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle))
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
@@ -363,16 +365,16 @@ class _HoldsProbe:
     windows. Where every window compiled, those windows are the figure and the compilation its cause.
     """
 
-    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device) -> None:
+    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int) -> None:
         base = result.baseline.measurement
-        self.cfg, self.result = cfg, result
+        self.cfg, self.result, self.warmup = cfg, result, warmup
         self.session = MeasureSession(device, flops_per_step=result.flops.get("per_step"),
                                       peak_tflops=result.flops.get("peak_tflops"),
                                       items_per_step=base.items_per_step if base else 1,
                                       unit=base.throughput_unit if base else "samples/s")
         self.windows: list[Window] = []
         self.compiling: list[Window] = []  # windows left out: they compiled
-        self.session.begin_steps(cfg.steps, warmup=cfg.warmup)
+        self.session.begin_steps(cfg.steps, warmup=warmup)
 
     def batch_started(self) -> None:
         self.session.batch_started()
@@ -391,10 +393,11 @@ class _HoldsProbe:
             return judge_holds(ladder, None, cfg.holds_threshold, "not measured (measure.holds_windows is 0)")
         windows, compiled = self.windows, None
         if not windows and not self.compiling:
-            needed = cfg.warmup + cfg.steps
+            needed = self.warmup + cfg.steps
+            untimed = "measure.warmup" if self.warmup == cfg.warmup else "the kept rungs' warm-up"
             return judge_holds(ladder, None, cfg.holds_threshold,
                                f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
-                               f"one window needs {needed} (measure.warmup + measure.steps)")
+                               f"one window needs {needed} ({untimed} + measure.steps)")
         notes = []
         if len(self.windows) < cfg.holds_windows and len(self.compiling) < left_out_at_most(cfg.holds_windows):
             notes.append(f"{len(self.windows)} of {cfg.holds_windows} windows{' without compiling' if self.compiling else ''} "
@@ -410,7 +413,7 @@ class _HoldsProbe:
                 windows, compiled = self.compiling, what
             else:
                 windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
-        return judge_holds(ladder, self.session.measurement(windows, warmup=cfg.warmup), cfg.holds_threshold,
+        return judge_holds(ladder, self.session.measurement(windows, warmup=self.warmup), cfg.holds_threshold,
                            "; ".join(notes) or None, compiled)
 
 
