@@ -18,7 +18,8 @@ For every rung, in order:
 
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
 later rungs on top, the same way; a second look tries again, at their place beneath the rungs kept
-after them, rungs that ask for it (``Rung.second_look``) and were reverted undecided; and a final
+after them, rungs reverted undecided whose gain may show beneath one of those
+(``Rung.second_look_beneath``); and a final
 check times the final configuration against the baseline, interleaved, for the headline figure.
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
@@ -466,17 +467,19 @@ class Ladder:
         return reference
 
     def _second_look(self, reference: list[float]) -> None:
-        """Each rung that asks for it (``Rung.second_look``) and was reverted undecided, with rungs kept
-        after it, is applied again at its place beneath them (they are switched off, then on again
-        on top of it, rebased) and judged against the final configuration without it, the same way."""
+        """Each rung reverted undecided, with a rung kept after it beneath which its gain may show
+        (``Rung.second_look_beneath``), is applied again at its place beneath the rungs kept after it
+        (they are switched off, then on again on top of it, rebased) and judged against the final
+        configuration without it, the same way."""
         result = self.result
         assert result is not None
         order = {rung.name: i for i, rung in enumerate(self.rungs)}
         for rung in self.rungs:
             entry = next((r for r in result.rungs if r.name == rung.name and r.status != "closing"), None)
             place = sum(order[s.rung.name] < order[rung.name] for s in self.slots)
-            if (not rung.second_look or entry is None or entry.status != "reverted" or entry.comparison is None
-                    or entry.comparison.verdict != "undecided" or place == len(self.slots)):
+            if (entry is None or entry.status != "reverted" or entry.comparison is None
+                    or entry.comparison.verdict != "undecided"
+                    or not any(s.rung.name in rung.second_look_beneath for s in self.slots[place:])):
                 continue
             names = ", ".join(s.rung.name for s in self.slots[place:])
             self.on_event(f"second look: {rung.name} beneath {names}")

@@ -445,14 +445,14 @@ def test_a_rung_holding_what_is_beneath_it_is_rebased_when_that_switches():
     assert result.final_check.speedup == pytest.approx(5, rel=0.05)
 
 
-def _second_look_run(costs, second_look=True, noise=0.05):
+def _second_look_run(costs, beneath=("b",), noise=0.05):
     time = VirtualTime(noise=noise, seed=0)
     state = mlp_state()
     flags = Flags()
     state.notes["flags"] = flags
     state.step = CapturedCost(state.step, time, costs, flags)
     a = FlagRung("a", recheck=False)
-    a.second_look = second_look
+    a.second_look_beneath = beneath
     ladder, result = _run(state, [a, CapturingRung("b")], time, max_blocks=4)
     return ladder, result, flags, a
 
@@ -489,9 +489,10 @@ def test_a_second_look_that_shows_no_gain_leaves_the_configuration_as_it_was():
     assert result.final_check.speedup == pytest.approx(10, rel=0.06)
 
 
-def test_only_rungs_that_ask_get_a_second_look():
+@pytest.mark.parametrize("beneath", [(), ("c",)], ids=["asks-for-none", "names-a-rung-not-kept-after-it"])
+def test_a_second_look_only_beneath_the_rungs_a_rung_names(beneath):
     costs = {(False, False): 0.040, (True, False): 0.0398, (False, True): 0.004, (True, True): 0.003}
-    ladder, result, flags, _ = _second_look_run(costs, second_look=False)
+    ladder, result, flags, _ = _second_look_run(costs, beneath=beneath)
     assert result.rungs[1].status == "reverted" and "second look" not in result.rungs[1].reason
     assert [s.rung.name for s in ladder.slots] == ["b"]
 
