@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from speedkit import compat, config
-from speedkit.data.source import count_items
+from speedkit.data.source import SourceWrapper, count_items
 from speedkit.data.static import signature
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
@@ -582,12 +582,23 @@ class Ladder:
         return session.runner(lambda micro, i: state.step(micro, i), source, state.step.accumulate)
 
     def _source_iterator(self) -> Iterator[Any]:
-        """The current data source's iterator, made on first use and kept across windows."""
+        """The current data source's iterator, made on first use and kept across windows. Beneath
+        wrappers that only map batches (channels_last), the source they wrap is iterated and its
+        batches mapped: both configurations of a comparison read one stream, and a source serving
+        one live iterator at a time (data_path's ring: a second iterator closes the first) is never
+        asked for another while the first is in use."""
         data = self.state.data
         assert data is not None
+        maps = []
+        while isinstance(data, SourceWrapper) and data.maps_batches:
+            maps.append(data.map_batch)
+            data = data.inner
         if id(data) not in self._iterators:
             self._iterators[id(data)] = data.iterator()
-        return self._iterators[id(data)]
+        batches = self._iterators[id(data)]
+        for map_batch in reversed(maps):  # the innermost wrapper's first
+            batches = map(map_batch, batches)
+        return batches
 
     def _block_batches(self, same_source: bool) -> list[Any] | None:
         """The batches every window of the next A/B block runs, drawn once (untimed) from the data

@@ -137,6 +137,36 @@ def test_a_rung_that_wraps_the_step_applies_toggles_and_reverts_exactly():
     assert state.step is original
 
 
+class OneLiveIteratorSource(BatchSource):
+    """Like data_path's source over its ring of pinned memory: making an iterator closes the last one."""
+
+    def __init__(self, inner: BatchSource):
+        super().__init__(inner.loader, inner.device)
+        self.live, self.made = None, 0
+
+    def iterator(self):
+        if self.live is not None:
+            self.live.close()
+        self.made += 1
+        self.live = (b for b in super().iterator())
+        return self.live
+
+
+def test_a_batch_mapping_wrapper_is_compared_on_the_stream_of_the_source_beneath_it():
+    """On the H100, a kept data_path (one live iterator over its ring) and channels_last on top of it:
+    the wrapper's iterator closed the one the ladder timed the configuration without it on, and
+    channels_last, cudnn_benchmark, compile and async_progress_bar all failed with StopIteration.
+    The ladder now maps the batches of the source beneath a mapping wrapper."""
+    from speedkit.rungs.channels_last import ChannelsLastSource
+
+    time = VirtualTime(noise=0.0)
+    state = timed_state(time)
+    source = state.data = OneLiveIteratorSource(state.data)
+    _, result = _run(state, [WrappingRung("cl", "data", ChannelsLastSource)], time)
+    assert result.rungs[1].status in ("kept", "reverted"), result.rungs[1].reason
+    assert source.made == 1  # one stream for both configurations
+
+
 def test_a_rung_that_wraps_the_batch_source_applies_and_reverts_exactly():
     time = VirtualTime()
     state = timed_state(time)

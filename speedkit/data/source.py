@@ -174,7 +174,15 @@ class BatchSource:
 class SourceWrapper(BatchSource):
     """A source around another one (what rungs wrap ``state.data`` with, as ``StepWrapper`` is for
     steps): everything is the inner source's; subclasses override what they change. The inner
-    source owns the loader, so no ``BatchSource.__init__``."""
+    source owns the loader, so no ``BatchSource.__init__``.
+
+    A wrapper that only changes each device batch of the inner source sets ``maps_batches`` and
+    defines :meth:`map_batch`: an engine comparing it with the inner source then maps the inner
+    source's iterator instead of asking it for a second one (a source may serve one live iterator at
+    a time: data_path's ring of pinned memory)."""
+
+    #: whether this wrapper only maps each device batch of the inner source (:meth:`map_batch`)
+    maps_batches: bool = False
 
     def __init__(self, inner: BatchSource) -> None:
         self.inner = inner
@@ -184,10 +192,14 @@ class SourceWrapper(BatchSource):
         return self.inner.epoch()
 
     def to_device(self, batch: Any) -> Any:
-        return self.inner.to_device(batch)
+        return self.map_batch(self.inner.to_device(batch))
 
     def iterator(self) -> Iterator[Any]:
-        return self.inner.iterator()
+        return (self.map_batch(b) for b in self.inner.iterator()) if self.maps_batches else self.inner.iterator()
+
+    def map_batch(self, batch: Any) -> Any:
+        """One device batch of the inner source as this wrapper serves it (as it is, by default)."""
+        return batch
 
     def parity_batches(self, n: int) -> list[Any]:
         return self.inner.parity_batches(n)

@@ -129,11 +129,10 @@ class ChannelsLastSource(SourceWrapper):
     """The batches of ``inner`` with their 4-D floating tensors channels_last once on the device;
     everything else (host batches, parity copies, generators, release, the fit's binding) is ``inner``'s."""
 
-    def to_device(self, batch: Any) -> Any:
-        return channels_last_batch(self.inner.to_device(batch))
+    maps_batches = True
 
-    def iterator(self) -> Iterator[Any]:
-        return (channels_last_batch(b) for b in self.inner.iterator())
+    def map_batch(self, batch: Any) -> Any:
+        return channels_last_batch(batch)
 
 
 def _lightning_hook_owner(model: nn.Module) -> Any:
