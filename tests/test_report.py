@@ -196,6 +196,8 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
     assert faster.flagged and faster.cause.startswith("the fit ran faster")
     cpu = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(60.0, 0.5, 59.0, "perf_counter"), 0.05)
     assert cpu.flagged and cpu.cause.startswith("on a CPU")
+    shapes = judge_holds(m(30.0, 0.2, 25.0), m(40.0, 0.3, 34.0), 0.05, shapes_vary=True)
+    assert shapes.flagged and "the fit meets shapes this process has not run" in shapes.cause
     compiled = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(900.0, 0.5, 899.0, "perf_counter"), 0.05, None, "torch.compile compiled")
     assert compiled.flagged and compiled.cause.startswith("torch.compile compiled (")  # before the CPU's own noise
     compiled_held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05, "1 of 3 windows", "torch.compile compiled")

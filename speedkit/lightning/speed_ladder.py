@@ -414,7 +414,7 @@ class _HoldsProbe:
             else:
                 windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
         return judge_holds(ladder, self.session.measurement(windows, warmup=self.warmup), cfg.holds_threshold,
-                           "; ".join(notes) or None, compiled)
+                           "; ".join(notes) or None, compiled, shapes_vary="batch_shapes" in self.result.run)
 
 
 @contextlib.contextmanager

@@ -19,9 +19,10 @@ def left_out_at_most(holds_windows: int) -> int:
 
 
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
-                compiled: str | None = None) -> Holds:
+                compiled: str | None = None, shapes_vary: bool = False) -> Holds:
     """Compare the two figures; flag a gap over ``threshold`` with what explains most of it.
-    ``compiled``: what ``torch.compile`` compiled during the fit's timed steps, where it did."""
+    ``compiled``: what ``torch.compile`` compiled during the fit's timed steps, where it did;
+    ``shapes_vary``: the batches differ in shape (the trials timed shapes their warm pass had run)."""
     if ladder is None or fit is None:
         return Holds(ladder, fit, None, False, threshold, None, note or "not measured")
     gap = fit.step_ms / ladder.step_ms - 1
@@ -41,6 +42,10 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
         cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
                  "prefetch) or the loop's own per-batch work (callbacks, logging)")
+    elif gap_ms > 0 and host >= 0.5 * gap_ms and shapes_vary:
+        cause = (f"host time in the steps: {per_step}; the batches differ in shape, and the trials timed shapes their "
+                 "untimed warm pass had run, while the fit meets shapes this process has not run: work libraries do once "
+                 "per shape (cuDNN attention plans, GEMM heuristics) is paid in its steps and fades as shapes repeat")
     elif gap_ms > 0 and host >= 0.5 * gap_ms:
         cause = f"host time in the steps: {per_step}; the host issues the steps more slowly than in the trials"
     elif gap_ms > 0:
