@@ -87,8 +87,7 @@ class GraphedStep(StepWrapper):
         self._state_ids: list[tuple[Any, str, int]] = []
         self._baked: list[tuple[dict[str, Any], str, Any]] = []
         self._hparam_drops = 0
-        self._lr_tensors: dict[int, torch.Tensor] = {}  # by param group: reused by the next capture
-        self._rates: list[_Rate] = []                    # what the captured graph reads
+        self._rates: list[_Rate] = []  # the rates the captured graph reads from device tensors
         self._stream: Any = None
         #: the graph's working set (activations, gradients, temporaries: its private pool's peak use),
         #: the allocator's peak during capture above what was allocated before it. Replays allocate
@@ -293,12 +292,9 @@ class GraphedStep(StepWrapper):
                 if value is None or isinstance(value, torch.Tensor):
                     continue
                 device = group["params"][0].device if group["params"] else self.inner.device
-                tensor = self._lr_tensors.get(id(group))
-                if tensor is None:
-                    tensor = self._lr_tensors[id(group)] = torch.empty((), device=device)
-                rate = _Rate(group, key, tensor)
+                rate = _Rate(group, key, torch.empty((), device=device))
                 rate.fill()
-                group[key] = tensor
+                group[key] = rate.tensor
                 self._rates.append(rate)
                 numbers.append((rate, value))
         return numbers
@@ -309,14 +305,13 @@ class GraphedStep(StepWrapper):
         for rate, value in numbers:
             rate.group[rate.key] = value
 
-    def untensorize_hparams(self) -> None:
+    def drop_rate_tensors(self) -> None:
         """Drop the graph's learning-rate tensors (the rung's undo); a group still holding one (a
         capture cut short before it put the number back) gets the number again."""
         for rate in self._rates:
             if rate.group.get(rate.key) is rate.tensor:
                 rate.group[rate.key] = float(rate.tensor.item())
         self._rates = []
-        self._lr_tensors.clear()
 
     def memory_outside_peak(self) -> int:
         """Bytes in use that the allocator's peak during replays does not show: the graph's pool."""

@@ -19,8 +19,8 @@ For every rung, in order:
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
 later rungs on top, the same way; a second look tries again, at their place beneath the rungs kept
 after them, rungs reverted undecided whose gain may show beneath one of those
-(``Rung.second_look_beneath``); and a final
-check times the final configuration against the baseline, interleaved, for the headline figure.
+(``Rung.second_look_beneath``); and a final check times the final configuration against the
+baseline, interleaved, for the headline figure.
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
 end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
@@ -446,10 +446,7 @@ class Ladder:
             finally:
                 self._snapshot.restore()
             if status == "reverted":  # it no longer pays with the later rungs on top
-                self._configure(without)
-                self.slots.pop(j).undo()
-                for above in self.slots[j:]:  # what they were applied on no longer has slot j
-                    above.below = above.below[:j] + above.below[j + 1:]
+                self._remove_slot(j)
                 entry.status = "reverted"
                 entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
                 closing.reason = f"final configuration without {slot.rung.name}"
@@ -519,14 +516,18 @@ class Ladder:
                 reference = losses
             else:
                 if slot is not None:
-                    self._configure([i != place for i in range(len(self.slots))])
-                    self.slots.pop(place).undo()
-                    for above in self.slots[place:]:  # what they were applied on no longer has the slot
-                        above.below = above.below[:place] + above.below[place + 1:]
+                    self._remove_slot(place)
                 self._configure([True] * len(self.slots))
                 entry.reason = f"{entry.reason}; second look beneath {names}: {why}, reverted"
             entry.seconds = (entry.seconds or 0.0) + self.host_clock() - t0
             self.on_event(f"second look: {rung.name} {'kept' if status == 'kept' else 'reverted'} ({why})")
+
+    def _remove_slot(self, j: int) -> None:
+        """Undo the rung of slot ``j``, the slots above it switched back on without it (rebased)."""
+        self._configure([i != j for i in range(len(self.slots))])
+        self.slots.pop(j).undo()
+        for above in self.slots[j:]:  # what they were applied on no longer has slot j
+            above.below = above.below[:j] + above.below[j + 1:]
 
     def _final_check(self) -> None:
         """The final configuration against the baseline, interleaved: the headline figure."""

@@ -1,11 +1,11 @@
 """The user's optimizer as its checkpoints see it while rungs change it.
 
 Rungs switch flags on the user's own optimizer object (``fused_optimizer``: fused/foreach;
-``cuda_graph``: capturable) and move its step counters
-to the device. A checkpoint written meanwhile (Lightning's ``ModelCheckpoint``, or the user's own
-``optimizer.state_dict()``) must be the one the user's own configuration writes: loaded later into
-the user's optimizer without speedkit, it must not turn that optimizer fused or capturable or leave
-its step counters on the device.
+``cuda_graph``: capturable) and move its step counters to the device. A checkpoint written
+meanwhile (Lightning's ``ModelCheckpoint``, or the user's own ``optimizer.state_dict()``) must be
+the one the user's own configuration writes: loaded later into the user's optimizer without
+speedkit, it must not turn that optimizer fused or capturable or leave its step counters on the
+device.
 
 :class:`SavedAsUser` does that through the optimizer's public state-dict hooks, while a rung's
 change is on: ``state_dict()`` writes the user's values of the flags the rung switched (the live

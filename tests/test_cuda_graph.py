@@ -427,10 +427,10 @@ def test_the_graphs_rate_tensors_sit_in_the_groups_only_for_the_capture_and_foll
     groups[1]["lr"] = torch.tensor(0.3)  # a user's own tensor rate
     graphed._rates[1].fill()
     assert float(tensors[1]) == pytest.approx(0.3)
-    graphed.untensorize_hparams()
+    graphed.drop_rate_tensors()
     assert graphed._rates == [] and groups[0]["lr"] == 0.05
     graphed._rates_into_tensors()  # a capture cut short, its numbers never put back: the undo does it
-    graphed.untensorize_hparams()
+    graphed.drop_rate_tensors()
     assert [type(g["lr"]) for g in groups] == [float, torch.Tensor] and groups[0]["lr"] == pytest.approx(0.05)
 
 

@@ -4,8 +4,9 @@ A :class:`MeasureSession` times *windows* of training steps on the step clock (C
 host wait per window; ``perf_counter`` on CPU) and, per step, the host time spent waiting for the
 batch (data wait: the loader, collation, the copy to the device) and issuing the step (host time).
 Each window also counts the graphs ``torch.compile`` compiled during it, so a caller can tell a
-compilation's seconds from the step's own time. It turns windows into a :class:`~speedkit.results.Measurement`: median step time and its noise,
-items per second, MFU, peak memory, NVML telemetry, data wait and host time.
+compilation's seconds from the step's own time. It turns windows into a
+:class:`~speedkit.results.Measurement`: median step time and its noise, items per second, MFU,
+peak memory, NVML telemetry, data wait and host time.
 
 Two ways to drive it:
 

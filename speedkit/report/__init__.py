@@ -39,8 +39,8 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
   - ``name`` (str); ``status`` — ``"baseline"``, ``"kept"``, ``"reverted"`` (applied and
     measured, but not shown to pay, or off parity; undone), ``"not_applicable"`` (its check said
     why it cannot help here; never applied), ``"failed"`` (raised; undone), ``"closing"`` (the
-    configuration the closing check left after reverting a rung, or a second look after keeping one) or ``"interrupted"`` (being
-    tried when the run was interrupted; undone);
+    configuration the closing check left after reverting a rung, or a second look after keeping
+    one) or ``"interrupted"`` (being tried when the run was interrupted; undone);
   - ``options`` (object) — the rung's options as used;
   - ``reason`` (str | null) — why it was kept, reverted, not applicable or failed;
   - ``changes`` (list of str) — what applying it changed, one line each;

@@ -11,9 +11,10 @@ the rung refuses with the first reason and its source line. The last warm-up ste
 CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
 wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
 it (their step counters move to the device), and the graph reads their learning rate from a device
-tensor filled from the param group's number before each replay. Under fp16 loss scaling the scaler's step and update are captured too, for an
-optimizer that unscales and skips an overflowed step on the device (``fused=True``). In a Lightning
-fit, the graph binds into the loop's automatic optimization.
+tensor filled from the param group's number before each replay. Under fp16 loss scaling the
+scaler's step and update are captured too, for an optimizer that unscales and skips an overflowed
+step on the device (``fused=True``). In a Lightning fit, the graph binds into the loop's automatic
+optimization.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class CudaGraphRung(Rung):
         lr = ("learning rate read by the graph from a device tensor filled from the param group's number before each "
               "replay (the group, its schedule and checkpoints keep numbers)" if "capturable" in opt.defaults else
               "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
-        handle.record(f"{type(opt).__name__}: {lr}", graphed.untensorize_hparams, persistent=True)
+        handle.record(f"{type(opt).__name__}: {lr}", graphed.drop_rate_tensors, persistent=True)
         set_attr(handle, state, "step", graphed,
                  f"the whole step (forward, backward, {type(opt).__name__} update, zero-grad) captured in one CUDA graph "
                  f"after {self.options.warmup} warm-up steps, fed from static batch buffers")
