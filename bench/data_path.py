@@ -216,7 +216,7 @@ def main() -> None:
     windows = args.windows or (2 if args.tiny else 5)
     warmup = args.warmup or (1 if args.tiny else 10)
     out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "data_path.jsonl" if args.tiny else None)
-    res = Results("data_path", out)
+    res = Results("data_path", out, model=args.model)
     print_cpus()
     data = DATA[args.model]["tiny" if args.tiny else "full"]
     print(f"model {args.model}, data {data}", flush=True)

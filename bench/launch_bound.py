@@ -8,7 +8,7 @@ measurement session: CUDA events, one wait per window, median of warmed-up windo
   hand_graph  the anchor: forward, backward and a capturable AdamW captured by hand in one CUDA graph
   speedkit    the default ladder (trials, keep what pays) on the same step, then its final step
 
-Rows: bench "launch_bound", metric "throughput" (samples/s), plus step_ms and the kept rungs.
+Rows: bench "launch_bound", model "launch-bound-mlp", metric "throughput" (samples/s), plus step_ms and the kept rungs.
 Usage: python bench/launch_bound.py [--tiny]   (--tiny: a CPU smoke run of the code path)
 """
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         WARMUP, STEPS, REPEATS = 1, 3, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    res = Results("launch_bound", args.out)
+    res = Results("launch_bound", args.out, model="launch-bound-mlp")
     batches = _batches(device)
     base = eager(res, device, batches)
     if device.type == "cuda":
