@@ -747,3 +747,21 @@ def lightning_first_epoch_pending(trainer: Any) -> bool:
     ready = getattr(getattr(progress, "total", None), "ready", None)
     return (getattr(loop, "_data_fetcher", None) is not None and ready == 0 and trainer.current_epoch == 0
             and not getattr(loop, "restarting", True))
+
+
+def lightning_action_label(action: str) -> tuple[str, str]:
+    """What one of Lightning's profiler actions is: ``("fetch", ...)`` for the fit loop's fetch of
+    the next train batch, ``("callback", "EMA.on_train_batch_end")``, ``("module", "Net.on_train_batch_end")``,
+    ``("strategy" | "datamodule", ...)``, else ``("other", action)``. The action names are the
+    strings ``lightning.pytorch.trainer.call`` and the epoch loop pass to ``trainer.profiler``; a name
+    of another shape is labelled as it is."""
+    if action.endswith("].train_dataloader_next"):
+        return "fetch", "fetching the next batch"
+    kinds = {"[Callback]": "callback", "[LightningModule]": "module", "[Strategy]": "strategy",
+             "[LightningDataModule]": "datamodule"}
+    for prefix, kind in kinds.items():
+        if action.startswith(prefix):
+            owner, _, hook = action[len(prefix):].rpartition(".")
+            name = owner.split("{")[0].rsplit(".", 1)[-1]  # a state_key is a qualname and may carry its arguments: {...}
+            return kind, f"{name or owner}.{hook}" if owner else action
+    return "other", action

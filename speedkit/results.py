@@ -96,6 +96,7 @@ class Holds:
     threshold: float
     cause: str | None                  # the likely cause of a flagged gap
     note: str | None = None            # why it was not measured, where it was not
+    between_ms: dict[str, float] = field(default_factory=dict)  # ms/step of each Lightning action between the fit's steps
 
 
 @dataclass

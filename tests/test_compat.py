@@ -114,6 +114,28 @@ def test_lightning_entries_inside_a_fit():
     assert "loss" in trainer.callback_metrics  # the real step logged as usual
 
 
+def test_lightning_profiler_action_names_are_labelled():
+    """The names Lightning passes to ``trainer.profiler``: the fit check names the fetch of the next
+    batch and the hooks of callbacks and of the module from them."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    class Hooked(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            pass
+
+    profiler = SimpleProfiler()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Hooked()], profiler=profiler)
+    trainer.fit(_LoggingModel(8))
+    labels = {compat.lightning_action_label(a) for a in profiler.recorded_durations}
+    assert ("fetch", "fetching the next batch") in labels
+    assert ("callback", "Hooked.on_train_batch_end") in labels
+    assert ("module", "_LoggingModel.on_train_batch_end") in labels
+    assert compat.lightning_action_label("[Callback]ModelCheckpoint{'monitor': 'val/loss', 'x': 0.5}.on_train_batch_end") == \
+        ("callback", "ModelCheckpoint.on_train_batch_end")
+    assert compat.lightning_action_label("run_training_batch") == ("other", "run_training_batch")
+
+
 def test_lightning_entries_a_replayed_step_uses():
     """What a CUDA graph of the step needs from Lightning's loop: the automatic optimization's
     ``run``, its progress counters (``global_step``), ``self.log`` recorded and made outside the step."""

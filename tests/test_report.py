@@ -202,6 +202,17 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
     assert compiled.flagged and compiled.cause.startswith("torch.compile compiled (")  # before the CPU's own noise
     compiled_held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05, "1 of 3 windows", "torch.compile compiled")
     assert not compiled_held.flagged and compiled_held.note == "torch.compile compiled; 1 of 3 windows"
+    ema = judge_holds(m(40.7, 0.8, 39.9), m(47.6, 6.9, 40.1), 0.05,
+                      between_ms={"[Callback]WeightAveraging.on_train_batch_end": 5.9, "[_TrainingEpochLoop].train_dataloader_next": 0.4,
+                                  "[LightningModule]Net.on_train_batch_end": 0.01})
+    assert ema.flagged and ema.between_ms["[Callback]WeightAveraging.on_train_batch_end"] == 5.9
+    assert ema.cause.startswith("time between steps: 6.90 ms/step between steps (of it, ms/step: WeightAveraging.on_train_batch_end "
+                                "5.90, fetching the next batch 0.40) and 40.10 ms/step in them")
+    assert "per-batch hooks of the fit that the trials do not run" in ema.cause
+    slow_loader = judge_holds(m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05,
+                              between_ms={"[_TrainingEpochLoop].train_dataloader_next": 9.1})
+    assert "(of it, ms/step: fetching the next batch 9.10)" in slow_loader.cause
+    assert slow_loader.cause.endswith("the next batch: the loader does not keep up (workers, pinned memory, prefetch)")
     missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
     assert missing.gap is None and not missing.flagged and missing.note == "the fit ran 2 steps"
 

@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
 from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
+from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
 from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
@@ -177,6 +179,8 @@ class SpeedLadder(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.exception = exception
+        if self._probe is not None:
+            self._probe.close()
         self._probe = None
         self._stop_watch()
         self._undo_all()
@@ -243,6 +247,7 @@ class SpeedLadder(Callback):
         # the fit starts the kept rungs afresh (a graph warms up and captures again in its first steps)
         settle = max((h.settle_steps for h in self.handles), default=0)
         self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle))
+        self._probe.install(trainer)
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
@@ -270,6 +275,8 @@ class SpeedLadder(Callback):
 
     def _finish_holds(self, trainer: pl.Trainer) -> None:
         probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()
         if probe is None or self.result is None:
             return
         self.result.holds = probe.judge()
@@ -365,26 +372,60 @@ class _HoldsProbe:
     windows. Where every window compiled, those windows are the figure and the compilation its cause.
     """
 
+    host_clock: Callable[[], float] = staticmethod(time.perf_counter)  # tests put a fake clock here
+
     def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int) -> None:
         base = result.baseline.measurement
         self.cfg, self.result, self.warmup = cfg, result, warmup
         self.session = MeasureSession(device, flops_per_step=result.flops.get("per_step"),
                                       peak_tflops=result.flops.get("peak_tflops"),
                                       items_per_step=base.items_per_step if base else 1,
-                                      unit=base.throughput_unit if base else "samples/s")
+                                      unit=base.throughput_unit if base else "samples/s", host_clock=self.host_clock)
         self.windows: list[Window] = []
         self.compiling: list[Window] = []  # windows left out: they compiled
+        self.between: dict[int, dict[str, float]] = {}  # id(window): seconds of Lightning's actions between its steps
         self.session.begin_steps(cfg.steps, warmup=warmup)
+        self.hooks: HookTimer | None = None
+        self._trainer: pl.Trainer | None = None
+
+    def install(self, trainer: pl.Trainer) -> None:
+        """Time Lightning's per-batch actions between the fit's steps (the Trainer's profiler, wrapped)."""
+        self.hooks, self._trainer = HookTimer(trainer.profiler, clock=self.host_clock), trainer
+        trainer.profiler = self.hooks
+
+    def close(self) -> None:
+        """Give the Trainer its own profiler back."""
+        if self._trainer is not None and self._trainer.profiler is self.hooks:
+            self._trainer.profiler = self.hooks.inner  # type: ignore[union-attr]
+        self._trainer = None
 
     def batch_started(self) -> None:
         self.session.batch_started()
+        if self.hooks is not None:
+            self.hooks.step_started()
 
     def batch_ended(self, step_done: bool) -> bool:
         """True once enough windows are timed (or enough left out for compiling)."""
         window = self.session.batch_ended(step_done)
+        if self.hooks is not None:
+            if window is not None:
+                self.between[id(window)] = self.hooks.take()
+            elif step_done and self.session.steps_seen == self.warmup:  # the first window opens: start afresh
+                self.hooks.take()
+            self.hooks.step_ended()
         if window is not None:
             (self.compiling if window.compiled_graphs else self.windows).append(window)
         return len(self.windows) >= self.cfg.holds_windows or len(self.compiling) >= left_out_at_most(self.cfg.holds_windows)
+
+    def between_ms(self, windows: list[Window]) -> dict[str, float]:
+        """ms per step of each of Lightning's actions between the steps of ``windows``, largest first."""
+        steps = sum(w.steps for w in windows)
+        total: dict[str, float] = {}
+        for w in windows:
+            for action, seconds in self.between.get(id(w), {}).items():
+                total[action] = total.get(action, 0.0) + seconds
+        per_step = {a: s * 1e3 / steps for a, s in sorted(total.items(), key=lambda kv: -kv[1])} if steps else {}
+        return {a: ms for a, ms in per_step.items() if ms >= 0.005}  # hooks that do nothing are left out
 
     def judge(self) -> Any:
         cfg = self.cfg
@@ -414,7 +455,8 @@ class _HoldsProbe:
             else:
                 windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
         return judge_holds(ladder, self.session.measurement(windows, warmup=self.warmup), cfg.holds_threshold,
-                           "; ".join(notes) or None, compiled, shapes_vary="batch_shapes" in self.result.run)
+                           "; ".join(notes) or None, compiled, shapes_vary="batch_shapes" in self.result.run,
+                           between_ms=self.between_ms(windows))
 
 
 @contextlib.contextmanager

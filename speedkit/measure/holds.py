@@ -4,10 +4,13 @@ against the same Trainer's next real steps, and, where they differ, the likely c
 Host time splits in two: between steps (``data_wait_ms``: fetching and moving the next batch and,
 in Lightning's loop, its per-batch bookkeeping, where its logging waits for the GPU) and in the
 steps (``host_ms``). A gap mostly explained by one of them is attributed to it, unless the fit's
-timed steps compiled: then the compilation explains it."""
+timed steps compiled: then the compilation explains it. Where Lightning's own actions between the
+steps were timed (its fetch of the next batch, the hooks of callbacks and of the module), the
+largest are named."""
 
 from __future__ import annotations
 
+from speedkit import compat
 from speedkit.results import Holds, Measurement
 
 
@@ -18,27 +21,57 @@ def left_out_at_most(holds_windows: int) -> int:
     return max(3, holds_windows)
 
 
+#: an action between steps is named when it takes at least this share of that time, or of the gap
+NAMED_SHARE = 0.1
+
+
+def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[str | None, str]:
+    """What took the time between the fit's steps, from ``between_ms`` (ms/step of each Lightning
+    action run there): the kind of the largest, and its wording with the others that count and
+    what no action explains (the loop's own bookkeeping)."""
+    counts = NAMED_SHARE * max(min(wait_ms, abs(gap_ms)), 1e-9)
+    shown = [(a, ms) for a, ms in between_ms.items() if ms >= counts]
+    if not shown:
+        return None, ""
+    parts = [f"{compat.lightning_action_label(a)[1]} {ms:.2f}" for a, ms in shown[:4]]
+    parts += [f"{label} {ms:.2f}" for a, ms in between_ms.items() if ms < counts  # the loader, ruled out or not
+              for kind, label in [compat.lightning_action_label(a)] if kind == "fetch"]
+    rest = wait_ms - sum(between_ms.values())
+    if rest >= NAMED_SHARE * wait_ms:
+        parts.append(f"no Lightning hook (the loop's own bookkeeping) {rest:.2f}")
+    return compat.lightning_action_label(shown[0][0])[0], f" (of it, ms/step: {', '.join(parts)})"
+
+
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
-                compiled: str | None = None, shapes_vary: bool = False) -> Holds:
+                compiled: str | None = None, shapes_vary: bool = False, between_ms: dict[str, float] | None = None) -> Holds:
     """Compare the two figures; flag a gap over ``threshold`` with what explains most of it.
     ``compiled``: what ``torch.compile`` compiled during the fit's timed steps, where it did;
-    ``shapes_vary``: the batches differ in shape (the trials timed shapes their warm pass had run)."""
+    ``shapes_vary``: the batches differ in shape (the trials timed shapes their warm pass had run);
+    ``between_ms``: ms/step of each of Lightning's actions run between the fit's steps (its fetch of
+    the next batch, the callbacks' and the module's hooks)."""
+    between_ms = dict(between_ms or {})
     if ladder is None or fit is None:
-        return Holds(ladder, fit, None, False, threshold, None, note or "not measured")
+        return Holds(ladder, fit, None, False, threshold, None, note or "not measured", between_ms)
     gap = fit.step_ms / ladder.step_ms - 1
     if abs(gap) <= threshold:
-        return Holds(ladder, fit, gap, False, threshold, None, "; ".join(n for n in (compiled, note) if n) or None)
+        return Holds(ladder, fit, gap, False, threshold, None, "; ".join(n for n in (compiled, note) if n) or None, between_ms)
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
-    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps and {fit.host_ms or 0:.2f} ms/step in them on the host in "
-                f"the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
+    largest, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
+    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{named} and {fit.host_ms or 0:.2f} ms/step in them on the "
+                f"host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
     if compiled is not None and gap_ms > 0:
         cause = f"{compiled} ({per_step})"
     elif fit.clock == "perf_counter":  # a CPU: the step is host time through and through
         cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
                  f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
                  f"own per-batch work ({per_step})")
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and largest == "fetch":
+        cause = f"time between steps: {per_step}; the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and largest in ("callback", "module", "datamodule", "strategy"):
+        cause = (f"time between steps: {per_step}; per-batch hooks of the fit that the trials do not run (they time the "
+                 "training step and the batch fetch, not the callbacks' and the module's batch-end hooks)")
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
         cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
                  "prefetch) or the loop's own per-batch work (callbacks, logging)")
@@ -53,4 +86,4 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
                  "a synchronizing callback) or a different clock or memory state")
     else:
         cause = f"the fit ran faster than the trials measured ({per_step})"
-    return Holds(ladder, fit, gap, True, threshold, cause, note)
+    return Holds(ladder, fit, gap, True, threshold, cause, note, between_ms)

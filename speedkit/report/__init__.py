@@ -79,7 +79,10 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
 * ``holds`` (object | null) — does the ladder's figure hold in training: ``ladder`` and ``fit``
   (measurements of the final configuration in the trials and in the fit's own next steps),
   ``gap`` (fit / ladder step time − 1), ``flagged`` (its size above ``threshold``), ``cause``
-  (the likely cause of a flagged gap: data wait, host time, or neither), ``note``.
+  (the likely cause of a flagged gap: data wait, host time, or neither), ``note``, ``between_ms``
+  (ms per step of each of Lightning's profiler actions run between the fit's timed steps, largest
+  first: ``[_TrainingEpochLoop].train_dataloader_next`` fetches the next batch, ``[Callback]X.hook``
+  a callback's hook; empty outside a Trainer).
 * ``interrupted`` (str | null) — what interrupted the run and where ("KeyboardInterrupt during
   sdpa"); the rungs are then those finished before it.
 * ``parity_calibration`` (object) — per precision in play, how its parity tolerance was set on
