@@ -34,7 +34,7 @@ import torch
 from speedkit import compat
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line
-from speedkit.graph_safety import find_syncs
+from speedkit.graph_safety import Blocker, find_host_draws, find_syncs
 from speedkit.handle import Handle
 from speedkit.step import LogCall, Step, StepWrapper
 
@@ -146,10 +146,20 @@ class GraphedStep(StepWrapper):
         with torch.cuda.stream(stream):
             if self._eager_needed == 0 and not self._checked:
                 self._checked = True
-                out, syncs = find_syncs(run)
+                draws: list[Blocker] = []
+
+                def run_watched() -> Any:  # host draws located only where Dynamo has compiled nothing
+                    result, found = find_host_draws(run, locate=compat.graph_count() == 0)
+                    draws.extend(found)
+                    return result
+
+                out, syncs = find_syncs(run_watched)
                 if syncs:
                     more = f" (and {len(syncs) - 1} more)" if len(syncs) > 1 else ""
                     self.stop(f"the step syncs with the host: {syncs[0]}{more}")
+                elif draws:
+                    more = f" (and {len(draws) - 1} more)" if len(draws) > 1 else ""
+                    self.stop(f"the step draws random numbers on the host: {draws[0]}{more}")
             else:
                 out = run()
         torch.cuda.current_stream(stream.device).wait_stream(stream)

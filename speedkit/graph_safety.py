@@ -16,14 +16,19 @@ Two checks find them. :func:`scan_step` reads the source of the step's own code 
 and the helper methods it calls, the user's modules' ``forward``) and names each unsafe pattern
 with its file and line; it runs anywhere, before anything is captured. :func:`find_syncs` runs one
 real step under ``torch.cuda.set_sync_debug_mode`` and names every synchronizing call the step
-made (library code included), with its file and line. Model libraries' code is left to the second
+made (library code included), with its file and line; :func:`find_host_draws` watches the same step
+for random numbers drawn on the host (library code included: timm's Mixup, LayerDrop). Model libraries' code is left to the second
 check: reading it statically would refuse on branches that never run.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import linecache
+import random
+import sys
 import textwrap
 import traceback
 import warnings
@@ -55,7 +60,7 @@ class Blocker:
     code: str      # the source line
 
     def __str__(self) -> str:
-        return f"{self.kind} at {self.where}: {self.reason} (`{self.code}`)"
+        return f"{self.kind} at {self.where}: {self.reason}" + (f" (`{self.code}`)" if self.code else "")
 
 
 # -- static: the step's own source ----------------------------------------------------------------
@@ -343,9 +348,158 @@ def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
     return result, unique
 
 
+# -- dynamic: random numbers drawn on the host during one real step --------------------------------
+
+#: torch functions that draw from a generator; one of them advancing the CPU generator draws on the host
+_TORCH_DRAWS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
+                "normal", "poisson", "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_",
+                "cauchy_", "log_normal_"}
+_STATE_CALLS = {"getstate", "setstate", "get_state", "set_state", "__getstate__", "__setstate__"}
+
+
+@dataclass(frozen=True)
+class _HostGenerators:
+    """The states of the host's global random generators: torch's CPU generator, NumPy's global
+    ``RandomState``, Python's ``random``."""
+
+    torch_cpu: torch.Tensor
+    numpy: Any
+    python: Any
+
+    @classmethod
+    def now(cls) -> _HostGenerators:
+        np = sys.modules.get("numpy")
+        return cls(torch.random.get_rng_state(), np.random.get_state() if np is not None else None, random.getstate())
+
+    def advanced(self, before: _HostGenerators) -> list[str]:
+        """The generators that drew since ``before``."""
+        moved = []
+        if not torch.equal(self.torch_cpu, before.torch_cpu):
+            moved.append("torch's CPU generator")
+        if self.numpy is not None and before.numpy is not None and not _same_numpy_state(self.numpy, before.numpy):
+            moved.append("NumPy's global generator")
+        if self.python != before.python:
+            moved.append("Python's random module")
+        return moved
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    np = sys.modules["numpy"]
+    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
+
+
+def find_host_draws(run_step: Callable[[], Any], *, locate: bool = True) -> tuple[Any, list[Blocker]]:
+    """Run ``run_step()`` once and find the random numbers it drew on the host (timm's Mixup/CutMix
+    drawing with NumPy, Hugging Face's LayerDrop with ``torch.rand([])``, an augmentation deciding in
+    Python): a graph replays the capture's draw every step, the same mix, crop or dropped layer.
+
+    Which global generator advanced tells whether the step drew; ``locate`` also names the call, its
+    file and line (through ``sys.setprofile`` for this one step: leave it off where ``torch.compile``
+    runs, whose frames a profile function makes it compile again)."""
+    before = _HostGenerators.now()
+    calls: list[Blocker] = []
+    pending: list[tuple[Any, torch.Tensor]] = []  # a torch draw under way, with the CPU generator before it
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call":
+            owner, name = getattr(arg, "__self__", None), getattr(arg, "__name__", "")
+            if name in _STATE_CALLS:
+                return
+            if _is_host_generator(owner):
+                calls.append(_draw_blocker(frame, f"{type(owner).__name__}.{name}"))
+            elif name in _TORCH_DRAWS and _is_torch(arg, owner):
+                pending.append((arg, torch.random.get_rng_state()))
+        elif event in ("c_return", "c_exception") and pending and pending[-1][0] is arg:
+            _, state = pending.pop()
+            if not torch.equal(state, torch.random.get_rng_state()):
+                calls.append(_draw_blocker(frame, f"torch.{getattr(arg, '__name__', 'rand')} on the CPU"))
+
+    previous = sys.getprofile()
+    with _numpy_draws_named(calls) if locate else contextlib.nullcontext():
+        if locate:
+            sys.setprofile(profile)
+        try:
+            result = run_step()
+        finally:
+            if locate:
+                sys.setprofile(previous)
+    moved = _HostGenerators.now().advanced(before)
+    if not moved and not calls:
+        return result, []
+    if calls:
+        return result, list(dict.fromkeys(calls))
+    return result, [Blocker("host work", f"{' and '.join(moved)} drew during the step (a random number decided on the host, "
+                            "drawn once at capture)", "a call not located (where torch.compile runs the step the call is not "
+                            "traced: tracing would make it compile again)", "")]
+
+
+@contextlib.contextmanager
+def _numpy_draws_named(calls: list[Blocker]) -> Iterator[None]:
+    """NumPy's global draws (``np.random.beta``: methods of its global ``RandomState``, compiled by
+    Cython) raise no profile event: for one step each is called through a function that names its
+    caller, put back after it."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        yield
+        return
+    module, saved = np.random, {}
+    for name in dir(module):
+        fn = getattr(module, name, None)
+        if getattr(fn, "__self__", None) is module.mtrand._rand or name == "default_rng":
+            saved[name] = fn
+
+    def naming(name: str, fn: Any) -> Callable[..., Any]:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            calls.append(_draw_blocker(sys._getframe(1), f"numpy.random.{name}"))
+            return fn(*args, **kwargs)
+        return draw
+
+    for name, fn in saved.items():
+        setattr(module, name, naming(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def _is_host_generator(owner: Any) -> bool:
+    if isinstance(owner, random.Random):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(owner, (np.random.RandomState, np.random.Generator))
+
+
+def _is_torch(fn: Any, owner: Any) -> bool:
+    if isinstance(owner, torch.Tensor):
+        return owner.device.type == "cpu"
+    return (getattr(fn, "__module__", None) or "").startswith("torch") or owner is torch._C._VariableFunctions
+
+
+def _draw_blocker(frame: Any, call: str) -> Blocker:
+    """The call ``call`` made from ``frame``, named at the first frame outside the generators' own modules."""
+    while frame is not None and (frame.f_code.co_filename.endswith("/random.py") or "/numpy/random/" in frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture", "?", "")
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    user = frame.f_back
+    while user is not None and not _is_users_own(user.f_code.co_filename):
+        user = user.f_back
+    reached = (f" (reached from {user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name})"
+               if user is not None and not _is_users_own(frame.f_code.co_filename) else "")
+    return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture and replayed every "
+                   f"step{reached}", where, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
+
+
 def _is_machinery(filename: str) -> bool:
     """Frames of the warning machinery and of speedkit's own step driver, skipped when naming a sync."""
     return any(part in filename for part in ("/warnings.py", "/speedkit/graph", "/torch/_tensor.py", "/torch/cuda/"))
+
+
+def _is_users_own(filename: str) -> bool:
+    """Code outside installed packages: the user's own (a library's call is named with it)."""
+    return _is_callers_code(filename) and not any(part in filename for part in ("site-packages", "dist-packages", "<frozen"))
 
 
 def _is_callers_code(filename: str) -> bool:

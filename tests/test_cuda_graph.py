@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import dataclasses
 import inspect
 import random
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -218,6 +219,44 @@ class Safe(_Base):
         for _ in range(2):
             loss = loss + 0.0
         return {"loss": loss}
+
+
+def _layerdrop(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's LayerDrop (Wav2Vec2, BART with layerdrop > 0): whether a layer runs is drawn on the host."""
+    if torch.rand([]) < 0.1:
+        return x
+    return x * 2
+
+
+def test_the_capture_check_finds_random_numbers_drawn_on_the_host_and_names_the_line():
+    """On the H100 timm's Mixup in a training_step passed parity (the loss of a fresh ViT barely
+    depends on the mix) and only an undecided timing kept the graph from replaying one mix forever."""
+    import numpy as np
+    from timm.data import Mixup
+
+    from speedkit.graph_safety import find_host_draws
+
+    x, y = torch.randn(4, 3, 16, 16), torch.arange(4)
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=10)
+    beta, profile = np.random.beta, sys.getprofile()
+    _, found = find_host_draws(lambda: mixup(x.clone(), y))
+    assert found and all(b.kind == "host work" for b in found)
+    assert "timm/data/mixup.py" in found[0].where and "np.random.rand()" in found[0].code
+    assert "numpy.random.rand" in found[0].reason and f"reached from {__file__}" in found[0].reason
+    assert np.random.beta == beta and sys.getprofile() is profile  # put back
+    _, found = find_host_draws(lambda: _layerdrop(x))
+    assert [(b.where.split(":")[0], b.code) for b in found] == [(__file__, "if torch.rand([]) < 0.1:")]
+    assert "torch.rand on the CPU" in found[0].reason
+    _, found = find_host_draws(lambda: x * random.uniform(0.5, 1.0))
+    assert len(found) == 1 and "Random.random" in found[0].reason and found[0].where.startswith(f"{__file__}:")
+    # where the call is not traced (torch.compile runs the step), the generator that drew says it
+    _, found = find_host_draws(lambda: mixup(x.clone(), y), locate=False)
+    assert len(found) == 1 and found[0].reason.startswith("NumPy's global generator drew during the step")
+    assert "not located" in str(found[0]) and not str(found[0]).endswith("(``)")
+    out, found = find_host_draws(lambda: (x * 2).sum())
+    assert found == [] and out == (x * 2).sum()
+    private = torch.Generator().manual_seed(0)  # a generator of the step's own: not a global one, not seen
+    assert find_host_draws(lambda: torch.rand(3, generator=private), locate=False)[1] == []
 
 
 def test_safe_step_passes_the_check():

@@ -5,6 +5,8 @@ file and line of the sync."""
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -184,6 +186,58 @@ def test_lightning_fit_with_data_path_feeding_the_graph_matches_eager(workers):
         assert abs(a - b) <= 1e-5 * abs(b), (record.losses, eager.losses)
     worst = max(_rel(p, q) for p, q in zip(params, eager_params))
     assert worst <= 1e-5, worst
+
+
+class _Mixed(_Logged):
+    """A training step that mixes its batch with timm's Mixup, drawing the mix with NumPy."""
+
+    def __init__(self) -> None:
+        super().__init__(capturable=True)
+        from timm.data import Mixup
+
+        self.mixup = Mixup(mixup_alpha=0.8, num_classes=10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = self.mixup(*batch)
+        loss = torch.sum(-y * F.log_softmax(self.net(x), dim=-1), dim=-1).mean()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+def test_a_step_drawing_random_numbers_on_the_host_is_not_captured_and_the_line_is_named():
+    """A graph would replay the mix drawn at capture every step; the step runs eagerly instead, and
+    the dropout drawn on the device in the other test's fit is no such draw."""
+    torch.manual_seed(0)
+    record = _Record()
+    trainer = pl.Trainer(max_steps=6, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SpeedLadder(rungs=["cuda_graph"]), record])
+    trainer.fit(_Mixed())
+    graph = record.graph
+    assert isinstance(graph, GraphedStep) and graph.captures == 0 and graph.replays == 0
+    assert graph.stopped is not None and graph.stopped.startswith("the step draws random numbers on the host: host work at ")
+    assert "timm/data/mixup.py" in graph.stopped and "numpy.random" in graph.stopped and __file__ in graph.stopped
+    assert len(record.losses) == 6 and all(math.isfinite(v) for v in record.losses)
+
+
+def test_device_dropout_under_compile_is_no_host_draw():
+    """Dropout draws on the device's generator, which a graph replays correctly: with compile and a
+    graph the step is captured, not refused as a host draw."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.1), nn.ReLU(), nn.Linear(64, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = PlainStep(model, opt, "cuda", loss_fn=_loss)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step)
+    compiled = rungs.make("compile").apply(state)
+    graphed = rungs.make("cuda_graph").apply(state)
+    try:
+        for i, b in enumerate(_batches(6)):
+            state.step([b], i)
+        graph = state.step
+        assert isinstance(graph, GraphedStep) and graph.stopped is None and graph.replays >= 1, graph.report()
+    finally:
+        graphed.undo()
+        compiled.undo()
 
 
 def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
