@@ -197,6 +197,22 @@ def user_compiled(module: nn.Module) -> bool:
     return bool(getattr(module, "_compiler_ctx", None))
 
 
+def runs_compiled_code(model: nn.Module) -> bool:
+    """Some module of ``model`` runs what ``torch.compile`` compiled: ``nn.Module.compile()`` (its
+    ``_compiled_call_impl``), a compiled submodule, a compiled forward set on an instance (speedkit's
+    compile rung marks its own ``runs_dynamo`` while it does), or the user's
+    ``trainer.fit(torch.compile(model))``."""
+    if user_compiled(model):
+        return True
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None or is_compiled_module(module):
+            return True
+        forward = vars(module).get("forward")
+        if forward is not None and (is_compiled_callable(forward) or getattr(forward, "runs_dynamo", False)):
+            return True
+    return False
+
+
 def inductor_cpu_compiler() -> str | None:
     """The C++ compiler Inductor uses on CPU, or None when none is on PATH."""
     try:

@@ -148,8 +148,8 @@ class GraphedStep(StepWrapper):
                 self._checked = True
                 draws: list[Blocker] = []
 
-                def run_watched() -> Any:  # host draws located only where Dynamo has compiled nothing
-                    result, found = find_host_draws(run, locate=compat.graph_count() == 0)
+                def run_watched() -> Any:  # host draws located only where no compiled code runs
+                    result, found = find_host_draws(run, locate=not compat.runs_compiled_code(self.inner.model))
                     draws.extend(found)
                     return result
 

@@ -114,6 +114,21 @@ def test_lightning_entries_inside_a_fit():
     assert "loss" in trainer.callback_metrics  # the real step logged as usual
 
 
+def test_runs_compiled_code_sees_each_way_a_module_is_compiled():
+    from speedkit.rungs.compile import CompileOptions, apply_compile
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert not compat.runs_compiled_code(net)
+    net[0].compile(backend="eager")  # nn.Module.compile()
+    assert compat.runs_compiled_code(net)
+    assert compat.runs_compiled_code(nn.Sequential(torch.compile(nn.Linear(4, 4), backend="eager")))
+    plain = nn.Sequential(nn.Linear(4, 4))
+    handle, _ = apply_compile(plain, CompileOptions(backend="eager"))
+    assert compat.runs_compiled_code(plain)
+    handle.undo()
+    assert not compat.runs_compiled_code(plain)
+
+
 def test_lightning_profiler_action_names_are_labelled():
     """The names Lightning passes to ``trainer.profiler``: the fit check names the fetch of the next
     batch and the hooks of callbacks and of the module from them."""

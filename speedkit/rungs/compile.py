@@ -125,6 +125,11 @@ class GuardedForward(AttributeWrapper):
         return self.eager
 
     @property
+    def runs_dynamo(self) -> bool:
+        """It runs compiled code (not fallen back to eager): see ``compat.runs_compiled_code``."""
+        return self.fallback_reason is None
+
+    @property
     def variants(self) -> int:
         """How many distinct forwards were compiled."""
         return len(self._variants)
