@@ -473,7 +473,7 @@ def _is_host_generator(owner: Any) -> bool:
 def _is_torch(fn: Any, owner: Any) -> bool:
     if isinstance(owner, torch.Tensor):
         return owner.device.type == "cpu"
-    return (getattr(fn, "__module__", None) or "").startswith("torch") or owner is torch._C._VariableFunctions
+    return (getattr(fn, "__module__", None) or "").startswith("torch")
 
 
 def _draw_blocker(frame: Any, call: str) -> Blocker:
