@@ -767,7 +767,8 @@ def lightning_first_epoch_pending(trainer: Any) -> bool:
 
 def lightning_action_label(action: str) -> tuple[str, str]:
     """What one of Lightning's profiler actions is: ``("fetch", ...)`` for the fit loop's fetch of
-    the next train batch, ``("callback", "EMA.on_train_batch_end")``, ``("module", "Net.on_train_batch_end")``,
+    the next train batch, ``("transfer", "SingleDeviceStrategy.batch_to_device")`` for the hooks that
+    move it to the device, ``("callback", "EMA.on_train_batch_end")``, ``("module", "Net.on_train_batch_end")``,
     ``("strategy" | "datamodule", ...)``, else ``("other", action)``. The action names are the
     strings ``lightning.pytorch.trainer.call`` and the epoch loop pass to ``trainer.profiler``; a name
     of another shape is labelled as it is."""
@@ -779,5 +780,11 @@ def lightning_action_label(action: str) -> tuple[str, str]:
         if action.startswith(prefix):
             owner, _, hook = action[len(prefix):].rpartition(".")
             name = owner.split("{")[0].rsplit(".", 1)[-1]  # a state_key is a qualname and may carry its arguments: {...}
+            if hook in _BATCH_TRANSFER_HOOKS:
+                kind = "transfer"
             return kind, f"{name or owner}.{hook}" if owner else action
     return "other", action
+
+
+#: the hooks that move a batch to the device (the strategy's, and the module's and datamodule's own)
+_BATCH_TRANSFER_HOOKS = {"batch_to_device", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}

@@ -213,6 +213,16 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
                               between_ms={"[_TrainingEpochLoop].train_dataloader_next": 9.1})
     assert "(of it, ms/step: fetching the next batch 9.10)" in slow_loader.cause
     assert slow_loader.cause.endswith("the next batch: the loader does not keep up (workers, pinned memory, prefetch)")
+    # the move to the device runs in the trials too: the hook the trials lack is named as the cause (H100, ConvNeXt-T)
+    convnext = judge_holds(m(46.8, 11.8, 34.9), m(61.3, 19.4, 42.1), 0.05,
+                           between_ms={"[Strategy]SingleDeviceStrategy.batch_to_device": 7.25,
+                                       "[Callback]WeightAveraging.on_train_batch_end": 4.74,
+                                       "[_TrainingEpochLoop].train_dataloader_next": 0.89})
+    assert "per-batch hooks of the fit that the trials do not run" in convnext.cause
+    bookkeeping = judge_holds(m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05,
+                              between_ms={"[_TrainingEpochLoop].train_dataloader_next": 0.3, "[Callback]Bar.on_train_batch_end": 0.2})
+    assert "no Lightning hook (the loop's own bookkeeping) 9.00" in bookkeeping.cause
+    assert bookkeeping.cause.endswith("the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)")
     missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
     assert missing.gap is None and not missing.flagged and missing.note == "the fit ran 2 steps"
 

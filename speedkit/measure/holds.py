@@ -25,21 +25,26 @@ def left_out_at_most(holds_windows: int) -> int:
 NAMED_SHARE = 0.1
 
 
-def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[str | None, str]:
+#: Lightning's actions between steps that the trials run too: the fetch of the next batch and its move to the device
+IN_TRIALS = {"fetch", "transfer"}
+
+
+def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[float, str]:
     """What took the time between the fit's steps, from ``between_ms`` (ms/step of each Lightning
-    action run there): the kind of the largest, and its wording with the others that count and
-    what no action explains (the loop's own bookkeeping)."""
+    action run there): ms/step in actions the trials do not run (callbacks' and the module's
+    per-batch hooks), and the wording of those that count, the fetch, and what no action explains
+    (the loop's own bookkeeping)."""
+    labels = {a: compat.lightning_action_label(a) for a in between_ms}
+    not_in_trials = sum(ms for a, ms in between_ms.items() if labels[a][0] not in IN_TRIALS)
     counts = NAMED_SHARE * max(min(wait_ms, abs(gap_ms)), 1e-9)
-    shown = [(a, ms) for a, ms in between_ms.items() if ms >= counts]
-    if not shown:
-        return None, ""
-    parts = [f"{compat.lightning_action_label(a)[1]} {ms:.2f}" for a, ms in shown[:4]]
-    parts += [f"{label} {ms:.2f}" for a, ms in between_ms.items() if ms < counts  # the loader, ruled out or not
-              for kind, label in [compat.lightning_action_label(a)] if kind == "fetch"]
+    parts = [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms >= counts][:4]
     rest = wait_ms - sum(between_ms.values())
     if rest >= NAMED_SHARE * wait_ms:
         parts.append(f"no Lightning hook (the loop's own bookkeeping) {rest:.2f}")
-    return compat.lightning_action_label(shown[0][0])[0], f" (of it, ms/step: {', '.join(parts)})"
+    if not parts:
+        return not_in_trials, ""
+    parts += [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms < counts and labels[a][0] == "fetch"]
+    return not_in_trials, f" (of it, ms/step: {', '.join(parts)})"
 
 
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
@@ -58,7 +63,7 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
-    largest, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
+    hooks_ms, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
     per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{named} and {fit.host_ms or 0:.2f} ms/step in them on the "
                 f"host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
     if compiled is not None and gap_ms > 0:
@@ -67,11 +72,15 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
         cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
                  f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
                  f"own per-batch work ({per_step})")
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and largest == "fetch":
-        cause = f"time between steps: {per_step}; the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and largest in ("callback", "module", "datamodule", "strategy"):
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and hooks_ms >= 0.5 * wait:
         cause = (f"time between steps: {per_step}; per-batch hooks of the fit that the trials do not run (they time the "
-                 "training step and the batch fetch, not the callbacks' and the module's batch-end hooks)")
+                 "training step, the fetch of the batch and its move to the device, not the callbacks' and the module's "
+                 "batch hooks)")
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and between_ms and sum(between_ms.values()) - hooks_ms >= 0.5 * wait:
+        cause = f"time between steps: {per_step}; the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and between_ms:
+        cause = (f"time between steps: {per_step}; the loop's own per-batch work outside its hooks (its logging and "
+                 "metrics bookkeeping, a progress bar)")
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
         cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
                  "prefetch) or the loop's own per-batch work (callbacks, logging)")
