@@ -769,7 +769,8 @@ def lightning_action_label(action: str) -> tuple[str, str]:
     """What one of Lightning's profiler actions is: ``("fetch", ...)`` for the fit loop's fetch of
     the next train batch, ``("transfer", "SingleDeviceStrategy.batch_to_device")`` for the hooks that
     move it to the device, ``("callback", "EMA.on_train_batch_end")``, ``("module", "Net.on_train_batch_end")``,
-    ``("strategy" | "datamodule", ...)``, else ``("other", action)``. The action names are the
+    ``("strategy" | "datamodule", ...)``, ``("validation", ...)`` for the validation loop's actions and
+    hooks and for checkpointing, else ``("other", action)``. The action names are the
     strings ``lightning.pytorch.trainer.call`` and the epoch loop pass to ``trainer.profiler``; a name
     of another shape is labelled as it is."""
     if action.endswith("].train_dataloader_next"):
@@ -782,7 +783,11 @@ def lightning_action_label(action: str) -> tuple[str, str]:
             name = owner.split("{")[0].rsplit(".", 1)[-1]  # a state_key is a qualname and may carry its arguments: {...}
             if hook in _BATCH_TRANSFER_HOOKS:
                 kind = "transfer"
+            elif "validation" in hook or "checkpoint" in hook:
+                kind = "validation"
             return kind, f"{name or owner}.{hook}" if owner else action
+    if action.startswith("[_EvaluationLoop]") or action == "save_checkpoint":
+        return "validation", "fetching the next validation batch" if action.endswith("].val_next") else action
     return "other", action
 
 

@@ -149,6 +149,9 @@ def test_lightning_profiler_action_names_are_labelled():
     assert compat.lightning_action_label("[Callback]ModelCheckpoint{'monitor': 'val/loss', 'x': 0.5}.on_train_batch_end") == \
         ("callback", "ModelCheckpoint.on_train_batch_end")
     assert compat.lightning_action_label("run_training_batch") == ("other", "run_training_batch")
+    assert compat.lightning_action_label("[Strategy]SingleDeviceStrategy.batch_to_device")[0] == "transfer"
+    assert compat.lightning_action_label("[Callback]ModelCheckpoint{}.on_validation_end")[0] == "validation"
+    assert compat.lightning_action_label("[_EvaluationLoop].val_next")[0] == "validation"
 
 
 def test_lightning_entries_a_replayed_step_uses():

@@ -223,6 +223,12 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
                               between_ms={"[_TrainingEpochLoop].train_dataloader_next": 0.3, "[Callback]Bar.on_train_batch_end": 0.2})
     assert "no Lightning hook (the loop's own bookkeeping) 9.00" in bookkeeping.cause
     assert bookkeeping.cause.endswith("the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)")
+    validating = judge_holds(m(51.4, 15.5, 36.0), m(330.0, 289.4, 39.6), 0.05,  # H100: ResNet-50 validated every 4 steps
+                             between_ms={"[Callback]ModelCheckpoint{'monitor': 'val_loss'}.on_validation_end": 187.1,
+                                         "[_EvaluationLoop].val_next": 25.3, "[Strategy]SingleDeviceStrategy.validation_step": 11.7,
+                                         "[Strategy]SingleDeviceStrategy.batch_to_device": 14.6})
+    assert "(of it, ms/step: ModelCheckpoint.on_validation_end 187.10, no Lightning hook" in validating.cause
+    assert "validation and checkpoints ran between the timed steps" in validating.cause
     missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
     assert missing.gap is None and not missing.flagged and missing.note == "the fit ran 2 steps"
 

@@ -29,22 +29,23 @@ NAMED_SHARE = 0.1
 IN_TRIALS = {"fetch", "transfer"}
 
 
-def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[float, str]:
+def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[float, float, str]:
     """What took the time between the fit's steps, from ``between_ms`` (ms/step of each Lightning
     action run there): ms/step in actions the trials do not run (callbacks' and the module's
-    per-batch hooks), and the wording of those that count, the fetch, and what no action explains
-    (the loop's own bookkeeping)."""
+    per-batch hooks, validation and checkpoints), of it in validation and checkpoints, and the
+    wording of those that count, the fetch, and what no action explains (the loop's own bookkeeping)."""
     labels = {a: compat.lightning_action_label(a) for a in between_ms}
     not_in_trials = sum(ms for a, ms in between_ms.items() if labels[a][0] not in IN_TRIALS)
+    validation = sum(ms for a, ms in between_ms.items() if labels[a][0] == "validation")
     counts = NAMED_SHARE * max(min(wait_ms, abs(gap_ms)), 1e-9)
     parts = [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms >= counts][:4]
     rest = wait_ms - sum(between_ms.values())
     if rest >= NAMED_SHARE * wait_ms:
         parts.append(f"no Lightning hook (the loop's own bookkeeping) {rest:.2f}")
     if not parts:
-        return not_in_trials, ""
+        return not_in_trials, validation, ""
     parts += [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms < counts and labels[a][0] == "fetch"]
-    return not_in_trials, f" (of it, ms/step: {', '.join(parts)})"
+    return not_in_trials, validation, f" (of it, ms/step: {', '.join(parts)})"
 
 
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
@@ -63,7 +64,7 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
-    hooks_ms, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
+    hooks_ms, validation_ms, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
     per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{named} and {fit.host_ms or 0:.2f} ms/step in them on the "
                 f"host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
     if compiled is not None and gap_ms > 0:
@@ -72,6 +73,9 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
         cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
                  f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
                  f"own per-batch work ({per_step})")
+    elif gap_ms > 0 and wait >= 0.5 * gap_ms and validation_ms >= 0.5 * wait:
+        cause = (f"time between steps: {per_step}; validation and checkpoints ran between the timed steps (the trials "
+                 "time training steps only): their cost over the run is the fit's, at the validation interval it has")
     elif gap_ms > 0 and wait >= 0.5 * gap_ms and hooks_ms >= 0.5 * wait:
         cause = (f"time between steps: {per_step}; per-batch hooks of the fit that the trials do not run (they time the "
                  "training step, the fetch of the batch and its move to the device, not the callbacks' and the module's "
