@@ -775,9 +775,7 @@ def lightning_action_label(action: str) -> tuple[str, str]:
     of another shape is labelled as it is."""
     if action.endswith("].train_dataloader_next"):
         return "fetch", "fetching the next batch"
-    kinds = {"[Callback]": "callback", "[LightningModule]": "module", "[Strategy]": "strategy",
-             "[LightningDataModule]": "datamodule"}
-    for prefix, kind in kinds.items():
+    for prefix, kind in _ACTION_OWNERS.items():
         if action.startswith(prefix):
             owner, _, hook = action[len(prefix):].rpartition(".")
             name = owner.split("{")[0].rsplit(".", 1)[-1]  # a state_key is a qualname and may carry its arguments: {...}
@@ -791,5 +789,8 @@ def lightning_action_label(action: str) -> tuple[str, str]:
     return "other", action
 
 
+#: the prefixes of Lightning's hook actions, by whose hook it runs
+_ACTION_OWNERS = {"[Callback]": "callback", "[LightningModule]": "module", "[Strategy]": "strategy",
+                  "[LightningDataModule]": "datamodule"}
 #: the hooks that move a batch to the device (the strategy's, and the module's and datamodule's own)
 _BATCH_TRANSFER_HOOKS = {"batch_to_device", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}

@@ -46,7 +46,7 @@ class HookTimer(Profiler):
         for i in range(len(self._open) - 1, -1, -1):
             if self._open[i][0] == action_name:
                 t0 = self._open.pop(i)[1]
-                if t0 is not None and self.between:
+                if t0 is not None:  # started between steps, and the next step has not started since
                     self._seconds[action_name] += self.clock() - t0
                 return
 

@@ -246,8 +246,8 @@ class SpeedLadder(Callback):
         self._bind_fit(trainer, pl_module, state, step, source)  # after: its lines add to the kept rungs' changes
         # the fit starts the kept rungs afresh (a graph warms up and captures again in its first steps)
         settle = max((h.settle_steps for h in self.handles), default=0)
-        self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle))
-        self._probe.install(trainer)
+        self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle),
+                                  trainer=trainer)
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
@@ -374,7 +374,8 @@ class _HoldsProbe:
 
     host_clock: Callable[[], float] = staticmethod(time.perf_counter)  # tests put a fake clock here
 
-    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int) -> None:
+    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int,
+                 trainer: pl.Trainer) -> None:
         base = result.baseline.measurement
         self.cfg, self.result, self.warmup = cfg, result, warmup
         self.session = MeasureSession(device, flops_per_step=result.flops.get("per_step"),
@@ -385,34 +386,27 @@ class _HoldsProbe:
         self.compiling: list[Window] = []  # windows left out: they compiled
         self.between: dict[int, dict[str, float]] = {}  # id(window): seconds of Lightning's actions between its steps
         self.session.begin_steps(cfg.steps, warmup=warmup)
-        self.hooks: HookTimer | None = None
-        self._trainer: pl.Trainer | None = None
-
-    def install(self, trainer: pl.Trainer) -> None:
-        """Time Lightning's per-batch actions between the fit's steps (the Trainer's profiler, wrapped)."""
-        self.hooks, self._trainer = HookTimer(trainer.profiler, clock=self.host_clock), trainer
+        # Lightning's per-batch actions between the fit's steps are timed through its profiler, wrapped
+        self.trainer, self.hooks = trainer, HookTimer(trainer.profiler, clock=self.host_clock)
         trainer.profiler = self.hooks
 
     def close(self) -> None:
         """Give the Trainer its own profiler back."""
-        if self._trainer is not None and self._trainer.profiler is self.hooks:
-            self._trainer.profiler = self.hooks.inner  # type: ignore[union-attr]
-        self._trainer = None
+        if self.trainer.profiler is self.hooks:
+            self.trainer.profiler = self.hooks.inner
 
     def batch_started(self) -> None:
         self.session.batch_started()
-        if self.hooks is not None:
-            self.hooks.step_started()
+        self.hooks.step_started()
 
     def batch_ended(self, step_done: bool) -> bool:
         """True once enough windows are timed (or enough left out for compiling)."""
         window = self.session.batch_ended(step_done)
-        if self.hooks is not None:
-            if window is not None:
-                self.between[id(window)] = self.hooks.take()
-            elif step_done and self.session.steps_seen == self.warmup:  # the first window opens: start afresh
-                self.hooks.take()
-            self.hooks.step_ended()
+        if window is not None:
+            self.between[id(window)] = self.hooks.take()
+        elif step_done and self.session.steps_seen == self.warmup:  # the first window opens: start afresh
+            self.hooks.take()
+        self.hooks.step_ended()
         if window is not None:
             (self.compiling if window.compiled_graphs else self.windows).append(window)
         return len(self.windows) >= self.cfg.holds_windows or len(self.compiling) >= left_out_at_most(self.cfg.holds_windows)

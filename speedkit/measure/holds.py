@@ -10,6 +10,8 @@ largest are named."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from speedkit import compat
 from speedkit.results import Holds, Measurement
 
@@ -29,23 +31,48 @@ NAMED_SHARE = 0.1
 IN_TRIALS = {"fetch", "transfer"}
 
 
-def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> tuple[float, float, str]:
-    """What took the time between the fit's steps, from ``between_ms`` (ms/step of each Lightning
-    action run there): ms/step in actions the trials do not run (callbacks' and the module's
-    per-batch hooks, validation and checkpoints), of it in validation and checkpoints, and the
-    wording of those that count, the fetch, and what no action explains (the loop's own bookkeeping)."""
+class Between(NamedTuple):
+    """What took the host time between the fit's steps, by Lightning's actions there (ms/step)."""
+
+    hooks_ms: float       # in actions the trials do not run: callbacks' and the module's hooks, validation, checkpoints
+    validation_ms: float  # of it, in validation and checkpoints
+    in_trials_ms: float   # in the fetch of the next batch and its move to the device, which the trials run too
+    wording: str          # " (of it, ms/step: ...)": the actions that count, the fetch, what no action explains
+
+
+def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> Between:
+    """Sum and word ``between_ms`` (ms/step of each Lightning action run between the fit's steps);
+    ``wait_ms``: all the time between them, the rest being the loop's own bookkeeping."""
     labels = {a: compat.lightning_action_label(a) for a in between_ms}
-    not_in_trials = sum(ms for a, ms in between_ms.items() if labels[a][0] not in IN_TRIALS)
+    hooks = sum(ms for a, ms in between_ms.items() if labels[a][0] not in IN_TRIALS)
     validation = sum(ms for a, ms in between_ms.items() if labels[a][0] == "validation")
+    in_trials = sum(between_ms.values()) - hooks
     counts = NAMED_SHARE * max(min(wait_ms, abs(gap_ms)), 1e-9)
     parts = [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms >= counts][:4]
     rest = wait_ms - sum(between_ms.values())
     if rest >= NAMED_SHARE * wait_ms:
         parts.append(f"no Lightning hook (the loop's own bookkeeping) {rest:.2f}")
     if not parts:
-        return not_in_trials, validation, ""
+        return Between(hooks, validation, in_trials, "")
     parts += [f"{labels[a][1]} {ms:.2f}" for a, ms in between_ms.items() if ms < counts and labels[a][0] == "fetch"]
-    return not_in_trials, validation, f" (of it, ms/step: {', '.join(parts)})"
+    return Between(hooks, validation, in_trials, f" (of it, ms/step: {', '.join(parts)})")
+
+
+def _what_ran_between(between: Between, wait: float, timed: bool) -> str:
+    """The cause of a gap in the time between steps (``wait``: the fit's above the trials'), from
+    Lightning's actions there where they were ``timed``."""
+    if between.validation_ms >= 0.5 * wait:
+        return ("validation and checkpoints ran between the timed steps (the trials time training steps only): their "
+                "cost over the run is the fit's, at the validation interval it has")
+    if between.hooks_ms >= 0.5 * wait:
+        return ("per-batch hooks of the fit that the trials do not run (they time the training step, the fetch of the "
+                "batch and its move to the device, not the callbacks' and the module's batch hooks)")
+    if not timed:
+        return ("the next batch (the loader does not keep up: workers, pinned memory, prefetch) or the loop's own "
+                "per-batch work (callbacks, logging)")
+    if between.in_trials_ms >= 0.5 * wait:
+        return "the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
+    return "the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)"
 
 
 def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
@@ -64,30 +91,17 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     gap_ms = fit.step_ms - ladder.step_ms
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
-    hooks_ms, validation_ms, named = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
-    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{named} and {fit.host_ms or 0:.2f} ms/step in them on the "
-                f"host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
+    between = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
+    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{between.wording} and {fit.host_ms or 0:.2f} ms/step "
+                f"in them on the host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
     if compiled is not None and gap_ms > 0:
         cause = f"{compiled} ({per_step})"
     elif fit.clock == "perf_counter":  # a CPU: the step is host time through and through
         cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
                  f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
                  f"own per-batch work ({per_step})")
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and validation_ms >= 0.5 * wait:
-        cause = (f"time between steps: {per_step}; validation and checkpoints ran between the timed steps (the trials "
-                 "time training steps only): their cost over the run is the fit's, at the validation interval it has")
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and hooks_ms >= 0.5 * wait:
-        cause = (f"time between steps: {per_step}; per-batch hooks of the fit that the trials do not run (they time the "
-                 "training step, the fetch of the batch and its move to the device, not the callbacks' and the module's "
-                 "batch hooks)")
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and between_ms and sum(between_ms.values()) - hooks_ms >= 0.5 * wait:
-        cause = f"time between steps: {per_step}; the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
-    elif gap_ms > 0 and wait >= 0.5 * gap_ms and between_ms:
-        cause = (f"time between steps: {per_step}; the loop's own per-batch work outside its hooks (its logging and "
-                 "metrics bookkeeping, a progress bar)")
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
-        cause = (f"time between steps: {per_step}; the next batch (the loader does not keep up: workers, pinned memory, "
-                 "prefetch) or the loop's own per-batch work (callbacks, logging)")
+        cause = f"time between steps: {per_step}; {_what_ran_between(between, wait, timed=bool(between_ms))}"
     elif gap_ms > 0 and host >= 0.5 * gap_ms and shapes_vary:
         cause = (f"host time in the steps: {per_step}; the batches differ in shape, and the trials timed shapes their "
                  "untimed warm pass had run, while the fit meets shapes this process has not run: work libraries do once "
