@@ -65,6 +65,12 @@ CONFIGS = {
     "recipe/pdl+combo": BASE + [CE_ONLY, cdt(combo_kernels=True, **{"triton.enable_pdl": True}), "cuda_graph"],
     # Inductor's LayerNorm backward without mix-order reduction (its weight/bias sums apart)
     "recipe/nomix": BASE + [CE_ONLY, cdt(**{"triton.mix_order_reduction": False}), "cuda_graph"],
+    # The same Inductor settings without coordinate-descent tuning (a compile in seconds, not minutes),
+    # to compare them with one another quickly against "graph": the recipe untuned
+    "graph": BASE + [CE_ONLY, "compile", "cuda_graph"],
+    "graph/nomix": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction": False}}}, "cuda_graph"],
+    "graph/pdl": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.enable_pdl": True}}}, "cuda_graph"],
+    "graph/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"combo_kernels": True}}}, "cuda_graph"],
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
@@ -76,6 +82,7 @@ def kind(name: str) -> str:
 
 
 def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, ops: bool = False) -> None:
+    """Measure the step of configuration ``name`` and, unless ``profile_steps`` is 0, profile it."""
     torch.manual_seed(0)
     cudnn_only = "cudnn" in name
     torch.backends.cuda.enable_flash_sdp(not cudnn_only)
@@ -99,6 +106,11 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, op
     first_s = time.perf_counter() - t0
     session = MeasureSession(DEV)
     m = session.measure(step, warmup=5, steps=20, repeats=5)
+    if not profile_steps:
+        print(f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}\n   step {m.step_ms:.2f} ms "
+              f"({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), window spread {m.spread:.1%}; first 3 steps {first_s:.0f} s", flush=True)
+        applied.undo()
+        return
     by_kind: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
     calls: dict[str, float] = defaultdict(float)
@@ -180,6 +192,7 @@ def main() -> None:
     ap.add_argument("--gemms", action="store_true", help="time the step's GEMM shapes alone (bf16, cuBLAS)")
     ap.add_argument("--ops", action="store_true", help="also list the host ops that launch the kernels")
     ap.add_argument("--top", type=int, default=14, help="kernels listed per configuration")
+    ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled per configuration (0: measure only)")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if not args.no_sdpa:
@@ -188,7 +201,7 @@ def main() -> None:
         gemm_floor()
     for name in filter(None, args.configs.split(",")):
         try:
-            run_config(name, CONFIGS[name], top=args.top, ops=args.ops)
+            run_config(name, CONFIGS[name], profile_steps=args.profile_steps, top=args.top, ops=args.ops)
         except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"\n== {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         gc.collect()
