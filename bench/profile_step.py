@@ -33,7 +33,9 @@ from speedkit.measure.session import MeasureSession
 DEV = torch.device("cuda")
 BATCH, SEQ, VOCAB = 16, 1024, 50304
 BASE = ["tf32", "autocast", "fused_optimizer", "sdpa"]
-CE_ONLY = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False}}
+CE_ONLY = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False, "gelu_mlp": False}}
+# the recipe's triton_layers: the fused loss and the MLP's GELU in cuBLASLt's epilogues
+CE_MLP = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False}}
 
 
 def cdt(**inductor: object) -> dict:
@@ -71,6 +73,8 @@ CONFIGS = {
     "graph/nomix": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction": False}}}, "cuda_graph"],
     "graph/pdl": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.enable_pdl": True}}}, "cuda_graph"],
     "graph/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"combo_kernels": True}}}, "cuda_graph"],
+    "graph/mlp": BASE + [CE_MLP, "compile", "cuda_graph"],  # + the MLP on cuBLASLt's epilogues
+    "recipe/mlp": BASE + [CE_MLP, CDT, "cuda_graph"],
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]

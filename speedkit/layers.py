@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speedkit import compat, kernels
+from speedkit.kernels import cublaslt
 from speedkit.kernels.support import interpreting
 
 #: dtypes the kernels take
@@ -179,6 +180,47 @@ def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: s
         return act(h) if act is not None else F.gelu(h, approximate=approximate)
     h = F.linear(x, linear.weight)  # (…, out): the bias is added inside the GELU kernel
     return kernels.bias_gelu(h, linear.bias, approximate)
+
+
+def gelu_mlp(proj: nn.Module, act: nn.Module | None, fc: nn.Module, x: Any, approximate: str = "none") -> Tensor:
+    """``proj(act(fc(x)))`` (``proj(F.gelu(fc(x), approximate=…))`` when ``act`` is None) with the
+    tanh-GELU and its derivative in cuBLASLt's GEMM epilogues (:func:`kernels.cublaslt.gelu_mlp`).
+
+    Taken while both are plain ``nn.Linear`` with biases and ``act`` a plain ``nn.GELU``, none with
+    hooks, the GELU is the tanh one (cuBLASLt's), and the GEMMs run in bf16/fp16 (autocast's dtype,
+    or the tensors' own): on CUDA with widths cuBLASLt takes, on the CPU under ``TRITON_INTERPRET=1``
+    (tests) through the ops' PyTorch implementations. Otherwise ``proj`` is called on
+    :func:`linear_gelu`, as the code was written. Stays under torch.compile: Inductor cannot fuse
+    into cuBLAS's GEMMs.
+    """
+    if act is not None:
+        if type(act) is not nn.GELU or hooked(act):
+            return proj(act(fc(x)))
+        approximate = act.approximate
+    dtype = _mlp_dtype(proj, fc, x) if approximate == "tanh" else None
+    if dtype is None:
+        return proj(linear_gelu(fc, act, x, approximate))
+    return cublaslt.gelu_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, dtype)
+
+
+def _mlp_dtype(proj: nn.Module, fc: nn.Module, x: Any) -> torch.dtype | None:
+    """The dtype :func:`gelu_mlp` computes in, or None where it does not apply."""
+    if not (type(fc) is nn.Linear and type(proj) is nn.Linear and fc.bias is not None and proj.bias is not None
+            and not hooked(fc) and not hooked(proj) and isinstance(x, Tensor) and x.dim() >= 2
+            and x.shape[-1] == fc.in_features and proj.in_features == fc.out_features
+            and len({fc.weight.dtype, fc.bias.dtype, proj.weight.dtype, proj.bias.dtype}) == 1
+            and x.device == fc.weight.device):
+        return None
+    autocast = torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    if dtype not in cublaslt.DTYPES or not (autocast or fc.weight.dtype == dtype):
+        return None  # fp32 stays with linear_gelu: PyTorch's fp32 GEMMs follow the user's TF32 setting
+    if x.is_cuda:
+        if not torch.compiler.is_compiling() and not cublaslt.READY:
+            cublaslt.unavailable()  # found once; traced code reads the flag the rung's apply set
+        ok = all(n % 8 == 0 for n in (fc.in_features, fc.out_features, proj.out_features)) and cublaslt.READY
+        return dtype if ok else None
+    return dtype if _INTERPRETING and x.device.type == "cpu" else None
 
 
 def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:

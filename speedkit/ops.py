@@ -357,6 +357,13 @@ def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: s
     return layers.linear_gelu(linear, act, x, approximate)
 
 
+def gelu_mlp(proj: nn.Module, act: nn.Module | None, fc: nn.Module, x: Any, approximate: str = "none") -> Tensor:
+    """``proj(act(fc(x)))`` / ``proj(F.gelu(fc(x), approximate=…))``, the tanh-GELU in cuBLASLt's epilogues."""
+    from speedkit import layers
+
+    return layers.gelu_mlp(proj, act, fc, x, approximate)
+
+
 def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     """``F.silu(gate) * up`` (or ``act(gate) * up`` for an ``nn.SiLU``) in one kernel."""
     from speedkit import layers

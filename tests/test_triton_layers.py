@@ -18,6 +18,7 @@ from torch import nn
 import speedkit.kernels as kernels
 from speedkit import layers
 from speedkit.demos import NaiveGPT
+from speedkit.kernels import cublaslt
 from speedkit.rungs import triton_layers
 from speedkit.rungs.triton_layers import NOTHING_FOUND, TritonLayersOptions, TritonLayersRung
 from speedkit.state import TrainState
@@ -280,7 +281,9 @@ def test_naive_gpt_tiny(kernel_calls):
     model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
     idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
     handle = _compare(model, [idx, targets])
-    assert {k: handle.sites[k] for k in ("layer_norm", "cross_entropy", "gelu")} == {"layer_norm": 3, "cross_entropy": 1, "gelu": 1}
+    # the MLP is a gelu_mlp site; in fp32 it runs as linear_gelu (the bias + GELU kernel), then c_proj
+    assert {k: handle.sites[k] for k in ("layer_norm", "cross_entropy", "gelu", "gelu_mlp")} == \
+        {"layer_norm": 3, "cross_entropy": 1, "gelu": 0, "gelu_mlp": 1}
     assert kernel_calls == Counter(layer_norm=3, cross_entropy=1, bias_gelu=1)
 
 
@@ -340,7 +343,7 @@ def test_near_misses_are_left_alone_with_reasons():
 
 def test_options_turn_kinds_off():
     model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
-    handle = TritonLayersRung(TritonLayersOptions(norms=False, gelu=False)).apply(_state(model))
+    handle = TritonLayersRung(TritonLayersOptions(norms=False, gelu=False, gelu_mlp=False)).apply(_state(model))
     assert (handle.sites["layer_norm"], handle.sites["gelu"], handle.sites["cross_entropy"]) == (0, 0, 1)
     assert type(model.ln_f) is nn.LayerNorm and "forward" not in model.h[0].mlp.__dict__
 
@@ -412,3 +415,183 @@ def test_compiled_regions_leave_the_norms_to_inductor_and_keep_the_loss_kernel(k
     assert_rel_close(compiled(idx, targets), reference(idx, targets), TOL, "loss")
     assert {k: v for k, v in kernel_calls.items() if v} == {"cross_entropy": 1}, kernel_calls
     torch._dynamo.reset()
+
+
+# -- the tanh-GELU MLP on cuBLASLt's epilogues ---------------------------------------------------------------
+
+
+class TanhMLP(nn.Module):
+    """GPT-2's MLP, with the GELU as a module and as F.gelu (two sites; ``functional`` picks one)."""
+
+    def __init__(self, d: int = D, hidden: int = 40, act: str = "tanh", bias: bool = True) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(d, hidden, bias=bias), nn.GELU(approximate=act), nn.Linear(hidden, d)
+        self.functional = False
+
+    def forward(self, x):
+        if self.functional:
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+@pytest.fixture
+def mlp_calls(monkeypatch):
+    """Counts the calls the rewritten MLPs make to the cuBLASLt MLP (not a fallback)."""
+    calls = Counter()
+
+    def spy(*args, _fn=cublaslt.gelu_mlp, **kwargs):
+        calls["gelu_mlp"] += 1
+        return _fn(*args, **kwargs)
+    monkeypatch.setattr(layers.cublaslt, "gelu_mlp", spy)
+    return calls
+
+
+def _dense_mlp(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def test_gelu_mlp_function_matches_pytorch_on_odd_shapes():
+    """The autograd function (fp32: the ops' PyTorch implementations) against PyTorch, fresh random
+    inputs of odd shapes, outputs and every gradient."""
+    for seed, (lead, k, hidden, n) in enumerate([((3, 7), 13, 29, 11), ((5,), 24, 8, 3), ((2, 1, 9), 1, 17, 5)]):
+        torch.manual_seed(seed)
+        ins = [torch.randn(*lead, k), torch.randn(hidden, k), torch.randn(hidden), torch.randn(n, hidden), torch.randn(n)]
+        ins = [t.to(DEVICE).requires_grad_(True) for t in ins]
+        refs = [t.detach().clone().requires_grad_(True) for t in ins]
+        out, expected = cublaslt.gelu_mlp(*ins), _dense_mlp(*refs)
+        cot = torch.randn_like(expected)
+        (out * cot).sum().backward()
+        (expected * cot).sum().backward()
+        assert_rel_close(out, expected, TOL, "output")
+        for name, a, r in zip(("x", "w1", "b1", "w2", "b2"), ins, refs):
+            assert a.grad.dtype == r.grad.dtype and a.grad.shape == r.grad.shape
+            assert_rel_close(a.grad, r.grad, TOL, f"grad of {name}")
+
+
+def test_gelu_mlp_in_bf16_gives_fp32_parameters_fp32_gradients():
+    """As under autocast: fp32 inputs and parameters computed in bf16, gradients back in fp32 and
+    close to PyTorch's through the same casts."""
+    torch.manual_seed(0)
+    ins = [torch.randn(4, 6, 16), torch.randn(32, 16) * 0.3, torch.randn(32), torch.randn(16, 32) * 0.3, torch.randn(16)]
+    ins = [t.to(DEVICE).requires_grad_(True) for t in ins]
+    refs = [t.detach().clone().requires_grad_(True) for t in ins]
+    out = cublaslt.gelu_mlp(*ins, dtype=torch.bfloat16)
+    expected = _dense_mlp(*(t.to(torch.bfloat16) for t in refs))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    assert_rel_close(out, expected, 1e-2, "output")  # on the GPU cuBLASLt rounds h and g at other points
+    for name, a, r in zip(("x", "w1", "b1", "w2", "b2"), ins, refs):
+        assert a.grad.dtype == torch.float32
+        assert_rel_close(a.grad, r.grad, 2e-2, f"grad of {name}")
+
+
+def test_gpt2_style_mlp_is_rewritten_to_gelu_mlp(mlp_calls):
+    """bf16 (the dtype cuBLASLt is given): both spellings become one call; on the CPU the ops compute
+    PyTorch's own functions, so the rewritten model matches the original at fp32 precision."""
+    torch.manual_seed(0)
+    model = TanhMLP(d=32).to(DEVICE, torch.bfloat16)  # widths cuBLASLt takes (multiples of 8)
+    reference = copy.deepcopy(model)
+    handle = TritonLayersRung().apply(_state(model))
+    assert handle.sites["gelu_mlp"] == 2 and handle.sites["gelu"] == 0
+    assert any("gelu_mlp ×2" in c for c in handle.changes), handle.changes
+    tol = TOL if DEVICE.type == "cpu" else 2e-2
+    for functional in (False, True):
+        model.functional = reference.functional = functional
+        x = torch.randn(3, 5, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        xr = x.detach().clone().requires_grad_(True)
+        out, expected = model(x), reference(xr)
+        out.float().sum().backward()
+        expected.float().sum().backward()
+        assert_rel_close(out, expected, tol, "output")
+        assert_rel_close(x.grad, xr.grad, tol, "input grad")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_rel_close(p.grad, q.grad, tol, f"grad of {name}")
+            p.grad = q.grad = None
+    assert mlp_calls["gelu_mlp"] == 2
+    handle.undo()
+    assert "forward" not in model.__dict__
+
+
+def test_gelu_mlp_near_misses_keep_the_gelu_kernel():
+    """An exact GELU (cuBLASLt's is the tanh one) or a Linear without bias: the MLP is left alone with
+    the reason; its Linear→GELU pair is still fused by the bias + GELU kernel where it has a bias."""
+    exact, no_bias = TanhMLP(act="none").to(DEVICE), TanhMLP(bias=False).to(DEVICE)
+    handle = TritonLayersRung().apply(_state(exact))
+    # the exact nn.GELU spelling is left as a Linear→GELU pair; the F.gelu(approximate="tanh") one is taken
+    assert handle.sites["gelu_mlp"] == 1 and handle.sites["gelu"] == 1
+    assert any("exact GELU" in n for n in handle.sites["left_alone"]), handle.sites["left_alone"]
+    reason = TritonLayersRung().check(_state(no_bias))
+    assert "without bias" in reason, reason
+
+
+def test_gelu_mlp_in_fp32_runs_the_bias_gelu_kernel(mlp_calls, kernel_calls):
+    """fp32 without autocast: the GEMMs stay PyTorch's (they follow the user's TF32 setting)."""
+    handle = _compare(TanhMLP(), [_x(2, 3, D)])
+    assert handle.sites["gelu_mlp"] == 2 and mlp_calls["gelu_mlp"] == 0 and kernel_calls["bias_gelu"] == 1
+
+
+def test_gelu_mlp_traces_in_one_graph():
+    """Under torch.compile (AOTAutograd: the fake implementations, the backward traced), one graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TanhMLP().to(DEVICE, torch.bfloat16)
+    reference = copy.deepcopy(model)
+    TritonLayersRung().apply(_state(model))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, D, device=DEVICE, dtype=torch.bfloat16)
+    out, expected = compiled(x), reference(x)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    tol = TOL if DEVICE.type == "cpu" else 2e-2
+    assert_rel_close(out, expected, tol, "output")
+    assert_rel_close(model.c_fc.weight.grad, reference.c_fc.weight.grad, tol, "grad of c_fc.weight")
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_gelu_mlp_on_cublaslt_under_autocast_compile_and_graph():
+    """GPT-2 small's MLP widths under bf16 autocast: the cuBLASLt path is taken and matches PyTorch
+    within bf16 rounding, also compiled (Inductor) and replayed from a CUDA graph on fresh inputs."""
+    assert cublaslt.unavailable() is None
+    torch.manual_seed(0)
+    model = TanhMLP(d=768, hidden=3072).cuda()
+    reference = copy.deepcopy(model)
+    TritonLayersRung().apply(_state(model))
+    x = torch.randn(4, 256, 768, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        out, expected = model(x), reference(x)
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    assert any(lt.plans for lt in cublaslt._Lt._per_device.values())  # cuBLASLt ran
+    assert_rel_close(out, expected, 1e-2, "output")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_rel_close(p.grad, q.grad, 2e-2, f"grad of {name}")
+    compiled = torch.compile(model, fullgraph=True)
+    static_x = x.clone()
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            return compiled(static_x).float().square().mean()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            step().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as speedkit's cuda_graph rung captures
+        static_loss = step()
+        static_loss.backward()
+    static_x.copy_(torch.randn_like(x))
+    model.zero_grad(set_to_none=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    reference.zero_grad()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = reference(static_x).float().square().mean()
+    loss.backward()
+    assert_rel_close(static_loss, loss, 1e-2, "graphed loss")
+    assert_rel_close(model.c_proj.weight.grad, reference.c_proj.weight.grad, 2e-2, "graphed grad")

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit import hf_loss, layers, rewrite
-from speedkit.kernels import kernels_available
+from speedkit.kernels import cublaslt, kernels_available
 from speedkit.rewrite import NotRewritable, ParsedForward
 from speedkit.rungs.base import Handle, Rung, nested
 from speedkit.state import TrainState
@@ -87,6 +87,9 @@ class TritonLayersOptions:
     cross_entropy: bool = True
     #: ``GELU(Linear(x))``: the Linear's bias added inside the GELU kernel
     gelu: bool = True
+    #: ``Linear(GELU(Linear(x)))`` with the tanh-GELU: the GELU in the first GEMM's epilogue and its
+    #: derivative in the backward GEMM's (cuBLASLt), also under torch.compile
+    gelu_mlp: bool = True
     #: ``silu(gate) * up``
     swiglu: bool = True
 
@@ -197,10 +200,13 @@ _SCOPES = (ast.Lambda, ast.ClassDef, ast.AsyncFunctionDef, ast.FunctionDef)
 
 @dataclass
 class _Site:
-    kind: str  # "cross_entropy" | "gelu" | "swiglu"
+    kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu"
     line: int
-    fc: str = ""   # gelu: the Linear's attribute
-    act: str = ""  # gelu: the GELU module's attribute ("" for F.gelu)
+    fc: str = ""   # gelu, gelu_mlp: the Linear's attribute
+    act: str = ""  # gelu, gelu_mlp: the GELU module's attribute ("" for F.gelu)
+    proj: str = ""  # gelu_mlp: the outer Linear's attribute (its site is followed by the inner gelu site)
+    #: gelu_mlp: the same call read as a Linear→GELU pair (``self.act(self.fc(x))`` has both readings)
+    alt: _Site | None = None
     #: swiglu, per operand (left, right): "" for ``F.silu(a)``, "attr" for ``self.attr(a)``, None for neither
     silu: tuple[str | None, str | None] = (None, None)
 
@@ -264,18 +270,30 @@ class _Sites(ast.NodeTransformer):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Call) and self._is(node.func, F.cross_entropy):
             return self._match_cross_entropy(node)
+        proj = self._self_call(node)
+        if proj is not None:
+            inner = self._match_gelu(node.args[0])
+            if inner is not None:
+                return _Site("gelu_mlp", line, fc=inner.fc, act=inner.act, proj=proj, alt=self._match_gelu(node))
+        gelu = self._match_gelu(node)
+        if gelu is not None:
+            return gelu
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            silu = (self._silu(node.left), self._silu(node.right))
+            if silu != (None, None):
+                return _Site("swiglu", line, silu=silu)
+        return None
+
+    def _match_gelu(self, node: ast.AST) -> _Site | None:
+        """``self.act(self.fc(x))`` or ``F.gelu(self.fc(x)[, approximate=…])``."""
         if isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred):
             fc = self._self_call(node.args[0])
             if fc is not None:
                 act = rewrite.self_attribute(node.func, self.self_name)
                 if act is not None and not node.keywords:
-                    return _Site("gelu", line, fc=fc, act=act)
+                    return _Site("gelu", getattr(node, "lineno", 0), fc=fc, act=act)
                 if self._is(node.func, F.gelu) and all(k.arg == "approximate" for k in node.keywords):
-                    return _Site("gelu", line, fc=fc)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            silu = (self._silu(node.left), self._silu(node.right))
-            if silu != (None, None):
-                return _Site("swiglu", line, silu=silu)
+                    return _Site("gelu", getattr(node, "lineno", 0), fc=fc)
         return None
 
     def _match_cross_entropy(self, node: ast.Call) -> _Site | None:
@@ -315,10 +333,15 @@ class _Sites(ast.NodeTransformer):
                 value, upcast = self._strip_upcast(keywords[k].value)
                 keywords[k] = ast.keyword(arg="input", value=value)
             return _ops_call("cross_entropy", args, [*keywords, ast.keyword(arg="upcast", value=ast.Constant(upcast))])
-        if site.kind == "gelu":
+        if site.kind == "gelu" or decision == "gelu":
             inner = node.args[0]  # self.fc(x)
             act = node.func if site.act else ast.Constant(None)
             return _ops_call("linear_gelu", [inner.func, act, inner.args[0]], list(node.keywords))
+        if site.kind == "gelu_mlp":  # self.proj(<gelu>), the inner gelu site left as written
+            gelu = node.args[0]
+            fc_call = gelu.args[0]
+            act = gelu.func if site.act else ast.Constant(None)
+            return _ops_call("gelu_mlp", [node.func, act, fc_call.func, fc_call.args[0]], list(gelu.keywords))
         side = 0 if decision == "left" else 1  # the operand holding the silu
         silu, other = (node.left, node.right) if side == 0 else (node.right, node.left)
         gate, up = ast.keyword(arg="gate", value=silu.args[0]), ast.keyword(arg="up", value=other)
@@ -374,23 +397,26 @@ def _compiled(parsed: ParsedForward, decisions: tuple[Any, ...]) -> Callable[...
 def _decide(module: nn.Module, sites: list[_Site], options: TritonLayersOptions) -> tuple[tuple[Any, ...], list[str], list[str]]:
     """Per site of this instance: how to rewrite it (falsy: not); the kinds rewritten; reasons for near misses."""
     decisions, done, notes = [], [], []
+    inside_mlp = False  # the gelu site right after a gelu_mlp site taken is its inner part
     for site in sites:
         ok: Any = False
         note = None
+        kind = site.kind
+        if inside_mlp:
+            inside_mlp = False
+            decisions.append(False)
+            continue
         if site.kind == "cross_entropy":
             ok = options.cross_entropy
+        elif site.kind == "gelu_mlp":
+            if options.gelu_mlp:
+                ok, note = _decide_gelu_mlp(module, site)
+                inside_mlp = bool(ok)
+            if not ok and site.alt is not None and options.gelu:  # the same call read as a Linear→GELU pair
+                ok, alt_note = _decide_gelu(module, site.alt)
+                ok, note, kind = ok and "gelu", note or alt_note, "gelu"
         elif site.kind == "gelu" and options.gelu:
-            fc, act = getattr(module, site.fc, None), getattr(module, site.act, None) if site.act else None
-            if isinstance(fc, nn.Linear) and (not site.act or isinstance(act, nn.GELU)):  # a Linear→GELU pair
-                pair = f"self.{site.fc}→{'self.' + site.act if site.act else 'F.gelu'} (line {site.line})"
-                if type(fc) is not nn.Linear or (site.act and type(act) is not nn.GELU):
-                    note = f"{pair}: a subclass of nn.Linear/nn.GELU (user code)"
-                elif fc.bias is None:
-                    note = f"{pair}: the Linear has no bias to fuse"
-                elif layers.hooked(fc) or (act is not None and layers.hooked(act)):
-                    note = f"{pair}: hooks on the Linear or GELU would be skipped"
-                else:
-                    ok = True
+            ok, note = _decide_gelu(module, site)
         elif site.kind == "swiglu" and options.swiglu:
             for side, attr in zip(("left", "right"), site.silu):
                 act = getattr(module, attr, None) if attr else None
@@ -401,10 +427,41 @@ def _decide(module: nn.Module, sites: list[_Site], options: TritonLayersOptions)
                     note = f"self.{attr}(…) * … (line {site.line}): an nn.SiLU subclass, in place, or with hooks"
         decisions.append(ok)
         if ok:
-            done.append(site.kind)
+            done.append(kind)
         if note:
             notes.append(f"{type(module).__name__}: {note}")
     return tuple(decisions), done, notes
+
+
+def _decide_gelu(module: nn.Module, site: _Site) -> tuple[bool, str | None]:
+    """Whether a Linear→GELU site of this instance is fused; the reason where it nearly was."""
+    fc, act = getattr(module, site.fc, None), getattr(module, site.act, None) if site.act else None
+    if not (isinstance(fc, nn.Linear) and (not site.act or isinstance(act, nn.GELU))):  # not a Linear→GELU pair
+        return False, None
+    pair = f"self.{site.fc}→{'self.' + site.act if site.act else 'F.gelu'} (line {site.line})"
+    if type(fc) is not nn.Linear or (site.act and type(act) is not nn.GELU):
+        return False, f"{pair}: a subclass of nn.Linear/nn.GELU (user code)"
+    if fc.bias is None:
+        return False, f"{pair}: the Linear has no bias to fuse"
+    if layers.hooked(fc) or (act is not None and layers.hooked(act)):
+        return False, f"{pair}: hooks on the Linear or GELU would be skipped"
+    return True, None
+
+
+def _decide_gelu_mlp(module: nn.Module, site: _Site) -> tuple[bool, str | None]:
+    """Whether a Linear(GELU(Linear)) site of this instance goes to cuBLASLt; the reason where it nearly did."""
+    fc, proj = getattr(module, site.fc, None), getattr(module, site.proj, None)
+    act = getattr(module, site.act, None) if site.act else None
+    if not (type(fc) is nn.Linear and type(proj) is nn.Linear and (not site.act or type(act) is nn.GELU)):
+        return False, None
+    mlp = f"self.{site.proj}(…self.{site.fc}…) (line {site.line})"
+    if fc.bias is None or proj.bias is None:
+        return False, f"{mlp}: a Linear without bias (cuBLASLt's epilogue adds one)"
+    if act is not None and act.approximate != "tanh":
+        return False, f"{mlp}: exact GELU; cuBLASLt's epilogue computes the tanh one"
+    if any(layers.hooked(m) for m in (fc, proj, act) if m is not None):
+        return False, f"{mlp}: hooks on the Linears or GELU would be skipped"
+    return True, None  # F.gelu's approximate= is read at run time
 
 
 @functools.lru_cache(maxsize=None)
@@ -498,7 +555,7 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> _Plan:
                 rms_modules.add(id(module))
             elif found:
                 plan.left_alone.append(found)
-    if options.cross_entropy or options.gelu or options.swiglu:
+    if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu:
         targets = [(m, "forward") for m in model.modules() if rewrite.is_user_module(m) and id(m) not in rms_modules
                    and type(m) not in layers.SWAPS.values()]
         if callable(getattr(model, "training_step", None)):
@@ -554,7 +611,7 @@ def apply_triton_layers(model: nn.Module, options: TritonLayersOptions, plan: _P
     for note in plan.left_alone:
         handle.record(f"left alone: {note}")
     handle.sites = {  # type: ignore[attr-defined]
-        **{k: plan.counts.get(k, 0) for k in ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "swiglu")},
+        **{k: plan.counts.get(k, 0) for k in ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu")},
         "left_alone": list(plan.left_alone),
     }
     return handle
@@ -584,4 +641,6 @@ class TritonLayersRung(Rung):
 
     def apply(self, state: TrainState) -> Handle:
         layers.probe_autocast(state.device.type)  # now, not inside the first step (or a CUDA graph capture)
+        if state.device.type == "cuda":
+            cublaslt.unavailable()  # finds (loads) cuBLASLt now, for the same reason
         return apply_triton_layers(state.model, self.options)
