@@ -552,23 +552,19 @@ def test_gelu_mlp_traces_in_one_graph():
 @pytest.mark.gpu
 def test_gelu_mlp_on_cublaslt_under_autocast_compile_and_graph():
     """GPT-2 small's MLP widths under bf16 autocast: the cuBLASLt path is taken and matches PyTorch
-    within bf16 rounding, also compiled (Inductor) and replayed from a CUDA graph on fresh inputs."""
+    within bf16 rounding, also compiled (Inductor) and replayed from a CUDA graph on fresh inputs.
+
+    The graph is captured first, as the cuda_graph rung does it (warm-up on a side stream, the
+    gradients made there). Seen on the H200, not understood: the same capture after this model's
+    eager forward and backward on the default stream, in a fresh pytest process, fails with
+    cudaErrorStreamCaptureImplicit; as a script, after another model's eager run, it does not."""
     assert cublaslt.unavailable() is None
     torch.manual_seed(0)
     model = TanhMLP(d=768, hidden=3072).cuda()
     reference = copy.deepcopy(model)
     TritonLayersRung().apply(_state(model))
-    x = torch.randn(4, 256, 768, device="cuda")
-    with torch.autocast("cuda", torch.bfloat16):
-        out, expected = model(x), reference(x)
-    out.float().square().mean().backward()
-    expected.float().square().mean().backward()
-    assert any(lt.plans for lt in cublaslt._Lt._per_device.values())  # cuBLASLt ran
-    assert_rel_close(out, expected, 1e-2, "output")
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_rel_close(p.grad, q.grad, 2e-2, f"grad of {name}")
     compiled = torch.compile(model, fullgraph=True)
-    static_x = x.clone()
+    static_x = torch.randn(4, 256, 768, device="cuda")
 
     def step():
         with torch.autocast("cuda", torch.bfloat16):
@@ -576,22 +572,34 @@ def test_gelu_mlp_on_cublaslt_under_autocast_compile_and_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            model.zero_grad(set_to_none=False)
+        for _ in range(3):
             step().backward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    model.zero_grad(set_to_none=False)
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as speedkit's cuda_graph rung captures
         static_loss = step()
         static_loss.backward()
-    static_x.copy_(torch.randn_like(x))
-    model.zero_grad(set_to_none=False)
-    graph.replay()
-    torch.cuda.synchronize()
+    for _ in range(2):  # fresh inputs each replay
+        static_x.copy_(torch.randn_like(static_x))
+        model.zero_grad(set_to_none=False)
+        reference.zero_grad()
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = reference(static_x).float().square().mean()
+        loss.backward()
+        assert_rel_close(static_loss, loss, 1e-2, "graphed loss")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_rel_close(p.grad, q.grad, 2e-2, f"graphed grad of {name}")
+    assert any(lt.plans for lt in cublaslt._Lt._per_device.values())  # cuBLASLt ran
+    # eager, uncompiled
+    x = torch.randn(4, 256, 768, device="cuda")
+    model.zero_grad()
     reference.zero_grad()
     with torch.autocast("cuda", torch.bfloat16):
-        loss = reference(static_x).float().square().mean()
-    loss.backward()
-    assert_rel_close(static_loss, loss, 1e-2, "graphed loss")
-    assert_rel_close(model.c_proj.weight.grad, reference.c_proj.weight.grad, 2e-2, "graphed grad")
+        out, expected = model(x), reference(x)
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    assert_rel_close(out, expected, 1e-2, "output")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_rel_close(p.grad, q.grad, 2e-2, f"grad of {name}")

@@ -15,6 +15,7 @@ Functional API (same semantics as the PyTorch functions they stand in for, stati
 * :func:`swiglu` ``(gate, up)`` — ``silu(gate) * up``.
 
 Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+:mod:`speedkit.kernels.cublaslt` holds the GEMMs with cuBLASLt's GELU epilogues (GPT-2's MLP).
 """
 
 from speedkit.kernels.activations import bias_gelu, swiglu

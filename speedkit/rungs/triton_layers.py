@@ -29,7 +29,11 @@ What is swapped, in the order it is done, all on one handle:
    ``eps`` read from one of their float attributes) get an instance ``forward`` calling the kernel.
 3. in the source of user modules' ``forward`` and of the LightningModule's ``training_step``,
    rewritten through :mod:`speedkit.rewrite`: ``F.cross_entropy(logits[.float()][.view(-1, V)], t, …)``,
-   ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` for a Linear with bias and a GELU, and
+   ``self.proj(self.act(self.fc(x)))`` / ``self.proj(F.gelu(self.fc(x), approximate="tanh"))`` for two
+   Linears with biases around a tanh-GELU (GPT-2's MLP: the GELU and its derivative in cuBLASLt's GEMM
+   epilogues, :mod:`speedkit.kernels.cublaslt`, kept under torch.compile; in fp32 without autocast
+   it runs as the next form), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` for a Linear with bias
+   and a GELU, and
    ``F.silu(g) * u`` (or an ``nn.SiLU`` module) become calls to the functions of
    :mod:`speedkit.layers`, which check at run time that the kernel computes what the code would
    and run the code as written otherwise.
