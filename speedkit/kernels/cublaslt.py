@@ -96,14 +96,14 @@ def unavailable() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-class _Lt:
+class Lt:
     """One cuBLASLt handle and workspace per device; a plan (descriptors, algorithm) per GEMM shape."""
 
     _lock = threading.Lock()
-    _per_device: dict[int, _Lt] = {}
+    _per_device: dict[int, Lt] = {}
 
     @classmethod
-    def on(cls, device: torch.device) -> _Lt:
+    def on(cls, device: torch.device) -> Lt:
         index = device.index if device.index is not None else torch.cuda.current_device()
         lt = cls._per_device.get(index)
         if lt is None:
@@ -202,7 +202,7 @@ def _linear_gelu_aux_lt(x: Tensor, w: Tensor, b: Tensor) -> tuple[Tensor, Tensor
     (M, K), N = x.shape, w.shape[0]
     g, h = x.new_empty(M, N), x.new_empty(M, N)
     # column-major: gᵀ (N×M) = op(w) (N×K) · xᵀ (K×M); w is stored K×N (ld K), x K×M (ld K)
-    _Lt.on(x.device).gemm(w, True, x, False, g, N, M, K, K, K, N, "GELU_AUX_BIAS", bias=b, aux=h, aux_ld=N)
+    Lt.on(x.device).gemm(w, True, x, False, g, N, M, K, K, K, N, "GELU_AUX_BIAS", bias=b, aux=h, aux_ld=N)
     return g, h
 
 
@@ -210,7 +210,7 @@ def _linear_dgelu_lt(dy: Tensor, w: Tensor, h: Tensor) -> Tensor:
     (M, N), K = dy.shape, w.shape[1]
     dh = dy.new_empty(M, K)
     # column-major: dhᵀ (K×M) = w (K×N, stored as such, ld K) · dyᵀ (N×M, ld N), then · gelu'(hᵀ)
-    _Lt.on(dy.device).gemm(w, False, dy, False, dh, K, M, N, K, N, K, "DGELU", aux=h, aux_ld=K)
+    Lt.on(dy.device).gemm(w, False, dy, False, dh, K, M, N, K, N, K, "DGELU", aux=h, aux_ld=K)
     return dh
 
 
