@@ -28,7 +28,6 @@ Usage: PYTHONPATH=. python bench/gemm_epilogues.py [--tokens 16384] [--width 768
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +35,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels import measure_graphed, rel_err  # noqa: E402
 from speedkit.kernels.cublaslt import Lt  # noqa: E402
+
+DEV = torch.device("cuda")
 
 
 class RowMajor:
@@ -67,33 +69,9 @@ class RowMajor:
         self.lt.gemm(x, False, dy, True, dw, K, N, M, K, N, K, "BGRADB", bias=db)
 
 
-def timed(fn, windows: int = 15, reps: int = 10) -> float:
-    """Median ms per call of a CUDA graph holding `reps` calls of fn, over windows after warm-up."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(windows):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
-
-
-def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+def timed(fn) -> float:
+    """Median us per call: 10 calls captured in one CUDA graph, replayed on the step clock (bench.kernels)."""
+    return measure_graphed(fn, DEV, sets=10, warmup=3, steps=10, repeats=15)[0] * 1000
 
 
 def main() -> None:
@@ -129,7 +107,7 @@ def main() -> None:
     torch.cuda.synchronize()
     hf = x.float() @ w1.float().t() + b1.float()
     gf = F.gelu(hf, approximate="tanh")
-    print(f"check fwd: h rel {rel(h, hf):.2e} (torch {rel(h_ref, hf):.2e}), g rel {rel(g, gf):.2e} (torch {rel(g_ref, gf):.2e})")
+    print(f"check fwd: h rel {rel_err(h, hf):.2e} (torch {rel_err(h_ref, hf):.2e}), g rel {rel_err(g, gf):.2e} (torch {rel_err(g_ref, gf):.2e})")
 
     # backward through the GELU: mm + Inductor's gelu backward and bias sum against DGELU_BGRAD
     dg_ref = dy @ w2
@@ -138,8 +116,8 @@ def main() -> None:
     lt.dgelu(dy, w2, h_ref, dh, db1)
     torch.cuda.synchronize()
     dhf = torch.ops.aten.gelu_backward(dy.float() @ w2.float(), h_ref.float(), approximate="tanh")
-    print(f"check dgelu: dh rel {rel(dh, dhf):.2e} (torch {rel(dh_ref, dhf):.2e}), "
-          f"db1 rel {rel(db1, dhf.sum(0)):.2e} (torch {rel(db1_ref, dhf.sum(0)):.2e})")
+    print(f"check dgelu: dh rel {rel_err(dh, dhf):.2e} (torch {rel_err(dh_ref, dhf):.2e}), "
+          f"db1 rel {rel_err(db1, dhf.sum(0)):.2e} (torch {rel_err(db1_ref, dhf.sum(0)):.2e})")
 
     # weight gradient with the bias gradient: mm + sum against BGRADB
     dw2, db2 = torch.empty(C, Fh, **bf), torch.empty(C, **bf)
@@ -148,9 +126,9 @@ def main() -> None:
     dw2f = dy.float().t() @ g_ref.float()
     lt.dgelu(dy, w2, h_ref, dh)
     torch.cuda.synchronize()
-    print(f"check dgelu alone: dh rel {rel(dh, dhf):.2e}")
-    print(f"check bgradb: dW2 rel {rel(dw2, dw2f):.2e} (torch {rel(dy.t() @ g_ref, dw2f):.2e}), "
-          f"db2 rel {rel(db2, dy.float().sum(0)):.2e}")
+    print(f"check dgelu alone: dh rel {rel_err(dh, dhf):.2e}")
+    print(f"check bgradb: dW2 rel {rel_err(dw2, dw2f):.2e} (torch {rel_err(dy.t() @ g_ref, dw2f):.2e}), "
+          f"db2 rel {rel_err(db2, dy.float().sum(0)):.2e}")
 
     out_h = torch.empty(M, Fh, **bf)
     rows = []
@@ -189,8 +167,8 @@ def main() -> None:
     rows.append(("proj dW + db2: mm + sum", timed(base_wgrad)))
     rows.append(("proj dW: mm alone", timed(lambda: torch.mm(dy.t(), g_ref, out=dw_buf))))
     rows.append(("proj dW + db2: cuBLASLt BGRADB", timed(lambda: lt.weight_grad_bgrad(dy, g_ref, dw2, db2))))
-    for name, ms in rows:
-        print(f"  {ms * 1000:8.1f} us  {name}")
+    for name, us in rows:
+        print(f"  {us:8.1f} us  {name}")
 
 
 if __name__ == "__main__":

@@ -136,8 +136,9 @@ class Lt:
                                                         ctypes.c_uint64(cols), ctypes.c_int64(ld)), "layout")
         return layout
 
-    def _plan(self, key: tuple, dtype: int, bias_dtype: int | None, has_aux: bool) -> tuple:
-        ta, tb, m, n, k, lda, ldb, ldd, epilogue, aux_ld = key
+    def _plan(self, key: tuple) -> tuple:
+        ta, tb, m, n, k, lda, ldb, ldd, epilogue, aux_ld, d_dtype, b_dtype, has_aux = key
+        dtype, bias_dtype = _DATA_TYPES[d_dtype], None if b_dtype is None else _DATA_TYPES[b_dtype]
         desc = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor")
         self._set(desc, "TRANSA", ctypes.c_int32(OP_T if ta else OP_N))
@@ -167,12 +168,10 @@ class Lt:
     def gemm(self, a: Tensor, ta: bool, b: Tensor, tb: bool, d: Tensor, m: int, n: int, k: int, lda: int, ldb: int,
              ldd: int, epilogue: str = "DEFAULT", bias: Tensor | None = None, aux: Tensor | None = None, aux_ld: int = 0) -> None:
         """Column-major ``D (m×n) = op(A) (m×k) · op(B) (k×n)`` with an epilogue, on the current stream."""
-        dtype = _DATA_TYPES[d.dtype]
-        key = (ta, tb, m, n, k, lda, ldb, ldd, epilogue, aux_ld)
-        plan = self.plans.get(key + (d.dtype, bias is not None, aux is not None))
+        key = (ta, tb, m, n, k, lda, ldb, ldd, epilogue, aux_ld, d.dtype, None if bias is None else bias.dtype, aux is not None)
+        plan = self.plans.get(key)
         if plan is None:
-            plan = self._plan(key, dtype, None if bias is None else _DATA_TYPES[bias.dtype], aux is not None)
-            self.plans[key + (d.dtype, bias is not None, aux is not None)] = plan
+            plan = self.plans[key] = self._plan(key)
         desc, la, lb, ld_, found = plan
         if bias is not None:
             self._set(desc, "BIAS_POINTER", ctypes.c_void_p(bias.data_ptr()))
