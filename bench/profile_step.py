@@ -75,6 +75,11 @@ CONFIGS = {
     "graph/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"combo_kernels": True}}}, "cuda_graph"],
     "graph/mlp": BASE + [CE_MLP, "compile", "cuda_graph"],  # + the MLP on cuBLASLt's epilogues
     "recipe/mlp": BASE + [CE_MLP, CDT, "cuda_graph"],
+    # Inductor's mix-order LayerNorm backward with fewer, longer splits: its partial weight/bias sums
+    # (one fp32 row per split) are summed by an aten.sum after the kernel, 2 per norm. H200, alternated
+    # with graph/mlp (31.54, 31.59 ms): split32 31.69, split64 31.51/31.62, split128 31.48/31.63 ms: no gain
+    **{f"graph/mlp/split{n}": BASE + [CE_MLP, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction_split_size": n}}}, "cuda_graph"]
+       for n in (32, 64, 128)},
 }
 KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
          ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
