@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import copy
 import dataclasses
 import inspect
+import json
 import random
 import sys
 import time
@@ -155,6 +157,103 @@ class InForward(_Base):
         return self.net(batch).sum()
 
 
+class SuperStep(Prints):
+    """The step is the parent's, reached through ``super()``."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx)
+
+
+class ClassMethodHelper(_Base):
+    @classmethod
+    def reduce(cls, out):
+        return out * out.abs().max().item()
+
+    def training_step(self, batch, batch_idx):
+        return self.reduce(self.net(batch)).sum()
+
+
+def _jitter(loss):
+    """A helper at module level, not a method."""
+    return loss * random.uniform(0.9, 1.1)
+
+
+class FunctionHelper(_Base):
+    def training_step(self, batch, batch_idx):
+        return _jitter(self.net(batch).sum())
+
+
+class NamedMask(_Base):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        keep = y != -100
+        out = self.net(x)
+        return out[keep].sum()
+
+
+class TensorRepeats(_Base):
+    def training_step(self, batch, batch_idx):
+        x, counts = batch
+        return self.net(x).repeat_interleave(counts, dim=0).sum()
+
+
+class GlobalStepBranch(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        if self.global_step % 100 == 0:
+            loss = loss * 2
+        return loss
+
+
+class AnnealedWeight(_Base):
+    """A KL weight annealed with the global step: a Python number the graph would bake in."""
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch)
+        beta = min(1.0, self.global_step / 1000)
+        return out.pow(2).mean() + beta * out.abs().mean()
+
+
+class AfterSubscriptAssign(_Base):
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch)
+        out[:, 0] = 0
+        if out.sum() > 0:
+            out = out * 2
+        return out.sum()
+
+
+class AfterAugAssign(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).sum()
+        loss += 0.1
+        if loss > 1:
+            loss = loss / 2
+        return loss
+
+
+class ForwardHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def _scale(self, y):
+        print("scale", y.shape)
+        return y * 2
+
+    def forward(self, x):
+        return self._scale(self.lin(x))
+
+
+class InForwardHelper(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = ForwardHelper()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+
 UNSAFE = [
     (ItemSync, "host sync", "`.item()`", "loss.item()"),
     (BoolSync, "host sync", "`float(...)`", "float(loss)"),
@@ -171,12 +270,23 @@ UNSAFE = [
     (AppendsToSelf, "host work", "`self.seen.append`", "self.seen.append"),
     (HelperSyncs, "host sync", "`.item()`", "loss.item()"),
     (InForward, "data-dependent control flow", "per-step value (y)", "while y.abs().max() > 1"),
+    (SuperStep, "host work", "`print`", "print("),
+    (ClassMethodHelper, "host sync", "`.item()`", "out.abs().max().item()"),
+    (FunctionHelper, "host work", "host random number", "random.uniform(0.9, 1.1)"),
+    (NamedMask, "dynamic shape", "boolean mask", "out[keep]"),
+    (TensorRepeats, "dynamic shape", "`repeat_interleave`", "repeat_interleave(counts"),
+    (GlobalStepBranch, "data-dependent control flow", "per-step value (self.global_step)", "if self.global_step % 100"),
+    (AnnealedWeight, "data-dependent control flow", "host number that changes every step (beta)", "beta * out"),
+    (AfterSubscriptAssign, "data-dependent control flow", "per-step value (out)", "if out.sum() > 0"),
+    (AfterAugAssign, "data-dependent control flow", "per-step value (loss)", "if loss > 1"),
+    (InForwardHelper, "host work", "`print`", 'print("scale"'),
 ]
 
 
 def _line_of(cls: type, snippet: str) -> int:
     """The file line of ``snippet`` in the class's source (or its helper/forward)."""
-    for obj in (cls, ForwardBranches):
+    bases = [k for k in cls.__mro__[1:] if k.__module__ == __name__]
+    for obj in (cls, *bases, ForwardBranches, ForwardHelper, _jitter):
         lines, start = inspect.getsourcelines(obj)
         for i, line in enumerate(lines):
             if snippet in line:
@@ -261,6 +371,79 @@ def test_the_capture_check_finds_random_numbers_drawn_on_the_host_and_names_the_
 
 def test_safe_step_passes_the_check():
     assert scan_step(Safe()) == []
+
+
+class TensorProperties(_Base):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if not x.is_contiguous() or not x.is_floating_point():
+            x = x.contiguous().float()
+        return self.net(x).sum() / x.nelement()
+
+
+class BatchKeys(_Base):
+    def training_step(self, batch, batch_idx):
+        x = batch["x"]
+        if "weight" in batch:
+            x = x * batch["weight"]
+        return self.net(x).sum()
+
+
+class LoopsOverTheBatch(_Base):
+    def training_step(self, batch, batch_idx):
+        loss = 0
+        for x, y in zip(*batch):
+            loss = loss + nn.functional.mse_loss(self.net(x), y)
+        for part in batch:
+            loss = loss + 0 * part.sum()
+        return loss
+
+
+class MaskedFillByIndexing(_Base):
+    """``t[mask] = number`` is ``masked_fill_``: no data-dependent size."""
+
+    def training_step(self, batch, batch_idx):
+        x, labels = batch
+        labels = labels.clone()
+        labels[labels == 0] = -100
+        logits = self.net(x)
+        logits[logits < -5] = float("-inf")
+        return nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+
+
+class NumberRepeats(_Base):
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).repeat_interleave(2, dim=0).sum()
+
+
+class IndexPassedToHelper(_Base):
+    def training_step(self, batch, batch_idx):
+        return self._shared_step(batch, batch_idx, "train")
+
+    def _shared_step(self, batch, batch_idx, stage):
+        loss = self.net(batch).sum()
+        self.log(f"{stage}_loss", loss)
+        return loss
+
+
+class CallsTheStandardLibrary(_Base):
+    """Python's own library is not the user's code: not read (`json.dumps` branches on its options)."""
+
+    def training_step(self, batch, batch_idx):
+        tags = json.dumps({"stage": "train"})
+        kept = copy.deepcopy(self.seen)
+        return self.net(batch).sum() * (len(tags) + len(kept))
+
+
+SAFE = [TensorProperties, BatchKeys, LoopsOverTheBatch, MaskedFillByIndexing, NumberRepeats, IndexPassedToHelper,
+        CallsTheStandardLibrary]
+
+
+@pytest.mark.parametrize("cls", SAFE, ids=[c.__name__ for c in SAFE])
+def test_capture_check_passes_what_replays_the_same(cls):
+    """Tensor properties a graph fixes, the batch's own structure, `t[mask] = 0.0`, number repeats and
+    the batch index passed on to a helper that does not compute with it: no refusal."""
+    assert scan_step(cls()) == [], [str(b) for b in scan_step(cls())]
 
 
 def test_demo_models_pass_the_check():
