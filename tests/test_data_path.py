@@ -371,6 +371,85 @@ def test_check_says_why_not():
     assert "not a torch DataLoader" in DataPathRung().check(plain)
 
 
+def _mixup(items):
+    """A collate_fn that mixes each batch by a draw from the global RNG (torchvision's CutMix/MixUp recipe)."""
+    index, x, worker = torch.utils.data.default_collate(items)
+    return index, x * torch.rand(()), worker
+
+
+@pytest.mark.parametrize("workers", [(0, 2), (1, 2), (1, 0)], ids=["0->2", "1->2", "1->0"])
+def test_the_worker_count_is_kept_where_the_collate_fn_draws_random_numbers(workers):
+    """Workers run the collate_fn too, each from its own seed: another worker count mixes every batch by
+    other numbers. Before, only the dataset was probed and the rung changed the count."""
+    loader = DataLoader(Indexed(), batch_size=4, shuffle=True, collate_fn=_mixup, num_workers=workers[0])
+    state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
+    reason = rungs.make({"name": "data_path", "options": {"workers": workers[1]}}).check(state)
+    assert reason.startswith("nothing to change"), reason
+    assert (f"num_workers kept at {workers[0]}: its collate_fn draws random numbers (calling it draws from the torch RNG)"
+            in reason), reason
+    assert worker_dependence(Indexed(), torch.utils.data.default_collate) is None
+
+
+class OwnGenerators(Indexed):
+    """Augments from generators of its own (torch's and NumPy's), not from the process RNGs."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        super().__init__()
+        self.g, self.rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+
+    def __getitem__(self, i: int):
+        index, x, worker = super().__getitem__(i)
+        return index, x + torch.rand(4, generator=self.g) + float(self.rng.random()), worker
+
+
+def test_generators_a_dataset_keeps_of_its_own_are_where_they_were_after_probing_measuring_and_trials():
+    """Reading samples here moves a dataset's own generators: the probe, the measurement without workers
+    and the trials left them moved, so the user's loop saw other samples even where nothing was changed."""
+    dataset = OwnGenerators()
+    loader = DataLoader(dataset, batch_size=4, shuffle=True)
+
+    def states():
+        return dataset.g.get_state(), dataset.rng.bit_generator.state
+
+    before = states()
+    state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
+    reason = rungs.make({"name": "data_path", "options": {"workers": 2}}).check(state)  # probed
+    assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
+    assert "num_workers kept at 0: its samples draw random numbers (reading one draws from its own torch.Generator and " \
+           "its own numpy.Generator)" in reason, reason
+    choose_settings(loader, CPU, workers=0, pin_memory=False, max_s=0.05)  # measured, here without workers
+    assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
+    source = BatchSource(loader, CPU)
+    saved = source.state_dict()  # what a snapshot before the trials keeps
+    list(source.iterable)
+    assert states()[1] != before[1]
+    source.load_state_dict(saved)
+    assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
+
+
+@pytest.mark.parametrize("loader, options, why", [
+    (dict(dataset=Indexed(3), drop_last=True), {}, "the loader is left as it is: data: the train loader yielded no batch"),
+    (dict(dataset=Indexed(), num_workers=1, timeout=30), {"workers": 0},
+     "num_workers kept at 1: the loader sets timeout=30, which needs num_workers > 0"),
+    (dict(dataset=Indexed(), num_workers=1, multiprocessing_context="spawn"), {"workers": 0},
+     "num_workers kept at 1: the loader names a multiprocessing context, which needs num_workers > 0")],
+    ids=["no-batch", "timeout", "multiprocessing-context"])
+def test_a_loader_that_cannot_take_the_settings_is_left_as_it_is_with_the_reason(loader, options, why, monkeypatch):
+    """A loader whose drop_last leaves no batch, or whose timeout or multiprocessing context a loader
+    without workers refuses: check says why, where before it raised (the timeout: torch's AssertionError)."""
+    if options:  # the worker candidates are not started: their rate is made up
+        monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=lambda s: 100.0))
+    loader = DataLoader(batch_size=4, **loader)
+    state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
+    reason = rungs.make({"name": "data_path", "options": options}).check(state)
+    assert reason.startswith("nothing to change") and why in reason and "\n" not in reason, reason
+    if loader.timeout:
+        with pytest.raises(ConfigError, match="timeout=30, which needs num_workers > 0"):
+            rebuild_loader(loader, num_workers=0, pin_memory=False, persistent_workers=False, prefetch_factor=None)
+
+
 def test_overridden_transfer_hooks_are_found_on_the_module_and_the_datamodule():
     class Hooked(pl.LightningModule):
         def on_before_batch_transfer(self, batch, dataloader_idx):

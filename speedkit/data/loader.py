@@ -15,9 +15,10 @@ Which of those keep every sample *exactly* as it was (``exact`` mode):
   dispatched ahead (``prefetch_factor`` per worker) made and dropped; persistent workers carry what
   making them drew into every later epoch, so another factor would change later augmentations.
 * ``num_workers``: only when a sample does not depend on the random state of the process that makes
-  it (:func:`worker_dependence` probes the dataset): each worker seeds its RNGs from the loader's
-  base seed and its worker id, so a dataset that augments with ``torch.rand`` would draw other
-  numbers for the same index with another worker count. An ``IterableDataset`` is replicated per
+  it (:func:`worker_dependence` probes the dataset, and the collate_fn, which workers run too): each
+  worker seeds its RNGs from the loader's base seed and its worker id, so a dataset that augments
+  with ``torch.rand`` (or a collate_fn that mixes batches) would draw other numbers for the same index
+  with another worker count. An ``IterableDataset`` is replicated per
   worker, so its stream depends on the worker count: never changed.
   A sampler with a generator of its own is read to its end by workers, and may draw from it once
   more there (:func:`in_process_change_blocker`); where the fit without workers would not read it
@@ -47,7 +48,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from speedkit import compat
-from speedkit.data.source import batch_leaves, loader_generators, move_to_device
+from speedkit.data.source import (
+    PrivateRngStates,
+    batch_leaves,
+    loader_generators,
+    loader_rng_owners,
+    move_to_device,
+    rng_object_state,
+)
 from speedkit.errors import ConfigError
 from speedkit.snapshot import rng_state, set_rng_state
 
@@ -93,6 +101,16 @@ def not_rebuildable(loader: Any) -> str | None:
     return None
 
 
+def needs_workers(loader: DataLoader) -> str | None:
+    """What of ``loader``'s own settings a loader without workers refuses (a ``timeout``, a
+    multiprocessing context), else None."""
+    if loader.multiprocessing_context is not None:
+        return "the loader names a multiprocessing context"
+    if loader.timeout:
+        return f"the loader sets timeout={loader.timeout}"
+    return None
+
+
 def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, persistent_workers: bool,
                    prefetch_factor: int | None, worker_cpus: tuple[int, ...] | None = None,
                    stop_at_length: bool = False) -> DataLoader:
@@ -115,8 +133,8 @@ def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, pe
         raise ConfigError("data.num_workers", "persistent_workers and prefetch_factor need num_workers > 0")
     if num_workers > 0 and prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
         raise ConfigError("data.prefetch_factor", f"expected an integer >= 1, found {prefetch_factor!r}")
-    if num_workers == 0 and loader.multiprocessing_context is not None:
-        raise ConfigError("data.num_workers", "the loader names a multiprocessing context, which needs num_workers > 0")
+    if num_workers == 0 and (needs := needs_workers(loader)) is not None:
+        raise ConfigError("data.num_workers", f"{needs}, which needs num_workers > 0")
     clone = compat.trial_loader(loader)  # a shallow copy without the live iterator
     clone.num_workers = num_workers
     clone.pin_memory = bool(pin_memory)
@@ -204,14 +222,20 @@ class WorkerDependence:
         return self.what if self.effect is None else f"{self.what}: {self.effect}"
 
 
-def worker_dependence(dataset: Any) -> WorkerDependence | None:
+def worker_dependence(dataset: Any, collate_fn: Callable[[Any], Any] | None = None, *,
+                      batched: bool = True) -> WorkerDependence | None:
     """None when changing the number of workers leaves every sample as it is; else why it would not.
 
     A map-style dataset's first, middle and last items are each read twice, under two different seeds
     of every RNG a worker seeds (torch, Python, NumPy); the RNG states are put back afterwards. A read that moves
     one of those RNGs draws from the worker's random state, whatever it made of the draw (a flip with
-    probability 0.5 may flip under neither seed); samples that differ depend on it too. An
-    ``IterableDataset`` is split (or replicated) by worker: its stream is the worker count's.
+    probability 0.5 may flip under neither seed); samples that differ depend on it too. A read that
+    moves a generator the dataset keeps of its own (:func:`~speedkit.data.source.private_rngs`) does too:
+    each worker draws from its own copy of it; those generators are put back afterwards as well.
+    ``collate_fn`` (the loader's, unless torch's default), which workers run too, is probed the same
+    way on those samples (a list of them; ``batched=False``: the first, as a loader without automatic
+    batching calls it). An ``IterableDataset`` is split (or replicated) by worker: its stream is the
+    worker count's.
     """
     if isinstance(dataset, IterableDataset):
         return WorkerDependence("an IterableDataset yields per worker", "its stream depends on the number of workers")
@@ -221,29 +245,60 @@ def worker_dependence(dataset: Any) -> WorkerDependence | None:
         return WorkerDependence("the dataset has no length to probe")
     if length < 1:
         return WorkerDependence("the dataset is empty")
-    saved = rng_state()
-    drew: list[str] = []
-    differs = False
+    if collate_fn in _PURE_COLLATES:
+        collate_fn = None
+    saved, private = rng_state(), PrivateRngStates.capture(dataset, collate_fn)
+    found: dict[str, tuple[list[str], bool]] = {}
+
+    def probe(what: str, read: Callable[[], Any]) -> Any:
+        results, drew = [], []
+        for seed in (1, 2):
+            seeded = _seeded(seed)
+            set_rng_state({**saved, **seeded})
+            before = [rng_object_state(g) for g, _ in private.states]
+            results.append(read())
+            now = rng_state()
+            drew += [name for name, state in seeded.items() if not _same(now.get(name), state)]
+            drew += [f"its own {type(g).__module__.split('.')[0]}.{type(g).__name__}"
+                     for (g, _), state in zip(private.states, before) if not _same(rng_object_state(g), state)]
+        was = found.get(what, ([], False))
+        found[what] = (was[0] + drew, was[1] or not _same(results[0], results[1]))
+        return results[0]
+
+    stage = "reading a sample"
     try:
-        for index in sorted({0, length // 2, length - 1}):
-            samples = []
-            for seed in (1, 2):
-                seeded = _seeded(seed)
-                set_rng_state({**saved, **seeded})
-                samples.append(dataset[index])
-                now = rng_state()
-                drew += [name for name, state in seeded.items() if not _same(now.get(name), state)]
-            differs = differs or not _same(samples[0], samples[1])
+        samples = [probe("samples", lambda: dataset[index]) for index in sorted({0, length // 2, length - 1})]
+        if collate_fn is not None:
+            stage = "calling its collate_fn"
+            probe("collate_fn", lambda: collate_fn(list(samples) if batched else samples[0]))
     except Exception as exc:  # a dataset that cannot be read here: assume the worst
-        return WorkerDependence(f"reading a sample to probe it raised {type(exc).__name__}")
+        return WorkerDependence(f"{stage} to probe it raised {type(exc).__name__}")
     finally:
         set_rng_state(saved)
-    why = (f"reading one draws from the {' and '.join(sorted(set(drew), key=drew.index))} RNG" if drew
-           else "the same index read under two seeds differs" if differs else None)
-    if why is not None:
-        return WorkerDependence(f"its samples draw random numbers ({why})",
-                                "each worker seeds its own RNGs, so another worker count would draw other numbers")
+        private.restore()
+    for what, (drew, differs) in found.items():
+        process = [name for name in dict.fromkeys(drew) if not name.startswith("its own")]
+        own = [name for name in dict.fromkeys(drew) if name.startswith("its own")]
+        sources = ([f"the {' and '.join(process)} RNG"] if process else []) + own
+        why = (f"{'reading one' if what == 'samples' else 'calling it'} draws from {' and '.join(sources)}" if drew
+               else "the same index read under two seeds differs" if differs and what == "samples"
+               else "the same samples collated under two seeds differ" if differs else None)
+        if why is not None:
+            owner = "its samples draw" if what == "samples" else "its collate_fn draws"
+            return WorkerDependence(f"{owner} random numbers ({why})",
+                                    "each worker seeds its own RNGs, so another worker count would draw other numbers")
     return None
+
+
+def _pure_collates() -> tuple[Any, ...]:
+    from torch.utils.data import default_collate, default_convert
+    from torch.utils.data._utils import collate
+
+    return (default_collate, default_convert, collate.default_collate, collate.default_convert)
+
+
+#: torch's own collate functions, which draw no random numbers
+_PURE_COLLATES = _pure_collates()
 
 
 def in_process_change_blocker(loader: DataLoader) -> str | None:
@@ -680,7 +735,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     ``worker_cpus``: the workers of every candidate run on those CPUs (see :func:`training_cpus`), and
     there are at most that many. Each is measured by ``measure`` (default: :func:`loader_rate` of the rebuilt
     loader on ``clock``); the cheapest (fewest workers, fewest buffered batches, unpinned) within
-    ``tolerance`` of the best allowed rate wins. The RNG and generator states are put back afterwards.
+    ``tolerance`` of the best allowed rate wins. The RNG and generator states (the process's, the loader's, and
+    those its dataset, samplers and collate_fn keep of their own) are put back afterwards.
     """
     device = torch.device(device)
     current = LoaderSettings.of(loader)
@@ -717,6 +773,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
                               "new base seed every epoch and change the shuffle (exact mode)")
         counts.remove(0)
     saved = RngStates.capture(loader_generators(loader))
+    private = PrivateRngStates.capture(*loader_rng_owners(loader))  # a dataset's own generator, read here without workers
     rates: dict[LoaderSettings, float] = {}
     try:
         for s in [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]:
@@ -729,6 +786,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
                 rates[s] = run(s)
     finally:
         saved.restore()
+        private.restore()
     eligible = [s for s in rates if allowed(s)]
     best = max(rates[s] for s in eligible)
     chosen = min((s for s in eligible if rates[s] >= best * (1 - tolerance)), key=lambda s: (s.cost, -rates[s]))
@@ -742,7 +800,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
 __all__ = ["Choice", "IteratorStart", "LoaderSettings", "RngStates", "WorkerAffinity", "allowed_cpus", "available_cpus",
            "choose_settings", "core_siblings", "current_cpu", "format_cpu_list", "host_share", "machine_cpus", "parse_cpu_list",
            "physical_cores", "training_cpus",
-           "fit_iterator_start", "in_process_change_blocker", "index_sampler", "iterate_with_threads_kept", "keep_threads_on", "loader_rate", "needs_stop_at_length", "not_rebuildable",
+           "fit_iterator_start", "in_process_change_blocker", "needs_workers", "index_sampler", "iterate_with_threads_kept", "keep_threads_on", "loader_rate", "needs_stop_at_length", "not_rebuildable",
            "reads_sampler_to_its_end", "rebuild_loader", "StopAtLength", "tensor_bytes", "watch_fit_iterator_start",
            "WorkerDependence", "worker_counts", "worker_dependence"]
 

@@ -7,8 +7,9 @@ A source gives the engine
   would: its workers, its collation, its transfer;
 * **parity batches kept on the host** (:meth:`BatchSource.parity_batches`), copied once, moved to
   the device when a trial uses them, so they hold no device memory while other rungs are timed;
-* the **state iteration consumes** (the loader's and sampler's own generators) so a snapshot can
-  put the data order back exactly after trials.
+* the **state iteration consumes** (the loader's and sampler's own generators, and those its
+  dataset, samplers and collate_fn keep in their attributes) so a snapshot can put the data order
+  and the samples back exactly after trials.
 
 :class:`BatchSource` itself serves any iterable of batches (``speedkit.apply``); the Lightning source
 (:class:`speedkit.lightning.source.LightningSource`) serves the Trainer's own train dataloader
@@ -19,6 +20,9 @@ through Lightning's transfer hooks. A data-path rung wraps ``state.data`` the wa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -100,6 +104,113 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def rng_object_state(obj: Any) -> Any:
+    """The state of a random generator object (a ``torch.Generator``, NumPy ``Generator`` or
+    ``RandomState``, Python ``random.Random``); None when ``obj`` is none of those."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, random.Random):
+        return obj.getstate()
+    kind = type(obj).__module__ or ""
+    if kind.startswith("numpy.random"):
+        if hasattr(obj, "bit_generator"):  # numpy.random.Generator
+            return obj.bit_generator.state
+        if hasattr(obj, "get_state"):  # numpy.random.RandomState
+            return obj.get_state()
+    return None
+
+
+def set_rng_object_state(obj: Any, state: Any) -> None:
+    """Put a generator found by :func:`private_rngs` back to ``state`` (from :func:`rng_object_state`)."""
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, random.Random):
+        obj.setstate(state)
+    elif hasattr(obj, "bit_generator"):
+        obj.bit_generator.state = state
+    else:
+        obj.set_state(state)
+
+
+def private_rngs(*roots: Any, depth: int = 4, visit_limit: int = 512, width: int = 64) -> list[Any]:
+    """The random generator objects a dataset, sampler or collate_fn keeps of its own (in attributes,
+    small lists, tuples and dicts, ``functools.partial`` arguments, closures and bound methods, up to
+    ``depth`` levels down): reading samples draws from them, and the process RNGs' states
+    (:func:`speedkit.snapshot.rng_state`) do not hold them. Large containers (over ``width`` items)
+    and modules are not searched."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> None:
+        if id(obj) in seen or len(seen) >= visit_limit:
+            return
+        seen.add(id(obj))
+        if rng_object_state(obj) is not None:
+            found.append(obj)
+            return
+        if level >= depth or obj is None or isinstance(obj, (str, bytes, int, float, complex, torch.Tensor, type,
+                                                             types.ModuleType, types.BuiltinFunctionType)):
+            return
+        children: Iterable[Any]
+        if isinstance(obj, dict):
+            children = obj.values() if len(obj) <= width else ()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj if len(obj) <= width else ()
+        elif isinstance(obj, functools.partial):
+            children = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, types.MethodType):
+            children = [obj.__self__, obj.__func__]
+        elif isinstance(obj, types.FunctionType):
+            children = [cell.cell_contents for cell in obj.__closure__ or () if _cell_filled(cell)]
+        else:
+            try:
+                attributes = vars(obj)
+            except Exception:  # no __dict__ (slots, builtins), or a proxy that refuses it
+                attributes = None
+            children = attributes.values() if isinstance(attributes, dict) and len(attributes) <= width else ()
+        for child in list(children):
+            visit(child, level + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return found
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def loader_rng_owners(loader: Any) -> list[Any]:
+    """What iterating ``loader`` may draw from besides the process RNGs and the generators of
+    :func:`loader_generators`: its dataset, sampler, batch sampler and collate_fn (each one's for
+    several loaders), where :func:`private_rngs` looks."""
+    if isinstance(loader, dict):
+        loader = list(loader.values())
+    owners: list[Any] = []
+    for one in loader if isinstance(loader, (list, tuple)) else [loader]:
+        owners += [getattr(one, name, None) for name in ("dataset", "sampler", "batch_sampler", "collate_fn")]
+    return [o for o in owners if o is not None]
+
+
+@dataclasses.dataclass
+class PrivateRngStates:
+    """The states of the generators :func:`private_rngs` finds in ``roots``, at one moment."""
+
+    states: list[tuple[Any, Any]]
+
+    @classmethod
+    def capture(cls, *roots: Any) -> PrivateRngStates:
+        return cls([(g, rng_object_state(g)) for g in private_rngs(*roots)])
+
+    def restore(self) -> None:
+        for g, state in self.states:
+            set_rng_object_state(g, state)
+
+
 def chain_epochs(make_epoch: Callable[[], Iterator[Any]]) -> Iterator[Any]:
     """Batches epoch after epoch, each epoch's iterator made by ``make_epoch()`` when its first batch
     is asked for (not before the last batch of the epoch before is handed out); an epoch without a
@@ -154,11 +265,17 @@ class BatchSource:
         return loader_generators(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generators": [g.get_state() for g in self.generators()]}
+        """The loader's generators' states, and those of the generators its dataset, samplers and
+        collate_fn keep of their own (:func:`private_rngs`): the trials read samples from them too."""
+        return {"generators": [g.get_state() for g in self.generators()],
+                "private": PrivateRngStates.capture(*loader_rng_owners(self.loader))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for g, s in zip(self.generators(), state.get("generators", [])):
             g.set_state(s)
+        private = state.get("private")
+        if private is not None:
+            private.restore()
 
     def release(self) -> None:
         """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""

@@ -11,7 +11,7 @@ The user's loader is copied (:func:`~speedkit.data.loader.rebuild_loader`: the s
 sampler, collate_fn, generator, ... objects) with settings chosen by measuring the loader alone
 (:func:`~speedkit.data.loader.choose_settings`). With ``exact`` (the default) only settings that
 leave every sample and every RNG stream as they were are changed: the worker count only when the
-dataset's samples do not draw random numbers, the prefetch factor only when they do not or the
+dataset's samples (and its collate_fn) do not draw random numbers, the prefetch factor only when they do not or the
 workers are not persistent, persistent workers never (see :mod:`speedkit.data.loader`). On CUDA, batches are copied by a
 :class:`~speedkit.data.prefetch.DevicePrefetcher`; Lightning's batch hooks still run, in their
 order, on the batch already on the device (``on_before_batch_transfer``, then
@@ -60,6 +60,7 @@ from speedkit.data.loader import (
     format_cpu_list,
     in_process_change_blocker,
     needs_stop_at_length,
+    needs_workers,
     not_rebuildable,
     rebuild_loader,
     training_cpus,
@@ -69,6 +70,7 @@ from speedkit.data.loader import (
 from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
 from speedkit.data.ring import BatchRing, handoff_loader, persistent, slot_bytes_for
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
+from speedkit.errors import ConfigError
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, set_attr
 from speedkit.state import TrainState
 
@@ -618,7 +620,8 @@ class DataPathRung(Rung):
             vary = opts.workers == "auto"
             count_may_change = vary or (workers is not None and workers != current)
             # whether its samples depend on the worker's state: decides what exact mode may change
-            dependence = worker_dependence(loader.dataset) if opts.exact and (count_may_change or persistent(loader)) else None
+            dependence = (worker_dependence(loader.dataset, loader.collate_fn, batched=loader.batch_sampler is not None)
+                          if opts.exact and (count_may_change or persistent(loader)) else None)
             if dependence is not None and count_may_change:
                 vary, workers = False, None
                 notes.append(f"num_workers kept at {current}: {dependence}")
@@ -638,6 +641,9 @@ class DataPathRung(Rung):
                     notes.append(f"num_workers kept at {current}: the loader's persistent workers draw one base seed per "
                                  "fit, a loader without workers one per epoch (another shuffle from the next epoch on)")
                     workers = current
+                if workers == 0 and current > 0 and (needs := needs_workers(loader)) is not None:
+                    notes.append(f"num_workers kept at {current}: {needs}, which needs num_workers > 0")
+                    workers = current
                 same_side = False
                 if opts.exact and (vary or workers is not None) and (side := in_process_change_blocker(loader)) is not None:
                     same_side = True
@@ -655,12 +661,17 @@ class DataPathRung(Rung):
                                  f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
                 if keep_factor is not None:
                     notes.append(keep_factor)
-                choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin, exact=opts.exact,
-                                         same_side=same_side, worker_cpus=tuple(sorted(rest)) if kept else None,
-                                         cpus=None if kept else len(rest), factors=factors)
-                if len(choice.rates) == 1:  # only the current settings were candidates
+                try:
+                    choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin,
+                                             exact=opts.exact, same_side=same_side,
+                                             worker_cpus=tuple(sorted(rest)) if kept else None,
+                                             cpus=None if kept else len(rest), factors=factors)
+                except ConfigError as exc:  # a loader that yields no batch, settings it refuses: left as it is
+                    notes.append(f"the loader is left as it is: {exc}")
                     choice = None
-                elif not choice.changed:
+                if choice is not None and len(choice.rates) == 1:  # only the current settings were candidates
+                    choice = None
+                elif choice is not None and not choice.changed:
                     notes.append(f"the loader's own settings ({choice.current.describe()}) were the fastest measured")
         settings = choice.settings if choice is not None else None
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
