@@ -371,6 +371,34 @@ def test_check_says_why_not():
     assert "not a torch DataLoader" in DataPathRung().check(plain)
 
 
+@pytest.mark.parametrize("workers", [(0, 2), (2, 0), (1, 2)], ids=["0->2", "2->0", "1->2"])
+def test_a_distributed_samplers_stream_moves_between_worker_counts_exactly(workers):
+    """Lightning's DDP sampler: each rank's shuffle comes from a generator seeded from seed + epoch
+    when it is iterated, so any worker count reads the same indices; the rung may change it."""
+    from torch.utils.data import DistributedSampler
+
+    def loader(n: int) -> DataLoader:
+        sampler = DistributedSampler(Indexed(), num_replicas=2, rank=1, shuffle=True, seed=3)
+        return DataLoader(Indexed(), batch_size=4, sampler=sampler, num_workers=n)
+
+    def epochs(dl: DataLoader) -> list[list[int]]:
+        torch.manual_seed(123)
+        order = []
+        for epoch in range(2):
+            dl.sampler.set_epoch(epoch)  # as Lightning does before each epoch
+            order += [[int(i) for i in batch[0]] for batch in dl]
+        return order
+
+    original = loader(workers[0])
+    expected = epochs(original)
+    clone = rebuild_loader(loader(workers[0]), num_workers=workers[1], pin_memory=False, persistent_workers=False,
+                           prefetch_factor=2 if workers[1] else None)
+    assert epochs(clone) == expected and len(expected) == 12 and expected[:6] != expected[6:]
+    state = _state()
+    state.data = BatchSource(loader(workers[0]), CPU)
+    assert rungs.make({"name": "data_path", "options": {"workers": workers[1]}}).check(state) is None
+
+
 def _mixup(items):
     """A collate_fn that mixes each batch by a draw from the global RNG (torchvision's CutMix/MixUp recipe)."""
     index, x, worker = torch.utils.data.default_collate(items)

@@ -314,16 +314,18 @@ def in_process_change_blocker(loader: DataLoader) -> str | None:
       where the fit without workers would not read it to its end (:func:`needs_stop_at_length`);
     * from workers to none, only where the fit without workers reads it to its end too.
 
-    Samplers known to draw only from a private generator at their start (a ``SequentialSampler``, a
-    ``RandomSampler`` without a generator) need nothing.
+    Samplers known to draw only from a private generator at their start need nothing: a
+    ``SequentialSampler``, a ``RandomSampler`` without a generator, and a ``DistributedSampler`` (the
+    one Lightning puts in under DDP), whose shuffle is a generator seeded from its seed and epoch
+    each time it is iterated.
     """
-    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return f"its batch sampler is a {type(batch_sampler).__name__}, whose draws speedkit cannot see"
     sampler = index_sampler(loader)
-    if type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and sampler.generator is None):
+    if type(sampler) in (SequentialSampler, DistributedSampler) or (type(sampler) is RandomSampler and sampler.generator is None):
         return None
     if _shuffles_from_own_generator(sampler):
         if loader.num_workers == 0 or reads_sampler_to_its_end(loader):
