@@ -271,6 +271,14 @@ def cpu_has_bf16() -> bool:
 # -- modules -------------------------------------------------------------------------------------
 
 
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Put a torchmetrics ``Metric``'s update count (``update_count``, read-only) back to ``count``
+    after ``reset()`` zeroed it, writing its private ``_update_count``; a metric without that
+    attribute keeps the count ``reset()`` left (it reads "never updated" until its next update)."""
+    if hasattr(metric, "_update_count"):
+        metric._update_count = count
+
+
 def has_hooks(module: nn.Module) -> bool:
     """``module`` (or every module, through global hooks) has forward/backward hooks: a rewrite that
     bypasses its ``forward`` would skip them."""

@@ -4,7 +4,10 @@ A snapshot keeps, by object identity, a copy of every parameter and buffer of th
 optimizer's per-parameter state and hyper-parameters, the state the step owns (learning-rate
 schedulers, grad scaler), the generators iterating the data advances, and the RNG states (torch,
 CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (never replaces them),
-so the optimizer, Lightning and any rung still point at the live parameters. Implementation flags
+so the optimizer, Lightning and any rung still point at the live parameters. The accumulated
+states of the model's torchmetrics metrics (which a ``training_step`` updates, and which are
+neither parameters nor buffers) are saved and put back too: otherwise the trials' batches would
+count in the first epoch's metric (``self.log("acc", self.acc, on_epoch=True)``). Implementation flags
 of the optimizer (fused/foreach/capturable) are left as they are now: those belong to the rungs,
 not to the training state.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from typing import Any
 
 import torch
@@ -25,6 +29,30 @@ _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 def _clone(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return t.detach().to(device if device is not None else t.device, copy=True)
+
+
+def _metrics(model: nn.Module) -> list[nn.Module]:
+    """The torchmetrics ``Metric`` modules in ``model`` (none where torchmetrics was never imported)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    metric = getattr(torchmetrics, "Metric", None)
+    return [m for m in model.modules() if isinstance(m, metric)] if metric is not None else []
+
+
+def _save_metric(metric: Any) -> tuple[Any, dict[str, Any], int]:
+    state = {name: ([_clone(v, None) for v in value] if isinstance(value, list) else _clone(value, None))
+             for name, value in metric.metric_state.items()}
+    return metric, state, int(metric.update_count)
+
+
+def _restore_metric(metric: Any, state: dict[str, Any], count: int) -> None:
+    metric.reset()  # the states to their defaults, the update count and cached results cleared
+    for name, value in state.items():
+        if isinstance(value, list):
+            getattr(metric, name).extend(v.clone() for v in value)  # the same list object reset() cleared
+        else:
+            setattr(metric, name, value.clone())
+    if count:  # torchmetrics offers no public setter of the count reset() zeroed
+        compat.set_metric_update_count(metric, count)
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,6 +111,7 @@ class Snapshot:
             if pin and t.is_cuda:
                 saved = saved.pin_memory()
             self.tensors.append((t, saved))
+        self.metrics = [_save_metric(m) for m in _metrics(model)]
         self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:
@@ -101,6 +130,8 @@ class Snapshot:
             live.copy_(saved, non_blocking=True)
             if isinstance(live, nn.Parameter) or live.requires_grad:
                 live.grad = None
+        for metric, state, count in self.metrics:
+            _restore_metric(metric, state, count)
         opt = self.optimizer
         if opt is not None:
             opt.state.clear()

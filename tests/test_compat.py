@@ -189,3 +189,13 @@ def test_lightning_entries_a_replayed_step_uses():
     assert trainer.global_step == 3
     with pytest.raises(RuntimeError, match="automatic_optimization"):
         compat.lightning_automatic_optimization(object())
+
+
+def test_a_metrics_update_count_is_put_back():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metric = torchmetrics.MeanMetric()
+    for value in (1.0, 2.0, 3.0):
+        metric.update(torch.tensor(value))
+    metric.reset()
+    compat.set_metric_update_count(metric, 3)
+    assert metric.update_count == 3

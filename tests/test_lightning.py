@@ -677,3 +677,48 @@ def test_a_fit_resumed_from_such_a_checkpoint_gets_the_rungs_again_and_trains_as
     assert len(losses["plain"]) == 3
     for a, b in zip(losses["ladder"], losses["plain"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), losses
+
+
+def test_trials_leave_a_torchmetrics_metric_updated_in_training_step_as_it_was(monkeypatch, no_interpreter):
+    """A metric object updated in ``training_step`` and logged ``on_epoch=True`` is neither a parameter
+    nor a buffer: the trials' batches accumulated into its state and counted in the first epoch's
+    value (train_acc_epoch 0.256 against the plain fit's 0.300)."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("reverted", "forced by the test"))
+
+    class WithAccuracy(UserModel):
+        def __init__(self):
+            super().__init__()
+            self.acc = torchmetrics.Accuracy(task="multiclass", num_classes=5)
+            self.updates_at_epoch_end: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            logits = self.model(batch[0])
+            self.acc(logits, batch[1])
+            self.log("acc", self.acc, on_step=True, on_epoch=True)
+            return F.cross_entropy(logits, batch[1])
+
+        def on_train_epoch_end(self):
+            self.updates_at_epoch_end.append(self.acc.update_count)
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        model = WithAccuracy()
+        trainer = _trainer(callbacks, max_steps=-1, max_epochs=2, limit_train_batches=5)
+        trainer.fit(model)
+        return model.updates_at_epoch_end, float(trainer.callback_metrics["acc_epoch"])
+
+    plain = fit([])
+    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)])
+    assert plain[0] == [5, 5] and with_trials == plain
+
+
+def test_a_callback_serving_a_second_fit_reports_that_fits_rungs_only(monkeypatch, no_interpreter):
+    """A rung kept in the first fit and reverted in the second was still listed as applied (in
+    ``applied_changes`` and in the checkpoint's ``state_dict()``) after the second fit."""
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
+    for decision in ("kept", "reverted"):
+        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest, d=decision: (d, "forced by the test"))
+        _fit_user_model(ladder, max_steps=2)
+        assert [r.name for r in ladder.result.kept] == (["fused_optimizer"] if decision == "kept" else [])
+        assert list(ladder.applied_changes) == list(ladder.state_dict()["applied"]) == [r.name for r in ladder.result.kept]

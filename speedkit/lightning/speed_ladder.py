@@ -123,8 +123,10 @@ class SpeedLadder(Callback):
     # -- hooks ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.trials:
-            self.result, self.not_run = None, None  # this fit's, not an earlier fit's
+        if stage == "fit":  # this fit's record, not an earlier fit's (one callback may serve several fits)
+            self.applied_changes, self.skipped = {}, {}
+            if self.trials:
+                self.result, self.not_run = None, None
         if stage != "fit" or self.trials:
             return
         step = LightningStep(trainer, pl_module)
@@ -238,6 +240,8 @@ class SpeedLadder(Callback):
             if self.not_run is None:
                 self.result = self._ladder.result
         self.handles = list(self._ladder.handles)
+        # the trials decided every rung again: a record loaded from a resumed checkpoint is not this fit's
+        self.applied_changes, self.skipped = {}, {}
         for entry in self.result.rungs[1:]:
             if entry.status == "kept":
                 self.applied_changes[entry.name] = list(entry.changes)
