@@ -420,6 +420,34 @@ def test_the_fit_check_names_the_hook_that_takes_the_time_between_steps(user_pro
         assert len(profiler.recorded_durations["[Callback]_SlowBatchEnd.on_train_batch_end"]) == slow.calls == 32
 
 
+def test_the_fit_check_counts_the_steps_lightning_takes_at_an_epochs_short_end(monkeypatch, no_interpreter):
+    """7 batches an epoch, 4 accumulated: Lightning steps after batches 3 and 6 (the epoch's last);
+    the check's step boundaries are those, not every 4th batch counted across the epoch's end."""
+    from speedkit.lightning.speed_ladder import _HoldsProbe
+
+    seen: list[tuple[bool, int]] = []
+    ended = _HoldsProbe.batch_ended
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if seen:
+                seen[-1] = (seen[-1][0], trainer.global_step)
+
+    def record(self, step_done):
+        seen.append((step_done, -1))
+        return ended(self, step_done)
+
+    monkeypatch.setattr(_HoldsProbe, "batch_ended", record)
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 3})
+    _fit_user_model(ladder, Steps(), max_steps=12, limit_train_batches=7)
+    assert len(seen) >= 8
+    steps = [global_step for _, global_step in seen]
+    taken = [done for done, _ in seen]
+    # a batch ended a step exactly where the Trainer's global_step moved
+    assert taken[1:] == [b > a for a, b in zip(steps, steps[1:])]
+    assert taken.count(True) > 0 and not all(taken)
+
+
 def test_the_fit_check_gives_the_profiler_back_when_the_fit_fails(monkeypatch, no_interpreter):
     from lightning.pytorch.profilers import PassThroughProfiler
 

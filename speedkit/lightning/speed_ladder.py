@@ -109,6 +109,7 @@ class SpeedLadder(Callback):
         self._state: TrainState | None = None
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
+        self._step_before = 0  # the Trainer's global_step when the current batch started (for the probe)
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
         self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
 
@@ -163,6 +164,7 @@ class SpeedLadder(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._probe is not None:
+            self._step_before = trainer.global_step
             self._probe.batch_started()
 
     @override
@@ -170,7 +172,9 @@ class SpeedLadder(Callback):
                            batch_idx: int) -> None:
         if self._probe is None:
             return
-        if self._probe.batch_ended((batch_idx + 1) % trainer.accumulate_grad_batches == 0):
+        # an optimizer step ended with this batch when Lightning counted one: every accumulate_grad_batches
+        # batches, and at an epoch's last batch where they do not divide it (not when training_step returned None)
+        if self._probe.batch_ended(trainer.global_step != self._step_before):
             self._finish_holds(trainer)
 
     @override
