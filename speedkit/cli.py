@@ -18,16 +18,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 from speedkit.errors import ConfigError, SpeedkitError, UserCodeError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors in one line (not its usage block), exit code 2; subcommands' parsers too."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message == "the following arguments are required: command":
+            message = "no command given; give one of optimize, fit, validate, rungs"
+        where = self.prog.partition(" ")[2]
+        print(f"speedkit: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
     from speedkit import __version__
 
-    parser = argparse.ArgumentParser(prog="speedkit", description="Make PyTorch training loops fast, and prove it.")
+    parser = _Parser(prog="speedkit", description="Make PyTorch training loops fast, and prove it.")
     parser.add_argument("--version", action="version", version=f"speedkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     opt = sub.add_parser("optimize", help="climb the quick-win ladder in the recipe's Trainer and report each rung")
@@ -94,7 +106,10 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
-    header: str | None = f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}"
+    # optimize's checks refuse files in `out` it did not write; its own earlier ones it replaces, and says so
+    earlier = [name for name in ("report.json", "report.md", "optimized.yaml") if (out / name).is_file()]
+    header: str | None = (f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}"
+                          + (f"  (replacing the earlier {', '.join(earlier)} there)" if earlier else ""))
 
     def on_event(line: str) -> None:
         nonlocal header

@@ -50,7 +50,10 @@ class UserCodeError(SpeedkitError):
 
 #: top-level packages whose frames are not the user's code in a traceback
 _NOT_USER = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "speedkit",
-                       "triton", "numpy", "yaml", "rich"})
+                       "triton", "numpy", "yaml", "rich", "fsspec"})
+#: speedkit's reference models and data modules: in a recipe they stand in for the user's own, and fail only
+#: on the recipe's arguments (a sequence longer than the model's block_size, float vectors for a GPT)
+_DEMOS = "speedkit.demos"
 #: the data hooks Lightning calls to build the training data (a failure there is the recipe's data section)
 _DATA_HOOKS = ("prepare_data", "setup", "train_dataloader")
 
@@ -68,8 +71,9 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
     user: list[tuple[Any, int]] = []
     tb = exc.__traceback__
     while tb is not None:
-        module = str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0]
-        if module and module not in _NOT_USER and module not in stdlib:
+        module_name = str(tb.tb_frame.f_globals.get("__name__", ""))
+        module = module_name.split(".")[0]
+        if module and module not in _NOT_USER and module not in stdlib or (module_name + ".").startswith(_DEMOS + "."):
             user.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     if not user:
@@ -83,5 +87,8 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
     if hooks:
         hook = getattr(hooks[-1], "co_qualname", hooks[-1].co_name)
         return ConfigError("data", f"{hook}() raised {what} ({where})")
+    if (str(frame.f_globals.get("__name__", "")) + ".").startswith(_DEMOS + "."):
+        return ConfigError("model", f"{name} raised {what} ({where}): the recipe's model and data do not fit together; "
+                                    "check model.init_args against data (e.g. block_size >= seq_len, vocab_size >= the data's)")
     frames = traceback.format_list([traceback.FrameSummary(f.f_code.co_filename, n, f.f_code.co_name) for f, n in user])
     return UserCodeError(f"{during}: your code raised {what} ({where}); speedkit's changes were undone", frames)

@@ -40,7 +40,7 @@ def check_value(value: Any, tp: Any, where: str) -> Any:
                 return check_value(value, arg, where)
             except ConfigError:
                 continue
-        raise ConfigError(where, f"expected {_type_name(tp)}, found {value!r} ({type(value).__name__})")
+        raise ConfigError(where, f"expected {_type_name(tp)}, found {_found(value)}")
     if tp is type(None):
         if value is None:
             return None
@@ -51,7 +51,7 @@ def check_value(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:  # NaN is no number to use
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -61,7 +61,13 @@ def check_value(value: Any, tp: Any, where: str) -> Any:
             return value
     else:
         return value
-    raise ConfigError(where, f"expected {_type_name(tp)}, found {value!r} ({type(value).__name__})")
+    raise ConfigError(where, f"expected {_type_name(tp)}, found {_found(value)}")
+
+
+def _found(value: Any) -> str:
+    if isinstance(value, float) and value != value:
+        return ".nan (not a number); give a number"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def parse_options(options_cls: type, raw: Any, where: str) -> Any:

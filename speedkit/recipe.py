@@ -292,6 +292,7 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     _extend_import_path(path)
 
     model = _class_spec(raw.get("model"), "model", "lightning.pytorch.LightningModule", required=True)
+    _check_training_step(model)
     data = _data_spec(raw.get("data"), model)
     trainer = _trainer(raw.get("trainer"))
     if "ladder" in raw and raw["ladder"] is None:
@@ -299,6 +300,7 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
                                     "or leave the key out for the default ladder")
     # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
     ladder = rungs.make_all(raw["ladder"] if "ladder" in raw else default_ladder(), "ladder")
+    _check_compile_backend(ladder)
     measure = validate_measure(raw.get("measure"))
     report = _report(raw.get("report"))
     seed = raw.get("seed", 0)
@@ -306,6 +308,19 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
         raise ConfigError("seed", f"expected an integer in [0, 2**32), found {_describe(seed)}")
     return Recipe(path=path, raw=raw, model=model, data=data, trainer=trainer, ladder=ladder,
                   measure=measure, report=report, seed=seed, ladder_given="ladder" in raw)
+
+
+def _check_compile_backend(ladder: list[Rung]) -> None:
+    """A torch.compile backend name torch does not know fails only when the rung is applied: say so now."""
+    for i, rung in enumerate(ladder):
+        backend = getattr(rung.options, "backend", "inductor") if rung.name == "compile" else "inductor"
+        if backend == "inductor":
+            continue
+        import torch
+
+        if backend not in torch.compiler.list_backends(exclude_tags=()):  # the debugging ones too (eager, aot_eager)
+            shown = sorted({"eager", "aot_eager", *torch.compiler.list_backends()})
+            raise ConfigError(f"ladder[{i}].options.backend", _unknown("torch.compile backend", backend, shown))
 
 
 def _extend_import_path(path: Path | None) -> None:
@@ -335,6 +350,14 @@ def _class_spec(value: Any, where: str, base: str | None, required: bool = False
     cls = _import_class(value["class_path"], f"{where}.class_path", base)
     init_args = _init_args(cls, value.get("init_args"), f"{where}.init_args")
     return ClassSpec(value["class_path"], cls, init_args, f"{where}.init_args")
+
+
+def _check_training_step(model: ClassSpec) -> None:
+    import lightning.pytorch as pl
+
+    if getattr(model.cls, "training_step", None) is pl.LightningModule.training_step:
+        raise ConfigError("model.class_path", f"{model.class_path} defines no training_step; Lightning trains a "
+                                              "LightningModule through its training_step: name a class that defines one")
 
 
 def _data_spec(value: Any, model: ClassSpec) -> ClassSpec | None:
@@ -375,7 +398,7 @@ def _trainer(value: Any) -> dict[str, Any]:
             raise ConfigError(where, _unknown("Trainer argument", key, params))
         if key in _TRAINER_OBJECTS:
             base = _TRAINER_OBJECTS[key]
-            if key == "callbacks" and isinstance(item, list):
+            if key in ("callbacks", "logger") and isinstance(item, list):
                 out[key] = [_trainer_object(c, f"{where}[{i}]", base, required=True) for i, c in enumerate(item)]
                 continue
             if key == "plugins" and isinstance(item, list):
@@ -388,8 +411,30 @@ def _trainer(value: Any) -> dict[str, Any]:
             _check(item, hints[key], where)
         if key == "accumulate_grad_batches" and not (isinstance(item, int) and not isinstance(item, bool) and item >= 1):
             raise ConfigError(where, f"expected a number of batches per optimizer step >= 1, found {_describe(item)}")
+        _check_trainer_value(key, item, where)
         out[key] = item
     return out
+
+
+def _check_trainer_value(key: str, item: Any, where: str) -> None:
+    """Values Lightning's Trainer takes without complaint and fails on (or trains wrong with) later."""
+    if key == "accelerator" and isinstance(item, str):
+        from lightning.pytorch.accelerators import AcceleratorRegistry
+
+        names = ["auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators())]
+        if item not in names:
+            raise ConfigError(where, _unknown("accelerator", item, names))
+    elif key == "logger" and not (item is None or isinstance(item, bool)):
+        raise ConfigError(where, f"expected true, false or {{class_path: ..., init_args: {{...}}}} of a Logger (or a list of "
+                                 f"them), found {_describe(item)}")
+    elif key == "gradient_clip_val" and isinstance(item, (int, float)) and not isinstance(item, bool) and item < 0:
+        raise ConfigError(where, f"expected a gradient norm or value >= 0 (null or 0: no clipping), found {_describe(item)}")
+    elif key == "default_root_dir" and isinstance(item, str) and item:
+        existing = Path(item).expanduser()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.exists() and not existing.is_dir():
+            raise ConfigError(where, f"{existing} is a file, so {item} cannot be a folder for the Trainer's files; give a folder")
 
 
 def _trainer_object(value: Any, where: str, base: str | None, required: bool = False) -> Any:
@@ -511,7 +556,7 @@ def _import_base(path: str) -> type:
 def _init_args(cls: type, value: Any, where: str) -> dict[str, Any]:
     """Check ``init_args`` against ``cls``'s constructor: names, required ones, simple types."""
     if value is None:
-        return {}
+        value = {}  # still checked below: a constructor with required arguments needs them
     if not isinstance(value, dict):
         raise ConfigError(where, f"expected a mapping of {cls.__name__} arguments, found {_describe(value)}")
     params, hints, sig = _signature(cls)
@@ -523,7 +568,7 @@ def _init_args(cls: type, value: Any, where: str) -> dict[str, Any]:
     try:
         sig.bind(**value)
     except TypeError as exc:
-        raise ConfigError(where, f"{cls.__name__}: {_one_line(exc)}") from None
+        raise ConfigError(where, f"{cls.__name__}: {_one_line(exc)}; give it in {where}") from None
     for key, item in value.items():
         if key in hints:
             _check(item, hints[key], f"{where}.{key}")

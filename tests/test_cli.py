@@ -353,3 +353,49 @@ def test_rungs_lists_every_rung(capsys):
     out = capsys.readouterr().out
     for name in ("tf32", "autocast", "fused_optimizer", "compile", "sdpa", "batched"):
         assert name in out
+
+
+@pytest.mark.parametrize("model_args, data, words", [
+    ("block_size: 8", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}", "model: NaiveGPT.forward raised IndexError"),
+    ("vocab_size: 16", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}", "model: NaiveGPT.forward raised IndexError"),
+    ("block_size: 16", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64, num_workers: -1}",
+     "data: SyntheticTokens.train_dataloader() raised ValueError: num_workers"),
+])
+@pytest.mark.parametrize("command", ["optimize", "fit"])
+def test_a_demo_model_and_data_that_do_not_fit_together_are_one_line(tmp_path, capsys, command, model_args, data, words):
+    """speedkit's demo models stand in for the user's: failing on the recipe's arguments is bad input (exit 2), not a traceback."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny, %s}}\ndata: %s\n"
+                    "trainer: {accelerator: cpu, max_steps: 2, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
+                    "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (model_args, data))
+    out = tmp_path / "out"
+    assert main([command, str(path), *(["--out", str(out)] if command == "optimize" else [])]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("speedkit: error:") and words in last, last
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, words", [([], "no command given; give one of optimize, fit, validate, rungs"),
+                                         (["fit"], "fit: the following arguments are required: recipe"),
+                                         (["optimize", "--out"], "optimize: argument --out: expected one argument"),
+                                         (["optimise"], "invalid choice: 'optimise'")])
+def test_argument_errors_are_one_line_exit_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("speedkit: error: ") and words in err[0], err
+
+
+def test_optimize_says_it_replaces_its_own_earlier_output(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{\n  "schema_version": 2}\n')  # speedkit's own earlier report
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+                    "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+                    "ladder: [fused_optimizer]\nreport: {formats: [json]}\n"
+                    "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, holds_windows: 1}\n")
+    assert main(["optimize", str(path), "--out", str(out)]) == 0
+    assert "(replacing the earlier report.json there)" in capsys.readouterr().out

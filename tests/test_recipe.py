@@ -53,6 +53,7 @@ BAD_RECIPES = [
     ("unknown_rung_option", recipe_text(ladder="ladder: [{name: compile, options: {modee: default}}]\n"), "ladder[0].options.modee"),
     ("rung_listed_twice", recipe_text(ladder="ladder: [tf32, autocast, tf32]\n"), "ladder[2]"),
     ("ladder_not_a_list", recipe_text(ladder="ladder: tf32\n"), "ladder"),
+    ("compile_backend_unknown", recipe_text(ladder="ladder: [{name: compile, options: {backend: nope}}]\n"), "ladder[0].options.backend"),
     ("null_ladder", recipe_text(ladder="ladder:\n"), "ladder"),
     # model
     ("class_path_no_dot", recipe_text(model="model: {class_path: NaiveGPT}\n"), "model.class_path"),
@@ -66,6 +67,8 @@ BAD_RECIPES = [
     ("unknown_model_key", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_arg: {}}\n"), "model.init_arg"),
     ("missing_model", recipe_text(model=None), "model"),
     ("missing_model_class_path", recipe_text(model="model: {init_args: {size: tiny}}\n"), "model.class_path"),
+    ("model_without_training_step", recipe_text(model="model: {class_path: lightning.pytorch.LightningModule}\n"), "model.class_path"),
+    ("init_arg_nan", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {lr: .nan}}\n"), "model.init_args.lr"),
     # data
     ("data_synthetic_unknown_kind", recipe_text(data="data: {synthetic: images, batch_size: 2}\n"), "data.synthetic"),
     ("data_synthetic_unknown_arg", recipe_text(data="data: {synthetic: tokens, batch_sise: 2}\n"), "data.batch_sise"),
@@ -79,6 +82,14 @@ BAD_RECIPES = [
     ("trainer_callback_not_a_callback", recipe_text(trainer="trainer: {callbacks: [{class_path: speedkit.demos.SyntheticTokens}]}\n"), "trainer.callbacks[0].class_path"),
     ("trainer_not_a_mapping", recipe_text(trainer="trainer: [max_steps]\n"), "trainer"),
     ("accumulate_zero_batches", recipe_text(trainer="trainer: {accumulate_grad_batches: 0}\n"), "trainer.accumulate_grad_batches"),
+    # values Lightning's Trainer takes and fails on later (or, validating, blames on this machine)
+    ("trainer_accelerator_unknown", recipe_text(trainer="trainer: {accelerator: tpuu}\n"), "trainer.accelerator: unknown accelerator 'tpuu'"),
+    ("trainer_logger_string", recipe_text(trainer="trainer: {logger: tensorboard}\n"), "trainer.logger"),
+    ("trainer_clip_nan", recipe_text(trainer="trainer: {gradient_clip_val: .nan}\n"), "trainer.gradient_clip_val"),
+    ("trainer_clip_negative", recipe_text(trainer="trainer: {gradient_clip_val: -1.0}\n"), "trainer.gradient_clip_val"),
+    ("trainer_root_dir_under_a_file", recipe_text(trainer="trainer: {default_root_dir: /dev/null/runs}\n"), "trainer.default_root_dir"),
+    ("trainer_callback_without_required_arg", recipe_text(trainer="trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.EarlyStopping}]}\n"),
+     "trainer.callbacks[0].init_args: EarlyStopping: missing a required argument: 'monitor'"),
     # measure
     ("negative_measure_steps", recipe_text(measure="measure: {steps: -3}\n"), "measure.steps"),
     ("measure_warmup_string", recipe_text(measure="measure: {warmup: three}\n"), "measure.warmup"),
@@ -86,6 +97,8 @@ BAD_RECIPES = [
     ("measure_min_gain_out_of_range", recipe_text(measure="measure: {min_gain: 1.5}\n"), "measure.min_gain"),
     ("measure_throughput_unit_unknown", recipe_text(measure="measure: {throughput_unit: bytes}\n"), "measure.throughput_unit"),
     ("measure_peak_tflops_zero", recipe_text(measure="measure: {peak_tflops: 0}\n"), "measure.peak_tflops"),
+    ("measure_min_gain_nan", recipe_text(measure="measure: {min_gain: .nan}\n"), "measure.min_gain"),
+    ("measure_confidence_nan", recipe_text(measure="measure: {confidence: .nan}\n"), "measure.confidence"),
     # report, seed, top level
     ("report_unknown_format", recipe_text(report="report: {formats: [json, pdf]}\n"), "report.formats[1]"),
     ("report_formats_not_list", recipe_text(report="report: {formats: json}\n"), "report.formats"),
