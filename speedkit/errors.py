@@ -58,6 +58,11 @@ _DEMOS = "speedkit.demos"
 _DATA_HOOKS = ("prepare_data", "setup", "train_dataloader")
 
 
+def _in_demos(frame: Any) -> bool:
+    """Whether ``frame`` runs code of :data:`_DEMOS` (the package or one of its modules)."""
+    return (str(frame.f_globals.get("__name__", "")) + ".").startswith(_DEMOS + ".")
+
+
 def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | None:
     """What speedkit reports when ``exc`` escaped a run (``during``: e.g. "speedkit optimize"): a
     ConfigError naming the data hook when the user's data module or model failed to build the training
@@ -71,9 +76,8 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
     user: list[tuple[Any, int]] = []
     tb = exc.__traceback__
     while tb is not None:
-        module_name = str(tb.tb_frame.f_globals.get("__name__", ""))
-        module = module_name.split(".")[0]
-        if module and module not in _NOT_USER and module not in stdlib or (module_name + ".").startswith(_DEMOS + "."):
+        module = str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0]
+        if module and module not in _NOT_USER and module not in stdlib or _in_demos(tb.tb_frame):
             user.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     if not user:
@@ -87,7 +91,7 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
     if hooks:
         hook = getattr(hooks[-1], "co_qualname", hooks[-1].co_name)
         return ConfigError("data", f"{hook}() raised {what} ({where})")
-    if (str(frame.f_globals.get("__name__", "")) + ".").startswith(_DEMOS + "."):
+    if _in_demos(frame):
         return ConfigError("model", f"{name} raised {what} ({where}): the recipe's model and data do not fit together; "
                                     "check model.init_args against data (e.g. block_size >= seq_len, vocab_size >= the data's)")
     frames = traceback.format_list([traceback.FrameSummary(f.f_code.co_filename, n, f.f_code.co_name) for f, n in user])

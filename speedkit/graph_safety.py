@@ -260,8 +260,7 @@ class _Visitor:
         if isinstance(stmt, ast.Assert):
             self._check_branch(stmt.test, "assert")
         if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)) and stmt.value is not None:
-            self._check_host_number(stmt, ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
-                                    if isinstance(stmt, ast.AugAssign) else stmt.value)
+            self._check_host_number(stmt, _value_read(stmt))
         if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             self._assignment(stmt)
             if isinstance(stmt, ast.Assign) and self._host_scalar(stmt.value):
@@ -312,8 +311,7 @@ class _Visitor:
                 self._add(stmt, "host work", f"changes `{ast.unparse(target)}` on the host: done once, at capture, not every step")
         if value is None:
             return
-        if isinstance(stmt, ast.AugAssign):  # `x += v` reads x too
-            value = ast.BinOp(left=stmt.target, op=stmt.op, right=value)
+        value = _value_read(stmt)
         dynamic = self._is_dynamic(value) or self._calls_model(value)
         host = self._is_host(value) and self._only_host(value)
         mask = isinstance(stmt, (ast.Assign, ast.AnnAssign)) and self._is_mask(value)
@@ -480,6 +478,13 @@ class _Visitor:
         line = getattr(node, "lineno", 1)
         code = self.lines[line - 1].strip() if 0 < line <= len(self.lines) else ""
         self.blockers.append(Blocker(kind, reason, f"{self.path}:{self.start + line - 1} in {self.func.name}", code))
+
+
+def _value_read(stmt: ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Return | ast.Expr) -> ast.expr:
+    """What ``stmt`` computes its value from: ``x += v`` reads ``x`` too (as ``x + v``)."""
+    if isinstance(stmt, ast.AugAssign):
+        return ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
+    return stmt.value
 
 
 def _bound_names(target: ast.expr) -> list[ast.Name]:
