@@ -1,28 +1,38 @@
-# Two set-up commands that work on a fresh machine (see README.md):
-#   make demo   create .venv, install speedkit, run the embedded default recipe on the CPU
-#   make test   create .venv, install speedkit with its test extra, run the tests
+# The README's two set-up commands, each working on a fresh machine (Python >= 3.10, no GPU):
+#   make demo   .venv with torch's CPU build and speedkit; the embedded tiny recipe optimized on the CPU
+#   make test   .venv with speedkit and its test extra; the tests (GPU tests skip without CUDA)
+# Sizes and times measured on the project's 2-core machine are in README.md ("Set up").
 VENV   ?= .venv
 PYTHON ?= python3
-# The model zoo's tests need torchvision, whose PyPI build imports only beside the matching torch:
-# torch 2.14.1 + torchvision 0.29.1 (on this project's x86_64 machines pip takes both from local
-# disk; a CUDA build that runs on the CPU). TORCH=torch==2.13.0 gives a small CPU-only install that
-# runs everything but the zoo's torchvision/timm tests.
-TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# torch's CPU build: no CUDA libraries, no Triton (on this project's machines pip takes it from local disk).
+DEMO_TORCH ?= torch==2.13.0
+# The test extra brings the zoo's libraries; torchvision (and timm, which needs it) is on PyPI only as CUDA
+# builds, each loading only beside the torch it was built with. So the tests install that pair, torch's CUDA
+# build (it runs on the CPU; with its CUDA libraries and Triton it is the bulk of the install).
+TEST_TORCH ?= torch==2.14.1 torchvision==0.29.1
 PY      = $(VENV)/bin/python
 
-.PHONY: demo test gpu-test bench clean
+.PHONY: demo test clean
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test]"
+
+# a venv that already has a torch (make test's) keeps it
+$(VENV)/.demo-installed: pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(DEMO_TORCH)
+	$(PY) -m pip install -q -e .
 	touch $@
 
-demo: $(VENV)/.installed
+# one resolver call, so the test extra's torchvision is the one that matches the pinned torch
+$(VENV)/.test-installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(TEST_TORCH) -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
 	$(PY) -m speedkit.cli optimize --out runs/tiny-cpu
 
-test: $(VENV)/.installed
+test: $(VENV)/.test-installed
 	$(PY) -m pytest -q
 
 clean:

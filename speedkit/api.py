@@ -19,6 +19,11 @@ from speedkit.state import TrainState
 from speedkit.step import LossFn, PlainStep, default_loss_fn
 
 
+class MicroBatches(list):
+    """The micro-batches of one optimizer step, as :meth:`Applied.batches` groups them with
+    ``accumulate > 1`` (an epoch's last group may hold fewer): :meth:`Applied.step` takes it whole."""
+
+
 class Applied:
     """The wrapped training objects and the handle that reverts them.
 
@@ -69,18 +74,62 @@ class Applied:
         """One whole training step on ``batch`` (already on the device); returns the detached loss.
         With ``accumulate=N``, pass a list of N micro-batches."""
         accumulate = self.state.step.accumulate
-        if accumulate > 1 and not (isinstance(batch, list) and len(batch) == accumulate):
+        grouped = isinstance(batch, MicroBatches) and 1 <= len(batch) <= accumulate
+        if accumulate > 1 and not grouped and not (isinstance(batch, list) and len(batch) == accumulate):
             raise ConfigError("batch", f"with accumulate={accumulate}, step() takes a list of {accumulate} micro-batches "
-                              f"(one optimizer step), found {type(batch).__name__}"
+                              f"(one optimizer step, as batches() groups them), found {type(batch).__name__}"
                               + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
-        batches = batch if accumulate > 1 else [batch]
+        batches = list(batch) if accumulate > 1 or grouped else [batch]
         return self.state.step(batches, batch_idx)
 
-    def batches(self) -> Iterator[Any]:
-        """The loader's batches, moved to the device, epoch after epoch."""
+    def batches(self, epochs: int | None = 1, steps: int | None = None) -> Iterator[Any]:
+        """The loader's batches on the device, ready for :meth:`step`: one epoch of the loader by
+        default (``epochs=N`` for N of them, ``None`` for no end), stopping early after ``steps``
+        optimizer steps if given. With ``accumulate=N`` each item is the N micro-batches of one
+        optimizer step (:class:`MicroBatches`; an epoch's last group holds what is left of it).
+
+        Each call starts a fresh pass over the loader (a new epoch: a shuffling sampler draws its
+        order anew), so ``for epoch in range(E): for i, batch in enumerate(sk.batches()): ...`` is
+        the usual loop."""
         if self.state.data is None:
-            raise ValueError("speedkit.apply was given no loader")
-        return self.state.data.iterator()
+            raise ConfigError("loader", "speedkit.apply was given no loader; pass one to iterate its batches")
+        for name, value in (("epochs", epochs), ("steps", steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(name, f"expected a whole number >= 1 or None, found {value!r}")
+        if epochs is None and steps is None:
+            return self.state.data.iterator()
+        return self._grouped(epochs, steps)
+
+    def _grouped(self, epochs: int | None, steps: int | None) -> Iterator[Any]:
+        accumulate = self.state.step.accumulate
+        assert self.state.data is not None
+        done, epoch = 0, 0
+        while (epochs is None or epoch < epochs) and (steps is None or done < steps):
+            epoch += 1
+            batches = self.state.data.iterator(epochs=1)
+            try:
+                if accumulate == 1:
+                    for batch in batches:
+                        yield batch
+                        done += 1
+                        if steps is not None and done >= steps:
+                            return
+                    continue
+                group = MicroBatches()
+                for batch in batches:
+                    group.append(batch)
+                    if len(group) == accumulate:
+                        yield group
+                        group, done = MicroBatches(), done + 1
+                        if steps is not None and done >= steps:
+                            return
+                if group:
+                    yield group
+                    done += 1
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:  # a prefetching source stops its copies and workers
+                    close()
 
     def undo(self) -> None:
         """Revert every applied rung, last first."""

@@ -11,7 +11,9 @@ Without RECIPE, ``optimize`` runs the embedded default (a tiny model on CPU). Ov
 LightningCLI: ``--trainer.max_steps 50``, ``--measure.steps=20``, ``--ladder '[tf32, compile]'``
 (values are read as YAML). Errors in the input print one line and exit with code 2; an exception in
 your own code prints its frames in your code and one line, and exits with 1; an interrupted
-``optimize`` writes a partial report, prints one line and exits with 130 (Ctrl-C) or 143 (SIGTERM).
+``optimize`` writes a partial report, prints one line and exits with 130 (Ctrl-C) or 143 (SIGTERM);
+a report that cannot be written (a full disk) leaves nothing half-written: ``optimize`` prints the
+ladder's table, one line naming the file and the reason, and exits with 74.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError, SpeedkitError, UserCodeError
+from speedkit.errors import ConfigError, OutputError, SpeedkitError, UserCodeError
+
+#: exit code of a run whose results could not be written (sysexits' EX_IOERR)
+OUTPUT_ERROR_EXIT = 74
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,6 +128,12 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     except Interrupted as exc:
         print(f"speedkit: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OutputError as exc:  # the ladder ran: its results go to the terminal rather than be lost
+        if exc.result is not None:
+            render_console(exc.result.to_dict(), console)
+        done = f"; written whole: {', '.join(str(p) for p in exc.written.values())}" if exc.written else ""
+        print(f"speedkit: error: {exc} (nothing half-written is left; the results are printed above{done})", file=sys.stderr)
+        return OUTPUT_ERROR_EXIT
     render_console(result.to_dict(), console)
     for kind, path in written.items():
         console.print(f"{kind}: {path}")
@@ -140,12 +151,13 @@ def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
-    from speedkit.runner import check_trainer
+    from speedkit.runner import check_model_takes_data, check_trainer
 
     recipe = _load(args.recipe, overrides)
     note = check_trainer(recipe, here=False)
     recipe.build_model()
     recipe.build_datamodule()
+    check_model_takes_data(recipe)
     which = "rungs" if recipe.ladder_given else "rungs of the default ladder, as the recipe lists none"
     print(f"{recipe.path}: ok ({len(recipe.ladder)} {which}: {', '.join(r.name for r in recipe.ladder)})"
           + (f"; note: {note}" if note else ""))

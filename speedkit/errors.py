@@ -6,9 +6,12 @@
 * :class:`UnsupportedError` — the hardware or a library version cannot do what was asked.
 * :class:`UserCodeError` — the user's own code raised while speedkit ran it
   (:func:`failure_in_user_code` tells it from a data module that cannot build its data, a ConfigError).
+* :class:`OutputError` — a file speedkit writes (a report, ``optimized.yaml``) could not be written
+  (a full disk, a folder made read-only); nothing half-written is left.
 
 The CLI prints ``str(error)`` on one line and exits with code 2 for these (1 for a UserCodeError,
-after the traceback's frames in the user's code); it never prints speedkit's own frames for them.
+after the traceback's frames in the user's code; 74, sysexits' EX_IOERR, for an OutputError, after
+the results it could not write); it never prints speedkit's own frames for them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class ConfigError(SpeedkitError, ValueError):
 
 class UnsupportedError(SpeedkitError):
     """The machine or library versions cannot do what was asked; the message says how to fix it."""
+
+
+class OutputError(SpeedkitError):
+    """A file speedkit writes could not be written; nothing half-written was left in its place.
+
+    Attributes: ``path`` (the file), ``reason`` (the system's words, e.g. "No space left on device"),
+    ``result`` (what the file would have held, e.g. a ladder's result, for the caller to show), and
+    ``written`` (the files written before it, complete)."""
+
+    def __init__(self, path: Any, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        self.result: Any = None
+        self.written: dict[str, Any] = {}
+        super().__init__(f"cannot write {path}: {reason}")
 
 
 def first_line(exc: BaseException, default: str = "") -> str:
@@ -93,6 +111,7 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
         return ConfigError("data", f"{hook}() raised {what} ({where})")
     if _in_demos(frame):
         return ConfigError("model", f"{name} raised {what} ({where}): the recipe's model and data do not fit together; "
-                                    "check model.init_args against data (e.g. block_size >= seq_len, vocab_size >= the data's)")
+                                    "check that data gives what the model takes (synthetic: tokens for a language model, vectors for an MLP) and "
+                                    "model.init_args against it (e.g. block_size >= seq_len, vocab_size >= the data's)")
     frames = traceback.format_list([traceback.FrameSummary(f.f_code.co_filename, n, f.f_code.co_name) for f, n in user])
     return UserCodeError(f"{during}: your code raised {what} ({where}); speedkit's changes were undone", frames)

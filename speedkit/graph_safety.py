@@ -168,7 +168,7 @@ def _global_function(fn: Any, call: ast.expr) -> Any:
         path = inspect.getsourcefile(found) or ""
     except TypeError:
         return None
-    return found if _is_users_own(path) else None
+    return found if is_users_own_file(path) else None
 
 
 def _scan_method(obj: Any, fn: Any, blockers: list[Blocker], seen: set[Any], depth: int, per_step_args: bool,
@@ -696,10 +696,10 @@ def _draw_blocker(frame: Any, call: str) -> Blocker:
         return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture", "?", "")
     where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
     user = frame.f_back
-    while user is not None and not _is_users_own(user.f_code.co_filename):
+    while user is not None and not is_users_own_file(user.f_code.co_filename):
         user = user.f_back
     reached = (f" (reached from {user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name})"
-               if user is not None and not _is_users_own(frame.f_code.co_filename) else "")
+               if user is not None and not is_users_own_file(frame.f_code.co_filename) else "")
     return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture and replayed every "
                    f"step{reached}", where, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
 
@@ -709,8 +709,9 @@ def _is_machinery(filename: str) -> bool:
     return any(part in filename for part in ("/warnings.py", "/speedkit/graph", "/torch/_tensor.py", "/torch/cuda/"))
 
 
-def _is_users_own(filename: str) -> bool:
-    """Code outside installed packages: the user's own (a library's call is named with it)."""
+def is_users_own_file(filename: str) -> bool:
+    """Code outside installed packages, torch, Lightning and speedkit: the user's own (a library's
+    call is named with it; a library's module is not the user's)."""
     return _is_callers_code(filename) and not any(part in filename for part in ("site-packages", "dist-packages", "<frozen"))
 
 

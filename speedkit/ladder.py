@@ -236,6 +236,10 @@ class Ladder:
                 self.slots = []
             self._iterators.clear()
             self._snapshot.restore()  # trial steps never leak into the user's training
+            if self._snapshot.restored_attributes:  # what the user's step changes on self, put back
+                self.result.run["attributes_restored"] = sorted(self._snapshot.restored_attributes)
+            if self._snapshot.unrestored:
+                self.result.run["attributes_not_restored"] = sorted(self._snapshot.unrestored)
             # the copies of the weights and optimizer state are spent: never hold them through the fit
             self._snapshot = None  # type: ignore[assignment]
             self._parity_batches = []

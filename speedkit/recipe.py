@@ -44,6 +44,7 @@ import yaml
 
 from speedkit.config import default_ladder, measure_defaults
 from speedkit.errors import ConfigError
+from speedkit.files import write_text_atomic
 
 if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is loaded
     import lightning.pytorch as pl
@@ -216,7 +217,7 @@ def dump_recipe(raw: dict[str, Any], ladder_specs: list[Any], path: Path, header
 
     Key order and every other section are kept. ``ladder_specs`` holds rung names, ``{name, options}``
     mappings or Rung instances (written as a bare name when their options are the defaults).
-    ``header`` becomes leading ``# `` comment lines.
+    ``header`` becomes leading ``# `` comment lines. Written whole or not at all (OutputError).
     """
     from speedkit import rungs
 
@@ -226,9 +227,7 @@ def dump_recipe(raw: dict[str, Any], ladder_specs: list[Any], path: Path, header
     out.setdefault("ladder", specs)
     body = yaml.dump(out, Dumper=_Dumper, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
     comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) if header else ""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(comments + body, encoding="utf-8")
+    write_text_atomic(path, comments + body)
 
 
 # -- YAML ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError, failure_in_user_code, first_line
+from speedkit.errors import ConfigError, OutputError, SpeedkitError, UnsupportedError, failure_in_user_code, first_line
 from speedkit.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
 
@@ -100,6 +100,9 @@ def _quiet_lightning() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*(does not have many workers|GPU available but not used).*")
+            # Lightning's notes on its own internals (its pytree helper on a newer torch): nothing the user can act on
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category, module=r"lightning(_fabric)?\.")
             yield
     finally:
         for lg, level in zip(loggers, levels):
@@ -126,7 +129,10 @@ def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     refused = (MisconfigurationException, ValueError, TypeError)
-    with _quiet_lightning():
+    with _quiet_lightning(), warnings.catch_warnings():
+        # the Trainer built here only to be checked says nothing the user needs (a logger it would make,
+        # a device it would not use); the Trainer that trains says it again where it matters
+        warnings.simplefilter("ignore")
         try:
             build_trainer(recipe, [])
             return None
@@ -143,6 +149,52 @@ def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
     return f"this machine cannot run it as it is: {reason}"
 
 
+def check_model_takes_data(recipe: Recipe) -> None:
+    """With synthetic data (speedkit's own, cheap to draw), one training step's forward on one
+    sample of the first batch, on the CPU, without gradients: a model that cannot take that data
+    (floats for a language model, sequences longer than its ``block_size``) is a one-line ConfigError
+    before any work, rather than a failure once the Trainer runs. A throwaway model and data module
+    are built for it, under a forked RNG: the run's own are built as they would be without it."""
+    import torch
+
+    from speedkit import compat
+    from speedkit.data.source import batch_leaves, map_batch
+    from speedkit.recipe import SYNTHETIC_DATA
+    from speedkit.snapshot import rng_state, set_rng_state
+
+    if recipe.data is None or recipe.data.class_path not in SYNTHETIC_DATA.values():
+        return
+    kind = next(k for k, v in SYNTHETIC_DATA.items() if v == recipe.data.class_path)
+    saved = rng_state()
+    try:
+        with _quiet_lightning(), torch.random.fork_rng(devices=[]):
+            model, datamodule = recipe.build_model(), recipe.build_datamodule()
+            assert datamodule is not None
+            try:
+                batch = next(iter(datamodule.train_dataloader()))
+            except Exception as exc:  # the data's own arguments (num_workers: -1): the data section's line
+                failure = failure_in_user_code(exc, "speedkit")
+                if failure is not None:
+                    raise failure from None
+                raise
+            rows = next((t.shape[0] for t in batch_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+            one = map_batch(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows else t,
+                            batch)
+            logs: list[Any] = []
+            try:
+                with torch.no_grad(), compat.recording_logs(model, logs):
+                    model.training_step(one, 0)
+            except Exception as exc:
+                failure = failure_in_user_code(exc, "speedkit")
+                if isinstance(failure, ConfigError):
+                    raise failure from None
+                raise ConfigError("data.synthetic", f"{model.__class__.__name__}.training_step cannot take {kind} batches "
+                                  f"({first_line(exc, type(exc).__name__)}); give the data your model takes: "
+                                  f"{', '.join(k for k in SYNTHETIC_DATA if k != kind)} or a data module of your own") from None
+    finally:
+        set_rng_state(saved)
+
+
 def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
@@ -151,6 +203,8 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
             before any work; a data module that cannot build its loader.
         UserCodeError: the user's own code raised (speedkit's changes undone).
         Interrupted: Ctrl-C or SIGTERM; the rungs finished so far are in the partial report.
+        OutputError: a file could not be written (a full disk); its ``result`` holds the ladder's
+            result, ``written`` the files that were written whole; none is left half-written.
     """
     from lightning.fabric.utilities.seed import seed_everything
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -164,6 +218,7 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
         raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
     check_output_dir(out_dir, recipe.path)
     check_trainer(recipe)
+    check_model_takes_data(recipe)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
     formats = tuple(recipe.report.get("formats", ("json", "md")))
     measure = recipe.measure
@@ -172,7 +227,9 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     # captures again), and windows timed in place of those in which torch.compile compiled
     windows = max(1, measure["holds_windows"])
     fit_steps = max(measure["warmup"], _FIT_SETTLE_ROOM) + (windows + left_out_at_most(windows)) * measure["steps"]
-    with _quiet_lightning():
+    with _quiet_lightning(), warnings.catch_warnings():
+        # trials that cannot run are optimize's error, said once (SpeedLadder in a user's fit warns instead)
+        warnings.filterwarnings("ignore", message=r"speedkit: .*SpeedLadder\(\) applies no rungs", category=UserWarning)
         seed_everything(recipe.seed, verbose=False)
         model = recipe.build_model()
         datamodule = recipe.build_datamodule()
@@ -191,8 +248,11 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
                 phase = (result.interrupted or "the fit check after the trials").split(" during ", 1)[-1]
                 result.interrupted = result.interrupted or f"{type(cause).__name__} during {phase}"
                 result.title = title
-                out_dir.mkdir(parents=True, exist_ok=True)
-                written = write_report(result, out_dir, formats=formats)
+                try:
+                    written = write_report(result, out_dir, formats=formats)
+                except OutputError as failed:
+                    failed.result = result
+                    raise failed from None
             raise Interrupted("SIGTERM" if isinstance(cause, SIGTERMException) else "SIGINT", phase, written) from None
         except Exception as exc:
             _raise_as_user_failure(exc, "speedkit optimize")
@@ -201,18 +261,23 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     if result is None:
         raise UnsupportedError(f"speedkit optimize could not run its trials: {ladder.not_run or 'the fit ended before them'}")
     result.title = title
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = write_report(result, out_dir, formats=formats)
-    kept = [{"name": r.name, "options": r.options} if r.options else r.name for r in result.kept]
-    optimized = out_dir / "optimized.yaml"
-    final = result.final_measurement
-    base = result.baseline.measurement
-    header = (f"Written by `speedkit optimize` on {time.strftime('%Y-%m-%d %H:%M')} from {recipe.path or 'a recipe'}.\n"
-              f"Kept rungs: {', '.join(r.name for r in result.kept) or 'none'}"
-              + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {base.throughput:,.0f}" if final and base else "")
-              + f" on {result.device}.\nTrain with: speedkit fit {optimized}")
-    dump_recipe(recipe.raw, kept, optimized, header)
-    written["optimized"] = optimized
+    written: dict[str, Path] = {}
+    try:
+        written = write_report(result, out_dir, formats=formats)
+        kept = [{"name": r.name, "options": r.options} if r.options else r.name for r in result.kept]
+        optimized = out_dir / "optimized.yaml"
+        final = result.final_measurement
+        base = result.baseline.measurement
+        header = (f"Written by `speedkit optimize` on {time.strftime('%Y-%m-%d %H:%M')} from {recipe.path or 'a recipe'}.\n"
+                  f"Kept rungs: {', '.join(r.name for r in result.kept) or 'none'}"
+                  + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {base.throughput:,.0f}" if final and base else "")
+                  + f" on {result.device}.\nTrain with: speedkit fit {optimized}")
+        dump_recipe(recipe.raw, kept, optimized, header)
+        written["optimized"] = optimized
+    except OutputError as exc:  # the results are not lost: the caller shows them
+        exc.result = result
+        exc.written = {**written, **exc.written}
+        raise
     return result, written
 
 
@@ -235,6 +300,7 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
         raise ConfigError("ladder", "missing: `speedkit fit` applies the rungs a recipe lists, without trials; run `speedkit "
                                     "optimize` on it and fit the optimized.yaml it writes, or list the rungs (ladder: [] for none)")
     check_trainer(recipe)
+    check_model_takes_data(recipe)
     seed_everything(recipe.seed, verbose=False)
     model = recipe.build_model()
     datamodule = recipe.build_datamodule()

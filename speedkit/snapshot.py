@@ -7,7 +7,11 @@ CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (neve
 so the optimizer, Lightning and any rung still point at the live parameters. The accumulated
 states of the model's torchmetrics metrics (which a ``training_step`` updates, and which are
 neither parameters nor buffers) are saved and put back too: otherwise the trials' batches would
-count in the first epoch's metric (``self.log("acc", self.acc, on_epoch=True)``). Implementation flags
+count in the first epoch's metric (``self.log("acc", self.acc, on_epoch=True)``). So are the plain
+Python attributes of the user's own modules (numbers, strings, and lists, tuples, dicts and sets of
+them: a ``self.calls += 1`` in ``training_step``, a list of seen losses), put back in place (a list
+stays the same object); attributes of other kinds that the trials rebind (a tensor kept on
+``self``) are named in :attr:`Snapshot.unrestored`, for the report. Implementation flags
 of the optimizer (fused/foreach/capturable) are left as they are now: those belong to the rungs,
 not to the training state.
 """
@@ -15,6 +19,8 @@ not to the training state.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import random
 import sys
 from typing import Any
@@ -53,6 +59,111 @@ def _restore_metric(metric: Any, state: dict[str, Any], count: int) -> None:
             setattr(metric, name, value.clone())
     if count:  # torchmetrics offers no public setter of the count reset() zeroed
         compat.set_metric_update_count(metric, count)
+
+
+#: containers whose items are copied with them (exact types: a subclass may carry behaviour of its own)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+#: items a plain attribute may hold (a larger one is not copied at every snapshot)
+_PLAIN_ITEMS = 10_000
+_MISSING = object()
+
+
+def _plain(value: Any, budget: list[int]) -> bool:
+    """Plain Python data: scalars, and the containers of :data:`_CONTAINERS` holding only plain data
+    (``budget`` items in all)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    if type(value) in _SCALARS:
+        return True
+    if type(value) is dict:
+        return all(_plain(k, budget) and _plain(v, budget) for k, v in value.items())
+    if type(value) in _CONTAINERS:
+        return all(_plain(v, budget) for v in value)
+    return False
+
+
+@functools.cache
+def _framework_keys(kind: type) -> frozenset[str]:
+    """The attributes torch's ``nn.Module`` (and Lightning's ``LightningModule``) keep on every
+    instance of ``kind``: theirs, not the user's."""
+    keys = set(vars(nn.Module()))
+    lightning = sys.modules.get("lightning.pytorch")
+    if lightning is not None and issubclass(kind, lightning.LightningModule):
+        keys |= set(vars(lightning.LightningModule()))
+    return frozenset(keys)
+
+
+@functools.cache
+def _users_own(kind: type) -> bool:
+    """A module class of the user's own code (not torch's, Lightning's, speedkit's or an installed library's)."""
+    from speedkit.graph_safety import is_users_own_file
+
+    try:
+        return is_users_own_file(inspect.getfile(kind))
+    except (TypeError, OSError):  # a class made at run time, or a builtin
+        return False
+
+
+class UserAttributes:
+    """The plain Python attributes of the user's own modules in ``model``, and how to put them back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved: list[tuple[nn.Module, str, Any]] = []
+        self.others: list[tuple[nn.Module, str, int]] = []
+        #: the user's modules, and the attribute names each had
+        self.names: list[tuple[nn.Module, frozenset[str]]] = []
+        for module in model.modules():
+            if not _users_own(type(module)):
+                continue
+            skip = _framework_keys(type(module))
+            self.names.append((module, frozenset(vars(module))))
+            for name, value in vars(module).items():
+                if name in skip:
+                    continue
+                if _plain(value, [_PLAIN_ITEMS]):
+                    self.saved.append((module, name, copy.deepcopy(value)))
+                elif not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value):
+                    self.others.append((module, name, id(value)))
+
+    def restore(self) -> tuple[list[str], list[str]]:
+        """Put every saved attribute back (lists, dicts and sets in place). Returns the attributes that
+        had changed ("Model.calls"), and those of other kinds that were rebound since, which are not
+        put back ("Model.last_batch (Tensor)")."""
+        changed = []
+        for module, name, saved in self.saved:
+            current = module.__dict__.get(name, _MISSING)
+            if current is not _MISSING and type(current) is type(saved) and _equal(current, saved):
+                continue
+            changed.append(f"{type(module).__name__}.{name}")
+            value = copy.deepcopy(saved)
+            if type(current) is list and type(value) is list:
+                current[:] = value
+            elif type(current) in (dict, set) and type(current) is type(value):
+                current.clear()
+                current.update(value)
+            else:
+                setattr(module, name, value)
+        rebound = [f"{type(module).__name__}.{name} ({type(module.__dict__.get(name)).__name__})"
+                   for module, name, before in self.others if id(module.__dict__.get(name, _MISSING)) != before]
+        for module, had in self.names:  # attributes the steps made: plain ones go, others are named
+            skip = _framework_keys(type(module))
+            for name in [n for n in vars(module) if n not in had and n not in skip]:
+                value = module.__dict__[name]
+                if _plain(value, [_PLAIN_ITEMS]):
+                    delattr(module, name)
+                    changed.append(f"{type(module).__name__}.{name}")
+                elif not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value):
+                    rebound.append(f"{type(module).__name__}.{name} ({type(value).__name__})")
+        return changed, rebound
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a comparison that cannot say: put the value back
+        return False
 
 
 def rng_state() -> dict[str, Any]:
@@ -112,6 +223,11 @@ class Snapshot:
                 saved = saved.pin_memory()
             self.tensors.append((t, saved))
         self.metrics = [_save_metric(m) for m in _metrics(model)]
+        self.attributes = UserAttributes(model)
+        #: the user's plain attributes that steps since the snapshot changed and a restore put back
+        self.restored_attributes: set[str] = set()
+        #: attributes of the user's modules of other kinds that steps rebound and a restore did not put back
+        self.unrestored: set[str] = set()
         self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
         self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:
@@ -132,6 +248,9 @@ class Snapshot:
                 live.grad = None
         for metric, state, count in self.metrics:
             _restore_metric(metric, state, count)
+        changed, rebound = self.attributes.restore()
+        self.restored_attributes.update(changed)
+        self.unrestored.update(rebound)
         opt = self.optimizer
         if opt is not None:
             opt.state.clear()

@@ -118,8 +118,10 @@ def test_padded_linear_computes_the_same_function(shape, out_features, bias):
     assert padded.shape == exact.shape and padded.stride(-2) == -(-out_features // 64) * 64
     torch.testing.assert_close(padded, exact, rtol=1e-6, atol=1e-6)
     padded.backward(grad)
+    # x's gradient sums over the 1031 outputs, in another order once the weight is padded (zero rows
+    # change the GEMM's blocking): fp32 reduction-order noise, ~eps * sqrt(n) of the sum's scale
     for got, want in zip([x.grad, *(p.grad for p in lin.parameters())], expected):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_under_autocast_the_weight_is_cast_before_padding():

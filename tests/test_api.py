@@ -82,6 +82,42 @@ def test_speedladder_arguments_that_cannot_work_are_one_line_errors():
     from speedkit.lightning import SpeedLadder
 
     for kwargs, words in ((dict(rungs="compile"), "rungs: expected a list of rungs"), (dict(trials="no"), "trials:"),
-                          (dict(on_event=3), "on_event:"), (dict(report_dir=5), "report_dir:")):
-        with pytest.raises(ConfigError, match=words):
+                          (dict(on_event=3), "on_event:"), (dict(report_dir=5), "report_dir:"),
+                          (dict(trials=False), "trials: False applies the rungs given, without measuring them, and none were given")):
+        with pytest.raises(ConfigError, match=words) as raised:
             SpeedLadder(**kwargs)
+        assert "\n" not in str(raised.value)
+    assert SpeedLadder(rungs=[], trials=False).rungs == []  # no rungs, said so: nothing applied
+
+
+def test_batches_end_with_the_epoch_and_group_micro_batches():
+    """The README's loop ends when the data does: one epoch per batches() call (a fresh pass),
+    ``steps`` stops early, ``accumulate`` groups the micro-batches of one optimizer step."""
+    from speedkit.api import MicroBatches
+
+    model, opt, _ = _plain()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randint(0, 10, (40,))),
+                                         batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    loss = lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    with speedkit.apply(model, opt, loader, rungs=["fused_optimizer"], loss_fn=loss) as sk:
+        firsts = []
+        for _ in range(2):
+            seen = [sk.step(batch, i) for i, batch in enumerate(sk.batches())]
+            assert len(seen) == 5  # 40 samples / 8
+            firsts.append(next(iter(sk.batches()))[1].tolist())
+        assert firsts[0] != firsts[1]  # each pass is a new epoch: the sampler shuffles anew
+        assert len(list(sk.batches(epochs=3))) == 15
+        assert len(list(sk.batches(epochs=None, steps=7))) == 7
+        assert len(list(sk.batches(epochs=2, steps=100))) == 10
+        endless = sk.batches(epochs=None)
+        assert len([next(endless) for _ in range(12)]) == 12
+        for bad in (0, -1, 1.5, True, "1"):
+            with pytest.raises(speedkit.ConfigError, match="epochs: expected a whole number"):
+                sk.batches(epochs=bad)
+    model, opt, _ = _plain()
+    with speedkit.apply(model, opt, loader, rungs=[], loss_fn=loss, accumulate=2) as sk:
+        groups = list(sk.batches())
+        assert [len(g) for g in groups] == [2, 2, 1] and all(isinstance(g, MicroBatches) for g in groups)
+        assert all(torch.isfinite(sk.step(g, i)) for i, g in enumerate(groups))  # a short last group steps too
+        assert [len(g) for g in sk.batches(steps=2)] == [2, 2]
+        assert len(list(sk.batches(epochs=2))) == 6  # groups never span the epoch's end

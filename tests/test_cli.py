@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -313,6 +314,22 @@ def test_a_baseline_whose_loss_is_not_finite_runs_no_trials(user_recipe, tmp_pat
     assert "could not run its trials: the training loss is nan at step 1 of the baseline" in err[-1], err
 
 
+def test_each_message_is_printed_once_and_lightnings_notes_stay_out_of_the_way(user_recipe, tmp_path):
+    """As a user sees it, in a terminal: optimize's NaN message once (not again as a Python warning),
+    validate silent on stderr for a recipe that leaves Lightning's logger on (the Trainer built to check
+    the recipe's arguments would make one; the run says it where it matters)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_recipe("nan").parent), str(REPO)])}
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "speedkit.cli", *argv], capture_output=True, text=True,  # noqa: E731
+                                       cwd=tmp_path, env=env)
+    nan = user_recipe("nan")
+    nan.write_text(nan.read_text().replace("logger: false, ", ""))
+    proc = run("optimize", str(nan), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.count("the training loss is nan") == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    proc = run("validate", str(nan))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 def test_top_level_keys_are_overrides_too(tmp_path, capsys):
     recipe = REPO / "recipes" / "tiny-cpu.yaml"
     assert main(["validate", str(recipe), "--seed", "3", "--ladder", "[sdpa, compile]"]) == 0
@@ -375,6 +392,22 @@ def test_a_demo_model_and_data_that_do_not_fit_together_are_one_line(tmp_path, c
     last = err.strip().splitlines()[-1]
     assert last.startswith("speedkit: error:") and words in last, last
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "optimize", "fit"])
+def test_synthetic_data_a_model_cannot_take_is_one_line_before_any_work(tmp_path, capsys, command):
+    """vectors for a language model passed validate and failed once optimize ran; now every command
+    says so in one line, exit 2, before any work (one forward on one synthetic sample, on the CPU)."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\ndata: {synthetic: vectors}\n"
+                    "trainer: {accelerator: cpu, max_steps: 2}\nladder: [fused_optimizer]\n")
+    out = tmp_path / "out"
+    assert main([command, str(path), *(["--out", str(out)] if command == "optimize" else [])]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("speedkit: error:") and "Traceback" not in captured.err, err
+    assert "NaiveGPT.forward raised RuntimeError" in err[0] and "synthetic: tokens for a language model" in err[0]
+    assert not out.exists() and not (tmp_path / "lightning_logs").exists()
 
 
 @pytest.mark.parametrize("argv, words", [([], "no command given; give one of optimize, fit, validate, rungs"),

@@ -750,3 +750,38 @@ def test_a_callback_serving_a_second_fit_reports_that_fits_rungs_only(monkeypatc
         _fit_user_model(ladder, max_steps=2)
         assert [r.name for r in ladder.result.kept] == (["fused_optimizer"] if decision == "kept" else [])
         assert list(ladder.applied_changes) == list(ladder.state_dict()["applied"]) == [r.name for r in ladder.result.kept]
+
+
+class _KeepsTrackOnSelf(UserModel):
+    """What users keep on ``self`` from their step: a counter, a list of seen losses, a dict of
+    tallies, and a tensor rebound every step (which speedkit cannot put back, and names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+        self.tally = {"batches": 0}
+        self.history = self.seen  # the same list under two names stays one list
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.seen.append(int(batch[1][0]))
+        self.tally["batches"] += 1
+        self.last_loss = loss.detach()
+        return loss
+
+
+def test_trials_put_back_the_plain_attributes_the_users_step_changes(no_interpreter):
+    """A ``self.calls += 1`` in training_step read 2412 after a 30-step fit with trials (30 without)."""
+    runs = {}
+    for trials in (False, True):
+        pl.seed_everything(0, verbose=False)
+        model = _KeepsTrackOnSelf()
+        seen = model.seen
+        ladder = SpeedLadder(rungs=["fused_optimizer"], trials=trials, measure=QUICK)
+        _trainer([ladder], **USER_RUN).fit(model)
+        assert model.seen is seen and model.history is model.seen  # put back in place, never replaced
+        runs[trials] = (model.calls, list(model.seen), dict(model.tally), ladder)
+    assert runs[True][:3] == runs[False][:3] and runs[False][0] == 24  # 6 steps x 4 accumulated batches
+    result = runs[True][3].result
+    assert {"_KeepsTrackOnSelf.calls", "_KeepsTrackOnSelf.seen", "_KeepsTrackOnSelf.tally"} <= set(result.run["attributes_restored"])
+    assert result.run["attributes_not_restored"] == ["_KeepsTrackOnSelf.last_loss (Tensor)"]

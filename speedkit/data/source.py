@@ -211,11 +211,14 @@ class PrivateRngStates:
             set_rng_object_state(g, state)
 
 
-def chain_epochs(make_epoch: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """Batches epoch after epoch, each epoch's iterator made by ``make_epoch()`` when its first batch
-    is asked for (not before the last batch of the epoch before is handed out); an epoch without a
-    batch is a one-line error rather than an endless loop."""
-    while True:
+def chain_epochs(make_epoch: Callable[[], Iterator[Any]], epochs: int | None = None) -> Iterator[Any]:
+    """Batches epoch after epoch (``epochs`` of them, or without end for None), each epoch's iterator
+    made by ``make_epoch()`` when its first batch is asked for (not before the last batch of the
+    epoch before is handed out); an epoch without a batch is a one-line error rather than an endless
+    loop."""
+    done = 0
+    while epochs is None or done < epochs:
+        done += 1
         empty = True
         for batch in make_epoch():
             empty = False
@@ -243,16 +246,18 @@ class BatchSource:
         """One epoch of host batches: a fresh iterator of the loader, made when this is called."""
         return iter(self.iterable)
 
-    def host_batches(self) -> Iterator[Any]:
-        """Host batches forever: the loader is iterated again (a new epoch) when it runs out."""
-        return chain_epochs(self.epoch)
+    def host_batches(self, epochs: int | None = None) -> Iterator[Any]:
+        """Host batches for ``epochs`` epochs, or forever (None): the loader is iterated again (a new
+        epoch) when it runs out."""
+        return chain_epochs(self.epoch, epochs)
 
     def to_device(self, batch: Any) -> Any:
         return move_to_device(batch, self.device, non_blocking=True)
 
-    def iterator(self) -> Iterator[Any]:
-        """A fresh iterator of device batches (one per trial)."""
-        return (self.to_device(b) for b in self.host_batches())
+    def iterator(self, epochs: int | None = None) -> Iterator[Any]:
+        """A fresh iterator of device batches (one per trial): ``epochs`` epochs of the loader, or
+        epoch after epoch without end (None)."""
+        return (self.to_device(b) for b in self.host_batches(epochs))
 
     def parity_batches(self, n: int) -> list[Any]:
         """``n`` batches from a fresh iterator, copied and kept on the host."""
@@ -311,8 +316,9 @@ class SourceWrapper(BatchSource):
     def to_device(self, batch: Any) -> Any:
         return self.map_batch(self.inner.to_device(batch))
 
-    def iterator(self) -> Iterator[Any]:
-        return (self.map_batch(b) for b in self.inner.iterator()) if self.maps_batches else self.inner.iterator()
+    def iterator(self, epochs: int | None = None) -> Iterator[Any]:
+        inner = self.inner.iterator(epochs)
+        return (self.map_batch(b) for b in inner) if self.maps_batches else inner
 
     def map_batch(self, batch: Any) -> Any:
         """One device batch of the inner source as this wrapper serves it (as it is, by default)."""

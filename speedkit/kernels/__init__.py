@@ -14,13 +14,22 @@ Functional API (same semantics as the PyTorch functions they stand in for, stati
 * :func:`bias_gelu` ``(x, bias, approximate)`` — ``gelu(x + bias)``, exact or tanh.
 * :func:`swiglu` ``(gate, up)`` — ``silu(gate) * up``.
 
-Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests). Without
+Triton installed (torch's CPU builds do not bring it) the functions raise, and
+:func:`kernels_available` says why, which is what the rungs ask first.
 :mod:`speedkit.kernels.cublaslt` holds the GEMMs with cuBLASLt's GELU epilogues (GPT-2's MLP).
 """
 
-from speedkit.kernels.activations import bias_gelu, swiglu
-from speedkit.kernels.cross_entropy import cross_entropy
-from speedkit.kernels.norms import layer_norm, rms_norm
-from speedkit.kernels.support import kernels_available
+from speedkit.kernels.support import kernels_available, triton_installed
+
+if triton_installed():
+    from speedkit.kernels.activations import bias_gelu, swiglu
+    from speedkit.kernels.cross_entropy import cross_entropy
+    from speedkit.kernels.norms import layer_norm, rms_norm
+else:  # torch's CPU builds come without Triton (its CUDA builds bring their own): nothing here can run
+    def _no_triton(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(kernels_available())
+
+    bias_gelu = swiglu = cross_entropy = layer_norm = rms_norm = _no_triton  # type: ignore[assignment]
 
 __all__ = ["bias_gelu", "cross_entropy", "kernels_available", "layer_norm", "rms_norm", "swiglu"]

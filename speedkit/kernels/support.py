@@ -13,13 +13,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def kernels_available(device: torch.device | str | None = None) -> str | None:
-    """``None`` if speedkit's Triton kernels can run on ``device``, else the reason they cannot."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+@functools.cache
+def triton_installed() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "Triton is not installed (pip install triton)"
+        return False
+    return True
+
+
+def kernels_available(device: torch.device | str | None = None) -> str | None:
+    """``None`` if speedkit's Triton kernels can run on ``device``, else the reason they cannot."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not triton_installed():
+        return "Triton is not installed (torch's CUDA builds bring it; pip install triton for the CPU interpreter)"
     if device.type == "cuda":
         if torch.version.hip is not None:
             return "speedkit's kernels are tuned for NVIDIA GPUs; this is a ROCm build"

@@ -90,6 +90,9 @@ class SpeedLadder(Callback):
             raise ConfigError("on_event", f"expected a function taking one line of text, found {type(on_event).__name__}")
         if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
             raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
+        if trials is False and rungs is None:
+            raise ConfigError("trials", "False applies the rungs given, without measuring them, and none were given; pass "
+                              "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder")
         self.trials = rungs is None if trials is None else trials
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
         self.measure = MeasureConfig.from_dict(validate_measure(measure))
@@ -295,9 +298,14 @@ class SpeedLadder(Callback):
                           f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}"  # type: ignore[union-attr]
                           + (f" ({holds.note})" if holds.note else ""))
         if self.report_dir is not None:
+            from speedkit.errors import OutputError
             from speedkit.report import write_report
 
-            write_report(self.result, self.report_dir)
+            try:
+                write_report(self.result, self.report_dir)
+            except OutputError as exc:  # the user's fit goes on; the results stay in ladder.result
+                rank_zero_warn(f"speedkit: {exc}; the report was not written (nothing half-written is left), "
+                               "its results are in SpeedLadder.result", category=UserWarning)
         if self.stop_after_holds:
             trainer.should_stop = True
 

@@ -105,7 +105,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from speedkit.errors import ConfigError
+from speedkit.errors import ConfigError, OutputError
+from speedkit.files import write_text_atomic
 from speedkit.report.markdown import render_markdown
 from speedkit.results import SCHEMA_VERSION, LadderResult
 
@@ -122,8 +123,13 @@ def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
     Returns:
         The path written for each format, e.g. ``{"json": out_dir / "report.json", ...}``.
 
+    Each file is written whole or not at all (a temporary file renamed over it), so a failure
+    leaves every file either complete or as it was before.
+
     Raises:
         ConfigError: a format other than those in :data:`FORMATS`, before anything is written.
+        OutputError: a file could not be written (a full disk); its ``written`` holds the files
+            written before it.
     """
     formats = tuple(formats)
     unknown = [f for f in formats if f not in FORMATS]
@@ -136,12 +142,13 @@ def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
     if "md" in formats:
         texts["md"] = render_markdown(d)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written: dict[str, Path] = {}
     for fmt, text in texts.items():
-        path = out_dir / FORMATS[fmt]
-        path.write_text(text, encoding="utf-8")
-        written[fmt] = path
+        try:
+            written[fmt] = write_text_atomic(out_dir / FORMATS[fmt], text)
+        except OutputError as exc:
+            exc.written = dict(written)
+            raise
     return written
 
 

@@ -270,9 +270,9 @@ class DataPathSource(SourceWrapper):
     def epoch(self) -> Iterator[Any]:
         return iter(self.rebuilt) if self.rebuilt is not None else self.inner.epoch()
 
-    def iterator(self) -> Iterator[Any]:
+    def iterator(self, epochs: int | None = None) -> Iterator[Any]:
         if not self.plan.prefetch:
-            return self._timed(self.host_batches())
+            return self._timed(self.host_batches(epochs))
         ring = None
         if self.plan.ring is not None and self.rebuilt is not None:
             if self._live is not None:  # the last iterator's workers stop before the ring is reset
@@ -280,12 +280,12 @@ class DataPathSource(SourceWrapper):
             if self._trial_ring is None:
                 self._trial_ring = make_ring(self.plan.ring)
             ring = self._trial_ring
-        batches = self._prefetched_epochs(ring)
+        batches = self._prefetched_epochs(ring, epochs)
         self._live = batches if ring is not None else None
         return self._timed(batches)
 
-    def _prefetched_epochs(self, ring: BatchRing | None) -> Generator[Any, None, None]:
-        """Device batches epoch after epoch, each epoch prefetched as a fit's is (a
+    def _prefetched_epochs(self, ring: BatchRing | None, epochs: int | None = None) -> Generator[Any, None, None]:
+        """Device batches epoch after epoch (``epochs`` of them, or without end), each epoch prefetched as a fit's is (a
         :class:`PrefetchingLoader`) and made when the loop asks for its first batch: the lookahead
         never reads into the next epoch, whose iterator (its shuffle, its workers' seeds: draws from
         the generators or the global RNG, which the step may draw from too) is made after the last
@@ -294,7 +294,7 @@ class DataPathSource(SourceWrapper):
         served = PrefetchingLoader(handoff_loader(self.rebuilt, ring) if ring is not None else _Epochs(self), self.device,
                                    lookahead=self.plan.lookahead, times=self.times, ring=ring)
         try:
-            yield from chain_epochs(served.__iter__)
+            yield from chain_epochs(served.__iter__, epochs)
         finally:
             served.close()
 
