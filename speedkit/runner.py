@@ -153,8 +153,10 @@ def check_model_takes_data(recipe: Recipe) -> None:
     """With synthetic data (speedkit's own, cheap to draw), one training step's forward on one
     sample of the first batch, on the CPU, without gradients: a model that cannot take that data
     (floats for a language model, sequences longer than its ``block_size``) is a one-line ConfigError
-    before any work, rather than a failure once the Trainer runs. A throwaway model and data module
-    are built for it, under a forked RNG: the run's own are built as they would be without it."""
+    before any work, rather than a failure once the Trainer runs. A step that fails for another reason
+    (it reads its Trainer, its own check) is left to the run, which shows the user's frames. A throwaway
+    model and data module are built for it, under a forked RNG: the run's own are built as they would
+    be without it."""
     import torch
 
     from speedkit import compat
@@ -186,13 +188,26 @@ def check_model_takes_data(recipe: Recipe) -> None:
                     model.training_step(one, 0)
             except Exception as exc:
                 failure = failure_in_user_code(exc, "speedkit")
-                if isinstance(failure, ConfigError):
+                if isinstance(failure, ConfigError):  # speedkit's demo model on the recipe's arguments
                     raise failure from None
+                if not _raised_in_torch(exc):  # the step needs more than a batch (its Trainer, its
+                    return  # optimizers) or checks something of its own: the run will show it
                 raise ConfigError("data.synthetic", f"{model.__class__.__name__}.training_step cannot take {kind} batches "
                                   f"({first_line(exc, type(exc).__name__)}); give the data your model takes: "
                                   f"{', '.join(k for k in SYNTHETIC_DATA if k != kind)} or a data module of your own") from None
     finally:
         set_rng_state(saved)
+
+
+def _raised_in_torch(exc: BaseException) -> bool:
+    """The innermost frame of ``exc`` is torch's own: an operation refused the data it was given
+    (an embedding given floats, a matmul given the wrong width)."""
+    import os
+
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}torch{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:

@@ -116,16 +116,21 @@ import signal
 from speedkit.demos import NaiveGPT
 
 
+#: calls of the training step, counted outside the module (the trials put a counter on ``self`` back)
+CALLS = [0]
+
+
 class InterruptingGPT(NaiveGPT):
     \"\"\"A tiny GPT whose training step is interrupted at its ``at``-th call (inside the trials).\"\"\"
 
     def __init__(self, at: int = 12, how: str = "sigint", **kwargs):
         super().__init__(**kwargs)
-        self.at, self.how, self.calls = at, how, 0
+        self.at, self.how = at, how
+        CALLS[0] = 0
 
     def training_step(self, batch, batch_idx):
-        self.calls += 1
-        if self.calls == self.at:
+        CALLS[0] += 1
+        if CALLS[0] == self.at:
             if self.how == "sigint":
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signal.SIGTERM)
@@ -408,6 +413,51 @@ def test_synthetic_data_a_model_cannot_take_is_one_line_before_any_work(tmp_path
     assert len(err) == 1 and err[0].startswith("speedkit: error:") and "Traceback" not in captured.err, err
     assert "NaiveGPT.forward raised RuntimeError" in err[0] and "synthetic: tokens for a language model" in err[0]
     assert not out.exists() and not (tmp_path / "lightning_logs").exists()
+
+
+USERS_TOKEN_MODELS = """
+import torch
+import lightning.pytorch as pl
+
+
+class TokenModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(512, 16), torch.nn.Linear(16, 512)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, -2), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+class ReadsItsTrainer(TokenModel):
+    def training_step(self, batch, batch_idx):
+        self.log("progress", self.trainer.global_step / max(1, self.trainer.estimated_stepping_batches))
+        return super().training_step(batch, batch_idx)
+"""
+
+
+def test_the_data_check_refuses_what_torch_refuses_and_leaves_other_failures_to_the_run(tmp_path, capsys, monkeypatch):
+    """A user's token model given synthetic vectors: torch's embedding refuses them, one line. A step
+    that reads its Trainer cannot run outside one: that is not the data's fault, validate passes."""
+    (tmp_path / "speedkit_test_tokens.py").write_text(USERS_TOKEN_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "recipe.yaml"
+    for model, data, code in (("TokenModel", "vectors", 2), ("TokenModel", "tokens", 0), ("ReadsItsTrainer", "tokens", 0)):
+        path.write_text(f"model: {{class_path: speedkit_test_tokens.{model}}}\n"
+                        f"data: {{synthetic: {data}, batch_size: 2, seq_len: 8, vocab_size: 512}}\n"
+                        "trainer: {accelerator: cpu, logger: false}\nladder: [fused_optimizer]\n"
+                        .replace(", seq_len: 8, vocab_size: 512" if data == "vectors" else "@", ""))
+        assert main(["validate", str(path)]) == code, (model, data)
+        err = capsys.readouterr().err.strip().splitlines()
+        if code:
+            assert len(err) == 1 and "data.synthetic: TokenModel.training_step cannot take vectors batches" in err[0], err
+            assert "give the data your model takes: tokens or a data module of your own" in err[0]
+        else:
+            assert err == [], err
 
 
 @pytest.mark.parametrize("argv, words", [([], "no command given; give one of optimize, fit, validate, rungs"),
