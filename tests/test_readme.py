@@ -9,9 +9,10 @@ and only that:
   harness defines those, tiny, in front of the block (:data:`USERS_OBJECTS`). A block that uses a
   name the harness does not know fails: the README asks the reader for something it never named.
 * **Shell blocks** run line by line (comments stripped) with the test's virtual environment first on
-  ``PATH``, so ``pip`` and ``speedkit`` are the ones installed. CPU-sized: a ``speedkit`` command on
-  a recipe meant for a GPU gets :data:`CPU_SIZE` appended (LightningCLI-style overrides: a tiny
-  model, short sequences, few timing blocks), and ``--trainer.max_steps`` is cut to a few steps;
+  ``PATH``, so ``pip`` and ``speedkit`` are the ones installed (``python -m speedkit.cli`` where the
+  checkout runs uninstalled). Small: ``speedkit optimize|fit`` get :data:`CPU_SIZE` appended
+  (LightningCLI-style overrides: a tiny model, short sequences, few timing blocks; on the CPU where
+  there is no GPU), and ``--trainer.max_steps`` is cut to a few steps;
   ``make test`` runs the README's command with ``PYTEST_ADDOPTS`` naming one small test (the whole
   suite is what is running this). ``make`` uses this environment's venv (``VENV=``), as it does
   after the README's own ``make test``. Commands other than ``pip install -e .`` run in a scratch
@@ -92,8 +93,9 @@ USERS_OBJECTS = {
 #: what each of them is made from (defined before it)
 _NEEDS = {"optimizer": ["model"], "scheduler": ["optimizer"], "loader": ["model"], "datamodule": ["model"]}
 
-#: overrides that make a GPU recipe CPU-sized (appended after the README's own arguments: the last wins)
-CPU_SIZE = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--model.init_args.size", "tiny",
+#: overrides that make a recipe small (appended after the README's own arguments: the last wins); on a
+#: machine without CUDA also ``--trainer.accelerator cpu --trainer.precision 32-true``
+CPU_SIZE = ["--model.init_args.size", "tiny",
             "--data.batch_size", "2", "--data.seq_len", "32", "--data.vocab_size", "512", "--data.length", "256",
             "--measure.warmup", "1", "--measure.steps", "3", "--measure.repeats", "2", "--measure.parity_steps", "2",
             "--measure.min_blocks", "2", "--measure.max_blocks", "2", "--measure.holds_windows", "1"]
@@ -201,9 +203,16 @@ def _speedkit_cpu_sized(args: list[str]) -> list[str]:
     """A ``speedkit optimize|fit|validate`` command as run here: CPU-sized where there is no GPU."""
     import torch
 
-    if args[1] not in ("optimize", "fit") or torch.cuda.is_available():
+    if args[1] not in ("optimize", "fit"):
         return args
-    return [*args, *CPU_SIZE, *(["--trainer.max_steps", FIT_STEPS] if args[1] == "fit" else [])]
+    on_cpu = [] if torch.cuda.is_available() else ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
+    return [*args, *CPU_SIZE, *on_cpu, *(["--trainer.max_steps", FIT_STEPS] if args[1] == "fit" else [])]
+
+
+def _speedkit_command() -> list[str]:
+    """``speedkit`` as installed (the console script), or the module where the checkout runs uninstalled."""
+    script = Path(sys.executable).parent / "speedkit"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "speedkit.cli"]
 
 
 def _make_venv() -> Path:
@@ -235,11 +244,11 @@ def test_shell_block_runs(block: Block, workdir: Path) -> None:
             cwd = REPO  # "." is the checkout
             args = [sys.executable, "-m", *args]
         elif args[0] == "speedkit":
-            args = _speedkit_cpu_sized(args)
+            args = [*_speedkit_command(), *_speedkit_cpu_sized(args)[1:]]
         proc = _run(args, cwd, what, env)
-        if args[:2] == ["make", "demo"]:
+        if command.startswith("make demo"):
             assert (REPO / "runs" / "tiny-cpu" / "report.json").exists() and "baseline" in proc.stdout
-        if args[:2] == ["speedkit", "optimize"]:
+        if command.startswith("speedkit optimize"):
             assert "report.json" in proc.stdout
 
 
@@ -248,7 +257,8 @@ def test_shell_block_runs(block: Block, workdir: Path) -> None:
 def test_yaml_block_is_a_recipe_that_runs(block: Block, workdir: Path) -> None:
     recipe = workdir / "recipe.yaml"
     recipe.write_text(block.code, encoding="utf-8")
-    _run(["speedkit", "validate", str(recipe)], workdir, f"`speedkit validate` of the recipe at README.md:{block.line}")
-    proc = _run(_speedkit_cpu_sized(["speedkit", "optimize", str(recipe), "--out", str(workdir / "out")]), workdir,
-                f"`speedkit optimize` of the recipe at README.md:{block.line}")
+    speedkit = _speedkit_command()
+    _run([*speedkit, "validate", str(recipe)], workdir, f"`speedkit validate` of the recipe at README.md:{block.line}")
+    optimize = _speedkit_cpu_sized(["speedkit", "optimize", str(recipe), "--out", str(workdir / "out")])
+    proc = _run([*speedkit, *optimize[1:]], workdir, f"`speedkit optimize` of the recipe at README.md:{block.line}")
     assert (workdir / "out" / "report.json").exists(), proc.stdout
