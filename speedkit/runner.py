@@ -78,8 +78,11 @@ def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
 
 
 def _written_by_speedkit(path: Path, start: str) -> bool:
-    """Whether ``path`` looks like speedkit's own earlier output (how it begins; a report.md by its summary line)."""
+    """Whether ``path`` looks like speedkit's own earlier output (how it begins; a report.md by its summary
+    line), or is empty (what a write cut off by a full disk left before writes were atomic: nothing to lose)."""
     try:
+        if path.stat().st_size == 0:
+            return True
         with path.open(encoding="utf-8") as f:
             head = f.read(4096)
     except (OSError, UnicodeDecodeError):
@@ -136,6 +139,8 @@ def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
         try:
             build_trainer(recipe, [])
             return None
+        except ConfigError:  # a speedkit callback's own argument: it names the field itself
+            raise
         except refused as exc:
             reason = f"Lightning refuses these Trainer arguments: {first_line(exc)}"
         if here or recipe.trainer.get("accelerator", "auto") in ("cpu", "auto"):

@@ -415,6 +415,20 @@ def test_synthetic_data_a_model_cannot_take_is_one_line_before_any_work(tmp_path
     assert not out.exists() and not (tmp_path / "lightning_logs").exists()
 
 
+@pytest.mark.parametrize("command", ["validate", "fit"])
+def test_a_speedladder_callback_told_to_apply_nothing_unmeasured_is_one_line(tmp_path, capsys, command):
+    """SpeedLadder(trials=False) without rungs would apply the whole default ladder unmeasured."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+                    "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\n"
+                    "trainer: {accelerator: cpu, max_steps: 2, logger: false,\n"
+                    "          callbacks: [{class_path: speedkit.lightning.SpeedLadder, init_args: {trials: false}}]}\nladder: []\n")
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trainer.callbacks[0].init_args" in err[0] and "trials: False applies the rungs given" in err[0], err
+    assert "Lightning refuses" not in err[0]
+
+
 USERS_TOKEN_MODELS = """
 import torch
 import lightning.pytorch as pl

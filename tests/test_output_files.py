@@ -96,6 +96,16 @@ def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_
     assert sorted(os.listdir(out)) == ["optimized.yaml", "report.json", "report.md"]
 
 
+def test_an_empty_report_left_by_an_earlier_version_does_not_block_the_next_run(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("")  # a write cut off by a full disk, before writes were atomic
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(FAST_RECIPE)
+    assert main(["optimize", str(recipe), "--out", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["schema_version"] == 2
+
+
 @contextlib.contextmanager
 def _tmpfs(size: str):
     where = Path(f"/tmp/speedkit-full-{uuid.uuid4().hex[:8]}")
