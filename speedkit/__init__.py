@@ -4,9 +4,10 @@ Plain PyTorch (no Lightning needed)::
 
     import speedkit
     sk = speedkit.apply(model, optimizer, loader, rungs=["tf32", "autocast", "fused_optimizer", "compile"])
-    for i, batch in enumerate(sk.batches()):   # or your own loop: use sk.model / sk.optimizer / sk.autocast()
-        loss = sk.step(batch, i)
-    sk.undo()                                  # everything back as it was
+    for epoch in range(3):
+        for i, batch in enumerate(sk.batches()):  # one epoch of the loader; or your own loop: sk.autocast(), ...
+            loss = sk.step(batch, i)
+    sk.undo()                                     # everything back as it was
 
 With Lightning: ``Trainer(callbacks=[speedkit.lightning.SpeedLadder(rungs=[...])])``.
 To measure which rungs pay off on your model: ``speedkit optimize recipe.yaml``.
