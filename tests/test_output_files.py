@@ -125,10 +125,13 @@ def _tmpfs(size: str):
 
 
 def test_optimize_into_a_really_full_filesystem(tmp_path, capsys):
-    """A 16 KiB tmpfs: the report (~50 KB) does not fit."""
+    """A tmpfs filled up but for one page: no report (several pages) fits."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(FAST_RECIPE)
-    with _tmpfs("16k") as small:
+    with _tmpfs("64k") as small:
+        filler = small / "filler"
+        with contextlib.suppress(OSError), filler.open("wb") as f:
+            f.write(b"x" * (60 * 1024))
         out = small / "run"
         assert main(["optimize", str(recipe), "--out", str(out)]) == OUTPUT_ERROR_EXIT
         captured = capsys.readouterr()
@@ -136,6 +139,7 @@ def test_optimize_into_a_really_full_filesystem(tmp_path, capsys):
         assert len(err) == 1 and "No space left on device" in err[0], err
         assert "baseline" in captured.out
         assert all(not name.startswith(".") for name in os.listdir(out))  # no temporary file left behind
+        assert not (out / "report.json").exists() or json.loads((out / "report.json").read_text())
         for name in os.listdir(out):  # what is there is whole
             text = (out / name).read_text()
             if name == "report.json":
