@@ -6,10 +6,14 @@ The JSON schema (``SCHEMA_VERSION``) is documented field by field in ``speedkit/
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SCHEMA_VERSION = 2
+#: how far the headline's paired speedup and the ratio of its two median step times may differ
+#: before the headline says so (their windows are the same; they differ only through noise)
+HEADLINE_AGREEMENT = 0.03
 
 #: "closing": the final configuration re-measured after the rungs changed it: by the closing check,
 #: which reverted a kept rung that no longer paid with the later rungs on top of it, or by a second
@@ -141,11 +145,38 @@ class LadderResult:
             return self.final_check.b
         return self.final.measurement
 
+    def headline(self) -> tuple[Measurement | None, Measurement | None, float, str, str | None]:
+        """The run's headline: the baseline's and the final configuration's measurements, the speedup,
+        where they come from, and a note where they disagree.
+
+        With a final check, all three come from it: the baseline's and the final configuration's
+        windows of the same interleaved blocks, and the paired speedup over those blocks, so the
+        throughputs, step times and speedup describe one measurement (the baseline timed alone at the
+        start, minutes earlier, is the table's first row, not the headline's). Where the ratio of the
+        two median step times and the paired speedup still differ by more than
+        :data:`HEADLINE_AGREEMENT`, the note says so: the windows varied or drifted within the blocks."""
+        check = self.final_check
+        if check is not None and check.a is not None and check.b is not None:
+            base, final, speedup, source = check.a, check.b, check.speedup, "the final check (interleaved A B B A blocks)"
+        else:
+            base, final = self.baseline.measurement, self.final_measurement
+            speedup = self.final.gain_vs_baseline or 1.0
+            source = ("the baseline timed alone and the kept rungs' comparisons (no final check)" if self.kept
+                      else "the baseline timed alone")
+            if not self.kept:
+                final = base
+        note = None
+        if base is not None and final is not None and final.step_ms > 0 and speedup > 0:
+            ratio = base.step_ms / final.step_ms
+            if abs(math.log(ratio / speedup)) > math.log1p(HEADLINE_AGREEMENT):
+                note = (f"the paired speedup ({speedup:.2f}x, per block) and the ratio of the median step times "
+                        f"({ratio:.2f}x) differ by more than {HEADLINE_AGREEMENT:.0%}: the step time varied or drifted "
+                        "while they were timed; the paired figure is the one decisions use")
+        return base, final, speedup, source, note
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        base = self.baseline.measurement
-        final = self.final_measurement
-        speedup = self.final_check.speedup if self.final_check is not None else (self.final.gain_vs_baseline or 1.0)
+        base, final, speedup, source, note = self.headline()
         d["summary"] = {
             "baseline_step_ms": base.step_ms if base else None,
             "final_step_ms": final.step_ms if final else None,
@@ -155,6 +186,8 @@ class LadderResult:
             "throughput_unit": base.throughput_unit if base else None,
             "baseline_throughput": base.throughput if base else None,
             "final_throughput": final.throughput if final else None,
+            "figures_from": source,
+            "note": note,
             "interrupted": self.interrupted,
         }
         return d

@@ -240,3 +240,41 @@ def test_the_in_training_line_keeps_its_note_when_flagged():
          "threshold": 0.05, "cause": "host time in the steps", "note": "1 window left out: torch.compile compiled"}
     line = holds_line({"holds": h})
     assert "Likely cause: host time in the steps." in line and line.endswith("(1 window left out: torch.compile compiled)")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_headline_is_one_measurement_under_drift_and_noise(seed):
+    """The baseline timed alone at the start of a drifting run is slower or faster than it is by the
+    final check: the headline's throughputs, step times and speedup all come from the final check's
+    blocks, so they agree (make demo printed "27.8k -> 74.1k tokens/s (1.68x)")."""
+    from fakes import SpeedRung, VirtualTime, timed_state
+
+    from speedkit.ladder import Ladder
+    from speedkit.report.markdown import summary_line
+
+    time = VirtualTime(drift=0.6, noise=0.05, seed=seed, horizon=400)
+    measure = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
+               "max_blocks": 12, "budget_s": 1e9}
+    result = Ladder(timed_state(time), [SpeedRung("x", time, 0.01, -1 / 3)], measure, clock=time.clock(),
+                    host_clock=time).run()
+    s = result.to_dict()["summary"]
+    assert s["kept"] == ["x"] and s["figures_from"].startswith("the final check")
+    assert s["baseline_step_ms"] / s["final_step_ms"] == pytest.approx(s["speedup"], rel=0.03)
+    assert s["final_throughput"] / s["baseline_throughput"] == pytest.approx(s["speedup"], rel=0.03)
+    assert s["baseline_step_ms"] > result.baseline.measurement.step_ms * 1.05  # the run drifted since the baseline
+    assert s["note"] is None and "note:" not in summary_line(result.to_dict())
+
+
+def test_a_headline_whose_figures_disagree_says_so(result):
+    from speedkit.report.markdown import summary_line
+    from speedkit.results import PairedResult
+
+    result.final_check = PairedResult(1.2, 1.1, 1.3, 0.95, 6, "faster", 0.01, a=_measurement(300.0), b=_measurement(200.0))
+    d = result.to_dict()
+    s = d["summary"]
+    assert (s["baseline_step_ms"], s["final_step_ms"], s["speedup"]) == (300.0, 200.0, 1.2)
+    assert "paired speedup (1.20x, per block) and the ratio of the median step times (1.50x)" in s["note"]
+    assert "(note: the paired speedup" in summary_line(d)
+    result.final_check = None  # no final check: the baseline alone and the kept rung's comparison, named so
+    s = result.to_dict()["summary"]
+    assert s["figures_from"].startswith("the baseline timed alone and the kept rungs") and s["note"] is None

@@ -90,10 +90,14 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
   ``sensitivity`` (how far the baseline loss trajectory moved under it, relative, worst step),
   ``safety``, ``floor`` (``configs/tolerances.yaml``) and ``tolerance`` (max(floor, safety ·
   sensitivity)).
-* ``summary`` (object) — ``baseline_step_ms``, ``final_step_ms`` (the final configuration's, in
-  the final check), ``speedup`` (the final check's paired speedup, else the product of the kept
-  rungs'), ``speedup_ci`` (its interval, or null), ``kept`` (names, in order),
-  ``throughput_unit``, ``baseline_throughput``, ``final_throughput``, ``interrupted``.
+* ``summary`` (object) — the headline, every figure from one measurement
+  (:meth:`speedkit.results.LadderResult.headline`): ``baseline_step_ms`` and ``final_step_ms``,
+  ``baseline_throughput`` and ``final_throughput`` (the baseline's and the final configuration's
+  windows in the final check's interleaved blocks; without a final check, the baseline timed alone
+  and the last kept rung's comparison), ``speedup`` (the final check's paired speedup, else the
+  product of the kept rungs'), ``speedup_ci`` (its interval, or null), ``figures_from`` (which
+  measurement that is), ``note`` (null, or why the paired speedup and the ratio of the two step
+  times differ by more than 3%), ``kept`` (names, in order), ``throughput_unit``, ``interrupted``.
 """
 
 from __future__ import annotations

@@ -119,6 +119,8 @@ def summary_line(d: dict[str, Any]) -> str:
     ci = s.get("speedup_ci")
     interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
     line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline; {steps}); kept: {kept}"
+    if s.get("note"):
+        line += f" (note: {s['note']})"
     if s.get("interrupted"):
         line = f"INTERRUPTED ({s['interrupted']}); rungs finished before it: " + line
     return line
