@@ -17,10 +17,11 @@ For every rung, in order:
    ``memory_gain`` and not slower); else undo.
 
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
-later rungs on top, the same way; a second look tries again, at their place beneath the rungs kept
-after them, rungs reverted undecided whose gain may show beneath one of those
-(``Rung.second_look_beneath``); and a final check times the final configuration against the
-baseline, interleaved, for the headline figure.
+later rungs on top, the same way; a second look judges every rung reverted on speed (undecided or
+slower) again on the final configuration, at its place beneath the rungs kept after it, alone and
+with the partners it names (``Rung.partners``), pass after pass until a pass keeps nothing (gains
+that show only together, or only once a later rung removed the noise that hid them); and a final
+check times the final configuration against the baseline, interleaved, for the headline figure.
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
 end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
@@ -86,6 +87,7 @@ class MeasureConfig:
     budget_s: float            # seconds one comparison may take before it is called undecided
     settle: int                # untimed steps after switching configuration
     final_check: bool          # time the final configuration against the baseline at the end
+    together_passes: int       # passes of the second look over the rungs reverted on speed (0: none)
     holds_windows: int         # windows of the fit's own steps timed after the trials
     holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
     throughput_unit: str
@@ -197,6 +199,8 @@ class Ladder:
         self._phase = "the setup"  # what the ladder is doing, for an interruption's report
         self._reference: list[float] = []
         self._calibration: dict[str, dict[str, float]] = {}
+        #: (rungs, kept rungs) configurations a second look or closing check has judged already
+        self._judged: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
 
     @property
     def handles(self) -> list[Handle]:
@@ -451,6 +455,7 @@ class Ladder:
                 self._snapshot.restore()
             if status == "reverted":  # it no longer pays with the later rungs on top
                 self._remove_slot(j)
+                self._judged.add(((slot.rung.name,), tuple(s.rung.name for s in self.slots)))
                 entry.status = "reverted"
                 entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
                 closing.reason = f"final configuration without {slot.rung.name}"
@@ -468,63 +473,119 @@ class Ladder:
         return reference
 
     def _second_look(self, reference: list[float]) -> None:
-        """Each rung reverted undecided, with a rung kept after it beneath which its gain may show
-        (``Rung.second_look_beneath``), is applied again at its place beneath the rungs kept after it
-        (they are switched off, then on again on top of it, rebased) and judged against the final
-        configuration without it, the same way."""
+        """Judge the rungs reverted on speed again, on the final configuration, pass after pass until
+        a pass keeps none (``together_passes`` at most): a rung whose gain was hidden in the noise of
+        the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
+        rungs kept after it. Each goes in at its place in the ladder, beneath the kept rungs after it
+        (switched off, then on again on top of it, rebased), and is judged against the final
+        configuration without it. A rung that names partners (``Rung.partners``) not kept either is
+        also tried with them, as a group (bf16 with channels_last and compile on a convnet). A
+        configuration already judged is not judged again."""
+        for _ in range(self.cfg.together_passes):
+            changed = False
+            for group in self._second_look_groups():
+                key = (tuple(r.name for r in group), tuple(s.rung.name for s in self.slots))
+                if key in self._judged or not all(self._reverted_on_speed(r) for r in group):
+                    continue  # judged on this configuration already, or kept since in this pass
+                self._judged.add(key)
+                kept, reference = self._look_again(group, reference)
+                changed = changed or kept
+            if not changed:
+                break
+
+    def _reverted_on_speed(self, rung: Rung) -> bool:
+        """Measured and reverted for not paying (undecided or slower), not for numerics or a failure."""
+        entry = self._entry(rung.name)
+        return (entry is not None and entry.status == "reverted" and entry.comparison is not None
+                and all(s.rung is not rung for s in self.slots))
+
+    def _entry(self, name: str) -> RungResult | None:
+        assert self.result is not None
+        return next((r for r in self.result.rungs if r.name == name and r.status != "closing"), None)
+
+    def _second_look_groups(self) -> list[list[Rung]]:
+        """Each rung reverted on speed alone, then each with the partners it names that were reverted too."""
+        candidates = [r for r in self.rungs if self._reverted_on_speed(r)]
+        groups = [[r] for r in candidates]
+        for rung in candidates:
+            partners = [p for p in candidates if p.name in rung.partners]
+            if partners:
+                group = sorted([rung, *partners], key=self.rungs.index)
+                if group not in groups:
+                    groups.append(group)
+        return groups
+
+    def _look_again(self, group: list[Rung], reference: list[float]) -> tuple[bool, list[float]]:
+        """Apply ``group`` at its places in the final configuration and judge it against that
+        configuration without it; keep it if it pays. Returns whether it was kept, and the
+        reference trajectory from then on."""
         result = self.result
         assert result is not None
         order = {rung.name: i for i, rung in enumerate(self.rungs)}
-        for rung in self.rungs:
-            entry = next((r for r in result.rungs if r.name == rung.name and r.status != "closing"), None)
-            place = sum(order[s.rung.name] < order[rung.name] for s in self.slots)
-            if (entry is None or entry.status != "reverted" or entry.comparison is None
-                    or entry.comparison.verdict != "undecided"
-                    or not any(s.rung.name in rung.second_look_beneath for s in self.slots[place:])):
-                continue
-            names = ", ".join(s.rung.name for s in self.slots[place:])
-            self.on_event(f"second look: {rung.name} beneath {names}")
-            t0, slot = self.host_clock(), None
-            n = len(self.slots)
-            try:
-                self._configure([i < place for i in range(n)])
+        entries = [self._entry(r.name) for r in group]
+        first = min(order[r.name] for r in group)
+        above = [s.rung.name for s in self.slots if order[s.rung.name] > first]
+        where = f"beneath {', '.join(above)}" if above else \
+            f"on top of {', '.join(s.rung.name for s in self.slots)}" if self.slots else "on the baseline"
+        label = " + ".join(r.name for r in group)
+        self.on_event(f"second look: {label} {where}")
+        t0, inserted = self.host_clock(), []
+        parity: Parity | None = None
+        try:
+            for rung in group:  # in ladder order: each at its place among the kept rungs
+                place = sum(order[s.rung.name] < order[rung.name] for s in self.slots)
+                self._configure([i < place for i in range(len(self.slots))])
                 reason = rung.check(self.state)
                 if reason is not None:
-                    raise RuntimeError(f"no longer applies: {reason}")
-                slot = _Slot(rung, rung.apply(self.state), (True,) * place)
-                self.slots.insert(place, slot)
-                self._configure([True] * (n + 1))
-                losses = self._trajectory()
-                parity = self._parity(losses, reference)
-                if not parity.passed:
-                    raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
-                if slot.handle.problem():
-                    raise RuntimeError(slot.handle.problem())
-                without = [i != place for i in range(n + 1)]
-                paired = self._compare(lambda on: self._configure([True] * (n + 1) if on else without), rung.name,
-                                       shared_batches=self._kept_rungs_share_batches())
-                status, why = self._decide(paired, rung.memory_comparable)
-            except Exception as exc:
-                paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
-            finally:
-                self._snapshot.restore()
-            if status == "kept":  # its entry keeps its first figures; the row after says what changed
-                assert slot is not None and paired is not None
+                    raise RuntimeError(f"{rung.name} no longer applies: {reason}")
+                self.slots.insert(place, _Slot(rung, rung.apply(self.state), (True,) * place))
+                inserted = [i + (i >= place) for i in inserted] + [place]
+            n = len(self.slots)
+            self._configure([True] * n)
+            losses = self._trajectory()
+            parity = self._parity(losses, reference)
+            if not parity.passed:
+                raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+            for i in inserted:
+                if self.slots[i].handle.problem():
+                    raise RuntimeError(self.slots[i].handle.problem())
+            without = [i not in inserted for i in range(n)]
+            paired = self._compare(lambda on: self._configure([True] * n if on else without), label,
+                                   shared_batches=self._kept_rungs_share_batches())
+            status, why = self._decide(paired, all(r.memory_comparable for r in group))
+        except Exception as exc:
+            paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
+        finally:
+            self._snapshot.restore()
+        together = f" together with {', '.join(r.name for r in group[1:])}" if len(group) > 1 else ""
+        if status == "kept":  # its entry keeps its first figures; the row after says what changed
+            assert paired is not None
+            for rung, entry in zip(group, entries):
+                assert entry is not None
+                slot = next(s for s in self.slots if s.rung is rung)
                 entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
-                entry.reason = f"kept on a second look beneath {names}: {why}; before them: {entry.reason}"
-                result.rungs.append(RungResult(
-                    f"second look: {rung.name} beneath {names}", "closing", precision=self.state.precision,
-                    changes=[f"applied {rung.name} beneath {names}"], parity=parity, comparison=paired,
-                    measurement=paired.b, gain_vs_previous=paired.speedup, reason=f"final configuration with {rung.name}",
-                    seconds=self.host_clock() - t0))
-                reference = losses
-            else:
-                if slot is not None:
-                    self._remove_slot(place)
-                self._configure([True] * len(self.slots))
-                entry.reason = f"{entry.reason}; second look beneath {names}: {why}, reverted"
-            entry.seconds = (entry.seconds or 0.0) + self.host_clock() - t0
-            self.on_event(f"second look: {rung.name} {'kept' if status == 'kept' else 'reverted'} ({why})")
+                partners = [r.name for r in group if r is not rung]
+                entry.reason = (f"kept on a second look {where}" + (f", with {', '.join(partners)}" if partners else "")
+                                + f": {why}; before them: {entry.reason}")
+            result.rungs.append(RungResult(
+                f"second look: {label} {where}", "closing", precision=self.state.precision,
+                changes=[f"applied {label} {where}"], parity=parity, comparison=paired, measurement=paired.b,
+                gain_vs_previous=paired.speedup, reason=f"final configuration with {label}",
+                seconds=self.host_clock() - t0))
+            kept = True
+        else:
+            for i in sorted(inserted, reverse=True):
+                self._remove_slot(i)
+            self._configure([True] * len(self.slots))
+            for entry in entries:
+                assert entry is not None
+                entry.reason = f"{entry.reason}; second look {where}{together}: {why}, reverted"
+            kept = False
+        for entry in entries:
+            assert entry is not None
+            entry.seconds = (entry.seconds or 0.0) + (self.host_clock() - t0) / len(group)
+        self.on_event(f"second look: {label} {'kept' if kept else 'reverted'} ({why})")
+        return kept, (losses if kept else reference)
 
     def _remove_slot(self, j: int) -> None:
         """Undo the rung of slot ``j``, the slots above it switched back on without it (rebased)."""

@@ -377,8 +377,12 @@ def test_a_fit_that_ends_in_a_compiling_window_does_not_call_it_every_window(mon
     compiles = _Compiles(monkeypatch, at={5})
     _fit_user_model(ladder, compiles, max_steps=3)  # warm-up step 1, one window (2, 3): it compiled
     holds = ladder.result.holds
-    said = holds.cause if holds.flagged else holds.note
-    assert "compiled 1 new graph in 1 of the fit's timed windows" in said and "every window" not in said
+    # what the report says of it: the cause where the gap was flagged for the compiling, else the note
+    # (a 2-core CPU's speed may differ by 20% between the trials and the fit and be flagged for that)
+    said = f"{holds.cause or ''} {holds.note or ''}"
+    assert "every window" not in said
+    if "compiled" in (holds.cause or "") or not holds.flagged:
+        assert "compiled 1 new graph in 1 of the fit's timed windows" in said
     assert "0 of 1 windows without compiling (the fit ended)" in holds.note
 
 

@@ -55,10 +55,10 @@ class Rung:
     #: capturing): where batch shapes vary, it is timed on batches each window draws anew, as a fit
     #: meets them, not on the batches an A/B block shares (see the ladder's ``_shapes_vary``)
     new_shape_cost: ClassVar[bool] = False
-    #: rungs beneath which its gain may show where it did not on the step in front of it: reverted
-    #: undecided (its gain hidden in that step's noise) and one of these kept after it, it is tried once
-    #: more at its place beneath them (see the ladder's second look)
-    second_look_beneath: ClassVar[tuple[str, ...]] = ()
+    #: rungs with which it may pay where it does not alone (bf16 on a convnet pays with channels_last
+    #: and compile, not in eager NCHW): reverted on speed with some of these, it is also tried together
+    #: with them in the ladder's second look (every rung reverted on speed is tried again alone there)
+    partners: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -170,6 +170,7 @@ def _convert_after_transfer(handle: Handle, owner: Any) -> None:
 class ChannelsLastRung(Rung):
     name = "channels_last"
     precision = None  # a layout change: the same values, convolutions summed in another order at most
+    partners = ("autocast", "compile")  # NHWC pays most where cuDNN's bf16 kernels and Inductor's run on it
 
     def check(self, state: TrainState) -> str | None:
         convolutions = [m for m in state.model.modules() if isinstance(m, _CONVOLUTIONS_2D)]

@@ -202,9 +202,6 @@ class FusedOptimizerRung(Rung):
     name = "fused_optimizer"
     Options = FusedOptimizerOptions
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
-    # on a host-bound step its gain (fewer launches) sits in the host's noise; under a CUDA graph kept
-    # later, the update's kernel count is device time: judged again there
-    second_look_beneath = ("cuda_graph",)
 
     def _choose(self, state: TrainState) -> tuple[str | None, str | None]:
         missing = state.why_no_optimizer()
