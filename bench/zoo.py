@@ -9,6 +9,9 @@ For each model of :mod:`speedkit.demos.zoo`, in one process, at the same batch s
             switch where it has one (Hugging Face ``attn_implementation="sdpa"``; timm's fused
             attention is on by default)
   speedkit  SpeedLadder() trials in the fp32 Trainer, then the fit's own steps
+  rungs     (with --variants) the switches as speedkit's own rungs, applied without trials in the fp32
+            Trainer: SpeedLadder(rungs=[tf32, autocast, sdpa, compile]); beside ``switches`` it tells
+            whether speedkit's way of applying them costs what the user's does, apart from any decision
 
 Every variant is timed on the fit's own steps by the same StepTimer (speedkit's measurement session:
 CUDA events, one wait per window, the median of windows after warm-up steps); its peak memory is
@@ -24,6 +27,7 @@ a running fit is stopped there (SpeedLadder's trials are bounded by their own me
 an H100 a model takes 0.5 to 4 minutes (Llama and GPT-2 the longest: compilation and fp32 steps).
 
 Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300]
+                                        [--variants fp32,switches,speedkit,rungs]
        PYTHONPATH=. python bench/zoo.py --tiny      # CPU smoke test, rows to a temporary directory
 """
 
@@ -57,6 +61,10 @@ from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
 from speedkit.results import Measurement  # noqa: E402
 
 VARIANTS = ("fp32", "switches", "speedkit")
+#: variants run only when asked for (--variants)
+EXTRA_VARIANTS = ("rungs",)
+#: the switches as speedkit's rungs (the ``rungs`` variant)
+SWITCH_RUNGS = ("tf32", "autocast", "sdpa", "compile")
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,10 @@ class Plan:
 
 def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan:
     if tiny:
-        return Plan(True, steps or 2, 1, {"fp32": 2, "switches": 2, "speedkit": 2},
+        return Plan(True, steps or 2, 1, {"fp32": 2, "switches": 2, "speedkit": 2, "rungs": 2},
                     {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
                      "settle": 0, "budget_s": 10.0, "holds_windows": 1, "telemetry": False}, time_guard_s or 120.0)
-    return Plan(False, steps or 10, 5, {"fp32": 2, "switches": 3, "speedkit": 3},
+    return Plan(False, steps or 10, 5, {"fp32": 2, "switches": 3, "speedkit": 3, "rungs": 3},
                 {"warmup": 3, "steps": 5, "repeats": 3, "parity_steps": 2, "min_blocks": 2, "max_blocks": 8,
                  "budget_s": 20.0, "holds_windows": 2}, time_guard_s or 360.0)
 
@@ -143,6 +151,9 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
     if variant == "speedkit":
         ladder = SpeedLadder(plan.ladder(), trials=True, measure=plan.measure,
                              on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True))
+    elif variant == "rungs":
+        ladder = SpeedLadder([{"name": "compile", "options": {"backend": plan.compile_backend}} if r == "compile" else r
+                              for r in SWITCH_RUNGS], trials=False)
     module, loader = entry.build(plan.size, **(entry.switches if variant == "switches" else {}))
     precision = "bf16-mixed" if variant == "switches" else "32-true"
     trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
@@ -154,6 +165,8 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
     with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
         fitted = compile_as_a_user_would(module, plan.compile_backend) if variant == "switches" else module
         trainer.fit(fitted, train_dataloaders=loader)
+    if variant == "rungs" and ladder is not None:
+        return timer.measurement, trainer.global_step, {"kept": list(ladder.applied_changes), "skipped": dict(ladder.skipped)}
     return timer.measurement, trainer.global_step, speedkit_fields(ladder, res, entry.name, plan) if ladder else {}
 
 
@@ -170,11 +183,11 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def run_model(name: str, plan: Plan, res: Results) -> None:
+def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = VARIANTS) -> None:
     entry = ZOO[name]
     deadline = time.monotonic() + plan.time_guard_s
     throughput: dict[str, float] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
         if time.monotonic() > deadline:
             res.add(variant, "status", None, "skipped", **extra,
@@ -205,10 +218,11 @@ def run_model(name: str, plan: Plan, res: Results) -> None:
                   f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
                   f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""), flush=True)
         release()
-    if "speedkit" in throughput and "switches" in throughput:
-        ratio = throughput["speedkit"] / throughput["switches"]
-        res.add("speedkit", "ratio_vs_switches", ratio, "x", model=name)
-        print(f"{name:22s} speedkit / switches = {ratio:.3f}x", flush=True)
+    for variant in ("speedkit", "rungs"):
+        if variant in throughput and "switches" in throughput:
+            ratio = throughput[variant] / throughput["switches"]
+            res.add(variant, "ratio_vs_switches", ratio, "x", model=name)
+            print(f"{name:22s} {variant} / switches = {ratio:.3f}x", flush=True)
 
 
 def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) -> dict[str, Any]:
@@ -239,6 +253,8 @@ def main() -> None:
     parser.add_argument("--time-guard-s", type=float, default=None,
                         help="wall seconds one model's three variants may take (default 360; 600 with --ladder-measure defaults; --tiny 120)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})")
     parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
                         help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
                              "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
@@ -259,17 +275,21 @@ def main() -> None:
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
     res = Results("zoo", out=out)
+    variants = tuple(args.variants.split(","))
+    if any(v not in VARIANTS + EXTRA_VARIANTS for v in variants):
+        raise SystemExit(f"unknown variant in {args.variants!r}; known: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     for name in names:
-        run_model(name, plan, res)
+        run_model(name, plan, res, variants)
     print("\nsummary:")
     for name in names:
         cells = []
-        for variant in VARIANTS:
+        for variant in variants:
             row = next((r for r in res.rows if r["model"] == name and r["variant"] == variant
                         and r["metric"] in ("throughput", "status")), None)
             cells.append(f"{variant} {row['value']:,.0f}" if row and row["metric"] == "throughput"
                          else f"{variant} {row['unit'] if row else '-'}")
-        ratio = next((r["value"] for r in res.rows if r["model"] == name and r["metric"] == "ratio_vs_switches"), None)
+        ratio = next((r["value"] for r in res.rows if r["model"] == name and r["variant"] == "speedkit"
+                      and r["metric"] == "ratio_vs_switches"), None)
         print(f"  {name:22s} " + "  ".join(f"{c:24s}" for c in cells) + (f"  speedkit/switches {ratio:.3f}x" if ratio else ""))
     print(f"results appended to {res.path}")
 
