@@ -77,6 +77,7 @@ class Plan:
     windows: dict[str, int]    # timed windows per variant
     measure: dict[str, Any]    # SpeedLadder's measure settings
     time_guard_s: float        # wall time one model's three variants may take
+    switch_rungs: tuple[str, ...] = SWITCH_RUNGS  # the ``rungs`` variant's
 
     @property
     def size(self) -> Size:
@@ -153,7 +154,7 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
                              on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True))
     elif variant == "rungs":
         ladder = SpeedLadder([{"name": "compile", "options": {"backend": plan.compile_backend}} if r == "compile" else r
-                              for r in SWITCH_RUNGS], trials=False)
+                              for r in plan.switch_rungs], trials=False)
     module, loader = entry.build(plan.size, **(entry.switches if variant == "switches" else {}))
     precision = "bf16-mixed" if variant == "switches" else "32-true"
     trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})")
+    parser.add_argument("--rungs", default=",".join(SWITCH_RUNGS),
+                        help=f"the rungs variant's rungs, comma-separated (default: {','.join(SWITCH_RUNGS)})")
     parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
                         help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
                              "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
@@ -275,6 +278,7 @@ def main() -> None:
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
     res = Results("zoo", out=out)
+    plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r))
     variants = tuple(args.variants.split(","))
     if any(v not in VARIANTS + EXTRA_VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; known: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
