@@ -96,11 +96,11 @@ class Applied:
         for name, value in (("epochs", epochs), ("steps", steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"expected a whole number >= 1 or None, found {value!r}")
-        if epochs is None and steps is None:
-            return self.state.data.iterator()
-        return self._grouped(epochs, steps)
+        return self._steps(epochs, steps)
 
-    def _grouped(self, epochs: int | None, steps: int | None) -> Iterator[Any]:
+    def _steps(self, epochs: int | None, steps: int | None) -> Iterator[Any]:
+        """What :meth:`batches` yields: per optimizer step, its batch (its micro-batches with
+        ``accumulate > 1``), epoch by epoch, each epoch a fresh iterator of the source."""
         accumulate = self.state.step.accumulate
         assert self.state.data is not None
         done, epoch = 0, 0
@@ -108,22 +108,16 @@ class Applied:
             epoch += 1
             batches = self.state.data.iterator(epochs=1)
             try:
-                if accumulate == 1:
-                    for batch in batches:
-                        yield batch
-                        done += 1
-                        if steps is not None and done >= steps:
-                            return
-                    continue
                 group = MicroBatches()
                 for batch in batches:
                     group.append(batch)
-                    if len(group) == accumulate:
-                        yield group
-                        group, done = MicroBatches(), done + 1
-                        if steps is not None and done >= steps:
-                            return
-                if group:
+                    if len(group) < accumulate:
+                        continue
+                    yield group if accumulate > 1 else batch
+                    group, done = MicroBatches(), done + 1
+                    if steps is not None and done >= steps:
+                        return
+                if group:  # the epoch's short last group (accumulate > 1 only)
                     yield group
                     done += 1
             finally:

@@ -155,9 +155,7 @@ def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
 
     recipe = _load(args.recipe, overrides)
     note = check_trainer(recipe, here=False)
-    recipe.build_model()
-    recipe.build_datamodule()
-    check_model_takes_data(recipe)
+    check_model_takes_data(recipe, recipe.build_model(), recipe.build_datamodule())
     which = "rungs" if recipe.ladder_given else "rungs of the default ladder, as the recipe lists none"
     print(f"{recipe.path}: ok ({len(recipe.ladder)} {which}: {', '.join(r.name for r in recipe.ladder)})"
           + (f"; note: {note}" if note else ""))

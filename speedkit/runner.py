@@ -154,14 +154,14 @@ def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
     return f"this machine cannot run it as it is: {reason}"
 
 
-def check_model_takes_data(recipe: Recipe) -> None:
+def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = None) -> None:
     """With synthetic data (speedkit's own, cheap to draw), one training step's forward on one
     sample of the first batch, on the CPU, without gradients: a model that cannot take that data
     (floats for a language model, sequences longer than its ``block_size``) is a one-line ConfigError
     before any work, rather than a failure once the Trainer runs. A step that fails for another reason
     (it reads its Trainer, its own check) is left to the run, which shows the user's frames. A throwaway
-    model and data module are built for it, under a forked RNG: the run's own are built as they would
-    be without it."""
+    model and data module are built for it (or the ones given, which it may change: ``validate``'s,
+    built only to be checked), under a forked RNG: the run's own are built as they would be without it."""
     import torch
 
     from speedkit import compat
@@ -175,7 +175,8 @@ def check_model_takes_data(recipe: Recipe) -> None:
     saved = rng_state()
     try:
         with _quiet_lightning(), torch.random.fork_rng(devices=[]):
-            model, datamodule = recipe.build_model(), recipe.build_datamodule()
+            model = model if model is not None else recipe.build_model()
+            datamodule = datamodule if datamodule is not None else recipe.build_datamodule()
             assert datamodule is not None
             try:
                 batch = next(iter(datamodule.train_dataloader()))
@@ -207,8 +208,6 @@ def check_model_takes_data(recipe: Recipe) -> None:
 def _raised_in_torch(exc: BaseException) -> bool:
     """The innermost frame of ``exc`` is torch's own: an operation refused the data it was given
     (an embedding given floats, a matmul given the wrong width)."""
-    import os
-
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next

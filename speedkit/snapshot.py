@@ -84,6 +84,12 @@ def _plain(value: Any, budget: list[int]) -> bool:
     return False
 
 
+def _state_of_another_kind(value: Any) -> bool:
+    """Not plain data, nor a submodule, parameter or callable (a method a rung or the user bound):
+    state the step may rebind (a tensor kept on ``self``), which a restore names but cannot put back."""
+    return not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value)
+
+
 @functools.cache
 def _framework_keys(kind: type) -> frozenset[str]:
     """The attributes torch's ``nn.Module`` (and Lightning's ``LightningModule``) keep on every
@@ -124,7 +130,7 @@ class UserAttributes:
                     continue
                 if _plain(value, [_PLAIN_ITEMS]):
                     self.saved.append((module, name, copy.deepcopy(value)))
-                elif not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value):
+                elif _state_of_another_kind(value):
                     self.others.append((module, name, id(value)))
 
     def restore(self) -> tuple[list[str], list[str]]:
@@ -154,7 +160,7 @@ class UserAttributes:
                 if _plain(value, [_PLAIN_ITEMS]):
                     delattr(module, name)
                     changed.append(f"{type(module).__name__}.{name}")
-                elif not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value):
+                elif _state_of_another_kind(value):
                     rebound.append(f"{type(module).__name__}.{name} ({type(value).__name__})")
         return changed, rebound
 

@@ -121,3 +121,5 @@ def test_batches_end_with_the_epoch_and_group_micro_batches():
         assert all(torch.isfinite(sk.step(g, i)) for i, g in enumerate(groups))  # a short last group steps too
         assert [len(g) for g in sk.batches(steps=2)] == [2, 2]
         assert len(list(sk.batches(epochs=2))) == 6  # groups never span the epoch's end
+        endless = sk.batches(epochs=None)  # without end, grouped the same way
+        assert [len(next(endless)) for _ in range(7)] == [2, 2, 1, 2, 2, 1, 2]

@@ -28,7 +28,7 @@ def _full_disk_at(monkeypatch, name: str) -> None:
 
     class Filling:
         def __init__(self, f):
-            self.f, self.path = f, None
+            self.f = f
 
         def __enter__(self):
             return self
