@@ -37,6 +37,11 @@ def default_ladder() -> list[Any]:
     return list(load("defaults")["ladder"])
 
 
+def switch_rungs() -> list[str]:
+    """The rungs standing for the switches a user turns on by hand: the ladder's floor."""
+    return list(load("defaults")["switches"])
+
+
 def tolerance(precision: str, device_type: str) -> float:
     """Relative per-step loss tolerance for ``precision`` on ``device_type`` ('cpu' or 'cuda')."""
     table = load("tolerances")

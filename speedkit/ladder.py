@@ -33,6 +33,8 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import math
 import threading
 import time
@@ -88,6 +90,7 @@ class MeasureConfig:
     settle: int                # untimed steps after switching configuration
     final_check: bool          # time the final configuration against the baseline at the end
     together_passes: int       # passes of the second look over the rungs reverted on speed (0: none)
+    switches_floor: bool       # time the user's switches against the final configuration; keep the faster
     holds_windows: int         # windows of the fit's own steps timed after the trials
     holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
     throughput_unit: str
@@ -307,7 +310,11 @@ class Ladder:
         self._phase = "the closing check"
         reference = self._closing_check(reference)
         self._phase = "the second look"
-        self._second_look(reference)
+        reference = self._second_look(reference)
+        switches = None
+        if cfg.switches_floor:
+            self._phase = "the switches"
+            switches, reference = self._switches_floor(reference)
         if cfg.final_check and self.slots:
             self._phase = "the final check"
             try:
@@ -315,6 +322,8 @@ class Ladder:
             except Exception as exc:  # the rungs were judged already; only the headline figure is missing
                 self.on_event(f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
                               "the speedup is the product of the kept rungs' paired speedups")
+        if switches is not None and switches.comparison is not None and result.final_check is not None:
+            switches.gain_vs_baseline = result.final_check.speedup * switches.comparison.speedup
 
     # -- one rung --------------------------------------------------------------------------
     def _try(self, rung: Rung, reference: list[float], chain: float) -> tuple[RungResult, list[float]]:
@@ -355,6 +364,13 @@ class Ladder:
                 entry.parity = self._parity(candidate, before)
                 entry.changes.append("note: parity judged with dropout off (the change draws dropout masks from "
                                      "another random stream, so trajectories with dropout on differ by design)")
+            if entry.parity.passed and rung.judged_at_full_precision:
+                precise = self._parity_at_full_precision(slot)
+                if precise is not None:
+                    entry.changes.append(f"note: also judged with the precision rungs off ({precise.precision}): "
+                                         f"max rel diff {precise.max_rel_diff:.2e} against {precise.tolerance:.0e}")
+                    if not precise.passed:
+                        entry.parity = precise
             if entry.parity.max_rel_diff == 0.0 and state.precision != precision_before:
                 entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
             if slot.handle.problem():
@@ -362,7 +378,7 @@ class Ladder:
             if not entry.parity.passed:
                 entry.status = "reverted"
                 entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
-                                f"tolerance {entry.parity.tolerance:.0e} for {state.precision}")
+                                f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}")
             else:
                 paired = self._compare(lambda on: slot.enable(state) if on else slot.disable(), rung.name,
                                        shared_batches=not rung.new_shape_cost)
@@ -405,6 +421,27 @@ class Ladder:
             entry.precision = state.precision
         entry.seconds = self.host_clock() - t0
         return entry, losses if entry.status == "kept" else reference
+
+    def _parity_at_full_precision(self, slot: _Slot) -> Parity | None:
+        """The candidate's parity with the kept precision rungs switched off (None when none is on): a
+        rewrite of the model's code is the same function at any precision, and only at the precision
+        the run started in is the envelope narrow enough to show a defect smaller than bf16's
+        rounding (a dropped attention scale, a wrong gradient)."""
+        precise = [s.rung.precision is None for s in self.slots]
+        if all(precise):
+            return None
+        dropout = slot.handle.draws_differently and active_dropouts(self.state.model)
+        self.slots.append(slot)  # switched with the kept rungs beneath it (rebased where it holds them)
+        try:
+            with _dropout_off(self.state.model) if dropout else contextlib.nullcontext():
+                self._configure([*precise, True])
+                with_it = self._trajectory()
+                self._configure([*precise, False])
+                without = self._trajectory()
+                return self._parity(with_it, without)
+        finally:
+            self._configure([True] * len(self.slots))
+            self.slots.pop()
 
     def _decide(self, paired: PairedResult, memory_comparable: bool = True) -> tuple[str, str]:
         cfg = self.cfg
@@ -472,7 +509,7 @@ class Ladder:
             j += 1
         return reference
 
-    def _second_look(self, reference: list[float]) -> None:
+    def _second_look(self, reference: list[float]) -> list[float]:
         """Judge the rungs reverted on speed again, on the final configuration, pass after pass until
         a pass keeps none (``together_passes`` at most): a rung whose gain was hidden in the noise of
         the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
@@ -492,6 +529,7 @@ class Ladder:
                 changed = changed or kept
             if not changed:
                 break
+        return reference
 
     def _reverted_on_speed(self, rung: Rung) -> bool:
         """Measured and reverted for not paying (undecided or slower), not for numerics or a failure."""
@@ -501,7 +539,7 @@ class Ladder:
 
     def _entry(self, name: str) -> RungResult | None:
         assert self.result is not None
-        return next((r for r in self.result.rungs if r.name == name and r.status != "closing"), None)
+        return next((r for r in self.result.rungs if r.name == name and r.status not in ("closing", "switches")), None)
 
     def _second_look_groups(self) -> list[list[Rung]]:
         """Each rung reverted on speed alone, then each with the partners it names that were reverted too."""
@@ -586,6 +624,148 @@ class Ladder:
             entry.seconds = (entry.seconds or 0.0) + (self.host_clock() - t0) / len(group)
         self.on_event(f"second look: {label} {'kept' if kept else 'reverted'} ({why})")
         return kept, (losses if kept else reference)
+
+    # -- the user's switches: the floor ---------------------------------------------------------
+    def _switches_floor(self, reference: list[float]) -> tuple[RungResult | None, list[float]]:
+        """Time the switches a user turns on by hand (``configs/defaults.yaml`` ``switches:``, those of
+        the ladder's rungs that apply on the baseline, together) against the final configuration, and
+        keep the faster: the final configuration is never one measured slower than the switches. Where
+        the switches win, the ladder starts again from them: the rungs of the climb's final
+        configuration that are not switches, and every other rung reverted on speed, are judged on top
+        of them (second looks). Returns the ``switches`` row (None when no switch is in the ladder) and
+        the reference trajectory from then on."""
+        result = self.result
+        assert result is not None
+        names = config.switch_rungs()
+        candidates = [r for r in self.rungs if r.name in names]
+        if not candidates:
+            return None, reference
+        t0 = self.host_clock()
+        final = list(self.slots)
+        n = len(final)
+        self._configure([False] * n)  # which switches apply is asked of the baseline
+        switches, notes = [], []
+        for rung in candidates:
+            try:
+                reason = rung.check(self.state)
+            except Exception as exc:
+                reason = f"check raised {type(exc).__name__}: {first_line(exc)}"
+            if reason is None:
+                switches.append(rung)
+            else:
+                notes.append(f"{rung.name}: not applicable ({reason})")
+        label = " + ".join(r.name for r in switches) or "none"
+        row = RungResult("switches", "switches", reason=f"the switches by hand: {label}", changes=notes)
+        result.rungs.append(row)
+        kept_names = [s.rung.name for s in final]
+        if not switches or [r.name for r in switches] == kept_names:
+            self._configure([True] * n)
+            if switches:
+                row.gain_vs_previous = 1.0
+            row.reason += ("; none applies" if not switches else "; the same as the final configuration")
+            row.seconds = self.host_clock() - t0
+            return row, reference
+        self.on_event(f"switches: {label} against the final configuration")
+        subset = all(r.name in kept_names for r in switches)
+        added: list[_Slot] = []
+        parity: Parity | None = None
+        try:
+            if subset:  # the final configuration with its other rungs off
+                mask_switches = [s.rung.name in {r.name for r in switches} for s in self.slots]
+            else:  # applied on the baseline beside the final configuration, which is off while they run
+                for rung in switches:
+                    slot = _Slot(rung, rung.apply(self.state), (False,) * n + (True,) * len(added))
+                    self.slots.append(slot)
+                    added.append(slot)
+                mask_switches = [False] * n + [True] * len(added)
+            mask_final = [True] * n + [False] * len(added)
+            self._configure(mask_switches)
+            row.precision = self.state.precision
+            losses = self._trajectory()
+            parity = row.parity = self._parity(losses, self._reference)
+            problems = [s.handle.problem() for s in self.slots if s.on and s.handle.problem()]
+            if not parity.passed:
+                raise _RungProblem(f"numerics changed: loss differs from the baseline's by {parity.max_rel_diff:.2e} > "
+                                   f"{parity.tolerance:.0e} ({self.state.precision})")
+            if problems:
+                raise _RungProblem(problems[0])
+            self._configure(mask_final)
+            paired = self._compare(lambda on: self._configure(mask_switches if on else mask_final), "switches",
+                                   shared_batches=not any(s.rung.new_shape_cost for s in self.slots))
+        except Exception as exc:  # not a candidate: the final configuration stays, said why
+            self._drop(added)
+            self._configure([True] * n)
+            self._snapshot.restore()
+            row.reason += f"; not measured: {exc if isinstance(exc, _RungProblem) else f'{type(exc).__name__}: {first_line(exc)}'}"
+            row.seconds = self.host_clock() - t0
+            self.on_event(f"switches: {row.reason}")
+            return row, reference
+        finally:
+            self._snapshot.restore()
+        row.comparison, row.measurement, row.gain_vs_previous = paired, paired.b, paired.speedup
+        # the switches replace the climb's configuration when faster with confidence; between two
+        # configurations that both paid against the baseline, also when undecided but ahead by more
+        # than the minimum gain (neither is then shown faster; the one ahead is the better bet)
+        switches_win = paired.verdict == "faster" or (
+            paired.verdict == "undecided" and n > 0 and paired.speedup > 1 + self.cfg.min_gain)
+        if not switches_win:
+            self._drop(added)
+            self._configure([True] * n)
+            row.reason += f"; the final configuration against them: {1 / paired.speedup:.3f}x ({describe(paired)})"
+            row.seconds = self.host_clock() - t0
+            self.on_event(f"switches: the final configuration is {1 / paired.speedup:.3f}x the switches")
+            return row, reference
+        # the switches win: the climb starts again from them
+        if subset:
+            for j in reversed(range(n)):
+                if not mask_switches[j]:
+                    self._remove_slot(j)
+        else:
+            self._configure(mask_switches)
+            for slot in reversed(final):
+                self.slots.remove(slot)
+                slot.undo()
+            for slot in added:
+                slot.below = slot.below[n:]
+        self._configure([True] * len(self.slots))
+        switch_names = {r.name for r in switches}
+        for name in kept_names:
+            entry = self._entry(name)
+            if entry is not None and name not in switch_names:
+                entry.status = "reverted"
+                entry.reason = (f"{entry.reason}; the switches were faster than the climb's final configuration "
+                                f"({paired.speedup:.3f}x): judged again on top of them")
+        for rung in switches:
+            entry = self._entry(rung.name)
+            if entry is not None and entry.status != "kept":
+                slot = next(s for s in self.slots if s.rung is rung)
+                entry.status, entry.changes = "kept", list(slot.handle.changes)
+                entry.reason = f"kept with the switches ({label}, {describe(paired)} over the climb); before: {entry.reason}"
+        row.reason += f"; faster than the climb's final configuration ({describe(paired)}): the ladder starts from them"
+        self.on_event(f"switches: faster than the climb ({paired.speedup:.3f}x); judging the other rungs on top")
+        reference = self._second_look(losses)
+        if len(self.slots) > len(switches):  # rungs kept on top: the headline against the switches, measured
+            on_top = [s.rung not in switches for s in self.slots]
+            mask_s = [not o for o in on_top]
+            try:
+                again = self._compare(lambda on: self._configure(mask_s if on else [True] * len(self.slots)), "switches")
+                row.comparison, row.measurement, row.gain_vs_previous = again, again.b, again.speedup
+            finally:
+                self._configure([True] * len(self.slots))
+                self._snapshot.restore()
+        else:  # the same configuration: its comparison with the climb is in the reason
+            row.comparison, row.gain_vs_previous = None, 1.0
+            row.reason += "; nothing paid on top of them: the final configuration is the switches"
+        row.seconds = self.host_clock() - t0
+        return row, reference
+
+    def _drop(self, added: list[_Slot]) -> None:
+        """Undo candidate slots appended above the kept ones (they were applied with those off)."""
+        for slot in reversed(added):
+            if slot in self.slots:
+                slot.disable()
+                self.slots.remove(slot)
+                slot.undo()
 
     def _remove_slot(self, j: int) -> None:
         """Undo the rung of slot ``j``, the slots above it switched back on without it (rebased)."""
@@ -770,40 +950,58 @@ class Ladder:
 
     # -- parity ----------------------------------------------------------------------------
     def _parity(self, losses: list[float], reference: list[float]) -> Parity:
-        """The loss trajectory against the reference, within the tolerance of the numerics in effect."""
+        """The loss trajectory against the reference, step by step within the envelope of the numerics
+        in effect (a change of the function shows at the first steps, where rounding has moved the
+        trajectory least)."""
         state = self.state
-        tol = self._tolerance(state.precision)
-        worst = _worst_rel_diff(losses, reference)
-        return Parity(len(losses), tol, state.precision, reference, losses, worst, worst <= tol)
+        per_step = self._tolerance(state.precision)
+        moves = [_rel_diff(a, b) for a, b in zip(losses, reference)]
+        worst = max(moves, default=0.0)
+        passed = all(m <= t for m, t in zip(moves, per_step))
+        return Parity(len(losses), max(per_step, default=0.0), state.precision, reference, losses, worst, passed,
+                      envelope=per_step[:len(losses)])
 
-    def _tolerance(self, precision: str) -> float:
-        """The parity tolerance of ``precision`` on this model: ``safety`` times how far the baseline
-        trajectory moves under noise of that precision's machine epsilon on every weight and every
-        leaf module's output, never under the configured floor. Measured once per precision (at the
-        baseline where possible), kept in the report's ``parity_calibration``."""
+    def _tolerance(self, precision: str) -> list[float]:
+        """The parity tolerance of ``precision`` on this model, per parity step: ``safety`` times how
+        far the baseline trajectory moves, at that step or before, under rounding of that precision
+        (see :class:`_RoundingNoise`: every weight, every leaf module's output at its kernels' own
+        precision, every gradient), the worst of ``seeds`` draws, never under the configured floor.
+        The envelope of a change's class: a precision rung is judged against its precision's own
+        rounding; a rung that keeps the precision (a layout, compile, a kernel) against the reduction
+        order and kernel choice of the precision in effect. Measured once per precision at the
+        baseline, kept in the report's ``parity_calibration``."""
         if precision not in self._calibration:
             floor = config.tolerance(precision, self.state.device.type)
             calibration = config.parity_calibration()
             epsilon = float(calibration["epsilon"][precision])
             safety = float(calibration["safety"])
-            perturbed = self._trajectory(perturb=epsilon)
-            sensitivity = _worst_rel_diff(perturbed, self._reference)
-            if not math.isfinite(sensitivity):  # a model that diverges under rounding-level noise: no signal
-                sensitivity = 0.0
-            tol = max(floor, safety * sensitivity)
-            self._calibration[precision] = {"epsilon": epsilon, "sensitivity": sensitivity, "safety": safety,
-                                            "floor": floor, "tolerance": tol}
-        return self._calibration[precision]["tolerance"]
+            seeds = int(calibration.get("seeds", 1))
+            envelope = [0.0] * self._parity_steps
+            kernels: list[str] = []
+            for seed in range(seeds):
+                noise = _RoundingNoise(self.state.model, epsilon, seed=seed, epsilons=calibration["epsilon"])
+                perturbed = self._trajectory(noise=noise)
+                kernels = noise.kernels
+                moves = [_rel_diff(a, b) for a, b in zip(perturbed, self._reference)]
+                envelope = [max(e, m if math.isfinite(m) else 0.0) for e, m in zip(envelope, moves)]
+            # rounding differences, once in the weights, stay: a step's envelope is the worst so far
+            envelope = list(itertools.accumulate(envelope, max))
+            sensitivity = max(envelope, default=0.0)
+            self._calibration[precision] = {
+                "epsilon": epsilon, "sensitivity": sensitivity, "safety": safety, "floor": floor, "seeds": seeds,
+                "envelope": envelope, "tolerance": max(floor, safety * sensitivity),
+                "per_step": [max(floor, safety * e) for e in envelope], "kernels": kernels}
+        return list(self._calibration[precision]["per_step"])
 
-    def _trajectory(self, perturb: float | None = None) -> list[float]:
-        """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end.
-        ``perturb``: with rounding-level noise of that relative size (:class:`_RoundingNoise`)."""
+    def _trajectory(self, noise: _RoundingNoise | None = None) -> list[float]:
+        """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end;
+        with ``noise`` on the model where given (the calibration's)."""
         self._snapshot.restore()
         state, n = self.state, self.state.step.accumulate
         data = state.data
         assert data is not None
         losses = []
-        with _RoundingNoise(state.model, perturb) if perturb else contextlib.nullcontext():
+        with noise if noise is not None else contextlib.nullcontext():
             for i in range(self._parity_steps):
                 micro = [data.to_device(b) for b in self._parity_batches[i * n:(i + 1) * n]]
                 losses.append(state.step(micro, i))
@@ -812,31 +1010,67 @@ class Ladder:
 
 
 class _RoundingNoise:
-    """Rounding-level noise on a model, for calibrating parity: every floating-point weight and every
-    leaf module's floating-point output multiplied by 1 ± ``relative`` (as if each were rounded once
-    more), signs from private generators (the global RNG is not touched)."""
+    """Rounding-level noise on a model, for calibrating parity: every floating-point weight, every
+    leaf module's floating-point output and every weight's gradient multiplied by 1 ± ``relative``
+    (as if each were rounded once more), signs from private generators (the global RNG is not
+    touched).
 
-    def __init__(self, model: torch.nn.Module, relative: float, seed: int = 0) -> None:
+    A leaf whose kernels compute in a coarser precision than ``relative`` stands for gets that
+    precision's noise on its output (``epsilons``, by precision): on CUDA, convolutions while
+    ``torch.backends.cudnn.allow_tf32`` is on and Linear layers while float32 matmuls may use TF32
+    compute in TF32 — a run "in fp32" is that precise there, and another kernel or layout for them
+    (channels_last, compile) moves the loss by their rounding, not by fp32's. ``kernels`` names them.
+    """
+
+    def __init__(self, model: torch.nn.Module, relative: float, seed: int = 0,
+                 epsilons: dict[str, float] | None = None) -> None:
         self.model, self.relative, self.seed = model, relative, seed
+        self.epsilons = {k: float(v) for k, v in (epsilons or {}).items()}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._hooks: list[Any] = []
+        #: the leaf kinds given their kernels' coarser precision, e.g. "Conv2d at tf32 (cudnn.allow_tf32)"
+        self.kernels: list[str] = []
 
-    def _noisy(self, t: torch.Tensor) -> torch.Tensor:
+    def _noisy(self, t: torch.Tensor, relative: float) -> torch.Tensor:
         if t.device not in self._generators:
             self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
         signs = torch.randint(0, 2, t.shape, generator=self._generators[t.device], device=t.device, dtype=t.dtype)
-        return t * signs.mul_(2 * self.relative).add_(1 - self.relative)
+        return t * signs.mul_(2 * relative).add_(1 - relative)
 
-    def _output_hook(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        return compat.tree_map(lambda t: self._noisy(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+    def _kernel_precision(self, module: torch.nn.Module) -> tuple[float, str | None]:
+        """The relative rounding of ``module``'s kernels, and why where coarser than ``relative``."""
+        tf32 = self.epsilons.get("tf32", 0.0)
+        weight = getattr(module, "weight", None)
+        if tf32 <= self.relative or not isinstance(weight, torch.Tensor) or weight.device.type != "cuda":
+            return self.relative, None
+        if isinstance(module, torch.nn.modules.conv._ConvNd) and torch.backends.cudnn.allow_tf32:
+            return tf32, f"{type(module).__name__} at tf32 (torch.backends.cudnn.allow_tf32)"
+        if isinstance(module, torch.nn.Linear) and torch.backends.cuda.matmul.allow_tf32:
+            return tf32, f"{type(module).__name__} at tf32 (float32 matmul precision)"
+        return self.relative, None
 
     def __enter__(self) -> _RoundingNoise:
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.is_floating_point():
-                    p.copy_(self._noisy(p))
-        self._hooks = [m.register_forward_hook(self._output_hook) for m in self.model.modules() if not any(True for _ in m.children())]
+                    p.copy_(self._noisy(p, self.relative))
+        kernels = set()
+        for m in self.model.modules():
+            if any(True for _ in m.children()):
+                continue
+            relative, why = self._kernel_precision(m)
+            if why:
+                kernels.add(why)
+            self._hooks.append(m.register_forward_hook(functools.partial(self._output_hook, relative=relative)))
+        self.kernels = sorted(kernels)
+        for p in self.model.parameters():
+            if p.requires_grad and p.is_floating_point():
+                self._hooks.append(p.register_hook(lambda g: self._noisy(g, self.relative)))
         return self
+
+    def _output_hook(self, module: torch.nn.Module, args: Any, output: Any, *, relative: float) -> Any:
+        return compat.tree_map(
+            lambda t: self._noisy(t, relative) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
 
     def __exit__(self, *exc: Any) -> None:
         for hook in self._hooks:

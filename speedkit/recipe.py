@@ -71,6 +71,7 @@ _MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
     "settle": (int, 0, False, None),
     "final_check": (bool, None, False, None),
     "together_passes": (int, 0, False, None),
+    "switches_floor": (bool, None, False, None),
     "holds_windows": (int, 0, False, None),
     "holds_threshold": (float, 0.0, True, None),
     "throughput_unit": (Literal["auto", "tokens", "samples"], None, False, None),

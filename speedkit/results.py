@@ -19,7 +19,7 @@ HEADLINE_AGREEMENT = 0.03
 #: which reverted a kept rung that no longer paid with the later rungs on top of it, or by a second
 #: look, which kept a rung beneath them that was undecided on its own; "interrupted": the rung the
 #: ladder was trying when it was interrupted (undone)
-Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing", "interrupted"]
+Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing", "interrupted", "switches"]
 
 
 @dataclass
@@ -54,6 +54,8 @@ class Parity:
     losses: list[float]
     max_rel_diff: float
     passed: bool
+    #: per step, the tolerance the step was judged against (the calibrated envelope of the numerics in effect)
+    envelope: list[float] | None = None
 
 
 @dataclass
@@ -117,8 +119,9 @@ class LadderResult:
     final_check: PairedResult | None = None  # the final configuration against the baseline, interleaved
     holds: Holds | None = None
     interrupted: str | None = None     # None, or what was interrupted ("KeyboardInterrupt during sdpa")
-    #: per precision: epsilon, sensitivity (relative loss move under that perturbation), safety, floor, tolerance
-    parity_calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: per precision: epsilon, seeds, envelope (per step, the worst relative loss move so far under that
+    #: rounding), sensitivity (its worst), safety, floor, tolerance, per_step (tolerance per step), kernels
+    parity_calibration: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def baseline(self) -> RungResult:
@@ -127,6 +130,22 @@ class LadderResult:
     @property
     def kept(self) -> list[RungResult]:
         return [r for r in self.rungs if r.status == "kept"]
+
+    @property
+    def switches(self) -> RungResult | None:
+        """The user's switches measured against the final configuration (None: not measured)."""
+        return next((r for r in self.rungs if r.status == "switches"), None)
+
+    def vs_switches(self) -> tuple[float, float, float] | None:
+        """The final configuration's speedup over the switches and its interval, from their paired
+        comparison (None where the switches were not timed against it)."""
+        row = self.switches
+        if row is None:
+            return None
+        if row.comparison is None:  # the final configuration is the switches, or they were not timed
+            return (1.0, 1.0, 1.0) if row.gain_vs_previous == 1.0 else None
+        c = row.comparison
+        return 1 / c.speedup, 1 / c.high, 1 / c.low
 
     @property
     def final(self) -> RungResult:
@@ -188,6 +207,9 @@ class LadderResult:
             "final_throughput": final.throughput if final else None,
             "figures_from": source,
             "note": note,
+            "vs_switches": list(self.vs_switches()) if self.vs_switches() else None,
+            "switches_throughput": (self.switches.measurement.throughput
+                                    if self.switches is not None and self.switches.measurement else None),
             "interrupted": self.interrupted,
         }
         return d

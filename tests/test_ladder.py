@@ -879,3 +879,110 @@ def test_rungs_whose_cost_grows_with_new_shapes_are_timed_on_batches_drawn_anew(
     state = _varying_rows_state(time)
     _, result = _run(state, [NewShapeRowsFaster(time, 0.01, -0.05)], time, final_check=False, max_blocks=3)
     assert result.rungs[1].comparison.speedup != pytest.approx(1 / 0.95, rel=1e-3)  # each window its own batches
+
+
+# -- the user's switches: the floor ----------------------------------------------------------------
+
+
+class SetFlags:
+    """Which flags are on (a rung per flag sets one)."""
+
+    def __init__(self, names):
+        for name in names:
+            setattr(self, name, False)
+
+
+class SetCost(StepWrapper):
+    """The step's cost: ``costs[frozenset of the flags on]``."""
+
+    def __init__(self, inner, time, costs, flags):
+        super().__init__(inner)
+        self.time, self.costs, self.flags = time, costs, flags
+
+    def __call__(self, batches, batch_idx):
+        loss = self.inner(batches, batch_idx)
+        on = frozenset(k for k, v in vars(self.flags).items() if v)
+        self.time.spend(self.costs[on])
+        return loss
+
+
+def _switch_state(costs, names=("x", "autocast", "compile")):
+    time = VirtualTime(noise=0.005, seed=0)
+    state = mlp_state()
+    flags = state.notes["flags"] = SetFlags(names)
+    state.step = SetCost(state.step, time, {frozenset(k): v for k, v in costs.items()}, flags)
+    return state, time, flags
+
+
+def _on(*names):
+    return frozenset(names)
+
+
+def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on_top():
+    """bf16 alone slower in eager NCHW, compile alone a little slower (host-bound, its own guards):
+    the greedy climb keeps only x; the switches together (autocast + compile) are 1.8x. The ladder
+    starts from them and judges x again on top, where it still pays."""
+    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
+             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
+             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.020}
+    state, time, flags = _switch_state(costs)
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time)
+    switches = result.switches
+    assert switches is not None and "autocast + compile" in switches.reason
+    assert "faster than the climb's final configuration" in switches.reason, switches.reason
+    assert [s.rung.name for s in ladder.slots] == ["x", "autocast", "compile"]
+    assert {n: getattr(flags, n) for n in ("x", "autocast", "compile")} == {"x": True, "autocast": True, "compile": True}
+    names = {r.name: r for r in result.rungs}
+    assert names["autocast"].status == names["compile"].status == names["x"].status == "kept"
+    assert "kept with the switches" in names["compile"].reason
+    assert result.final_check.speedup == pytest.approx(40 / 20, rel=0.03)
+    versus, low, high = result.vs_switches()
+    assert versus == pytest.approx(22 / 20, rel=0.03) and low > 1.0  # the final against the switches, measured
+    summary = result.to_dict()["summary"]
+    assert summary["vs_switches"][0] == pytest.approx(versus)
+    ladder.revert()
+    assert not any(vars(flags).values())
+
+
+def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
+    """Nothing pays on top of the switches: the result is the switches (x is reverted, said why)."""
+    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
+             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
+             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.023}
+    state, time, flags = _switch_state(costs)
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time)
+    assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]
+    rx = next(r for r in result.rungs if r.name == "x")
+    assert rx.status == "reverted" and "the switches were faster" in rx.reason
+    assert result.final_check.speedup == pytest.approx(40 / 22, rel=0.03)
+    assert result.vs_switches() == (1.0, 1.0, 1.0)
+    assert "the final configuration is the switches" in result.switches.reason
+
+
+def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_much():
+    costs = {_on(): 0.040, _on("x"): 0.020, _on("autocast"): 0.036, _on("compile"): 0.030,
+             _on("x", "autocast"): 0.0205, _on("x", "compile"): 0.015,
+             _on("autocast", "compile"): 0.028, _on("x", "autocast", "compile"): 0.016}
+    state, time, flags = _switch_state(costs)
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time)
+    assert [s.rung.name for s in ladder.slots] == ["x", "compile"]
+    assert (flags.x, flags.autocast, flags.compile) == (True, False, True)  # the switches' slots are gone
+    versus, low, _ = result.vs_switches()
+    assert versus == pytest.approx(28 / 15, rel=0.03) and low > 1
+    assert "the final configuration against them" in result.switches.reason
+
+
+def test_switches_that_change_numerics_are_no_candidate():
+    class WrongCompile(LossScaleRung):
+        def __init__(self):
+            super().__init__("compile", 0.05)
+
+    costs = {_on(): 0.040, _on("x"): 0.036}
+    state, time, flags = _switch_state(costs, names=("x",))
+    ladder, result = _run(state, [FlagRung("x", recheck=False), WrongCompile()], time)
+    assert [s.rung.name for s in ladder.slots] == ["x"]
+    assert "not measured: numerics changed" in result.switches.reason
+    assert result.vs_switches() is None

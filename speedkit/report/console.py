@@ -24,6 +24,7 @@ STATUS_STYLES = {
     "failed": "bold red",
     "closing": "bold green",
     "interrupted": "bold red",
+    "switches": "cyan",
 }
 
 

@@ -23,6 +23,7 @@ STATUS_LABELS = {
     "failed": "failed",
     "closing": "final (re-measured)",
     "interrupted": "interrupted",
+    "switches": "switches (vs final)",
 }
 
 TABLE_COLUMNS = (
@@ -118,7 +119,10 @@ def summary_line(d: dict[str, Any]) -> str:
     steps = f"step {format_step(s.get('baseline_step_ms'))} → {format_step(s.get('final_step_ms'))} ms"
     ci = s.get("speedup_ci")
     interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
-    line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline; {steps}); kept: {kept}"
+    versus = s.get("vs_switches")
+    switches = (f", {format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
+                if versus and all(_known(v) and math.isfinite(v) for v in versus) else "")
+    line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline{switches}; {steps}); kept: {kept}"
     if s.get("note"):
         line += f" (note: {s['note']})"
     if s.get("interrupted"):

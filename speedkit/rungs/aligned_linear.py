@@ -68,6 +68,7 @@ def misaligned_linears(model: nn.Module, options: AlignedLinearOptions) -> tuple
 
 class AlignedLinearRung(Rung):
     name = "aligned_linear"
+    judged_at_full_precision = True
     Options = AlignedLinearOptions
     precision = None  # the same products and sums; only where the output rows are stored changes
     recheck = True  # torch.compile pads some matmuls itself: its gain under compile is judged again

@@ -73,4 +73,7 @@ class AutocastRung(Rung):
             handle.changes.append(change)
         nested(handle, inner, "")
         set_attr(handle, state, "precision", loosest(state.precision, dtype_name), f"numerics: {dtype_name}")  # type: ignore[arg-type]
+        # CUDA's dropout kernels map their random stream onto elements by vector width, which follows
+        # the dtype: a bf16 activation draws other masks than its fp32 self (parity: dropout off)
+        handle.draws_differently = state.device.type == "cuda"
         return handle

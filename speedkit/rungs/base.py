@@ -59,6 +59,10 @@ class Rung:
     #: and compile, not in eager NCHW): reverted on speed with some of these, it is also tried together
     #: with them in the ladder's second look (every rung reverted on speed is tried again alone there)
     partners: ClassVar[tuple[str, ...]] = ()
+    #: a rewrite of the model's code (the same function at any precision): its parity is also judged
+    #: with the kept precision rungs off, where the envelope is narrow enough to show a defect that
+    #: bf16's rounding would hide
+    judged_at_full_precision: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

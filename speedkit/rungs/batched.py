@@ -779,6 +779,7 @@ class BatchedRung(Rung):
     """
 
     name = "batched"
+    judged_at_full_precision = True
     Options = BatchedOptions
 
     def check(self, state: TrainState) -> str | None:

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from speedkit import compat
 from speedkit.data.source import SourceWrapper
-from speedkit.rungs.base import AttributeWrapper, Handle, Rung, set_attr
+from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts, set_attr
 from speedkit.state import TrainState
 
 _CONVOLUTIONS_2D = (nn.Conv2d, nn.ConvTranspose2d)
@@ -199,4 +199,7 @@ class ChannelsLastRung(Rung):
         owner = _lightning_hook_owner(state.model)
         if owner is not None:
             _convert_after_transfer(handle, owner)
+        # dropout fills its mask in memory order: on a channels_last activation, other elements get
+        # each random number (parity is then judged with dropout off)
+        handle.draws_differently = bool(active_dropouts(state.model))
         return handle

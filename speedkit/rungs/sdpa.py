@@ -731,6 +731,7 @@ class _ClassAnalysis:
 
 class SdpaRung(Rung):
     name = "sdpa"
+    judged_at_full_precision = True
     Options = SdpaOptions
 
     def __init__(self, options: Any = None) -> None:

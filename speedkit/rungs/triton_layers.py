@@ -631,6 +631,7 @@ class TritonLayersRung(Rung):
     """
 
     name = TAG
+    judged_at_full_precision = True
     Options = TritonLayersOptions
     recheck = True  # pays in eager; whether it still pays under torch.compile is measured, not assumed
 
