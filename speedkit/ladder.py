@@ -91,6 +91,12 @@ class MeasureConfig:
     final_check: bool          # time the final configuration against the baseline at the end
     together_passes: int       # passes of the second look over the rungs reverted on speed (0: none)
     switches_floor: bool       # time the user's switches against the final configuration; keep the faster
+    host_bound_share: float    # a GPU step whose host time is this share of it or more tries host-cutting rungs first
+    noise_target: float        # baseline windows varying more than this get longer comparison windows
+    max_window_factor: int     # ... up to this many times ``steps``
+    trials_budget_s: float     # the trials' time budget: at most this (the cap)...
+    trials_share: float        # ... this share of the fit's planned time where known ...
+    trials_min_s: float        # ... and never under this
     holds_windows: int         # windows of the fit's own steps timed after the trials
     holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
     throughput_unit: str
@@ -166,6 +172,8 @@ class Ladder:
         on_event: called with progress lines (the CLI and the callback print them).
         clock: the step clock (tests inject a fake backend); host_clock: the host's (likewise).
         run_info: the run's settings to record (precision, accumulation, clipping, strategy).
+        planned_steps: the optimizer steps the fit plans, where known: the trials' time budget is a
+            share of the fit's planned time (see :meth:`_plan_budget`).
 
     After :meth:`run`, the kept rungs stay applied on the restored initial state (``handles``);
     :meth:`revert` undoes them. ``result`` holds the report so far, also after an interruption.
@@ -173,7 +181,8 @@ class Ladder:
 
     def __init__(self, state: TrainState, rungs: list[Rung], measure: MeasureConfig | dict[str, Any] | None = None, *,
                  recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
-                 host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None) -> None:
+                 host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None,
+                 planned_steps: int | None = None) -> None:
         self.state = state
         if state.device.type == "cuda":  # the ladder makes CUDA events and streams: keep forked workers off them
             protect_forked_children()
@@ -189,6 +198,9 @@ class Ladder:
         #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
         self._parity_steps = max([self.cfg.parity_steps, *(r.parity_steps_needed() for r in rungs)])
         self._settle_needed = 0  # untimed steps a rebased rung asks for after the next switch
+        #: optimizer steps per window of the A/B comparisons: ``steps``, or more where the baseline's
+        #: windows vary more than ``noise_target`` (see :meth:`_noise`)
+        self._window_steps = self.cfg.steps
         self.result: LadderResult | None = None
         self.session: MeasureSession | None = None
         self._candidate: _Slot | None = None
@@ -202,6 +214,11 @@ class Ladder:
         self._phase = "the setup"  # what the ladder is doing, for an interruption's report
         self._reference: list[float] = []
         self._calibration: dict[str, dict[str, float]] = {}
+        #: optimizer steps the fit plans (None: not known): the trials' time budget is a share of them
+        self.planned_steps = planned_steps
+        self._started = 0.0                 # host clock at the start of the trials
+        self._budget_s = self.cfg.trials_budget_s
+        self._left = 0                      # rungs not yet tried in the climb
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
         self._judged: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
 
@@ -219,6 +236,7 @@ class Ladder:
             device=str(state.device), flops={}, measure=asdict(cfg), rungs=[], run=self.run_info,
             parity_calibration=self._calibration)  # filled as tolerances are calibrated
         state.model.train()
+        self._started = self.host_clock()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
         self._snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
         completed = False
@@ -242,6 +260,7 @@ class Ladder:
                         pass
                 self.slots = []
             self._iterators.clear()
+            self.result.run["trials_s"] = round(self.host_clock() - self._started, 3)
             self._snapshot.restore()  # trial steps never leak into the user's training
             if self._snapshot.restored_attributes:  # what the user's step changes on self, put back
                 self.result.run["attributes_restored"] = sorted(self._snapshot.restored_attributes)
@@ -293,12 +312,16 @@ class Ladder:
             self._tolerance(precision)
         self.on_event("baseline: measuring")
         base_m = self._measure_alone()
+        result.run["noise"] = self._noise(base_m)
+        result.run["budget"] = self._plan_budget(base_m)
         result.rungs.append(RungResult(
             "baseline", "baseline", precision=state.precision, measurement=base_m,
             parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
             gain_vs_previous=1.0, gain_vs_baseline=1.0, seconds=self.host_clock() - t0))
         chain = 1.0
-        for i, rung in enumerate(self.rungs, 1):
+        order = self._trial_order(base_m)
+        for i, rung in enumerate(order, 1):
+            self._left = len(order) - i + 1
             self._phase = rung.name
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
             entry, losses = self._try(rung, reference, chain)
@@ -307,6 +330,7 @@ class Ladder:
                 reference = losses
                 chain *= entry.gain_vs_previous or 1.0
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
+        self._left = 0
         self._phase = "the closing check"
         reference = self._closing_check(reference)
         self._phase = "the second look"
@@ -325,28 +349,114 @@ class Ladder:
         if switches is not None and switches.comparison is not None and result.final_check is not None:
             switches.gain_vs_baseline = result.final_check.speedup * switches.comparison.speedup
 
+    def _noise(self, baseline: Measurement) -> dict[str, Any]:
+        """How much the baseline's windows vary, its likely source, and the window length the
+        comparisons use: where the spread is over ``noise_target``, windows are lengthened (the noise
+        of a window's mean falls with the square root of its steps), up to ``max_window_factor``
+        times. speedkit's own share is removed where it can be: the garbage collector paused inside
+        windows (no full collection lands at random in one), no telemetry thread during comparisons, and its
+        loaders' workers kept off the training thread's core (``data_path``)."""
+        cfg = self.cfg
+        spread = baseline.spread
+        factor = 1
+        if spread > cfg.noise_target > 0:
+            factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
+        self._window_steps = cfg.steps * max(1, factor)
+        noise = {"baseline_spread": spread, "window_steps": self._window_steps, "source": _noise_source(baseline)}
+        if factor > 1:
+            self.on_event(f"baseline: windows vary by {spread:.1%} ({noise['source']}): comparisons time windows of "
+                          f"{self._window_steps} steps")
+        return noise
+
+    # -- the trials' time budget ------------------------------------------------------------------
+    def _plan_budget(self, baseline: Measurement) -> dict[str, Any]:
+        """The trials' time budget: ``trials_share`` of the fit's planned time (its planned steps at
+        the baseline's step time), never under ``trials_min_s``, never over ``trials_budget_s``; the
+        cap alone where the fit's length is not known. It bounds the comparisons (each gets its share
+        of what is left, at least ``min_blocks`` blocks) and the second looks (skipped once it is
+        spent); every rung is still tried (parity and ``min_blocks`` blocks), the switches floor and
+        the final check still run, so the trials can overrun it by that much, which the report shows.
+        Compiled graphs are reused across A and B (a rung is suspended and resumed, not rebuilt)."""
+        cfg = self.cfg
+        planned = self.planned_steps
+        planned_s = planned * baseline.step_ms / 1e3 if planned and math.isfinite(planned) and planned > 0 else None
+        if planned_s is None:
+            self._budget_s, rule = cfg.trials_budget_s, f"the cap ({cfg.trials_budget_s:.0f} s): the fit's length is not known"
+        else:
+            self._budget_s = min(cfg.trials_budget_s, max(cfg.trials_min_s, cfg.trials_share * planned_s))
+            rule = (f"{cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned} steps at the baseline's "
+                    f"{baseline.step_ms:.1f} ms), within [{cfg.trials_min_s:.0f}, {cfg.trials_budget_s:.0f}] s")
+        return {"budget_s": round(self._budget_s, 1), "rule": rule, "skipped": []}
+
+    def _remaining(self) -> float:
+        return self._budget_s - (self.host_clock() - self._started)
+
+    def _comparison_budget(self) -> float:
+        """Seconds the next comparison may take: its share of the budget left (the rungs left in the
+        climb, the switches and the final check), never more than ``budget_s``."""
+        return min(self.cfg.budget_s, max(0.0, self._remaining()) / (self._left + 2))
+
+    def _note_budget(self, what: str) -> None:
+        assert self.result is not None
+        self.result.run["budget"]["skipped"].append(what)
+        self.on_event(f"{what} skipped: the trials' time budget ({self._budget_s:.0f} s) is spent")
+
+    def _trial_order(self, baseline: Measurement) -> list[Rung]:
+        """The order the rungs are tried in: the ladder's, except on a host-bound step (on a device the
+        host drives, the host's time issuing a step is ``host_bound_share`` of the step or more), where the rungs that
+        cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are
+        tried first: in the host's noise the others' device-side gains do not show, beneath them they
+        do. Each rung still goes in at its place in the ladder's order (beneath them)."""
+        host, step = baseline.host_ms, baseline.step_ms
+        # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
+        if self.clock.name == "perf_counter" or host is None or not step or host < self.cfg.host_bound_share * step:
+            return list(self.rungs)
+        first = [r for r in self.rungs if r.cuts_host_work]
+        if not first:
+            return list(self.rungs)
+        order = first + [r for r in self.rungs if not r.cuts_host_work]
+        assert self.result is not None
+        self.result.run["trial_order"] = (f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): "
+                                          f"{', '.join(r.name for r in first)} tried first")
+        self.on_event(f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
+                      f"{', '.join(r.name for r in first)} first, the others beneath them")
+        return order
+
     # -- one rung --------------------------------------------------------------------------
     def _try(self, rung: Rung, reference: list[float], chain: float) -> tuple[RungResult, list[float]]:
+        """Apply ``rung`` at its place in the ladder's order among the kept rungs (on top of them, or
+        beneath those that come after it, which are switched off and on again on top of it), check
+        its parity against the configuration before it and time it against that configuration."""
         state = self.state
         t0 = self.host_clock()
         entry = self._current = RungResult(rung.name, "not_applicable", options=rung.options_dict(), precision=state.precision)
+        place = self._place(rung)
+        above = [s.rung.name for s in self.slots[place:]]
         try:
+            self._configure([i < place for i in range(len(self.slots))])
             reason = rung.check(state)
         except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
+            reason = None
             entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {first_line(exc)}"
-            self._current = None
-            return entry, reference
-        if reason is not None:
-            entry.reason = reason
+        if reason is not None or entry.status == "failed":
+            self._configure([True] * len(self.slots))
+            entry.reason = entry.reason or reason
             self._current = None
             return entry, reference
 
         losses = reference
         precision_before = state.precision
         slot: _Slot | None = None
+        n = len(self.slots) + 1
+
+        def toggle(on: bool) -> None:
+            self._configure([True] * n if on else [i != place for i in range(n)])
+
         try:
-            slot = self._candidate = _Slot(rung, rung.apply(state), tuple(s.on for s in self.slots))
-            entry.changes = list(slot.handle.changes)
+            slot = self._candidate = _Slot(rung, rung.apply(state), (True,) * place)
+            self.slots.insert(place, slot)
+            self._configure([True] * n)  # the kept rungs after it, back on top of it
+            entry.changes = list(slot.handle.changes) + ([f"applied beneath {', '.join(above)}"] if above else [])
             entry.precision = state.precision
             self.on_event(f"  {rung.name}: parity over {self._parity_steps} steps")
             with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
@@ -356,16 +466,16 @@ class Ladder:
                 # the same function drawing its dropout masks differently: compare with dropout off
                 with _dropout_off(state.model):
                     candidate = self._trajectory()
-                    slot.disable()
+                    toggle(False)
                     try:
                         before = self._trajectory()
                     finally:
-                        slot.enable(state)
+                        toggle(True)
                 entry.parity = self._parity(candidate, before)
                 entry.changes.append("note: parity judged with dropout off (the change draws dropout masks from "
                                      "another random stream, so trajectories with dropout on differ by design)")
             if entry.parity.passed and rung.judged_at_full_precision:
-                precise = self._parity_at_full_precision(slot)
+                precise = self._parity_at_full_precision(place)
                 if precise is not None:
                     entry.changes.append(f"note: also judged with the precision rungs off ({precise.precision}): "
                                          f"max rel diff {precise.max_rel_diff:.2e} against {precise.tolerance:.0e}")
@@ -380,8 +490,8 @@ class Ladder:
                 entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
                                 f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}")
             else:
-                paired = self._compare(lambda on: slot.enable(state) if on else slot.disable(), rung.name,
-                                       shared_batches=not rung.new_shape_cost)
+                shared = not rung.new_shape_cost and (not above or self._kept_rungs_share_batches())
+                paired = self._compare(toggle, rung.name, shared_batches=shared)
                 if slot.handle.problem():
                     raise _RungProblem(slot.handle.problem())
                 entry.comparison = paired
@@ -410,38 +520,46 @@ class Ladder:
                 torch.cuda.empty_cache()
         self._candidate = self._current = None
         if entry.status == "kept":
-            slot.enable(state)  # type: ignore[union-attr]
-            self.slots.append(slot)  # type: ignore[arg-type]
+            self._configure([True] * len(self.slots))
         elif slot is not None:
             try:
-                slot.undo()
+                if slot in self.slots:
+                    self._remove_slot(self.slots.index(slot))
+                else:
+                    slot.undo()
             except Exception as exc:  # an undo that fails leaves the run in an unknown state: say so loudly
                 entry.status = "failed"
                 entry.reason = f"{entry.reason}; undo raised {type(exc).__name__}: {exc}"
             entry.precision = state.precision
+        else:
+            self._configure([True] * len(self.slots))
         entry.seconds = self.host_clock() - t0
         return entry, losses if entry.status == "kept" else reference
 
-    def _parity_at_full_precision(self, slot: _Slot) -> Parity | None:
-        """The candidate's parity with the kept precision rungs switched off (None when none is on): a
-        rewrite of the model's code is the same function at any precision, and only at the precision
-        the run started in is the envelope narrow enough to show a defect smaller than bf16's
-        rounding (a dropped attention scale, a wrong gradient)."""
-        precise = [s.rung.precision is None for s in self.slots]
+    def _place(self, rung: Rung) -> int:
+        """Where ``rung`` goes among the kept rungs: after those before it in the ladder's order."""
+        order = {r.name: i for i, r in enumerate(self.rungs)}
+        return sum(order.get(s.rung.name, -1) < order[rung.name] for s in self.slots)
+
+    def _parity_at_full_precision(self, place: int) -> Parity | None:
+        """The parity of the candidate at ``place`` with the kept precision rungs switched off (None
+        when none is on): a rewrite of the model's code is the same function at any precision, and
+        only at the precision the run started in is the envelope narrow enough to show a defect
+        smaller than bf16's rounding (a dropped attention scale, a wrong gradient)."""
+        precise = [s.rung.precision is None or i == place for i, s in enumerate(self.slots)]
         if all(precise):
             return None
+        slot = self.slots[place]
         dropout = slot.handle.draws_differently and active_dropouts(self.state.model)
-        self.slots.append(slot)  # switched with the kept rungs beneath it (rebased where it holds them)
         try:
             with _dropout_off(self.state.model) if dropout else contextlib.nullcontext():
-                self._configure([*precise, True])
+                self._configure(precise)
                 with_it = self._trajectory()
-                self._configure([*precise, False])
+                self._configure([p and i != place for i, p in enumerate(precise)])
                 without = self._trajectory()
                 return self._parity(with_it, without)
         finally:
             self._configure([True] * len(self.slots))
-            self.slots.pop()
 
     def _decide(self, paired: PairedResult, memory_comparable: bool = True) -> tuple[str, str]:
         cfg = self.cfg
@@ -519,6 +637,9 @@ class Ladder:
         also tried with them, as a group (bf16 with channels_last and compile on a convnet). A
         configuration already judged is not judged again."""
         for _ in range(self.cfg.together_passes):
+            if self._remaining() <= 0 and self._second_look_groups():
+                self._note_budget("second look")
+                break
             changed = False
             for group in self._second_look_groups():
                 key = (tuple(r.name for r in group), tuple(s.rung.name for s in self.slots))
@@ -532,10 +653,17 @@ class Ladder:
         return reference
 
     def _reverted_on_speed(self, rung: Rung) -> bool:
-        """Measured and reverted for not paying (undecided or slower), not for numerics or a failure."""
+        """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
+        on numerics under another precision than the final configuration's (channels_last against an
+        fp32 envelope, before bf16 was kept), and not kept since."""
         entry = self._entry(rung.name)
-        return (entry is not None and entry.status == "reverted" and entry.comparison is not None
-                and all(s.rung is not rung for s in self.slots))
+        if entry is None or entry.status != "reverted" or any(s.rung is rung for s in self.slots):
+            return False
+        if entry.comparison is not None:
+            return True
+        parity = entry.parity  # a rewrite is judged at full precision anyway: its function differs
+        return (parity is not None and not parity.passed and parity.precision != self.state.precision
+                and not rung.judged_at_full_precision)
 
     def _entry(self, name: str) -> RungResult | None:
         assert self.result is not None
@@ -587,6 +715,11 @@ class Ladder:
             for i in inserted:
                 if self.slots[i].handle.problem():
                     raise RuntimeError(self.slots[i].handle.problem())
+                if self.slots[i].rung.judged_at_full_precision:
+                    precise = self._parity_at_full_precision(i)
+                    if precise is not None and not precise.passed:
+                        raise RuntimeError(f"numerics changed: {self.slots[i].rung.name} moves the loss by "
+                                           f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off")
             without = [i not in inserted for i in range(n)]
             paired = self._compare(lambda on: self._configure([True] * n if on else without), label,
                                    shared_batches=self._kept_rungs_share_batches())
@@ -853,7 +986,7 @@ class Ladder:
         if not (self._shapes_vary and same_source):
             return None
         source = self._source_iterator()
-        return [next(source) for _ in range(self.cfg.steps * self.state.step.accumulate)]
+        return [next(source) for _ in range(self._window_steps * self.state.step.accumulate)]
 
     def _memory_outside_peak(self) -> int:
         """What the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's
@@ -903,21 +1036,23 @@ class Ladder:
         gains: list[float] = []
         verdict: Comparison | None = None
         stops = looks(cfg.min_blocks, cfg.max_blocks)
+        budget = self._comparison_budget()
         while True:
             block: dict[bool, list[Window]] = {False: [], True: []}
             shared = self._block_batches(same_source and shared_batches)
             if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
                 for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
                     switch(candidate)  # then timed in neither configuration's windows, not in the first
-                    session.warm(self._runner(shared), cfg.steps)
+                    session.warm(self._runner(shared), self._window_steps)
             for candidate in (False, True, True, False):
                 if switch(candidate):
                     session.warm(self._runner(), self._settle())
-                block[candidate].append(session.window(self._runner(shared), cfg.steps))
+                block[candidate].append(session.window(self._runner(shared), self._window_steps))
             a_windows += block[False]
             b_windows += block[True]
             gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
-            out_of_budget = len(gains) >= cfg.max_blocks or self.host_clock() - start > cfg.budget_s
+            out_of_budget = len(gains) >= cfg.max_blocks or (
+                len(gains) >= cfg.min_blocks and self.host_clock() - start > budget)
             if len(gains) not in stops and not out_of_budget:
                 continue
             verdict = decide(gains, min_gain=cfg.min_gain, confidence=cfg.confidence, n_looks=len(stops))
@@ -1007,6 +1142,21 @@ class Ladder:
                 losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
+
+
+def _noise_source(m: Measurement) -> str:
+    """The likely source of a configuration's window-to-window noise, from what its windows show."""
+    telemetry = m.telemetry or {}
+    if telemetry.get("slowdown_reasons"):
+        return f"the GPU's clocks ({', '.join(telemetry['slowdown_reasons'])})"
+    if m.data_wait_ms is not None and m.step_ms and m.data_wait_ms > 0.2 * m.step_ms:
+        return f"waiting for batches ({m.data_wait_ms:.1f} of {m.step_ms:.1f} ms per step)"
+    if m.clock == "perf_counter":
+        return "the host (a CPU step is all host time: other processes, frequency scaling)"
+    if m.host_ms is not None and m.step_ms and m.host_ms >= 0.8 * m.step_ms:
+        return (f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
+                "the CPU's jitter (scheduling, frequency, other threads) is the step's")
+    return "the device (no host, loader or clock cause seen)"
 
 
 class _RoundingNoise:

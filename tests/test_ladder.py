@@ -7,6 +7,7 @@ the comparison budget all read it, so no test sleeps or depends on this machine'
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from speedkit.rungs.base import Rung
 from speedkit.step import StepWrapper
 
 FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
-        "max_blocks": 12, "budget_s": 1e9}
+        "max_blocks": 12, "budget_s": 1e9, "noise_target": 0}  # the virtual clock's noise is per window: longer ones would not help
 
 
 def _run(state, rungs, time: VirtualTime, **measure):
@@ -986,3 +987,155 @@ def test_switches_that_change_numerics_are_no_candidate():
     assert [s.rung.name for s in ladder.slots] == ["x"]
     assert "not measured: numerics changed" in result.switches.reason
     assert result.vs_switches() is None
+
+
+def test_on_a_host_bound_step_the_rungs_that_cut_host_work_go_first_and_the_others_are_judged_beneath_them():
+    """The same demo Transformer, with the order the issue asks for: the baseline's host time is its
+    whole step (host-bound), so the host-cutting rung is tried first and kept; x, tried after it, goes
+    in beneath it (its place in the ladder) and is judged there, in the quiet, in the climb itself."""
+    time = VirtualTime(noise=0.25, seed=1)
+    state = timed_state(time, 0.02)
+    x = SpeedRung("x", time, 0.02, -0.05)
+    quiet = QuietingRung(time, state.step)
+    quiet.cuts_host_work = True
+    ladder, result = _run(state, [x, quiet], time, max_blocks=6)
+    assert "quiet tried first" in result.run["trial_order"]
+    assert [r.name for r in result.rungs[1:3]] == ["quiet", "x"]  # tried in that order
+    rq, rx = result.rungs[1:3]
+    assert rq.status == "kept" and rx.status == "kept", rx.reason
+    assert "applied beneath quiet" in rx.changes and "second look" not in rx.reason
+    assert rx.comparison.speedup == pytest.approx(0.012 / 0.011, rel=0.02)
+    assert [s.rung.name for s in ladder.slots] == ["x", "quiet"]  # the ladder's order
+
+
+def test_a_step_that_is_not_host_bound_keeps_the_ladders_order(monkeypatch):
+    from speedkit.measure.session import MeasureSession
+
+    real = MeasureSession.measurement
+
+    def device_bound(self, windows, **kw):  # the host issues the step in a tenth of its time
+        m = real(self, windows, **kw)
+        m.host_ms = m.step_ms / 10
+        return m
+
+    monkeypatch.setattr(MeasureSession, "measurement", device_bound)
+    time = VirtualTime(noise=0.01, seed=1)
+    state = timed_state(time, 0.02)
+    quiet = QuietingRung(time, state.step)
+    quiet.cuts_host_work = True
+    _, result = _run(state, [SpeedRung("x", time, 0.02, -0.05), quiet], time)
+    assert "trial_order" not in result.run and [r.name for r in result.rungs[1:3]] == ["x", "quiet"]
+
+
+class FlagRoundOutputs(RoundOutputsRung):
+    """Like bf16 autocast: rounds every Linear's output to bf16; sets its flag (its speed is the cost table's)."""
+
+    def __init__(self):
+        super().__init__("bf16")
+        self.name = "bf16"
+
+    def apply(self, state):
+        handle = super().apply(state)
+        set_attr(handle, state.notes["flags"], "bf16", True, "flag bf16 on")
+        return handle
+
+
+class FlagRounding(LossScaleRung):
+    """Like channels_last on a convnet on CUDA: moves the loss by 1e-4 (other kernels, other rounding,
+    over an fp32 envelope); sets its flag."""
+
+    def __init__(self):
+        super().__init__("layout", 1e-4)
+
+    def apply(self, state):
+        handle = super().apply(state)
+        set_attr(handle, state.notes["flags"], "layout", True, "flag layout on")
+        return handle
+
+
+def test_a_rung_rejected_on_fp32_numerics_is_judged_again_under_the_precision_kept_after_it():
+    costs = {_on(): 0.040, _on("bf16"): 0.030, _on("layout"): 0.036, _on("layout", "bf16"): 0.024}
+    state, time, flags = _switch_state(costs, names=("layout", "bf16"))
+    ladder, result = _run(state, [FlagRounding(), FlagRoundOutputs()], time)
+    layout = result.rungs[1]
+    assert layout.parity.precision == "fp32" and not layout.parity.passed  # its row keeps its first figures
+    assert layout.status == "kept" and layout.reason.startswith("kept on a second look beneath bf16"), layout.reason
+    assert [s.rung.name for s in ladder.slots] == ["layout", "bf16"] and (flags.layout, flags.bf16) == (True, True)
+
+
+def test_a_noisy_baseline_lengthens_the_comparison_windows_and_the_report_names_the_noise():
+    time = VirtualTime(noise=0.2, seed=3)
+    ladder, result = _run(timed_state(time, 0.02), [SpeedRung("x", time, 0.02, -0.2)], time, noise_target=0.03,
+                          max_window_factor=4, repeats=5)
+    noise = result.run["noise"]
+    factor = min(4, math.ceil((noise["baseline_spread"] / 0.03) ** 2))  # the noise of a mean falls with sqrt(steps)
+    assert noise["baseline_spread"] > 0.03 and factor > 1 and noise["window_steps"] == factor * FAST["steps"]
+    assert "host-bound" in noise["source"]  # the virtual step is all host time on a device clock
+    entry = result.rungs[1]
+    assert entry.comparison.a.steps == factor * FAST["steps"] and entry.status == "kept"
+    quiet_time = VirtualTime(noise=0.0)
+    _, quiet = _run(timed_state(quiet_time, 0.02), [], quiet_time, noise_target=0.03)
+    assert quiet.run["noise"]["window_steps"] == FAST["steps"]
+
+
+def test_windows_pause_the_garbage_collector_and_restore_it():
+    import gc
+
+    from speedkit.measure.session import MeasureSession
+
+    seen = []
+    session = MeasureSession("cpu")
+    assert gc.isenabled()
+    session.window(lambda: seen.append(gc.isenabled()), 3)
+    assert seen == [False, False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        session.window(lambda: None, 1)
+        assert not gc.isenabled()  # the user's setting, as it was
+    finally:
+        gc.enable()
+
+
+def _budget_run(planned_steps, **measure):
+    time = VirtualTime(noise=0.25, seed=1)
+    state = timed_state(time, 0.02)
+    rungs = [SpeedRung("x", time, 0.02, -0.02), SpeedRung("y", time, 0.02, -0.01)]
+    ladder = Ladder(state, rungs, {**FAST, **measure}, clock=time.clock(), host_clock=time, planned_steps=planned_steps)
+    return ladder.run()
+
+
+def test_the_trials_budget_is_a_share_of_the_planned_fit_within_a_floor_and_a_cap():
+    result = _budget_run(10_000, trials_share=0.1, trials_min_s=1.0, trials_budget_s=300.0)
+    budget = result.run["budget"]
+    step_s = result.baseline.measurement.step_ms / 1e3
+    assert budget["budget_s"] == pytest.approx(0.1 * 10_000 * step_s, abs=0.06) and "10%" in budget["rule"]
+    assert _budget_run(10, trials_min_s=30.0, trials_budget_s=300.0).run["budget"]["budget_s"] == 30.0
+    assert _budget_run(None, trials_budget_s=45.0).run["budget"]["budget_s"] == 45.0
+
+
+def test_a_spent_budget_shortens_comparisons_and_skips_second_looks_but_tries_every_rung():
+    free = _budget_run(None, trials_budget_s=1e9, together_passes=2)
+    tight = _budget_run(None, trials_budget_s=0.5, together_passes=2)
+    for result in (free, tight):
+        assert [r.name for r in result.rungs[1:3]] == ["x", "y"] and all(r.comparison for r in result.rungs[1:3])
+    assert all(r.comparison.blocks == FAST["min_blocks"] for r in tight.rungs[1:3])  # its share: the minimum
+    assert max(r.comparison.blocks for r in free.rungs[1:3]) > FAST["min_blocks"]
+    assert "second look" in tight.run["budget"]["skipped"]
+    assert tight.run["trials_s"] < free.run["trials_s"]
+
+
+def test_the_report_names_the_noise_the_budget_and_the_switches():
+    from speedkit.report.markdown import render_markdown, summary_line
+
+    result = _budget_run(1000, trials_min_s=5.0)
+    text = render_markdown(result.to_dict())
+    assert "- Noise: the baseline's windows vary by" in text and "likely source: the host" in text
+    assert "- Trials: " in text and "against a budget of" in text
+    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
+             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
+             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.020}
+    state, time, _ = _switch_state(costs)
+    _, result = _run(state, [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False),
+                             FlagRung("compile", recheck=False)], time)
+    d = result.to_dict()
+    assert "the switches" in summary_line(d) and "| switches | switches (vs final) |" in render_markdown(d)

@@ -21,6 +21,7 @@ The callback is a layer of hooks; the ladder, the rungs and the measurement know
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -98,6 +99,9 @@ class SpeedLadder(Callback):
         self.measure = MeasureConfig.from_dict(validate_measure(measure))
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.stop_after_holds = stop_after_holds
+        #: the optimizer steps the real run plans, where the fit in front of the trials is not that run
+        #: (``speedkit optimize``); None: the fit's own (``trainer.estimated_stepping_batches``)
+        self.planned_steps: int | None = None
         self.on_event = on_event or log_event  # a module-level function: the callback pickles (ddp_spawn)
         self.handles: list[Handle] = []
         self.skipped: dict[str, str] = {}
@@ -235,7 +239,8 @@ class SpeedLadder(Callback):
             "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
         }
         self._state = state
-        self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info)
+        self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info,
+                              planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer))
         try:
             with _sigterm_raises():
                 self.result = self._ladder.run()
@@ -488,3 +493,13 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _planned_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps the fit plans (None where Lightning cannot tell: an endless fit, an
+    iterable loader of unknown length)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except Exception:  # a loader without a length, or a Trainer not yet able to tell
+        return None
+    return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None

@@ -22,6 +22,7 @@ backend, the host clock as a function), so tests drive the whole path with a fak
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +49,18 @@ class Window:
     steps: int                         # steps in the window
     peak_memory_bytes: int | None = None
     compiled_graphs: int = 0           # graphs torch.compile compiled during it (its time is in the window's)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector off inside the block, back as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class MeasureSession:
@@ -113,7 +126,14 @@ class MeasureSession:
             torch.cuda.synchronize(self.device)
 
     def window(self, run_one: Callable[[], None], steps: int) -> Window:
-        """Time ``steps`` steps; one host wait for the device, at the end."""
+        """Time ``steps`` steps; one host wait for the device, at the end. Python's garbage collector
+        is paused inside the window (and runs after it): a full collection (a tenth of a second with
+        a large model's objects on this repository's CPU) would otherwise land in some windows at
+        random; the young generations' passes it also keeps out cost far less than a step."""
+        with _collector_paused():
+            return self._timed_window(run_one, steps)
+
+    def _timed_window(self, run_one: Callable[[], None], steps: int) -> Window:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._data_wait = self._host = 0.0

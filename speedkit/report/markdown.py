@@ -194,11 +194,29 @@ def _environment(d: dict[str, Any]) -> list[str]:
     ]
 
 
+#: run entries with a sentence of their own
+_RUN_SENTENCES = ("noise", "budget", "trials_s", "trial_order")
+
+
 def _run(d: dict[str, Any]) -> list[str]:
     run = d.get("run") or {}
     if not run:
         return []
-    return ["## The run", "", "Trials ran the user's own step: " + ", ".join(f"`{k}={_value(v)}`" for k, v in run.items()) + ".", ""]
+    settings = {k: v for k, v in run.items() if k not in _RUN_SENTENCES}
+    lines = ["## The run", "", "Trials ran the user's own step: " + ", ".join(f"`{k}={_value(v)}`" for k, v in settings.items()) + ".", ""]
+    noise = run.get("noise")
+    if noise:
+        lines += [f"- Noise: the baseline's windows vary by {format_percent(noise.get('baseline_spread'))} (likely source: "
+                  f"{_escape(noise.get('source'))}); the comparisons timed windows of {noise.get('window_steps', MISSING)} steps."]
+    budget = run.get("budget")
+    if budget or run.get("trials_s") is not None:
+        budget = budget or {}
+        skipped = ", ".join(budget.get("skipped") or []) or "nothing"
+        lines += [f"- Trials: {_num(run.get('trials_s'), '.0f')} s against a budget of {_num(budget.get('budget_s'), '.0f')} s "
+                  f"({_escape(budget.get('rule') or MISSING)}); skipped for it: {skipped}."]
+    if run.get("trial_order"):
+        lines += [f"- Order: {_escape(run['trial_order'])}."]
+    return lines + ([""] if len(lines) > 4 else [])
 
 
 def _flops(d: dict[str, Any]) -> list[str]:

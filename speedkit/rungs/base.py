@@ -63,6 +63,9 @@ class Rung:
     #: with the kept precision rungs off, where the envelope is narrow enough to show a defect that
     #: bf16's rounding would hide
     judged_at_full_precision: ClassVar[bool] = False
+    #: it removes host work from the step (compile, a CUDA graph, a host sync): on a host-bound step it
+    #: is tried first, and the other rungs are judged beneath it, where their device-side gain shows
+    cuts_host_work: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

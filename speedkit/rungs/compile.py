@@ -408,6 +408,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
 
 class CompileRung(Rung):
     name = "compile"
+    cuts_host_work = True
     new_shape_cost = True  # a new shape compiles again (or once more, dynamic)
     Options = CompileOptions
 

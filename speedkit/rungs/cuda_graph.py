@@ -52,6 +52,7 @@ class CudaGraphOptions:
 
 class CudaGraphRung(Rung):
     name = "cuda_graph"
+    cuts_host_work = True
     new_shape_cost = True  # a batch of another shape runs eagerly
     Options = CudaGraphOptions
     lightning_stage = "fit_start"
