@@ -127,7 +127,12 @@ class Deadline(pl.Callback):
 
 def compile_as_a_user_would(module: pl.LightningModule, backend: str) -> pl.LightningModule:
     """``self.model = torch.compile(self.model)`` where the module wraps a library model; else
-    ``torch.compile`` of the LightningModule itself (Lightning unwraps it in ``fit``)."""
+    ``torch.compile`` of the LightningModule itself (Lightning unwraps it in ``fit``).
+
+    The word-language LSTM (lstm-lm) is compiled the same way, as its user would: Dynamo stops at
+    ``nn.LSTM`` (``torch._dynamo.config.allow_rnn`` is off by default) and runs the rest of that forward
+    eagerly, cuDNN's LSTM included. Turning ``allow_rnn`` on (Inductor compiles the LSTM) was slower
+    on an H200: 16.9 against 13.3 ms a step in this variant."""
     if isinstance(getattr(module, "model", None), nn.Module):
         module.model = torch.compile(module.model, backend=backend)
         return module

@@ -2,9 +2,12 @@
 
 ``self.model = <the library's model>``, a ``training_step`` that calls ``self.model(...)`` and logs
 its loss to the progress bar, ``configure_optimizers`` returning the optimizer people pick for the
-family. Weights are random (built from configs; nothing is downloaded), data is synthetic (drawn
-from seeded generators) and comes through a DataLoader as people write it. Every model has a
-``"full"`` size (the benchmark's) and a ``"tiny"`` one (CPU tests).
+family and, where the family's own training examples schedule the learning rate, their scheduler in
+Lightning's dict form (``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": ...}}``).
+Weights are random (built from configs; nothing is downloaded), data is synthetic (drawn from seeded
+generators) and comes through a DataLoader as people write it, with the library's own collator
+where its examples use one. Every model has a ``"full"`` size (the benchmark's) and a ``"tiny"`` one
+(CPU tests).
 
 :data:`ZOO` maps each name to a :class:`ZooModel`: the library it comes from, a builder of
 ``(LightningModule, train DataLoader)``, the batch size per size and the throughput unit::
@@ -24,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from speedkit.demos.gpt2 import NaiveGPT
@@ -102,10 +106,66 @@ class _ImageSamples(Dataset):
         return self.images[index % len(self.images)], int(self.labels[index])
 
 
-def _loader(dataset: Dataset, batch_size: int, workers: int) -> DataLoader:
-    """Shuffled, whole batches, ``workers`` persistent worker processes and pinned memory when any."""
+class _Seq2SeqSamples(Dataset):
+    """Sample ``i``: a source and a target text as Hugging Face's summarization and translation examples
+    feed an encoder-decoder with ``--pad_to_max_length`` (then their collator is
+    ``default_data_collator``, which stacks, as the DataLoader's default collation does): ``input_ids``
+    and ``attention_mask`` (S,) padded to S, ``labels`` (L,) padded to L with -100 (their
+    ``--ignore_pad_token_for_loss``), each text ending in EOS; true lengths S/2..S and L/4..L, all drawn
+    from a generator seeded by ``i``. ``input_ids`` comes first: a dict batch's first tensor is what
+    :func:`speedkit.data.count_items` counts (the B x S source tokens)."""
+
+    PAD, EOS = 0, 1  # T5's
+
+    def __init__(self, length: int, source_len: int, target_len: int, vocab_size: int, seed: int) -> None:
+        self.length, self.source_len, self.target_len = length, source_len, target_len
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        S, L = self.source_len, self.target_len
+        n, m = int(torch.randint(S // 2, S + 1, (), generator=g)), int(torch.randint(max(1, L // 4), L + 1, (), generator=g))
+        source = torch.full((S,), self.PAD)
+        source[:n] = torch.randint(2, self.vocab_size, (n,), generator=g)
+        labels = torch.full((L,), -100)
+        labels[:m] = torch.randint(2, self.vocab_size, (m,), generator=g)
+        source[n - 1], labels[m - 1] = self.EOS, self.EOS
+        return {"input_ids": source, "attention_mask": (torch.arange(S) < n).long(), "labels": labels}
+
+
+class _TextClassificationSamples(Dataset):
+    """Sample ``i``: one text of a classification dataset as Hugging Face's text-classification example
+    tokenizes it (``tokenizer(text, truncation=True)``, unpadded) and labels it: ``input_ids``
+    (``[CLS] ... [SEP]``), ``token_type_ids`` and ``attention_mask`` as Python lists of the text's own
+    length, drawn from ``min_len..max_len``, and ``labels``, an int; drawn from a generator seeded by
+    ``i``. The loader's collator pads each batch to its longest text."""
+
+    CLS, SEP = 101, 102  # BERT's
+
+    def __init__(self, length: int, min_len: int, max_len: int, vocab_size: int, classes: int, seed: int) -> None:
+        self.length, self.min_len, self.max_len, self.vocab_size, self.classes, self.seed = (
+            length, min_len, max_len, vocab_size, classes, seed)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        n = int(torch.randint(self.min_len, self.max_len + 1, (), generator=g))
+        words = torch.randint(self.SEP + 2, self.vocab_size, (n - 2,), generator=g).tolist()  # past [MASK]
+        return {"input_ids": [self.CLS, *words, self.SEP], "token_type_ids": [0] * n, "attention_mask": [1] * n,
+                "labels": int(torch.randint(0, self.classes, (), generator=g))}
+
+
+def _loader(dataset: Dataset, batch_size: int, workers: int,
+            collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+    """Shuffled, whole batches, ``workers`` persistent worker processes and pinned memory when any;
+    ``collate_fn`` None: the DataLoader's default collation."""
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                      pin_memory=workers > 0, persistent_workers=workers > 0)
+                      pin_memory=workers > 0, persistent_workers=workers > 0, collate_fn=collate_fn)
 
 
 def token_loader(batch_size: int, seq_len: int, vocab_size: int, workers: int = 0, seed: int = 0) -> DataLoader:
@@ -116,6 +176,38 @@ def token_loader(batch_size: int, seq_len: int, vocab_size: int, workers: int = 
 def mlm_loader(batch_size: int, seq_len: int, vocab_size: int, mask_id: int, workers: int = 0, seed: int = 0) -> DataLoader:
     """Batches of ``{"input_ids", "attention_mask", "labels"}`` (B, T) for masked-LM training."""
     return _loader(_MaskedTokenSamples(batch_size * EPOCH_BATCHES, seq_len, vocab_size, mask_id, seed), batch_size, workers)
+
+
+def seq2seq_loader(batch_size: int, source_len: int, target_len: int, vocab_size: int, workers: int = 0,
+                   seed: int = 0) -> DataLoader:
+    """Batches of ``{"input_ids", "attention_mask"}`` (B, S) and ``{"labels"}`` (B, L) for encoder-decoder training."""
+    return _loader(_Seq2SeqSamples(batch_size * EPOCH_BATCHES, source_len, target_len, vocab_size, seed), batch_size, workers)
+
+
+def padding_tokenizer() -> Any:
+    """A fast tokenizer that knows only BERT's special tokens, ``[PAD]`` (id 0) among them: all
+    ``DataCollatorWithPadding`` asks of its tokenizer is to pad (its pad id, padding side and input
+    names). The zoo's texts come tokenized; a real vocabulary would be a download."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(special, unk_token="[UNK]")), pad_token="[PAD]",
+                                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+def text_classification_loader(batch_size: int, min_len: int, max_len: int, vocab_size: int, classes: int,
+                               workers: int = 0, seed: int = 0) -> DataLoader:
+    """Batches of tokenized texts of ``min_len..max_len`` tokens, padded to the batch's longest by
+    transformers' ``DataCollatorWithPadding`` (as the library's text-classification example batches
+    them): a ``BatchEncoding`` of ``input_ids``, ``token_type_ids``, ``attention_mask`` (B, longest)
+    and ``labels`` (B,)."""
+    from transformers import DataCollatorWithPadding
+
+    return _loader(_TextClassificationSamples(batch_size * EPOCH_BATCHES, min_len, max_len, vocab_size, classes, seed),
+                   batch_size, workers, DataCollatorWithPadding(padding_tokenizer()))
 
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -183,7 +275,45 @@ class HFLlama(_HFCausalLM):
         self.model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=self.vocab_size, attn_implementation=attn_implementation))
 
 
-class HFBertMLM(pl.LightningModule):
+class _HFDictBatches(pl.LightningModule):
+    """A Hugging Face model fed whole dict batches, its loss computed from their ``labels``
+    (``self.model(**batch).loss``)."""
+
+    model: Any
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+def _adamw_linear_warmup(module: pl.LightningModule, lr: float, weight_decay: float, warmup: float) -> dict[str, Any]:
+    """The optimization of transformers' example scripts (``run_glue_no_trainer.py``,
+    ``run_summarization_no_trainer.py``): AdamW, without weight decay on biases and LayerNorm weights;
+    ``get_linear_schedule_with_warmup`` over the fit's optimizer steps (Lightning's
+    ``estimated_stepping_batches``), warming up over the first ``warmup`` of them, stepped after each."""
+    from transformers import get_linear_schedule_with_warmup
+
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
+         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0}], lr=lr)
+    total = int(module.trainer.estimated_stepping_batches)
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=int(warmup * total), num_training_steps=total)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+#: BERT's dimensions per size: BERT-base at "full", 2 layers of width 64 at "tiny"; and its vocabulary
+_BERT_DIMS: dict[Size, dict[str, int]] = {
+    "full": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=512),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                 max_position_embeddings=64)}
+_BERT_VOCAB: dict[Size, int] = {"full": 30522, "tiny": 512}
+
+
+class HFBertMLM(_HFDictBatches):
     """transformers' ``BertForMaskedLM`` on masked-LM batches (``self.model(**batch)``): BERT-base
     (110M) at ``size="full"``, 2 layers of width 64 at ``"tiny"``; AdamW as in BERT's recipe."""
 
@@ -196,20 +326,60 @@ class HFBertMLM(pl.LightningModule):
         from transformers import BertConfig, BertForMaskedLM
 
         _check_size(size)
-        dims = (dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                     max_position_embeddings=512) if size == "full"
-                else dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                          max_position_embeddings=64))
-        self.vocab_size, self.lr = vocab_size or (30522 if size == "full" else 512), lr
-        self.model = BertForMaskedLM(BertConfig(**dims, vocab_size=self.vocab_size, attn_implementation=attn_implementation))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        self.vocab_size, self.lr = vocab_size or _BERT_VOCAB[size], lr
+        self.model = BertForMaskedLM(BertConfig(**_BERT_DIMS[size], vocab_size=self.vocab_size,
+                                                attn_implementation=attn_implementation))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class HFBertClassifier(_HFDictBatches):
+    """transformers' ``BertForSequenceClassification`` (``num_labels`` classes) on texts of varying
+    length that ``DataCollatorWithPadding`` padded to each batch's longest (``self.model(**batch)``):
+    BERT-base (110M) at ``size="full"``, 2 layers of width 64 at ``"tiny"``; trained as the library's
+    text-classification example trains it: AdamW at 2e-5 and a linear schedule with warmup, stepped
+    every optimizer step."""
+
+    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
+                 num_labels: int = 2, lr: float = 2e-5, weight_decay: float = 0.01, warmup: float = 0.1) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        _check_size(size)
+        self.vocab_size, self.num_labels = vocab_size or _BERT_VOCAB[size], num_labels
+        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.model = BertForSequenceClassification(BertConfig(**_BERT_DIMS[size], vocab_size=self.vocab_size,
+                                                              num_labels=num_labels, attn_implementation=attn_implementation))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return _adamw_linear_warmup(self, self.lr, self.weight_decay, self.warmup)
+
+
+class HFT5(_HFDictBatches):
+    """transformers' ``T5ForConditionalGeneration`` on summarization-style batches
+    (``self.model(**batch)``; the model shifts ``labels`` right into the decoder's inputs): t5-small's
+    shape at ``size="full"`` (60M parameters: width 512, 6+6 layers, 8 heads, feed-forward 2048,
+    vocabulary 32128), 2+2 layers of width 64 at ``"tiny"``; trained as the library's summarization and
+    translation examples train it: AdamW (their default learning rate, 5e-5) and a linear schedule with
+    warmup, stepped every optimizer step."""
+
+    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
+                 lr: float = 5e-5, weight_decay: float = 0.01, warmup: float = 0.1) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        _check_size(size)
+        dims = (dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8) if size == "full"
+                else dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=2))
+        self.vocab_size = vocab_size or (32128 if size == "full" else 512)
+        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.model = T5ForConditionalGeneration(T5Config(
+            **dims, vocab_size=self.vocab_size, pad_token_id=_Seq2SeqSamples.PAD, eos_token_id=_Seq2SeqSamples.EOS,
+            decoder_start_token_id=_Seq2SeqSamples.PAD, attn_implementation=attn_implementation))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return _adamw_linear_warmup(self, self.lr, self.weight_decay, self.warmup)
 
 
 class LightningDemoTransformer(pl.LightningModule):
@@ -241,6 +411,72 @@ class LightningDemoTransformer(pl.LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=self.lr)
 
 
+class RNNModel(nn.Module):
+    """The PyTorch examples' word-language model (``word_language_model/model.py``) as an LSTM:
+    embedding, dropout, ``nn.LSTM``, dropout, a linear decoder whose weight is the embedding's
+    (``--tied``), log-probabilities over the vocabulary. Batch-first, where the example runs its
+    (T, B) batches time-first: the zoo's batches come from a DataLoader, (B, T)."""
+
+    def __init__(self, ntoken: int, ninp: int, nhid: int, nlayers: int, dropout: float = 0.5, tie_weights: bool = True) -> None:
+        super().__init__()
+        self.ntoken = ntoken
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout, batch_first=True)
+        self.decoder = nn.Linear(nhid, ntoken)
+        if tie_weights:
+            if nhid != ninp:
+                raise ValueError(f"tied weights need nhid == ninp, found nhid={nhid}, ninp={ninp}")
+            self.decoder.weight = self.encoder.weight
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+
+    def forward(self, input: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        emb = self.drop(self.encoder(input))  # (B, T, ninp)
+        output, hidden = self.rnn(emb, hidden)  # (B, T, nhid); hidden None: zeros
+        decoded = self.decoder(self.drop(output)).view(-1, self.ntoken)  # (B*T, ntoken)
+        return F.log_softmax(decoded, dim=1), hidden
+
+
+class LSTMLanguageModel(pl.LightningModule):
+    """The PyTorch examples' word-language LSTM (:class:`RNNModel`) trained as the example's ``main.py``
+    trains it: NLL of its log-probabilities, SGD at learning rate 20, the gradients' norm clipped to
+    0.25 (in ``configure_gradient_clipping``, so it holds in a Trainer built without
+    ``gradient_clip_val``), the learning rate divided by 4 when the loss stops improving
+    (``ReduceLROnPlateau`` at each epoch's end, on the training loss: the zoo has no validation set).
+    At ``size="full"`` the example's large configuration on WikiText-2's vocabulary (33278 tokens;
+    embedding and 2 LSTM layers 1500 wide, dropout 0.65, tied decoder: 86M parameters), at ``"tiny"``
+    width 32. Every batch of 35-token sequences (the example's ``bptt``) starts from a zero hidden
+    state: the example carries the state (detached) from one batch to the next because its batches
+    continue one another; the zoo's, shuffled samples, do not."""
+
+    def __init__(self, size: Size = "full", vocab_size: int | None = None, lr: float = 20.0, clip: float = 0.25) -> None:
+        super().__init__()
+        _check_size(size)
+        width, dropout = (1500, 0.65) if size == "full" else (32, 0.2)
+        self.vocab_size, self.lr, self.clip = vocab_size or (33278 if size == "full" else 512), lr, clip
+        self.model = RNNModel(self.vocab_size, width, width, nlayers=2, dropout=dropout, tie_weights=True)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        output, _ = self.model(inputs)
+        loss = F.nll_loss(output, targets.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.25, patience=0)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "interval": "epoch", "monitor": "train_loss"}}
+
+
 # -- vision models ----------------------------------------------------------------------------------
 
 
@@ -258,16 +494,21 @@ class _ImageClassifier(pl.LightningModule):
         std = images.new_tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1)
         return (images.float().div_(255) - mean) / std, labels
 
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss: cross-entropy (models trained with another override this)."""
+        return F.cross_entropy(logits, labels)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
-        loss = F.cross_entropy(self.model(images), labels)
+        loss = self.loss(self.model(images), labels)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
 
 class _TimmClassifier(_ImageClassifier):
     """A timm model built by name (``arch``), with ``tiny`` overriding its dimensions at
-    ``size="tiny"``; AdamW with weight decay 0.05, as in the recipes of both timm models here."""
+    ``size="tiny"``; AdamW with weight decay 0.05, as in the ViT and ConvNeXt recipes (MobileNetV3
+    trains with its own)."""
 
     arch: ClassVar[str]
     tiny: ClassVar[dict[str, Any]]
@@ -305,6 +546,45 @@ class TimmConvNeXt(_TimmClassifier):
 
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 4e-3) -> None:
         super().__init__(size, classes, lr)
+
+
+class TimmMobileNetV3(_TimmClassifier):
+    """timm's ``mobilenetv3_large_100`` at 224 px (5.5M parameters: inverted residuals of depthwise
+    convolutions with BatchNorm, squeeze-excite, hard-swish); at ``size="tiny"`` the same model at a
+    third of its depth (``depth_multiplier=0.3``). Trained as timm's ``train.py`` trains it with
+    ``--opt sgd --smoothing 0.1 --sched cosine --sched-on-updates``: ``create_optimizer_v2`` (SGD with
+    Nesterov momentum 0.9, weight decay 1e-5 on all but biases and norms), label-smoothing
+    cross-entropy, timm's ``CosineLRScheduler`` with its warmup (5 of 300 epochs' worth) over the fit's
+    optimizer steps. timm's scheduler is not torch's, so Lightning steps it through
+    ``lr_scheduler_step`` (as Lightning's documentation does for it). ``lr`` is for a batch of 256
+    images (the zoo's builder scales it to the batch, as timm's ``train.py`` does)."""
+
+    arch = "mobilenetv3_large_100"
+    tiny = dict(depth_multiplier=0.3)
+
+    def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1, weight_decay: float = 1e-5,
+                 smoothing: float = 0.1, warmup: float = 5 / 300) -> None:
+        super().__init__(size, classes, lr)
+        from timm.loss import LabelSmoothingCrossEntropy
+
+        self.weight_decay, self.warmup = weight_decay, warmup
+        self.criterion = LabelSmoothingCrossEntropy(smoothing=smoothing)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.criterion(logits, labels)
+
+    def configure_optimizers(self) -> dict[str, Any]:  # type: ignore[override]
+        from timm.optim import create_optimizer_v2
+        from timm.scheduler import CosineLRScheduler
+
+        optimizer = create_optimizer_v2(self.model, opt="sgd", lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = CosineLRScheduler(optimizer, t_initial=total, warmup_t=int(self.warmup * total), warmup_lr_init=1e-5,
+                                      t_in_epochs=False)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        scheduler.step_update(num_updates=self.global_step)  # the optimizer steps taken, this one included
 
 
 class TorchvisionResNet50(_ImageClassifier):
@@ -383,6 +663,20 @@ def _bert(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.Li
     return module, mlm_loader(batch_size, {"full": 512, "tiny": 32}[size], module.vocab_size, HFBertMLM.MASK_ID, workers, seed)
 
 
+def _t5(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    module = HFT5(size, **options)
+    workers = TOKEN_WORKERS if size == "full" else 0
+    source_len, target_len = {"full": (512, 128), "tiny": (32, 8)}[size]
+    return module, seq2seq_loader(batch_size, source_len, target_len, module.vocab_size, workers, seed)
+
+
+def _bert_classifier(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    module = HFBertClassifier(size, **options)
+    workers = TOKEN_WORKERS if size == "full" else 0
+    min_len, max_len = {"full": (32, 512), "tiny": (8, 32)}[size]
+    return module, text_classification_loader(batch_size, min_len, max_len, module.vocab_size, module.num_labels, workers, seed)
+
+
 def _vision(cls: type[pl.LightningModule]) -> Builder:
     def make(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
         classes = options.pop("classes", 1000 if size == "full" else 10)
@@ -391,6 +685,11 @@ def _vision(cls: type[pl.LightningModule]) -> Builder:
         return module, image_loader(batch_size, 224 if size == "full" else 32, classes, workers, seed)
 
     return make
+
+
+def _mobilenet(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    options.setdefault("lr", 0.1 * batch_size / 256)  # timm's train.py: SGD's base rate 0.1 scaled to the batch
+    return _vision(TimmMobileNetV3)(size, batch_size, seed, **options)
 
 
 _HF_SDPA = {"attn_implementation": "sdpa"}
@@ -406,5 +705,13 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("lightning-transformer", "lightning", "tokens", {"full": 64, "tiny": 4},
              _causal_lm(LightningDemoTransformer, {"full": 35, "tiny": 32})),
     ZooModel("nanogpt", "speedkit", "tokens", {"full": 16, "tiny": 4}, _nanogpt),
+    # timm's per-GPU batch for these nets (its recipes: 512 over two GPUs)
+    ZooModel("timm-mobilenetv3", "timm", "samples", {"full": 256, "tiny": 4}, _mobilenet),
+    # T5 has the library's SDPA switch (T5PreTrainedModel._supports_sdpa: True in transformers 5.17 and 5.24)
+    ZooModel("hf-t5", "transformers", "tokens", {"full": 16, "tiny": 4}, _t5, _HF_SDPA),
+    ZooModel("hf-bert-cls", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert_classifier, _HF_SDPA),
+    # the example's bptt, 35 tokens, at both sizes
+    ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4},
+             _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
 )}
 
