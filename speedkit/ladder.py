@@ -351,15 +351,17 @@ class Ladder:
 
     def _noise(self, baseline: Measurement) -> dict[str, Any]:
         """How much the baseline's windows vary, its likely source, and the window length the
-        comparisons use: where the spread is over ``noise_target``, windows are lengthened (the noise
-        of a window's mean falls with the square root of its steps), up to ``max_window_factor``
-        times. speedkit's own share is removed where it can be: the garbage collector paused inside
+        comparisons use: where the spread is over ``noise_target`` on a device the host drives,
+        windows are lengthened (the noise of a window's mean falls with the square root of its steps),
+        up to ``max_window_factor`` times. speedkit's own share is removed where it can be: the garbage collector paused inside
         windows (no full collection lands at random in one), no telemetry thread during comparisons, and its
         loaders' workers kept off the training thread's core (``data_path``)."""
         cfg = self.cfg
         spread = baseline.spread
         factor = 1
-        if spread > cfg.noise_target > 0:
+        # on a CPU (the step clock is the host's) the noise is mostly other processes and the clock's
+        # frequency, which come in spells longer than a window: longer windows would cost without helping
+        if spread > cfg.noise_target > 0 and self.clock.name != "perf_counter":
             factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
         self._window_steps = cfg.steps * max(1, factor)
         noise = {"baseline_spread": spread, "window_steps": self._window_steps, "source": _noise_source(baseline)}
@@ -872,7 +874,7 @@ class Ladder:
             entry = self._entry(rung.name)
             if entry is not None and entry.status != "kept":
                 slot = next(s for s in self.slots if s.rung is rung)
-                entry.status, entry.changes = "kept", list(slot.handle.changes)
+                entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
                 entry.reason = f"kept with the switches ({label}, {describe(paired)} over the climb); before: {entry.reason}"
         row.reason += f"; faster than the climb's final configuration ({describe(paired)}): the ladder starts from them"
         self.on_event(f"switches: faster than the climb ({paired.speedup:.3f}x); judging the other rungs on top")

@@ -1053,3 +1053,21 @@ def test_under_ddp_the_rung_plans_workers_within_its_ranks_share(monkeypatch):
     seen["keep"] = True
     DataPathRung().check(state)
     assert seen["worker_cpus"] == (2, 3, 4, 5) and seen["cpus"] is None  # the workers' CPUs bound the count
+
+
+def test_mappings_that_are_no_dict_are_batches_too():
+    """transformers' DataCollatorWithPadding returns a BatchEncoding (a UserDict): its tensors are
+    counted, copied and moved like a dict's, and it stays a BatchEncoding (its encodings with it)."""
+    from transformers import BatchEncoding
+
+    from speedkit.data.loader import _same
+    from speedkit.data.source import count_items, host_copy, move_to_device
+
+    batch = BatchEncoding({"input_ids": torch.ones(4, 7, dtype=torch.long), "attention_mask": torch.ones(4, 7, dtype=torch.long)})
+    assert count_items(batch) == (28, "tokens/s")
+    copied = host_copy(batch)
+    assert type(copied) is BatchEncoding and copied is not batch
+    assert copied["input_ids"] is not batch["input_ids"] and torch.equal(copied["input_ids"], batch["input_ids"])
+    assert _same(copied, batch) and not _same(copied, BatchEncoding({**batch, "input_ids": batch["input_ids"] + 1}))
+    moved = move_to_device(batch, torch.device("cpu"))
+    assert type(moved) is BatchEncoding and set(moved) == {"input_ids", "attention_mask"}

@@ -19,11 +19,12 @@ through Lightning's transfer hooks. A data-path rung wraps ``state.data`` the wa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import random
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -34,14 +35,19 @@ from speedkit.handle import Handle
 
 
 def map_batch(fn: Callable[[Any], Any], batch: Any) -> Any:
-    """Apply ``fn`` to every leaf of a nested batch (lists, tuples, named tuples, dicts,
-    dataclasses), keeping its structure."""
+    """Apply ``fn`` to every leaf of a nested batch (lists, tuples, named tuples, dicts and other
+    mutable mappings, dataclasses), keeping its structure."""
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
         return type(batch)(*(map_batch(fn, b) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_batch(fn, b) for b in batch)
     if isinstance(batch, dict):
         return type(batch)((k, map_batch(fn, v)) for k, v in batch.items())
+    if isinstance(batch, MutableMapping):  # a mapping that is no dict (transformers' BatchEncoding, a UserDict):
+        mapped = copy.copy(batch)  # a copy of it, with what else it carries (a BatchEncoding's encodings)
+        for k, v in batch.items():
+            mapped[k] = map_batch(fn, v)
+        return mapped
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: map_batch(fn, getattr(batch, f.name))
                                              for f in dataclasses.fields(batch) if f.init})
@@ -68,7 +74,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
 
 def host_copy(batch: Any) -> Any:
     """A copy of a batch whose tensors own their memory (a loader may reuse its buffers)."""
-    return compat.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch)
+    return map_batch(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, batch)
 
 
 def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
@@ -77,7 +83,7 @@ def count_items(batch: Any, unit: str = "auto") -> tuple[int, str]:
     first = batch
     while isinstance(first, (list, tuple)) and first:
         first = first[0]
-    if isinstance(first, dict) and first:
+    if isinstance(first, Mapping) and first:
         first = next(iter(first.values()))
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return 1, "samples/s"

@@ -185,10 +185,17 @@ class LightningStep(Step):
     def fused_optimizer_blocker(self) -> str | None:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if not isinstance(self.trainer.precision_plugin, MixedPrecision):
+            return None
         clip = self.trainer.gradient_clip_val
-        if clip and isinstance(self.trainer.precision_plugin, MixedPrecision):
+        if clip:
             return (f"Lightning's mixed precision refuses gradient clipping (gradient_clip_val={clip}) with an optimizer "
                     "that unscales its own gradients, as a fused one does")
+        if is_overridden("configure_gradient_clipping", self.model, pl.LightningModule):
+            return ("the LightningModule clips in its own configure_gradient_clipping, which Lightning's mixed precision "
+                    "refuses with an optimizer that unscales its own gradients, as a fused one does")
         return None
 
     def set_autocast(self, dtype_name: str) -> Handle:
