@@ -219,6 +219,8 @@ class Ladder:
         self._started = 0.0                 # host clock at the start of the trials
         self._budget_s = self.cfg.trials_budget_s
         self._left = 0                      # rungs not yet tried in the climb
+        #: each rung's latest comparison alone (its climb's, or a second look's)
+        self._last_comparison: dict[str, PairedResult] = {}
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
         self._judged: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
 
@@ -497,6 +499,7 @@ class Ladder:
                 if slot.handle.problem():
                     raise _RungProblem(slot.handle.problem())
                 entry.comparison = paired
+                self._last_comparison[rung.name] = paired
                 entry.measurement = paired.b
                 entry.gain_vs_previous = paired.speedup
                 entry.gain_vs_baseline = chain * paired.speedup
@@ -636,8 +639,9 @@ class Ladder:
         rungs kept after it. Each goes in at its place in the ladder, beneath the kept rungs after it
         (switched off, then on again on top of it, rebased), and is judged against the final
         configuration without it. A rung that names partners (``Rung.partners``) not kept either is
-        also tried with them, as a group (bf16 with channels_last and compile on a convnet). A
-        configuration already judged is not judged again."""
+        also tried with them, as a group (bf16 with channels_last and compile on a convnet), and the
+        rungs still undecided but leaning faster are tried all together. A configuration already
+        judged is not judged again."""
         for _ in range(self.cfg.together_passes):
             if self._remaining() <= 0 and self._second_look_groups():
                 self._note_budget("second look")
@@ -672,7 +676,10 @@ class Ladder:
         return next((r for r in self.result.rungs if r.name == name and r.status not in ("closing", "switches")), None)
 
     def _second_look_groups(self) -> list[list[Rung]]:
-        """Each rung reverted on speed alone, then each with the partners it names that were reverted too."""
+        """Each rung reverted on speed alone, then each with the partners it names that were reverted
+        too, then all those still undecided with a gain in their point estimate together: small gains
+        (2-3% each on a noisy host-bound step) that no comparison of one could tell from the noise
+        add up to one it can."""
         candidates = [r for r in self.rungs if self._reverted_on_speed(r)]
         groups = [[r] for r in candidates]
         for rung in candidates:
@@ -681,7 +688,15 @@ class Ladder:
                 group = sorted([rung, *partners], key=self.rungs.index)
                 if group not in groups:
                     groups.append(group)
+        leaning = [r for r in candidates if self._leans_faster(r)]
+        if len(leaning) > 1 and leaning not in groups:
+            groups.append(leaning)
         return groups
+
+    def _leans_faster(self, rung: Rung) -> bool:
+        """Undecided in its last comparison, with a point estimate above 1."""
+        paired = self._last_comparison.get(rung.name)
+        return paired is not None and paired.verdict == "undecided" and paired.speedup > 1.0
 
     def _look_again(self, group: list[Rung], reference: list[float]) -> tuple[bool, list[float]]:
         """Apply ``group`` at its places in the final configuration and judge it against that
@@ -726,6 +741,8 @@ class Ladder:
             paired = self._compare(lambda on: self._configure([True] * n if on else without), label,
                                    shared_batches=self._kept_rungs_share_batches())
             status, why = self._decide(paired, all(r.memory_comparable for r in group))
+            if len(group) == 1:
+                self._last_comparison[group[0].name] = paired
         except Exception as exc:
             paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
         finally:

@@ -24,10 +24,13 @@ def test_all_first_rungs_apply_and_pass_parity_on_cuda():
     assert base.telemetry is not None and base.telemetry["samples"] >= 1
     assert result.flops["peak_tflops"] is not None and base.mfu is not None
     for r in result.rungs[1:]:
+        if r.status in ("closing", "switches"):  # a second look's or the switches' row: the rungs' own rows follow the rules
+            continue
         assert r.status in ("kept", "reverted"), (r.name, r.status, r.reason)
         assert r.parity.passed, (r.name, r.parity)
         assert r.comparison.blocks >= 3 and r.comparison.a.clock == "cuda_events"
     assert result.environment["gpu_name"]
+    assert result.switches is not None and result.switches.parity is None or result.switches.parity.passed
 
 
 def test_step_clock_waits_once_per_window_on_cuda(monkeypatch):
