@@ -378,8 +378,9 @@ class Ladder:
         the baseline's step time), never under ``trials_min_s``, never over ``trials_budget_s``; the
         cap alone where the fit's length is not known. It bounds the comparisons (each gets its share
         of what is left, at least ``min_blocks`` blocks) and the second looks (skipped once it is
-        spent); every rung is still tried (parity and ``min_blocks`` blocks), the switches floor and
-        the final check still run, so the trials can overrun it by that much, which the report shows.
+        spent); every rung is still tried (parity and ``min_blocks`` blocks), and the switches floor
+        and the final check run in full (``budget_s`` each), so the trials can overrun it by that
+        much, which the report shows.
         Compiled graphs are reused across A and B (a rung is suspended and resumed, not rebuilt)."""
         cfg = self.cfg
         planned = self.planned_steps
@@ -397,7 +398,10 @@ class Ladder:
 
     def _comparison_budget(self) -> float:
         """Seconds the next comparison may take: its share of the budget left (the rungs left in the
-        climb, the switches and the final check), never more than ``budget_s``."""
+        climb, the switches and the final check), never more than ``budget_s``; the switches' and the
+        final check's own comparisons always get ``budget_s`` (the floor and the headline)."""
+        if self._phase in ("the switches", "the final check"):
+            return self.cfg.budget_s
         return min(self.cfg.budget_s, max(0.0, self._remaining()) / (self._left + 2))
 
     def _note_budget(self, what: str) -> None:
@@ -500,6 +504,7 @@ class Ladder:
                     raise _RungProblem(slot.handle.problem())
                 entry.comparison = paired
                 self._last_comparison[rung.name] = paired
+                self._judged.add(((rung.name,), tuple(s.rung.name for s in self.slots if s is not slot)))
                 entry.measurement = paired.b
                 entry.gain_vs_previous = paired.speedup
                 entry.gain_vs_baseline = chain * paired.speedup
@@ -540,6 +545,24 @@ class Ladder:
             self._configure([True] * len(self.slots))
         entry.seconds = self.host_clock() - t0
         return entry, losses if entry.status == "kept" else reference
+
+    def _parity_of(self, on: list[bool], off: list[bool], reference: list[float]) -> tuple[list[float], Parity]:
+        """The configuration ``on`` (switched to, and left on) judged against ``reference``, the
+        trajectory of the configuration ``off``; returns its own trajectory and the parity. Where a
+        rung on in it draws its dropout masks from another stream (compile, a fused attention), both
+        configurations are run again with dropout off and judged on those."""
+        self._configure(on)
+        losses = self._trajectory()
+        if not (any(s.on and s.handle.draws_differently for s in self.slots) and active_dropouts(self.state.model)):
+            return losses, self._parity(losses, reference)
+        with _dropout_off(self.state.model):
+            candidate = self._trajectory()
+            self._configure(off)
+            try:
+                before = self._trajectory()
+            finally:
+                self._configure(on)
+        return losses, self._parity(candidate, before)
 
     def _place(self, rung: Rung) -> int:
         """Where ``rung`` goes among the kept rungs: after those before it in the ladder's order."""
@@ -600,10 +623,8 @@ class Ladder:
             without = [i != j for i in range(len(self.slots))]
             closing = RungResult(f"closing check: without {slot.rung.name}", "closing", changes=[f"reverted {slot.rung.name}"])
             try:
-                self._configure(without)
+                losses, closing.parity = self._parity_of(without, [True] * len(self.slots), reference)
                 closing.precision = self.state.precision
-                losses = self._trajectory()
-                closing.parity = self._parity(losses, reference)
                 if not closing.parity.passed:  # the configuration without it must be the same function
                     raise RuntimeError("the configuration without it changes numerics")
                 paired = self._compare(lambda on: self._configure([True] * len(self.slots) if on else without), slot.rung.name,
@@ -724,9 +745,7 @@ class Ladder:
                 self.slots.insert(place, _Slot(rung, rung.apply(self.state), (True,) * place))
                 inserted = [i + (i >= place) for i in inserted] + [place]
             n = len(self.slots)
-            self._configure([True] * n)
-            losses = self._trajectory()
-            parity = self._parity(losses, reference)
+            losses, parity = self._parity_of([True] * n, [i not in inserted for i in range(n)], reference)
             if not parity.passed:
                 raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
             for i in inserted:
@@ -831,10 +850,8 @@ class Ladder:
                     added.append(slot)
                 mask_switches = [False] * n + [True] * len(added)
             mask_final = [True] * n + [False] * len(added)
-            self._configure(mask_switches)
-            row.precision = self.state.precision
-            losses = self._trajectory()
-            parity = row.parity = self._parity(losses, self._reference)
+            losses, parity = self._parity_of(mask_switches, [False] * len(self.slots), self._reference)
+            row.parity, row.precision = parity, self.state.precision
             problems = [s.handle.problem() for s in self.slots if s.on and s.handle.problem()]
             if not parity.passed:
                 raise _RungProblem(f"numerics changed: loss differs from the baseline's by {parity.max_rel_diff:.2e} > "
@@ -895,7 +912,9 @@ class Ladder:
                 entry.reason = f"kept with the switches ({label}, {describe(paired)} over the climb); before: {entry.reason}"
         row.reason += f"; faster than the climb's final configuration ({describe(paired)}): the ladder starts from them"
         self.on_event(f"switches: faster than the climb ({paired.speedup:.3f}x); judging the other rungs on top")
+        self._phase = "the second look on the switches"
         reference = self._second_look(losses)
+        self._phase = "the switches"
         if len(self.slots) > len(switches):  # rungs kept on top: the headline against the switches, measured
             on_top = [s.rung not in switches for s in self.slots]
             mask_s = [not o for o in on_top]
