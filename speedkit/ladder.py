@@ -355,9 +355,10 @@ class Ladder:
         """How much the baseline's windows vary, its likely source, and the window length the
         comparisons use: where the spread is over ``noise_target`` on a device the host drives,
         windows are lengthened (the noise of a window's mean falls with the square root of its steps),
-        up to ``max_window_factor`` times. speedkit's own share is removed where it can be: the garbage collector paused inside
-        windows (no full collection lands at random in one), no telemetry thread during comparisons, and its
-        loaders' workers kept off the training thread's core (``data_path``)."""
+        up to ``max_window_factor`` times. speedkit's own share is removed where it can be: no
+        telemetry thread during comparisons, and its loaders' workers kept off the training thread's
+        core (``data_path``); the garbage collector's full passes, a share of a host-bound step in a
+        large process, are the ``gc_freeze`` rung's to cut, in the trials as in the fit."""
         cfg = self.cfg
         spread = baseline.spread
         factor = 1

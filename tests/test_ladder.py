@@ -1079,24 +1079,6 @@ def test_a_noisy_baseline_lengthens_the_comparison_windows_and_the_report_names_
     assert quiet.run["noise"]["window_steps"] == FAST["steps"]
 
 
-def test_windows_pause_the_garbage_collector_and_restore_it():
-    import gc
-
-    from speedkit.measure.session import MeasureSession
-
-    seen = []
-    session = MeasureSession("cpu")
-    assert gc.isenabled()
-    session.window(lambda: seen.append(gc.isenabled()), 3)
-    assert seen == [False, False, False] and gc.isenabled()
-    gc.disable()
-    try:
-        session.window(lambda: None, 1)
-        assert not gc.isenabled()  # the user's setting, as it was
-    finally:
-        gc.enable()
-
-
 def _budget_run(planned_steps, **measure):
     time = VirtualTime(noise=0.25, seed=1)
     state = timed_state(time, 0.02)

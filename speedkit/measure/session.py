@@ -22,7 +22,6 @@ backend, the host clock as a function), so tests drive the whole path with a fak
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,18 +48,6 @@ class Window:
     steps: int                         # steps in the window
     peak_memory_bytes: int | None = None
     compiled_graphs: int = 0           # graphs torch.compile compiled during it (its time is in the window's)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's garbage collector off inside the block, back as it was after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class MeasureSession:
@@ -127,13 +114,8 @@ class MeasureSession:
 
     def window(self, run_one: Callable[[], None], steps: int) -> Window:
         """Time ``steps`` steps; one host wait for the device, at the end. Python's garbage collector
-        is paused inside the window (and runs after it): a full collection (a tenth of a second with
-        a large model's objects on this repository's CPU) would otherwise land in some windows at
-        random; the young generations' passes it also keeps out cost far less than a step."""
-        with _collector_paused():
-            return self._timed_window(run_one, steps)
-
-    def _timed_window(self, run_one: Callable[[], None], steps: int) -> Window:
+        runs as it does in training (its full passes are part of a host-bound step's cost, which the
+        ``gc_freeze`` rung cuts)."""
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._data_wait = self._host = 0.0

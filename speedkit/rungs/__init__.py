@@ -24,6 +24,7 @@ from speedkit.rungs.cuda_graph import CudaGraphRung
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
 from speedkit.rungs.data_path import DataPathRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
+from speedkit.rungs.gc_freeze import GcFreezeRung
 from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
 from speedkit.rungs.triton_layers import TritonLayersRung
@@ -40,7 +41,7 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung):
+             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung, GcFreezeRung):
     register(_cls)
 
 
