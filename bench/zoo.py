@@ -3,14 +3,15 @@
 For each model of :mod:`speedkit.demos.zoo`, in one process, at the same batch size:
 
   fp32      Trainer(precision="32-true"), the model as its user wrote it
-  switches  what a user who knows the switches does: precision="bf16-mixed", torch.compile of the
+  switches  what a user who knows the switches does: precision="bf16-mixed", channels_last on a
+            convnet (weights and input batches), torch.compile of the
             library model (``self.model``; the LightningModule where there is none), TF32 matmuls
             (``allow_tf32``, ``set_float32_matmul_precision("high")``), and the library's own SDPA
             switch where it has one (Hugging Face ``attn_implementation="sdpa"``; timm's fused
             attention is on by default)
   speedkit  SpeedLadder() trials in the fp32 Trainer, then the fit's own steps
   rungs     (with --variants) the switches as speedkit's own rungs, applied without trials in the fp32
-            Trainer: SpeedLadder(rungs=[tf32, autocast, sdpa, compile]); beside ``switches`` it tells
+            Trainer: SpeedLadder(rungs=<configs/defaults.yaml switches:>); beside ``switches`` it tells
             whether speedkit's way of applying them costs what the user's does, apart from any decision
 
 Every variant is timed on the fit's own steps by the same StepTimer (speedkit's measurement session:
@@ -65,8 +66,8 @@ from speedkit.results import Measurement  # noqa: E402
 VARIANTS = ("fp32", "switches", "speedkit")
 #: variants run only when asked for (--variants)
 EXTRA_VARIANTS = ("rungs",)
-#: the switches as speedkit's rungs (the ``rungs`` variant)
-SWITCH_RUNGS = ("tf32", "autocast", "sdpa", "compile")
+#: the switches as speedkit's rungs (the ``rungs`` variant): the ladder's floor, from configs/defaults.yaml
+SWITCH_RUNGS = tuple(config.switch_rungs())
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,25 @@ class Deadline(pl.Callback):
             trainer.should_stop = True
 
 
+def channels_last_as_a_user_would(module: pl.LightningModule) -> pl.LightningModule:
+    """On a convolutional model (two or more ``nn.Conv2d``): the weights ``channels_last``
+    (``module.to(memory_format=torch.channels_last)``) and every 4-D floating batch tensor converted
+    after the transfer to the device (``on_after_batch_transfer``), as PyTorch's tutorial has users do."""
+    if sum(isinstance(m, nn.Conv2d) for m in module.modules()) < 2:
+        return module
+    module.to(memory_format=torch.channels_last)
+    own = module.on_after_batch_transfer
+
+    def on_after_batch_transfer(batch: Any, dataloader_idx: int) -> Any:
+        batch = own(batch, dataloader_idx)
+        return torch.utils._pytree.tree_map(
+            lambda t: t.contiguous(memory_format=torch.channels_last)
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() else t, batch)
+
+    module.on_after_batch_transfer = on_after_batch_transfer  # type: ignore[method-assign]
+    return module
+
+
 def compile_as_a_user_would(module: pl.LightningModule, backend: str) -> pl.LightningModule:
     """``self.model = torch.compile(self.model)`` where the module wraps a library model; else
     ``torch.compile`` of the LightningModule itself (Lightning unwraps it in ``fit``).
@@ -174,7 +194,8 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
-        fitted = compile_as_a_user_would(module, plan.compile_backend) if variant == "switches" else module
+        fitted = (compile_as_a_user_would(channels_last_as_a_user_would(module), plan.compile_backend)
+                  if variant == "switches" else module)
         trainer.fit(fitted, train_dataloaders=loader)
     if variant == "rungs" and ladder is not None:
         return timer.measurement, trainer.global_step, {"kept": list(ladder.applied_changes), "skipped": dict(ladder.skipped)}
