@@ -3,12 +3,14 @@
 For every rung, in order:
 
 1. ``check`` — does it apply to the run in front of it? If not, say why and go on.
-2. ``apply`` — on top of the rungs kept so far (a handle that can switch it off and on again).
+2. ``apply`` — among the rungs kept so far (a handle that can switch it off and on again).
 3. parity — from the snapshot's weights, optimizer, schedule and RNG, on the same host-kept
-   batches, the loss trajectory must stay within the tolerance of the numerics now in effect of
-   the trajectory before the rung. The tolerance is calibrated on the model, once per run: how far
-   its loss trajectory moves under one rounding step of that precision on every weight and output,
-   times a safety factor, never under the floor of ``configs/tolerances.yaml``.
+   batches, the loss trajectory must stay, step by step, within the envelope of the numerics now in
+   effect around the trajectory before the rung. The envelope is calibrated on the model, once per
+   run: how far its loss trajectory moves under one rounding step of that precision on every
+   weight, output (at its kernels' own precision) and gradient, the worst of a few draws, times a
+   safety factor, never under the floor of ``configs/tolerances.yaml``. A rewrite of the model's
+   code is also judged with the precision rungs off, where the envelope is narrow.
 4. compare — the configuration with the rung (B) and without it (A) are timed in interleaved
    A B B A blocks in the same period, and judged on the paired differences with a stated
    confidence (:mod:`speedkit.measure.stats`); undecided comparisons get more blocks within a
@@ -16,12 +18,18 @@ For every rung, in order:
 5. keep if faster by at least ``min_gain`` with that confidence (or leaner in memory by
    ``memory_gain`` and not slower); else undo.
 
+Rungs are tried in the ladder's order, each at its place beneath the kept rungs that come after it;
+on a host-bound step (a GPU's host time most of its step) the rungs that cut host work go first.
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
 later rungs on top, the same way; a second look judges every rung reverted on speed (undecided or
-slower) again on the final configuration, at its place beneath the rungs kept after it, alone and
-with the partners it names (``Rung.partners``), pass after pass until a pass keeps nothing (gains
-that show only together, or only once a later rung removed the noise that hid them); and a final
-check times the final configuration against the baseline, interleaved, for the headline figure.
+slower), or rejected on numerics under another precision, again on the final configuration, at its
+place beneath the rungs kept after it, alone, with the partners it names (``Rung.partners``) and
+together with the others still undecided but leaning faster, pass after pass until a pass keeps
+nothing (gains that show only together, or only once a later rung removed the noise that hid them);
+the user's switches (``configs/defaults.yaml`` ``switches:``) are timed against the final
+configuration and the faster kept, so the result is never one measured slower than them; and a
+final check times the final configuration against the baseline, interleaved, for the headline
+figure. The trials keep to a time budget, a share of the fit's planned time (:meth:`Ladder._plan_budget`).
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
 end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
