@@ -29,7 +29,7 @@ The time guard bounds one model's three variants: a variant not started by its d
 a running fit is stopped there (SpeedLadder's trials are bounded by their own measure budget). On
 an H100 a model takes 0.5 to 4 minutes (Llama and GPT-2 the longest: compilation and fp32 steps).
 
-Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300]
+Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300] [--rounds 2]
                                         [--variants fp32,switches,speedkit,rungs]
        PYTHONPATH=. python bench/zoo.py --tiny      # CPU smoke test, rows to a temporary directory
 """
@@ -41,6 +41,7 @@ import dataclasses
 import contextlib
 import gc
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -215,46 +216,55 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = VARIANTS) -> None:
+def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = VARIANTS, rounds: int = 1) -> None:
+    """Fit ``name`` as each variant, ``rounds`` times, the order reversed every other round (fp32,
+    switches, speedkit, then speedkit, switches, fp32): on a host-bound step separate fits of one
+    configuration differ by 10-20% (the host's state drifts through a process), which a ratio of
+    single fits cannot tell from a gain; the ratio rows then take the medians over rounds."""
     entry = ZOO[name]
-    deadline = time.monotonic() + plan.time_guard_s
-    throughput: dict[str, float] = {}
-    for variant in variants:
-        extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
-        if time.monotonic() > deadline:
-            res.add(variant, "status", None, "skipped", **extra,
-                    reason=f"time guard: {plan.time_guard_s:.0f} s for the model spent")
-            print(f"{name:22s} {variant:9s} skipped (time guard)", flush=True)
-            continue
-        t0 = time.perf_counter()
-        try:
-            m, steps, fields = fit_variant(entry, variant, plan, deadline, res)
-        except Exception as exc:  # a variant that breaks is a result too; the others still run
-            res.add(variant, "status", None, "failed", **extra, reason=first_line(exc))
-            print(f"{name:22s} {variant:9s} FAILED: {first_line(exc)}", flush=True)
+    deadline = time.monotonic() + plan.time_guard_s * rounds
+    throughput: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for variant in (variants if r % 2 == 0 else variants[::-1]):
+            extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
+            if rounds > 1:
+                extra["round"] = r
+            if time.monotonic() > deadline:
+                res.add(variant, "status", None, "skipped", **extra,
+                        reason=f"time guard: {plan.time_guard_s * rounds:.0f} s for the model spent")
+                print(f"{name:22s} {variant:9s} skipped (time guard)", flush=True)
+                continue
+            t0 = time.perf_counter()
+            try:
+                m, steps, fields = fit_variant(entry, variant, plan, deadline, res)
+            except Exception as exc:  # a variant that breaks is a result too; the others still run
+                res.add(variant, "status", None, "failed", **extra, reason=first_line(exc))
+                print(f"{name:22s} {variant:9s} FAILED: {first_line(exc)}", flush=True)
+                release()
+                continue
+            extra.update(wall_s=time.perf_counter() - t0, **fields)
+            if m is None:
+                res.add(variant, "status", None, "not measured", **extra,
+                        reason=f"the fit ended after {steps} steps (time guard), before a timed window")
+                print(f"{name:22s} {variant:9s} not measured ({steps} steps before the time guard)", flush=True)
+            else:
+                throughput.setdefault(variant, []).append(m.throughput)
+                res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra, step_ms=m.step_ms, noise=m.spread,
+                        windows=len(m.window_ms), data_wait_ms=m.data_wait_ms, host_ms=m.host_ms)
+                peak = f"{m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes is not None else "-"
+                if m.peak_memory_bytes is not None:
+                    res.add(variant, "peak_memory_gb", m.peak_memory_bytes / 1e9, "GB", model=name)
+                print(f"{name:22s} {variant:9s} {m.throughput:>14,.0f} {m.throughput_unit:9s} {m.step_ms:9.2f} ms ±{m.spread:5.1%}  "
+                      f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
+                      f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""), flush=True)
             release()
-            continue
-        extra.update(wall_s=time.perf_counter() - t0, **fields)
-        if m is None:
-            res.add(variant, "status", None, "not measured", **extra,
-                    reason=f"the fit ended after {steps} steps (time guard), before a timed window")
-            print(f"{name:22s} {variant:9s} not measured ({steps} steps before the time guard)", flush=True)
-        else:
-            throughput[variant] = m.throughput
-            res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra, step_ms=m.step_ms, noise=m.spread,
-                    windows=len(m.window_ms), data_wait_ms=m.data_wait_ms, host_ms=m.host_ms)
-            peak = f"{m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes is not None else "-"
-            if m.peak_memory_bytes is not None:
-                res.add(variant, "peak_memory_gb", m.peak_memory_bytes / 1e9, "GB", model=name)
-            print(f"{name:22s} {variant:9s} {m.throughput:>14,.0f} {m.throughput_unit:9s} {m.step_ms:9.2f} ms ±{m.spread:5.1%}  "
-                  f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
-                  f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""), flush=True)
-        release()
     for variant in ("speedkit", "rungs"):
-        if variant in throughput and "switches" in throughput:
-            ratio = throughput[variant] / throughput["switches"]
-            res.add(variant, "ratio_vs_switches", ratio, "x", model=name)
-            print(f"{name:22s} {variant} / switches = {ratio:.3f}x", flush=True)
+        if throughput.get(variant) and throughput.get("switches"):
+            ratio = statistics.median(throughput[variant]) / statistics.median(throughput["switches"])
+            res.add(variant, "ratio_vs_switches", ratio, "x", model=name, rounds=rounds,
+                    **({"per_round": {v: throughput[v] for v in (variant, "switches")}} if rounds > 1 else {}))
+            print(f"{name:22s} {variant} / switches = {ratio:.3f}x" + (f" (medians of {rounds} rounds)" if rounds > 1 else ""),
+                  flush=True)
 
 
 def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) -> dict[str, Any]:
@@ -292,6 +302,9 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})")
     parser.add_argument("--rungs", default=",".join(SWITCH_RUNGS),
                         help=f"the rungs variant's rungs, comma-separated (default: {','.join(SWITCH_RUNGS)})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fit every variant this many times, the order reversed every other round; the ratios "
+                             "take the medians (separate fits of a host-bound step differ by 10-20%%)")
     parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
                         help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
                              "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
@@ -316,8 +329,10 @@ def main() -> None:
     variants = tuple(args.variants.split(","))
     if any(v not in VARIANTS + EXTRA_VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; known: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be 1 or more, found {args.rounds}")
     for name in names:
-        run_model(name, plan, res, variants)
+        run_model(name, plan, res, variants, args.rounds)
     print("\nsummary:")
     for name in names:
         cells = []
