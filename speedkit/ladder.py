@@ -128,11 +128,6 @@ def _rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _worst_rel_diff(losses: list[float], reference: list[float]) -> float:
-    """The largest per-step relative difference of a loss trajectory from a reference one."""
-    return max((_rel_diff(a, b) for a, b in zip(losses, reference)), default=0.0)
-
-
 class _Slot:
     """A kept (or candidate) rung in the stack, switched off and on through its handle: suspended
     and resumed when the handle can redo its changes, else undone and applied again."""
@@ -375,7 +370,8 @@ class Ladder:
         if spread > cfg.noise_target > 0 and self.clock.name != "perf_counter":
             factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
         self._window_steps = cfg.steps * max(1, factor)
-        noise = {"baseline_spread": spread, "window_steps": self._window_steps, "source": _noise_source(baseline)}
+        noise = {"baseline_spread": spread, "window_steps": self._window_steps,
+                 "source": _noise_source(baseline, cfg.host_bound_share)}
         if factor > 1:
             self.on_event(f"baseline: windows vary by {spread:.1%} ({noise['source']}): comparisons time windows of "
                           f"{self._window_steps} steps")
@@ -679,7 +675,7 @@ class Ladder:
             changed = False
             for group in self._second_look_groups():
                 key = (tuple(r.name for r in group), tuple(s.rung.name for s in self.slots))
-                if key in self._judged or not all(self._reverted_on_speed(r) for r in group):
+                if key in self._judged or not all(self._worth_another_look(r) for r in group):
                     continue  # judged on this configuration already, or kept since in this pass
                 self._judged.add(key)
                 kept, reference = self._look_again(group, reference)
@@ -688,7 +684,7 @@ class Ladder:
                 break
         return reference
 
-    def _reverted_on_speed(self, rung: Rung) -> bool:
+    def _worth_another_look(self, rung: Rung) -> bool:
         """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
         on numerics under another precision than the final configuration's (channels_last against an
         fp32 envelope, before bf16 was kept), and not kept since."""
@@ -710,7 +706,7 @@ class Ladder:
         too, then all those still undecided with a gain in their point estimate together: small gains
         (2-3% each on a noisy host-bound step) that no comparison of one could tell from the noise
         add up to one it can."""
-        candidates = [r for r in self.rungs if self._reverted_on_speed(r)]
+        candidates = [r for r in self.rungs if self._worth_another_look(r)]
         groups = [[r] for r in candidates]
         for rung in candidates:
             partners = [p for p in candidates if p.name in rung.partners]
@@ -746,7 +742,7 @@ class Ladder:
         parity: Parity | None = None
         try:
             for rung in group:  # in ladder order: each at its place among the kept rungs
-                place = sum(order[s.rung.name] < order[rung.name] for s in self.slots)
+                place = self._place(rung)
                 self._configure([i < place for i in range(len(self.slots))])
                 reason = rung.check(self.state)
                 if reason is not None:
@@ -1191,8 +1187,9 @@ class Ladder:
 
 
 
-def _noise_source(m: Measurement) -> str:
-    """The likely source of a configuration's window-to-window noise, from what its windows show."""
+def _noise_source(m: Measurement, host_bound_share: float) -> str:
+    """The likely source of a configuration's window-to-window noise, from what its windows show
+    (host-bound: its host time ``host_bound_share`` of its step or more)."""
     telemetry = m.telemetry or {}
     if telemetry.get("slowdown_reasons"):
         return f"the GPU's clocks ({', '.join(telemetry['slowdown_reasons'])})"
@@ -1200,7 +1197,7 @@ def _noise_source(m: Measurement) -> str:
         return f"waiting for batches ({m.data_wait_ms:.1f} of {m.step_ms:.1f} ms per step)"
     if m.clock == "perf_counter":
         return "the host (a CPU step is all host time: other processes, frequency scaling)"
-    if m.host_ms is not None and m.step_ms and m.host_ms >= 0.8 * m.step_ms:
+    if m.host_ms is not None and m.step_ms and m.host_ms >= host_bound_share * m.step_ms:
         return (f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
                 "the CPU's jitter (scheduling, frequency, other threads) is the step's")
     return "the device (no host, loader or clock cause seen)"

@@ -196,6 +196,7 @@ class LadderResult:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         base, final, speedup, source, note = self.headline()
+        switches, versus = self.switches, self.vs_switches()
         d["summary"] = {
             "baseline_step_ms": base.step_ms if base else None,
             "final_step_ms": final.step_ms if final else None,
@@ -207,9 +208,8 @@ class LadderResult:
             "final_throughput": final.throughput if final else None,
             "figures_from": source,
             "note": note,
-            "vs_switches": list(self.vs_switches()) if self.vs_switches() else None,
-            "switches_throughput": (self.switches.measurement.throughput
-                                    if self.switches is not None and self.switches.measurement else None),
+            "vs_switches": list(versus) if versus else None,
+            "switches_throughput": switches.measurement.throughput if switches is not None and switches.measurement else None,
             "interrupted": self.interrupted,
         }
         return d

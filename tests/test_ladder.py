@@ -373,13 +373,15 @@ class Flags:
 
 
 class FlagCost(StepWrapper):
-    def __init__(self, inner, time, costs, flags):
+    """The step's cost: ``costs[key(flags)]``; by default keyed by which of ``a`` and ``b`` are on."""
+
+    def __init__(self, inner, time, costs, flags, key=lambda flags: (flags.a, flags.b)):
         super().__init__(inner)
-        self.time, self.costs, self.flags = time, costs, flags
+        self.time, self.costs, self.flags, self.key = time, costs, flags, key
 
     def __call__(self, batches, batch_idx):
         loss = self.inner(batches, batch_idx)
-        self.time.spend(self.costs[(self.flags.a, self.flags.b)])
+        self.time.spend(self.costs[self.key(self.flags)])
         return loss
 
 
@@ -894,25 +896,12 @@ class SetFlags:
             setattr(self, name, False)
 
 
-class SetCost(StepWrapper):
-    """The step's cost: ``costs[frozenset of the flags on]``."""
-
-    def __init__(self, inner, time, costs, flags):
-        super().__init__(inner)
-        self.time, self.costs, self.flags = time, costs, flags
-
-    def __call__(self, batches, batch_idx):
-        loss = self.inner(batches, batch_idx)
-        on = frozenset(k for k, v in vars(self.flags).items() if v)
-        self.time.spend(self.costs[on])
-        return loss
-
-
 def _switch_state(costs, names=("x", "autocast", "compile")):
     time = VirtualTime(noise=0.005, seed=0)
     state = mlp_state()
     flags = state.notes["flags"] = SetFlags(names)
-    state.step = SetCost(state.step, time, {frozenset(k): v for k, v in costs.items()}, flags)
+    state.step = FlagCost(state.step, time, {frozenset(k): v for k, v in costs.items()}, flags,
+                          key=lambda flags: frozenset(k for k, v in vars(flags).items() if v))
     return state, time, flags
 
 
