@@ -367,7 +367,9 @@ def test_the_fit_check_names_compilation_where_every_window_compiled(monkeypatch
     _fit_user_model(ladder, compiles, max_steps=12)
     holds = ladder.result.holds
     assert holds.fit is not None and len(holds.fit.window_ms) == 3  # it stopped looking after 3 windows left out
-    said = holds.cause if holds.flagged else holds.note
+    # the cause where the gap was flagged for the compiling, else the note (a 2-core CPU's speed may differ
+    # by 20% between the trials and the fit, and the gap be flagged for that)
+    said = f"{holds.cause or ''} {holds.note or ''}"
     assert "torch.compile compiled 24 new graphs in 3 of the fit's timed windows" in said
     assert "in every window timed: it compiles again as the inputs change" in said
 

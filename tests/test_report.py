@@ -202,6 +202,11 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
     assert compiled.flagged and compiled.cause.startswith("torch.compile compiled (")  # before the CPU's own noise
     compiled_held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05, "1 of 3 windows", "torch.compile compiled")
     assert not compiled_held.flagged and compiled_held.note == "torch.compile compiled; 1 of 3 windows"
+    # flagged for another cause (the fit faster on a CPU): what compiled is still said, in the note
+    compiled_faster = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(40.0, 0.5, 39.0, "perf_counter"), 0.05,
+                                  "1 of 3 windows", "torch.compile compiled")
+    assert compiled_faster.flagged and compiled_faster.cause.startswith("on a CPU")
+    assert compiled_faster.note == "torch.compile compiled; 1 of 3 windows"
     ema = judge_holds(m(40.7, 0.8, 39.9), m(47.6, 6.9, 40.1), 0.05,
                       between_ms={"[Callback]WeightAveraging.on_train_batch_end": 5.9, "[_TrainingEpochLoop].train_dataloader_next": 0.4,
                                   "[LightningModule]Net.on_train_batch_end": 0.01})

@@ -113,4 +113,6 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
                  "a synchronizing callback) or a different clock or memory state")
     else:
         cause = f"the fit ran faster than the trials measured ({per_step})"
+    if compiled is not None and not cause.startswith(compiled):  # what compiled is said, cause or not
+        note = "; ".join(n for n in (compiled, note) if n)
     return Holds(ladder, fit, gap, True, threshold, cause, note, between_ms)
