@@ -1235,12 +1235,19 @@ class _RoundingNoise:
         """The relative rounding of ``module``'s kernels, and why where coarser than ``relative``."""
         tf32 = self.epsilons.get("tf32", 0.0)
         weight = getattr(module, "weight", None)
-        if tf32 <= self.relative or not isinstance(weight, torch.Tensor) or weight.device.type != "cuda":
+        if not isinstance(weight, torch.Tensor) or weight.device.type != "cuda":
             return self.relative, None
-        if isinstance(module, torch.nn.modules.conv._ConvNd) and torch.backends.cudnn.allow_tf32:
-            return tf32, f"{type(module).__name__} at tf32 (torch.backends.cudnn.allow_tf32)"
-        if isinstance(module, torch.nn.Linear) and torch.backends.cuda.matmul.allow_tf32:
-            return tf32, f"{type(module).__name__} at tf32 (float32 matmul precision)"
+        if tf32 > self.relative:
+            if isinstance(module, torch.nn.modules.conv._ConvNd) and torch.backends.cudnn.allow_tf32:
+                return tf32, f"{type(module).__name__} at tf32 (torch.backends.cudnn.allow_tf32)"
+            if isinstance(module, torch.nn.Linear) and torch.backends.cuda.matmul.allow_tf32:
+                return tf32, f"{type(module).__name__} at tf32 (float32 matmul precision)"
+        # a CUDA kernel's reduction order is its own choice (tiles, split-K, atomics, Welford or two
+        # passes): another kernel for the same K-long sums moves each by about sqrt(K) fp32 roundings
+        k = _reduction_length(module)
+        order = self.epsilons.get("fp32", 0.0) * math.sqrt(k)
+        if k > 1 and order > self.relative:
+            return order, f"{type(module).__name__} at its reduction order (sqrt(K) fp32 roundings for K-long sums)"
         return self.relative, None
 
     def __enter__(self) -> _RoundingNoise:
@@ -1270,6 +1277,26 @@ class _RoundingNoise:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _reduction_length(module: torch.nn.Module) -> int:
+    """How many terms each output of ``module`` sums: a Linear's inputs, a convolution's inputs per
+    group times its kernel, a normalization's normalized elements (a custom norm's: its weight's);
+    1 for a module that sums nothing (an embedding, an activation)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        return module.in_channels // module.groups * math.prod(module.kernel_size)
+    if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return 1
+    if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ == "RMSNorm":
+        return math.prod(getattr(module, "normalized_shape", ()) or (1,))
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm | torch.nn.GroupNorm):
+        return 1  # its sums run over the batch: the gradients' noise stands for them
+    if "norm" in type(module).__name__.lower() and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.numel()
+    return 1
 
 
 @contextlib.contextmanager

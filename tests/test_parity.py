@@ -147,9 +147,9 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
 
 
-def _transformer():
+def _transformer(device="cpu"):
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 128, (8, 24), generator=g), torch.randint(0, 128, (8, 24), generator=g)) for _ in range(8)]
@@ -276,19 +276,20 @@ def test_a_correct_attention_rewrite_passes_where_its_defects_fail(under, monkey
         assert any("also judged with the precision rungs off (fp32)" in c for c in entry.changes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("defect", ["dropped_attention_scale", "wrong_layernorm_gradient", "linear_bias_dropped"])
 @pytest.mark.parametrize("under", ["fp32", "bf16"])
-def test_planted_defects_are_rejected(defect, under, monkeypatch):
+def test_planted_defects_are_rejected(defect, under, device, monkeypatch):
     """Each defect changes the function or its gradient. Rejected in fp32; on top of bf16 autocast,
     where some move the loss less than bf16's own rounding does (a wrong LayerNorm gradient: 6e-5
     against an envelope of 3e-4 here), a rewrite is also judged with the precision rungs off, and
-    rejected there."""
+    rejected there. On CUDA too, where fp32's envelope holds the kernels' reduction order."""
     _keep_every_rung(monkeypatch)
     kind, make = {"dropped_attention_scale": (Attention, _attention_without_scale),
                   "wrong_layernorm_gradient": (nn.LayerNorm, _layernorm_wrong_gradient),
                   "linear_bias_dropped": (nn.Linear, _linear_without_bias)}[defect]
-    model, optimizer, batches = _transformer()
-    _, result = _ladder(model, optimizer, batches, _rungs_under(under, RewriteRung(defect, kind, make)))
+    model, optimizer, batches = _transformer(device)
+    _, result = _ladder(model, optimizer, batches, _rungs_under(under, RewriteRung(defect, kind, make)), device=device)
     if under == "bf16":
         assert _entry(result, "autocast").status == "kept"
     entry = _entry(result, defect)
@@ -301,3 +302,45 @@ def test_planted_defects_are_rejected(defect, under, monkeypatch):
 
 def _moves(parity):
     return [abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(parity.losses, parity.reference_losses)]
+
+
+def test_reduction_order_noise_grows_with_the_sums_a_cuda_leaf_computes():
+    """fp32's envelope on CUDA: a kernel's reduction order is its own (tiles, split-K, atomics), so a
+    leaf summing K terms gets about sqrt(K) fp32 roundings; a coarser precision's calibration (bf16)
+    keeps its own rounding, and a leaf that sums nothing keeps fp32's."""
+    from speedkit.ladder import _reduction_length, _RoundingNoise
+
+    eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
+    assert _reduction_length(nn.Linear(512, 8)) == 512
+    assert _reduction_length(nn.Conv2d(32, 64, 3, groups=4)) == 8 * 9
+    assert _reduction_length(nn.LayerNorm(256)) == 256
+    assert _reduction_length(nn.Embedding(10, 4)) == 1 and _reduction_length(nn.GELU()) == 1
+    assert _reduction_length(nn.BatchNorm2d(8)) == 1
+
+    class T5LikeNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(384))
+
+    assert _reduction_length(T5LikeNorm()) == 384
+    noise = _RoundingNoise(nn.Linear(512, 8), eps["fp32"], epsilons=eps)
+    assert noise._kernel_precision(nn.Linear(512, 8)) == (eps["fp32"], None)  # on the CPU: fp32's own rounding
+
+
+@pytest.mark.gpu
+def test_reduction_order_noise_on_cuda_leaves():
+    from speedkit.ladder import _RoundingNoise
+
+    eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
+    linear = nn.Linear(512, 8).cuda()
+    noise = _RoundingNoise(linear, eps["fp32"], epsilons=eps)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        relative, why = noise._kernel_precision(linear)
+        assert relative == pytest.approx(eps["fp32"] * math.sqrt(512)) and "reduction order" in why
+        assert _RoundingNoise(linear, eps["bf16"], epsilons=eps)._kernel_precision(linear) == (eps["bf16"], None)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert noise._kernel_precision(linear)[0] == eps["tf32"]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
