@@ -293,8 +293,9 @@ def test_planted_defects_are_rejected(defect, under, device, monkeypatch):
     if under == "bf16":
         assert _entry(result, "autocast").status == "kept"
     entry = _entry(result, defect)
-    assert entry.status == "reverted" and "numerics changed" in entry.reason, entry.reason
     parity = entry.parity
+    assert entry.status == "reverted" and "numerics changed" in entry.reason, (
+        entry.reason, parity and _moves(parity), parity and parity.envelope)
     assert parity.precision == "fp32" and "for fp32" in entry.reason
     # rejected at a step where the envelope is narrow: not by a hair
     assert any(m > 2 * t for m, t in zip(_moves(parity), parity.envelope)), (_moves(parity), parity.envelope)
