@@ -84,6 +84,7 @@ class Plan:
     measure: dict[str, Any]    # SpeedLadder's measure settings
     time_guard_s: float        # wall time one variant's fit may take (the speedkit variant's trials besides)
     switch_rungs: tuple[str, ...] = SWITCH_RUNGS  # the ``rungs`` variant's
+    ladder_rungs: tuple[str, ...] | None = None  # the speedkit variant's (None: the default ladder)
 
     @property
     def size(self) -> Size:
@@ -111,7 +112,7 @@ class Plan:
     def ladder(self) -> list[Any]:
         """The default ladder, its compile rung on :attr:`compile_backend`."""
         return [{"name": "compile", "options": {"backend": self.compile_backend}} if r == "compile" else r
-                for r in config.default_ladder()]
+                for r in (self.ladder_rungs or config.default_ladder())]
 
 
 def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan:
@@ -311,6 +312,9 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})")
     parser.add_argument("--rungs", default=",".join(SWITCH_RUNGS),
                         help=f"the rungs variant's rungs, comma-separated (default: {','.join(SWITCH_RUNGS)})")
+    parser.add_argument("--ladder", default=None,
+                        help="the speedkit variant's rungs, comma-separated (default: the default ladder of "
+                             "configs/defaults.yaml); a diagnostic: which rungs' trials leave the fit where it is")
     parser.add_argument("--rounds", type=int, default=1,
                         help="fit every variant this many times, the order reversed every other round; the ratios "
                              "take the medians (separate fits of a host-bound step differ by 10-20%%)")
@@ -334,7 +338,8 @@ def main() -> None:
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
     res = Results("zoo", out=out)
-    plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r))
+    plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r),
+                               ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None)
     variants = tuple(args.variants.split(","))
     if any(v not in VARIANTS + EXTRA_VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; known: {', '.join(VARIANTS + EXTRA_VARIANTS)}")
