@@ -1301,15 +1301,16 @@ def _reduction_length(module: torch.nn.Module) -> int:
 
 @contextlib.contextmanager
 def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
-    """Every dropout module of ``model`` at p=0 inside the block (code reading ``dropout.p`` too)."""
-    saved = [(m, m.p) for m in active_dropouts(model)]
-    for m, _ in saved:
-        m.p = 0.0
+    """Every dropout rate of ``model`` at 0 inside the block (:func:`active_dropouts`: dropout modules,
+    code reading ``dropout.p`` too, and the float rates a model passes to its kernels itself)."""
+    saved = [(m, name, getattr(m, name)) for m, name in active_dropouts(model)]
+    for m, name, _ in saved:
+        setattr(m, name, 0.0)
     try:
         yield
     finally:
-        for m, p in saved:
-            m.p = p
+        for m, name, rate in saved:
+            setattr(m, name, rate)
 
 
 class _RungProblem(Exception):

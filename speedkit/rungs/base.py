@@ -93,10 +93,23 @@ class Rung:
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-def active_dropouts(model: nn.Module) -> list[nn.Module]:
-    """The dropout modules of ``model`` that drop something (p > 0): where a rung that draws its masks
-    differently (``Handle.draws_differently``) makes trajectories differ by design."""
-    return [m for m in model.modules() if isinstance(m, _DROPOUTS) and m.p > 0]
+def active_dropouts(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where ``model`` drops something at random, as (module, attribute holding the rate) pairs: dropout
+    modules with p > 0 (``"p"``), and the rates models keep as plain floats on a module and pass to a
+    kernel themselves (an attribute whose name holds "drop": Hugging Face's T5 attention keeps
+    ``self.dropout`` and Llama's ``self.attention_dropout`` for SDPA's ``dropout_p``, timm's DropPath
+    its ``drop_prob``, a LayerDrop rate). Where a rung draws its masks differently
+    (``Handle.draws_differently``: compile, a fused attention, autocast on CUDA) trajectories differ by
+    design while any of them is on."""
+    found: list[tuple[nn.Module, str]] = []
+    for m in model.modules():
+        if isinstance(m, _DROPOUTS):
+            if m.p > 0:
+                found.append((m, "p"))
+            continue
+        found.extend((m, name) for name, value in vars(m).items()
+                     if type(value) is float and value > 0 and "drop" in name.lower() and not name.startswith("_"))
+    return found
 
 
 __all__ = ["AttributeWrapper", "Handle", "NoOptions", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]
