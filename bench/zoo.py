@@ -295,7 +295,8 @@ def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) ->
             "ladder_vs_switches": (summary.get("vs_switches") or [None])[0],
             "trials_s": result.run.get("trials_s"), "baseline_noise": noise.get("baseline_spread"),
             "noise_source": noise.get("source"), "trial_order": result.run.get("trial_order"),
-            "interrupted": result.interrupted, "ladder_measure": "quick" if plan.measure else "defaults"}
+            "interrupted": result.interrupted, "ladder_measure": "quick" if plan.measure else "defaults",
+            "ladder": list(plan.ladder_rungs) if plan.ladder_rungs else "default"}
 
 
 def main() -> None:
