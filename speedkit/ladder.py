@@ -1051,7 +1051,10 @@ class Ladder:
     def _compare(self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
         paired decision is made, ``max_blocks`` are spent or ``budget_s`` is out. Leaves A on.
-        ``shared_batches``: where batch shapes vary, the windows of a block may run the same batches."""
+        ``shared_batches``: where batch shapes vary, the windows of a block may run the same batches.
+        The budget counts from the end of the warm-ups: a compilation there (a configuration compiled
+        for the first time, or again, e.g. after parity ran it with dropout off) is the trials' time,
+        and left the comparison, counted from its start, too few blocks to decide."""
         cfg, session = self.cfg, self.session
         assert session is not None
         self._snapshot.restore(rng=False)
@@ -1063,6 +1066,7 @@ class Ladder:
         set_candidate(False)
         same_source = self.state.data is source_b
         session.warm(self._runner(), self._settle())
+        timed_from = self.host_clock()
         on = False
 
         def switch(candidate: bool) -> bool:
@@ -1095,7 +1099,7 @@ class Ladder:
             b_windows += block[True]
             gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
             out_of_budget = len(gains) >= cfg.max_blocks or (
-                len(gains) >= cfg.min_blocks and self.host_clock() - start > budget)
+                len(gains) >= cfg.min_blocks and self.host_clock() - timed_from > budget)
             if len(gains) not in stops and not out_of_budget:
                 continue
             verdict = decide(gains, min_gain=cfg.min_gain, confidence=cfg.confidence, n_looks=len(stops))
