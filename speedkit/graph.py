@@ -284,18 +284,19 @@ class GraphedStep(StepWrapper):
         return True
 
     def _rates_into_tensors(self) -> list[tuple[_Rate, Any]]:
-        """For the capture: the learning rates of capturable param groups as device tensors in the
-        groups, so the captured update reads them from the device; returns what to put back. Other
-        optimizers (SGD) read a tensor learning rate on the host (``.item()``, a sync a capture
-        refuses): theirs stays a number baked into the graph, and a change of it captures again
-        (:meth:`_still_valid`)."""
+        """For the capture: the learning rates of capturable param groups (and of fused SGD's, whose
+        kernel takes a tensor rate) as device tensors in the groups, so the captured update reads them
+        from the device; returns what to put back. Other optimizers (a foreach SGD) read a tensor
+        learning rate on the host (``.item()``, a sync a capture refuses): theirs stays a number baked
+        into the graph, and a change of it captures again (:meth:`_still_valid`)."""
         opt = self.inner.optimizer
         self._rates = []
         numbers: list[tuple[_Rate, Any]] = []
         if opt is None:
             return numbers
+        fused_sgd = isinstance(opt, torch.optim.SGD)
         for group in opt.param_groups:
-            if not group.get("capturable", False):
+            if not (group.get("capturable", False) or (fused_sgd and group.get("fused"))):
                 continue
             for key in TENSOR_HPARAMS:
                 value = group.get(key)

@@ -514,8 +514,37 @@ def test_optimizer_blockers():
     p = [nn.Parameter(torch.zeros(2))]
     assert optimizer_blocker(torch.optim.AdamW(p), scheduled=True) is None
     assert optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=False) is None
-    assert "cannot read a scheduled learning rate" in optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=True)
+    # a scheduled SGD: through its fused implementation, whose kernel reads a tensor learning rate
+    assert optimizer_blocker(torch.optim.SGD(p, lr=0.1, momentum=0.9), scheduled=True) is None
+    clipped = "Lightning's mixed precision refuses gradient clipping"
+    reason = optimizer_blocker(torch.optim.SGD(p, lr=0.1), scheduled=True, fused_step_blocker=clipped)
+    assert "only when fused" in reason and clipped in reason
+    sparse = nn.Embedding(4, 2, sparse=True)
+    reason = optimizer_blocker(torch.optim.SGD(sparse.parameters(), lr=0.1), scheduled=True, model=sparse)
+    assert "sparse" in reason
+    assert "cannot read a scheduled learning rate" in optimizer_blocker(torch.optim.Adagrad(p), scheduled=True)
     assert "LBFGS" in optimizer_blocker(torch.optim.LBFGS(p), scheduled=False)
+
+
+def test_a_scheduled_sgd_is_fused_while_captured_and_checkpoints_keep_its_flags():
+    """cuda_graph on SGD with a schedule (the LSTM LM, timm's MobileNet recipe): fused for the graph,
+    the user's flags back on undo and in every checkpoint written meanwhile."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = PlainStep(model, opt, torch.device("cpu"), loss_fn=lambda m, b, i: m(b).sum(), scheduler=schedule)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=step)
+    assert step.has_schedule()
+    handle = rungs.make("cuda_graph").apply(state)
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert any("fused implementation" in c and "schedule" in c for c in handle.changes), handle.changes
+    assert any("read by the graph from a device tensor" in c for c in handle.changes), handle.changes
+    saved = opt.state_dict()["param_groups"][0]
+    assert saved["foreach"] is True and saved["fused"] is None
+    handle.suspend()  # the flag stays while the graph is off in a comparison (it computes the same update)
+    assert opt.param_groups[0]["fused"]
+    handle.undo()
+    assert opt.param_groups[0]["foreach"] is True and opt.param_groups[0]["fused"] is None
 
 
 def test_fp16_loss_scaling_blocks_only_optimizers_that_unscale_on_the_host():

@@ -299,11 +299,12 @@ def test_graphed_peak_memory_counts_the_graph_pool():
     assert session.memory_outside_peak() == 0  # the plain step again: nothing outside the allocator
 
 
-def _sgd_run(graphed: bool, steps: int = 12):
+def _sgd_run(graphed: bool, steps: int = 12, scheduled: bool = False, fused: bool | None = None):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    step = PlainStep(model, opt, "cuda", loss_fn=_loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, fused=fused)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if scheduled else None
+    step = PlainStep(model, opt, "cuda", loss_fn=_loss, scheduler=sched)
     state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step)
     handle = rungs.make("cuda_graph").apply(state) if graphed else None
     losses = [float(state.step([b], i)) for i, b in enumerate(_batches(steps))]
@@ -320,6 +321,21 @@ def test_sgd_with_momentum_is_captured_with_its_learning_rate_baked_in():
     assert max(_rel(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, eager_losses)) < 1e-5
     assert max(_rel(p, q) for p, q in zip(params, eager_params)) < 1e-5
     handle.undo()
+
+
+def test_sgd_with_a_schedule_is_captured_fused_and_follows_the_schedule():
+    """SGD has no capturable option; its fused kernel reads a tensor learning rate on the device: the
+    rung fuses it (the LSTM LM's and timm MobileNet's SGD with a schedule), the replays follow the
+    cosine schedule, and the update is eager fused SGD's; the user's flags come back on undo."""
+    eager_losses, eager_params, _, _, _ = _sgd_run(False, scheduled=True, fused=True)
+    losses, params, graphed, handle, opt = _sgd_run(True, scheduled=True)
+    assert graphed.stopped is None, graphed.stopped
+    assert graphed.captures == 1 and graphed.replays >= 8, graphed.report()
+    assert opt.param_groups[0]["fused"] and isinstance(opt.param_groups[0]["lr"], float)
+    assert max(_rel(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, eager_losses)) < 1e-5
+    assert max(_rel(p, q) for p, q in zip(params, eager_params)) < 1e-5
+    handle.undo()
+    assert opt.param_groups[0]["fused"] is None
 
 
 def test_a_failed_capture_leaves_the_devices_random_generator_usable():

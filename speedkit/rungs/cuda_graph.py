@@ -11,7 +11,8 @@ the rung refuses with the first reason and its source line. The last warm-up ste
 CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
 wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
 it (their step counters move to the device), and the graph reads their learning rate from a device
-tensor filled from the param group's number before each replay. Under fp16 loss scaling the
+tensor filled from the param group's number before each replay; SGD, which has no capturable option,
+does so through its fused implementation (switched on where a schedule moves its rate). Under fp16 loss scaling the
 scaler's step and update are captured too, for an optimizer that unscales and skips an overflowed
 step on the device (``fused=True``). In a Lightning fit, the graph binds into the loop's automatic
 optimization.
@@ -28,6 +29,7 @@ from speedkit.graph import GraphedStep
 from speedkit.graph_safety import scan_step
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung
+from speedkit.rungs.fused_optimizer import apply_fused_optimizer, choose_implementation
 from speedkit.saved_optimizer import SavedAsUser
 from speedkit.state import TrainState
 from speedkit.step import Step
@@ -80,7 +82,8 @@ class CudaGraphRung(Rung):
             return missing
         opt = state.optimizer
         assert opt is not None
-        reason = optimizer_blocker(opt, step.has_schedule()) or (scaler_blocker(opt) if step.numerics == "fp16" else None)
+        reason = (optimizer_blocker(opt, step.has_schedule(), step.fused_optimizer_blocker(), state.model)
+                  or (scaler_blocker(opt) if step.numerics == "fp16" else None))
         if reason is not None:
             return reason
         return _hook_blocker(state)
@@ -94,8 +97,14 @@ class CudaGraphRung(Rung):
         assert opt is not None
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
         _set_capturable(handle, opt)
+        if (state.step.has_schedule() and needs_fused_for_schedule(opt)
+                and not all(g.get("fused") for g in opt.param_groups)):
+            fused = apply_fused_optimizer(opt, "fused")
+            handle.record(f"{fused.changes[0]} (for the schedule: fused SGD reads its learning rate as a device tensor, "
+                          "which the graph's replays read)", fused.undo, persistent=True)
+        reads_device_rate = "capturable" in opt.defaults or all(g.get("fused") for g in opt.param_groups)
         lr = ("learning rate read by the graph from a device tensor filled from the param group's number before each "
-              "replay (the group, its schedule and checkpoints keep numbers)" if "capturable" in opt.defaults else
+              "replay (the group, its schedule and checkpoints keep numbers)" if reads_device_rate else
               "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
         handle.record(f"{type(opt).__name__}: {lr}", graphed.drop_rate_tensors, persistent=True)
         set_attr(handle, state, "step", graphed,
@@ -118,13 +127,29 @@ class CudaGraphRung(Rung):
         return handle
 
 
-def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool) -> str | None:
-    """Why ``opt``'s step cannot be captured (with a learning-rate schedule when ``scheduled``), if so."""
+def needs_fused_for_schedule(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` reads a scheduled learning rate from the device only through its fused
+    implementation (SGD: no capturable option, but ``torch._fused_sgd_`` takes a tensor ``lr``;
+    its foreach and for-loop paths read one on the host)."""
+    return isinstance(opt, torch.optim.SGD) and "capturable" not in opt.defaults
+
+
+def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool, fused_step_blocker: str | None = None,
+                      model: torch.nn.Module | None = None) -> str | None:
+    """Why ``opt``'s step cannot be captured (with a learning-rate schedule when ``scheduled``), if so.
+    ``fused_step_blocker``: why the training step cannot run a fused optimizer (Lightning's mixed
+    precision with gradient clipping), for SGD, whose schedule a graph follows only when fused."""
     name = type(opt).__name__
     if isinstance(opt, torch.optim.LBFGS):
         return "LBFGS re-evaluates the loss inside its step (a closure loop with host decisions)"
     if "capturable" in opt.defaults:
         return None
+    if scheduled and needs_fused_for_schedule(opt):
+        implementation, why_not = choose_implementation(opt, "fused", fused_step_blocker, model)
+        if implementation == "fused" or all(g.get("fused") for g in opt.param_groups):
+            return None
+        return (f"{name} reads a scheduled learning rate from the device only when fused, and cannot be fused here: "
+                f"{why_not}")
     if scheduled:
         return (f"{name} has no capturable option: it cannot read a scheduled learning rate from the device, so a graph "
                 "would freeze the schedule at capture")
