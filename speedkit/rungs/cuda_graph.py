@@ -129,7 +129,7 @@ class CudaGraphRung(Rung):
 
 def needs_fused_for_schedule(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` reads a scheduled learning rate from the device only through its fused
-    implementation (SGD: no capturable option, but ``torch._fused_sgd_`` takes a tensor ``lr``;
+    implementation (SGD: no capturable option, but its fused kernel takes a tensor ``lr``;
     its foreach and for-loop paths read one on the host)."""
     return isinstance(opt, torch.optim.SGD) and "capturable" not in opt.defaults
 
