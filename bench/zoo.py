@@ -105,8 +105,8 @@ class Plan:
         one comparison's budget), so that the trials never eat the fit's own steps."""
         if variant != "speedkit":
             return self.time_guard_s
-        budget = self.measure.get("trials_budget_s", config.measure_defaults()["trials_budget_s"])
-        comparison = self.measure.get("budget_s", config.measure_defaults()["budget_s"])
+        measure = {**config.measure_defaults(), **self.measure}
+        budget, comparison = measure["trials_budget_s"], measure["budget_s"]
         return self.time_guard_s + budget + 3 * comparison
 
     def ladder(self) -> list[Any]:

@@ -1294,8 +1294,9 @@ def _reduction_length(module: torch.nn.Module) -> int:
         return module.in_channels // module.groups * math.prod(module.kernel_size)
     if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
         return 1
-    if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ == "RMSNorm":
-        return math.prod(getattr(module, "normalized_shape", ()) or (1,))
+    normalized = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm, and their look-alikes
+    if normalized:
+        return math.prod(normalized)
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm | torch.nn.GroupNorm):
         return 1  # its sums run over the batch: the gradients' noise stands for them
     if "norm" in type(module).__name__.lower() and isinstance(weight, torch.Tensor) and weight.dim() == 1:

@@ -97,12 +97,11 @@ class CudaGraphRung(Rung):
         assert opt is not None
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
         _set_capturable(handle, opt)
-        if (state.step.has_schedule() and needs_fused_for_schedule(opt)
-                and not all(g.get("fused") for g in opt.param_groups)):
+        if state.step.has_schedule() and needs_fused_for_schedule(opt) and not _all_fused(opt):
             fused = apply_fused_optimizer(opt, "fused")
             handle.record(f"{fused.changes[0]} (for the schedule: fused SGD reads its learning rate as a device tensor, "
                           "which the graph's replays read)", fused.undo, persistent=True)
-        reads_device_rate = "capturable" in opt.defaults or all(g.get("fused") for g in opt.param_groups)
+        reads_device_rate = "capturable" in opt.defaults or _all_fused(opt)
         lr = ("learning rate read by the graph from a device tensor filled from the param group's number before each "
               "replay (the group, its schedule and checkpoints keep numbers)" if reads_device_rate else
               "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
@@ -134,6 +133,10 @@ def needs_fused_for_schedule(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, torch.optim.SGD) and "capturable" not in opt.defaults
 
 
+def _all_fused(opt: torch.optim.Optimizer) -> bool:
+    return all(g.get("fused") for g in opt.param_groups)
+
+
 def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool, fused_step_blocker: str | None = None,
                       model: torch.nn.Module | None = None) -> str | None:
     """Why ``opt``'s step cannot be captured (with a learning-rate schedule when ``scheduled``), if so.
@@ -145,11 +148,11 @@ def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool, fused_step_bl
     if "capturable" in opt.defaults:
         return None
     if scheduled and needs_fused_for_schedule(opt):
-        implementation, why_not = choose_implementation(opt, "fused", fused_step_blocker, model)
-        if implementation == "fused" or all(g.get("fused") for g in opt.param_groups):
+        if _all_fused(opt):
             return None
-        return (f"{name} reads a scheduled learning rate from the device only when fused, and cannot be fused here: "
-                f"{why_not}")
+        implementation, why_not = choose_implementation(opt, "fused", fused_step_blocker, model)
+        return None if implementation == "fused" else (
+            f"{name} reads a scheduled learning rate from the device only when fused, and cannot be fused here: {why_not}")
     if scheduled:
         return (f"{name} has no capturable option: it cannot read a scheduled learning rate from the device, so a graph "
                 "would freeze the schedule at capture")
