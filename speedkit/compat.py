@@ -55,6 +55,26 @@ def graph_count() -> int:
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
 
+def dynamo_recompile_limit() -> int | None:
+    """Dynamo's limit on compiled entries per code object (``config.recompile_limit``, called
+    ``cache_size_limit`` before torch 2.6); None where neither exists. Past it Dynamo runs that
+    frame eagerly for good."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            return int(getattr(dynamo_config, name))
+    return None
+
+
+def set_dynamo_recompile_limit(limit: int) -> None:
+    """Set what :func:`dynamo_recompile_limit` reads."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, limit)
+
+
 def frames_given_up() -> tuple[int, dict[str, int]]:
     """Frames Dynamo tried to compile and gave up on so far (``counters["frames"]`` total minus ok;
     a frame found in the compile cache is not counted), and the reasons it could not trace

@@ -18,6 +18,21 @@ from typing import Any
 
 _MISSING = object()
 
+_configuration_changes = 0
+
+
+def configuration_changed() -> None:
+    """Note that what a step computes was switched (a handle applied, suspended, resumed or undone;
+    dropout rates set to 0 for a parity check): a compiled forward's next call may then compile its
+    graphs for the new configuration once, which is not a recompilation storm."""
+    global _configuration_changes
+    _configuration_changes += 1
+
+
+def configuration_changes() -> int:
+    """How many times :func:`configuration_changed` was called in this process."""
+    return _configuration_changes
+
 
 class Handle:
     """What a rung changed, and how to put it back (and, where possible, how to do it again).
@@ -57,6 +72,7 @@ class Handle:
         optimizer be captured in a CUDA graph); :meth:`suspend` leaves it on, only :meth:`undo` reverts it."""
         if change:
             self.changes.append(change)
+        configuration_changed()
         if undo is not None:
             self._entries.append((undo, redo, persistent))
 
@@ -92,6 +108,7 @@ class Handle:
 
     @staticmethod
     def _run(functions: list[Callable[[], None]]) -> None:
+        configuration_changed()
         errors = []
         for fn in functions:
             try:

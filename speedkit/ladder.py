@@ -57,7 +57,7 @@ from speedkit.data.source import SourceWrapper, count_items
 from speedkit.data.static import signature
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
-from speedkit.handle import Handle
+from speedkit.handle import Handle, configuration_changed
 from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.session import MeasureSession, Window
@@ -1311,11 +1311,13 @@ def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
     saved = [(m, name, getattr(m, name)) for m, name in active_dropouts(model)]
     for m, name, _ in saved:
         setattr(m, name, 0.0)
+    configuration_changed()  # a compiled forward guards on the rates: its graphs compile once for 0
     try:
         yield
     finally:
         for m, name, rate in saved:
             setattr(m, name, rate)
+        configuration_changed()
 
 
 class _RungProblem(Exception):

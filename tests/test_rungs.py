@@ -11,7 +11,7 @@ from conftest import mlp_state, tiny_gpt_state
 
 from speedkit import rungs
 from speedkit.errors import ConfigError
-from speedkit.rungs.compile import GuardedForward
+from speedkit.rungs.compile import CompileOptions, GuardedForward, apply_compile
 
 CPU_RUNGS = ["tf32", "autocast", "fused_optimizer", "sdpa", "compile"]
 
@@ -193,6 +193,69 @@ def test_compile_falls_back_to_eager_on_a_recompilation_storm():
             assert out.shape == (batch, 10)
     assert "recompilation storm" in handle.problem()
     handle.undo()
+
+
+class _Scaled(nn.Module):
+    """A forward reading a float attribute, which Dynamo guards on: each new value compiles a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(16, 10)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_compile_counts_graphs_for_switched_configurations_apart_from_a_storm(announced):
+    """A rung or parity check switching the configuration beneath compile (here a guarded float, as a
+    dropout rate set to 0 is) compiles that configuration once: not a recompile. The same recompiles
+    with no switch announced are a storm."""
+    from speedkit.handle import configuration_changed
+
+    torch._dynamo.reset()
+    model = _Scaled()
+    handle, [(_, guarded)] = apply_compile(model, CompileOptions(backend="eager", dynamic=False, max_recompiles=2))
+    x = torch.randn(4, 16)
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0, 1.0, 2.0):  # five configurations, then two seen before
+        model.scale = value
+        if announced:
+            configuration_changed()
+        torch.testing.assert_close(model(x), model.net(x) * value)
+        torch.testing.assert_close(model(x), model.net(x) * value)
+    if announced:
+        assert guarded.fallback_reason is None and guarded.recompiles == 0 and guarded.switch_graphs == 4
+        assert "4 graphs for configurations other rungs switched" in handle.report()[0]
+    else:
+        assert "recompilation storm" in guarded.fallback_reason
+    handle.undo()
+
+
+def test_compile_makes_room_for_each_configuration_in_dynamos_cache_and_gives_it_back():
+    from speedkit import compat
+    from speedkit.rungs.compile import CONFIGURATION_ENTRIES
+
+    before = compat.dynamo_recompile_limit()
+    handle, _ = apply_compile(_Scaled(), CompileOptions(backend="eager"))
+    assert compat.dynamo_recompile_limit() == max(before, CONFIGURATION_ENTRIES)
+    handle.suspend()
+    assert compat.dynamo_recompile_limit() == before
+    handle.resume()
+    assert compat.dynamo_recompile_limit() == max(before, CONFIGURATION_ENTRIES)
+    handle.undo()
+    assert compat.dynamo_recompile_limit() == before
+
+
+def test_dropout_off_for_parity_announces_the_switch():
+    from speedkit.handle import configuration_changes
+    from speedkit.ladder import _dropout_off
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    before = configuration_changes()
+    with _dropout_off(model):
+        assert model[1].p == 0.0 and configuration_changes() == before + 1
+    assert model[1].p == 0.1 and configuration_changes() == before + 2
 
 
 def test_compile_falls_back_to_eager_when_compilation_fails():

@@ -15,7 +15,8 @@ version, the module itself untouched), so state dicts, hooks and optimizers see 
 
 Once trial steps ran, the report lists per compiled forward its calls, graphs and recompiles, and
 the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
-with a warning, a recompilation storm (more than ``max_recompiles`` new graphs) too, and a compile
+with a warning, a recompilation storm (more than ``max_recompiles`` new graphs, not counting those
+a call compiles right after a rung or a parity check switched the configuration) too, and a compile
 the step never ran ("compiled nothing that the training step runs") is a failed rung, not a slow one.
 
 Hugging Face models call ``logger.warning_once`` inside ``forward`` (transformers 5 does in
@@ -43,6 +44,7 @@ from torch import nn
 
 from speedkit import compat, rewrite
 from speedkit.errors import first_line
+from speedkit.handle import configuration_changes
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
 from speedkit.state import TrainState
 
@@ -107,8 +109,12 @@ class GuardedForward(AttributeWrapper):
         self.max_recompiles = max_recompiles
         self.fallback_reason: str | None = None
         self.recompiles = 0
+        #: graphs compiled on the first call after a rung or a parity check switched the configuration
+        #: (another precision, tf32, dropout at 0): each configuration compiles once, not a storm
+        self.switch_graphs = 0
         self.calls = 0
         self.graphs = 0
+        self._changes_seen = configuration_changes()
         self.use(eager)
         functools.update_wrapper(self, eager)
 
@@ -141,6 +147,8 @@ class GuardedForward(AttributeWrapper):
         if self.fallback_reason is not None:
             return self.eager(*args, **kwargs)
         variant = self._variant
+        changes = configuration_changes()
+        switched, self._changes_seen = changes != self._changes_seen, changes
         before = compat.graph_count()
         given_up = compat.frames_given_up() if variant.first_graphs is None else None
         try:
@@ -154,6 +162,8 @@ class GuardedForward(AttributeWrapper):
             variant.first_graphs = new_graphs  # the first call may compile several graphs (graph breaks)
             if given_up is not None and not new_graphs:
                 self._nothing_compiled(given_up)
+        elif new_graphs and switched:
+            self.switch_graphs += new_graphs
         elif new_graphs:
             self.recompiles += new_graphs
             if self.recompiles > self.max_recompiles:
@@ -365,6 +375,26 @@ def _skip_library_logging(handle: Handle, modules: list[nn.Module]) -> None:
                   functools.partial(skipped.discard, key), functools.partial(skipped.add, key))
 
 
+#: compiled entries Dynamo may keep per frame while compile is on: every configuration of the rungs
+#: beneath (precision, tf32, layout, dropout at 0 for parity) is one entry, compiled once
+CONFIGURATION_ENTRIES = 64
+
+
+def _room_for_configurations(handle: Handle) -> None:
+    """Raise Dynamo's per-frame entry limit to :data:`CONFIGURATION_ENTRIES` (recorded, undone with
+    the handle): past its default of 8, Dynamo would run a frame eagerly for good once the ladder has
+    switched enough rungs beneath compile, while each entry is compiled once and reused. Recompiles
+    that are no configuration's stay bounded by ``max_recompiles`` (:class:`GuardedForward`)."""
+    limit = compat.dynamo_recompile_limit()
+    if limit is None or limit >= CONFIGURATION_ENTRIES:
+        return
+    compat.set_dynamo_recompile_limit(CONFIGURATION_ENTRIES)
+    handle.record(f"Dynamo's compiled entries per frame: at most {CONFIGURATION_ENTRIES} (was {limit}): each configuration "
+                  "of the rungs beneath compile is one entry, compiled once",
+                  functools.partial(compat.set_dynamo_recompile_limit, limit),
+                  functools.partial(compat.set_dynamo_recompile_limit, CONFIGURATION_ENTRIES))
+
+
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
     """Compile the forwards the training step runs; the handle reports what ran once steps did."""
     handle = Handle("compile")
@@ -374,6 +404,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     for note in notes:
         handle.record(f"note: {note}")
     _skip_library_logging(handle, [module for _, module in targets])
+    _room_for_configurations(handle)
     breaks_before = compat.graph_breaks()
 
     def problem() -> str | None:
@@ -386,6 +417,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
 
     def report() -> list[str]:
         lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
+                 + (f" ({g.switch_graphs} graphs for configurations other rungs switched)" if g.switch_graphs else "")
                  + (" (its graphs were already in this process's compile cache)"
                     if g.calls and not g.graphs and not g.fallback_reason else "")
                  for label, g in guards]
