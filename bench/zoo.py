@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results, gpu_slug  # noqa: E402
-from speedkit import config  # noqa: E402
+from speedkit import compat, config  # noqa: E402
 from speedkit.demos.zoo import ZOO, Size, ZooModel  # noqa: E402
 from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
 from speedkit.results import Measurement  # noqa: E402
@@ -243,6 +243,7 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
                 extra["round"] = r
             deadline = time.monotonic() + plan.guard_s(variant)
             t0 = time.perf_counter()
+            graphs_before = compat.graph_count()
             try:
                 m, steps, fields = fit_variant(entry, variant, plan, deadline, res)
             except Exception as exc:  # a variant that breaks is a result too; the others still run
@@ -250,7 +251,8 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
                 print(f"{name:22s} {variant:9s} FAILED: {first_line(exc)}", flush=True)
                 release()
                 continue
-            extra.update(wall_s=time.perf_counter() - t0, **fields)
+            # graphs Dynamo compiled in the fit (trials included): a figure under fp32 from recompiles shows here
+            extra.update(wall_s=time.perf_counter() - t0, graphs_compiled=compat.graph_count() - graphs_before, **fields)
             if m is None:
                 res.add(variant, "status", None, "not measured", **extra,
                         reason=f"the fit ended after {steps} steps (time guard: {plan.guard_s(variant):.0f} s), "
