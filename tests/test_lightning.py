@@ -791,3 +791,49 @@ def test_trials_put_back_the_plain_attributes_the_users_step_changes(no_interpre
     result = runs[True][3].result
     assert {"_KeepsTrackOnSelf.calls", "_KeepsTrackOnSelf.seen", "_KeepsTrackOnSelf.tally"} <= set(result.run["attributes_restored"])
     assert result.run["attributes_not_restored"] == ["_KeepsTrackOnSelf.last_loss (Tensor)"]
+
+
+class _FusedClipped(UserModel):
+    """Clips in ``configure_gradient_clipping`` and trains with a fused SGD (as the cuda_graph rung
+    leaves an SGD with a schedule, fused so its update can be captured)."""
+
+    def configure_optimizers(self):
+        self.opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=True)
+        return self.opt
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.25, gradient_clip_algorithm="norm")
+
+
+def test_autocast_in_bf16_clips_before_a_fused_optimizer_which_lightnings_plugin_refuses():
+    """Lightning's MixedPrecision refuses clipping with a fused optimizer, for fear of clipping scaled
+    gradients; bf16 scales nothing. The autocast rung's plugin clips there (lstm-lm on an H200 failed
+    its autocast trial on this after cuda_graph had fused its SGD), and still refuses under fp16."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from speedkit.lightning.step import ClippingMixedPrecision
+
+    model = UserModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        MixedPrecision("bf16-mixed", device="cpu").clip_gradients(opt, 0.25)
+    ClippingMixedPrecision("bf16-mixed", device="cpu").clip_gradients(opt, 0.25)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert norm == pytest.approx(0.25, rel=1e-4)
+    fp16 = ClippingMixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        fp16.clip_gradients(opt, 0.25)
+
+    class Plugins(pl.Callback):
+        seen: list[str] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(type(trainer.precision_plugin).__name__)
+
+    pl.seed_everything(0, verbose=False)
+    fused, plugins = _FusedClipped(), Plugins()
+    trainer = _trainer([SpeedLadder(["autocast"], trials=False), plugins])
+    trainer.fit(fused)
+    assert trainer.global_step == 6 and plugins.seen == ["ClippingMixedPrecision"] * 6

@@ -28,6 +28,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from speedkit import compat
 from speedkit.data.source import BatchSource
@@ -35,6 +37,21 @@ from speedkit.handle import Handle
 from speedkit.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
 _MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+class ClippingMixedPrecision(MixedPrecision):
+    """Lightning's ``MixedPrecision``, set by the autocast rung. Lightning's refuses gradient clipping
+    with an optimizer that unscales its own gradients (a fused one): with a GradScaler, gradients
+    would be clipped while still scaled. bf16 runs no GradScaler, so nothing is scaled and clipping
+    before a fused step is exact; this plugin then clips as Lightning's fp32 plugin does. With a
+    scaler (fp16) it refuses as Lightning does."""
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
+                       gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM) -> None:
+        if self.scaler is None:
+            Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
 
 class LightningStep(Step):
@@ -183,11 +200,10 @@ class LightningStep(Step):
         return super().why_no_optimizer()
 
     def fused_optimizer_blocker(self) -> str | None:
-        from lightning.pytorch.plugins.precision import MixedPrecision
-
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
-        if not isinstance(self.trainer.precision_plugin, MixedPrecision):
+        plugin = self.trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecision) or (isinstance(plugin, ClippingMixedPrecision) and plugin.scaler is None):
             return None
         clip = self.trainer.gradient_clip_val
         if clip:
@@ -199,12 +215,10 @@ class LightningStep(Step):
         return None
 
     def set_autocast(self, dtype_name: str) -> Handle:
-        from lightning.pytorch.plugins.precision import MixedPrecision
-
         handle = Handle("autocast")
         strategy = self.strategy
         previous = strategy.precision_plugin
-        plugin = MixedPrecision(_MIXED[dtype_name], device=self.device.type)  # type: ignore[arg-type]
+        plugin = ClippingMixedPrecision(_MIXED[dtype_name], device=self.device.type)  # type: ignore[arg-type]
         if plugin.scaler is not None:
             self._scaler_initial[id(plugin.scaler)] = plugin.scaler.state_dict()
 
