@@ -521,10 +521,13 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
     monkeypatch.setattr(Ladder, "_compare", compare)
     state = mlp_state("cuda")
     opt = state.optimizer
+    # in the given order (a host-bound step, as this MLP's is on an H200, would try cuda_graph first and
+    # judge fused_optimizer beneath it at once: no second look then)
     ladder = Ladder(state, rungs.make_all(["fused_optimizer", "cuda_graph"]),
-                    {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 6, "telemetry": False})
+                    {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 6, "telemetry": False,
+                     "host_bound_share": 2.0})
     result = ladder.run()
-    by_name = {r.name: r for r in result.rungs}  # a host-bound MLP step tries cuda_graph first
+    by_name = {r.name: r for r in result.rungs}
     fused, graph = by_name["fused_optimizer"], by_name["cuda_graph"]
     assert graph.status == "kept", graph.reason
     assert "second look beneath cuda_graph" in fused.reason, fused.reason
