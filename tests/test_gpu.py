@@ -86,7 +86,7 @@ def test_lightning_callback_uses_mixed_precision_plugin_on_cuda():
     trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, callbacks=[ladder, Probe(), timer])
     trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=4, seq_len=64, length=256))
-    assert seen == {"plugin": "MixedPrecision", "precision": "bf16-mixed"}
+    assert seen == {"plugin": "ClippingMixedPrecision", "precision": "bf16-mixed"}
     assert set(ladder.applied_changes) == {"tf32", "autocast", "fused_optimizer"}
     assert timer.step_ms > 0 and timer.session.clock.syncs == 2
     assert torch.get_float32_matmul_precision() == "highest"

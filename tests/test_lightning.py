@@ -293,7 +293,7 @@ def test_given_rungs_apply_during_fit_without_trials_and_are_undone_after():
     trainer.fit(model, datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
     assert ladder.result is None  # no trials
     if "autocast" not in ladder.skipped:
-        assert seen["plugin"] == "MixedPrecision" and seen["precision"] == "bf16-mixed"
+        assert seen["plugin"] == "ClippingMixedPrecision" and seen["precision"] == "bf16-mixed"
     assert seen["fused"] is True and isinstance(seen["forward"], GuardedForward)
     assert "forward" not in model.__dict__
     assert type(trainer.strategy.precision_plugin).__name__ == "Precision"

@@ -270,18 +270,23 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
         expect.check(Fit(module, trainer, ladder, result, probe))
 
 
-def test_fused_optimizer_under_autocast_leaves_the_modules_own_clipping_working():
-    """The word-language LSTM clips in ``configure_gradient_clipping``: with autocast applied, a fused
-    optimizer must be left out (as it is for ``Trainer(gradient_clip_val=...)``), not break the fit
-    (Lightning's mixed precision refuses to clip for an optimizer that unscales its own gradients)."""
-    module, loader = ZOO["lstm-lm"].build("tiny")
-    ladder = SpeedLadder(["autocast", "fused_optimizer"], trials=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[ladder])
-    trainer.fit(module, train_dataloaders=loader)
-    assert trainer.global_step == 2
-    changes = " ".join(ladder.applied_changes.get("fused_optimizer", [])) + ladder.skipped.get("fused_optimizer", "")
-    assert "configure_gradient_clipping" in changes, changes  # foreach instead of fused, or nothing, and why
+def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working():
+    """The word-language LSTM clips in ``configure_gradient_clipping``. Under the autocast rung's bf16
+    plugin a fused optimizer clips and trains (nothing is scaled). Under Lightning's own mixed
+    precision, which refuses to clip for an optimizer that unscales its own gradients, a fused
+    optimizer is left out, with the reason, rather than break the fit."""
+    for precision, rungs in (("32-true", ["autocast", "fused_optimizer"]), ("bf16-mixed", ["fused_optimizer"])):
+        module, loader = ZOO["lstm-lm"].build("tiny")
+        ladder = SpeedLadder(rungs, trials=False)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=2, precision=precision, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder])
+        trainer.fit(module, train_dataloaders=loader)
+        assert trainer.global_step == 2
+        changes = " ".join(ladder.applied_changes.get("fused_optimizer", [])) + ladder.skipped.get("fused_optimizer", "")
+        if precision == "32-true":
+            assert "autocast" in ladder.applied_changes and "SGD: fused implementation" in changes, changes
+        else:  # foreach instead of fused, or nothing, and why
+            assert "configure_gradient_clipping" in changes, changes
 
 
 def test_the_zoo_imports_without_the_model_libraries():
