@@ -22,7 +22,9 @@ Rows (bench "zoo"): per model and variant, metric "throughput" (tokens/s or samp
 fit's window spread as ``noise``) and "peak_memory_gb"; for speedkit, "ratio_vs_switches", and in its
 throughput row the trials' ``trials_s``, the baseline's window spread ``baseline_noise`` and its likely
 source, and the ladder's own figure against the switches (``ladder_vs_switches``); a variant that fails or is stopped by the
-time guard before a timed window, metric "status". The speedkit report is saved beside the rows as
+time guard before a timed window, metric "status". Each throughput row counts the graphs Dynamo
+compiled in that variant's fit (``graphs_compiled``): a switches figure under fp32 from compiles in
+its timed windows shows there. The speedkit report is saved beside the rows as
 <date>_<gpu>_zoo_<model>_report.json.
 
 The time guard bounds each variant's fit on its own: a fit still running at its deadline is stopped
