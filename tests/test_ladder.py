@@ -1173,3 +1173,34 @@ def test_small_gains_each_hidden_in_the_noise_are_kept_when_judged_together():
     together = next(r for r in result.rungs if r.name.startswith("second look: p + q + r"))
     assert together.comparison.verdict == "faster" and together.comparison.low > 1.0
     assert [s.rung.name for s in ladder.slots] == ["p", "q", "r"] and all(r.status == "kept" for r in alone)
+
+
+class InertPrecisionRung(SpeedRung):
+    """A precision rung under which no op runs at its precision: the trajectory stays bit-identical,
+    while the virtual clock, which has noise, would still time a 'gain' of ``change``."""
+
+    acts_through_numerics = True
+
+
+@pytest.mark.parametrize("acts_through_numerics", [True, False])
+def test_a_precision_rung_with_a_bit_identical_trajectory_is_reverted_untimed(acts_through_numerics):
+    """On a 2-core CPU the tf32 rung (oneDNN's bf16 path for fp32 matmuls), which no matmul of the
+    demo's model took, was kept at 1.19x [1.10, 1.29] in one run of three: noise. A rung acting only
+    through arithmetic that changed none is reverted without a comparison; any other rung is timed."""
+    time = VirtualTime(noise=0.05, seed=0)
+    rung = InertPrecisionRung("tf32", time, 0.01, -0.3)
+    rung.acts_through_numerics = acts_through_numerics
+    _, result = _run(timed_state(time), [rung], time, switches_floor=False)  # "tf32" is one of the switches
+    entry = result.rungs[1]
+    assert entry.parity.max_rel_diff == 0.0
+    if acts_through_numerics:
+        assert entry.status == "reverted" and entry.comparison is None and "bit-identical" in entry.reason, entry
+    else:
+        assert entry.status == "kept" and entry.comparison is not None, entry
+
+
+def test_the_precision_rungs_act_through_numerics():
+    from speedkit import rungs
+
+    assert {r.name for r in rungs.make_all(["tf32", "autocast", "compile", "channels_last"]) if r.acts_through_numerics} \
+        == {"tf32", "autocast"}

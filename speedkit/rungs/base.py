@@ -63,6 +63,11 @@ class Rung:
     #: with the kept precision rungs off, where the envelope is narrow enough to show a defect that
     #: bf16's rounding would hide
     judged_at_full_precision: ClassVar[bool] = False
+    #: it can change the step's speed only by changing its arithmetic (a precision: tf32, autocast): with
+    #: a loss trajectory bit-identical to the one without it, no op ran at its precision, so it is
+    #: reverted as inert without timing it (a comparison would time noise: on a 2-core CPU it "kept"
+    #: tf32 at 1.19x [1.10, 1.29] in one run of three, when no matmul of the model took its path)
+    acts_through_numerics: ClassVar[bool] = False
     #: it removes host work from the step (compile, a CUDA graph, a host sync): on a host-bound step it
     #: is tried first, and the other rungs are judged beneath it, where their device-side gain shows
     cuts_host_work: ClassVar[bool] = False

@@ -65,6 +65,7 @@ def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
 
 class TF32Rung(Rung):
     name = "tf32"
+    acts_through_numerics = True
     Options = TF32Options
     precision = "tf32"
 
