@@ -93,8 +93,10 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
         x if isinstance(x, str) else x["name"] for x in recipe["ladder"]]]
     for r in rungs:
         assert r["status"] in ("baseline", "kept", "reverted", "not_applicable", "closing", "switches"), (r["name"], r["reason"])
-        if r["status"] in ("kept", "reverted") and r["parity"]["passed"]:
+        if r["status"] in ("kept", "reverted") and r["parity"]["passed"] and not r["reason"].startswith("no effect here"):
             assert r["comparison"]["blocks"] >= 2 and r["measurement"]["step_ms"] > 0
+        elif r["status"] == "reverted" and r["parity"]["passed"]:  # inert: nothing it could change ran
+            assert r["parity"]["max_rel_diff"] == 0.0 and r["comparison"] is None
     assert report["environment"]["torch"] and report["flops"]["per_step"] > 0
     assert report["run"]["precision"] == "32-true"
     assert report["holds"]["fit"] is not None  # the fit's own steps were timed after the trials

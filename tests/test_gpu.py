@@ -28,6 +28,9 @@ def test_all_first_rungs_apply_and_pass_parity_on_cuda():
             continue
         assert r.status in ("kept", "reverted"), (r.name, r.status, r.reason)
         assert r.parity.passed, (r.name, r.parity)
+        if r.reason.startswith("no effect here"):  # inert: a bit-identical trajectory, not timed
+            assert r.parity.max_rel_diff == 0.0 and r.comparison is None
+            continue
         assert r.comparison.blocks >= 3 and r.comparison.a.clock == "cuda_events"
     assert result.environment["gpu_name"]
     assert result.switches is not None and result.switches.parity is None or result.switches.parity.passed
