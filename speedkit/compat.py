@@ -55,24 +55,30 @@ def graph_count() -> int:
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
 
-def dynamo_recompile_limit() -> int | None:
-    """Dynamo's limit on compiled entries per code object (``config.recompile_limit``, called
-    ``cache_size_limit`` before torch 2.6); None where neither exists. Past it Dynamo runs that
-    frame eagerly for good."""
+def _dynamo_limit_name() -> str | None:
+    """The name of Dynamo's per-frame entry limit in its config (``recompile_limit``, called
+    ``cache_size_limit`` before torch 2.6); None where neither exists."""
     import torch._dynamo.config as dynamo_config
 
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            return int(getattr(dynamo_config, name))
-    return None
+    return next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(dynamo_config, n)), None)
+
+
+def dynamo_recompile_limit() -> int | None:
+    """Dynamo's limit on compiled entries per code object; None where it has none. Past it Dynamo
+    runs that frame eagerly for good."""
+    import torch._dynamo.config as dynamo_config
+
+    name = _dynamo_limit_name()
+    return int(getattr(dynamo_config, name)) if name else None
 
 
 def set_dynamo_recompile_limit(limit: int) -> None:
-    """Set what :func:`dynamo_recompile_limit` reads."""
+    """Set what :func:`dynamo_recompile_limit` reads (where it exists)."""
     import torch._dynamo.config as dynamo_config
 
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, limit)
+    name = _dynamo_limit_name()
+    if name:
+        setattr(dynamo_config, name, limit)
 
 
 def frames_given_up() -> tuple[int, dict[str, int]]:

@@ -494,8 +494,9 @@ class Ladder:
                                          f"max rel diff {precise.max_rel_diff:.2e} against {precise.tolerance:.0e}")
                     if not precise.passed:
                         entry.parity = precise
-            inert = entry.parity.max_rel_diff == 0.0 and (rung.acts_through_numerics or state.precision != precision_before)
-            if inert and not rung.acts_through_numerics:
+            bit_identical = entry.parity.max_rel_diff == 0.0
+            inert = bit_identical and rung.acts_through_numerics
+            if bit_identical and not inert and state.precision != precision_before:
                 entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
             if slot.handle.problem():
                 raise _RungProblem(slot.handle.problem())
@@ -503,7 +504,7 @@ class Ladder:
                 entry.status = "reverted"
                 entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
                                 f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}")
-            elif inert and rung.acts_through_numerics:
+            elif inert:
                 entry.status = "reverted"
                 entry.reason = ("no effect here: the loss trajectory is bit-identical with it, so no op ran at its "
                                 "precision and it cannot change the step's speed; not timed")
