@@ -259,6 +259,31 @@ def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
         assert graph.replays > 0
 
 
+@pytest.mark.parametrize("below", [["explicit_mask"], ["explicit_mask", "compile"]])
+def test_lightning_demo_transformer_is_captured_with_its_mask_applied_as_given(below):
+    """The demo's sync is nn.Transformer asking whether its tgt_mask is causal; with explicit_mask the
+    mask is applied as given and the step is captured (the mask is made on the host and copied each
+    step: in eager that copy may still stop the capture, which is then named; compiled, Inductor builds
+    the mask on the device)."""
+    from speedkit.demos.zoo import ZOO
+
+    module, loader = ZOO["lightning-transformer"].build("tiny")
+    record = _Record()
+    ladder = [r if r != "compile" else {"name": "compile", "options": {"backend": "inductor"}} for r in below]
+    trainer = pl.Trainer(max_steps=10, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[SpeedLadder(rungs=[*ladder, "cuda_graph"]), record])
+    trainer.fit(module, train_dataloaders=loader)
+    graph = record.graph
+    assert isinstance(graph, GraphedStep)
+    print(f"demo Transformer under {below}: {graph.stopped or f'captured, {graph.replays} replays'}")
+    if "compile" in below:
+        assert graph.stopped is None and graph.replays > 0, graph.stopped
+    elif graph.stopped is not None:
+        assert "_detect_is_causal_mask" not in graph.stopped, graph.stopped
+    assert all(math.isfinite(x) for x in record.losses)
+
+
 def test_graphed_peak_memory_counts_the_graph_pool():
     """Replays allocate nothing, so the allocator's peak during them leaves out the graph's pool (its
     activations and gradients): the measured window adds the pool, and the graphed configuration's

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -23,6 +23,7 @@ from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.cuda_graph import CudaGraphRung
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
 from speedkit.rungs.data_path import DataPathRung
+from speedkit.rungs.explicit_mask import ExplicitMaskRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.gc_freeze import GcFreezeRung
 from speedkit.rungs.sdpa import SdpaRung
@@ -41,7 +42,8 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung, GcFreezeRung):
+             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung, GcFreezeRung,
+             ExplicitMaskRung):
     register(_cls)
 
 
