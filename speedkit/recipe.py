@@ -73,6 +73,7 @@ _MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
     "together_passes": (int, 0, False, None),
     "switches_floor": (bool, None, False, None),
     "host_bound_share": (float, 0.0, True, None),
+    "busy_util": (float, 0.0, True, None),
     "noise_target": (float, 0.0, False, None),
     "max_window_factor": (int, 1, False, None),
     "trials_budget_s": (float, 0.0, True, None),
