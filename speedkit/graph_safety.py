@@ -540,7 +540,10 @@ def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
         if "called a synchronizing" not in str(message):  # (set_sync_debug_mode itself warns it is a prototype)
             previous_show(message, category, filename, lineno, file, line)
             return
-        stack = [f for f in traceback.extract_stack()[:-1] if not _is_machinery(f.filename)]
+        full = traceback.extract_stack()[:-1]
+        if while_compiling(full):  # torch.compile's own work on a first call: once, not in the step replayed
+            return
+        stack = [f for f in full if not _is_machinery(f.filename)]
         frame = stack[-1] if stack else None
         where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else f"{filename}:{lineno}"
         user = next((f for f in reversed(stack) if _is_callers_code(f.filename)), None)
@@ -702,6 +705,17 @@ def _draw_blocker(frame: Any, call: str) -> Blocker:
                if user is not None and not is_users_own_file(frame.f_code.co_filename) else "")
     return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture and replayed every "
                    f"step{reached}", where, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
+
+
+#: frames on the stack only while torch.compile compiles (Dynamo's frame conversion on a cache miss,
+#: Inductor's compilation), never while compiled code runs
+_COMPILING = ("/torch/_dynamo/convert_frame.py", "/torch/_inductor/compile_fx.py")
+
+
+def while_compiling(stack: list[traceback.FrameSummary]) -> bool:
+    """Whether a call was made by torch.compile compiling (Inductor folding a constant reads it with
+    ``.item()``: a sync once, at the first call of a configuration, not in the step a graph replays)."""
+    return any(f.filename.replace("\\", "/").endswith(_COMPILING) for f in stack)
 
 
 def _is_machinery(filename: str) -> bool:

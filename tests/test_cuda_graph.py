@@ -692,3 +692,22 @@ def test_a_capture_error_torch_words_obscurely_is_explained():
     assert why.startswith("the step sets the CUDA random generator's state while it is captured (activation checkpointing")
     assert why.endswith("RuntimeError: Attempt to increase offset for a CUDA generator not in capture mode.")
     assert capture_failure(ValueError("other\nlines")) == "ValueError: other"
+
+
+def test_a_sync_made_while_torch_compile_compiles_is_not_the_steps():
+    """Inductor folds a constant with ``.item()`` on a configuration's first call (seen on the H200 under
+    the demo Transformer): a sync once, while compiling, not in the step a graph replays. A sync at a
+    graph break runs in the caller's frames, compiled code's or the user's, and still counts."""
+    import traceback
+
+    from speedkit.graph_safety import while_compiling
+
+    def frames(*files: str) -> list[traceback.FrameSummary]:
+        return [traceback.FrameSummary(f, 1, "f") for f in files]
+
+    site = "/venv/lib/python3.12/site-packages"
+    assert while_compiling(frames("/work/train.py", f"{site}/torch/_dynamo/convert_frame.py",
+                                  f"{site}/torch/_inductor/fx_passes/joint_graph.py"))
+    assert while_compiling(frames(f"{site}/torch/_inductor/compile_fx.py"))
+    assert not while_compiling(frames("/work/train.py", f"{site}/torch/_dynamo/eval_frame.py",
+                                      "/tmp/torchinductor_root/ab/cabc.py", f"{site}/torch/nn/modules/transformer.py"))
