@@ -417,10 +417,10 @@ class Ladder:
 
     def _trial_order(self, baseline: Measurement) -> list[Rung]:
         """The order the rungs are tried in: the ladder's, except on a host-bound step (on a device the
-        host drives, the host's time issuing a step is ``host_bound_share`` of the step or more), where the rungs that
-        cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are
-        tried first, compile first of them: in the host's noise the others' device-side gains do not show, beneath them they
-        do. Each rung still goes in at its place in the ladder's order (beneath them)."""
+        host drives, see :func:`_host_bound`), where the rungs that cut host work
+        (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are tried first,
+        compile first of them: in the host's noise the others' device-side gains do not show, beneath
+        them they do. Each rung still goes in at its place in the ladder's order (beneath them)."""
         host, step = baseline.host_ms, baseline.step_ms
         # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
         if self.clock.name == "perf_counter" or not _host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):

@@ -42,12 +42,14 @@ def _position(cls: type[nn.Module], name: str) -> int:
 
 
 class MaskAsGiven(AttributeWrapper):
-    """A transformer stack's ``forward`` that passes ``is_causal=False`` (the mask as given) when its
-    caller gave a mask and left the hint ``None``; every other call goes through unchanged."""
+    """A transformer stack's ``forward`` (of class ``cls``, one of ``_SNIFFERS``) that passes the hint
+    ``False`` (the mask as given) when its caller gave a mask and left the hint ``None``; every other
+    call goes through unchanged."""
 
-    def __init__(self, wrapped: Any, mask: str, hint: str, mask_at: int, hint_at: int) -> None:
+    def __init__(self, wrapped: Any, cls: type[nn.Module]) -> None:
         super().__init__(wrapped)
-        self.mask, self.hint, self.mask_at, self.hint_at = mask, hint, mask_at, hint_at
+        self.mask, self.hint = _SNIFFERS[cls]
+        self.mask_at, self.hint_at = _position(cls, self.mask), _position(cls, self.hint)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mask = args[self.mask_at] if len(args) > self.mask_at else kwargs.get(self.mask)
@@ -57,15 +59,11 @@ class MaskAsGiven(AttributeWrapper):
         return self.wrapped(*args, **kwargs)
 
 
-def sniffing_stacks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """The model's transformer stacks that run torch's own mask-sniffing ``forward``, with the names
-    of their mask and hint parameters."""
-    found = []
-    for module in model.modules():
-        for cls, (mask, hint) in _SNIFFERS.items():
-            if isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in vars(module):
-                found.append((module, mask, hint))
-    return found
+def sniffing_stacks(model: nn.Module) -> list[tuple[nn.Module, type[nn.Module]]]:
+    """The model's transformer stacks that run torch's own mask-sniffing ``forward``, each with the
+    class of ``_SNIFFERS`` whose forward it runs."""
+    return [(module, cls) for module in model.modules() for cls in _SNIFFERS
+            if isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in vars(module)]
 
 
 class ExplicitMaskRung(Rung):
@@ -84,13 +82,12 @@ class ExplicitMaskRung(Rung):
     def apply(self, state: TrainState) -> Handle:
         handle = Handle(self.name)
         names = {id(m): n for n, m in state.model.named_modules()}
-        for module, mask, hint in sniffing_stacks(state.model):
-            cls = next(c for c in _SNIFFERS if isinstance(module, c))
-            wrapper = MaskAsGiven(module.forward, mask, hint, _position(cls, mask), _position(cls, hint))
+        for module, cls in sniffing_stacks(state.model):
+            wrapper = MaskAsGiven(module.forward, cls)
             set_attr(handle, module, "forward", wrapper,
-                     f"{names.get(id(module)) or type(module).__name__} ({type(module).__name__}): called with a {mask} "
-                     f"and no hint, {hint}=False (the mask applied as given, not read on the host to find out whether "
-                     "it is causal)")
+                     f"{names.get(id(module)) or type(module).__name__} ({type(module).__name__}): called with a "
+                     f"{wrapper.mask} and no hint, {wrapper.hint}=False (the mask applied as given, not read on the host "
+                     "to find out whether it is causal)")
         return handle
 
 
