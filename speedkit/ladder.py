@@ -19,12 +19,13 @@ For every rung, in order:
    ``memory_gain`` and not slower); else undo.
 
 Rungs are tried in the ladder's order, each at its place beneath the kept rungs that come after it;
-on a host-bound step (a GPU's host time most of its step) the rungs that cut host work go first.
+on a host-bound step (a GPU's host time most of its step) the rungs that cut host work go first, on
+a device-bound one the rungs whose only gain is the device's wait for the host go last.
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
 later rungs on top, the same way; a second look judges every rung reverted on speed (undecided or
 slower), or rejected on numerics under another precision, again on the final configuration, at its
-place beneath the rungs kept after it, alone, with the partners it names (``Rung.partners``) and
-together with the others still undecided but leaning faster, pass after pass until a pass keeps
+place beneath the rungs kept after it, with the partners it names (``Rung.partners``), together
+with the others still undecided but leaning faster, then alone, pass after pass until a pass keeps
 nothing (gains that show only together, or only once a later rung removed the noise that hid them);
 the user's switches (``configs/defaults.yaml`` ``switches:``) are timed against the final
 configuration and the faster kept, so the result is never one measured slower than them; and a
@@ -227,6 +228,9 @@ class Ladder:
         self._last_comparison: dict[str, PairedResult] = {}
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
         self._judged: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
+        #: the kept rungs beneath which a rung failed in the climb (it may not fail beneath others:
+        #: a CUDA graph refused for a sync that the compiled step no longer makes)
+        self._failed_beneath: dict[str, tuple[str, ...]] = {}
 
     @property
     def handles(self) -> list[Handle]:
@@ -383,8 +387,8 @@ class Ladder:
         """The trials' time budget: ``trials_share`` of the fit's planned time (its planned steps at
         the baseline's step time), never under ``trials_min_s``, never over ``trials_budget_s``; the
         cap alone where the fit's length is not known. It bounds the comparisons (each gets its share
-        of what is left, at least ``min_blocks`` blocks) and the second looks (skipped once it is
-        spent); every rung is still tried (parity and ``min_blocks`` blocks), and the switches floor
+        of what is left, at least ``min_blocks`` blocks) and the second looks (once it is spent, only
+        the first pass's groups are judged, the rest is skipped); every rung is still tried (parity and ``min_blocks`` blocks), and the switches floor
         and the final check run in full (``budget_s`` each), so the trials can overrun it by that
         much, which the report shows.
         Compiled graphs are reused across A and B (a rung is suspended and resumed, not rebuilt)."""
@@ -416,16 +420,36 @@ class Ladder:
         self.on_event(f"{what} skipped: the trials' time budget ({self._budget_s:.0f} s) is spent")
 
     def _trial_order(self, baseline: Measurement) -> list[Rung]:
-        """The order the rungs are tried in: the ladder's, except on a host-bound step (on a device the
-        host drives, see :func:`_host_bound`), where the rungs that cut host work
-        (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are tried first,
-        compile first of them: in the host's noise the others' device-side gains do not show, beneath
-        them they do. Each rung still goes in at its place in the ladder's order (beneath them)."""
+        """The order the rungs are tried in: the ladder's, except on a GPU where the baseline shows who
+        sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
+        kept rungs that come after it there), only the order of the trials changes:
+
+        - a host-bound step (the host drives the device, see :func:`_host_bound`): the rungs that cut
+          host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are tried
+          first, compile first of them: in the host's noise the others' device-side gains do not
+          show, beneath them they do;
+        - a device-bound step: the rungs whose only gain is the device's wait for the host
+          (``Rung.host_side``: the loader's path, the garbage collector, the progress bar's sync, CUDA
+          graphs) are tried after the others, on the step they made fast, where a wait can show (on
+          GPT-2 in fp32, 340 ms a step on a GPU 99% busy, data_path and gc_freeze measured 1.00x in 20 s
+          each; compiled in bf16 the step is 51 ms)."""
         host, step = baseline.host_ms, baseline.step_ms
         # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
-        if self.clock.name == "perf_counter" or not _host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
+        # (nor where the host's time is not known)
+        if self.clock.name == "perf_counter" or host is None or not step:
             return list(self.rungs)
-        assert host is not None and step
+        assert self.result is not None
+        if not _host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
+            later = [r for r in self.rungs if r.host_side]
+            order = [r for r in self.rungs if not r.host_side] + later
+            if order != list(self.rungs):
+                util = (baseline.telemetry or {}).get("util_mean")
+                pace = (f"GPU busy {util:.0f}% of the time" if host >= self.cfg.host_bound_share * step and util is not None
+                        else f"host {host:.1f} of {step:.1f} ms per step")
+                moved = ", ".join(r.name for r in later)
+                self.result.run["trial_order"] = f"device-bound baseline ({pace}): {moved} tried last"
+                self.on_event(f"device-bound baseline ({pace}): trying {moved} last, on the step the others made fast")
+            return order
         # compile first of them: the others are judged on the step it compiled, where the host's noise is
         # least and what they remove shows (a graph break's sync: explicit_mask, 1.04x undecided in eager
         # on Lightning's demo Transformer, 1.26x beneath compile; the progress bar's sync)
@@ -433,7 +457,6 @@ class Ladder:
         if not first:
             return list(self.rungs)
         order = first + [r for r in self.rungs if not r.cuts_host_work]
-        assert self.result is not None
         self.result.run["trial_order"] = (f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): "
                                           f"{', '.join(r.name for r in first)} tried first")
         self.on_event(f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
@@ -529,6 +552,7 @@ class Ladder:
                     entry.changes.append("note: peak memory is not compared: " + rung.memory_note)
         except Exception as exc:
             entry.status = "failed"
+            self._failed_beneath[rung.name] = tuple(s.rung.name for s in self.slots if s is not slot)
             if isinstance(exc, torch.OutOfMemoryError):
                 entry.reason = "out of memory while trying this rung"
             elif isinstance(exc, _RungProblem):
@@ -675,19 +699,21 @@ class Ladder:
         the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
         rungs kept after it. Each goes in at its place in the ladder, beneath the kept rungs after it
         (switched off, then on again on top of it, rebased), and is judged against the final
-        configuration without it. A rung that names partners (``Rung.partners``) not kept either is
-        also tried with them, as a group (bf16 with channels_last and compile on a convnet), and the
-        rungs still undecided but leaning faster are tried all together. A configuration already
-        judged is not judged again."""
-        for _ in range(self.cfg.together_passes):
-            if self._remaining() <= 0 and self._second_look_groups():
-                self._note_budget("second look")
-                break
+        configuration without it. The groups come first (see :meth:`_second_look_groups`): a rung with
+        the partners it names (bf16 with channels_last and compile on a convnet), and the rungs still
+        undecided but leaning faster, all together; then each rung alone, the likeliest to pay first.
+        Once the trials' budget is spent, the groups of the first pass are still judged (one
+        comparison each: where small gains add up, they are what the budget would be spent on
+        first), the rest is skipped. A configuration already judged is not judged again."""
+        for n in range(self.cfg.together_passes):
             changed = False
             for group in self._second_look_groups():
                 key = (tuple(r.name for r in group), tuple(s.rung.name for s in self.slots))
                 if key in self._judged or not all(self._worth_another_look(r) for r in group):
                     continue  # judged on this configuration already, or kept since in this pass
+                if self._remaining() <= 0 and (n > 0 or len(group) == 1):
+                    self._note_budget("second look" if n == 0 and not changed else "second look (the rest)")
+                    return reference
                 self._judged.add(key)
                 kept, reference = self._look_again(group, reference)
                 changed = changed or kept
@@ -698,9 +724,16 @@ class Ladder:
     def _worth_another_look(self, rung: Rung) -> bool:
         """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
         on numerics under another precision than the final configuration's (channels_last against an
-        fp32 envelope, before bf16 was kept), and not kept since."""
+        fp32 envelope, before bf16 was kept), or failed in the climb beneath other kept rungs than the
+        final configuration's (cuda_graph refused for a sync in eager code that the compiled step does
+        not make: transformers' check whether a padding mask is all ones), and not kept since."""
         entry = self._entry(rung.name)
-        if entry is None or entry.status != "reverted" or any(s.rung is rung for s in self.slots):
+        if entry is None or any(s.rung is rung for s in self.slots):
+            return False
+        if entry.status == "failed":
+            beneath = self._failed_beneath.get(rung.name)
+            return beneath is not None and beneath != tuple(s.rung.name for s in self.slots)
+        if entry.status != "reverted":
             return False
         if entry.comparison is not None:
             return True
@@ -713,12 +746,13 @@ class Ladder:
         return next((r for r in self.result.rungs if r.name == name and r.status not in ("closing", "switches")), None)
 
     def _second_look_groups(self) -> list[list[Rung]]:
-        """Each rung reverted on speed alone, then each with the partners it names that were reverted
-        too, then all those still undecided with a gain in their point estimate together: small gains
-        (2-3% each on a noisy host-bound step) that no comparison of one could tell from the noise
-        add up to one it can."""
+        """Each rung reverted on speed with the partners it names that were reverted too, then all those
+        still undecided with a gain in their point estimate together (small gains, 2-3% each on a
+        noisy host-bound step, that no comparison of one could tell from the noise add up to one it
+        can), then each rung alone, the highest point estimate first (a rung rejected on numerics
+        under another precision, never timed, counts as even)."""
         candidates = [r for r in self.rungs if self._worth_another_look(r)]
-        groups = [[r] for r in candidates]
+        groups: list[list[Rung]] = []
         for rung in candidates:
             partners = [p for p in candidates if p.name in rung.partners]
             if partners:
@@ -728,7 +762,12 @@ class Ladder:
         leaning = [r for r in candidates if self._leans_faster(r)]
         if len(leaning) > 1 and leaning not in groups:
             groups.append(leaning)
-        return groups
+
+        def estimate(rung: Rung) -> float:
+            paired = self._last_comparison.get(rung.name)
+            return paired.speedup if paired is not None else 1.0
+
+        return groups + [[r] for r in sorted(candidates, key=estimate, reverse=True)]
 
     def _leans_faster(self, rung: Rung) -> bool:
         """Undecided in its last comparison, with a point estimate above 1."""

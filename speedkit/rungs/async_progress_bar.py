@@ -60,6 +60,7 @@ def logs_to_progress_bar(module: Any) -> bool | None:
 class AsyncProgressBarRung(Rung):
     name = "async_progress_bar"
     cuts_host_work = True
+    host_side = True
     Options = AsyncProgressBarOptions
     precision = None  # training is untouched; only when a logged value is read changes
 

@@ -71,6 +71,10 @@ class Rung:
     #: it removes host work from the step (compile, a CUDA graph, a host sync): on a host-bound step it
     #: is tried first, and the other rungs are judged beneath it, where their device-side gain shows
     cuts_host_work: ClassVar[bool] = False
+    #: all it can remove is time the device waits for the host (the loader, the garbage collector,
+    #: launches, a sync): on a step that keeps the device busy it shows only once the device's work has
+    #: shrunk, so there it is tried after the rungs that shrink it (compile included)
+    host_side: ClassVar[bool] = False
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

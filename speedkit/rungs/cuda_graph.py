@@ -55,6 +55,7 @@ class CudaGraphOptions:
 class CudaGraphRung(Rung):
     name = "cuda_graph"
     cuts_host_work = True
+    host_side = True
     new_shape_cost = True  # a batch of another shape runs eagerly
     Options = CudaGraphOptions
     lightning_stage = "fit_start"

@@ -571,6 +571,7 @@ def share_by_name(handle: Handle) -> None:
 
 class DataPathRung(Rung):
     name = "data_path"
+    host_side = True  # the device waits for its batch: a busy device does not
     Options = DataPathOptions
     precision = None  # the same batches, in the same order
     #: needs the train loader, which a Lightning fit has from on_train_start on

@@ -38,6 +38,7 @@ class GcFreezeRung(Rung):
     name = "gc_freeze"
     lightning_stage = "train_start"  # once the optimizer, loaders and compiled code exist: freeze those too
     cuts_host_work = True
+    host_side = True
 
     def check(self, state: TrainState) -> str | None:
         if not gc.isenabled():
