@@ -503,7 +503,7 @@ class Ladder:
             with self._heartbeat(f"  {rung.name}: parity"):  # the first steps compile, where a rung compiles
                 losses = self._trajectory()
             entry.parity = self._parity(losses, reference)
-            if slot.handle.draws_differently and active_dropouts(state.model):
+            if self._draws_differently(place):
                 # the same function drawing its dropout masks differently: compare with dropout off
                 with _dropout_off(state.model):
                     candidate = self._trajectory()
@@ -609,6 +609,18 @@ class Ladder:
         order = {r.name: i for i, r in enumerate(self.rungs)}
         return sum(order.get(s.rung.name, -1) < order[rung.name] for s in self.slots)
 
+    def _draws_differently(self, place: int, on: list[bool] | None = None) -> bool:
+        """Whether the configuration with the rung at ``place`` draws its dropout masks from another
+        random stream than the one without it, so that trajectories with dropout on differ by design:
+        the rung itself draws differently (a fused attention), or a rung on above it does, rebuilt on
+        top of it (compile: the mask applied as given beneath it is another compiled graph, which
+        consumes Inductor's random offsets in another order; a Transformer's loss moved by 1.9e-3
+        in fp32 with dropout on, by rounding with it off). ``on``: the slots on (default: all)."""
+        on = on if on is not None else [True] * len(self.slots)
+        drawing = self.slots[place].handle.draws_differently or any(
+            on[i] and self.slots[i].handle.draws_differently for i in range(place + 1, len(self.slots)))
+        return bool(drawing and active_dropouts(self.state.model))
+
     def _parity_at_full_precision(self, place: int) -> Parity | None:
         """The parity of the candidate at ``place`` with the kept precision rungs switched off (None
         when none is on): a rewrite of the model's code is the same function at any precision, and
@@ -617,8 +629,7 @@ class Ladder:
         precise = [s.rung.precision is None or i == place for i, s in enumerate(self.slots)]
         if all(precise):
             return None
-        slot = self.slots[place]
-        dropout = slot.handle.draws_differently and active_dropouts(self.state.model)
+        dropout = self._draws_differently(place, precise)
         try:
             with _dropout_off(self.state.model) if dropout else contextlib.nullcontext():
                 self._configure(precise)
