@@ -103,13 +103,14 @@ class Plan:
 
     def guard_s(self, variant: str) -> float:
         """The wall time ``variant``'s fit may take: the time guard, and for the speedkit variant its
-        trials' budget besides (and the switches and final comparisons that close them, each up to
-        one comparison's budget), so that the trials never eat the fit's own steps."""
+        trials' budget besides (and the comparisons that may run past it, each up to one comparison's
+        budget: the switches, the final check, the second look's groups, two of them on most models),
+        so that the trials never eat the fit's own steps."""
         if variant != "speedkit":
             return self.time_guard_s
         measure = {**config.measure_defaults(), **self.measure}
         budget, comparison = measure["trials_budget_s"], measure["budget_s"]
-        return self.time_guard_s + budget + 3 * comparison
+        return self.time_guard_s + budget + 5 * comparison
 
     def ladder(self) -> list[Any]:
         """The default ladder, its compile rung on :attr:`compile_backend`."""

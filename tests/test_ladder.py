@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -1183,6 +1184,9 @@ def test_a_spent_budget_shortens_comparisons_and_judges_only_the_groups_again():
     assert all(r.comparison.blocks == FAST["min_blocks"] for r in tight.rungs[1:3])  # its share: the minimum
     assert max(r.comparison.blocks for r in free.rungs[1:3]) > FAST["min_blocks"]
     assert all("second look on the baseline together with y" in r.reason for r in tight.rungs[1:3])
+    # the group had a whole comparison's budget (budget_s), not the minimum of blocks the spent budget leaves
+    together = tight.rungs[1].reason.split("together with y")[1]
+    assert int(re.search(r"over (\d+) A/B blocks", together).group(1)) > FAST["min_blocks"], together
     assert tight.run["trials_s"] < free.run["trials_s"]
     # y kept, x undecided: x alone on top of y is a configuration not judged yet, and it is skipped
     tight = _budget_run(None, (-0.01, -0.5), trials_budget_s=0.5, together_passes=2)
