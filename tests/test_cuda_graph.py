@@ -711,3 +711,30 @@ def test_a_sync_made_while_torch_compile_compiles_is_not_the_steps():
     assert while_compiling(frames(f"{site}/torch/_inductor/compile_fx.py"))
     assert not while_compiling(frames("/work/train.py", f"{site}/torch/_dynamo/eval_frame.py",
                                       "/tmp/torchinductor_root/ab/cabc.py", f"{site}/torch/nn/modules/transformer.py"))
+
+
+def test_a_graph_captured_before_a_configuration_change_is_captured_again():
+    """The ladder's parity checks set dropout rates to 0 with the graph on (a rung beneath compile on
+    Lightning's demo Transformer, judged with dropout off): the captured kernels still drop out, and
+    the loss moved by 1.4e-3 in fp32. Any configuration change since the capture drops the graph; it
+    warms up again (``rewarm`` eager steps) and captures anew."""
+    from speedkit.graph import GraphedStep
+    from speedkit.handle import configuration_changed, configuration_changes
+    from speedkit.ladder import _dropout_off
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    graphed = GraphedStep(PlainStep(model, opt, "cpu", loss_fn=lambda m, b, i: m(b[0]).sum()), warmup=2, rewarm=1)
+    reset = []
+    graphed.graph = SimpleNamespace(reset=lambda: reset.append(1))  # as if captured
+    graphed._captured_at = configuration_changes()
+    graphed._eager_needed = 0
+    assert graphed._ready() and graphed.graph is not None  # nothing changed: replayed
+    with _dropout_off(model):
+        assert not graphed._ready() and graphed.graph is None and reset == [1]
+        assert graphed._eager_needed == 1  # one eager step, then a capture with dropout off
+    graphed.graph = SimpleNamespace(reset=lambda: reset.append(2))
+    graphed._captured_at = configuration_changes()
+    graphed._eager_needed = 0
+    configuration_changed()  # a handle beneath switched
+    assert not graphed._ready() and reset == [1, 2]
