@@ -24,8 +24,8 @@ a device-bound one the rungs whose only gain is the device's wait for the host g
 After the rungs, a closing check re-judges kept rungs that ask for it (``Rung.recheck``) with the
 later rungs on top, the same way; a second look judges every rung reverted on speed (undecided or
 slower), or rejected on numerics under another precision, again on the final configuration, at its
-place beneath the rungs kept after it, with the partners it names (``Rung.partners``), together
-with the others still undecided but leaning faster, then alone, pass after pass until a pass keeps
+place beneath the rungs kept after it, with the partners it names (``Rung.partners``), alone, and
+together with the others still undecided but leaning faster, pass after pass until a pass keeps
 nothing (gains that show only together, or only once a later rung removed the noise that hid them);
 the user's switches (``configs/defaults.yaml`` ``switches:``) are timed against the final
 configuration and the faster kept, so the result is never one measured slower than them; and a
@@ -715,21 +715,22 @@ class Ladder:
         the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
         rungs kept after it. Each goes in at its place in the ladder, beneath the kept rungs after it
         (switched off, then on again on top of it, rebased), and is judged against the final
-        configuration without it. The groups come first (see :meth:`_second_look_groups`): a rung with
-        the partners it names (bf16 with channels_last and compile on a convnet), and the rungs still
-        undecided but leaning faster, all together; then each rung alone, the likeliest to pay first.
+        configuration without it, in the order of :meth:`_second_look_groups`: a rung with the
+        partners it names (bf16 with channels_last and compile on a convnet), each rung alone (the
+        likeliest to pay first), and the rungs still undecided but leaning faster, all together.
         The groups of the first pass are judged whatever the trials' budget has left, each with a
         whole comparison's (``budget_s``: where small gains add up, they are what the budget would be
-        spent on first); once it is spent, the rest is skipped. A configuration already judged is not judged again."""
+        spent on first); once it is spent, the rest is skipped. A configuration already judged is
+        not judged again."""
         for n in range(self.cfg.together_passes):
-            changed = False
+            changed, skipped = False, False
             for group in self._second_look_groups():
                 key = (tuple(r.name for r in group), tuple(s.rung.name for s in self.slots))
                 if key in self._judged or not all(self._worth_another_look(r) for r in group):
                     continue  # judged on this configuration already, or kept since in this pass
                 if self._remaining() <= 0 and (n > 0 or len(group) == 1):
-                    self._note_budget("second look" if n == 0 and not changed else "second look (the rest)")
-                    return reference
+                    skipped = True  # the groups of the first pass after it are still judged
+                    continue
                 self._judged.add(key)
                 self._judging_groups = n == 0 and len(group) > 1
                 try:
@@ -737,6 +738,9 @@ class Ladder:
                 finally:
                     self._judging_groups = False
                 changed = changed or kept
+            if skipped:
+                self._note_budget("second look" if n == 0 and not changed else "second look (the rest)")
+                break
             if not changed:
                 break
         return reference
@@ -766,11 +770,14 @@ class Ladder:
         return next((r for r in self.result.rungs if r.name == name and r.status not in ("closing", "switches")), None)
 
     def _second_look_groups(self) -> list[list[Rung]]:
-        """Each rung reverted on speed with the partners it names that were reverted too, then all those
-        still undecided with a gain in their point estimate together (small gains, 2-3% each on a
-        noisy host-bound step, that no comparison of one could tell from the noise add up to one it
-        can), then each rung alone, the highest point estimate first (a rung rejected on numerics
-        under another precision, never timed, counts as even)."""
+        """Each rung reverted on speed with the partners it names that were reverted too; then, while
+        the trials' budget lasts, each rung alone, the highest point estimate first (a rung rejected on
+        numerics under another precision, never timed, counts as even); then all those still
+        undecided with a gain in their point estimate together: small gains (2-3% each on a noisy
+        host-bound step) that no comparison of one could tell from the noise add up to one it can.
+        Alone first, so that a rung judged on its own is not kept on another's gain (fused AdamW's
+        3% riding on compile's 19% in a group); with the budget spent the singles are skipped and
+        the groups still judged."""
         candidates = [r for r in self.rungs if self._worth_another_look(r)]
         groups: list[list[Rung]] = []
         for rung in candidates:
@@ -779,15 +786,16 @@ class Ladder:
                 group = sorted([rung, *partners], key=self.rungs.index)
                 if group not in groups:
                     groups.append(group)
-        leaning = [r for r in candidates if self._leans_faster(r)]
-        if len(leaning) > 1 and leaning not in groups:
-            groups.append(leaning)
 
         def estimate(rung: Rung) -> float:
             paired = self._last_comparison.get(rung.name)
             return paired.speedup if paired is not None else 1.0
 
-        return groups + [[r] for r in sorted(candidates, key=estimate, reverse=True)]
+        groups += [[r] for r in sorted(candidates, key=estimate, reverse=True)]
+        leaning = [r for r in candidates if self._leans_faster(r)]
+        if len(leaning) > 1 and leaning not in groups:
+            groups.append(leaning)
+        return groups
 
     def _leans_faster(self, rung: Rung) -> bool:
         """Undecided in its last comparison, with a point estimate above 1."""
