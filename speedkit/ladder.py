@@ -231,7 +231,6 @@ class Ladder:
         #: the kept rungs beneath which a rung failed in the climb (it may not fail beneath others:
         #: a CUDA graph refused for a sync that the compiled step no longer makes)
         self._failed_beneath: dict[str, tuple[str, ...]] = {}
-        self._judging_groups = False  # a group of the second look's first pass is being judged
 
     @property
     def handles(self) -> list[Handle]:
@@ -411,11 +410,9 @@ class Ladder:
     def _comparison_budget(self) -> float:
         """Seconds the next comparison may take: its share of the budget left (the rungs left in the
         climb, the switches and the final check), never more than ``budget_s``; the switches' and the
-        final check's own comparisons always get ``budget_s`` (the floor and the headline), and so do
-        the groups of the second look's first pass (its likeliest gains, judged once: at the minimum of
-        blocks, Lightning's demo Transformer's rungs leaning faster measured 1.53x [0.24, 9.58] together
-        over 2 blocks and were reverted, the trials' budget spent on the climb's noisy eager steps)."""
-        if self._phase in ("the switches", "the final check") or self._judging_groups:
+        final check's own comparisons always get ``budget_s`` (the floor and the headline), as do the
+        comparisons made with ``whole_budget`` (:meth:`_compare`)."""
+        if self._phase in ("the switches", "the final check"):
             return self.cfg.budget_s
         return min(self.cfg.budget_s, max(0.0, self._remaining()) / (self._left + 2))
 
@@ -732,11 +729,11 @@ class Ladder:
                     skipped = True  # the groups of the first pass after it are still judged
                     continue
                 self._judged.add(key)
-                self._judging_groups = n == 0 and len(group) > 1
-                try:
-                    kept, reference = self._look_again(group, reference)
-                finally:
-                    self._judging_groups = False
+                # a group of the first pass: its likeliest gains, judged once with a whole comparison's
+                # budget (at the minimum of blocks, Lightning's demo Transformer's rungs leaning faster
+                # measured 1.53x [0.24, 9.58] together over 2 blocks and were reverted, the trials'
+                # budget spent on the climb's noisy eager steps)
+                kept, reference = self._look_again(group, reference, whole_budget=n == 0 and len(group) > 1)
                 changed = changed or kept
             if skipped:
                 self._note_budget("second look" if n == 0 and not changed else "second look (the rest)")
@@ -802,10 +799,11 @@ class Ladder:
         paired = self._last_comparison.get(rung.name)
         return paired is not None and paired.verdict == "undecided" and paired.speedup > 1.0
 
-    def _look_again(self, group: list[Rung], reference: list[float]) -> tuple[bool, list[float]]:
+    def _look_again(self, group: list[Rung], reference: list[float],
+                    whole_budget: bool = False) -> tuple[bool, list[float]]:
         """Apply ``group`` at its places in the final configuration and judge it against that
-        configuration without it; keep it if it pays. Returns whether it was kept, and the
-        reference trajectory from then on."""
+        configuration without it (``whole_budget``: see :meth:`_compare`); keep it if it pays. Returns
+        whether it was kept, and the reference trajectory from then on."""
         result = self.result
         assert result is not None
         order = {rung.name: i for i, rung in enumerate(self.rungs)}
@@ -841,7 +839,7 @@ class Ladder:
                                            f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off")
             without = [i not in inserted for i in range(n)]
             paired = self._compare(lambda on: self._configure([True] * n if on else without), label,
-                                   shared_batches=self._kept_rungs_share_batches())
+                                   shared_batches=self._kept_rungs_share_batches(), whole_budget=whole_budget)
             status, why = self._decide(paired, all(r.memory_comparable for r in group))
             if len(group) == 1:
                 self._last_comparison[group[0].name] = paired
@@ -1126,9 +1124,11 @@ class Ladder:
         per new input shape)."""
         return not any(s.rung.new_shape_cost for s in self.slots)
 
-    def _compare(self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True) -> PairedResult:
+    def _compare(self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True,
+                 whole_budget: bool = False) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
-        paired decision is made, ``max_blocks`` are spent or ``budget_s`` is out. Leaves A on.
+        paired decision is made, ``max_blocks`` are spent or its budget is out (:meth:`_comparison_budget`;
+        ``whole_budget``: ``budget_s`` whatever the trials' budget has left). Leaves A on.
         ``shared_batches``: where batch shapes vary, the windows of a block may run the same batches.
         The budget counts from the end of the warm-ups: a compilation there (a configuration compiled
         for the first time, or again, e.g. after parity ran it with dropout off) is the trials' time,
@@ -1161,7 +1161,7 @@ class Ladder:
         gains: list[float] = []
         verdict: Comparison | None = None
         stops = looks(cfg.min_blocks, cfg.max_blocks)
-        budget = self._comparison_budget()
+        budget = cfg.budget_s if whole_budget else self._comparison_budget()
         while True:
             block: dict[bool, list[Window]] = {False: [], True: []}
             shared = self._block_batches(same_source and shared_batches)

@@ -640,7 +640,7 @@ def test_second_looks_stop_after_a_pass_that_keeps_nothing_and_never_judge_a_con
     state, time, _ = _flag_state({(False, False): 0.040, (True, False): 0.042, (False, True): 0.042, (True, True): 0.043})
     looks = []
     real = Ladder._look_again
-    monkeypatch.setattr(Ladder, "_look_again", lambda self, group, ref: (looks.append([r.name for r in group]), real(self, group, ref))[1])
+    monkeypatch.setattr(Ladder, "_look_again", lambda self, group, ref, **kw: (looks.append([r.name for r in group]), real(self, group, ref, **kw))[1])
     _, result = _run(state, [PartnerRung("a", ("b",)), PartnerRung("b", ("a",))], time, together_passes=5)
     assert looks == [["a", "b"]]  # alone each was judged on the baseline in the climb; one pass keeps nothing: no second
     assert [r.status for r in result.rungs[1:]] == ["reverted", "reverted"]
