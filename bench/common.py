@@ -45,9 +45,10 @@ def commit() -> str:
 class Results:
     """Appends result lines to the day's file for this GPU and keeps them for a summary table."""
 
-    def __init__(self, bench: str, out: Path | None = None, model: str | None = None) -> None:
+    def __init__(self, bench: str, out: Path | None = None, model: str | None = None, **every_row: object) -> None:
         self.bench = bench
         self.model = model  # the model every row is of, unless a row names its own
+        self.every_row = every_row  # fields written into every row (a row's own value wins)
         self.date = datetime.date.today().isoformat()
         self.device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.path = out or RESULTS / f"{self.date}_{gpu_slug()}.jsonl"
@@ -59,7 +60,7 @@ class Results:
         """Append one row; ``extra`` may hold ``bench`` to file it under another benchmark's name."""
         model = {"model": extra.pop("model", self.model)} if self.model or "model" in extra else {}
         row = {"bench": extra.pop("bench", self.bench), **model, "variant": variant, "device": self.device, "metric": metric,
-               "value": value, "unit": unit, "commit": self.commit, "date": self.date, **extra}
+               "value": value, "unit": unit, "commit": self.commit, "date": self.date, **self.every_row, **extra}
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")

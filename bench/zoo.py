@@ -324,6 +324,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="fit every variant this many times, the order reversed every other round; the ratios "
                              "take the medians (separate fits of a host-bound step differ by 10-20%%)")
+    parser.add_argument("--lane", default=None,
+                        help="where this process ran on a host shared with other zoo processes (bench/zoo_lanes.py: "
+                             "'GPU 2 of 4, cores 32-47, 4 lanes'), recorded in every row as lane")
     parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
                         help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
                              "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
@@ -343,7 +346,7 @@ def main() -> None:
     out = Path(args.results) if args.results else None
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
-    res = Results("zoo", out=out)
+    res = Results("zoo", out=out, **({"lane": args.lane} if args.lane else {}))
     plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r),
                                ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None)
     variants = tuple(args.variants.split(","))

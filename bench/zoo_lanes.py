@@ -1,0 +1,150 @@
+"""The zoo on a host of several GPUs: ``bench/zoo.py`` once per model, one model per GPU at a time.
+
+One lane per GPU (``CUDA_VISIBLE_DEVICES`` set to that GPU alone) and an equal share of the host's
+cores (the process's CPU affinity split into contiguous blocks, so that a lane's loader workers and
+compile workers stay off its neighbours' cores: on an 8-core-per-GPU share that is the one-GPU
+machine's 16 cores for a 4-GPU host of 64). Each lane, when free, takes the longest model still
+waiting that it can finish in the call's time left (each model's expected wall time on the H200,
+trials and fits, from the last runs there); a model that fits no lane is reported ``NOT RUN``. Each
+model is still one process, so its variants (fp32, switches, speedkit) share one GPU, one process
+and one host share, as on a one-GPU machine.
+
+Every row carries ``lane`` ("GPU 2 of 4, cores 32-47, 4 lanes"): the other lanes ran beside it on
+the same host (memory bandwidth, PCIe and the page cache shared), which a one-GPU machine does not do.
+
+Output (under ``--out``, default ``$OUT``): ``<date>_<gpu>.jsonl`` (every lane's rows, in order of
+completion), ``zoo_lanes.tgz`` (each model's log and speedkit report) and ``zoo_lanes.txt`` (the
+table printed last).
+
+Usage: PYTHONPATH=. python bench/zoo_lanes.py --commit C [--budget-s 590] [--lanes N] [model ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: a model's whole process on the H200 (trials and the three fits, seconds), from its last runs there;
+#: one not listed is given DEFAULT_EXPECTED_S
+EXPECTED_S = {"lstm-lm": 80, "lightning-transformer": 170, "timm-vit": 170, "timm-convnext": 240,
+              "hf-bert-mlm": 310, "hf-gpt2": 340, "hf-llama": 370, "nanogpt": 300, "tv-resnet50": 370,
+              "hf-t5": 430, "timm-mobilenetv3": 450, "hf-bert-cls": 500}
+DEFAULT_EXPECTED_S = 300
+
+
+@dataclass
+class Lane:
+    gpu: int
+    cores: list[int]
+    label: str
+    proc: subprocess.Popen | None = None
+    model: str | None = None
+    started: float = 0.0
+    done: list[tuple[str, int, float]] = field(default_factory=list)
+
+
+def core_blocks(cores: list[int], n: int) -> list[list[int]]:
+    """``cores`` split into ``n`` contiguous blocks of equal size (the remainder left unused)."""
+    size = max(1, len(cores) // n)
+    return [cores[i * size:(i + 1) * size] or cores for i in range(n)]
+
+
+def span(cores: list[int]) -> str:
+    return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
+
+
+def pick(waiting: list[str], time_left: float) -> str | None:
+    """The longest waiting model expected to finish in ``time_left``."""
+    fits = [m for m in waiting if EXPECTED_S.get(m, DEFAULT_EXPECTED_S) <= time_left]
+    return max(fits, key=lambda m: EXPECTED_S.get(m, DEFAULT_EXPECTED_S)) if fits else None
+
+
+def main() -> None:
+    import torch
+
+    from bench.common import gpu_slug
+    from speedkit.demos.zoo import ZOO
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(ZOO), help="zoo models (default: all)")
+    parser.add_argument("--commit", required=True, help="the commit measured (the device's tree has no history)")
+    parser.add_argument("--budget-s", type=float, default=590.0, help="wall seconds for the whole call")
+    parser.add_argument("--lanes", type=int, default=torch.cuda.device_count(), help="GPUs used (default: all)")
+    parser.add_argument("--tiny", action="store_true", help="zoo.py --tiny on the CPU: a smoke test of the lanes")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for rows, logs and reports")
+    args = parser.parse_args()
+    unknown = [m for m in args.models if m not in ZOO]
+    gpus = torch.cuda.device_count() or (2 if args.tiny else 0)  # --tiny: CPU lanes, for the smoke test
+    args.lanes = args.lanes or gpus
+    if unknown or not 1 <= args.lanes <= gpus:
+        raise SystemExit(f"unknown model(s) {unknown} or --lanes {args.lanes} outside 1..{gpus} (GPUs seen)")
+    start = time.monotonic()
+    out = Path(args.out)
+    work = Path(tempfile.mkdtemp(prefix="zoo-lanes-"))
+    blocks = core_blocks(sorted(os.sched_getaffinity(0)), args.lanes)
+    lanes = [Lane(g, blocks[g], f"GPU {g} of {args.lanes}, cores {span(blocks[g])}, {args.lanes} lanes")
+             for g in range(args.lanes)]
+    waiting = list(args.models)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPEEDKIT_COMMIT": args.commit, "PYTHONUNBUFFERED": "1"}
+
+    def launch(lane: Lane, model: str) -> None:
+        left = args.budget_s - (time.monotonic() - start)
+        log = open(work / f"{model}.log", "w")
+        cmd = ["timeout", str(int(left - 3)), sys.executable, str(REPO / "bench/zoo.py"), "--models", model,
+               "--time-guard-s", "180", "--results", str(work / f"rows_{model}.jsonl"), "--lane", lane.label,
+               *(["--tiny"] if args.tiny else [])]
+        lane.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu)},
+                                     preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores))
+        lane.model, lane.started = model, time.monotonic()
+        print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: {model} (expected "
+              f"{EXPECTED_S.get(model, DEFAULT_EXPECTED_S)} s, {left:.0f} s left)", flush=True)
+
+    while True:
+        for lane in lanes:
+            if lane.proc is not None and lane.proc.poll() is not None:
+                lane.done.append((lane.model, lane.proc.returncode, time.monotonic() - lane.started))
+                print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: {lane.model} rc {lane.proc.returncode} "
+                      f"after {lane.done[-1][2]:.0f} s", flush=True)
+                lane.proc = lane.model = None
+            if lane.proc is None and waiting:
+                model = pick(waiting, args.budget_s - (time.monotonic() - start))
+                if model is not None:
+                    waiting.remove(model)
+                    launch(lane, model)
+        if all(lane.proc is None for lane in lanes):
+            break
+        time.sleep(1.0)
+    not_run = waiting  # fitted no lane's time left
+    rows = out / f"{datetime.date.today().isoformat()}_{gpu_slug()}.jsonl"
+    with open(rows, "a") as f:
+        for lane in lanes:
+            for model, _, _ in lane.done:
+                part = work / f"rows_{model}.jsonl"
+                if part.exists():
+                    f.write(part.read_text())
+    with tarfile.open(out / "zoo_lanes.tgz", "w:gz") as tar:
+        for path in sorted(work.iterdir()):
+            if not path.name.startswith("rows_"):
+                tar.add(path, arcname=path.name)
+    lines = [f"{lane.label}: " + ", ".join(f"{m} rc {rc} {s:.0f} s" for m, rc, s in lane.done) for lane in lanes]
+    lines += [f"NOT RUN {m} (expected {EXPECTED_S.get(m, DEFAULT_EXPECTED_S)} s)" for m in not_run]
+    for path in sorted(work.glob("*.log")):
+        lines += [line for line in path.read_text().splitlines()
+                  if "/ switches =" in line or " FAILED" in line or "Traceback" in line]
+    (out / "zoo_lanes.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
