@@ -5,7 +5,7 @@ cores (the process's CPU affinity split into contiguous blocks, so that a lane's
 compile workers stay off its neighbours' cores: on an 8-core-per-GPU share that is the one-GPU
 machine's 16 cores for a 4-GPU host of 64). Each lane, when free, takes the longest model still
 waiting that it can finish in the call's time left (each model's expected wall time on the H200,
-trials and fits, from the last runs there); a model that fits no lane is reported ``NOT RUN``. Each
+trials and fits, from the last runs there; hf-t5's 580 s at c5f4f53 was cut short in its second look); a model that fits no lane is reported ``NOT RUN``. Each
 model is still one process, so its variants (fp32, switches, speedkit) share one GPU, one process
 and one host share, as on a one-GPU machine.
 
@@ -16,7 +16,7 @@ Output (under ``--out``, default ``$OUT``): ``<date>_<gpu>.jsonl`` (every lane's
 completion), ``zoo_lanes.tgz`` (each model's log and speedkit report) and ``zoo_lanes.txt`` (the
 table printed last).
 
-Usage: PYTHONPATH=. python bench/zoo_lanes.py --commit C [--budget-s 590] [--lanes N] [model ...]
+Usage: PYTHONPATH=. python bench/zoo_lanes.py --commit C [--budget-s 590] [--gpus 0,1] [model ...]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: a model's whole process on the H200 (trials and the three fits, seconds), from its last runs there;
 #: one not listed is given DEFAULT_EXPECTED_S
 EXPECTED_S = {"lstm-lm": 80, "lightning-transformer": 170, "timm-vit": 170, "timm-convnext": 240,
-              "hf-bert-mlm": 310, "hf-gpt2": 340, "hf-llama": 370, "nanogpt": 300, "tv-resnet50": 370,
-              "hf-t5": 430, "timm-mobilenetv3": 450, "hf-bert-cls": 500}
+              "hf-bert-mlm": 310, "hf-gpt2": 340, "hf-llama": 420, "nanogpt": 300, "tv-resnet50": 370,
+              "hf-t5": 700, "timm-mobilenetv3": 320, "hf-bert-cls": 520}
 DEFAULT_EXPECTED_S = 300
 
 
@@ -79,21 +79,22 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=list(ZOO), help="zoo models (default: all)")
     parser.add_argument("--commit", required=True, help="the commit measured (the device's tree has no history)")
     parser.add_argument("--budget-s", type=float, default=590.0, help="wall seconds for the whole call")
-    parser.add_argument("--lanes", type=int, default=torch.cuda.device_count(), help="GPUs used (default: all)")
+    parser.add_argument("--gpus", default=None,
+                        help="the GPUs used, one lane each, comma-separated (default: all); the host's cores are split "
+                             "among all the host's GPUs, so that two launchers on one host keep apart")
     parser.add_argument("--tiny", action="store_true", help="zoo.py --tiny on the CPU: a smoke test of the lanes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for rows, logs and reports")
     args = parser.parse_args()
     unknown = [m for m in args.models if m not in ZOO]
-    gpus = torch.cuda.device_count() or (2 if args.tiny else 0)  # --tiny: CPU lanes, for the smoke test
-    args.lanes = args.lanes or gpus
-    if unknown or not 1 <= args.lanes <= gpus:
-        raise SystemExit(f"unknown model(s) {unknown} or --lanes {args.lanes} outside 1..{gpus} (GPUs seen)")
+    count = torch.cuda.device_count() or (2 if args.tiny else 0)  # --tiny: CPU lanes, for the smoke test
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(count))
+    if unknown or not gpus or any(not 0 <= g < count for g in gpus):
+        raise SystemExit(f"unknown model(s) {unknown} or --gpus {args.gpus} outside 0..{count - 1} (GPUs seen)")
     start = time.monotonic()
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="zoo-lanes-"))
-    blocks = core_blocks(sorted(os.sched_getaffinity(0)), args.lanes)
-    lanes = [Lane(g, blocks[g], f"GPU {g} of {args.lanes}, cores {span(blocks[g])}, {args.lanes} lanes")
-             for g in range(args.lanes)]
+    blocks = core_blocks(sorted(os.sched_getaffinity(0)), count)
+    lanes = [Lane(g, blocks[g], f"GPU {g} of {count}, cores {span(blocks[g])}, {len(gpus)} lanes") for g in gpus]
     waiting = list(args.models)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPEEDKIT_COMMIT": args.commit, "PYTHONUNBUFFERED": "1"}
 
