@@ -44,6 +44,16 @@ def _quiet_self_log():
 
 
 @pytest.fixture
+def bf16_cpu(monkeypatch):
+    """tf32 and autocast refuse a CPU without bf16 instructions (there bf16 is emulated, slower than
+    fp32); what a test checks of them (apply/undo, parity, clipping) does not depend on speed, so such
+    a test pretends the CPU has them and runs the same on every CI machine."""
+    from speedkit import compat
+
+    monkeypatch.setattr(compat, "cpu_has_bf16", lambda: True)
+
+
+@pytest.fixture
 def seeded():
     torch.manual_seed(0)
     random.seed(0)

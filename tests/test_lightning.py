@@ -805,7 +805,7 @@ class _FusedClipped(UserModel):
         self.clip_gradients(optimizer, gradient_clip_val=0.25, gradient_clip_algorithm="norm")
 
 
-def test_autocast_in_bf16_clips_before_a_fused_optimizer_which_lightnings_plugin_refuses():
+def test_autocast_in_bf16_clips_before_a_fused_optimizer_which_lightnings_plugin_refuses(bf16_cpu):
     """Lightning's MixedPrecision refuses clipping with a fused optimizer, for fear of clipping scaled
     gradients; bf16 scales nothing. The autocast rung's plugin clips there (lstm-lm on an H200 failed
     its autocast trial on this after cuda_graph had fused its SGD), and still refuses under fp16."""

@@ -178,7 +178,7 @@ def test_channels_last_and_compile_pass_parity_on_a_batchnorm_depthwise_convnet(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_autocast_passes_parity_on_a_small_bert_classifier_on_padded_batches(device):
+def test_bf16_autocast_passes_parity_on_a_small_bert_classifier_on_padded_batches(device, bf16_cpu):
     """On CUDA its dropout masks differ from fp32's (the kernels map the random stream by vector
     width): judged with dropout off there."""
     model, optimizer, batches = _bert_classifier(device)
@@ -266,7 +266,7 @@ def _rungs_under(under: str, rung: Rung) -> list[Rung]:
 
 
 @pytest.mark.parametrize("under", ["fp32", "bf16"])
-def test_a_correct_attention_rewrite_passes_where_its_defects_fail(under, monkeypatch):
+def test_a_correct_attention_rewrite_passes_where_its_defects_fail(under, monkeypatch, bf16_cpu):
     _keep_every_rung(monkeypatch)
     model, optimizer, batches = _transformer()
     _, result = _ladder(model, optimizer, batches, _rungs_under(under, RewriteRung("sdpa_rewrite", Attention, _attention_fused)))
@@ -279,7 +279,7 @@ def test_a_correct_attention_rewrite_passes_where_its_defects_fail(under, monkey
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("defect", ["dropped_attention_scale", "wrong_layernorm_gradient", "linear_bias_dropped"])
 @pytest.mark.parametrize("under", ["fp32", "bf16"])
-def test_planted_defects_are_rejected(defect, under, device, monkeypatch, request):
+def test_planted_defects_are_rejected(defect, under, device, monkeypatch, request, bf16_cpu):
     """Each defect changes the function or its gradient. Rejected in fp32; on top of bf16 autocast,
     where some move the loss less than bf16's own rounding does (a wrong LayerNorm gradient: 6e-5
     against an envelope of 3e-4 here), a rewrite is also judged with the precision rungs off, and

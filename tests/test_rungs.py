@@ -49,15 +49,6 @@ def _assert_same(a, b):
             assert torch.equal(v, w) and v.device == w.device, (i, k)
 
 
-@pytest.fixture
-def bf16_cpu(monkeypatch):
-    """tf32 and autocast refuse a CPU without bf16 instructions; their apply/undo mechanics do not
-    depend on them, so these tests pretend the CPU has them."""
-    from speedkit import compat
-
-    monkeypatch.setattr(compat, "cpu_has_bf16", lambda: True)
-
-
 @pytest.mark.parametrize("name", CPU_RUNGS)
 def test_apply_then_undo_restores_everything_exactly(name, bf16_cpu):
     state = tiny_gpt_state()
