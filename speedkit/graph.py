@@ -35,7 +35,7 @@ from speedkit import compat
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line
 from speedkit.graph_safety import Blocker, find_host_draws, find_syncs
-from speedkit.handle import Handle, configuration_changes
+from speedkit.handle import Handle, in_place_changes
 from speedkit.step import LogCall, Step, StepWrapper
 
 #: optimizer hyper-parameters a schedule may change, read by the graph from device tensors
@@ -88,7 +88,7 @@ class GraphedStep(StepWrapper):
         self._baked: list[tuple[dict[str, Any], str, Any]] = []
         self._hparam_drops = 0
         self._rates: list[_Rate] = []  # the rates the captured graph reads from device tensors
-        self._captured_at = -1  # configuration_changes() when the graph was captured
+        self._captured_at = -1  # in_place_changes() when the graph was captured
         self._stream: Any = None
         #: the graph's working set (activations, gradients, temporaries: its private pool's peak use),
         #: the allocator's peak during capture above what was allocated before it. Replays allocate
@@ -205,7 +205,7 @@ class GraphedStep(StepWrapper):
                       "log a tensor instead")
             return None
         self.graph, self.static_loss, self.logs = graph, loss, list(logs)
-        self._captured_at = configuration_changes()
+        self._captured_at = in_place_changes()
         self.graph_bytes = max(0, torch.cuda.max_memory_allocated(self.inner.device) - allocated_before)
         self.captures += 1
         return static
@@ -267,9 +267,11 @@ class GraphedStep(StepWrapper):
                     self._baked.append((group, k, _frozen(v)))
 
     def _still_valid(self) -> bool:
-        if configuration_changes() != self._captured_at:
-            # what the step computes was switched beneath the graph without rebasing it (the ladder's
-            # parity checks set dropout rates to 0): the capture holds the kernels from before
+        if in_place_changes() != self._captured_at:
+            # what the step computes was changed in place beneath the graph (the ladder's parity checks
+            # set dropout rates to 0): the capture holds the kernels from before. Handles switched
+            # (this graph's own suspend and resume among them) are not such a change: a rung switched
+            # beneath the graph rebases it (Handle.rebase), with settle steps before any timed one
             return False
         opt = self.inner.optimizer
         if opt is None:

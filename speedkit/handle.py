@@ -34,6 +34,24 @@ def configuration_changes() -> int:
     return _configuration_changes
 
 
+_in_place_changes = 0
+
+
+def changed_in_place() -> None:
+    """Note that what a step computes was changed in place, every handle left as it is (dropout rates
+    set to 0 for a parity check, and back): a captured CUDA graph still holds the kernels from before
+    and must capture again. Switching handles is not such a change: whoever switches a rung beneath a
+    graph rebases it (``Handle.rebase``), and a graph's own suspend and resume leave its capture valid."""
+    global _in_place_changes
+    _in_place_changes += 1
+    configuration_changed()
+
+
+def in_place_changes() -> int:
+    """How many times :func:`changed_in_place` was called in this process."""
+    return _in_place_changes
+
+
 class Handle:
     """What a rung changed, and how to put it back (and, where possible, how to do it again).
 

@@ -58,7 +58,7 @@ from speedkit.data.source import SourceWrapper, count_items
 from speedkit.data.static import signature
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
-from speedkit.handle import Handle, configuration_changed
+from speedkit.handle import Handle, changed_in_place
 from speedkit.measure.clock import StepClock
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.session import MeasureSession, Window
@@ -1401,13 +1401,13 @@ def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
     saved = [(m, name, getattr(m, name)) for m, name in active_dropouts(model)]
     for m, name, _ in saved:
         setattr(m, name, 0.0)
-    configuration_changed()  # a compiled forward guards on the rates: its graphs compile once for 0
+    changed_in_place()  # a compiled forward guards on the rates (its graphs compile once for 0); a captured graph captures again
     try:
         yield
     finally:
         for m, name, rate in saved:
             setattr(m, name, rate)
-        configuration_changed()
+        changed_in_place()
 
 
 class _RungProblem(Exception):

@@ -37,7 +37,7 @@ def test_apply_skips_with_a_warning_what_does_not_apply():
     assert "autocast" in sk.skipped and sk.applied == []
 
 
-def test_own_loop_with_autocast_and_backward():
+def test_own_loop_with_autocast_and_backward(bf16_cpu):
     model, opt, loader = _plain()
     with speedkit.apply(model, opt, loader, rungs=["autocast"]) as sk:
         if sk.skipped:

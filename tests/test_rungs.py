@@ -94,7 +94,7 @@ def test_suspend_and_resume_switch_the_same_change_off_and_on(name, bf16_cpu):
 
 
 @pytest.mark.parametrize("name", CPU_RUNGS)
-def test_training_after_undo_matches_never_applied(name):
+def test_training_after_undo_matches_never_applied(name, bf16_cpu):
     """Apply, train, undo, train: the optimizer still drives the live parameters, the same way."""
     ref, cand = tiny_gpt_state(), tiny_gpt_state()
     rung = rungs.make(name)
@@ -141,7 +141,7 @@ def test_fused_optimizer_not_applicable_reasons():
     assert "neither a fused nor a foreach" in rungs.make("fused_optimizer").check(state)
 
 
-def test_autocast_sets_dtype_and_reverts():
+def test_autocast_sets_dtype_and_reverts(bf16_cpu):
     state = tiny_gpt_state()
     rung = rungs.make({"name": "autocast", "options": {"dtype": "bf16"}})
     if rung.check(state):
