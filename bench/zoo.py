@@ -27,11 +27,12 @@ compiled in that variant's fit (``graphs_compiled``): a switches figure under fp
 its timed windows shows there. The speedkit report is saved beside the rows as
 <date>_<gpu>_zoo_<model>_report.json.
 
-The time guard bounds each variant's fit on its own: a fit still running at its deadline is stopped
-there; the speedkit variant's deadline adds its trials' budget (and the closing comparisons'), so that
-the trials never take the time its fit's own timed steps need (a guard shared by the three variants
-left the speedkit fit of a model with slow compiles no step to time). On an H200 a model takes 1 to
-5 minutes (Llama and GPT-2 the longest: compilation and fp32 steps).
+The time guard bounds each variant's fit on its own, counted from the fit's ``on_train_start``: a fit
+still running at its deadline is stopped there. For the speedkit variant that is after its trials
+(SpeedLadder runs them in its own ``on_train_start``, before the guard's), which keep to the ladder's
+own budget and report what they took (``trials_s``): a guard that counted the trials in left hf-t5's
+fit one step after trials of 590 s against their 150 s budget (H200, c5f4f53), so that nothing was
+measured. On an H200 a model takes 1 to 12 minutes (hf-t5 the longest: its trials recompile it).
 
 Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300] [--rounds 2]
                                         [--variants fp32,switches,speedkit,rungs]
@@ -44,6 +45,7 @@ import argparse
 import dataclasses
 import contextlib
 import gc
+import math
 import shutil
 import statistics
 import sys
@@ -84,7 +86,7 @@ class Plan:
     warmup: int                # steps before the first timed window (compilation, autotuning, loader start)
     windows: dict[str, int]    # timed windows per variant
     measure: dict[str, Any]    # SpeedLadder's measure settings
-    time_guard_s: float        # wall time one variant's fit may take (the speedkit variant's trials besides)
+    time_guard_s: float        # wall time one variant's fit may take from its train start (after speedkit's trials)
     switch_rungs: tuple[str, ...] = SWITCH_RUNGS  # the ``rungs`` variant's
     ladder_rungs: tuple[str, ...] | None = None  # the speedkit variant's (None: the default ladder)
 
@@ -100,17 +102,6 @@ class Plan:
     def compile_backend(self) -> str:
         """Inductor on the GPU; on the CPU smoke test Dynamo alone (no C++ code generation)."""
         return "eager" if self.tiny else "inductor"
-
-    def guard_s(self, variant: str) -> float:
-        """The wall time ``variant``'s fit may take: the time guard, and for the speedkit variant its
-        trials' budget besides (and the comparisons that may run past it, each up to one comparison's
-        budget: the switches, the final check, the second look's groups, two of them on most models),
-        so that the trials never eat the fit's own steps."""
-        if variant != "speedkit":
-            return self.time_guard_s
-        measure = {**config.measure_defaults(), **self.measure}
-        budget, comparison = measure["trials_budget_s"], measure["budget_s"]
-        return self.time_guard_s + budget + 5 * comparison
 
     def ladder(self) -> list[Any]:
         """The default ladder, its compile rung on :attr:`compile_backend`."""
@@ -132,10 +123,15 @@ def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan
 
 
 class Deadline(pl.Callback):
-    """Stops the fit at a wall-clock deadline (checked after each training batch)."""
+    """Stops the fit ``guard_s`` wall seconds after its ``on_train_start`` (checked after each training
+    batch); placed after SpeedLadder among the callbacks, it counts from the end of the trials."""
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
+    def __init__(self, guard_s: float) -> None:
+        self.guard_s = guard_s
+        self.deadline = math.inf
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.deadline = time.monotonic() + self.guard_s
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -189,8 +185,7 @@ def tf32_matmuls() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = allow
 
 
-def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
-                res: Results) -> tuple[Measurement | None, int, dict[str, Any]]:
+def fit_variant(entry: ZooModel, variant: str, plan: Plan, res: Results) -> tuple[Measurement | None, int, dict[str, Any]]:
     """Train ``entry`` as ``variant`` until its windows are timed (or the deadline); returns the
     timer's measurement, the optimizer steps taken and, for speedkit, the ladder's fields for the row."""
     windows = plan.windows[variant]
@@ -207,7 +202,7 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, deadline: float,
     trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
                          max_steps=plan.warmup + plan.steps * windows, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*([ladder] if ladder else []), timer, Deadline(deadline)])
+                         callbacks=[*([ladder] if ladder else []), timer, Deadline(plan.time_guard_s)])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
@@ -244,11 +239,10 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
             extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
             if rounds > 1:
                 extra["round"] = r
-            deadline = time.monotonic() + plan.guard_s(variant)
             t0 = time.perf_counter()
             graphs_before = compat.graph_count()
             try:
-                m, steps, fields = fit_variant(entry, variant, plan, deadline, res)
+                m, steps, fields = fit_variant(entry, variant, plan, res)
             except Exception as exc:  # a variant that breaks is a result too; the others still run
                 res.add(variant, "status", None, "failed", **extra, reason=first_line(exc))
                 print(f"{name:22s} {variant:9s} FAILED: {first_line(exc)}", flush=True)
@@ -258,7 +252,7 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
             extra.update(wall_s=time.perf_counter() - t0, graphs_compiled=compat.graph_count() - graphs_before, **fields)
             if m is None:
                 res.add(variant, "status", None, "not measured", **extra,
-                        reason=f"the fit ended after {steps} steps (time guard: {plan.guard_s(variant):.0f} s), "
+                        reason=f"the fit ended after {steps} steps (time guard: {plan.time_guard_s:.0f} s from its train start), "
                                "before a timed window")
                 print(f"{name:22s} {variant:9s} not measured ({steps} steps before the time guard)", flush=True)
             else:
@@ -311,7 +305,7 @@ def main() -> None:
                         help="tiny models on the CPU, a smoke test; rows go to a temporary directory")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 10; --tiny 2)")
     parser.add_argument("--time-guard-s", type=float, default=None,
-                        help="wall seconds one variant's fit may take, the speedkit variant's trials besides "
+                        help="wall seconds one variant's fit may take from its train start (after the speedkit variant's trials) "
                              "(default 240; 600 with --ladder-measure defaults; --tiny 120)")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
