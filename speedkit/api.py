@@ -31,12 +31,18 @@ class Applied:
         model, optimizer: the (possibly modified in place) objects to train with.
         state: the underlying :class:`~speedkit.state.TrainState` (``state.step`` runs one step).
         applied: names of the rungs applied; ``skipped``: rung name -> reason it did not apply.
+        fallback: the out-of-memory fallback (``oom_fallback=True``): ``fallback.parts`` micro-batches
+            per batch now, ``fallback.events`` each split; None without it.
     """
 
     def __init__(self, state: TrainState, handles: list[Handle], skipped: dict[str, str]) -> None:
         self.state = state
         self.handles = handles
         self.skipped = skipped
+
+    @property
+    def fallback(self) -> Any:
+        return getattr(self.state.step, "micro_batcher", None)
 
     @property
     def model(self) -> nn.Module:
@@ -140,7 +146,7 @@ class Applied:
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Any] | None = None, *,
           rungs: Sequence[str | dict | Rung], device: torch.device | str | None = None,
           loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
-          scheduler: Any = None) -> Applied:
+          scheduler: Any = None, oom_fallback: bool | dict[str, Any] = False) -> Applied:
     """Apply rungs to plain PyTorch objects, without trials (``speedkit optimize`` measures).
 
     Rungs that do not apply are skipped with a warning naming the reason; a rung that raises is
@@ -156,6 +162,9 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         device: where training runs; defaults to the model's parameters' device.
         loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
         accumulate, clip_grad_norm, scheduler: the step's gradient accumulation, clipping and schedule.
+        oom_fallback: :meth:`Applied.step` redoes a batch whose forward or backward ran out of device
+            memory as micro-batches, accumulated (:mod:`speedkit.accumulate`); a dict gives
+            :class:`~speedkit.accumulate.MicroBatcher`'s options (``probe_after``).
     """
     _check_arguments(model, optimizer, loader)
     built = rung_registry.make_all(rungs, "rungs")
@@ -169,7 +178,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", f"{device} was asked for, but this machine has no usable CUDA GPU")
     step = PlainStep(model, optimizer, device, loss_fn=loss_fn, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-                     scheduler=scheduler)
+                     scheduler=scheduler, micro_batcher=_micro_batcher(oom_fallback, model, optimizer))
     state = TrainState(model=model, optimizer=optimizer, device=device, step=step,
                        data=BatchSource(loader, device) if loader is not None else None)
     handles: list[Handle] = []
@@ -187,6 +196,21 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
                 h.undo()
             raise
     return Applied(state, handles, skipped)
+
+
+def _micro_batcher(option: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """The out-of-memory fallback ``oom_fallback`` asks for (None for False)."""
+    from speedkit.accumulate import MicroBatcher
+
+    if option is False or option is None:
+        return None
+    options = {} if option is True else option
+    if not isinstance(options, dict) or set(options) - {"probe_after"}:
+        raise ConfigError("oom_fallback", f"expected True, False or {{'probe_after': steps}}, found {option!r}")
+    probe = options.get("probe_after")
+    if probe is not None and (isinstance(probe, bool) or not isinstance(probe, int) or probe < 1):
+        raise ConfigError("oom_fallback.probe_after", f"expected a number of steps >= 1 or None, found {probe!r}")
+    return MicroBatcher(lambda: (p for g in optimizer.param_groups for p in g["params"]), model=model, probe_after=probe)
 
 
 def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:

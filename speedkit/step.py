@@ -313,12 +313,16 @@ class PlainStep(Step):
         accumulate: micro-batches per optimizer step (the loss of each is divided by it).
         clip_grad_norm: clip the gradients' total norm to this value before the optimizer step.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
+        micro_batcher: the out-of-memory fallback (:class:`speedkit.accumulate.MicroBatcher`): each
+            batch's forward and backward run through it, split into micro-batches on out-of-memory.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
                  loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
-                 scheduler: Any = None) -> None:
+                 scheduler: Any = None, micro_batcher: Any = None) -> None:
         _check_step_arguments(loss_fn, accumulate, clip_grad_norm, scheduler)
+        self.micro_batcher = micro_batcher
+        self.steps_done = 0  # optimizer steps computed (the fallback's events name them)
         self.model = model
         self.optimizer = optimizer
         self.device = torch.device(device)
@@ -352,14 +356,33 @@ class PlainStep(Step):
         n = len(batches)
         total: torch.Tensor | None = None
         for batch in batches:
-            loss = self.forward_loss(batch, batch_idx)
-            if n > 1:
-                loss = loss / n
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        self.update()
+            if self.micro_batcher is None:
+                loss = self.forward_backward(batch, batch_idx, divide=n)
+            else:
+                loss = self.micro_batcher.run(batch, self.steps_done,
+                                              lambda part, weight: self.forward_backward(part, batch_idx, weight, n))
+            total = loss if total is None else total + loss
+        if self.micro_batcher is None:
+            self.update()
+        else:
+            from speedkit.accumulate import stop_on_out_of_memory
+
+            with stop_on_out_of_memory("the optimizer step", self.micro_batcher):
+                self.update()
+        self.steps_done += 1
         assert total is not None, "a step needs at least one batch"
         return total
+
+    def forward_backward(self, batch: Any, batch_idx: int, weight: float = 1.0, divide: int = 1) -> torch.Tensor:
+        """Forward, the loss times ``weight`` (a micro-batch's share of its batch) over ``divide`` (the
+        batches of the optimizer step), backward (scaled under fp16); returns that loss, detached."""
+        loss = self.forward_loss(batch, batch_idx)
+        if weight != 1.0:
+            loss = loss * weight
+        if divide > 1:
+            loss = loss / divide
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach()
 
     def after_step(self, batch_idx: int) -> None:
         if self.scheduler is not None:

@@ -1,6 +1,7 @@
 """Thin Lightning callbacks over speedkit's core."""
 
+from speedkit.lightning.oom_fallback import OOMFallback
 from speedkit.lightning.speed_ladder import SpeedLadder
 from speedkit.lightning.step_timer import StepTimer
 
-__all__ = ["SpeedLadder", "StepTimer"]
+__all__ = ["OOMFallback", "SpeedLadder", "StepTimer"]

@@ -1,0 +1,152 @@
+"""OOMFallback: a Lightning fit that runs out of device memory redoes the batch as micro-batches.
+
+A thin callback over :mod:`speedkit.accumulate`. For the fit, it takes over the forward and backward
+of each batch (the LightningModule's ``training_step`` wrapped on the instance): the batch runs
+through a :class:`~speedkit.accumulate.MicroBatcher`, whole until a forward or backward runs out of
+memory, then split in 2, 4, ... micro-batches whose losses are weighted by their share of the
+batch's samples and accumulated. Each micro-batch's backward goes through the module's own
+``backward`` hook, scaled by the precision plugin's grad scaler where there is one (fp16) and
+divided by ``accumulate_grad_batches`` as Lightning divides. Lightning then runs its own step as
+always: its ``backward`` of the returned loss (a leaf: the gradients are there already, so the
+module's ``backward`` does nothing for it; ``on_before_backward`` and ``on_after_backward`` fire
+once, with the batch's whole gradients), gradient clipping, the optimizer step, the schedulers,
+logging, checkpoints. The gradients are zeroed before the batch's first forward rather than after
+it (the user's ``optimizer_zero_grad`` runs there; ``on_before_zero_grad`` still fires where Lightning
+fires it, after the backward).
+
+After a split, what ``training_step`` returns and logs per step is the last micro-batch's (values
+logged ``on_epoch`` average over every micro-batch, weighted by their sizes, as Lightning weighs
+batches). Manual optimization and several processes (DDP) are not supported yet: the callback
+says so and leaves the fit as it is. ``fallback.events`` lists each split (step, old and new
+micro-batch, time lost); an out-of-memory error with micro-batches of one sample, or in the optimizer
+step, stops the fit with one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from speedkit.accumulate import MicroBatcher, stop_on_out_of_memory
+from speedkit.handle import Handle, set_attr
+from speedkit.step import loss_of
+
+
+class OOMFallback(Callback):
+    """Redo a batch that ran out of device memory as accumulated micro-batches (module docstring).
+
+    Args:
+        probe_after: after this many optimizer steps without an error at a split, try half as many
+            micro-batches once (None: the split stays for the rest of the fit).
+    """
+
+    def __init__(self, probe_after: int | None = None) -> None:
+        if probe_after is not None and (isinstance(probe_after, bool) or not isinstance(probe_after, int) or probe_after < 1):
+            raise ValueError(f"probe_after must be a number of steps >= 1 or None, found {probe_after!r}")
+        self.probe_after = probe_after
+        self.fallback: MicroBatcher | None = None
+        self.not_applied: str | None = None
+        self._handle: Handle | None = None
+        self._zeroed = False        # the batch's gradients were zeroed before its forward: Lightning's zero_grad is spent
+        self._backward_done = False  # the batch's backward ran: Lightning's backward of the returned loss does nothing
+
+    @property
+    def events(self) -> list[Any]:
+        return list(self.fallback.events) if self.fallback is not None else []
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.not_applied = None
+        if not pl_module.automatic_optimization:
+            self.not_applied = "manual optimization: the module runs its own backward and optimizer step"
+        elif trainer.world_size > 1:
+            self.not_applied = ("several processes (DDP): every rank must take the same split in the same step, "
+                                "which is not built yet")
+        if self.not_applied is not None:
+            rank_zero_warn(f"speedkit OOMFallback: not applied ({self.not_applied}); the fit runs as it is.",
+                           category=UserWarning)
+            return
+        params = lambda: (p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])  # noqa: E731
+        if self.fallback is None:
+            self.fallback = MicroBatcher(params, model=pl_module, probe_after=self.probe_after)
+        else:  # a second fit with the same callback keeps the split it learned
+            self.fallback.params, self.fallback.model = params, pl_module
+        self._bind(trainer, pl_module)
+
+    def _bind(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        own_step, own_backward, own_zero = module.training_step, module.backward, module.optimizer_zero_grad
+        batcher = self.fallback
+        assert batcher is not None
+
+        def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+            accumulate = trainer.accumulate_grad_batches
+            if batch_idx % accumulate == 0:  # where Lightning zeroes (its rule), but before the forward
+                for opt in trainer.optimizers:
+                    own_zero(trainer.current_epoch, batch_idx, opt)
+                self._zeroed = True
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            extras: dict[str, Any] = {}
+
+            def forward_backward(part: Any, weight: float) -> Any:
+                out = own_step(part, batch_idx, *args, **kwargs)
+                if isinstance(out, dict):
+                    extras.clear()
+                    extras.update((k, v) for k, v in out.items() if k != "loss")
+                loss = loss_of(out) * weight
+                share = loss / accumulate if accumulate > 1 else loss
+                own_backward(scaler.scale(share) if scaler is not None else share)
+                return loss.detach()
+
+            total = batcher.run(batch, trainer.global_step, forward_backward)
+            self._backward_done = True
+            leaf = total.detach().requires_grad_(True)
+            return {"loss": leaf, **extras} if extras else leaf
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> None:
+            if self._backward_done:  # the batch's gradients are there already
+                self._backward_done = False
+                return
+            own_backward(loss, *args, **kwargs)
+
+        def optimizer_zero_grad(epoch: int, batch_idx: int, optimizer: Any) -> None:
+            if self._zeroed:  # zeroed before this batch's forward
+                self._zeroed = False
+                return
+            own_zero(epoch, batch_idx, optimizer)
+
+        own_optimizer_step = module.optimizer_step
+
+        def optimizer_step(*args: Any, **kwargs: Any) -> None:
+            with stop_on_out_of_memory("the optimizer step", batcher):
+                own_optimizer_step(*args, **kwargs)
+
+        handle = Handle("oom_fallback")
+        set_attr(handle, module, "training_step", training_step, "training_step: forward and backward per micro-batch")
+        set_attr(handle, module, "backward", backward)
+        set_attr(handle, module, "optimizer_zero_grad", optimizer_zero_grad)
+        set_attr(handle, module, "optimizer_step", optimizer_step)
+        self._handle = handle
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._handle is not None:
+            self._handle.undo()
+            self._handle = None
+        self._zeroed = self._backward_done = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.fallback.report() if self.fallback is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # a resumed run starts at the split it had: the memory it ran out of has not grown
+        parts = state_dict.get("micro_batches")
+        if isinstance(parts, int) and parts > 1:
+            if self.fallback is None:
+                self.fallback = MicroBatcher(lambda: iter(()), probe_after=self.probe_after)
+            self.fallback.parts = parts
