@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("--out", default=None, help="output folder (default: runs/<recipe name>)")
     fit = sub.add_parser("fit", help="train a recipe with Lightning, its ladder applied without trials")
     fit.add_argument("recipe", help="recipe YAML, e.g. the optimized.yaml written by optimize")
+    swp = sub.add_parser("sweep", help="find the micro-batch of highest throughput for a recipe (short timed fits)")
+    swp.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny CPU recipe)")
+    swp.add_argument("--out", default=None, help="output folder for sweep.json and sweep.md (default: runs/<recipe name>)")
+    swp.add_argument("--change-effective-batch", action="store_true",
+                     help="let the effective batch grow with the micro-batch (default: keep it through accumulation)")
+    swp.add_argument("--margin", type=float, default=None, help="share of device memory left free (default 0.10)")
+    swp.add_argument("--max-trials", type=int, default=None, help="sizes measured at most (default 8)")
     val = sub.add_parser("validate", help="check a recipe and build its model and data, without training")
     val.add_argument("recipe")
     sub.add_parser("rungs", help="list the available rungs")
@@ -150,6 +157,22 @@ def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    from speedkit.runner import sweep_recipe
+
+    recipe = _load(args.recipe, overrides)
+    if args.max_trials is not None and args.max_trials < 1:
+        raise ConfigError("--max-trials", f"expected a number of sizes >= 1, found {args.max_trials}")
+    out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
+    result = sweep_recipe(recipe, out, keep_effective=not args.change_effective_batch, margin=args.margin,
+                          max_trials=args.max_trials, on_event=print)
+    print("\n".join(result.table()))
+    gain = f" ({result.gain:.2f}x yours)" if result.gain else ""
+    acc = result.trial(result.chosen).accumulate if result.trial(result.chosen) else 1
+    print(f"chosen micro-batch: {result.chosen} x {acc} accumulated{gain}; written: {out / 'sweep.json'}, {out / 'sweep.md'}")
+    return 0
+
+
 def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit.runner import check_model_takes_data, check_trainer
 
@@ -179,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     args, extra = _parser().parse_known_args(argv)
-    handler = {"optimize": _optimize, "fit": _fit, "validate": _validate, "rungs": _rungs}[args.command]
+    handler = {"optimize": _optimize, "fit": _fit, "sweep": _sweep, "validate": _validate, "rungs": _rungs}[args.command]
     try:
         if extra:
             raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")

@@ -343,3 +343,104 @@ def _raise_as_user_failure(exc: Exception, during: str) -> None:
     failure = failure_in_user_code(exc, during)
     if failure is not None:
         raise failure from exc
+
+
+def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
+    """The recipe's micro-batch: its dotted key and value (``data.batch_size`` of the synthetic data,
+    ``data.init_args.batch_size`` of a data module)."""
+    data = recipe.raw.get("data") or {}
+    for key, node in (("data.batch_size", data), ("data.init_args.batch_size", data.get("init_args") or {})):
+        value = node.get("batch_size") if isinstance(node, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return key, value
+    raise ConfigError("data", "no batch_size to sweep: give the data (or its init_args) a batch_size, e.g. "
+                              "data: {synthetic: tokens, batch_size: 8}")
+
+
+def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
+                 max_trials: int | None = None, on_event: Callable[[str], None] | None = None) -> Any:
+    """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.sweep`).
+
+    Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
+    does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps; an
+    out-of-memory error is a size that does not fit. With ``keep_effective`` the recipe's effective
+    batch (micro-batch x ``accumulate_grad_batches``) is kept through the accumulation. Writes
+    ``sweep.json`` (table rows and a plot-ready series) and ``sweep.md`` to ``out_dir`` when given;
+    returns the :class:`~speedkit.sweep.SweepResult`.
+    """
+    import gc
+
+    import torch
+    from lightning.fabric.utilities.seed import seed_everything
+
+    from speedkit import sweep as sweeping
+    from speedkit.files import write_text_atomic
+    from speedkit.lightning import SpeedLadder, StepTimer
+    from speedkit.recipe import load_recipe
+
+    key, start = _batch_size_key(recipe)
+    devices = recipe.trainer.get("devices")
+    if devices not in (None, 1, "1", "auto") or recipe.trainer.get("num_nodes", 1) != 1:
+        raise UnsupportedError(f"speedkit sweep runs on one device (the recipe asks for devices: {devices!r}); sweep with "
+                               "--trainer.devices 1 and give each rank the chosen micro-batch")
+    accumulate = int(recipe.trainer.get("accumulate_grad_batches") or 1)
+    effective = start * accumulate if keep_effective else None
+    events = on_event or (lambda line: None)
+    check_trainer(recipe)
+    check_model_takes_data(recipe)
+    measure_cfg = recipe.measure
+    warmup, window, windows = int(measure_cfg["warmup"]), int(measure_cfg["steps"]), 3
+    cuda = torch.cuda.is_available() and recipe.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
+
+    measured: list[int] = []
+
+    def measure(size: int) -> sweeping.SweepTrial:
+        acc = effective // size if effective else 1
+        trial_recipe = load_recipe(recipe.raw, overrides=[(key, size), ("trainer.accumulate_grad_batches", acc)])
+        seed_everything(recipe.seed, verbose=False)
+        timer = StepTimer(warmup=warmup, window=window)
+        callbacks: list[Any] = [SpeedLadder(rungs=trial_recipe.ladder)] if recipe.ladder_given else []
+        trainer = build_trainer(trial_recipe, [*callbacks, timer], **{**_OPTIMIZE_TRAINER,
+                                                                      "max_steps": warmup + window * windows})
+        t0 = time.perf_counter()
+        failed: str | None = None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with _quiet_lightning(), warnings.catch_warnings():
+                if measured:  # the ladder's notes (a rung that does not apply) were shown with the first size
+                    warnings.simplefilter("ignore", UserWarning)
+                trainer.fit(trial_recipe.build_model(), datamodule=trial_recipe.build_datamodule())
+        except torch.OutOfMemoryError as exc:
+            failed = f"out of memory: {first_line(exc)[:120]}"
+        measured.append(size)
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        m = timer.measurement
+        if failed is not None or m is None:
+            return sweeping.SweepTrial(size, acc, None, "", None, False, failed or "no timed window", time.perf_counter() - t0)
+        return sweeping.SweepTrial(size, acc, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
+                                   time.perf_counter() - t0)
+
+    kwargs: dict[str, Any] = {}
+    if margin is not None:
+        kwargs["margin"] = margin
+    if max_trials is not None:
+        kwargs["max_trials"] = max_trials
+    result = sweeping.sweep(measure, start, effective=effective, memory_bytes=memory, on_event=events, **kwargs)
+    if out_dir is not None:
+        import json
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        doc = {"schema_version": 1, "recipe": str(recipe.path) if recipe.path else None, "batch_size_key": key,
+               **result.to_dict()}
+        write_text_atomic(out_dir / "sweep.json", json.dumps(doc, indent=2) + "\n")
+        gain = f"{result.gain:.2f}x" if result.gain else "-"
+        md = [f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}", "",
+              f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.", "",
+              *result.table(), ""]
+        write_text_atomic(out_dir / "sweep.md", "\n".join(md))
+    return result

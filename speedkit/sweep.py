@@ -1,0 +1,203 @@
+"""The batch-size sweep: the micro-batch of highest measured throughput, not the largest that fits.
+
+:func:`sweep` asks a ``measure(size)`` function (a short timed run at that micro-batch; it reports
+throughput, peak memory, or an out-of-memory error) for as few sizes as it can:
+
+1. **grow** geometrically from the user's size (the next candidate four times as large at first and
+   while each step gains half again or more, then twice) while
+   the run fits, with ``margin`` of the device's memory left free (later steps add optimizer state,
+   autotuning workspaces, compile and CUDA-graph pools), and throughput rises by ``min_gain`` or
+   more; the first size that fails, leaves less than the margin, or is not faster ends the growth
+   (one step down is tried when the user's own size was already past the best);
+2. **refine** between the best size and its measured neighbours (the first worse or failed size
+   above, the last one below): the candidate nearest their geometric mean, while one lies strictly
+   between and the trial budget (``max_trials``) lasts.
+
+Candidates keep the user's effective batch by default: the micro-batch divides it and gradient
+accumulation makes up the rest (``effective``), so the optimizer sees the same batch and needs no
+new learning rate. A size other than the user's is chosen only where it is faster by ``min_gain``.
+Without ``effective`` they are the user's size times powers of two, up to
+``max_size``, with the sizes between them for refinement. The chosen size is the fastest that fit
+(ties to the smaller: less memory). :class:`SweepResult` holds every trial as a table row and a
+plot-ready series for the report.
+
+This module measures nothing itself: ``speedkit sweep`` (``speedkit.runner.sweep_recipe``) gives it a
+measure function that fits the recipe at each size with speedkit's step clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from speedkit.errors import ConfigError
+
+#: defaults of the sweep (also ``speedkit sweep``'s)
+MARGIN = 0.10
+MIN_GAIN = 0.02
+MAX_TRIALS = 8
+MAX_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class SweepTrial:
+    """One size measured."""
+
+    size: int                      # samples per micro-batch
+    accumulate: int                # micro-batches per optimizer step
+    throughput: float | None       # items per second (None: it did not run)
+    unit: str                      # "tokens/s" or "samples/s"
+    peak_memory_bytes: int | None  # the device's peak in the timed steps (None on a CPU)
+    fits: bool                     # ran, with the memory margin left free
+    reason: str = ""               # why it does not fit ("out of memory: ...", "leaves 4% free, under the 10% margin")
+    seconds: float = 0.0           # wall time of the trial
+
+
+@dataclass
+class SweepResult:
+    start: int                     # the user's micro-batch
+    effective: int | None          # the effective batch kept (None: the effective batch changes with the size)
+    chosen: int                    # the fastest size that fit
+    trials: list[SweepTrial] = field(default_factory=list)
+    memory_bytes: int | None = None
+    margin: float = MARGIN
+    rule: str = ""
+
+    def trial(self, size: int) -> SweepTrial | None:
+        return next((t for t in self.trials if t.size == size), None)
+
+    @property
+    def gain(self) -> float | None:
+        """The chosen size's throughput over the user's."""
+        a, b = self.trial(self.start), self.trial(self.chosen)
+        if a is None or b is None or not a.throughput or not b.throughput:
+            return None
+        return b.throughput / a.throughput
+
+    def series(self) -> dict[str, list[Any]]:
+        """Plot-ready columns, sorted by size."""
+        rows = sorted(self.trials, key=lambda t: t.size)
+        return {"size": [t.size for t in rows], "throughput": [t.throughput for t in rows],
+                "peak_memory_gb": [t.peak_memory_bytes / 1e9 if t.peak_memory_bytes is not None else None for t in rows],
+                "fits": [t.fits for t in rows]}
+
+    def table(self) -> list[str]:
+        """The trials as Markdown table lines, in the order they ran."""
+        unit = next((t.unit for t in self.trials if t.throughput), "items/s")
+        lines = [f"| micro-batch | accumulate | throughput ({unit}) | peak memory | fits |", "|---|---|---|---|---|"]
+        for t in self.trials:
+            mark = " (chosen)" if t.size == self.chosen else " (yours)" if t.size == self.start else ""
+            peak = f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"
+            rate = f"{t.throughput:,.0f}" if t.throughput else "-"
+            lines.append(f"| {t.size}{mark} | {t.accumulate} | {rate} | {peak} | {'yes' if t.fits else 'no: ' + t.reason} |")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "effective": self.effective, "chosen": self.chosen, "gain": self.gain,
+                "memory_bytes": self.memory_bytes, "margin": self.margin, "rule": self.rule,
+                "trials": [asdict(t) for t in self.trials], "series": self.series()}
+
+
+def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_SIZE) -> list[int]:
+    """The sizes the sweep may try, ascending: the divisors of ``effective`` (the effective batch kept),
+    else ``start`` times and over powers of two (and 1.5 times them, for refinement) within [1, max_size]."""
+    if effective is not None:
+        return [d for d in range(1, effective + 1) if effective % d == 0]
+    sizes = {start}
+    k = start
+    while k * 2 <= max_size:
+        sizes.update((k * 2, k * 3 // 2))
+        k *= 2
+    k = start
+    while k > 1:
+        sizes.update((k // 2, (k * 3) // 4))
+        k //= 2
+    return sorted(s for s in sizes if 1 <= s <= max_size)
+
+
+def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | None = None, max_size: int = MAX_SIZE,
+          memory_bytes: int | None = None, margin: float = MARGIN, min_gain: float = MIN_GAIN,
+          max_trials: int = MAX_TRIALS, on_event: Callable[[str], None] = lambda line: None) -> SweepResult:
+    """Find the micro-batch of highest throughput (module docstring). ``measure(size)`` runs a trial;
+    its ``fits`` is re-judged here against ``margin`` of ``memory_bytes`` where both are known."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+        raise ConfigError("batch size", f"expected a whole number of samples >= 1, found {start!r}")
+    if effective is not None and effective % start:
+        raise ConfigError("effective batch", f"{effective} is not a multiple of the micro-batch {start}")
+    if not 0 <= margin < 1:
+        raise ConfigError("margin", f"expected a share of device memory in [0, 1), found {margin!r}")
+    grid = candidates(start, effective=effective, max_size=max_size)
+    result = SweepResult(start, effective, start, memory_bytes=memory_bytes, margin=margin,
+                         rule=(f"grow x4 (x2 once a step gains under 50%) from {start} while it fits with {margin:.0%} of device memory free and "
+                               f"throughput rises by {min_gain:.0%}; refine between the best and its neighbours; "
+                               f"at most {max_trials} trials; "
+                               + (f"the effective batch {effective} kept (micro-batch x accumulation)" if effective
+                                  else "the effective batch changes with the micro-batch")))
+
+    def run(size: int) -> SweepTrial:
+        trial = measure(size)
+        if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
+            free = 1 - trial.peak_memory_bytes / memory_bytes
+            if free < margin:
+                trial = SweepTrial(**{**asdict(trial), "fits": False,
+                                      "reason": f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin"})
+        result.trials.append(trial)
+        on_event(f"sweep: micro-batch {size}: " + (f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput
+                                                     else f"does not fit ({trial.reason})"))
+        return trial
+
+    def rate(size: int) -> float:
+        t = result.trial(size)
+        return t.throughput if t is not None and t.fits and t.throughput else 0.0
+
+    first = run(start)
+    if not first.fits:  # the user's own size does not fit: look below it
+        below = [s for s in grid if s < start]
+        while below and len(result.trials) < max_trials:
+            size = below[len(below) // 2] if len(below) > 2 else below[-1]
+            if run(size).fits:
+                break
+            below = [s for s in below if s < size]
+    best = max((t.size for t in result.trials if t.fits), key=rate, default=None)
+    if best is None:
+        result.chosen = start
+        result.rule += "; nothing fit"
+        return result
+    # 1. grow: x4 at first and while each step pays at least half again (the gaps are refined after), then x2
+    size, factor = best, 4
+    while len(result.trials) < max_trials:
+        bigger = [s for s in grid if s >= factor * size] or [s for s in grid if s > size]
+        if not bigger:
+            break
+        size = bigger[0]
+        if not run(size).fits or rate(size) < rate(best) * (1 + min_gain):
+            break
+        factor = 4 if rate(size) >= 1.5 * rate(best) else 2
+        best = size
+    if best == start and rate(start) > 0 and len(result.trials) < max_trials:  # maybe past the best already: one step down
+        smaller = [s for s in grid if s <= start // 2] or [s for s in grid if s < start]
+        if smaller and result.trial(smaller[-1]) is None and run(smaller[-1]).fits and rate(smaller[-1]) > rate(start):
+            best = smaller[-1]
+    # 2. refine between the best and its measured neighbours
+    while len(result.trials) < max_trials:
+        best = max((t.size for t in result.trials if t.fits), key=rate)
+        measured = sorted(t.size for t in result.trials)
+        above = [s for s in measured if s > best]
+        below = [s for s in measured if s < best]
+        gaps = []
+        for other in ([above[0]] if above else []) + ([below[-1]] if below else []):
+            lo, hi = sorted((best, other))
+            inside = [s for s in grid if lo < s < hi and result.trial(s) is None]
+            if inside:
+                mid = math.sqrt(lo * hi)
+                gaps.append(min(inside, key=lambda s: abs(math.log(s / mid))))
+        if not gaps:
+            break
+        run(gaps[0])
+    fitting = [t for t in result.trials if t.fits and t.throughput]
+    result.chosen = max(fitting, key=lambda t: (t.throughput, -t.size)).size
+    if first.fits and rate(result.chosen) < rate(start) * (1 + min_gain):
+        result.chosen = start  # not faster than the user's own size by the minimum: theirs stays
+    return result
