@@ -187,6 +187,12 @@ class MicroBatcher:
             micro-batches once (None: never grow back).
         clock: the wall clock for the time lost (a fake one in tests).
         free: frees what a failed attempt left (tests count its calls).
+        agree: under several processes, ``agree(failed_here) -> failed_on_any_rank``, called once per
+            attempt on every rank (:func:`speedkit.distributed.any_rank`): every rank then redoes the
+            batch with the same split in the same step, and none leaves another waiting in a
+            collective. The micro-batches' backwards must then make no collective of their own (run
+            them under DDP's ``no_sync`` or on the module it wraps) and the gradients be averaged
+            after :meth:`run` returns (:func:`speedkit.distributed.average_gradients`).
     """
 
     params: Callable[[], Iterable[nn.Parameter]]
@@ -194,6 +200,7 @@ class MicroBatcher:
     probe_after: int | None = None
     clock: Callable[[], float] = time.perf_counter
     free: Callable[[], None] = free_device_memory
+    agree: Callable[[bool], bool] | None = None
     parts: int = 1                      # micro-batches per batch now
     events: list[FallbackEvent] = field(default_factory=list)
     _steady: int = 0                    # steps since the last change of the split without an error
@@ -227,6 +234,8 @@ class MicroBatcher:
                     loss = weighted if loss is None else loss + weighted
             except torch.OutOfMemoryError as exc:
                 failed = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
+            if self.agree is not None and self.agree(failed is not None) and failed is None:
+                failed = "another rank ran out of memory"
             if failed is None:
                 break
             # outside the except block: the failed attempt's frames, and the tensors they held, are gone

@@ -8,6 +8,7 @@ loop (``speedkit.apply``) and in a Lightning Trainer with a scheduler, clipping 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,6 +68,9 @@ class Net(nn.Module):
         if self.injector is not None and h.requires_grad:
             h.register_hook(self.injector.backward_point)
         return F.cross_entropy(self.lin2(h), y) + self.seen[ids].mean()
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.loss(batch)
 
 
 def data() -> torch.utils.data.TensorDataset:
@@ -292,3 +296,78 @@ def test_lightning_fit_with_injected_out_of_memory_trains_like_the_fit_without()
     for step, (a, b) in enumerate(zip(module.params_after, reference.params_after, strict=True)):
         assert _close(a, b), step
     assert "training_step" not in module.__dict__  # the fit's wrappers are gone after it
+
+
+# -- several processes (gloo on the CPU) -------------------------------------------------------------
+def _ddp_worker(rank: int, world: int, port: int, fallback: bool, out: str) -> None:
+    """One rank of a 2-process run, each on its own shard, gradients averaged: with ``fallback``, rank 1
+    alone runs out of memory above 4 samples and at 3 random points, rank 0 never; without, DDP's own
+    forward and backward (its reducer averages the gradients), the reference."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from speedkit.distributed import any_rank, average_gradients
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    net = Net(Injector(budget=4, random_errors=3, horizon=300, seed=5) if fallback and rank == 1 else None)
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    shard = torch.utils.data.Subset(data(), range(rank, SAMPLES, world))
+    batches = torch.utils.data.DataLoader(shard, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(3))
+    batcher = MicroBatcher(net.parameters, model=net, agree=any_rank, free=lambda: None)
+
+    def forward_backward(part, weight):  # on the module DDP wraps: no collective inside an attempt
+        loss = net(part) * weight
+        loss.backward()
+        return loss.detach()
+
+    steps = 0
+    for _ in range(2):
+        for batch in batches:
+            if fallback:
+                batcher.run(batch, steps, forward_backward)
+                average_gradients(net.parameters())
+            else:
+                ddp(batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            steps += 1
+    torch.save({"params": [p.detach() for p in net.parameters()], "steps": steps,
+                "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in batcher.events],
+                "raised": net.injector.raised if net.injector else None}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _run_ranks(fallback: bool, out, timeout_s: float = 120.0) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port on the loopback
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_ddp_worker, args=(2, port, fallback, str(out)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the ranks did not finish within {timeout_s:.0f} s: a hang")
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_ddp_where_only_rank_1_runs_out_of_memory_both_ranks_split_together_and_match_the_run_without(tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "oom").mkdir()
+    reference = _run_ranks(False, tmp_path / "ref")
+    ranks = _run_ranks(True, tmp_path / "oom")
+    assert ranks[1]["raised"]["budget"] > 0 and ranks[1]["raised"]["forward"] + ranks[1]["raised"]["backward"] > 0
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [(0, 16, 8, "out of memory"),
+                                                                                   (0, 8, 4, "out of memory")]
+    assert ranks[0]["steps"] == reference[0]["steps"] == 32
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # the ranks agree exactly
+    assert _close(ranks[0]["params"], reference[0]["params"])  # and train as DDP does without any error
