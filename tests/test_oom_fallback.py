@@ -371,3 +371,60 @@ def test_ddp_where_only_rank_1_runs_out_of_memory_both_ranks_split_together_and_
     assert ranks[0]["steps"] == reference[0]["steps"] == 32
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # the ranks agree exactly
     assert _close(ranks[0]["params"], reference[0]["params"])  # and train as DDP does without any error
+
+
+class RankLitNet(LitNet):
+    """LitNet whose rank 1 alone runs out of memory (``oom``); each rank saves its parameters and the
+    fallback's events at the end of the fit."""
+
+    def __init__(self, out: str, oom: bool) -> None:
+        super().__init__(None)
+        self.out, self.oom = out, oom
+
+    def setup(self, stage):
+        if self.oom and self.global_rank == 1:
+            self.net.injector = Injector(budget=4, random_errors=3, horizon=300, seed=5)
+
+    def on_train_end(self):
+        fallback = next((c for c in self.trainer.callbacks if isinstance(c, OOMFallback)), None)
+        torch.save({"params": [p.detach() for p in self.parameters()], "steps": self.trainer.global_step,
+                    "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in fallback.events] if fallback else [],
+                    "raised": self.net.injector.raised if self.net.injector else None}, f"{self.out}/rank{self.global_rank}.pt")
+
+
+def lightning_ddp_fit(out: str, oom: bool) -> None:
+    """A 2-process DDP fit on the CPU (gloo), with the fallback when ``oom``; run as its own process."""
+    torch.multiprocessing.set_sharing_strategy("file_system")  # the spawned ranks' tensors: not through /dev/shm fds
+    torch.manual_seed(0)
+    module = RankLitNet(out, oom)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=40, accumulate_grad_batches=2,
+                         gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[OOMFallback()] if oom else [])
+    trainer.fit(module, train_dataloaders=loader())
+
+
+def test_lightning_ddp_where_only_rank_1_runs_out_of_memory_matches_the_fit_without(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    runs = {}
+    for oom in (False, True):
+        out = tmp_path / f"oom{oom}"
+        out.mkdir()
+        code = f"import test_oom_fallback as t; t.lightning_ddp_fit({str(out)!r}, {oom})"
+        try:
+            done = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=240,
+                                  env={**__import__("os").environ, "PYTHONPATH": f"{here}:{here.parent}"})
+        except subprocess.TimeoutExpired:
+            pytest.fail("the 2-process fit did not finish within 240 s: a hang")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[oom] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    ref, ranks = runs[False], runs[True]
+    assert ranks[1]["raised"]["budget"] > 0
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [(0, 16, 8, "out of memory"),
+                                                                                   (0, 8, 4, "out of memory")]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == ref[0]["steps"] == 40
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
+    assert _close(ranks[0]["params"], ref[0]["params"])

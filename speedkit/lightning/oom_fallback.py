@@ -16,8 +16,13 @@ fires it, after the backward).
 
 After a split, what ``training_step`` returns and logs per step is the last micro-batch's (values
 logged ``on_epoch`` average over every micro-batch, weighted by their sizes, as Lightning weighs
-batches). Manual optimization and several processes (DDP) are not supported yet: the callback
-says so and leaves the fit as it is. ``fallback.events`` lists each split (step, old and new
+batches). Under DDP every rank takes the same split in the same step: each attempt is agreed on by
+all ranks (one all-reduce), the micro-batches run on the module DDP wraps with its reducer kept out
+of the batch, and the gradients are averaged once the batch is done, where Lightning would sync
+them (not within an accumulation's ``no_sync``); a ``self.log(..., sync_dist=True)`` inside
+``training_step`` would be a collective inside an attempt and is not supported with it. Manual
+optimization and strategies other than DDP are not supported: the callback says so and leaves the
+fit as it is. Each split is announced as a warning when it happens. ``fallback.events`` lists each split (step, old and new
 micro-batch, time lost); an out-of-memory error with micro-batches of one sample, or in the optimizer
 step, stops the fit with one line.
 """
@@ -31,7 +36,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from torch.nn.parallel import DistributedDataParallel
+
 from speedkit.accumulate import MicroBatcher, stop_on_out_of_memory
+from speedkit.distributed import any_rank, average_gradients
 from speedkit.handle import Handle, set_attr
 from speedkit.step import loss_of
 
@@ -53,6 +61,7 @@ class OOMFallback(Callback):
         self._handle: Handle | None = None
         self._zeroed = False        # the batch's gradients were zeroed before its forward: Lightning's zero_grad is spent
         self._backward_done = False  # the batch's backward ran: Lightning's backward of the returned loss does nothing
+        self._sync_saved = True
 
     @property
     def events(self) -> list[Any]:
@@ -63,9 +72,9 @@ class OOMFallback(Callback):
         self.not_applied = None
         if not pl_module.automatic_optimization:
             self.not_applied = "manual optimization: the module runs its own backward and optimizer step"
-        elif trainer.world_size > 1:
-            self.not_applied = ("several processes (DDP): every rank must take the same split in the same step, "
-                                "which is not built yet")
+        elif trainer.world_size > 1 and not isinstance(trainer.strategy.model, DistributedDataParallel):
+            self.not_applied = (f"{type(trainer.strategy).__name__} over several processes: only DDP is supported "
+                                "(every rank must take the same split in the same step)")
         if self.not_applied is not None:
             rank_zero_warn(f"speedkit OOMFallback: not applied ({self.not_applied}); the fit runs as it is.",
                            category=UserWarning)
@@ -75,12 +84,15 @@ class OOMFallback(Callback):
             self.fallback = MicroBatcher(params, model=pl_module, probe_after=self.probe_after)
         else:  # a second fit with the same callback keeps the split it learned
             self.fallback.params, self.fallback.model = params, pl_module
+        self.fallback.agree = any_rank if trainer.world_size > 1 else None
         self._bind(trainer, pl_module)
 
     def _bind(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         own_step, own_backward, own_zero = module.training_step, module.backward, module.optimizer_zero_grad
         batcher = self.fallback
         assert batcher is not None
+        ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
+        reported = len(batcher.events)
 
         def training_step(batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
             accumulate = trainer.accumulate_grad_batches
@@ -90,6 +102,13 @@ class OOMFallback(Callback):
                 self._zeroed = True
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             extras: dict[str, Any] = {}
+            # under DDP (this runs inside its forward): Lightning's own choice whether this batch syncs the
+            # gradients (not within an accumulation's no_sync); DDP's reducer is kept out of the batch (no
+            # backward for it to expect), every attempt agreed on by all ranks, the gradients averaged after
+            sync = ddp is not None and ddp.require_backward_grad_sync
+            if ddp is not None:
+                self._sync_saved = ddp.require_backward_grad_sync
+                ddp.require_backward_grad_sync = False
 
             def forward_backward(part: Any, weight: float) -> Any:
                 out = own_step(part, batch_idx, *args, **kwargs)
@@ -102,6 +121,12 @@ class OOMFallback(Callback):
                 return loss.detach()
 
             total = batcher.run(batch, trainer.global_step, forward_backward)
+            if sync:
+                average_gradients(p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
+            nonlocal reported
+            for event in batcher.events[reported:]:  # never silently
+                rank_zero_warn(f"speedkit OOMFallback: {event.describe()}", category=UserWarning)
+            reported = len(batcher.events)
             self._backward_done = True
             leaf = total.detach().requires_grad_(True)
             return {"loss": leaf, **extras} if extras else leaf
@@ -109,6 +134,8 @@ class OOMFallback(Callback):
         def backward(loss: Any, *args: Any, **kwargs: Any) -> None:
             if self._backward_done:  # the batch's gradients are there already
                 self._backward_done = False
+                if ddp is not None:
+                    ddp.require_backward_grad_sync = self._sync_saved
                 return
             own_backward(loss, *args, **kwargs)
 
