@@ -428,3 +428,34 @@ def test_lightning_ddp_where_only_rank_1_runs_out_of_memory_matches_the_fit_with
     assert ranks[0]["steps"] == ranks[1]["steps"] == ref[0]["steps"] == 40
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
     assert _close(ranks[0]["params"], ref[0]["params"])
+
+
+class LateNet(Net):
+    """Runs out of memory after its first layer: the compiled layer sees the sizes that fail too."""
+
+    def loss(self, batch):
+        x, y, ids = batch
+        h = torch.tanh(self.lin1(x))
+        self.injector.forward_point(x)
+        return F.cross_entropy(self.lin2(h), y) + self.seen[ids].mean()
+
+
+def test_a_compiled_model_after_a_split_compiles_a_few_graphs_not_one_per_step():
+    """Micro-batches of other sizes are new shapes for torch.compile: the first compiles anew, the
+    second makes the batch dimension dynamic (Dynamo's automatic dynamic shapes); then no more."""
+    from speedkit import compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LateNet(Injector(budget=4))
+    model.lin1 = torch.compile(model.lin1, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sk = speedkit.apply(model, opt, loader(), rungs=[], loss_fn=lambda m, b, i: m.loss(b), oom_fallback=True)
+    before = compat.graph_count()
+    counts = []
+    for group in sk.batches(steps=40, epochs=None):
+        sk.step(group)
+        counts.append(compat.graph_count() - before)
+    assert sk.fallback.parts == 4 and model.injector.raised["budget"] == 2  # 16 and 8 ran the layer, then failed
+    assert counts[0] == counts[-1] <= 2, counts  # 16, then 8 dynamic (4 fits it): nothing compiled after step 0
+    torch._dynamo.reset()
