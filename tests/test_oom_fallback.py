@@ -280,10 +280,10 @@ def _lightning_run(injector: Injector | None, callbacks: list, steps: int = 200)
     return module
 
 
-def test_lightning_fit_with_injected_out_of_memory_trains_like_the_fit_without():
+def test_lightning_fit_with_injected_out_of_memory_trains_like_the_fit_without(tmp_path):
     reference = _lightning_run(None, [])
     injector = Injector(budget=4, random_errors=12, seed=11)
-    fallback = OOMFallback()
+    fallback = OOMFallback(report_dir=tmp_path)
     module = _lightning_run(injector, [fallback])
     assert injector.raised["budget"] > 0 and injector.raised["forward"] > 0 and injector.raised["backward"] > 0
     budget = [(e.step, e.old_micro_batch, e.new_micro_batch) for e in fallback.events if "budget" in e.detail]
@@ -296,6 +296,18 @@ def test_lightning_fit_with_injected_out_of_memory_trains_like_the_fit_without()
     for step, (a, b) in enumerate(zip(module.params_after, reference.params_after, strict=True)):
         assert _close(a, b), step
     assert "training_step" not in module.__dict__  # the fit's wrappers are gone after it
+    import json
+
+    report = json.loads((tmp_path / "oom_fallback.json").read_text())
+    assert report["micro_batches"] == fallback.fallback.parts and len(report["events"]) == len(fallback.events)
+    assert {"step", "old_micro_batch", "new_micro_batch", "seconds_lost"} <= set(report["events"][0])
+
+
+def test_oom_fallback_refuses_bad_arguments_in_one_line():
+    with pytest.raises(speedkit.ConfigError, match="probe_after"):
+        OOMFallback(probe_after=0)
+    with pytest.raises(speedkit.ConfigError, match="report_dir"):
+        OOMFallback(report_dir=3)
 
 
 # -- several processes (gloo on the CPU) -------------------------------------------------------------

@@ -29,6 +29,9 @@ step, stops the fit with one line.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,6 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from speedkit.accumulate import MicroBatcher, stop_on_out_of_memory
 from speedkit.distributed import any_rank, average_gradients
+from speedkit.errors import ConfigError
+from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
 from speedkit.step import loss_of
 
@@ -50,12 +55,17 @@ class OOMFallback(Callback):
     Args:
         probe_after: after this many optimizer steps without an error at a split, try half as many
             micro-batches once (None: the split stays for the rest of the fit).
+        report_dir: write ``oom_fallback.json`` there at the end of the fit (rank 0): the micro-batches
+            per batch and every split (step, old and new micro-batch, time lost, where it hit).
     """
 
-    def __init__(self, probe_after: int | None = None) -> None:
+    def __init__(self, probe_after: int | None = None, report_dir: str | os.PathLike | None = None) -> None:
         if probe_after is not None and (isinstance(probe_after, bool) or not isinstance(probe_after, int) or probe_after < 1):
-            raise ValueError(f"probe_after must be a number of steps >= 1 or None, found {probe_after!r}")
+            raise ConfigError("probe_after", f"expected a number of steps >= 1 or None, found {probe_after!r}")
+        if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
+            raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
         self.probe_after = probe_after
+        self.report_dir = Path(report_dir) if report_dir is not None else None
         self.fallback: MicroBatcher | None = None
         self.not_applied: str | None = None
         self._handle: Handle | None = None
@@ -157,6 +167,13 @@ class OOMFallback(Callback):
         set_attr(handle, module, "optimizer_zero_grad", optimizer_zero_grad)
         set_attr(handle, module, "optimizer_step", optimizer_step)
         self._handle = handle
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.report_dir is not None and self.fallback is not None and trainer.is_global_zero:
+            doc = {"schema_version": 1, **self.fallback.report(),
+                   "events_text": [e.describe() for e in self.fallback.events]}
+            write_text_atomic(self.report_dir / "oom_fallback.json", json.dumps(doc, indent=2) + "\n")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
