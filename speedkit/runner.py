@@ -357,25 +357,67 @@ def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
                               "data: {synthetic: tokens, batch_size: 8}")
 
 
+def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, dict[str, Any]]],
+                    trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int = 3,
+                    callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False) -> Any:
+    """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
+    windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
+    module and ``fit``'s data keyword arguments; a :class:`~speedkit.sweep.SweepTrial`. Out of device
+    memory is a size that does not fit (its memory freed before the next)."""
+    import gc
+
+    import lightning.pytorch as pl
+    import torch
+
+    from speedkit.lightning import StepTimer
+    from speedkit.sweep import SweepTrial
+
+    cuda = torch.cuda.is_available() and trainer_kwargs.get("accelerator") in (None, "auto", "gpu", "cuda")
+    timer = StepTimer(warmup=warmup, window=window)
+    kwargs = {**trainer_kwargs, **_OPTIMIZE_TRAINER, "max_steps": warmup + window * windows,
+              "accumulate_grad_batches": accumulate}
+    kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
+    t0 = time.perf_counter()
+    failed: str | None = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer = pl.Trainer(**kwargs)
+        module, data = build()
+        with _quiet_lightning(), warnings.catch_warnings():
+            if quiet_notes:  # notes (a rung that does not apply) already shown with an earlier size
+                warnings.simplefilter("ignore", UserWarning)
+            trainer.fit(module, **data)
+    except torch.OutOfMemoryError as exc:
+        failed = f"out of memory: {first_line(exc)[:120]}"
+    trainer = module = data = None  # noqa: F841 (what the fit held, freed before the next size)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    m = timer.measurement
+    if failed is not None or m is None:
+        return SweepTrial(size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0)
+    return SweepTrial(size, accumulate, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
+                      time.perf_counter() - t0)
+
+
 def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
                  max_trials: int | None = None, on_event: Callable[[str], None] | None = None) -> Any:
     """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.sweep`).
 
     Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
-    does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps; an
-    out-of-memory error is a size that does not fit. With ``keep_effective`` the recipe's effective
-    batch (micro-batch x ``accumulate_grad_batches``) is kept through the accumulation. Writes
-    ``sweep.json`` (table rows and a plot-ready series) and ``sweep.md`` to ``out_dir`` when given;
-    returns the :class:`~speedkit.sweep.SweepResult`.
+    does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps
+    (:func:`timed_fit_trial`); an out-of-memory error is a size that does not fit. With
+    ``keep_effective`` the recipe's effective batch (micro-batch x ``accumulate_grad_batches``) is
+    kept through the accumulation. Writes ``sweep.json`` (table rows and a plot-ready series) and
+    ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.sweep.SweepResult`.
     """
-    import gc
-
     import torch
     from lightning.fabric.utilities.seed import seed_everything
 
     from speedkit import sweep as sweeping
     from speedkit.files import write_text_atomic
-    from speedkit.lightning import SpeedLadder, StepTimer
+    from speedkit.lightning import SpeedLadder
     from speedkit.recipe import load_recipe
 
     key, start = _batch_size_key(recipe)
@@ -388,42 +430,23 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
     events = on_event or (lambda line: None)
     check_trainer(recipe)
     check_model_takes_data(recipe)
-    measure_cfg = recipe.measure
-    warmup, window, windows = int(measure_cfg["warmup"]), int(measure_cfg["steps"]), 3
+    warmup, window = int(recipe.measure["warmup"]), int(recipe.measure["steps"])
     cuda = torch.cuda.is_available() and recipe.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
-
     measured: list[int] = []
 
     def measure(size: int) -> sweeping.SweepTrial:
-        acc = effective // size if effective else 1
-        trial_recipe = load_recipe(recipe.raw, overrides=[(key, size), ("trainer.accumulate_grad_batches", acc)])
-        seed_everything(recipe.seed, verbose=False)
-        timer = StepTimer(warmup=warmup, window=window)
-        callbacks: list[Any] = [SpeedLadder(rungs=trial_recipe.ladder)] if recipe.ladder_given else []
-        trainer = build_trainer(trial_recipe, [*callbacks, timer], **{**_OPTIMIZE_TRAINER,
-                                                                      "max_steps": warmup + window * windows})
-        t0 = time.perf_counter()
-        failed: str | None = None
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            with _quiet_lightning(), warnings.catch_warnings():
-                if measured:  # the ladder's notes (a rung that does not apply) were shown with the first size
-                    warnings.simplefilter("ignore", UserWarning)
-                trainer.fit(trial_recipe.build_model(), datamodule=trial_recipe.build_datamodule())
-        except torch.OutOfMemoryError as exc:
-            failed = f"out of memory: {first_line(exc)[:120]}"
+        trial_recipe = load_recipe(recipe.raw, overrides=[(key, size)])
+
+        def build() -> tuple[Any, dict[str, Any]]:
+            seed_everything(recipe.seed, verbose=False)
+            return trial_recipe.build_model(), {"datamodule": trial_recipe.build_datamodule()}
+
+        trial = timed_fit_trial(size, effective // size if effective else 1, build, trial_recipe.build_trainer_kwargs(),
+                                warmup=warmup, window=window, quiet_notes=bool(measured),
+                                callbacks=lambda: [SpeedLadder(rungs=trial_recipe.ladder)] if recipe.ladder_given else [])
         measured.append(size)
-        del trainer
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        m = timer.measurement
-        if failed is not None or m is None:
-            return sweeping.SweepTrial(size, acc, None, "", None, False, failed or "no timed window", time.perf_counter() - t0)
-        return sweeping.SweepTrial(size, acc, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
-                                   time.perf_counter() - t0)
+        return trial
 
     kwargs: dict[str, Any] = {}
     if margin is not None:
