@@ -44,8 +44,9 @@ from torch import nn
 from speedkit.data.source import map_batch
 from speedkit.errors import SpeedkitError
 
-#: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran
-ForwardBackward = Callable[[Any, float], torch.Tensor]
+#: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran; None
+#: where the step skips the batch (a Lightning ``training_step`` that returned None)
+ForwardBackward = Callable[[Any, float], "torch.Tensor | None"]
 
 
 class OutOfMemoryAtOneSample(SpeedkitError):
@@ -206,9 +207,11 @@ class MicroBatcher:
     _steady: int = 0                    # steps since the last change of the split without an error
     _largest_failed: int | None = None  # the smallest micro-batch a probe failed at (never probed again)
 
-    def run(self, batch: Any, step: int, forward_backward: ForwardBackward) -> torch.Tensor:
+    def run(self, batch: Any, step: int, forward_backward: ForwardBackward) -> torch.Tensor | None:
         """Forward and backward of ``batch`` at the current split (more parts on out-of-memory);
-        returns the sum of the micro-batches' weighted losses (the batch's mean loss), detached."""
+        returns the sum of the micro-batches' weighted losses (the batch's mean loss), detached; None
+        where ``forward_backward`` skipped a micro-batch, the gradients then as before the batch (a
+        step that skips a batch skips all of it)."""
         total = batch_size(batch)
         if total is None:  # nothing to split: run it whole, errors as they come
             return forward_backward(batch, 1.0)
@@ -228,14 +231,22 @@ class MicroBatcher:
         while True:
             failed: str | None = None
             loss: torch.Tensor | None = None
+            skipped = False
             try:
                 for chunk, n in split_batch(batch, parts):
                     weighted = forward_backward(chunk, n / total)
+                    if weighted is None:
+                        skipped = True
+                        break
                     loss = weighted if loss is None else loss + weighted
             except torch.OutOfMemoryError as exc:
                 failed = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
             if self.agree is not None and self.agree(failed is not None) and failed is None:
                 failed = "another rank ran out of memory"
+            if failed is None and skipped:
+                stash.drop_fresh()
+                stash.restore()
+                return None
             if failed is None:
                 break
             # outside the except block: the failed attempt's frames, and the tensors they held, are gone

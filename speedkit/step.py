@@ -361,6 +361,7 @@ class PlainStep(Step):
             else:
                 loss = self.micro_batcher.run(batch, self.steps_done,
                                               lambda part, weight: self.forward_backward(part, batch_idx, weight, n))
+                assert loss is not None  # a plain step's loss function always gives a loss
             total = loss if total is None else total + loss
         if self.micro_batcher is None:
             self.update()

@@ -303,6 +303,23 @@ def test_lightning_fit_with_injected_out_of_memory_trains_like_the_fit_without(t
     assert {"step", "old_micro_batch", "new_micro_batch", "seconds_lost"} <= set(report["events"][0])
 
 
+class SkippingLitNet(LitNet):
+    """Skips some batches, as Lightning allows (``training_step`` returns None)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 7 == 3:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_the_module_skips_is_skipped_whole_after_a_split(monkeypatch):
+    monkeypatch.setitem(globals(), "LitNet", SkippingLitNet)
+    reference = _lightning_run(None, [], steps=40)
+    module = _lightning_run(Injector(budget=4), [OOMFallback()], steps=40)
+    for step, (a, b) in enumerate(zip(module.params_after, reference.params_after, strict=True)):
+        assert _close(a, b), step
+
+
 def test_oom_fallback_refuses_bad_arguments_in_one_line():
     with pytest.raises(speedkit.ConfigError, match="probe_after"):
         OOMFallback(probe_after=0)

@@ -122,6 +122,8 @@ class OOMFallback(Callback):
 
             def forward_backward(part: Any, weight: float) -> Any:
                 out = own_step(part, batch_idx, *args, **kwargs)
+                if out is None:  # the module skips this batch: Lightning skips its backward and step
+                    return None
                 if isinstance(out, dict):
                     extras.clear()
                     extras.update((k, v) for k, v in out.items() if k != "loss")
@@ -131,6 +133,10 @@ class OOMFallback(Callback):
                 return loss.detach()
 
             total = batcher.run(batch, trainer.global_step, forward_backward)
+            if total is None:
+                if ddp is not None:
+                    ddp.require_backward_grad_sync = self._sync_saved
+                return None
             if sync:
                 average_gradients(p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
             nonlocal reported
