@@ -17,7 +17,13 @@ Output (under ``--out``, default ``$OUT``): ``<date>_<gpu>.jsonl`` (every lane's
 completion), ``zoo_lanes.tgz`` (each model's log and speedkit report) and ``zoo_lanes.txt`` (the
 table printed last).
 
+A run longer than one device call (hf-t5 alone takes about 780 s): start it with ``--detach`` (it
+runs in a session of its own, which outlives the call until the machine goes back), then, in the
+next call within the machine's idle time, ``--collect SECONDS`` waits for it and packs its folder.
+
 Usage: PYTHONPATH=. python bench/zoo_lanes.py --commit C [--budget-s 590] [--gpus 0,1] [model ...]
+       PYTHONPATH=. python bench/zoo_lanes.py --commit C --budget-s 900 --gpus 3 --out /tmp/t5 --detach hf-t5
+       PYTHONPATH=. python bench/zoo_lanes.py --out /tmp/t5 --collect 300
 """
 
 from __future__ import annotations
@@ -78,14 +84,33 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(ZOO), help="zoo models (default: all)")
-    parser.add_argument("--commit", required=True, help="the commit measured (the device's tree has no history)")
+    parser.add_argument("--commit", default=None, help="the commit measured (the device's tree has no history)")
     parser.add_argument("--budget-s", type=float, default=590.0, help="wall seconds for the whole call")
     parser.add_argument("--gpus", default=None,
                         help="the GPUs used, one lane each, comma-separated (default: all); the host's cores are split "
                              "among all the host's GPUs, so that two launchers on one host keep apart")
     parser.add_argument("--tiny", action="store_true", help="zoo.py --tiny on the CPU: a smoke test of the lanes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for rows, logs and reports")
+    parser.add_argument("--detach", action="store_true",
+                        help="start the run in a session of its own and return at once (it outlives the device "
+                             "call, up to the machine's return); --out must be a folder that stays, e.g. /tmp/zoo; "
+                             "it writes <out>/done at the end")
+    parser.add_argument("--collect", type=float, default=None, metavar="SECONDS",
+                        help="wait up to SECONDS for a detached run's <out>/done, then pack <out> into $OUT/zoo_run.tgz")
     args = parser.parse_args()
+    if args.collect is not None:
+        collect(Path(args.out), args.collect)
+        return
+    if args.commit is None:
+        raise SystemExit("--commit is needed to run models (the device's tree has no history)")
+    if args.detach:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        argv = [a for a in sys.argv[1:] if a != "--detach"]
+        with open(Path(args.out) / "launcher.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+        print(f"detached: pid {proc.pid}, output in {args.out} (done when {args.out}/done exists)", flush=True)
+        return
     unknown = [m for m in args.models if m not in ZOO]
     count = torch.cuda.device_count() or (2 if args.tiny else 0)  # --tiny: CPU lanes, for the smoke test
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(count))
@@ -145,7 +170,23 @@ def main() -> None:
         lines += [line for line in path.read_text().splitlines()
                   if "/ switches =" in line or " FAILED" in line or "Traceback" in line]
     (out / "zoo_lanes.txt").write_text("\n".join(lines) + "\n")
+    (out / "done").write_text(f"{time.monotonic() - start:.0f} s\n")
     print("\n".join(lines))
+
+
+def collect(folder: Path, wait_s: float) -> None:
+    """Wait for a detached run to write ``done`` (at most ``wait_s``), then pack its folder into
+    ``$OUT/zoo_run.tgz`` (finished or not: what is there comes back) and print its table."""
+    deadline = time.monotonic() + wait_s
+    while not (folder / "done").exists() and time.monotonic() < deadline:
+        time.sleep(2.0)
+    finished = (folder / "done").exists()
+    dest = Path(os.environ.get("OUT", "."))
+    with tarfile.open(dest / "zoo_run.tgz", "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    table = folder / "zoo_lanes.txt"
+    print(table.read_text() if table.exists() else "(no table yet)")
+    print(f"{'finished' if finished else 'NOT finished'}; packed {folder} into {dest / 'zoo_run.tgz'}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from speedkit.data.source import map_batch
-from speedkit.errors import SpeedkitError
+from speedkit.errors import SpeedkitError, first_line
 
 #: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran; None
 #: where the step skips the batch (a Lightning ``training_step`` that returned None)
@@ -240,7 +240,7 @@ class MicroBatcher:
                         break
                     loss = weighted if loss is None else loss + weighted
             except torch.OutOfMemoryError as exc:
-                failed = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
+                failed = first_line(exc, "out of memory")[:200]
             if self.agree is not None and self.agree(failed is not None) and failed is None:
                 failed = "another rank ran out of memory"
             if failed is None and skipped:
@@ -300,7 +300,7 @@ def stop_on_out_of_memory(where: str, batcher: MicroBatcher) -> Iterator[None]:
     try:
         yield
     except torch.OutOfMemoryError as exc:
-        failed = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
+        failed = first_line(exc, "out of memory")[:200]
     if failed is not None:
         batcher.free()
         sizes = ", ".join(e.describe() for e in batcher.events) or "no split before it"
