@@ -488,3 +488,21 @@ def test_a_compiled_model_after_a_split_compiles_a_few_graphs_not_one_per_step()
     assert sk.fallback.parts == 4 and model.injector.raised["budget"] == 2  # 16 and 8 ran the layer, then failed
     assert counts[0] == counts[-1] <= 2, counts  # 16, then 8 dynamic (4 fits it): nothing compiled after step 0
     torch._dynamo.reset()
+
+
+def test_a_checkpoint_keeps_the_split_and_a_resumed_fit_starts_with_it(tmp_path):
+    torch.manual_seed(0)
+    module = LitNet(Injector(budget=4))
+    first = OOMFallback()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[first])
+    trainer.fit(module, train_dataloaders=loader())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    assert first.fallback.parts == 4
+    resumed = OOMFallback()
+    module.net.injector = Injector(budget=4)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed])
+    trainer.fit(module, train_dataloaders=loader(), ckpt_path=tmp_path / "c.ckpt")
+    assert trainer.global_step == 10 and resumed.fallback.parts == 4
+    assert module.net.injector.raised["budget"] == 0  # it started at micro-batches of 4: nothing ran out of memory
