@@ -160,3 +160,30 @@ def test_speedkit_sweep_cli_names_a_recipe_without_a_batch_size(tmp_path, capsys
                       "data: {synthetic: tokens}\ntrainer: {accelerator: cpu, max_steps: 2}\n")
     assert main(["sweep", str(recipe), "--out", str(tmp_path / "o")]) == 2
     assert "batch_size" in capsys.readouterr().err
+
+
+def test_speedkit_sweep_cli_lets_the_effective_batch_grow_when_asked(tmp_path, capsys):
+    import yaml
+
+    from speedkit.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_tiny_recipe(2, 1)))
+    assert main(["sweep", str(recipe), "--out", str(tmp_path / "o"), "--change-effective-batch", "--max-trials", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen micro-batch:" in out and "| 8 | 1 | - | - | no: out of memory" in out  # 2 -> 8 (x4) ran out
+    doc = __import__("json").loads((tmp_path / "o" / "sweep.json").read_text())
+    assert doc["effective"] is None and len(doc["trials"]) <= 3 and all(t["accumulate"] == 1 for t in doc["trials"])
+
+
+def test_speedkit_sweep_refuses_several_devices_in_one_line(tmp_path, capsys):
+    import yaml
+
+    from speedkit.cli import main
+
+    raw = _tiny_recipe(2, 1)
+    raw["trainer"]["devices"] = 2
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert main(["sweep", str(recipe)]) == 2
+    assert "runs on one device" in capsys.readouterr().err
