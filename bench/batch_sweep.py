@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import Results  # noqa: E402
 from bench.zoo import channels_last_as_a_user_would, compile_as_a_user_would  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
-from speedkit.runner import timed_fit_trial  # noqa: E402
+from speedkit.runner import recipe_trials, timed_fit_trial  # noqa: E402
 from speedkit.sweep import MARGIN, SweepTrial, candidates, sweep  # noqa: E402
 
 
@@ -64,26 +64,10 @@ def zoo_target(name: str, tiny: bool) -> tuple[int, Any]:
 
 
 def recipe_target(path: str) -> tuple[int, Any]:
-    from lightning.fabric.utilities.seed import seed_everything
-
-    from speedkit.lightning import SpeedLadder
+    """The recipe's batch size and its trial function (speedkit sweep's: its ladder applied, seeded)."""
     from speedkit.recipe import load_recipe
-    from speedkit.runner import _batch_size_key
 
-    recipe = load_recipe(Path(path))
-    key, start = _batch_size_key(recipe)
-
-    def trial(size: int, accumulate: int, *, windows: int = 3, warmup: int | None = None, window: int | None = None) -> SweepTrial:
-        sized = load_recipe(recipe.raw, overrides=[(key, size)])
-
-        def build() -> tuple[Any, dict[str, Any]]:
-            seed_everything(recipe.seed, verbose=False)
-            return sized.build_model(), {"datamodule": sized.build_datamodule()}
-
-        return timed_fit_trial(size, accumulate, build, sized.build_trainer_kwargs(),
-                               warmup=warmup or int(recipe.measure["warmup"]), window=window or int(recipe.measure["steps"]),
-                               windows=windows, callbacks=lambda: [SpeedLadder(rungs=sized.ladder)])
-
+    _, start, trial = recipe_trials(load_recipe(Path(path)))
     return start, trial
 
 

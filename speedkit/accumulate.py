@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from speedkit.data.source import map_batch
-from speedkit.errors import SpeedkitError, first_line
+from speedkit.errors import ConfigError, SpeedkitError, first_line
 
 #: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran; None
 #: where the step skips the batch (a Lightning ``training_step`` that returned None)
@@ -105,9 +105,15 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
     return chunks
 
 
-def micro_batch_sizes(total: int, parts: int) -> int:
+def largest_micro_batch(total: int, parts: int) -> int:
     """The largest micro-batch of ``total`` samples split in ``parts``."""
     return math.ceil(total / max(1, min(parts, total)))
+
+
+def check_probe_after(value: Any, where: str) -> None:
+    """One ConfigError where ``value`` is no number of steps >= 1 (None, never grow back, is fine)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(where, f"expected a number of steps >= 1 or None, found {value!r}")
 
 
 class GradStash:
@@ -219,9 +225,9 @@ class MicroBatcher:
         probing = False
         if self.probe_after is not None and parts > 1 and self._steady >= self.probe_after:
             smaller = max(1, parts // 2)
-            if self._largest_failed is None or micro_batch_sizes(total, smaller) < self._largest_failed:
+            if self._largest_failed is None or largest_micro_batch(total, smaller) < self._largest_failed:
                 probing, parts = True, smaller
-        tried = [micro_batch_sizes(total, parts)]
+        tried = [largest_micro_batch(total, parts)]
         # a split that has run steps without an error gets one retry as it is first: an error there is as
         # likely a passing one (a fragmented allocator, freed by the retry) as a batch that needs less
         retry = parts == self.parts and self._steady > 0 and not probing
@@ -244,8 +250,7 @@ class MicroBatcher:
             if self.agree is not None and self.agree(failed is not None) and failed is None:
                 failed = "another rank ran out of memory"
             if failed is None and skipped:
-                stash.drop_fresh()
-                stash.restore()
+                stash.restore()  # the skipped batch's own gradients dropped
                 return None
             if failed is None:
                 break
@@ -254,7 +259,7 @@ class MicroBatcher:
             stash.drop_fresh()
             state.restore()
             self.free()
-            old = micro_batch_sizes(total, parts)
+            old = largest_micro_batch(total, parts)
             if probing:  # the larger micro-batch does not fit: never probed again
                 self._largest_failed = old if self._largest_failed is None else min(self._largest_failed, old)
             if retry:
@@ -270,16 +275,16 @@ class MicroBatcher:
                     f"{', '.join(str(s) for s in tried)} of a batch of {total}): the model does not fit this device "
                     f"even one sample at a time; use a smaller model or sequence, or more memory") from None
             parts = min(total, parts * 2)
-            tried.append(micro_batch_sizes(total, parts))
-            self.events.append(FallbackEvent(step, old, micro_batch_sizes(total, parts), self.clock() - started,
+            tried.append(largest_micro_batch(total, parts))
+            self.events.append(FallbackEvent(step, old, largest_micro_batch(total, parts), self.clock() - started,
                                              "out of memory" + (" (probe)" if probing else ""), failed))
             started = self.clock()
             probing = False
         stash.merge()
         if parts != self.parts:
             if parts < self.parts:
-                self.events.append(FallbackEvent(step, micro_batch_sizes(total, self.parts),
-                                                 micro_batch_sizes(total, parts), 0.0, "probe",
+                self.events.append(FallbackEvent(step, largest_micro_batch(total, self.parts),
+                                                 largest_micro_batch(total, parts), 0.0, "probe",
                                                  f"{self.probe_after} steps without an error: fewer micro-batches"))
             self.parts, self._steady = parts, 0
         else:

@@ -200,17 +200,16 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
 
 def _micro_batcher(option: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     """The out-of-memory fallback ``oom_fallback`` asks for (None for False)."""
-    from speedkit.accumulate import MicroBatcher
+    from speedkit.accumulate import MicroBatcher, check_probe_after
 
     if option is False or option is None:
         return None
     options = {} if option is True else option
     if not isinstance(options, dict) or set(options) - {"probe_after"}:
         raise ConfigError("oom_fallback", f"expected True, False or {{'probe_after': steps}}, found {option!r}")
-    probe = options.get("probe_after")
-    if probe is not None and (isinstance(probe, bool) or not isinstance(probe, int) or probe < 1):
-        raise ConfigError("oom_fallback.probe_after", f"expected a number of steps >= 1 or None, found {probe!r}")
-    return MicroBatcher(lambda: (p for g in optimizer.param_groups for p in g["params"]), model=model, probe_after=probe)
+    check_probe_after(options.get("probe_after"), "oom_fallback.probe_after")
+    return MicroBatcher(lambda: (p for g in optimizer.param_groups for p in g["params"]), model=model,
+                        probe_after=options.get("probe_after"))
 
 
 def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:

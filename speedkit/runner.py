@@ -357,6 +357,13 @@ def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
                               "data: {synthetic: tokens, batch_size: 8}")
 
 
+def _on_cuda(trainer_kwargs: dict[str, Any]) -> bool:
+    """Whether a Trainer of these arguments trains on a CUDA GPU of this machine."""
+    import torch
+
+    return torch.cuda.is_available() and trainer_kwargs.get("accelerator") in (None, "auto", "gpu", "cuda")
+
+
 def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, dict[str, Any]]],
                     trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int = 3,
                     callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False) -> Any:
@@ -372,7 +379,7 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     from speedkit.lightning import StepTimer
     from speedkit.sweep import SweepTrial
 
-    cuda = torch.cuda.is_available() and trainer_kwargs.get("accelerator") in (None, "auto", "gpu", "cuda")
+    cuda = _on_cuda(trainer_kwargs)
     timer = StepTimer(warmup=warmup, window=window)
     kwargs = {**trainer_kwargs, **_OPTIMIZE_TRAINER, "max_steps": warmup + window * windows,
               "accumulate_grad_batches": accumulate}
@@ -401,6 +408,39 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
                       time.perf_counter() - t0)
 
 
+def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
+    """A recipe's batch size (its dotted key and value) and ``trial(size, accumulate, *, windows=3,
+    warmup=None, window=None)``: :func:`timed_fit_trial` of the recipe at that micro-batch, seeded as
+    the recipe says, its ladder applied without trials as ``speedkit fit`` does; warm-up and window
+    from the recipe's ``measure`` unless given. The ladder's notes (a rung that does not apply) are
+    shown with the first size only."""
+    from lightning.fabric.utilities.seed import seed_everything
+
+    from speedkit.lightning import SpeedLadder
+    from speedkit.recipe import load_recipe
+
+    key, start = _batch_size_key(recipe)
+    measured: list[int] = []
+
+    def trial(size: int, accumulate: int, *, windows: int = 3, warmup: int | None = None,
+              window: int | None = None) -> Any:
+        sized = load_recipe(recipe.raw, overrides=[(key, size)])
+
+        def build() -> tuple[Any, dict[str, Any]]:
+            seed_everything(recipe.seed, verbose=False)
+            return sized.build_model(), {"datamodule": sized.build_datamodule()}
+
+        result = timed_fit_trial(size, accumulate, build, sized.build_trainer_kwargs(),
+                                 warmup=int(recipe.measure["warmup"]) if warmup is None else warmup,
+                                 window=int(recipe.measure["steps"]) if window is None else window, windows=windows,
+                                 quiet_notes=bool(measured),
+                                 callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [])
+        measured.append(size)
+        return result
+
+    return key, start, trial
+
+
 def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
                  max_trials: int | None = None, on_event: Callable[[str], None] | None = None) -> Any:
     """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.sweep`).
@@ -413,14 +453,11 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
     ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.sweep.SweepResult`.
     """
     import torch
-    from lightning.fabric.utilities.seed import seed_everything
 
     from speedkit import sweep as sweeping
     from speedkit.files import write_text_atomic
-    from speedkit.lightning import SpeedLadder
-    from speedkit.recipe import load_recipe
 
-    key, start = _batch_size_key(recipe)
+    key, start, trial = recipe_trials(recipe)
     devices = recipe.trainer.get("devices")
     if devices not in (None, 1, "1", "auto") or recipe.trainer.get("num_nodes", 1) != 1:
         raise UnsupportedError(f"speedkit sweep runs on one device (the recipe asks for devices: {devices!r}); sweep with "
@@ -430,23 +467,10 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
     events = on_event or (lambda line: None)
     check_trainer(recipe)
     check_model_takes_data(recipe)
-    warmup, window = int(recipe.measure["warmup"]), int(recipe.measure["steps"])
-    cuda = torch.cuda.is_available() and recipe.trainer.get("accelerator") in (None, "auto", "gpu", "cuda")
-    memory = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    measured: list[int] = []
+    memory = torch.cuda.get_device_properties(0).total_memory if _on_cuda(recipe.trainer) else None
 
     def measure(size: int) -> sweeping.SweepTrial:
-        trial_recipe = load_recipe(recipe.raw, overrides=[(key, size)])
-
-        def build() -> tuple[Any, dict[str, Any]]:
-            seed_everything(recipe.seed, verbose=False)
-            return trial_recipe.build_model(), {"datamodule": trial_recipe.build_datamodule()}
-
-        trial = timed_fit_trial(size, effective // size if effective else 1, build, trial_recipe.build_trainer_kwargs(),
-                                warmup=warmup, window=window, quiet_notes=bool(measured),
-                                callbacks=lambda: [SpeedLadder(rungs=trial_recipe.ladder)] if recipe.ladder_given else [])
-        measured.append(size)
-        return trial
+        return trial(size, effective // size if effective else 1)
 
     kwargs: dict[str, Any] = {}
     if margin is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedkit.accumulate import stop_on_out_of_memory
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 
@@ -366,8 +367,6 @@ class PlainStep(Step):
         if self.micro_batcher is None:
             self.update()
         else:
-            from speedkit.accumulate import stop_on_out_of_memory
-
             with stop_on_out_of_memory("the optimizer step", self.micro_batcher):
                 self.update()
         self.steps_done += 1

@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from torch.nn.parallel import DistributedDataParallel
 
-from speedkit.accumulate import MicroBatcher, stop_on_out_of_memory
+from speedkit.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
 from speedkit.distributed import any_rank, average_gradients
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
@@ -60,8 +60,7 @@ class OOMFallback(Callback):
     """
 
     def __init__(self, probe_after: int | None = None, report_dir: str | os.PathLike | None = None) -> None:
-        if probe_after is not None and (isinstance(probe_after, bool) or not isinstance(probe_after, int) or probe_after < 1):
-            raise ConfigError("probe_after", f"expected a number of steps >= 1 or None, found {probe_after!r}")
+        check_probe_after(probe_after, "probe_after")
         if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
             raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
         self.probe_after = probe_after
@@ -138,7 +137,7 @@ class OOMFallback(Callback):
                     ddp.require_backward_grad_sync = self._sync_saved
                 return None
             if sync:
-                average_gradients(p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
+                average_gradients(batcher.params())
             nonlocal reported
             for event in batcher.events[reported:]:  # never silently
                 rank_zero_warn(f"speedkit OOMFallback: {event.describe()}", category=UserWarning)
