@@ -17,6 +17,11 @@ Output (under ``--out``, default ``$OUT``): ``<date>_<gpu>.jsonl`` (every lane's
 completion), ``zoo_lanes.tgz`` (each model's log and speedkit report) and ``zoo_lanes.txt`` (the
 table printed last).
 
+Other work may share the lanes (``--job NAME:SECONDS:COMMAND``, repeatable: GPU tests, a profile): a
+job is a shell command, run with its lane's GPU and cores and ``$OUT`` set to ``<pack>/NAME``, picked
+by the same rule as the models. It runs beside the models on the same host, as they run beside each
+other.
+
 A run longer than one device call (hf-t5 alone takes about 780 s): start it with ``--detach`` (it
 runs in a session of its own, which outlives the call until the machine goes back), then, in the
 next call within the machine's idle time, ``--collect SECONDS`` waits for it and packs its folder.
@@ -43,9 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: a model's whole process on the H200 (trials and the three fits, seconds), from its last runs there;
 #: one not listed is given DEFAULT_EXPECTED_S
-EXPECTED_S = {"lstm-lm": 80, "lightning-transformer": 170, "timm-vit": 170, "timm-convnext": 240,
-              "hf-bert-mlm": 310, "hf-gpt2": 340, "hf-llama": 420, "nanogpt": 300, "tv-resnet50": 370,
-              "hf-t5": 780, "timm-mobilenetv3": 320, "hf-bert-cls": 520}
+#: (the three variants' wall times at c5f4f53 on an nvidia-h200-x4 lane, and 20 s to start the process)
+EXPECTED_S = {"lstm-lm": 75, "lightning-transformer": 225, "timm-vit": 145, "timm-convnext": 235,
+              "hf-bert-mlm": 320, "hf-gpt2": 310, "hf-llama": 410, "nanogpt": 275, "tv-resnet50": 270,
+              "hf-t5": 780, "timm-mobilenetv3": 310, "hf-bert-cls": 510}
 DEFAULT_EXPECTED_S = 300
 
 
@@ -70,10 +76,24 @@ def span(cores: list[int]) -> str:
     return f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
 
 
-def pick(waiting: list[str], time_left: float) -> str | None:
-    """The longest waiting model expected to finish in ``time_left``."""
-    fits = [m for m in waiting if EXPECTED_S.get(m, DEFAULT_EXPECTED_S) <= time_left]
-    return max(fits, key=lambda m: EXPECTED_S.get(m, DEFAULT_EXPECTED_S)) if fits else None
+def pick(waiting: list[str], time_left: float, expected: dict[str, float] = EXPECTED_S) -> str | None:
+    """The longest waiting model (or job) expected to finish in ``time_left``."""
+    fits = [m for m in waiting if expected.get(m, DEFAULT_EXPECTED_S) <= time_left]
+    return max(fits, key=lambda m: expected.get(m, DEFAULT_EXPECTED_S)) if fits else None
+
+
+def parse_job(spec: str) -> tuple[str, float, str]:
+    """``NAME:SECONDS:COMMAND`` -> (name, expected seconds, shell command)."""
+    name, _, rest = spec.partition(":")
+    seconds, _, command = rest.partition(":")
+    try:
+        expected = float(seconds)
+    except ValueError:
+        expected = -1.0
+    if not name.replace("-", "").replace("_", "").isalnum() or expected <= 0 or not command.strip():
+        raise SystemExit(f"--job {spec!r}: expected NAME:SECONDS:COMMAND (a name of letters, digits, - and _; "
+                         "the expected wall seconds; a shell command)")
+    return name, expected, command
 
 
 def main() -> None:
@@ -95,6 +115,10 @@ def main() -> None:
                         help="start the run in a session of its own and return at once (it outlives the device "
                              "call, up to the machine's return); --out must be a folder that stays, e.g. /tmp/zoo; "
                              "it writes <out>/done at the end")
+    parser.add_argument("--job", action="append", default=[], metavar="NAME:SECONDS:COMMAND",
+                        help="another job for the lanes beside the models (repeatable): a shell command run in the "
+                             "repository with the lane's GPU and cores, $OUT set to <out's pack>/NAME, its log NAME.log; "
+                             "SECONDS is its expected wall time, for the lanes' choice")
     parser.add_argument("--collect", type=float, default=None, metavar="SECONDS",
                         help="wait up to SECONDS for a detached run's <out>/done, then pack <out> into $OUT/zoo_run.tgz")
     args = parser.parse_args()
@@ -118,15 +142,28 @@ def main() -> None:
         raise SystemExit(f"unknown model(s) {unknown} or --gpus {args.gpus} outside 0..{count - 1} (GPUs seen)")
     start = time.monotonic()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zoo-lanes-"))
     blocks = core_blocks(sorted(os.sched_getaffinity(0)), count)
     lanes = [Lane(g, blocks[g], f"GPU {g} of {count}, cores {span(blocks[g])}, {len(gpus)} lanes") for g in gpus]
-    waiting = list(args.models)
+    jobs = {name: (expected, command) for name, expected, command in map(parse_job, args.job)}
+    expected = {**EXPECTED_S, **{name: e for name, (e, _) in jobs.items()}}
+    waiting = list(args.models) + list(jobs)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SPEEDKIT_COMMIT": args.commit, "PYTHONUNBUFFERED": "1"}
 
     def launch(lane: Lane, model: str) -> None:
         left = args.budget_s - (time.monotonic() - start)
         log = open(work / f"{model}.log", "w")
+        if model in jobs:
+            (work / model).mkdir(exist_ok=True)
+            lane.proc = subprocess.Popen(["timeout", str(int(left - 3)), "bash", "-c", jobs[model][1]], stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=REPO,
+                                         env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu), "OUT": str(work / model)},
+                                         preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores))
+            lane.model, lane.started = model, time.monotonic()
+            print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: job {model} (expected {jobs[model][0]:.0f} s, "
+                  f"{left:.0f} s left)", flush=True)
+            return
         cmd = ["timeout", str(int(left - 3)), sys.executable, str(REPO / "bench/zoo.py"), "--models", model,
                "--time-guard-s", "180", "--results", str(work / f"rows_{model}.jsonl"), "--lane", lane.label,
                *(["--tiny"] if args.tiny else [])]
@@ -145,7 +182,7 @@ def main() -> None:
                       f"after {lane.done[-1][2]:.0f} s", flush=True)
                 lane.proc = lane.model = None
             if lane.proc is None and waiting:
-                model = pick(waiting, args.budget_s - (time.monotonic() - start))
+                model = pick(waiting, args.budget_s - (time.monotonic() - start), expected)
                 if model is not None:
                     waiting.remove(model)
                     launch(lane, model)
@@ -165,7 +202,7 @@ def main() -> None:
             if not path.name.startswith("rows_"):
                 tar.add(path, arcname=path.name)
     lines = [f"{lane.label}: " + ", ".join(f"{m} rc {rc} {s:.0f} s" for m, rc, s in lane.done) for lane in lanes]
-    lines += [f"NOT RUN {m} (expected {EXPECTED_S.get(m, DEFAULT_EXPECTED_S)} s)" for m in not_run]
+    lines += [f"NOT RUN {m} (expected {expected.get(m, DEFAULT_EXPECTED_S):.0f} s)" for m in not_run]
     for path in sorted(work.glob("*.log")):
         lines += [line for line in path.read_text().splitlines()
                   if "/ switches =" in line or " FAILED" in line or "Traceback" in line]
