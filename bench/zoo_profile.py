@@ -53,7 +53,7 @@ VARIANTS: dict[str, tuple[str, bool, bool, bool]] = {
     "switches": ("bf16-mixed", True, True, True),
 }
 #: runtime calls in which the host waits for the device
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 class ProfileSteps(pl.Callback):
@@ -84,6 +84,12 @@ class ProfileSteps(pl.Callback):
             trainer.should_stop = True
 
 
+def is_annotation(event: Any) -> bool:
+    """A GPU-side user annotation (``record_function`` ranges mirrored on the device, such as
+    ``Optimizer.step#SGD.step``), not device work."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(("Optimizer.", "ProfilerStep#"))
+
+
 def busy_share(kernels: list[tuple[float, float]], wall_us: float) -> float:
     """The share of ``wall_us`` in which at least one kernel ran (intervals in microseconds)."""
     covered, end = 0.0, -1.0
@@ -97,8 +103,11 @@ def busy_share(kernels: list[tuple[float, float]], wall_us: float) -> float:
 
 def analyse(prof: torch.profiler.profile, steps: int, wall_s: float, top: int) -> tuple[dict[str, Any], str]:
     events = prof.events()
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the device's own work: kernels, copies and sets; not the GPU-side user annotations (ranges such as
+    # ``Optimizer.step#SGD.step`` that span a whole step and would count it busy), each interval once
+    kernels = sorted({(e.name, e.time_range.start, e.time_range.end) for e in events
+                      if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)})
+    kernels = [(start, end) for _, start, end in kernels]
     kernel_us = sum(e - s for s, e in kernels)
     syncs = [e for e in events if e.name in SYNC_CALLS]
     sync_us = sum(e.cpu_time_total for e in syncs)
