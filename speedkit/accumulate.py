@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedkit.data.source import map_batch
+from speedkit.data.source import batch_leaves, map_batch
 from speedkit.errors import ConfigError, SpeedkitError, first_line
 
 #: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran; None
@@ -103,6 +103,46 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
         chunks.append((map_batch(lambda t, lo=lo, hi=hi: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() >= 1
                                  and t.shape[0] == total else t, batch), hi - lo))
     return chunks
+
+
+def merge_batches(batches: Sequence[Any]) -> tuple[Any, str | None]:
+    """``batches`` as one micro-batch, the inverse of :func:`split_batch`: every tensor whose first
+    dimension is its batch's size concatenated along it, in order; other leaves (a shared mask, a
+    scalar, a string) equal in every batch and kept once. Returns ``(merged, None)``, or ``(None, why)``
+    where they do not merge (another structure, other shapes apart from the batch dimension, leaves
+    that differ)."""
+    if not batches:
+        return None, "no batches"
+    if len(batches) == 1:
+        return batches[0], None
+    sizes = [batch_size(b) for b in batches]
+    if any(s is None for s in sizes):
+        return None, "a batch holds no tensor with a batch dimension"
+    leaves = [batch_leaves(b) for b in batches]
+    if len({len(ls) for ls in leaves}) != 1:
+        return None, "the batches differ in structure"
+    columns: list[Any] = []
+    for i, column in enumerate(zip(*leaves)):
+        first = column[0]
+        if isinstance(first, torch.Tensor) and first.dim() >= 1 and first.shape[0] == sizes[0]:
+            if any(not isinstance(t, torch.Tensor) or t.dim() != first.dim() or t.shape[0] != s or t.shape[1:] != first.shape[1:]
+                   or t.dtype != first.dtype or t.device != first.device for t, s in zip(column, sizes)):
+                return None, f"leaf {i} differs in shape, dtype or device apart from the batch dimension (per-batch padding?)"
+            columns.append(torch.cat(column))
+        elif isinstance(first, torch.Tensor):
+            if any(not isinstance(t, torch.Tensor) or t.shape != first.shape or not torch.equal(t, first) for t in column[1:]):
+                return None, f"leaf {i}, which has no batch dimension, differs between the batches"
+            columns.append(first)
+        else:
+            try:
+                same = all(bool(x == first) for x in column[1:])
+            except Exception:  # a leaf without a plain equality
+                same = False
+            if not same:
+                return None, f"leaf {i} ({type(first).__name__}) differs between the batches"
+            columns.append(first)
+    it = iter(columns)
+    return map_batch(lambda _: next(it), batches[0]), None
 
 
 def largest_micro_batch(total: int, parts: int) -> int:

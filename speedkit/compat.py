@@ -768,6 +768,55 @@ def lightning_set_train_loaders(trainer: Any, loaders: list[Any]) -> None:
     trainer.fit_loop._combined_loader.flattened = list(loaders)
 
 
+def lightning_group_train_batches(trainer: Any, factor: int, group: Callable[[Iterator[Any]], Iterator[Any]],
+                                  loader: Callable[[Any], Any]) -> Callable[[], None]:
+    """Make the fit loop take its train batches ``factor`` loader batches at a time, merged: its live
+    iterator wrapped in place (``group(iterator)``: the epoch goes on from where it is), its loader
+    replaced by ``loader(user_loader)`` for the next epochs, and the counts it keeps in batches
+    divided by ``factor`` (``accumulate_grad_batches``, the epoch's batch count and limit, the
+    validation interval). Returns the undo. Raises RuntimeError where it cannot: batches fetched
+    ahead (a loader without a length: the fetcher holds one), several train loaders, an accumulation
+    that ``factor`` does not divide, or internals that moved."""
+    loop = trainer.fit_loop
+    combined, fetcher = loop._combined_loader, loop._data_fetcher
+    if combined is None or fetcher is None or len(combined.flattened) != 1:
+        raise RuntimeError("the fit loop has no single train loader set up (several loaders, or Lightning's internals moved)")
+    if getattr(fetcher, "batches", None):
+        raise RuntimeError("the fit loop holds train batches fetched ahead (a loader without a length)")
+    accumulate = int(trainer.accumulate_grad_batches)
+    if accumulate % factor:
+        raise RuntimeError(f"accumulate_grad_batches={accumulate} is not a multiple of {factor}")
+    live = getattr(combined, "_iterator", None)
+    iterators = getattr(live, "iterators", None)
+    saved = {"flattened": list(combined.flattened), "limits": combined.limits, "max_batches": loop.max_batches,
+             "val_check_batch": trainer.val_check_batch, "accumulate": trainer.accumulate_grad_batches,
+             "iterators": list(iterators) if iterators else None}
+
+    def divided(n: Any) -> Any:
+        return n if n is None or n == float("inf") else max(1, -(-int(n) // factor))
+
+    combined.flattened = [loader(saved["flattened"][0])]
+    if iterators:
+        live.iterators = [group(it) for it in iterators]
+    if combined.limits is not None:
+        combined.limits = [divided(n) for n in combined.limits]
+    loop.max_batches = divided(loop.max_batches)
+    if isinstance(trainer.val_check_batch, int) and trainer.val_check_batch > 1:
+        trainer.val_check_batch = divided(trainer.val_check_batch)
+    trainer.accumulate_grad_batches = accumulate // factor
+
+    def undo() -> None:
+        combined.flattened = saved["flattened"]
+        combined.limits = saved["limits"]
+        loop.max_batches = saved["max_batches"]
+        trainer.val_check_batch = saved["val_check_batch"]
+        trainer.accumulate_grad_batches = saved["accumulate"]
+        if saved["iterators"] is not None and getattr(combined, "_iterator", None) is live:
+            live.iterators = saved["iterators"]
+
+    return undo
+
+
 def lightning_restart_train_iterator(trainer: Any) -> list[Any]:
     """Create the fit loop's train iterator again, as ``setup_data`` did (``iter(data_fetcher)``),
     from the loaders it holds now; returns the iterators it replaced (the caller stops their workers)."""

@@ -98,6 +98,7 @@ class GraphedStep(StepWrapper):
 
     # -- the step --------------------------------------------------------------------------------
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        batches = self.inner.group(batches)  # a step that merges its micro-batches into one is captured whole
         if self.stopped is not None or len(batches) != 1:
             return self._eager(batches, batch_idx)
         if not self._ready():

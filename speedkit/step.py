@@ -82,6 +82,17 @@ class Step:
         """Loader batches (micro-batches) per optimizer step."""
         return 1
 
+    @property
+    def passes_per_step(self) -> int:
+        """Forward and backward passes an optimizer step makes: one per micro-batch, unless a wrapper
+        merges them (:meth:`group`)."""
+        return self.accumulate
+
+    def group(self, batches: Sequence[Any]) -> list[Any]:
+        """The micro-batches one optimizer step runs, from the ``accumulate`` loader batches it is given
+        (as they are, unless a wrapper merges them)."""
+        return list(batches)
+
     def __call__(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         """One optimizer step over ``batches`` (``accumulate`` of them, on the device); returns the
         detached loss (the mean over micro-batches) without synchronizing with the device."""
@@ -175,17 +186,28 @@ class Step:
 class StepWrapper(Step):
     """A step around another one; subclasses override what they change (usually ``__call__``)."""
 
+    #: the wrapped step is bound into the Lightning fit already (a wrapper added after the others were
+    #: bound, by a rung applied once the train loader exists): :meth:`bind_fit` binds this layer only
+    inner_bound: bool = False
+
     def __init__(self, inner: Step) -> None:
         self.inner = inner
 
     def __getattr__(self, name: str) -> Any:  # attributes of the wrapped step (model, scaler, ...)
-        if name == "inner":
+        if name in ("inner", "inner_bound"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property
     def accumulate(self) -> int:
         return self.inner.accumulate
+
+    @property
+    def passes_per_step(self) -> int:
+        return self.inner.passes_per_step
+
+    def group(self, batches: Sequence[Any]) -> list[Any]:
+        return self.inner.group(batches)
 
     @property
     def numerics(self) -> str:
@@ -240,7 +262,7 @@ class StepWrapper(Step):
         return self.inner.trial()
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
-        return self.inner.bind_fit(trainer, module)
+        return None if self.inner_bound else self.inner.bind_fit(trainer, module)
 
 
 class ScheduleGuard:

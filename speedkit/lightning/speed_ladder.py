@@ -51,6 +51,7 @@ from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
 from speedkit.rungs.base import Rung
 from speedkit.state import TrainState
+from speedkit.step import StepWrapper
 
 
 def log_event(line: str) -> None:
@@ -272,7 +273,8 @@ class SpeedLadder(Callback):
         """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
         own loop runs the fit, so each wrapper binds itself into it (a graphed step, a prefetching
         loader). A binding that fails leaves the fit as Lightning runs it, and says why."""
-        for wrapper, original, what in ((state.step, step, "step"), (state.data, source, "batch source")):
+        # the batch source first: a step that regroups the fit's batches (micro_batch) wraps the loader it serves
+        for wrapper, original, what in ((state.data, source, "batch source"), (state.step, step, "step")):
             if wrapper is original or wrapper is None:
                 continue
             try:
@@ -354,8 +356,14 @@ class SpeedLadder(Callback):
             return
         source = LightningSource(trainer, pl_module)
         state.data = source
+        bound = state.step  # its wrappers were bound at on_fit_start: those added now bind their own layer only
         self._apply_stage("train_start")
-        self._bind_fit(trainer, pl_module, state, state.step, source)
+        wrapper = state.step
+        while isinstance(wrapper, StepWrapper) and wrapper.inner is not bound:
+            wrapper = wrapper.inner
+        if isinstance(wrapper, StepWrapper) and wrapper is not bound:
+            wrapper.inner_bound = True
+        self._bind_fit(trainer, pl_module, state, bound, source)
 
     def _skip(self, rung: Rung, reason: str) -> None:
         self.skipped[rung.name] = reason

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -26,6 +26,7 @@ from speedkit.rungs.data_path import DataPathRung
 from speedkit.rungs.explicit_mask import ExplicitMaskRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.gc_freeze import GcFreezeRung
+from speedkit.rungs.micro_batch import MicroBatchRung
 from speedkit.rungs.sdpa import SdpaRung
 from speedkit.rungs.tf32 import TF32Rung
 from speedkit.rungs.triton_layers import TritonLayersRung
@@ -43,7 +44,7 @@ def register(cls: type[Rung]) -> type[Rung]:
 
 for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
              AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung, GcFreezeRung,
-             ExplicitMaskRung):
+             ExplicitMaskRung, MicroBatchRung):
     register(_cls)
 
 

@@ -75,8 +75,8 @@ class CudaGraphRung(Rung):
         if state.device.type != "cuda":
             return f"CUDA graphs need a CUDA device; this run is on {state.device.type}"
         step = state.step
-        if step.accumulate != 1:
-            return (f"gradient accumulation ({step.accumulate} batches per optimizer step): the graph captures the step "
+        if step.passes_per_step != 1:
+            return (f"gradient accumulation ({step.passes_per_step} micro-batches per optimizer step): the graph captures the step "
                     "of one batch")
         missing = state.why_no_optimizer()
         if missing is not None:
