@@ -35,7 +35,7 @@ fit one step after trials of 590 s against their 150 s budget (H200, c5f4f53), s
 measured. On an H200 a model takes 1 to 12 minutes (hf-t5 the longest: its trials recompile it).
 
 Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10] [--time-guard-s 300] [--rounds 2]
-                                        [--variants fp32,switches,speedkit,rungs]
+                                        [--variants fp32,switches,speedkit,rungs] [--accumulate 4]
        PYTHONPATH=. python bench/zoo.py --tiny      # CPU smoke test, rows to a temporary directory
 """
 
@@ -89,6 +89,7 @@ class Plan:
     time_guard_s: float        # wall time one variant's fit may take from its train start (after speedkit's trials)
     switch_rungs: tuple[str, ...] = SWITCH_RUNGS  # the ``rungs`` variant's
     ladder_rungs: tuple[str, ...] | None = None  # the speedkit variant's (None: the default ladder)
+    accumulate: int = 1        # the user's accumulate_grad_batches, in every variant (steps count optimizer steps)
 
     @property
     def size(self) -> Size:
@@ -200,7 +201,7 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, res: Results) -> tupl
     module, loader = entry.build(plan.size, **(entry.switches if variant == "switches" else {}))
     precision = "bf16-mixed" if variant == "switches" else "32-true"
     trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
-                         max_steps=plan.warmup + plan.steps * windows, logger=False, enable_checkpointing=False,
+                         accumulate_grad_batches=plan.accumulate, max_steps=plan.warmup + plan.steps * windows, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[*([ladder] if ladder else []), timer, Deadline(plan.time_guard_s)])
     if torch.cuda.is_available():
@@ -237,6 +238,8 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
     for r in range(rounds):
         for variant in (variants if r % 2 == 0 else variants[::-1]):
             extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
+            if plan.accumulate > 1:
+                extra["accumulate"] = plan.accumulate
             if rounds > 1:
                 extra["round"] = r
             t0 = time.perf_counter()
@@ -315,6 +318,9 @@ def main() -> None:
     parser.add_argument("--ladder", default=None,
                         help="the speedkit variant's rungs, comma-separated (default: the default ladder of "
                              "configs/defaults.yaml); a diagnostic: which rungs' trials leave the fit where it is")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="the user's accumulate_grad_batches in every variant (default 1): the effective batch is "
+                             "batch size x accumulate, and speedkit's micro_batch rung may merge micro-batches")
     parser.add_argument("--rounds", type=int, default=1,
                         help="fit every variant this many times, the order reversed every other round; the ratios "
                              "take the medians (separate fits of a host-bound step differ by 10-20%%)")
@@ -342,7 +348,10 @@ def main() -> None:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
     res = Results("zoo", out=out, **({"lane": args.lane} if args.lane else {}))
     plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r),
-                               ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None)
+                               ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None,
+                               accumulate=args.accumulate)
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate must be 1 or more, found {args.accumulate}")
     variants = tuple(args.variants.split(","))
     if any(v not in VARIANTS + EXTRA_VARIANTS for v in variants):
         raise SystemExit(f"unknown variant in {args.variants!r}; known: {', '.join(VARIANTS + EXTRA_VARIANTS)}")

@@ -186,15 +186,11 @@ class Step:
 class StepWrapper(Step):
     """A step around another one; subclasses override what they change (usually ``__call__``)."""
 
-    #: the wrapped step is bound into the Lightning fit already (a wrapper added after the others were
-    #: bound, by a rung applied once the train loader exists): :meth:`bind_fit` binds this layer only
-    inner_bound: bool = False
-
     def __init__(self, inner: Step) -> None:
         self.inner = inner
 
     def __getattr__(self, name: str) -> Any:  # attributes of the wrapped step (model, scaler, ...)
-        if name in ("inner", "inner_bound"):
+        if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -262,7 +258,7 @@ class StepWrapper(Step):
         return self.inner.trial()
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
-        return None if self.inner_bound else self.inner.bind_fit(trainer, module)
+        return self.inner.bind_fit(trainer, module)
 
 
 class ScheduleGuard:

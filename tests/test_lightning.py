@@ -128,7 +128,10 @@ def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_
     assert statuses["autocast"] == "not_applicable"  # the user chose bf16-mixed
     if forced:
         assert {"fused_optimizer", "compile"} <= {r.name for r in result.kept}
-    assert trainer.global_step == 6 and len(recorded.losses) == 24  # trials took no real step
+    # trials took no real step; merged micro-batches (micro_batch kept: all 4 of a step in one, on a CPU) are
+    # fewer, larger batches to the fit loop
+    merged = 4 if "micro_batch" in {r.name for r in result.kept} else 1
+    assert trainer.global_step == 6 and len(recorded.losses) == 24 // merged
     explicit, replayed = SpeedLadder(rungs=_explicit(result)), Recorder()
     _fit_user_model(explicit, replayed)
     assert set(explicit.applied_changes) == {r.name for r in result.kept}

@@ -225,3 +225,10 @@ def test_the_ladder_judges_merged_micro_batches_and_the_fit_keeps_its_samples():
     if entry.status == "kept":
         assert set(got.batch_sizes[-4:]) == {4 * BATCH}
     assert trainer.accumulate_grad_batches == 4
+
+
+def test_with_dropout_parity_is_judged_with_dropout_off():
+    state = _state()
+    state.model.body.insert(3, nn.Dropout(0.1))
+    assert MicroBatchRung().apply(state).draws_differently
+    assert not MicroBatchRung().apply(_state()).draws_differently

@@ -147,10 +147,8 @@ class SpeedLadder(Callback):
         self._watch_first_iterator(trainer)
         if self.trials or self._state is None:
             return
-        original = self._state.step
-        self._state.optimizer = original.optimizer
+        self._state.optimizer = self._state.step.optimizer
         self._apply_stage("fit_start")
-        self._bind_fit(trainer, pl_module, self._state, original, self._state.data)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -349,21 +347,21 @@ class SpeedLadder(Callback):
             unwatch()
 
     def _apply_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Given rungs, no trials: those that need the train loader apply once it exists, then bind
-        their source wrapper into the fit."""
+        """Given rungs, no trials: those that need the train loader apply once it exists, then every
+        step and source wrapper the rungs made binds into the fit."""
         state = self._state
-        if state is None or not any(r.lightning_stage == "train_start" for r in self.rungs):
+        if state is None:
             return
-        source = LightningSource(trainer, pl_module)
-        state.data = source
-        bound = state.step  # its wrappers were bound at on_fit_start: those added now bind their own layer only
-        self._apply_stage("train_start")
-        wrapper = state.step
-        while isinstance(wrapper, StepWrapper) and wrapper.inner is not bound:
-            wrapper = wrapper.inner
-        if isinstance(wrapper, StepWrapper) and wrapper is not bound:
-            wrapper.inner_bound = True
-        self._bind_fit(trainer, pl_module, state, bound, source)
+        source = None
+        if any(r.lightning_stage == "train_start" for r in self.rungs):
+            source = state.data = LightningSource(trainer, pl_module)
+            self._apply_stage("train_start")
+        # every wrapper binds here, once the train loader exists (a step that merges micro-batches
+        # serves the loader's batches; a graphed step's binding needs nothing earlier)
+        base = state.step
+        while isinstance(base, StepWrapper):
+            base = base.inner
+        self._bind_fit(trainer, pl_module, state, base, source)
 
     def _skip(self, rung: Rung, reason: str) -> None:
         self.skipped[rung.name] = reason

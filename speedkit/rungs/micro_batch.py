@@ -17,7 +17,8 @@ Numerics: the loss of the merged micro-batch, divided by ``accumulate / factor``
 ``factor`` micro-batches' losses divided by ``accumulate`` where the loss is a mean over samples and
 the micro-batches are equally large: the same function, reductions reordered. A loss that is a mean
 over something else (the tokens of padded sequences) weights them by the merged micro-batch instead;
-the ladder's parity check measures the difference. A step whose batches do not merge (their shapes
+the ladder's parity check measures the difference. Dropout draws its masks over the merged
+micro-batch (other random numbers, the same function: parity is judged with dropout off). A step whose batches do not merge (their shapes
 differ) runs them as they are, and the report counts it.
 
 ``factor``: a divisor of the accumulation (default: the largest whose predicted memory fits, the
@@ -45,7 +46,7 @@ from speedkit import compat
 from speedkit.accumulate import merge_batches
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
-from speedkit.rungs.base import Rung
+from speedkit.rungs.base import Rung, active_dropouts
 from speedkit.state import TrainState
 from speedkit.step import Step, StepWrapper
 
@@ -117,7 +118,7 @@ class MergedStep(StepWrapper):
 
     # -- a Lightning fit -------------------------------------------------------------------------
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
-        inner = None if self.inner_bound else self.inner.bind_fit(trainer, module)
+        inner = self.inner.bind_fit(trainer, module)
         handle = Handle("micro_batch")
         if inner is not None:
             handle.record("", inner.undo)
@@ -217,7 +218,7 @@ def largest_fitting_factor(accumulate: int, peak_bytes: int | None, state_bytes:
 class MicroBatchRung(Rung):
     name = "micro_batch"
     Options = MicroBatchOptions
-    lightning_stage = "train_start"  # the train loader and the Trainer's accumulation exist
+    lightning_stage = "fit_start"  # before cuda_graph wraps the step (it captures a step of one merged micro-batch)
     cuts_host_work = True  # fewer passes per step: a host-bound step issues fewer kernels per sample
     new_shape_cost = True  # the merged micro-batch is a new shape to a compiled model
 
@@ -266,4 +267,7 @@ class MicroBatchRung(Rung):
                  f"{k} micro-batches merged into one: {a // k} forward and backward passes per optimizer step instead of {a}, "
                  f"the same samples in the same order (factor {why})")
         handle.report = merged.report
+        # dropout draws its masks over the merged micro-batch in one call, not micro-batch by micro-batch:
+        # the same function, other random numbers; parity is judged with dropout off
+        handle.draws_differently = bool(active_dropouts(state.model))
         return handle
