@@ -170,6 +170,9 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     gain = f" ({result.gain:.2f}x yours)" if result.gain else ""
     acc = result.trial(result.chosen).accumulate if result.trial(result.chosen) else 1
     print(f"chosen micro-batch: {result.chosen} x {acc} accumulated{gain}; written: {out / 'sweep.json'}, {out / 'sweep.md'}")
+    scaling = result.lr_scaling(int(recipe.trainer.get("accumulate_grad_batches") or 1))
+    if scaling is not None:
+        print(f"learning rate: {scaling['line']}")
     return 0
 
 

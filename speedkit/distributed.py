@@ -28,6 +28,15 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def smallest(value: int) -> int:
+    """The smallest of the ranks' ``value`` (an all-reduce of one number, MIN)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
+
+
 def average_gradients(params: Iterable[nn.Parameter]) -> None:
     """Each parameter's gradient averaged over the ranks, as DDP averages it, in one all-reduce of the
     gradients flattened together (a parameter without a gradient counts as zeros, on every rank)."""

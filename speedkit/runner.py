@@ -386,6 +386,7 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
     t0 = time.perf_counter()
     failed: str | None = None
+    trainer = None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -397,15 +398,17 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
             trainer.fit(module, **data)
     except torch.OutOfMemoryError as exc:
         failed = f"out of memory: {first_line(exc)[:120]}"
+    optimizer = type(trainer.optimizers[0]).__name__ if trainer is not None and trainer.optimizers else ""
     trainer = module = data = None  # noqa: F841 (what the fit held, freed before the next size)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     m = timer.measurement
     if failed is not None or m is None:
-        return SweepTrial(size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0)
+        return SweepTrial(size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0,
+                          optimizer)
     return SweepTrial(size, accumulate, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, optimizer)
 
 
 def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
@@ -483,11 +486,14 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
 
         out_dir.mkdir(parents=True, exist_ok=True)
         doc = {"schema_version": 1, "recipe": str(recipe.path) if recipe.path else None, "batch_size_key": key,
-               **result.to_dict()}
+               **result.to_dict(accumulate)}
         write_text_atomic(out_dir / "sweep.json", json.dumps(doc, indent=2) + "\n")
         gain = f"{result.gain:.2f}x" if result.gain else "-"
         md = [f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}", "",
               f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.", "",
               *result.table(), ""]
+        scaling = result.lr_scaling(accumulate)
+        if scaling is not None:
+            md += [f"Learning rate: {scaling['line']}.", ""]
         write_text_atomic(out_dir / "sweep.md", "\n".join(md))
     return result

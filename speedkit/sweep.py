@@ -53,6 +53,7 @@ class SweepTrial:
     fits: bool                     # ran, with the memory margin left free
     reason: str = ""               # why it does not fit ("out of memory: ...", "leaves 4% free, under the 10% margin")
     seconds: float = 0.0           # wall time of the trial
+    optimizer: str = ""            # the optimizer's class, as the trial's fit built it (for the learning-rate rule)
 
 
 @dataclass
@@ -94,10 +95,40 @@ class SweepResult:
             lines.append(f"| {t.size}{mark} | {t.accumulate} | {rate} | {peak} | {'yes' if t.fits else 'no: ' + t.reason} |")
         return lines
 
-    def to_dict(self) -> dict[str, Any]:
+    def lr_scaling(self, accumulate: int = 1) -> dict[str, Any] | None:
+        """Where the effective batch changes (``effective`` None) and the chosen size is not the user's:
+        the learning-rate scaling that goes with it (:func:`lr_scaling`), from the user's effective
+        batch (``start`` x ``accumulate``) to the chosen one (accumulation 1); None otherwise."""
+        if self.effective is not None or self.chosen == self.start * accumulate:
+            return None
+        optimizer = next((t.optimizer for t in self.trials if t.optimizer), "")
+        return lr_scaling(optimizer, self.chosen / (self.start * accumulate))
+
+    def to_dict(self, accumulate: int = 1) -> dict[str, Any]:
         return {"start": self.start, "effective": self.effective, "chosen": self.chosen, "gain": self.gain,
                 "memory_bytes": self.memory_bytes, "margin": self.margin, "rule": self.rule,
-                "trials": [asdict(t) for t in self.trials], "series": self.series()}
+                "lr_scaling": self.lr_scaling(accumulate), "trials": [asdict(t) for t in self.trials],
+                "series": self.series()}
+
+
+#: optimizers whose step is normalised per coordinate (Adam's family): the square-root rule
+ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Adafactor", "LAMB", "Lion")
+
+
+def lr_scaling(optimizer: str, ratio: float) -> dict[str, Any]:
+    """The learning-rate scaling for an effective batch ``ratio`` times the user's: the linear rule for
+    SGD (Goyal et al. 2017: the learning rate times the ratio, with warm-up), the square-root rule for
+    Adam-family optimizers (Malladi et al. 2022: times its square root); unknown optimizers get the
+    square-root rule, the more cautious where the batch grows. A statement for the user: the sweep
+    measures throughput, which the learning rate does not change, and changes no recipe."""
+    linear = optimizer.startswith("SGD")
+    adaptive = optimizer.startswith(ADAPTIVE)
+    factor = ratio if linear else math.sqrt(ratio)
+    rule = "linear (SGD: Goyal et al. 2017)" if linear else "square root (Adam family: Malladi et al. 2022)" if adaptive \
+        else "square root (optimizer not known to the rule table; the more cautious of the two)"
+    return {"optimizer": optimizer or "unknown", "effective_batch_ratio": ratio, "rule": rule, "factor": factor,
+            "line": (f"effective batch x{ratio:g}: scale the learning rate by x{factor:.3g} ({rule}) and keep a warm-up; "
+                     "the sweep applies it to no recipe")}
 
 
 def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_SIZE) -> list[int]:

@@ -232,3 +232,39 @@ def test_with_dropout_parity_is_judged_with_dropout_off():
     state.model.body.insert(3, nn.Dropout(0.1))
     assert MicroBatchRung().apply(state).draws_differently
     assert not MicroBatchRung().apply(_state()).draws_differently
+
+
+def _agree_worker(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks, each predicting another factor: both merge the smallest."""
+    import os
+
+    import torch.distributed as dist
+
+    from speedkit.rungs import micro_batch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    micro_batch.MicroBatchRung.factor = lambda self, state: ((4, "rank 0's") if rank == 0 else (2, "rank 1's"))
+    state = _state(accumulate=8)
+    MicroBatchRung().apply(state)
+    torch.save({"factor": state.step.factor}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_under_ddp_every_rank_merges_as_many_micro_batches(tmp_path):
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_agree_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks did not finish within 120 s: a hang")
+    assert [torch.load(tmp_path / f"rank{r}.pt")["factor"] for r in range(2)] == [2, 2]

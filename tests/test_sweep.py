@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speedkit.errors import ConfigError
-from speedkit.sweep import SweepTrial, candidates, sweep
+from speedkit.sweep import SweepResult, SweepTrial, candidates, sweep
 
 GB = 10**9
 
@@ -174,6 +174,23 @@ def test_speedkit_sweep_cli_lets_the_effective_batch_grow_when_asked(tmp_path, c
     assert "chosen micro-batch:" in out and "| 8 | 1 | - | - | no: out of memory" in out  # 2 -> 8 (x4) ran out
     doc = __import__("json").loads((tmp_path / "o" / "sweep.json").read_text())
     assert doc["effective"] is None and len(doc["trials"]) <= 3 and all(t["accumulate"] == 1 for t in doc["trials"])
+    if doc["chosen"] != 2:  # a larger effective batch: the learning-rate rule that goes with it is stated
+        scaling = doc["lr_scaling"]
+        assert scaling["effective_batch_ratio"] == doc["chosen"] / 2 and scaling["optimizer"] != "unknown"
+        assert "learning rate: effective batch x" in out
+    else:
+        assert doc["lr_scaling"] is None
+
+
+def test_the_learning_rate_rule_is_linear_for_sgd_and_square_root_for_adam():
+    from speedkit.sweep import lr_scaling
+
+    assert lr_scaling("SGD", 4.0)["factor"] == 4.0
+    assert lr_scaling("AdamW", 4.0)["factor"] == 2.0 and "Adam family" in lr_scaling("AdamW", 4.0)["rule"]
+    assert lr_scaling("", 4.0)["factor"] == 2.0 and "not known" in lr_scaling("", 4.0)["rule"]
+    result = SweepResult(start=8, effective=None, chosen=32)
+    assert result.lr_scaling(accumulate=1)["effective_batch_ratio"] == 4.0
+    assert SweepResult(start=8, effective=32, chosen=32).lr_scaling(accumulate=4) is None  # effective batch kept
 
 
 def test_speedkit_sweep_refuses_several_devices_in_one_line(tmp_path, capsys):

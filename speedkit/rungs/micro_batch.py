@@ -44,6 +44,7 @@ from torch import nn
 
 from speedkit import compat
 from speedkit.accumulate import merge_batches
+from speedkit.distributed import smallest
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung, active_dropouts
@@ -259,6 +260,9 @@ class MicroBatchRung(Rung):
     def apply(self, state: TrainState) -> Handle:
         handle = Handle(self.name)
         k, why = self.factor(state)
+        agreed = smallest(k)  # under DDP every rank merges as many (a rank with less memory free predicts fewer)
+        if agreed != k:
+            k, why = agreed, f"{agreed}: the smallest any rank predicted to fit (this rank's: {why})"
         if k < 2:
             raise RuntimeError(f"no larger micro-batch is predicted to fit: {why}")
         a = state.step.accumulate
