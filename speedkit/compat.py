@@ -81,6 +81,25 @@ def set_dynamo_recompile_limit(limit: int) -> None:
         setattr(dynamo_config, name, limit)
 
 
+@contextlib.contextmanager
+def static_batch_shapes() -> Iterator[None]:
+    """Dynamo compiles each new input shape as its own static graph (``automatic_dynamic_shapes``
+    off) inside the block: a batch-size sweep times every size on the kernels a fit at that size
+    gets, not the first size on static kernels and the others on one graph made dynamic by the
+    second; each size is compiled once and found again in the cache. Put back after."""
+    import torch._dynamo.config as dynamo_config
+
+    before = getattr(dynamo_config, "automatic_dynamic_shapes", None)
+    if before is None:
+        yield
+        return
+    dynamo_config.automatic_dynamic_shapes = False
+    try:
+        yield
+    finally:
+        dynamo_config.automatic_dynamic_shapes = before
+
+
 def frames_given_up() -> tuple[int, dict[str, int]]:
     """Frames Dynamo tried to compile and gave up on so far (``counters["frames"]`` total minus ok;
     a frame found in the compile cache is not counted), and the reasons it could not trace

@@ -370,11 +370,16 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
     windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
     module and ``fit``'s data keyword arguments; a :class:`~speedkit.sweep.SweepTrial`. Out of device
-    memory is a size that does not fit (its memory freed before the next)."""
+    memory is a size that does not fit (its memory freed before the next). A compiled model is
+    compiled for each size as its own static graph (:func:`speedkit.compat.static_batch_shapes`):
+    every size is timed on the kernels a fit at that size runs, and a size measured again (the
+    exhaustive pass of ``bench/batch_sweep.py``) finds its graph in the cache."""
     import gc
 
     import lightning.pytorch as pl
     import torch
+
+    from speedkit import compat
 
     from speedkit.lightning import StepTimer
     from speedkit.sweep import SweepTrial
@@ -392,7 +397,7 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     try:
         trainer = pl.Trainer(**kwargs)
         module, data = build()
-        with _quiet_lightning(), warnings.catch_warnings():
+        with _quiet_lightning(), warnings.catch_warnings(), compat.static_batch_shapes():
             if quiet_notes:  # notes (a rung that does not apply) already shown with an earlier size
                 warnings.simplefilter("ignore", UserWarning)
             trainer.fit(module, **data)
