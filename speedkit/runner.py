@@ -364,13 +364,75 @@ def _on_cuda(trainer_kwargs: dict[str, Any]) -> bool:
     return torch.cuda.is_available() and trainer_kwargs.get("accelerator") in (None, "auto", "gpu", "cuda")
 
 
+class _RepeatBatch:
+    """A train loader that yields one batch ``length`` times (a sweep's worst-case input)."""
+
+    def __init__(self, batch: Any, length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def __iter__(self) -> Any:
+        return (self.batch for _ in range(self.length))
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, Any], str]:
+    """``fit``'s data keyword arguments (``train_dataloaders`` or ``datamodule``) fed the worst-case
+    input where the batches' shapes vary (per-batch padding): the batch of most elements among the
+    first ``scan`` of its train loader, repeated as many times as the loader has batches, so a size
+    is measured (its memory above all) on the longest batch a fit meets rather than on those its
+    short trial happens to draw. Where every scanned batch has one shape, the data as it is. Returns
+    the data and a line saying which."""
+    import torch
+
+    from speedkit.data.source import batch_leaves
+    from speedkit.data.static import signature
+
+    dm = data.get("datamodule")
+    if dm is not None:
+        if hasattr(dm, "setup"):
+            dm.setup("fit")
+        loader = dm.train_dataloader()
+    else:
+        loader = data.get("train_dataloaders")
+    if loader is None:
+        return data, "the batches as the loader gives them (no single train loader to scan)"
+    shapes: set[Any] = set()
+    worst, most, seen = None, -1, 0
+    for batch in loader:
+        seen += 1
+        shapes.add(signature(batch)[1])
+        elements = sum(t.numel() for t in batch_leaves(batch) if isinstance(t, torch.Tensor))
+        if elements > most:
+            worst, most = batch, elements
+        if seen >= scan:
+            break
+    if len(shapes) <= 1 or worst is None:
+        return data, f"the loader's batches (one shape in the first {seen})"
+    try:
+        length = len(loader)
+    except TypeError:
+        length = seen
+    repeated = _RepeatBatch(worst, length)
+    note = (f"the worst-case input: the largest of the first {seen} batches ({most:,} elements; {len(shapes)} shapes seen), "
+            "repeated")
+    if dm is not None:
+        dm.train_dataloader = lambda: repeated  # the datamodule's own hooks stay
+        return data, note
+    return {**data, "train_dataloaders": repeated}, note
+
+
 def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, dict[str, Any]]],
                     trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int = 3,
-                    callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False) -> Any:
+                    callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False,
+                    worst_case: bool = True) -> Any:
     """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
     windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
     module and ``fit``'s data keyword arguments; a :class:`~speedkit.sweep.SweepTrial`. Out of device
-    memory is a size that does not fit (its memory freed before the next). A compiled model is
+    memory is a size that does not fit (its memory freed before the next). Where the loader's
+    batches vary in shape, the size is measured on the worst-case input (``worst_case``:
+    :func:`worst_case_data`). A compiled model is
     compiled for each size as its own static graph (:func:`speedkit.compat.static_batch_shapes`):
     every size is timed on the kernels a fit at that size runs, and a size measured again (the
     exhaustive pass of ``bench/batch_sweep.py``) finds its graph in the cache."""
@@ -392,11 +454,14 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     t0 = time.perf_counter()
     failed: str | None = None
     trainer = None
+    input_note = "the loader's batches"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
         trainer = pl.Trainer(**kwargs)
         module, data = build()
+        if worst_case:
+            data, input_note = worst_case_data(data)
         with _quiet_lightning(), warnings.catch_warnings(), compat.static_batch_shapes():
             if quiet_notes:  # notes (a rung that does not apply) already shown with an earlier size
                 warnings.simplefilter("ignore", UserWarning)
@@ -411,9 +476,9 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     m = timer.measurement
     if failed is not None or m is None:
         return SweepTrial(size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0,
-                          optimizer)
+                          optimizer, input_note)
     return SweepTrial(size, accumulate, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
-                      time.perf_counter() - t0, optimizer)
+                      time.perf_counter() - t0, optimizer, input_note)
 
 
 def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
@@ -497,6 +562,9 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
         md = [f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}", "",
               f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.", "",
               *result.table(), ""]
+        fed = next((t.input for t in result.trials if t.input), "")
+        if fed:
+            md += [f"Each size was fed {fed}.", ""]
         scaling = result.lr_scaling(accumulate)
         if scaling is not None:
             md += [f"Learning rate: {scaling['line']}.", ""]

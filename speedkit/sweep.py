@@ -54,6 +54,7 @@ class SweepTrial:
     reason: str = ""               # why it does not fit ("out of memory: ...", "leaves 4% free, under the 10% margin")
     seconds: float = 0.0           # wall time of the trial
     optimizer: str = ""            # the optimizer's class, as the trial's fit built it (for the learning-rate rule)
+    input: str = ""                # what the trial was fed (the loader's batches, or the worst-case input)
 
 
 @dataclass

@@ -204,3 +204,37 @@ def test_speedkit_sweep_refuses_several_devices_in_one_line(tmp_path, capsys):
     recipe.write_text(yaml.safe_dump(raw))
     assert main(["sweep", str(recipe)]) == 2
     assert "runs on one device" in capsys.readouterr().err
+
+
+def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
+    import lightning.pytorch as pl
+    from torch import nn
+
+    from speedkit.runner import timed_fit_trial
+
+    class PaddedLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 50)
+            self.lengths: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            self.lengths.append(batch.shape[1])
+            return torch.nn.functional.cross_entropy(self.head(self.emb(batch)).flatten(0, 1), batch.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    batches = torch.utils.data.DataLoader([torch.randint(0, 50, (4, n), generator=g) for n in (5, 17, 9, 30, 12, 8, 21, 6)],
+                                          batch_size=None)  # padded per batch
+    module = PaddedLM()
+    trial = timed_fit_trial(4, 1, lambda: (module, {"train_dataloaders": batches}),
+                            {"accelerator": "cpu", "devices": 1}, warmup=1, window=2, windows=2)
+    assert trial.fits and set(module.lengths) == {30}  # every step on the longest batch
+    assert "worst-case input" in trial.input and "8 shapes seen" in trial.input
+    fixed = torch.utils.data.DataLoader([torch.randint(0, 50, (4, 7), generator=g) for _ in range(8)], batch_size=None)
+    same = timed_fit_trial(4, 1, lambda: (PaddedLM(), {"train_dataloaders": fixed}), {"accelerator": "cpu", "devices": 1},
+                           warmup=1, window=2, windows=2)
+    assert "one shape" in same.input
