@@ -506,3 +506,29 @@ def test_a_checkpoint_keeps_the_split_and_a_resumed_fit_starts_with_it(tmp_path)
     trainer.fit(module, train_dataloaders=loader(), ckpt_path=tmp_path / "c.ckpt")
     assert trainer.global_step == 10 and resumed.fallback.parts == 4
     assert module.net.injector.raised["budget"] == 0  # it started at micro-batches of 4: nothing ran out of memory
+
+
+def test_with_merged_micro_batches_the_fallback_splits_them_and_trains_like_the_fit_without():
+    """SpeedLadder's micro_batch (2 loader batches a micro-batch) and OOMFallback in one Trainer: the
+    merged micro-batch of 32 samples runs out of memory above 4, is split, and the fit trains as the
+    plain one; trials of the same rungs beside the fallback pass their parity checks."""
+    from speedkit.lightning import SpeedLadder
+
+    reference = _lightning_run(None, [], steps=60)
+    injector = Injector(budget=4, random_errors=6, seed=7)
+    ladder = SpeedLadder(rungs=[{"name": "micro_batch", "options": {"factor": 2}}], trials=False)
+    fallback = OOMFallback()
+    module = _lightning_run(injector, [ladder, fallback], steps=60)
+    assert "micro_batch" in ladder.applied_changes, ladder.skipped
+    assert injector.raised["budget"] > 0 and (0, 32, 16) in [(e.step, e.old_micro_batch, e.new_micro_batch) for e in fallback.events]
+    assert len(module.seen_grads) == len(reference.seen_grads) == 60
+    for step, (a, b) in enumerate(zip(module.seen_grads, reference.seen_grads, strict=True)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), step
+    for step, (a, b) in enumerate(zip(module.params_after, reference.params_after, strict=True)):
+        assert _close(a, b), step
+    trials = SpeedLadder(rungs=["micro_batch"], trials=True,
+                         measure={"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
+                                  "settle": 0, "budget_s": 10.0, "holds_windows": 1, "telemetry": False})
+    _lightning_run(Injector(budget=4), [trials, OOMFallback()], steps=10)
+    entry = next(r for r in trials.result.rungs if r.name == "micro_batch")
+    assert entry.status in ("kept", "reverted"), entry.reason

@@ -103,6 +103,19 @@ class LightningStep(Step):
         return loss_of(self.strategy.training_step(*self._args(batch, batch_idx)))
 
     def compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
+        trainer = self.trainer
+        saved = trainer.accumulate_grad_batches
+        if len(batches) == saved:
+            return self._compute(batches, batch_idx)
+        # fewer, merged micro-batches (micro_batch): hooks and callbacks that read the accumulation
+        # (OOMFallback's loss share and zeroing) see what the fit's loop will hold with them
+        trainer.accumulate_grad_batches = len(batches)
+        try:
+            return self._compute(batches, batch_idx)
+        finally:
+            trainer.accumulate_grad_batches = saved
+
+    def _compute(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         trainer, module = self.trainer, self.model
         optimizer = module.optimizers()  # the Trainer's LightningOptimizer
         raw = self.optimizer
