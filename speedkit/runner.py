@@ -379,14 +379,12 @@ class _RepeatBatch:
 
 def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, Any], str]:
     """``fit``'s data keyword arguments (``train_dataloaders`` or ``datamodule``) fed the worst-case
-    input where the batches' shapes vary (per-batch padding): the batch of most elements among the
+    input where the batches' shapes vary (per-batch padding): the batch of most tensor bytes among the
     first ``scan`` of its train loader, repeated as many times as the loader has batches, so a size
     is measured (its memory above all) on the longest batch a fit meets rather than on those its
     short trial happens to draw. Where every scanned batch has one shape, the data as it is. Returns
     the data and a line saying which."""
-    import torch
-
-    from speedkit.data.source import batch_leaves
+    from speedkit.data.loader import tensor_bytes
     from speedkit.data.static import signature
 
     dm = data.get("datamodule")
@@ -403,9 +401,9 @@ def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, An
     for batch in loader:
         seen += 1
         shapes.add(signature(batch)[1])
-        elements = sum(t.numel() for t in batch_leaves(batch) if isinstance(t, torch.Tensor))
-        if elements > most:
-            worst, most = batch, elements
+        size = tensor_bytes(batch)
+        if size > most:
+            worst, most = batch, size
         if seen >= scan:
             break
     if len(shapes) <= 1 or worst is None:
@@ -415,7 +413,7 @@ def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, An
     except TypeError:
         length = seen
     repeated = _RepeatBatch(worst, length)
-    note = (f"the worst-case input: the largest of the first {seen} batches ({most:,} elements; {len(shapes)} shapes seen), "
+    note = (f"the worst-case input: the largest of the first {seen} batches ({most:,} bytes; {len(shapes)} shapes seen), "
             "repeated")
     if dm is not None:
         dm.train_dataloader = lambda: repeated  # the datamodule's own hooks stay

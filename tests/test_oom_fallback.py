@@ -8,7 +8,6 @@ loop (``speedkit.apply``) and in a Lightning Trainer with a scheduler, clipping 
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +19,8 @@ from torch.nn import functional as F
 import speedkit
 from speedkit.accumulate import GradStash, MicroBatcher, OutOfMemoryAtOneSample, batch_size, split_batch
 from speedkit.lightning import OOMFallback
+
+from ranks import spawn_ranks
 
 SAMPLES, BATCH, FEATURES, CLASSES = 512, 16, 12, 5
 
@@ -328,7 +329,7 @@ def test_oom_fallback_refuses_bad_arguments_in_one_line():
 
 
 # -- several processes (gloo on the CPU) -------------------------------------------------------------
-def _ddp_worker(rank: int, world: int, port: int, fallback: bool, out: str) -> None:
+def _ddp_worker(rank: int, port: int, world: int, fallback: bool, out: str) -> None:
     """One rank of a 2-process run, each on its own shard, gradients averaged: with ``fallback``, rank 1
     alone runs out of memory above 4 samples and at 3 random points, rank 0 never; without, DDP's own
     forward and backward (its reducer averages the gradients), the reference."""
@@ -372,20 +373,7 @@ def _ddp_worker(rank: int, world: int, port: int, fallback: bool, out: str) -> N
 
 
 def _run_ranks(fallback: bool, out, timeout_s: float = 120.0) -> list[dict]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:  # a free port on the loopback
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_ddp_worker, args=(2, port, fallback, str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the ranks did not finish within {timeout_s:.0f} s: a hang")
+    spawn_ranks(_ddp_worker, 2, fallback, str(out), timeout_s=timeout_s)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
