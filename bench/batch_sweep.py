@@ -118,10 +118,13 @@ def main() -> None:
     parser.add_argument("--recipe", action="append", default=[], help="a recipe file (repeatable)")
     parser.add_argument("--accumulate", type=int, default=4, help="the user's accumulate_grad_batches (default 4)")
     parser.add_argument("--tiny", action="store_true", help="tiny zoo models on the CPU, rows to a temporary directory")
+    parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench/batch_sweep.py needs a CUDA GPU (or --tiny)")
-    out = Path(tempfile.mkdtemp(prefix="batch-sweep-")) / "rows.jsonl" if args.tiny else None
+    out = Path(args.results) if args.results else None
+    if args.tiny and out is None:
+        out = Path(tempfile.mkdtemp(prefix="batch-sweep-")) / "rows.jsonl"
     res = Results("batch_sweep", out=out)
     memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() and not args.tiny else None
     for name in [m for m in args.models.split(",") if m]:
