@@ -103,7 +103,7 @@ def main() -> None:
     from speedkit.demos.zoo import ZOO
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(ZOO), help="zoo models (default: all)")
+    parser.add_argument("models", nargs="*", default=None, help="zoo models (default: all, or none where --job is given)")
     parser.add_argument("--commit", default=None, help="the commit measured (the device's tree has no history)")
     parser.add_argument("--budget-s", type=float, default=590.0, help="wall seconds for the whole call")
     parser.add_argument("--gpus", default=None,
@@ -135,6 +135,8 @@ def main() -> None:
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
         print(f"detached: pid {proc.pid}, output in {args.out} (done when {args.out}/done exists)", flush=True)
         return
+    if args.models is None:
+        args.models = [] if args.job else list(ZOO)
     unknown = [m for m in args.models if m not in ZOO]
     count = torch.cuda.device_count() or (2 if args.tiny else 0)  # --tiny: CPU lanes, for the smoke test
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(count))
