@@ -214,6 +214,11 @@ class _ModelState:
             torch.cuda.set_rng_state(self.cuda_rng)
 
 
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on a CPU-only run)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def free_device_memory() -> None:
     """What a failed attempt left: reference cycles collected, the caching allocator's free blocks
     returned to the device."""
@@ -262,6 +267,10 @@ class MicroBatcher:
         if total is None:  # nothing to split: run it whole, errors as they come
             return forward_backward(batch, 1.0)
         parts = min(self.parts, total)
+        if capturing_cuda_graph():
+            # a graph records one split: an out-of-memory error goes to the graph's capture, which runs the
+            # step eagerly (split here) and captures again at the new split
+            return self._run_as_is(batch, parts, total, forward_backward)
         probing = False
         if self.probe_after is not None and parts > 1 and self._steady >= self.probe_after:
             smaller = max(1, parts // 2)
@@ -331,6 +340,21 @@ class MicroBatcher:
             self._steady += 1
         assert loss is not None
         return loss
+
+    def _run_as_is(self, batch: Any, parts: int, total: int, forward_backward: ForwardBackward) -> torch.Tensor | None:
+        """The batch at ``parts`` micro-batches, errors raised as they come (no retry, no split)."""
+        loss: torch.Tensor | None = None
+        for chunk, n in split_batch(batch, parts):
+            weighted = forward_backward(chunk, n / total)
+            if weighted is None:
+                return None
+            loss = weighted if loss is None else loss + weighted
+        return loss
+
+    @property
+    def micro_batch_note(self) -> str:
+        """The split now, in words (for a report line)."""
+        return f"{self.parts} micro-batch{'es' if self.parts > 1 else ''} a batch"
 
     def report(self) -> dict[str, Any]:
         """The fallback's record for the report: the split now and every change."""

@@ -18,6 +18,12 @@ graph is captured again after one eager step), or everything once the graph is s
 sync, a failed capture, a hyper-parameter that changes every step). It never replays a step whose
 inputs it cannot vouch for.
 
+With an out-of-memory fallback (``OOMFallback``, ``speedkit.apply(oom_fallback=True)``) the graph
+captures the fallback's split as it stands (a split made in a warm-up step is captured); a capture
+that runs out of memory runs that step eagerly, where the fallback splits it, and captures the next
+at the split then; out of memory again at the same split, the graph stops and the steps run
+eagerly. The report says which.
+
 :meth:`GraphedStep.bind_fit` binds the graph into a Lightning ``fit``: the training epoch loop's
 automatic optimization runs the graphed step for each batch, and Lightning's own step for the
 batches the graph does not take (warm-up included), so the fit's loop, hooks, logging,
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from speedkit import compat
+from speedkit.accumulate import free_device_memory
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line
 from speedkit.graph_safety import Blocker, find_host_draws, find_syncs
@@ -80,6 +87,9 @@ class GraphedStep(StepWrapper):
         #: why the graph stopped (the step then runs eagerly), if it did
         self.stopped: str | None = None
         self.captures = 0
+        #: what the captures met beside the graph (the out-of-memory fallback's split), for the report
+        self.capture_notes: list[str] = []
+        self._oom_capture_parts: int | None = None  # the split a capture last ran out of memory at
         self.replays = 0
         self.eager_steps = 0
         self._eager_needed = self.warmup
@@ -194,7 +204,11 @@ class GraphedStep(StepWrapper):
         except Exception as exc:
             compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
             self._clear_grads()
-            self.stop(f"capture failed: {capture_failure(exc)}")
+            fallback = self.inner.oom_fallback()
+            if isinstance(exc, torch.OutOfMemoryError) and fallback is not None:
+                self._capture_out_of_memory(fallback, exc)
+            else:
+                self.stop(f"capture failed: {capture_failure(exc)}")
             return None
         finally:  # also when interrupted: the user's groups hold numbers
             self._rates_back(numbers)
@@ -209,7 +223,27 @@ class GraphedStep(StepWrapper):
         self._captured_at = in_place_changes()
         self.graph_bytes = max(0, torch.cuda.max_memory_allocated(self.inner.device) - allocated_before)
         self.captures += 1
+        fallback = self.inner.oom_fallback()
+        if fallback is not None and fallback.parts > 1:
+            self.capture_notes.append(f"capture {self.captures} took the out-of-memory fallback's split: "
+                                      f"{fallback.micro_batch_note}")
         return static
+
+    def _capture_out_of_memory(self, fallback: Any, exc: BaseException) -> None:
+        """A capture ran out of memory where the step has an out-of-memory fallback: the step runs
+        eagerly this once (the fallback splits it where it runs out) and the next step is captured
+        at the split then; out of memory again at the same split, the graph stops (the graph's pool
+        needs memory the eager step does not) and every step runs eagerly, split by the fallback."""
+        free_device_memory()
+        at = fallback.micro_batch_note
+        if self._oom_capture_parts == fallback.parts:
+            self.stop(f"out of memory while capturing at {at}, twice (the graph's private pool needs memory the "
+                      "eager step does not): the step runs eagerly, the out-of-memory fallback splitting it where it "
+                      f"runs out ({first_line(exc)[:120]})")
+            return
+        self._oom_capture_parts = fallback.parts
+        self.capture_notes.append(f"out of memory while capturing at {at}: that step ran eagerly (split by the "
+                                  "fallback where it ran out) and the next was captured again")
 
     def _replay_graph(self) -> None:
         assert self.graph is not None
@@ -346,6 +380,7 @@ class GraphedStep(StepWrapper):
             lines.append(self.static.report())
         if self.logs:
             lines.append(f"self.log calls made after each replay: {len(self.logs)}")
+        lines += self.capture_notes
         if self.stopped:
             lines.append(f"graph stopped: {self.stopped}")
         return lines
@@ -357,6 +392,7 @@ class GraphedStep(StepWrapper):
         original = auto.run
         self.reset()
         self.stopped = None
+        self.capture_notes, self._oom_capture_parts = [], None
 
         def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
             return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)

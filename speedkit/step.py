@@ -154,6 +154,11 @@ class Step:
         """Why this step cannot run an optimizer that unscales its own gradients (a fused one), if so."""
         return None
 
+    def oom_fallback(self) -> Any | None:
+        """The out-of-memory fallback this step runs its batches through
+        (:class:`speedkit.accumulate.MicroBatcher`), if any: a CUDA graph captures its split."""
+        return None
+
     def why_no_optimizer(self) -> str | None:
         """Why rungs that change the optimizer find none to change (None: :attr:`optimizer` is the one)."""
         opt = self.optimizer
@@ -229,6 +234,9 @@ class StepWrapper(Step):
 
     def precision_choice(self) -> str | None:
         return self.inner.precision_choice()
+
+    def oom_fallback(self) -> Any | None:
+        return self.inner.oom_fallback()
 
     def host_processes(self) -> tuple[int, int]:
         return self.inner.host_processes()
@@ -360,6 +368,9 @@ class PlainStep(Step):
 
     def has_schedule(self) -> bool:
         return self.scheduler is not None
+
+    def oom_fallback(self) -> Any | None:
+        return self.micro_batcher
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context of the forward pass (a no-op without autocast)."""

@@ -520,3 +520,41 @@ def test_with_merged_micro_batches_the_fallback_splits_them_and_trains_like_the_
     _lightning_run(Injector(budget=4), [trials, OOMFallback()], steps=10)
     entry = next(r for r in trials.result.rungs if r.name == "micro_batch")
     assert entry.status in ("kept", "reverted"), entry.reason
+
+
+def test_inside_a_cuda_graph_capture_the_fallback_does_not_split_and_raises_as_it_comes(monkeypatch):
+    """A graph records one split: the capture sees the error (and runs the step eagerly, split there)."""
+    import speedkit.accumulate as accumulate
+
+    monkeypatch.setattr(accumulate, "capturing_cuda_graph", lambda: True)
+    model = nn.Linear(4, 2)
+    batcher = MicroBatcher(lambda: model.parameters(), model=model)
+
+    def forward_backward(part, weight):
+        if part[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("simulated")
+        loss = model(part[0]).sum() * weight
+        loss.backward()
+        return loss.detach()
+
+    batch = (torch.randn(8, 4), torch.zeros(8))
+    with pytest.raises(torch.OutOfMemoryError):
+        batcher.run(batch, 0, forward_backward)
+    assert batcher.parts == 1 and not batcher.events
+    batcher.parts = 4  # a split made before the capture is captured as it is
+    assert batcher.run(batch, 1, forward_backward) is not None and batcher.parts == 4 and not batcher.events
+
+
+def test_the_fits_lightning_step_finds_the_fallback_a_cuda_graph_captures():
+    from speedkit.lightning.step import LightningStep
+
+    found: list[Any] = []
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            found.append(LightningStep(trainer, pl_module).oom_fallback())
+
+    fallback = OOMFallback()
+    module = _lightning_run(None, [fallback, Look()], steps=2)
+    assert found and all(f is fallback.fallback for f in found)
+    assert speedkit.step.PlainStep(module, torch.optim.SGD(module.parameters(), lr=0.1), "cpu").oom_fallback() is None

@@ -76,3 +76,64 @@ def test_a_batch_that_does_not_fit_trains_to_the_end_with_the_uncapped_losses():
     assert len(capped.losses) == len(uncapped.losses) == STEPS
     for step, (a, b) in enumerate(zip(capped.losses, uncapped.losses)):
         assert abs(a - b) <= 1e-4 * abs(b), (step, a, b, [e.describe() for e in fallback.events])
+
+
+# -- the fallback beneath a captured CUDA graph --------------------------------------------------
+def _graph_run(limit: int | None, only_while_capturing: bool, graphed: bool = True, steps: int = 12):
+    """A plain loop of ``steps`` batches of 32 through a PlainStep with the out-of-memory fallback,
+    its forward raising out-of-memory above ``limit`` rows (a simulated budget; only while a graph is
+    captured where ``only_while_capturing``); the losses, the parameters after, and the graphed step."""
+    from speedkit import rungs
+    from speedkit.accumulate import MicroBatcher, capturing_cuda_graph
+    from speedkit.state import TrainState
+    from speedkit.step import PlainStep
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
+
+    def budget(module, args):
+        over = limit is not None and args[0].shape[0] > limit
+        if over and (capturing_cuda_graph() or not only_while_capturing):
+            raise torch.OutOfMemoryError(f"simulated: {args[0].shape[0]} rows over a budget of {limit}")
+
+    model[0].register_forward_pre_hook(budget)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batcher = MicroBatcher(lambda: model.parameters(), model=model)
+    step = PlainStep(model, opt, "cuda", loss_fn=lambda m, b, i: F.cross_entropy(m(b[0]), b[1]), micro_batcher=batcher)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=step)
+    if graphed:
+        rungs.make("cuda_graph").apply(state)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda())
+               for _ in range(steps)]
+    losses = [float(state.step([b], i)) for i, b in enumerate(batches)]
+    return losses, [p.detach().clone() for p in model.parameters()], state.step, batcher
+
+
+def _close(a: list[float], b: list[float], pa, pb) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= 1e-5 * abs(y), (i, x, y)
+    for x, y in zip(pa, pb):
+        assert float((x - y).abs().max() / y.abs().max()) <= 1e-5
+
+
+def test_a_split_made_in_warm_up_is_captured_and_replayed_with_the_losses_of_the_run_without():
+    plain, plain_params, _, _ = _graph_run(None, False, graphed=False)
+    losses, params, graphed, batcher = _graph_run(8, False)
+    assert isinstance(graphed, __import__("speedkit.graph", fromlist=["GraphedStep"]).GraphedStep)
+    assert batcher.parts == 4 and batcher.events, "the first warm-up step splits 32 rows to micro-batches of 8"
+    assert graphed.stopped is None and graphed.captures == 1 and graphed.replays > 0, graphed.report()
+    assert any("fallback's split: 4 micro-batches" in line for line in graphed.report()), graphed.report()
+    _close(losses, plain, params, plain_params)
+
+
+def test_a_capture_out_of_memory_twice_at_one_split_stops_the_graph_and_runs_eagerly_as_the_run_without():
+    plain, plain_params, _, _ = _graph_run(None, False, graphed=False)
+    losses, params, graphed, batcher = _graph_run(8, True)  # the eager steps fit; the captures do not
+    report = "\n".join(graphed.report())
+    assert graphed.replays == 0 and graphed.stopped and "out of memory while capturing" in graphed.stopped, report
+    assert "captured again" in report, report
+    assert batcher.parts == 1, "an eager step never ran out: nothing to split"
+    _close(losses, plain, params, plain_params)

@@ -166,6 +166,7 @@ class OOMFallback(Callback):
             with stop_on_out_of_memory("the optimizer step", batcher):
                 own_optimizer_step(*args, **kwargs)
 
+        training_step.oom_fallback = batcher  # type: ignore[attr-defined]  # a CUDA graph's step finds it here
         handle = Handle("oom_fallback")
         set_attr(handle, module, "training_step", training_step, "training_step: forward and backward per micro-batch")
         set_attr(handle, module, "backward", backward)

@@ -89,6 +89,10 @@ class LightningStep(Step):
     def world_size(self) -> int:
         return int(self.trainer.world_size or 1)
 
+    def oom_fallback(self) -> Any | None:
+        """OOMFallback's micro-batcher where the callback wraps the module's ``training_step``."""
+        return getattr(getattr(self.model, "training_step", None), "oom_fallback", None)
+
     def has_schedule(self) -> bool:
         return bool(self.trainer.lr_scheduler_configs)
 
