@@ -1,0 +1,176 @@
+"""SpeedProfiler: an always-on step clock for a Lightning fit, logged through the Trainer's loggers.
+
+A thin callback over :class:`speedkit.measure.monitor.StepMonitor`: it marks each optimizer step's
+end on the device's stream (no per-step sync: Lightning's ``ThroughputMonitor`` synchronizes every
+batch), and every ``log_every_n_steps`` optimizer steps logs, under ``speedkit/``, the median step
+time of the last steps, throughput, MFU, data wait, memory (allocated, reserved, peak, allocator
+retries), NVML (utilization, power against its limit, SM clock, a clock slowdown flag) and its own
+overhead as a share of the step. At the end of the fit, ``summary`` holds the whole fit's figures
+(and ``report_dir/speed_profile.json`` where given).
+
+FLOPs per step (for MFU): ``flops_per_step`` where given; else a ``SpeedLadder``'s count in the same
+fit; else counted by ``torch.utils.flop_counter`` during the fit's first optimizer step itself (no
+extra forward or backward: the user's run draws the same random numbers), except on a compiled
+model, whose first step compiles (MFU then needs ``flops_per_step``).
+
+Usage::
+
+    trainer = Trainer(callbacks=[SpeedProfiler()], logger=CSVLogger("logs"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
+
+from speedkit import compat
+from speedkit.data.source import count_items
+from speedkit.errors import ConfigError
+from speedkit.files import write_text_atomic
+from speedkit.measure.flops import peak_tflops
+from speedkit.measure.monitor import StepMonitor
+
+#: the prefix of every logged key
+PREFIX = "speedkit/"
+
+
+class SpeedProfiler(Callback):
+    """Step time, throughput, MFU, memory, data wait and NVML of a fit, no per-step sync (module docstring).
+
+    Args:
+        log_every_n_steps: optimizer steps between logged figures (None: the Trainer's own).
+        flops_per_step: model FLOPs of one optimizer step, for MFU (None: found or counted).
+        mfu_precision: the precision whose dense peak MFU divides by ("bf16", "fp16", "tf32", "fp32").
+        peak_tflops: that peak, where the table in ``configs/gpu_peaks.yaml`` lacks the GPU.
+        nvml: sample NVML in the background (a GPU with ``nvidia-ml-py``; else nothing).
+        throughput_unit: "auto", "tokens" or "samples".
+        report_dir: write ``speed_profile.json`` (the summary) there at the end of the fit (rank 0).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, flops_per_step: int | None = None,
+                 mfu_precision: str = "bf16", peak_tflops: float | None = None, nvml: bool = True,
+                 throughput_unit: str = "auto", report_dir: str | os.PathLike | None = None) -> None:
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ConfigError("log_every_n_steps", f"expected a positive integer, found {log_every_n_steps!r}")
+        if flops_per_step is not None and (not isinstance(flops_per_step, int) or flops_per_step <= 0):
+            raise ConfigError("flops_per_step", f"expected a positive integer, found {flops_per_step!r}")
+        if throughput_unit not in ("auto", "tokens", "samples"):
+            raise ConfigError("throughput_unit", f"expected auto, tokens or samples, found {throughput_unit!r}")
+        if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
+            raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.flops_per_step = flops_per_step
+        self.mfu_precision = mfu_precision
+        self.peak_tflops = peak_tflops
+        self.nvml = nvml
+        self.throughput_unit = throughput_unit
+        self.report_dir = Path(report_dir) if report_dir is not None else None
+        self.monitor: StepMonitor | None = None
+        self.summary: dict[str, Any] | None = None
+        self.mfu_note: str | None = None
+        self._sampler: Any = None
+        self._in_step = False
+        self._global_step = 0
+        self._items = 0
+        self._counter: FlopCounterMode | None = None
+
+    # -- the fit ---------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from speedkit.measure.nvml import NvmlSampler
+
+        device = trainer.strategy.root_device
+        peak, source = peak_tflops(device, self.mfu_precision, self.peak_tflops)
+        if peak is None:
+            self.mfu_note = source
+        self._sampler = NvmlSampler.create(device, interval_s=0.5) if self.nvml else None
+        if self._sampler is not None:
+            self._sampler.start()
+        self.monitor = StepMonitor(device, flops_per_step=self.flops_per_step, peak_tflops=peak, nvml=self._sampler)
+        self._global_step, self._in_step, self._items = trainer.global_step, False, 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.monitor is None or self._in_step:
+            return
+        self._in_step = True
+        self.monitor.step_started()
+        if self.monitor.steps == 0 and self.monitor.flops_per_step is None and self._counter is None:
+            self._start_counting(trainer, pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._stop_counting()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        monitor = self.monitor
+        if monitor is None:
+            return
+        items, unit = count_items(batch, self.throughput_unit)
+        self._items += items
+        if trainer.global_step == self._global_step:  # a micro-batch of an accumulation: the step goes on
+            return
+        self._global_step = trainer.global_step
+        self._stop_counting()
+        monitor.step_ended(self._items, unit)
+        self._items, self._in_step = 0, False
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 50
+        if trainer.global_step % every == 0 and trainer.loggers and trainer.is_global_zero:
+            metrics = {PREFIX + k: v for k, v in monitor.metrics().items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_counting()
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self.monitor is None:
+            return
+        self.summary = {**self.monitor.summary(), "mfu_note": self.mfu_note if self.monitor.peak_tflops is None else None,
+                        "flops_per_step": self.monitor.flops_per_step}
+        if self.report_dir is not None and trainer.is_global_zero:
+            write_text_atomic(self.report_dir / "speed_profile.json",
+                              json.dumps({"schema_version": 1, **self.summary}, indent=2, default=str) + "\n")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_counting()
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    # -- FLOPs for MFU -------------------------------------------------------------------------
+    def _start_counting(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """FLOPs from a SpeedLadder in this fit, else counted over the first optimizer step itself."""
+        assert self.monitor is not None
+        ladder = next((c for c in trainer.callbacks if type(c).__name__ == "SpeedLadder"), None)
+        flops = (getattr(getattr(ladder, "result", None), "flops", None) or {}).get("per_step")
+        if flops:
+            self.monitor.flops_per_step = int(flops)
+            return
+        if compat.runs_compiled_code(pl_module):
+            self.mfu_note = "a compiled model: its first step compiles, FLOPs are not counted there (pass flops_per_step)"
+            return
+        self._counter = FlopCounterMode(display=False)
+        self._counter.__enter__()
+
+    def _stop_counting(self) -> None:
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return
+        counter.__exit__(None, None, None)
+        total = int(counter.get_total_flops())
+        if total and self.monitor is not None:
+            self.monitor.flops_per_step = total
+        elif not total:
+            self.mfu_note = "torch.utils.flop_counter counted no FLOPs in the first step"
+
