@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,6 +114,8 @@ class MeasureConfig:
     mfu_precision: str
     peak_tflops: float | None
     telemetry: bool
+    profile: bool              # profile windows of the baseline, each kept rung and the final configuration
+    profile_steps: int         # optimizer steps per profile window
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None = None) -> MeasureConfig:
@@ -187,8 +190,14 @@ class Ladder:
     def __init__(self, state: TrainState, rungs: list[Rung], measure: MeasureConfig | dict[str, Any] | None = None, *,
                  recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
                  host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None,
-                 planned_steps: int | None = None) -> None:
+                 planned_steps: int | None = None, trace_dir: Path | str | None = None) -> None:
         self.state = state
+        #: where the profile's Chrome/Perfetto traces of the baseline and the final configuration go
+        #: (the report's folder's ``traces``); None: no traces written
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        #: per kept rung, the rungs kept together with it and the paired speedup of the decision that
+        #: kept it last (its climb, a second look, a closing check): the attribution's marginal gains
+        self._decisions: dict[str, tuple[tuple[str, ...], float | None]] = {}
         if state.device.type == "cuda":  # the ladder makes CUDA events and streams: keep forked workers off them
             protect_forked_children()
         self.rungs = list(rungs)
@@ -339,6 +348,7 @@ class Ladder:
             if entry.status == "kept":
                 reference = losses
                 chain *= entry.gain_vs_previous or 1.0
+                self._decisions[rung.name] = ((rung.name,), entry.gain_vs_previous)
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
         self._left = 0
         self._phase = "the closing check"
@@ -358,6 +368,66 @@ class Ladder:
                               "the speedup is the product of the kept rungs' paired speedups")
         if switches is not None and switches.comparison is not None and result.final_check is not None:
             switches.gain_vs_baseline = result.final_check.speedup * switches.comparison.speedup
+        if cfg.profile:
+            self._phase = "the profile"
+            self._profile()
+
+    def _profile(self) -> None:
+        """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
+        of each prefix of the final configuration's rungs (the last one the final configuration),
+        host syncs and traces of the first and the last, NVML sampled across them; then each kept
+        rung's attribution (:mod:`speedkit.attribution`). Never fails the run: a window that cannot
+        be taken leaves the profile's ``note``."""
+        from speedkit.attribution import attribute
+        from speedkit.measure.nvml import NvmlSampler, timeline
+        from speedkit.profile import CATEGORIES, CATEGORY_LABELS, ProfileUnavailable, find_host_syncs, profile_window
+
+        result, state, n = self.result, self.state, len(self.slots)
+        assert result is not None
+        names = [s.rung.name for s in self.slots]
+        profile: dict[str, Any] = {"steps": self.cfg.profile_steps, "categories": list(CATEGORIES),
+                                   "labels": dict(CATEGORY_LABELS), "windows": [], "host_syncs": {}, "note": None}
+        result.profile = profile
+        sampler = NvmlSampler.create(state.device) if self.cfg.telemetry else None
+        marks: list[tuple[float, str]] = []
+        started = time.monotonic()
+        if sampler is not None:
+            sampler.start()
+        try:
+            for k in range(n + 1):
+                label = "baseline" if k == 0 else "final" if k == n else names[k - 1]
+                self.on_event(f"profile: {label}" + (f" ({' + '.join(names[:k])})" if 0 < k < n else ""))
+                self._configure([i < k for i in range(n)])
+                run_one = self._runner()
+                for _ in range(self._settle()):
+                    run_one()
+                edge = k in (0, n)
+                trace = self.trace_dir / f"{label}.json.gz" if edge and self.trace_dir is not None else None
+                marks.append((time.monotonic() - started, label))
+                window = profile_window(run_one, steps=self.cfg.profile_steps, label=label, device=state.device,
+                                        trace_path=trace).to_dict()
+                window["rungs"] = names[:k]
+                if trace is not None and window.get("trace"):
+                    window["trace"] = f"{self.trace_dir.name}/{trace.name}"  # beside the report
+                profile["windows"].append(window)
+                if edge and state.device.type == "cuda":
+                    profile["host_syncs"][label] = find_host_syncs(run_one, state.device)
+                    if k == 0 and n == 0:
+                        profile["host_syncs"]["final"] = profile["host_syncs"][label]
+        except ProfileUnavailable as exc:
+            profile["note"] = f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {first_line(exc)}"
+        except Exception as exc:  # the decisions stand; only the picture of where the time goes is missing
+            profile["note"] = (f"profile stopped at {len(profile['windows'])} of {n + 1} windows: "
+                               f"{type(exc).__name__}: {first_line(exc)}")
+        finally:
+            if sampler is not None:
+                sampler.stop()
+                result.telemetry_timeline = timeline(sampler.samples, sampler.interval_s, marks)
+            self._configure([True] * n)
+            self._snapshot.restore()
+        if len(profile["windows"]) == n + 1 and n:
+            measured = result.final_check.speedup if result.final_check is not None else None
+            result.attribution = attribute(names, self._decisions, profile["windows"], measured, CATEGORY_LABELS)
 
     def _noise(self, baseline: Measurement) -> dict[str, Any]:
         """How much the baseline's windows vary, its likely source, and the window length the
@@ -700,6 +770,8 @@ class Ladder:
                 reference = losses
                 continue
             self._configure([True] * len(self.slots))
+            if status == "kept" and paired is not None:  # its gain in the final order, measured
+                self._decisions[slot.rung.name] = ((slot.rung.name,), paired.speedup)
             note = f"closing check with {names} on top: {why}" + (", kept" if status == "kept" else ", kept as it was")
             entry.reason = f"{entry.reason}; {note}" if entry.reason else note
             self.on_event(f"closing check: {slot.rung.name} kept")
@@ -850,6 +922,8 @@ class Ladder:
         together = f" together with {', '.join(r.name for r in group[1:])}" if len(group) > 1 else ""
         if status == "kept":  # its entry keeps its first figures; the row after says what changed
             assert paired is not None
+            for rung in group:
+                self._decisions[rung.name] = (tuple(r.name for r in group), paired.speedup)
             for rung, entry in zip(group, entries):
                 assert entry is not None
                 slot = next(s for s in self.slots if s.rung is rung)
@@ -979,6 +1053,11 @@ class Ladder:
                 slot.below = slot.below[n:]
         self._configure([True] * len(self.slots))
         switch_names = {r.name for r in switches}
+        # their gain over the baseline: the climb's (its decisions, each group once) times theirs over it
+        climb = self._decided_product(kept_names)
+        for rung in switches:
+            self._decisions[rung.name] = (tuple(r.name for r in switches),
+                                          climb * paired.speedup if climb is not None else None)
         for name in kept_names:
             entry = self._entry(name)
             if entry is not None and name not in switch_names:
@@ -1010,6 +1089,15 @@ class Ladder:
             row.reason += "; nothing paid on top of them: the final configuration is the switches"
         row.seconds = self.host_clock() - t0
         return row, reference
+
+    def _decided_product(self, names: list[str]) -> float | None:
+        """The product of the decisions that kept ``names`` (a group once); None where one is unknown."""
+        if any(n not in self._decisions for n in names):
+            return None
+        groups = {self._decisions[n][0]: self._decisions[n][1] for n in names}
+        if any(v is None for v in groups.values()):
+            return None
+        return math.prod(groups.values()) if groups else 1.0
 
     def _drop(self, added: list[_Slot]) -> None:
         """Undo candidate slots appended above the kept ones (they were applied with those off)."""

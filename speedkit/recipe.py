@@ -85,6 +85,8 @@ _MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
     "mfu_precision": (Literal["bf16", "fp16", "tf32", "fp32"], None, False, None),
     "peak_tflops": (typing.Optional[float], 0.0, True, None),
     "telemetry": (bool, None, False, None),
+    "profile": (bool, None, False, None),
+    "profile_steps": (int, 1, False, None),
 }
 
 #: Trainer arguments that may be given as class_path specs, and the base class each must extend

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: how far the headline's paired speedup and the ratio of its two median step times may differ
 #: before the headline says so (their windows are the same; they differ only through noise)
 HEADLINE_AGREEMENT = 0.03
@@ -122,6 +122,13 @@ class LadderResult:
     #: per precision: epsilon, seeds, envelope (per step, the worst relative loss move so far under that
     #: rounding), sensitivity (its worst), safety, floor, tolerance, per_step (tolerance per step), kernels
     parity_calibration: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: where the step's time goes: torch.profiler windows of the baseline, of each kept rung added in
+    #: the final order and of the final configuration, and host syncs (speedkit.profile); None: not profiled
+    profile: dict[str, Any] | None = None
+    #: each kept rung's share of the total and the categories it moved (speedkit.attribution)
+    attribution: dict[str, Any] | None = None
+    #: NVML samples over the profile windows (utilization, power against its limit, SM clock, reasons)
+    telemetry_timeline: dict[str, Any] | None = None
 
     @property
     def baseline(self) -> RungResult:

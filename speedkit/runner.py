@@ -244,6 +244,7 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
     planned = recipe.trainer.get("max_steps")  # the run the recipe describes, not this short fit
     ladder.planned_steps = planned if isinstance(planned, int) and planned > 0 else None
+    ladder.trace_dir = out_dir / "traces"  # the profile's traces of the baseline and the final configuration, beside the report
     # room for the holds check: the kept rungs' own warm-up in the fit (a CUDA graph warms up and
     # captures again), and windows timed in place of those in which torch.compile compiled
     windows = max(1, measure["holds_windows"])

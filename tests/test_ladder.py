@@ -1339,3 +1339,49 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
                                for n, e in estimates.items()}
     order = [[r.name for r in g] for g in ladder._second_look_groups()]
     assert order == [["bf16", "layout"], ["compile"], ["fused"], ["quiet"], ["layout"], ["bf16"], ["fused", "compile"]]
+
+
+# -- where the time goes: the profile windows and the attribution ------------------------------------
+
+
+def test_the_profile_windows_the_baseline_each_kept_rung_and_the_final_configuration_and_attributes_them(tmp_path):
+    time = VirtualTime()
+    rungs = [SpeedRung("faster30", time, 0.01, -0.3), SpeedRung("faster20", time, 0.01, -0.2)]
+    ladder = Ladder(timed_state(time), rungs, {**FAST, "profile": True, "profile_steps": 2}, clock=time.clock(),
+                    host_clock=time, trace_dir=tmp_path / "traces")
+    result = ladder.run()
+    assert [r.name for r in result.kept] == ["faster30", "faster20"]
+    profile = result.profile
+    assert profile["note"] is None and profile["steps"] == 2
+    windows = profile["windows"]
+    assert [w["label"] for w in windows] == ["baseline", "faster30", "final"]
+    assert [w["rungs"] for w in windows] == [[], ["faster30"], ["faster30", "faster20"]]
+    assert all(set(w["breakdown_ms"]) == set(profile["categories"]) and w["breakdown_ms"]["gemm"] > 0 for w in windows)
+    assert [w["trace"] for w in windows] == ["traces/baseline.json.gz", None, "traces/final.json.gz"]
+    assert (tmp_path / "traces" / "baseline.json.gz").is_file() and (tmp_path / "traces" / "final.json.gz").is_file()
+    attribution = result.attribution
+    assert [r["name"] for r in attribution["rungs"]] == ["faster30", "faster20"]
+    kept = {r.name: r.gain_vs_previous for r in result.kept}
+    assert [r["speedup"] for r in attribution["rungs"]] == [kept["faster30"], kept["faster20"]]
+    assert attribution["product"] == pytest.approx(kept["faster30"] * kept["faster20"])
+    assert attribution["measured"] == result.final_check.speedup and attribution["agrees"] is not None
+    assert all(r["line"].startswith(r["name"] + ": ") for r in attribution["rungs"])
+    d = result.to_dict()
+    assert d["schema_version"] == 3 and d["profile"]["windows"][0]["label"] == "baseline"
+    assert d["attribution"]["rungs"][0]["name"] == "faster30"
+
+
+def test_profile_off_leaves_no_profile_and_a_failing_window_never_fails_the_run(monkeypatch):
+    time = VirtualTime()
+    result = _run(timed_state(time), [SpeedRung("faster30", time, 0.01, -0.3)], time, profile=False)[1]
+    assert result.profile is None and result.attribution is None
+    import speedkit.profile as profile
+
+    def broken(*args, **kwargs):
+        raise profile.ProfileUnavailable("another profiler is running")
+
+    monkeypatch.setattr(profile, "profile_window", broken)
+    result = _run(timed_state(time), [SpeedRung("faster30", time, 0.01, -0.3)], time, profile=True)[1]
+    assert [r.name for r in result.kept] == ["faster30"]
+    assert "profile stopped at 0 of 2 windows: another profiler is running" in result.profile["note"]
+    assert result.attribution is None

@@ -99,6 +99,8 @@ class SpeedLadder(Callback):
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
         self.measure = MeasureConfig.from_dict(validate_measure(measure))
         self.report_dir = Path(report_dir) if report_dir is not None else None
+        #: where the profile's traces go (default: ``report_dir/traces``; ``speedkit optimize``: its --out's)
+        self.trace_dir: Path | None = None
         self.stop_after_holds = stop_after_holds
         #: the optimizer steps the real run plans, where the fit in front of the trials is not that run
         #: (``speedkit optimize``); None: the fit's own (``trainer.estimated_stepping_batches``)
@@ -238,8 +240,10 @@ class SpeedLadder(Callback):
             "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
         }
         self._state = state
+        trace_dir = self.trace_dir or (self.report_dir / "traces" if self.report_dir is not None else None)
         self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info,
-                              planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer))
+                              planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
+                              trace_dir=trace_dir if trainer.is_global_zero else None)
         try:
             with _sigterm_raises():
                 self.result = self._ladder.run()

@@ -207,6 +207,15 @@ class NvmlSampler:
                                          error=self._error)
         return self.summary
 
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        """The samples so far, oldest first (each a dict of the quantities read; a copy)."""
+        return [dict(s) for s in self._samples]
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest sample, or None before the first (read without waiting for the thread)."""
+        return dict(self._samples[-1]) if self._samples else None
+
     def __enter__(self) -> NvmlSampler:
         return self.start()
 
@@ -273,11 +282,27 @@ def _reads(pynvml: Any, handle: Any) -> dict[str, Callable[[], Any]]:
         "util": lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
         "mem_used": lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used),
         "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,  # milliwatts
+        "power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0,
         "sm_clock": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, sm)),
     }
     if getters:
         reads["reasons"] = lambda: decode_clock_event_reasons(int(reasons(handle)), pynvml)
     return reads
+
+
+def timeline(samples: list[dict[str, Any]], interval_s: float,
+             marks: list[tuple[float, str]] | None = None) -> dict[str, Any] | None:
+    """The samples as a plot-ready series for the report: ``t_s`` (seconds from the first, by the
+    sampling interval), ``util`` (%), ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons``
+    (clock-event reasons: confounders of a comparison), and ``marks`` (seconds, label: where each
+    configuration's window began); None without samples."""
+    if not samples:
+        return None
+    series = [{"t_s": round(i * interval_s, 3), "util": s.get("util"), "power_w": s.get("power_w"),
+               "power_limit_w": s.get("power_limit_w"), "sm_clock_mhz": s.get("sm_clock"),
+               "reasons": list(s.get("reasons") or [])} for i, s in enumerate(samples)]
+    return {"interval_s": interval_s, "samples": series,
+            "marks": [{"t_s": round(t, 3), "label": label} for t, label in (marks or [])]}
 
 
 def summarize_samples(samples: list[dict[str, Any]], *, duration_s: float,
