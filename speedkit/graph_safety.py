@@ -529,9 +529,10 @@ def _is_cpu(node: ast.expr) -> bool:
 # -- dynamic: one real step under the sync debug mode -----------------------------------------------
 
 
-def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
+def find_syncs(run_step: Callable[[], Any], unique: bool = True) -> tuple[Any, list[Blocker]]:
     """Run ``run_step()`` once with CUDA's sync debug mode warning on every synchronizing call; return
-    its result and the calls found (file and line of the Python code that made each)."""
+    its result and the calls found (file and line of the Python code that made each; with ``unique``
+    each once, else every call, in order: a line reached N times in the step is there N times)."""
     found: list[Blocker] = []
     previous_mode = torch.cuda.get_sync_debug_mode()
     previous_show = warnings.showwarning
@@ -559,8 +560,7 @@ def find_syncs(run_step: Callable[[], Any]) -> tuple[Any, list[Blocker]]:
             result = run_step()
         finally:
             torch.cuda.set_sync_debug_mode(previous_mode)
-    unique = list(dict.fromkeys(found))
-    return result, unique
+    return result, list(dict.fromkeys(found)) if unique else found
 
 
 # -- dynamic: random numbers drawn on the host during one real step --------------------------------

@@ -26,12 +26,12 @@ def find_host_syncs(run_one: Callable[[], Any], device: torch.device | str) -> l
     """Run one step (``run_one()``) and list its host syncs, most first: ``{"where": "file:line in fn",
     "code": the source line, "reason": what reached it, "count": syncs found at that line in the step}``.
 
-    ``count`` counts the distinct call paths that reached the line (``find_syncs`` reports a repeated
-    call once), so a line run in a loop counts 1. On CPU: ``[]``, without running the step.
+    ``count`` is the number of synchronizing calls the line made in the step (a line run in a loop
+    counts each time). On CPU: ``[]``, without running the step.
     """
     if torch.device(device).type != "cuda":
         return []
-    _, blockers = find_syncs(run_one)
+    _, blockers = find_syncs(run_one, unique=False)
     counts = Counter(blocker.where for blocker in blockers)
     first = {}
     for blocker in blockers:
