@@ -315,6 +315,9 @@ class SpeedLadder(Callback):
             except OutputError as exc:  # the user's fit goes on; the results stay in ladder.result
                 rank_zero_warn(f"speedkit: {exc}; the report was not written (nothing half-written is left), "
                                "its results are in SpeedLadder.result", category=UserWarning)
+            except Exception as exc:  # a report that cannot be rendered never stops the user's fit
+                rank_zero_warn(f"speedkit: the report could not be written ({type(exc).__name__}: {exc}); its results "
+                               "are in SpeedLadder.result", category=UserWarning)
         if self.stop_after_holds:
             trainer.should_stop = True
 
