@@ -95,7 +95,7 @@ def rung_line(entry: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     for m in entry.get("moved") or []:
         parts.append(f"{labels.get(m['category'], m['category'])} {_ms(m['before_ms'])} → {_ms(m['after_ms'])} ms")
     memory = entry.get("peak_memory_delta_bytes")
-    if memory:
+    if memory and abs(memory) >= 5e6:  # under 0.01 GB: not a change worth a word
         parts.append(f"peak memory {_signed(memory / 1e9)} GB")
     group = entry.get("group")
     name = entry["name"] + (f" (kept with {', '.join(g for g in group if g != entry['name'])})" if group else "")

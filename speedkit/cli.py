@@ -5,6 +5,8 @@
     speedkit fit RECIPE [--KEY.PATH VALUE ...]   train with Lightning, the recipe's rungs applied (no trials)
     speedkit validate RECIPE           check a recipe without running anything (noting what this machine lacks)
     speedkit rungs                     list the rungs
+    speedkit report DIR                render report.md and report.html again from DIR/report.json
+    speedkit compare A B [--out F.md]  two runs side by side (A, B: report folders or report.json files)
     speedkit --version
 
 Without RECIPE, ``optimize`` runs the embedded default (a tiny model on CPU). Overrides follow
@@ -35,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         if message == "the following arguments are required: command":
-            message = "no command given; give one of optimize, fit, validate, rungs"
+            message = "no command given; give one of optimize, fit, validate, rungs, sweep, report, compare"
         where = self.prog.partition(" ")[2]
         print(f"speedkit: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
@@ -62,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a recipe and build its model and data, without training")
     val.add_argument("recipe")
     sub.add_parser("rungs", help="list the available rungs")
+    rep = sub.add_parser("report", help="render report.md and report.html again from a run's report.json")
+    rep.add_argument("dir", help="the run's folder (or its report.json)")
+    cmp = sub.add_parser("compare", help="two runs side by side: headline figures, rungs, time breakdown")
+    cmp.add_argument("a", help="run A: its folder or report.json")
+    cmp.add_argument("b", help="run B: its folder or report.json")
+    cmp.add_argument("--out", default=None, help="also write the comparison as markdown to this file")
     return parser
 
 
@@ -119,7 +127,7 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     # optimize's checks refuse files in `out` it did not write; its own earlier ones it replaces, and says so
-    earlier = [name for name in ("report.json", "report.md", "optimized.yaml") if (out / name).is_file()]
+    earlier = [name for name in ("report.json", "report.md", "report.html", "optimized.yaml") if (out / name).is_file()]
     header: str | None = (f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}"
                           + (f"  (replacing the earlier {', '.join(earlier)} there)" if earlier else ""))
 
@@ -197,6 +205,43 @@ def _rungs(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    from speedkit.report import load_report, write_report
+
+    path = Path(args.dir)
+    d = load_report(path)
+    out = path if path.is_dir() else path.parent
+    try:
+        written = write_report(d, out, formats=("md", "html"))
+    except OutputError as exc:
+        print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+        return OUTPUT_ERROR_EXIT
+    for kind, p in written.items():
+        print(f"{kind}: {p}")
+    return 0
+
+
+def _compare(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    from rich.console import Console
+
+    from speedkit.files import write_text_atomic
+    from speedkit.report import load_report
+    from speedkit.report.compare import compare_reports
+
+    if args.out is not None and (not args.out.strip() or Path(args.out).is_dir()):
+        raise ConfigError("--out", f"{args.out!r} is not a file name; give one, e.g. --out compare.md")
+    a, b = load_report(args.a), load_report(args.b)
+    result = compare_reports(a, b, args.a, args.b)
+    result.render_console(Console(width=None if sys.stdout.isatty() else 160))
+    if args.out:
+        try:
+            print(f"md: {write_text_atomic(Path(args.out), result.to_markdown())}")
+        except OutputError as exc:
+            print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+            return OUTPUT_ERROR_EXIT
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -205,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     args, extra = _parser().parse_known_args(argv)
-    handler = {"optimize": _optimize, "fit": _fit, "sweep": _sweep, "validate": _validate, "rungs": _rungs}[args.command]
+    handler = {"optimize": _optimize, "fit": _fit, "sweep": _sweep, "validate": _validate, "rungs": _rungs,
+               "report": _report, "compare": _compare}[args.command]
     try:
         if extra:
             raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")
-        if overrides and args.command == "rungs":
-            raise ConfigError(f"--{overrides[0][0]}", "speedkit rungs takes no overrides")
+        if overrides and args.command in ("rungs", "report", "compare"):
+            raise ConfigError(f"--{overrides[0][0]}", f"speedkit {args.command} takes no overrides")
         return handler(args, overrides)
     except UserCodeError as exc:
         print("Traceback of your code (most recent call last):\n" + "".join(exc.frames).rstrip(), file=sys.stderr)

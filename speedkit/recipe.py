@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is load
 
 TOP_LEVEL_KEYS = ("model", "data", "trainer", "ladder", "measure", "report", "seed")
 SYNTHETIC_DATA = {"tokens": "speedkit.demos.SyntheticTokens", "vectors": "speedkit.demos.SyntheticVectors"}
-REPORT_FORMATS = ("json", "md")
-REPORT_DEFAULTS: dict[str, Any] = {"formats": ["json", "md"], "title": None}
+REPORT_FORMATS = ("json", "md", "html")
+REPORT_DEFAULTS: dict[str, Any] = {"formats": ["json", "md", "html"], "title": None}
 
 #: measure keys: (annotation, lowest allowed, whether the lowest is excluded, highest excluded)
 _MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {

@@ -47,7 +47,8 @@ class Interrupted(SpeedkitError):
 
 
 #: the files ``optimize`` writes into its output folder, and how each begins when speedkit wrote it
-_OUTPUTS = {"report.json": '{\n  "schema_version"', "report.md": "# ", "optimized.yaml": "# Written by `speedkit optimize`"}
+_OUTPUTS = {"report.json": '{\n  "schema_version"', "report.md": "# ", "report.html": "<!DOCTYPE html>\n<!-- Written by speedkit",
+            "optimized.yaml": "# Written by `speedkit optimize`"}
 
 
 def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:

@@ -396,3 +396,11 @@ def test_cuda_item_is_named_as_one_host_sync():
                 if "the sync find_host_syncs must name" in text and "loss.item()" in text)
     ours = [sync for sync in syncs if f"test_profile_window.py:{line}" in sync["where"]]
     assert len(ours) == 1 and ours[0]["count"] == 1 and "loss.item()" in ours[0]["code"]
+
+
+def test_a_sync_in_an_installed_package_is_named_from_its_package_folder():
+    from speedkit.profile.syncs import short_path
+
+    where = "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/transformer.py:1252 in _detect_is_causal_mask"
+    assert short_path(where) == "torch/nn/modules/transformer.py:1252 in _detect_is_causal_mask"
+    assert short_path("/work/train.py:10 in step") == "/work/train.py:10 in step"

@@ -71,13 +71,13 @@ def result() -> LadderResult:
 
 def test_write_report_writes_both_files_and_json_round_trips(result, tmp_path):
     paths = write_report(result, tmp_path / "out")
-    assert set(paths) == {"json", "md"}
+    assert set(paths) == {"json", "md", "html"}
     assert paths["json"].name == "report.json" and paths["json"].is_file()
     assert paths["md"].name == "report.md" and paths["md"].is_file()
 
     d = load_report(paths["json"])
     assert d == load_report(tmp_path / "out")  # a directory finds its report.json
-    assert d["schema_version"] == 2
+    assert d["schema_version"] == SCHEMA_VERSION
     assert [r["name"] for r in d["rungs"]] == ["baseline", "tf32", "fused_optimizer", "autocast", "compile"]
     assert d["summary"]["kept"] == ["tf32"]
     assert d["summary"]["speedup"] == pytest.approx(2.62)
@@ -93,8 +93,8 @@ def test_write_report_writes_both_files_and_json_round_trips(result, tmp_path):
 def test_write_report_single_format_and_unknown_format(result, tmp_path):
     assert set(write_report(result, tmp_path, formats=("json",))) == {"json"}
     assert not (tmp_path / "report.md").exists()
-    with pytest.raises(ConfigError, match="html"):
-        write_report(result, tmp_path / "never", formats=("json", "html"))
+    with pytest.raises(ConfigError, match="pdf"):
+        write_report(result, tmp_path / "never", formats=("json", "pdf"))
     assert not (tmp_path / "never").exists()
 
 

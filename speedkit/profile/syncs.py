@@ -36,5 +36,12 @@ def find_host_syncs(run_one: Callable[[], Any], device: torch.device | str) -> l
     first = {}
     for blocker in blockers:
         first.setdefault(blocker.where, blocker)
-    return [{"where": where, "code": first[where].code, "reason": first[where].reason, "count": count}
-            for where, count in sorted(counts.items(), key=lambda item: -item[1])]
+    return [{"where": short_path(where), "file": where, "code": first[where].code, "reason": first[where].reason,
+             "count": count} for where, count in sorted(counts.items(), key=lambda item: -item[1])]
+
+
+def short_path(where: str) -> str:
+    """``.../site-packages/torch/nn/modules/transformer.py:1252 in f`` -> ``torch/nn/modules/transformer.py:1252 in f``:
+    an installed package's file from its package folder (the full path stays in ``file``)."""
+    marker = "site-packages/"
+    return where.rsplit(marker, 1)[1] if marker in where else where

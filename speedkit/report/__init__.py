@@ -1,10 +1,15 @@
-"""The report of a ladder run: ``report.json`` (for machines) and ``report.md`` (for people).
+"""The report of a ladder run: ``report.json`` (for machines), ``report.md`` and ``report.html`` (for people).
 
 ``report.json`` is :meth:`speedkit.results.LadderResult.to_dict`, made JSON-safe (a NaN or
 infinite float is written as ``null``; tuples become lists; anything else unknown becomes its
-``str``). Schema version 1, field by field:
+``str``). ``report.md`` (:func:`speedkit.report.markdown.render_markdown`) and ``report.html``
+(:func:`speedkit.report.html.render_html`: one self-contained page with plots) are rendered from
+that dict alone, so ``speedkit report DIR`` can render them again from a ``report.json``.
+Schema version 3, field by field:
 
-* ``schema_version`` (int) — ``2``. :func:`load_report` refuses any other value.
+* ``schema_version`` (int) — ``3`` (``2``: a report written before the profile, attribution,
+  telemetry timeline and fit monitor existed; it has none of those keys). :func:`load_report`
+  reads both and refuses any other value.
 * ``recipe`` (str | null) — the recipe's name, or null when the ladder ran without one.
 * ``device`` (str) — the torch device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
 * ``environment`` (object) — :func:`speedkit.report.environment.collect_environment`; every key is
@@ -98,6 +103,44 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
   product of the kept rungs'), ``speedup_ci`` (its interval, or null), ``figures_from`` (which
   measurement that is), ``note`` (null, or why the paired speedup and the ratio of the two step
   times differ by more than 3%), ``kept`` (names, in order), ``throughput_unit``, ``interrupted``.
+
+New in schema version 3; each may be absent or null (not measured in this run), and the renderers
+then say so in one line:
+
+* ``profile`` (object | null) — where the step's time goes, from ``torch.profiler`` windows run after
+  the timed trials:
+
+  - ``steps`` (int) — optimizer steps per profiled window;
+  - ``categories`` (list of str) — the breakdown's categories in their fixed order:
+    ``data_wait`` (host waiting for the batch), ``host_idle`` (the GPU idle while the host issues
+    work), ``gemm``, ``attention``, ``normalization``, ``elementwise``, ``loss``, ``optimizer``,
+    ``memcpy``, ``communication``, ``other``;
+  - ``labels`` (object) — each category's name for people (``"host_idle"``: ``"host-bound idle GPU"``);
+  - ``windows`` (list) — ``"baseline"``, then one per kept rung (the configuration after keeping
+    it), then ``"final"``; each: ``label``, ``rungs`` (those applied), ``steps``, ``step_ms``,
+    ``device``, ``breakdown_ms`` (ms per step of every category; they sum to about ``step_ms``),
+    ``device_busy_fraction`` (0..1), ``top_ops`` (``name``, ``category``, ``ms`` per step, largest
+    first), ``trace`` (the Chrome/Perfetto trace's path relative to the report's folder | null),
+    ``trace_note`` (null, or why there is no trace), ``peak_memory_bytes`` (| null);
+  - ``host_syncs`` (object) — per window label (``"baseline"``, ``"final"``), the places the host
+    waited for the device: ``where`` (file:line in function), ``code``, ``reason``, ``count`` (per step);
+  - ``note`` (str | null) — why profiling was skipped or partial.
+
+* ``attribution`` (object | null) — what each kept rung bought, from the profiled windows:
+  ``rungs`` (each: ``name``, ``speedup`` (its paired gain), ``ms_per_step`` (its change to the step
+  time; negative is faster), ``share`` (of the whole gain, 0..1), ``moved`` (the categories it
+  changed most: ``category``, ``before_ms``, ``after_ms``), ``peak_memory_delta_bytes``, ``line``
+  (all of it in one sentence)), ``product`` (the kept rungs' speedups multiplied), ``measured``
+  (the final check's speedup), ``agrees`` (bool: whether the two agree), ``interaction`` (null, or
+  a sentence naming the rungs that interact).
+* ``telemetry_timeline`` (object | null) — NVML sampled over one configuration's timed windows:
+  ``interval_s``, ``label`` (which configuration), ``samples`` (each: ``t_s``, ``util`` (%),
+  ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons`` (clock-event reasons in that
+  sample: a confounder of the timing, ``gpu_idle`` aside)).
+* ``fit_monitor`` (object | null) — the fit's own steps after the ladder: ``steps``,
+  ``step_ms_median``, ``throughput``, ``throughput_unit``, ``mfu`` (| null), ``data_wait_ms``,
+  ``peak_memory_bytes``, ``reserved_bytes``, ``alloc_retries`` (the caching allocator's retries
+  after a failed allocation), ``overhead_note`` (what monitoring cost).
 """
 
 from __future__ import annotations
@@ -111,18 +154,26 @@ from typing import Any
 
 from speedkit.errors import ConfigError, OutputError
 from speedkit.files import write_text_atomic
+from speedkit.report.html import render_html
 from speedkit.report.markdown import render_markdown
 from speedkit.results import SCHEMA_VERSION, LadderResult
 
-__all__ = ["FORMATS", "load_report", "render_markdown", "to_json_safe", "write_report"]
+__all__ = ["FORMATS", "READS_SCHEMA_VERSIONS", "load_report", "render_html", "render_markdown", "to_json_safe",
+           "write_report"]
 
 #: what :func:`write_report` can write, and the file name of each
-FORMATS = {"json": "report.json", "md": "report.md"}
+FORMATS = {"json": "report.json", "md": "report.md", "html": "report.html"}
+
+#: the ``schema_version`` values :func:`load_report` reads (2: before the profile and attribution keys)
+READS_SCHEMA_VERSIONS = tuple(sorted({2, 3, SCHEMA_VERSION}))
 
 
 def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
-                 formats: Iterable[str] = ("json", "md")) -> dict[str, Path]:
-    """Write ``report.json`` and/or ``report.md`` into ``out_dir`` (created if missing).
+                 formats: Iterable[str] = ("json", "md", "html")) -> dict[str, Path]:
+    """Write ``report.json``, ``report.md`` and/or ``report.html`` into ``out_dir`` (created if missing).
+
+    ``report.html`` is written without its plots when matplotlib is missing (the page says so); that
+    never fails the run.
 
     Returns:
         The path written for each format, e.g. ``{"json": out_dir / "report.json", ...}``.
@@ -146,6 +197,8 @@ def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
     if "md" in formats:
         texts["md"] = render_markdown(d)
     out_dir = Path(out_dir)
+    if "html" in formats:
+        texts["html"] = render_html(d, out_dir)
     written: dict[str, Path] = {}
     for fmt, text in texts.items():
         try:
@@ -157,10 +210,11 @@ def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
 
 
 def load_report(path: Path | str) -> dict[str, Any]:
-    """Read a ``report.json`` (or the one in a directory) written by this schema version.
+    """Read a ``report.json`` (or the one in a directory) of a schema version in
+    :data:`READS_SCHEMA_VERSIONS` (2 or 3).
 
     Raises:
-        ConfigError: the file is missing, not JSON, or has another ``schema_version``.
+        ConfigError: the file is missing, not JSON, not a report, or has another ``schema_version``.
     """
     path = Path(path)
     if path.is_dir():
@@ -172,10 +226,17 @@ def load_report(path: Path | str) -> dict[str, Any]:
                                     "speedkit wrote it to") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("report", f"{path} is not a JSON report ({exc})") from None
+    except OSError as exc:
+        raise ConfigError("report", f"cannot read {path} ({exc.strerror or exc}); pass a report.json or the "
+                                    "directory speedkit wrote it to") from None
     found = d.get("schema_version") if isinstance(d, dict) else None
-    if found != SCHEMA_VERSION:
+    if type(found) is not int or found not in READS_SCHEMA_VERSIONS:
+        if not isinstance(d, dict) or "rungs" not in d:
+            raise ConfigError("report", f"{path} is JSON but not a speedkit report (no schema_version and rungs); "
+                                        "pass the report.json speedkit wrote")
+        versions = " or ".join(str(v) for v in READS_SCHEMA_VERSIONS)
         raise ConfigError("report", f"{path} has schema_version {found!r}; this speedkit reads "
-                                    f"schema_version {SCHEMA_VERSION}. Re-run the ladder, or read it "
+                                    f"schema_version {versions}. Re-run the ladder, or read it "
                                     "with the speedkit version that wrote it")
     return d
 

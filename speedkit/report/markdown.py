@@ -163,10 +163,104 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines += _measure(d)
     lines += ["## Ladder", ""]
     lines += _table(d.get("rungs") or [])
-    lines += ["", "## Details", ""]
+    lines += [""]
+    lines += _profile_sections(d)
+    lines += ["## Details", ""]
     for i, rung in enumerate(d.get("rungs") or []):
         lines += _details(i, rung)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# -- schema 3: where the time goes, what each rung bought, host syncs --------------------------------
+
+NOT_MEASURED = "not measured in this run"
+
+
+def _ms(value: Any) -> str:
+    return f"{value:,.1f}" if _known(value) else MISSING
+
+
+def _profile_sections(d: dict[str, Any]) -> list[str]:
+    """The breakdown before/after, the attribution and the host syncs, each when its key is there; a
+    report without them (schema 2, or a run that did not profile) gets one line saying so."""
+    p = d.get("profile") or {}
+    windows = [w for w in p.get("windows") or [] if isinstance(w, dict)]
+    attribution = d.get("attribution") or {}
+    syncs = p.get("host_syncs") if isinstance(p.get("host_syncs"), dict) else {}
+    if not windows and not attribution.get("rungs") and not syncs:
+        note = f" ({_escape(p['note'])})" if p.get("note") else ""
+        return [f"Time breakdown, attribution and host syncs: {NOT_MEASURED}{note}.", ""]
+    return (_breakdown(p, windows) + _attribution(attribution, p) + _host_syncs(syncs))
+
+
+def _labels(p: dict[str, Any], windows: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    cats = list(p.get("categories") or [])
+    for w in windows:
+        cats += [c for c in (w.get("breakdown_ms") or {}) if c not in cats]
+    return cats, {c: str((p.get("labels") or {}).get(c) or c.replace("_", " ")) for c in cats}
+
+
+def _breakdown(p: dict[str, Any], windows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Where the time goes", ""]
+    if not windows:
+        return lines + [f"Time breakdown: {NOT_MEASURED}" + (f" ({_escape(p['note'])})" if p.get("note") else "") + ".", ""]
+    before = next((w for w in windows if w.get("label") == "baseline"), windows[0])
+    after = next((w for w in windows if w.get("label") == "final"), windows[-1])
+    cats, labels = _labels(p, windows)
+    bb, ab = before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}
+    lines += [f"ms per optimizer step, over {p.get('steps') or before.get('steps') or MISSING} profiled steps per window."
+              + (f" Note: {_escape(p['note'])}." if p.get("note") else ""), "",
+              f"| category | before ({_escape(before.get('label'))}) | after ({_escape(after.get('label'))}) | Δ |",
+              "|---|---:|---:|---:|"]
+    for c in cats:
+        b, a = bb.get(c), ab.get(c)
+        if not (_known(b) and b) and not (_known(a) and a):
+            continue
+        delta = f"{a - b:+,.1f}" if _known(a) and _known(b) else MISSING
+        lines.append(f"| {_escape(labels[c])} | {_ms(b)} | {_ms(a)} | {delta} |")
+    sb, sa = before.get("step_ms"), after.get("step_ms")
+    lines.append(f"| **step** | **{_ms(sb)}** | **{_ms(sa)}** | {f'{sa - sb:+,.1f}' if _known(sa) and _known(sb) else MISSING} |")
+    lines.append(f"| device busy | {format_percent(before.get('device_busy_fraction'))} | "
+                 f"{format_percent(after.get('device_busy_fraction'))} | |")
+    traces = [f"`{_escape(w['trace'])}` ({_escape(w.get('label'))})" for w in windows if w.get("trace")]
+    if traces:
+        lines += ["", "Traces (open in https://ui.perfetto.dev or chrome://tracing): " + ", ".join(traces) + "."]
+    return lines + [""]
+
+
+def _attribution(a: dict[str, Any], p: dict[str, Any]) -> list[str]:
+    lines = ["## Attribution", ""]
+    rows = [r for r in a.get("rungs") or [] if isinstance(r, dict)]
+    if not rows:
+        return lines + [f"Attribution: {NOT_MEASURED}.", ""]
+    for r in rows:
+        line = r.get("line") or (f"{r.get('name')}: {format_gain(r.get('speedup'))}, "
+                                 f"{_ms(r.get('ms_per_step'))} ms per step")
+        lines.append(f"- {_escape(line)}")
+    agrees = a.get("agrees")
+    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else MISSING)
+    lines += ["", f"Check: the kept rungs' speedups multiply to {format_gain(a.get('product'))}; the final check "
+                  f"measured {format_gain(a.get('measured'))}: {verdict}."]
+    if a.get("interaction"):
+        lines += ["", f"Interaction: {_escape(a['interaction'])}"]
+    return lines + [""]
+
+
+def _host_syncs(syncs: dict[str, Any]) -> list[str]:
+    lines = ["## Host syncs", ""]
+    if not syncs:
+        return lines + [f"Host syncs: {NOT_MEASURED}.", ""]
+    for label in [k for k in ("baseline", "final") if k in syncs] + [k for k in syncs if k not in ("baseline", "final")]:
+        items = [s for s in syncs.get(label) or [] if isinstance(s, dict)]
+        title = {"baseline": "Before (baseline)", "final": "After (final)"}.get(label, label)
+        if not items:
+            lines += [f"{_escape(title)}: none found.", ""]
+            continue
+        lines += [f"{_escape(title)}:", "", "| where | code | why | found in one step |", "|---|---|---|---:|"]
+        lines += [f"| `{_escape(s.get('where'))}` | `{_escape(s.get('code'))}` | {_escape(s.get('reason') or MISSING)} | "
+                  f"{_escape(s.get('count', MISSING))} |" for s in items]
+        lines.append("")
+    return lines
 
 
 def _environment(d: dict[str, Any]) -> list[str]:
