@@ -159,10 +159,31 @@ def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit.runner import fit
 
     recipe = _load(args.recipe, overrides)
-    _, ladder = fit(recipe)
+    trainer, ladder = fit(recipe)
     print(f"speedkit fit: applied {', '.join(ladder.applied_changes) or 'no rungs'}"
           + "".join(f"; skipped {name}: {reason}" for name, reason in ladder.skipped.items()))
+    from speedkit.lightning import SpeedProfiler
+
+    profiler = next((c for c in trainer.callbacks if isinstance(c, SpeedProfiler)), None)
+    if profiler is not None and profiler.summary is not None:
+        print(f"speedkit fit: {profiler_line(profiler.summary)}")
     return 0
+
+
+def profiler_line(s: dict[str, Any]) -> str:
+    """The fit's figures in one line: steps, median step time, throughput, MFU, data wait, peak memory."""
+    parts = [f"{s['steps']} optimizer steps"]
+    if s.get("step_ms_median") is not None:
+        parts.append(f"{s['step_ms_median']:.2f} ms/step (median of {s['timed_steps']})")
+    if s.get("throughput"):
+        parts.append(f"{s['throughput']:,.0f} {s['throughput_unit']}")
+    if s.get("mfu") is not None:
+        parts.append(f"MFU {s['mfu']:.1%}")
+    if s.get("data_wait_ms") is not None:
+        parts.append(f"data wait {s['data_wait_ms']:.2f} ms/step")
+    if s.get("peak_memory_bytes"):
+        parts.append(f"peak memory {s['peak_memory_bytes'] / 1e9:.2f} GB")
+    return ", ".join(parts)
 
 
 def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:

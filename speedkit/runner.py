@@ -240,7 +240,7 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     check_trainer(recipe)
     check_model_takes_data(recipe)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
-    formats = tuple(recipe.report.get("formats", ("json", "md")))
+    formats = tuple(recipe.report.get("formats", ("json", "md", "html")))
     measure = recipe.measure
     ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
     planned = recipe.trainer.get("max_steps")  # the run the recipe describes, not this short fit
@@ -309,7 +309,9 @@ _FIT_SETTLE_ROOM = 8
 
 
 def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, Any]:
-    """Train a recipe with Lightning, its ``ladder`` applied by the SpeedLadder callback (no trials).
+    """Train a recipe with Lightning, its ``ladder`` applied by the SpeedLadder callback (no trials),
+    watched by a SpeedProfiler (its figures logged under ``speedkit/`` through the recipe's loggers;
+    its ``summary`` at the end), unless the recipe's callbacks have one.
 
     Returns the Trainer and the SpeedLadder callback (which records what it applied and skipped).
     Raises ConfigError (Trainer arguments Lightning refuses, before any work; a data module that cannot
@@ -317,7 +319,7 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
     """
     from lightning.fabric.utilities.seed import seed_everything
 
-    from speedkit.lightning import SpeedLadder
+    from speedkit.lightning import SpeedLadder, SpeedProfiler
 
     if not recipe.ladder_given:
         raise ConfigError("ladder", "missing: `speedkit fit` applies the rungs a recipe lists, without trials; run `speedkit "
@@ -329,6 +331,8 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
     datamodule = recipe.build_datamodule()
     ladder = SpeedLadder(rungs=recipe.ladder)
     trainer = build_trainer(recipe, [ladder, *(extra_callbacks or [])])
+    if not any(isinstance(c, SpeedProfiler) for c in trainer.callbacks):
+        trainer.callbacks.append(SpeedProfiler())
     try:
         trainer.fit(model, datamodule=datamodule)
     except Exception as exc:

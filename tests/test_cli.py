@@ -86,7 +86,7 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["optimize", "--out", str(out), "--measure.max_blocks", "4"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == 2 and report["interrupted"] is None
+    assert report["schema_version"] == 3 and report["interrupted"] is None
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
     rungs = report["rungs"]
     assert [r["name"] for r in rungs if r["status"] not in ("closing", "switches")] == ["baseline", *[
@@ -102,13 +102,24 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     assert report["holds"]["fit"] is not None  # the fit's own steps were timed after the trials
     md = (out / "report.md").read_text()
     assert "In training:" in md and "A B B A" in md
+    # where the time goes: a profile window of the baseline, of each kept rung and of the final configuration
+    kept_now = [r["name"] for r in rungs if r["status"] == "kept"]
+    windows = report["profile"]["windows"]
+    assert [w["label"] for w in windows][0] == "baseline" and len(windows) == len(kept_now) + 1
+    assert report["profile"]["note"] is None and windows[0]["breakdown_ms"]["gemm"] > 0
+    assert (out / windows[0]["trace"]).is_file() and (out / windows[-1]["trace"]).is_file()
+    if kept_now:
+        assert [a["name"] for a in report["attribution"]["rungs"]] == [w["rungs"][-1] for w in windows[1:]]
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!DOCTYPE html>") and "Where the time goes" in html
 
     optimized = yaml.safe_load((out / "optimized.yaml").read_text())
     kept = [r["name"] for r in rungs if r["status"] == "kept"]
     assert [x if isinstance(x, str) else x["name"] for x in optimized["ladder"]] == kept
     capsys.readouterr()
     assert main(["fit", str(out / "optimized.yaml"), "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"]) == 0
-    assert "speedkit fit: applied" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speedkit fit: applied" in printed and "speedkit fit: 3 optimizer steps" in printed
 
 
 INTERRUPTING = """
