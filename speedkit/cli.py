@@ -117,6 +117,7 @@ def _load(path: str | None, overrides: list[tuple[str, Any]]):
 def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from rich.console import Console
 
+    from speedkit.progress import ProgressBar
     from speedkit.report.console import render_console
     from speedkit.runner import Interrupted, optimize
 
@@ -139,7 +140,8 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
         console.print(f"[dim]{line}[/dim]", highlight=False)
 
     try:
-        result, written = optimize(recipe, out, on_event=on_event)
+        with ProgressBar(console, "trials") as bar:
+            result, written = optimize(recipe, out, on_event=on_event, on_progress=bar)
     except Interrupted as exc:
         print(f"speedkit: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -187,14 +189,20 @@ def profiler_line(s: dict[str, Any]) -> str:
 
 
 def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    from rich.console import Console
+
+    from speedkit.progress import ProgressBar
     from speedkit.runner import sweep_recipe
 
     recipe = _load(args.recipe, overrides)
     if args.max_trials is not None and args.max_trials < 1:
         raise ConfigError("--max-trials", f"expected a number of sizes >= 1, found {args.max_trials}")
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
-    result = sweep_recipe(recipe, out, keep_effective=not args.change_effective_batch, margin=args.margin,
-                          max_trials=args.max_trials, on_event=print)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    with ProgressBar(console, "sweep") as bar:
+        result = sweep_recipe(recipe, out, keep_effective=not args.change_effective_batch, margin=args.margin,
+                              max_trials=args.max_trials, on_event=lambda line: console.print(line, highlight=False),
+                              on_progress=bar)
     print("\n".join(result.table()))
     gain = f" ({result.gain:.2f}x yours)" if result.gain else ""
     acc = result.trial(result.chosen).accumulate if result.trial(result.chosen) else 1

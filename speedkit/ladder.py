@@ -190,8 +190,11 @@ class Ladder:
     def __init__(self, state: TrainState, rungs: list[Rung], measure: MeasureConfig | dict[str, Any] | None = None, *,
                  recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
                  host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None,
-                 planned_steps: int | None = None, trace_dir: Path | str | None = None) -> None:
+                 planned_steps: int | None = None, trace_dir: Path | str | None = None,
+                 on_progress: Callable[[int, int, str], None] | None = None) -> None:
         self.state = state
+        #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)
+        self.on_progress = on_progress or (lambda done, total, label: None)
         #: where the profile's Chrome/Perfetto traces of the baseline and the final configuration go
         #: (the report's folder's ``traces``); None: no traces written
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
@@ -343,6 +346,7 @@ class Ladder:
             self._left = len(order) - i + 1
             self._phase = rung.name
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
+            self.on_progress(i - 1, len(order), rung.name)
             entry, losses = self._try(rung, reference, chain)
             result.rungs.append(entry)
             if entry.status == "kept":
@@ -351,6 +355,7 @@ class Ladder:
                 self._decisions[rung.name] = ((rung.name,), entry.gain_vs_previous)
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
         self._left = 0
+        self.on_progress(len(order), len(order), "closing check, second look, final check, profile")
         self._phase = "the closing check"
         reference = self._closing_check(reference)
         self._phase = "the second look"

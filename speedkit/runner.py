@@ -215,7 +215,8 @@ def _raised_in_torch(exc: BaseException) -> bool:
     return tb is not None and f"{os.sep}torch{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
-def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
+def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None,
+             on_progress: Callable[[int, int, str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
     Raises:
@@ -246,6 +247,7 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     planned = recipe.trainer.get("max_steps")  # the run the recipe describes, not this short fit
     ladder.planned_steps = planned if isinstance(planned, int) and planned > 0 else None
     ladder.trace_dir = out_dir / "traces"  # the profile's traces of the baseline and the final configuration, beside the report
+    ladder.on_progress = on_progress
     # room for the holds check: the kept rungs' own warm-up in the fit (a CUDA graph warms up and
     # captures again), and windows timed in place of those in which torch.compile compiled
     windows = max(1, measure["holds_windows"])
@@ -519,7 +521,8 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
 
 
 def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
-                 max_trials: int | None = None, on_event: Callable[[str], None] | None = None) -> Any:
+                 max_trials: int | None = None, on_event: Callable[[str], None] | None = None,
+                 on_progress: Callable[[int, int, str], None] | None = None) -> Any:
     """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.sweep`).
 
     Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
@@ -554,6 +557,8 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
         kwargs["margin"] = margin
     if max_trials is not None:
         kwargs["max_trials"] = max_trials
+    if on_progress is not None:
+        kwargs["on_progress"] = on_progress
     result = sweeping.sweep(measure, start, effective=effective, memory_bytes=memory, on_event=events, **kwargs)
     if out_dir is not None:
         import json

@@ -151,9 +151,11 @@ def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_
 
 def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | None = None, max_size: int = MAX_SIZE,
           memory_bytes: int | None = None, margin: float = MARGIN, min_gain: float = MIN_GAIN,
-          max_trials: int = MAX_TRIALS, on_event: Callable[[str], None] = lambda line: None) -> SweepResult:
+          max_trials: int = MAX_TRIALS, on_event: Callable[[str], None] = lambda line: None,
+          on_progress: Callable[[int, int, str], None] = lambda done, total, label: None) -> SweepResult:
     """Find the micro-batch of highest throughput (module docstring). ``measure(size)`` runs a trial;
-    its ``fits`` is re-judged here against ``margin`` of ``memory_bytes`` where both are known."""
+    its ``fits`` is re-judged here against ``margin`` of ``memory_bytes`` where both are known.
+    ``on_progress(done, total, label)``: sizes measured of at most ``max_trials`` (a progress bar)."""
     if isinstance(start, bool) or not isinstance(start, int) or start < 1:
         raise ConfigError("batch size", f"expected a whole number of samples >= 1, found {start!r}")
     if effective is not None and effective % start:
@@ -169,6 +171,7 @@ def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | 
                                   else "the effective batch changes with the micro-batch")))
 
     def run(size: int) -> SweepTrial:
+        on_progress(len(result.trials), max_trials, f"micro-batch {size}")
         trial = measure(size)
         if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
             free = 1 - trial.peak_memory_bytes / memory_bytes
@@ -176,6 +179,7 @@ def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | 
                 trial = SweepTrial(**{**asdict(trial), "fits": False,
                                       "reason": f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin"})
         result.trials.append(trial)
+        on_progress(len(result.trials), max_trials, f"micro-batch {size} measured")
         on_event(f"sweep: micro-batch {size}: " + (f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput
                                                      else f"does not fit ({trial.reason})"))
         return trial

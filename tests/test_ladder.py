@@ -1385,3 +1385,13 @@ def test_profile_off_leaves_no_profile_and_a_failing_window_never_fails_the_run(
     assert [r.name for r in result.kept] == ["faster30"]
     assert "profile stopped at 0 of 2 windows: another profiler is running" in result.profile["note"]
     assert result.attribution is None
+
+
+def test_the_ladder_reports_its_progress_rung_by_rung_then_its_closing_phases():
+    time = VirtualTime()
+    seen = []
+    rungs = [SpeedRung("faster30", time, 0.01, -0.3), SpeedRung("slower", time, 0.01, 0.2)]
+    Ladder(timed_state(time), rungs, {**FAST, "profile": False}, clock=time.clock(), host_clock=time,
+           on_progress=lambda done, total, label: seen.append((done, total, label))).run()
+    assert seen[:2] == [(0, 2, "faster30"), (1, 2, "slower")]
+    assert seen[-1][:2] == (2, 2) and "final check" in seen[-1][2]

@@ -106,6 +106,8 @@ class SpeedLadder(Callback):
         #: (``speedkit optimize``); None: the fit's own (``trainer.estimated_stepping_batches``)
         self.planned_steps: int | None = None
         self.on_event = on_event or log_event  # a module-level function: the callback pickles (ddp_spawn)
+        #: ``(done, total, label)`` of the trials, for a progress bar (``speedkit optimize`` sets it)
+        self.on_progress: Callable[[int, int, str], None] | None = None
         self.handles: list[Handle] = []
         self.skipped: dict[str, str] = {}
         #: every change applied during the run, kept after teardown undoes them (for reports)
@@ -243,7 +245,8 @@ class SpeedLadder(Callback):
         trace_dir = self.trace_dir or (self.report_dir / "traces" if self.report_dir is not None else None)
         self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info,
                               planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
-                              trace_dir=trace_dir if trainer.is_global_zero else None)
+                              trace_dir=trace_dir if trainer.is_global_zero else None,
+                              on_progress=self.on_progress if trainer.is_global_zero else None)
         try:
             with _sigterm_raises():
                 self.result = self._ladder.run()
