@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ class SpeedProfiler(Callback):
         self._in_step = True
         self.monitor.step_started()
         if self.monitor.steps == 0 and self.monitor.flops_per_step is None and self._counter is None:
-            self._start_counting(trainer, pl_module)
+            self._start_counting(trainer, pl_module)  # the first step: counted, not timed
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -115,6 +116,14 @@ class SpeedProfiler(Callback):
         monitor = self.monitor
         if monitor is None:
             return
+        started = time.perf_counter()
+        before = monitor.own_seconds
+        try:
+            self._batch_end(trainer, monitor, batch)
+        finally:  # the whole hook is the profiler's cost (less what the monitor counted itself)
+            monitor.charge(time.perf_counter() - started - (monitor.own_seconds - before))
+
+    def _batch_end(self, trainer: pl.Trainer, monitor: StepMonitor, batch: Any) -> None:
         items, unit = count_items(batch, self.throughput_unit)
         self._items += items
         if trainer.global_step == self._global_step:  # a micro-batch of an accumulation: the step goes on

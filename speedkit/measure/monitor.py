@@ -85,6 +85,9 @@ class StepMonitor:
         flops_per_step: model FLOPs of one optimizer step (None: no MFU).
         peak_tflops: the device's dense peak for MFU (None: no MFU).
         nvml: an NVML sampler already started (:class:`speedkit.measure.nvml.NvmlSampler`), or None.
+
+    Its own host time (``overhead_fraction``) is what its methods take, plus what a caller charges
+    with :meth:`charge` (a callback's whole hooks: the batch counted, the figures logged).
     """
 
     def __init__(self, device: torch.device | str, *, marks: Marks | None = None,
@@ -188,6 +191,15 @@ class StepMonitor:
         if "reasons" in sample:
             out["clock_slowdown"] = 1.0 if SLOWDOWN_REASONS.intersection(sample["reasons"]) else 0.0
         return out
+
+    @property
+    def own_seconds(self) -> float:
+        """The monitor's own host time so far."""
+        return self._own_s
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of the caller's host time as the monitor's own (a hook around it)."""
+        self._own_s += seconds
 
     def overhead_fraction(self) -> float | None:
         """The monitor's own host time over the steps' time (None before a step completed)."""
