@@ -395,9 +395,9 @@ class Ladder:
         result.profile = profile
         sampler = NvmlSampler.create(state.device) if self.cfg.telemetry else None
         marks: list[tuple[float, str]] = []
-        started = time.monotonic()
         if sampler is not None:
             sampler.start()
+        started = time.monotonic()  # the sampler's own start, within microseconds
         try:
             for k in range(n + 1):
                 label = "baseline" if k == 0 else "final" if k == n else names[k - 1]

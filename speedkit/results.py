@@ -129,6 +129,8 @@ class LadderResult:
     attribution: dict[str, Any] | None = None
     #: NVML samples over the profile windows (utilization, power against its limit, SM clock, reasons)
     telemetry_timeline: dict[str, Any] | None = None
+    #: SpeedProfiler's figures of the fit so far, where one watched it (speedkit.measure.monitor)
+    fit_monitor: dict[str, Any] | None = None
 
     @property
     def baseline(self) -> RungResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import json
 import signal
 import warnings
 
@@ -218,9 +219,16 @@ class _PaddedSequences(pl.LightningModule):
 def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(no_interpreter, tmp_path):
     from speedkit.report import write_report
 
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
-    _trainer([ladder], max_steps=4).fit(_PaddedSequences())
+    from speedkit.lightning import SpeedProfiler
+
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK, report_dir=tmp_path / "report")
+    _trainer([ladder, SpeedProfiler()], max_steps=4).fit(_PaddedSequences())
     assert ladder.result is not None and "same batches" in ladder.result.run["batch_shapes"]
+    # the report SpeedLadder wrote beside the fit: its profile, its traces, and the fit so far by SpeedProfiler's clock
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["profile"]["windows"][0]["label"] == "baseline" and (tmp_path / "report" / "traces" / "baseline.json.gz").is_file()
+    assert report["fit_monitor"]["steps"] >= 1 and "SpeedProfiler" in report["fit_monitor"]["note"]
+    assert (tmp_path / "report" / "report.html").is_file()
     written = write_report(ladder.result, tmp_path, formats=("md",))
     assert 'batch_shapes="vary: each A/B block times both configurations on the same batches"' in written["md"].read_text()
 

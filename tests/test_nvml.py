@@ -250,3 +250,18 @@ def test_real_gpu():
     assert s["samples"] >= 2 and s["duration_s"] > 0
     assert 0 <= s["util_mean"] <= 100 and s["sm_clock_min_mhz"] > 0
     assert s["mem_used_max_bytes"] >= 4096 * 4096 * 4
+
+
+def test_the_timeline_places_each_sample_at_the_time_it_was_taken_and_marks_the_windows():
+    from speedkit.measure.nvml import timeline
+
+    samples = [{"t": 0.0, "util": 10.0, "power_w": 100.0, "power_limit_w": 700.0, "sm_clock": 1980.0, "reasons": []},
+               {"t": 0.37, "util": 95.0, "power_w": 600.0, "power_limit_w": 700.0, "sm_clock": 1755.0,
+                "reasons": ["sw_power_cap"]},
+               {"util": 90.0}]  # a sample without a time: placed by the interval
+    out = timeline(samples, 0.1, [(0.0, "baseline"), (0.3, "final")])
+    assert [s["t_s"] for s in out["samples"]] == [0.0, 0.37, 0.2]
+    assert out["samples"][1] == {"t_s": 0.37, "util": 95.0, "power_w": 600.0, "power_limit_w": 700.0,
+                                 "sm_clock_mhz": 1755.0, "reasons": ["sw_power_cap"]}
+    assert out["marks"] == [{"t_s": 0.0, "label": "baseline"}, {"t_s": 0.3, "label": "final"}]
+    assert timeline([], 0.1) is None

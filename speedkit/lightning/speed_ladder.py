@@ -303,6 +303,11 @@ class SpeedLadder(Callback):
         if probe is None or self.result is None:
             return
         self.result.holds = probe.judge()
+        profiler = next((c for c in trainer.callbacks if type(c).__name__ == "SpeedProfiler"), None)
+        if profiler is not None and getattr(profiler, "monitor", None) is not None:  # the fit so far, by its own clock
+            self.result.fit_monitor = {**profiler.monitor.summary(),
+                                       "note": f"the fit's first {trainer.global_step} optimizer steps (SpeedProfiler), "
+                                               "when this report was written"}
         holds = self.result.holds
         if holds.gap is not None:
             verdict = f"flagged: {holds.cause}" if holds.flagged else "holds"

@@ -250,6 +250,7 @@ class NvmlSampler:
                                                                   _NVML_ERROR_NOT_SUPPORTED):
                             raise
                         del reads[key]  # this GPU does not report it: stop asking
+                sample["t"] = self._clock() - self._started_at  # when, from start(): reads take time
                 self._samples.append(sample)
                 if self._stop_event.wait(self.interval_s):
                     break
@@ -292,13 +293,13 @@ def _reads(pynvml: Any, handle: Any) -> dict[str, Callable[[], Any]]:
 
 def timeline(samples: list[dict[str, Any]], interval_s: float,
              marks: list[tuple[float, str]] | None = None) -> dict[str, Any] | None:
-    """The samples as a plot-ready series for the report: ``t_s`` (seconds from the first, by the
-    sampling interval), ``util`` (%), ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons``
+    """The samples as a plot-ready series for the report: ``t_s`` (seconds from the sampler's start,
+    as each sample was taken; by the interval for samples without a time), ``util`` (%), ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons``
     (clock-event reasons: confounders of a comparison), and ``marks`` (seconds, label: where each
     configuration's window began); None without samples."""
     if not samples:
         return None
-    series = [{"t_s": round(i * interval_s, 3), "util": s.get("util"), "power_w": s.get("power_w"),
+    series = [{"t_s": round(s.get("t", i * interval_s), 3), "util": s.get("util"), "power_w": s.get("power_w"),
                "power_limit_w": s.get("power_limit_w"), "sm_clock_mhz": s.get("sm_clock"),
                "reasons": list(s.get("reasons") or [])} for i, s in enumerate(samples)]
     return {"interval_s": interval_s, "samples": series,
