@@ -4,9 +4,9 @@ nothing left behind after an exception, Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
-import json
 import signal
 import warnings
 

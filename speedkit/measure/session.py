@@ -50,6 +50,10 @@ class Window:
     compiled_graphs: int = 0           # graphs torch.compile compiled during it (its time is in the window's)
 
 
+#: the profiler scope around a step's batch fetch: :mod:`speedkit.profile` counts it as data wait
+DATA_WAIT_SCOPE = "speedkit.data_wait"
+
+
 class MeasureSession:
     """Times training steps on one device.
 
@@ -96,7 +100,8 @@ class MeasureSession:
 
         def run_one() -> None:
             t0 = self.host_clock()
-            micro = [next(batches) for _ in range(accumulate)]
+            with torch.profiler.record_function(DATA_WAIT_SCOPE):  # a profile window's data wait (speedkit.profile)
+                micro = [next(batches) for _ in range(accumulate)]
             t1 = self.host_clock()
             step(micro, next(counter))
             t2 = self.host_clock()
