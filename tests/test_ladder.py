@@ -24,7 +24,9 @@ from speedkit.rungs.base import Rung
 from speedkit.step import StepWrapper
 
 FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
-        "max_blocks": 12, "budget_s": 1e9, "noise_target": 0}  # the virtual clock's noise is per window: longer ones would not help
+        "max_blocks": 12, "budget_s": 1e9,
+        "noise_target": 0,  # the virtual clock's noise is per window: longer ones would not help
+        "profile": False}  # the profile windows are tested on their own (below), not in every decision's test
 
 
 def _run(state, rungs, time: VirtualTime, **measure):

@@ -27,7 +27,7 @@ from speedkit.rungs.compile import GuardedForward
 
 #: small and quick: the decisions are not what these tests are about
 QUICK = {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-         "budget_s": 60.0, "holds_windows": 1, "telemetry": False}
+         "budget_s": 60.0, "holds_windows": 1, "telemetry": False, "profile": False}
 
 
 class UserModel(pl.LightningModule):
@@ -221,7 +221,8 @@ def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(n
 
     from speedkit.lightning import SpeedProfiler
 
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK, report_dir=tmp_path / "report")
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True},
+                         report_dir=tmp_path / "report")
     _trainer([ladder, SpeedProfiler()], max_steps=4).fit(_PaddedSequences())
     assert ladder.result is not None and "same batches" in ladder.result.run["batch_shapes"]
     # the report SpeedLadder wrote beside the fit: its profile, its traces, and the fit so far by SpeedProfiler's clock

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import json
 import os
 import subprocess
@@ -72,7 +73,12 @@ def _umask() -> int:
     return mask
 
 
-@pytest.mark.parametrize("fills_at", ["report.json", "report.md", "optimized.yaml"])
+def _files(out: Path) -> list[str]:
+    """The output folder's files (the profile's traces/ folder, written during the trials, left out)."""
+    return sorted(name for name in os.listdir(out) if name != "traces")
+
+
+@pytest.mark.parametrize("fills_at", ["report.json", "report.md", "report.html", "optimized.yaml"])
 def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_half_written(tmp_path, capsys, monkeypatch,
                                                                                              fills_at):
     recipe = tmp_path / "recipe.yaml"
@@ -85,15 +91,16 @@ def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_
     assert len(err) == 1 and "Traceback" not in captured.err, err
     assert f"cannot write {out / fills_at}: No space left on device" in err[0] and "printed above" in err[0]
     assert "baseline" in captured.out and "fused_optimizer" in captured.out  # the ladder's table: nothing lost
-    before = {"report.json": [], "report.md": ["report.json"], "optimized.yaml": ["report.json", "report.md"]}[fills_at]
-    assert sorted(os.listdir(out)) == before  # the files before it whole, nothing of it, no temporary file
+    before = {"report.json": [], "report.md": ["report.json"], "report.html": ["report.json", "report.md"],
+              "optimized.yaml": ["report.html", "report.json", "report.md"]}[fills_at]
+    assert _files(out) == before  # the files before it whole, nothing of it, no temporary file
     for name in before:
         assert (out / name).stat().st_size > 0
     if "report.json" in before:
-        assert json.loads((out / "report.json").read_text())["schema_version"] == 2
+        assert json.loads((out / "report.json").read_text())["schema_version"] == 3
     monkeypatch.undo()
     assert main(["optimize", str(recipe), "--out", str(out)]) == 0  # the next run into that folder is not refused
-    assert sorted(os.listdir(out)) == ["optimized.yaml", "report.json", "report.md"]
+    assert _files(out) == ["optimized.yaml", "report.html", "report.json", "report.md"]
 
 
 def test_an_empty_report_left_by_an_earlier_version_does_not_block_the_next_run(tmp_path, capsys):
@@ -103,7 +110,7 @@ def test_an_empty_report_left_by_an_earlier_version_does_not_block_the_next_run(
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(FAST_RECIPE)
     assert main(["optimize", str(recipe), "--out", str(out)]) == 0
-    assert json.loads((out / "report.json").read_text())["schema_version"] == 2
+    assert json.loads((out / "report.json").read_text())["schema_version"] == 3
 
 
 @contextlib.contextmanager
@@ -140,7 +147,10 @@ def test_optimize_into_a_really_full_filesystem(tmp_path, capsys):
         assert "baseline" in captured.out
         assert all(not name.startswith(".") for name in os.listdir(out))  # no temporary file left behind
         assert not (out / "report.json").exists() or json.loads((out / "report.json").read_text())
-        for name in os.listdir(out):  # what is there is whole
+        for name in _files(out):  # what is there is whole
             text = (out / name).read_text()
             if name == "report.json":
                 json.loads(text)
+        for trace in (out / "traces").iterdir() if (out / "traces").is_dir() else ():  # a trace is whole or absent
+            assert not trace.name.startswith(".")
+            json.loads(gzip.decompress(trace.read_bytes()))

@@ -198,7 +198,7 @@ def test_measure_defaults_are_merged() -> None:
     recipe = load_recipe_text(recipe_text(measure="measure: {steps: 7, min_gain: 0}\n"))
     assert recipe.measure == {**measure_defaults(), "steps": 7, "min_gain": 0.0}
     assert load_recipe_text(recipe_text(measure=None)).measure == measure_defaults()
-    assert load_recipe_text(recipe_text(report=None, seed=None)).report == {"formats": ["json", "md"], "title": None}
+    assert load_recipe_text(recipe_text(report=None, seed=None)).report == {"formats": ["json", "md", "html"], "title": None}
 
 
 def test_synthetic_vectors_and_class_path_data() -> None:

@@ -159,6 +159,7 @@ class NvmlSampler:
         self._samples: list[dict[str, Any]] = []
         self._error: str | None = None
         self._started_at = 0.0
+        self._started_mono = 0.0
         self.summary: dict[str, Any] | None = None
 
     @classmethod
@@ -192,6 +193,7 @@ class NvmlSampler:
         self._error = None
         self.summary = None
         self._started_at = self._clock()
+        self._started_mono = time.monotonic()  # the samples' times (the injected clock times the summary only)
         self._thread = threading.Thread(target=self._run, name="speedkit-nvml", daemon=True)
         self._thread.start()
         return self
@@ -250,7 +252,7 @@ class NvmlSampler:
                                                                   _NVML_ERROR_NOT_SUPPORTED):
                             raise
                         del reads[key]  # this GPU does not report it: stop asking
-                sample["t"] = self._clock() - self._started_at  # when, from start(): reads take time
+                sample["t"] = time.monotonic() - self._started_mono  # when, from start(): reads take time
                 self._samples.append(sample)
                 if self._stop_event.wait(self.interval_s):
                     break
@@ -283,9 +285,10 @@ def _reads(pynvml: Any, handle: Any) -> dict[str, Callable[[], Any]]:
         "util": lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
         "mem_used": lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used),
         "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,  # milliwatts
-        "power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0,
         "sm_clock": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, sm)),
     }
+    if hasattr(pynvml, "nvmlDeviceGetEnforcedPowerLimit"):  # the limit the power draw is held under
+        reads["power_limit_w"] = lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
     if getters:
         reads["reasons"] = lambda: decode_clock_event_reasons(int(reasons(handle)), pynvml)
     return reads

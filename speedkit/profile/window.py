@@ -262,28 +262,49 @@ def _trace_handler(recorded: _Recorded, trace_path: Path | str | None, max_trace
 
 
 def _write_trace(profiler: torch.profiler.profile, path: Path, max_trace_bytes: int) -> tuple[str | None, str | None]:
-    """Export the Chrome trace, gzipped, to ``path``: (the path written, None) or (None, why not)."""
+    """Export the Chrome trace, gzipped, to ``path``: (the path written, None) or (None, why not).
+
+    The plain trace is exported to the system's temporary folder (not beside the report) and the
+    gzip written under a hidden name, renamed into place once whole: a full disk leaves no part of
+    it (the profiler's export writes ``<name>.tmp`` and may stop short of the end, saying so only
+    on its log)."""
     plain = None
+    partial = path.with_name(f".{path.name}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, plain = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        handle, plain = tempfile.mkstemp(suffix=".json", prefix="speedkit-trace-")
         os.close(handle)
         profiler.export_chrome_trace(plain)
-        with open(plain, "rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
+        if not _whole_json(plain):
+            raise OSError("the profiler's export stopped short (a full disk?)")
+        with open(plain, "rb") as source, gzip.open(partial, "wb", compresslevel=6) as target:
             shutil.copyfileobj(source, target)
+        os.replace(partial, path)
     except Exception as error:
         with contextlib.suppress(OSError):
-            path.unlink()
+            partial.unlink()
         return None, f"trace not written: {first_line(error, type(error).__name__)}"
     finally:
         if plain is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(plain)
+            for leftover in (plain, plain + ".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
     size = path.stat().st_size
     if size > max_trace_bytes:
         path.unlink()
         return None, f"trace of {_megabytes(size)} MB over the {_megabytes(max_trace_bytes)} MB bound: not kept"
     return str(path), None
+
+
+def _whole_json(path: str) -> bool:
+    """Whether the exported trace ends as a JSON document does (its last byte a closing brace)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            return False
+        f.seek(max(0, size - 64))
+        return f.read().rstrip().endswith(b"}")
 
 
 def _megabytes(size: int) -> str:
