@@ -156,6 +156,11 @@ def _baseline_measurement(d: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+#: what a profile window's times are
+PROFILED_CAVEAT = ("the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU "
+                   "most): their categories say where the time goes; the speedups are the paired measurements'")
+
+
 def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
     """The configurations the ladder went through: the baseline, each kept rung (the configuration
     with it, from its comparison, in the order tried) and the final one (the final check's).
@@ -551,7 +556,7 @@ def _breakdown(d: dict[str, Any], plots: _Plots) -> str:
                        "share before", "share after"], rows, numeric=(1, 2, 3, 4, 5)))
     steps = p.get("steps") or before.get("steps")
     out.append(_note(f"ms per optimizer step, averaged over {_e(steps)} profiled steps per window; "
-                     "“host-bound idle GPU” is time the GPU waited for the host to issue work."))
+                     "“host-bound idle GPU” is time the GPU waited for the host to issue work; " + PROFILED_CAVEAT + "."))
     if len(windows) > 2:
         out.append("<details><summary>every profiled window (one per kept rung)</summary>"
                    + plots("time breakdown of every profiled window", plot_breakdown, windows, cats, labels) + "</details>")

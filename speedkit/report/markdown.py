@@ -208,7 +208,9 @@ def _breakdown(p: dict[str, Any], windows: list[dict[str, Any]]) -> list[str]:
     after = next((w for w in windows if w.get("label") == "final"), windows[-1])
     cats, labels = _labels(p, windows)
     bb, ab = before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}
-    lines += [f"ms per optimizer step, over {p.get('steps') or before.get('steps') or MISSING} profiled steps per window."
+    lines += [f"ms per optimizer step, over {p.get('steps') or before.get('steps') or MISSING} profiled steps per window; "
+              "the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU most): "
+              "their categories say where the time goes; the speedups are the paired measurements'."
               + (f" Note: {_escape(p['note'])}." if p.get("note") else ""), "",
               f"| category | before ({_escape(before.get('label'))}) | after ({_escape(after.get('label'))}) | Δ |",
               "|---|---:|---:|---:|"]
