@@ -391,7 +391,9 @@ class Ladder:
         assert result is not None
         names = [s.rung.name for s in self.slots]
         profile: dict[str, Any] = {"steps": self.cfg.profile_steps, "categories": list(CATEGORIES),
-                                   "labels": dict(CATEGORY_LABELS), "windows": [], "host_syncs": {}, "note": None}
+                                   "labels": dict(CATEGORY_LABELS), "windows": [], "host_syncs": {}, "note": None,
+                                   "host_syncs_note": None if state.device.type == "cuda" else
+                                   "found on CUDA only (its sync debug mode): a CPU step has no device to wait for"}
         result.profile = profile
         sampler = NvmlSampler.create(state.device) if self.cfg.telemetry else None
         marks: list[tuple[float, str]] = []

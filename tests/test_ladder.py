@@ -1371,6 +1371,13 @@ def test_the_profile_windows_the_baseline_each_kept_rung_and_the_final_configura
     d = result.to_dict()
     assert d["schema_version"] == 3 and d["profile"]["windows"][0]["label"] == "baseline"
     assert d["attribution"]["rungs"][0]["name"] == "faster30"
+    # a CPU run says why it names no host sync, in the report too
+    from speedkit.report.html import render_html
+    from speedkit.report.markdown import render_markdown
+
+    assert profile["host_syncs"] == {} and "CUDA only" in profile["host_syncs_note"]
+    assert "Host syncs: found on CUDA only" in render_markdown(d)
+    assert "Host syncs: found on CUDA only" in render_html(d, tmp_path)
 
 
 def test_profile_off_leaves_no_profile_and_a_failing_window_never_fails_the_run(monkeypatch):

@@ -604,7 +604,8 @@ def _attribution(d: dict[str, Any]) -> str:
 def _host_syncs(d: dict[str, Any]) -> str:
     syncs = (d.get("profile") or {}).get("host_syncs")
     if not isinstance(syncs, dict) or not syncs:
-        return _note(f"Host syncs: {NOT_MEASURED}.")
+        why = (d.get("profile") or {}).get("host_syncs_note")
+        return _note(f"Host syncs: {why or NOT_MEASURED}.")
     out = []
     for label in [k for k in ("baseline", "final") if k in syncs] + [k for k in syncs if k not in ("baseline", "final")]:
         items = [s for s in syncs.get(label) or [] if isinstance(s, dict)]

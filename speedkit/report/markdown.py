@@ -190,7 +190,7 @@ def _profile_sections(d: dict[str, Any]) -> list[str]:
     if not windows and not attribution.get("rungs") and not syncs:
         note = f" ({_escape(p['note'])})" if p.get("note") else ""
         return [f"Time breakdown, attribution and host syncs: {NOT_MEASURED}{note}.", ""]
-    return (_breakdown(p, windows) + _attribution(attribution, p) + _host_syncs(syncs))
+    return (_breakdown(p, windows) + _attribution(attribution, p) + _host_syncs(syncs, p.get("host_syncs_note")))
 
 
 def _labels(p: dict[str, Any], windows: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
@@ -248,10 +248,10 @@ def _attribution(a: dict[str, Any], p: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _host_syncs(syncs: dict[str, Any]) -> list[str]:
+def _host_syncs(syncs: dict[str, Any], why_none: str | None = None) -> list[str]:
     lines = ["## Host syncs", ""]
     if not syncs:
-        return lines + [f"Host syncs: {NOT_MEASURED}.", ""]
+        return lines + [f"Host syncs: {_escape(why_none) if why_none else NOT_MEASURED}.", ""]
     for label in [k for k in ("baseline", "final") if k in syncs] + [k for k in syncs if k not in ("baseline", "final")]:
         items = [s for s in syncs.get(label) or [] if isinstance(s, dict)]
         title = {"baseline": "Before (baseline)", "final": "After (final)"}.get(label, label)
