@@ -11,13 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-#: a progress callback: ``(done, total, label)``
-ProgressFn = Any
-
-
-def no_progress(done: int, total: int, label: str) -> None:
-    """The default: progress goes nowhere."""
-
 
 class ProgressBar:
     """A rich progress bar on ``console`` while in the ``with`` block; quiet off a terminal.
