@@ -46,7 +46,7 @@ def _variants(n: int, dim: int, device: torch.device) -> dict[str, Callable[[tor
     batched = copy.deepcopy(loop)
     state = TrainState(model=batched, optimizer=torch.optim.SGD(batched.parameters(), lr=0.0), device=device)
     handle = BatchedRung().apply(state)
-    if handle.sites["rewritten"] != 1:
+    if handle.rewrite.counts["rewritten"] != 1:
         raise SystemExit(f"the batched rung did not rewrite LoopOfGEMMs: {handle.changes}")
     print(handle.changes[0], flush=True)
     return {"loop": loop, "batched": batched, "bmm": lambda x, w=loop.weight: torch.bmm(x, w)}

@@ -61,6 +61,11 @@ class Applied:
     def changes(self) -> list[str]:
         return [c for h in self.handles for c in h.changes]
 
+    @property
+    def rewrites(self) -> dict[str, dict[str, Any]]:
+        """Per source-rewriting rung applied, its report as plain data (sites per kind, what was left alone)."""
+        return {h.rung: h.rewrite.as_dict() for h in self.handles if h.active and h.rewrite is not None}
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context for your own loop (autocast when the autocast rung is on)."""
         step = self.state.step

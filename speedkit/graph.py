@@ -41,7 +41,8 @@ from speedkit import compat
 from speedkit.accumulate import free_device_memory
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line
-from speedkit.graph_safety import Blocker, find_host_draws, find_syncs
+from speedkit.graph_safety import Blocker
+from speedkit.step_watch import find_host_draws, find_syncs
 from speedkit.handle import Handle, in_place_changes
 from speedkit.step import LogCall, Step, StepWrapper
 

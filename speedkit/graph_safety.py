@@ -13,32 +13,26 @@ step runs is decided once, at capture. So a step is unsafe to capture when it
 * does **host work** whose effect must happen every step (``print``, clocks, Python/NumPy random
   numbers, counters and lists on ``self``): it runs once, at capture.
 
-Two checks find them. :func:`scan_step` reads the source of the step's own code (``training_step``
-and the helper methods it calls, the user's modules' ``forward``) and names each unsafe pattern
-with its file and line; it runs anywhere, before anything is captured. :func:`find_syncs` runs one
-real step under ``torch.cuda.set_sync_debug_mode`` and names every synchronizing call the step
-made (library code included), with its file and line; :func:`find_host_draws` watches the same step
-for random numbers drawn on the host (library code included: timm's Mixup, LayerDrop). Model libraries' code is left to the second
+Two checks find them. :func:`scan_step`, here, reads the source of the step's own code
+(``training_step`` and the helper methods it calls, the user's modules' ``forward``) and names each
+unsafe pattern with its file and line; it runs anywhere, before anything is captured.
+:mod:`speedkit.step_watch` runs one real step and names every synchronizing call and every random
+number drawn on the host (library code included). Model libraries' code is left to the second
 check: reading it statically would refuse on branches that never run.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import inspect
-import linecache
-import random
 import sys
-import textwrap
-import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
+
+from speedkit.rewrite.source import is_user_function, is_users_own_file, parse_function
 
 _SYNC_METHODS = {"item": "reads a tensor's value on the host", "tolist": "copies a tensor to a Python list",
                  "cpu": "copies a tensor to the host", "numpy": "copies a tensor to a NumPy array",
@@ -118,13 +112,7 @@ def _own_function(cls: type, name: str) -> Any:
     Lightning defines it."""
     fn = getattr(cls, name, None)
     fn = fn.__func__ if inspect.ismethod(fn) else fn  # a classmethod, bound to the class
-    return fn if _is_user_function(fn) else None
-
-
-def _is_user_function(fn: Any) -> bool:
-    from speedkit.rewrite import is_user_code
-
-    return inspect.isfunction(fn) and is_user_code(fn.__module__ or "")
+    return fn if is_user_function(fn) else None
 
 
 def _takes_self(cls: type, name: str) -> bool:
@@ -145,7 +133,7 @@ def _super_function(cls: type, fn: Any, name: str) -> Any:
     for klass in mro[owner + 1:]:
         if name in vars(klass):
             found = getattr(vars(klass)[name], "__func__", vars(klass)[name])
-            return found if _is_user_function(found) else None
+            return found if is_user_function(found) else None
     return None
 
 
@@ -162,7 +150,7 @@ def _global_function(fn: Any, call: ast.expr) -> Any:
     else:
         return None
     module = found.__module__ or "" if inspect.isfunction(found) else ""
-    if not _is_user_function(found) or _speedkit_layer(module) or _package(module) in sys.stdlib_module_names:
+    if not is_user_function(found) or _speedkit_layer(module) or _package(module) in sys.stdlib_module_names:
         return None
     try:
         path = inspect.getsourcefile(found) or ""
@@ -196,12 +184,10 @@ def _scan(fn: Any, blockers: list[Blocker], self_name: str | None, per_step_args
     ``super().<name>(...)``, ``("function" | "unbound", name, func)`` for a plain function (or a
     class's, given ``self``)."""
     try:
-        lines, start = inspect.getsourcelines(fn)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-        path = inspect.getsourcefile(fn) or "<unknown>"
+        source = parse_function(fn)
     except (OSError, TypeError, SyntaxError):
         return []
-    func = tree.body[0] if tree.body else None
+    func, lines, start, path = source.node, source.lines, source.first_line, source.filename
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return []
     if self_name is not None and func.args.args:
@@ -524,210 +510,3 @@ def _is_cpu(node: ast.expr) -> bool:
     if isinstance(node, ast.Constant) and node.value == "cpu":
         return True
     return isinstance(node, ast.Call) and ast.unparse(node.func).endswith("device") and any(_is_cpu(a) for a in node.args)
-
-
-# -- dynamic: one real step under the sync debug mode -----------------------------------------------
-
-
-def find_syncs(run_step: Callable[[], Any], unique: bool = True) -> tuple[Any, list[Blocker]]:
-    """Run ``run_step()`` once with CUDA's sync debug mode warning on every synchronizing call; return
-    its result and the calls found (file and line of the Python code that made each; with ``unique``
-    each once, else every call, in order: a line reached N times in the step is there N times)."""
-    found: list[Blocker] = []
-    previous_mode = torch.cuda.get_sync_debug_mode()
-    previous_show = warnings.showwarning
-
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if "called a synchronizing" not in str(message):  # (set_sync_debug_mode itself warns it is a prototype)
-            previous_show(message, category, filename, lineno, file, line)
-            return
-        full = traceback.extract_stack()[:-1]
-        if while_compiling(full):  # torch.compile's own work on a first call: once, not in the step replayed
-            return
-        stack = [f for f in full if not _is_machinery(f.filename)]
-        frame = stack[-1] if stack else None
-        where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else f"{filename}:{lineno}"
-        user = next((f for f in reversed(stack) if _is_callers_code(f.filename)), None)
-        reason = "a synchronizing CUDA call" + (f" (reached from {user.filename}:{user.lineno} in {user.name})"
-                                                 if user is not None and user is not frame else "")
-        found.append(Blocker("host sync", reason, where, (frame.line or "").strip() if frame else ""))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = run_step()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous_mode)
-    return result, list(dict.fromkeys(found)) if unique else found
-
-
-# -- dynamic: random numbers drawn on the host during one real step --------------------------------
-
-#: torch functions that draw from a generator; one of them advancing the CPU generator draws on the host
-_TORCH_DRAWS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
-                "normal", "poisson", "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_",
-                "cauchy_", "log_normal_"}
-_STATE_CALLS = {"getstate", "setstate", "get_state", "set_state", "__getstate__", "__setstate__"}
-
-
-@dataclass(frozen=True)
-class _HostGenerators:
-    """The states of the host's global random generators: torch's CPU generator, NumPy's global
-    ``RandomState``, Python's ``random``."""
-
-    torch_cpu: torch.Tensor
-    numpy: Any
-    python: Any
-
-    @classmethod
-    def now(cls) -> _HostGenerators:
-        np = sys.modules.get("numpy")
-        return cls(torch.random.get_rng_state(), np.random.get_state() if np is not None else None, random.getstate())
-
-    def advanced(self, before: _HostGenerators) -> list[str]:
-        """The generators that drew since ``before``."""
-        moved = []
-        if not torch.equal(self.torch_cpu, before.torch_cpu):
-            moved.append("torch's CPU generator")
-        if self.numpy is not None and before.numpy is not None and not _same_numpy_state(self.numpy, before.numpy):
-            moved.append("NumPy's global generator")
-        if self.python != before.python:
-            moved.append("Python's random module")
-        return moved
-
-
-def _same_numpy_state(a: Any, b: Any) -> bool:
-    np = sys.modules["numpy"]
-    return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and tuple(a[2:]) == tuple(b[2:])
-
-
-def find_host_draws(run_step: Callable[[], Any], *, locate: bool = True) -> tuple[Any, list[Blocker]]:
-    """Run ``run_step()`` once and find the random numbers it drew on the host (timm's Mixup/CutMix
-    drawing with NumPy, Hugging Face's LayerDrop with ``torch.rand([])``, an augmentation deciding in
-    Python): a graph replays the capture's draw every step, the same mix, crop or dropped layer.
-
-    Which global generator advanced tells whether the step drew; ``locate`` also names the call, its
-    file and line (through ``sys.setprofile`` for this one step: leave it off where ``torch.compile``
-    runs, whose frames a profile function makes it compile again)."""
-    before = _HostGenerators.now()
-    calls: list[Blocker] = []
-    pending: list[tuple[Any, torch.Tensor]] = []  # a torch draw under way, with the CPU generator before it
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_call":
-            owner, name = getattr(arg, "__self__", None), getattr(arg, "__name__", "")
-            if name in _STATE_CALLS:
-                return
-            if _is_host_generator(owner):
-                calls.append(_draw_blocker(frame, f"{type(owner).__name__}.{name}"))
-            elif name in _TORCH_DRAWS and _is_torch(arg, owner):
-                pending.append((arg, torch.random.get_rng_state()))
-        elif event in ("c_return", "c_exception") and pending and pending[-1][0] is arg:
-            _, state = pending.pop()
-            if not torch.equal(state, torch.random.get_rng_state()):
-                calls.append(_draw_blocker(frame, f"torch.{getattr(arg, '__name__', 'rand')} on the CPU"))
-
-    previous = sys.getprofile()
-    with _numpy_draws_named(calls) if locate else contextlib.nullcontext():
-        if locate:
-            sys.setprofile(profile)
-        try:
-            result = run_step()
-        finally:
-            if locate:
-                sys.setprofile(previous)
-    moved = _HostGenerators.now().advanced(before)
-    if not moved and not calls:
-        return result, []
-    if calls:
-        return result, list(dict.fromkeys(calls))
-    return result, [Blocker("host work", f"{' and '.join(moved)} drew during the step (a random number decided on the host, "
-                            "drawn once at capture)", "a call not located (where torch.compile runs the step the call is not "
-                            "traced: tracing would make it compile again)", "")]
-
-
-@contextlib.contextmanager
-def _numpy_draws_named(calls: list[Blocker]) -> Iterator[None]:
-    """NumPy's global draws (``np.random.beta``: methods of its global ``RandomState``, compiled by
-    Cython) raise no profile event: for one step each is called through a function that names its
-    caller, put back after it."""
-    np = sys.modules.get("numpy")
-    if np is None:
-        yield
-        return
-    module, saved = np.random, {}
-    for name in dir(module):
-        fn = getattr(module, name, None)
-        if getattr(fn, "__self__", None) is module.mtrand._rand or name == "default_rng":
-            saved[name] = fn
-
-    def naming(name: str, fn: Any) -> Callable[..., Any]:
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            calls.append(_draw_blocker(sys._getframe(1), f"numpy.random.{name}"))
-            return fn(*args, **kwargs)
-        return draw
-
-    for name, fn in saved.items():
-        setattr(module, name, naming(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
-
-
-def _is_host_generator(owner: Any) -> bool:
-    if isinstance(owner, random.Random):
-        return True
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(owner, (np.random.RandomState, np.random.Generator))
-
-
-def _is_torch(fn: Any, owner: Any) -> bool:
-    if isinstance(owner, torch.Tensor):
-        return owner.device.type == "cpu"
-    return (getattr(fn, "__module__", None) or "").startswith("torch")
-
-
-def _draw_blocker(frame: Any, call: str) -> Blocker:
-    """The call ``call`` made from ``frame``, named at the first frame outside the generators' own modules."""
-    while frame is not None and (frame.f_code.co_filename.endswith("/random.py") or "/numpy/random/" in frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is None:
-        return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture", "?", "")
-    where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-    user = frame.f_back
-    while user is not None and not is_users_own_file(user.f_code.co_filename):
-        user = user.f_back
-    reached = (f" (reached from {user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name})"
-               if user is not None and not is_users_own_file(frame.f_code.co_filename) else "")
-    return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture and replayed every "
-                   f"step{reached}", where, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
-
-
-#: frames on the stack only while torch.compile compiles (Dynamo's frame conversion on a cache miss,
-#: Inductor's compilation), never while compiled code runs
-_COMPILING = ("/torch/_dynamo/convert_frame.py", "/torch/_inductor/compile_fx.py")
-
-
-def while_compiling(stack: list[traceback.FrameSummary]) -> bool:
-    """Whether a call was made by torch.compile compiling (Inductor folding a constant reads it with
-    ``.item()``: a sync once, at the first call of a configuration, not in the step a graph replays)."""
-    return any(f.filename.replace("\\", "/").endswith(_COMPILING) for f in stack)
-
-
-def _is_machinery(filename: str) -> bool:
-    """Frames of the warning machinery and of speedkit's own step driver, skipped when naming a sync."""
-    return any(part in filename for part in ("/warnings.py", "/speedkit/graph", "/torch/_tensor.py", "/torch/cuda/"))
-
-
-def is_users_own_file(filename: str) -> bool:
-    """Code outside installed packages, torch, Lightning and speedkit: the user's own (a library's
-    call is named with it; a library's module is not the user's)."""
-    return _is_callers_code(filename) and not any(part in filename for part in ("site-packages", "dist-packages", "<frozen"))
-
-
-def _is_callers_code(filename: str) -> bool:
-    return not any(part in filename for part in ("/torch/", "/lightning/", "/speedkit/", "/site-packages/lightning"))

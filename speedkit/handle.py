@@ -68,6 +68,8 @@ class Handle:
             was suspended, for a change that holds what it wrapped by value (a captured CUDA graph).
         settle_steps: steps the change needs after a rebase before its steps are representative
             (e.g. an eager warm-up step and the capture).
+        rewrite: what a source-rewriting rung rewrote and left alone
+            (:class:`speedkit.rewrite.pipeline.RewriteReport`); None for other rungs.
     """
 
     def __init__(self, rung: str) -> None:
@@ -81,6 +83,7 @@ class Handle:
         self.draws_differently = False
         self.rebase: Callable[[], None] = lambda: None
         self.settle_steps = 0
+        self.rewrite: Any = None
 
     def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None, *,
                persistent: bool = False) -> None:

@@ -104,7 +104,7 @@ def _framework_keys(kind: type) -> frozenset[str]:
 @functools.cache
 def _users_own(kind: type) -> bool:
     """A module class of the user's own code (not torch's, Lightning's, speedkit's or an installed library's)."""
-    from speedkit.graph_safety import is_users_own_file
+    from speedkit.rewrite.source import is_users_own_file
 
     try:
         return is_users_own_file(inspect.getfile(kind))

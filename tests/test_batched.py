@@ -196,7 +196,7 @@ def test_rewritten_forward_matches_original_outputs_and_gradients(name):
     model = factory()
     reference = copy.deepcopy(model)
     handle = BatchedRung().apply(_state(model))
-    assert handle.sites["rewritten"] == sites, handle.changes
+    assert handle.rewrite.counts["rewritten"] == sites, handle.changes
     assert "forward" in model.__dict__
     for _ in range(2):  # fresh inputs each time
         _assert_same_math(model, reference, [f() for f in input_factories])
@@ -423,8 +423,8 @@ def test_near_misses_are_left_alone_with_the_reason(name):
     rung = BatchedRung()
     check = rung.check(_state(model))
     handle = rung.apply(_state(model))
-    assert handle.sites["rewritten"] == rewritten, handle.changes
-    assert any(reason in line for line in handle.sites["left_alone"]), handle.sites["left_alone"]
+    assert handle.rewrite.counts["rewritten"] == rewritten, handle.changes
+    assert any(reason in line for line in handle.rewrite.left_alone), handle.rewrite.left_alone
     assert any(line.startswith("left alone: ") and reason in line for line in handle.changes)
     if rewritten == 0:
         assert check is not None and "none rewritable" in check and reason in check
@@ -441,7 +441,7 @@ def test_private_names_and_inherited_super_keep_their_meaning(factory):
     model = factory()
     reference = copy.deepcopy(model)
     handle = BatchedRung().apply(_state(model))
-    assert handle.sites["rewritten"] == 1, handle.changes
+    assert handle.rewrite.counts["rewritten"] == 1, handle.changes
     _assert_same_math(model, reference, [torch.randn(2, 7)])
     handle.undo()
 
@@ -452,7 +452,7 @@ def test_nothing_found_says_so():
     model = LaunchBoundMLP(features=8, hidden=8, depth=2)
     assert BatchedRung().check(_state(model)) == NOTHING_FOUND
     handle = BatchedRung().apply(_state(model))
-    assert handle.sites["found"] == 0 and "forward" not in model.__dict__
+    assert handle.rewrite.counts["found"] == 0 and "forward" not in model.__dict__
 
 
 class Blocks(nn.Module):
@@ -478,7 +478,7 @@ def test_own_forward_with_super_is_rewritten():
     torch.manual_seed(0)
     model = _WithSuper()
     reference = copy.deepcopy(model)
-    assert BatchedRung().apply(_state(model)).sites["rewritten"] == 1
+    assert BatchedRung().apply(_state(model)).rewrite.counts["rewritten"] == 1
     _assert_same_math(model, reference, [torch.randn(3, 7)])
 
 
@@ -486,7 +486,7 @@ def test_other_modules_are_not_reported():
     """Norms, dropouts and blocks called on one input, or per slice, are no Linear candidates: no noise."""
     for model in (SiblingProjections(dim=12, n_head=3, hidden=10), Blocks()):
         handle = BatchedRung().apply(_state(model))
-        assert handle.sites["left_alone"] == [], handle.sites
+        assert handle.rewrite.left_alone == (), handle.rewrite
         handle.undo()
     assert BatchedRung().check(_state(Blocks())) == NOTHING_FOUND
 
@@ -538,7 +538,7 @@ def test_apply_undo_apply_is_stable_and_undo_restores_exactly(name):
     rung = BatchedRung()
     for _ in range(2):
         handle = rung.apply(state)
-        assert handle.sites["rewritten"] == sites
+        assert handle.rewrite.counts["rewritten"] == sites
         assert [id(p) for p in state.optimizer.param_groups[0]["params"]] == before["param_ids"]
         handle.undo()
         handle.undo()  # idempotent
@@ -590,7 +590,7 @@ def test_training_steps_after_apply_match_the_original():
                            data=BatchSource(dm.train_dataloader(), torch.device("cpu")))
         if rewrite:
             handle = BatchedRung().apply(state)
-            assert handle.sites["rewritten"] == 1 and "LoopOfGEMMs" in handle.changes[0]
+            assert handle.rewrite.counts["rewritten"] == 1 and "LoopOfGEMMs" in handle.changes[0]
         batches = state.data.iterator()
         losses = [state.step([next(batches)], i).item() for i in range(3)]
         states.append((state, losses))
@@ -686,3 +686,41 @@ def test_ensemble_returns_dicts_and_tuples_per_member():
         torch.testing.assert_close(got["y"], want["y"])
         torch.testing.assert_close(got["pair"][1], want["pair"][1])
         assert isinstance(got["pair"], tuple)
+
+
+def test_the_rewrite_report_is_typed_and_apply_reuses_the_plan_check_made(monkeypatch):
+    from speedkit.rewrite.pipeline import RewriteReport
+    from speedkit.rungs import batched
+
+    model = LoopOfGEMMs(n=3, dim=4)
+    rung = BatchedRung()
+    real_plan, plans = batched.plan_batched, []
+
+    def counting(*args):
+        plans.append(args)
+        return real_plan(*args)
+
+    monkeypatch.setattr(batched, "plan_batched", counting)
+    assert rung.check(_state(model)) is None
+    handle = rung.apply(_state(model))
+    assert len(plans) == 1  # planned once, in check
+    assert isinstance(handle.rewrite, RewriteReport)
+    report = handle.rewrite.as_dict()
+    assert list(report) == ["found", "rewritten", "modules", "rewrites", "left_alone"]
+    assert (report["found"], report["rewritten"], report["modules"], report["left_alone"]) == (1, 1, 1, [])
+    assert len(report["rewrites"]) == 1 and report["rewrites"][0].startswith("LoopOfGEMMs: ")
+    handle.undo()
+    model.extra = torch.nn.Linear(2, 2)  # the model changed: planned again
+    rung.apply(_state(model)).undo()
+    assert len(plans) == 2
+
+
+def test_speedkit_apply_reads_the_rewrite_reports():
+    import speedkit
+
+    model = LoopOfGEMMs(n=3, dim=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sk = speedkit.apply(model, opt, None, rungs=["batched"], loss_fn=lambda m, b, i: m(b).sum())
+    assert sk.rewrites == {"batched": sk.handles[0].rewrite.as_dict()} and sk.rewrites["batched"]["rewritten"] == 1
+    sk.undo()
+    assert sk.rewrites == {}

@@ -344,7 +344,7 @@ def test_the_capture_check_finds_random_numbers_drawn_on_the_host_and_names_the_
     import numpy as np
     from timm.data import Mixup
 
-    from speedkit.graph_safety import find_host_draws
+    from speedkit.step_watch import find_host_draws
 
     x, y = torch.randn(4, 3, 16, 16), torch.arange(4)
     mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=10)
@@ -700,7 +700,7 @@ def test_a_sync_made_while_torch_compile_compiles_is_not_the_steps():
     graph break runs in the caller's frames, compiled code's or the user's, and still counts."""
     import traceback
 
-    from speedkit.graph_safety import while_compiling
+    from speedkit.step_watch import while_compiling
 
     def frames(*files: str) -> list[traceback.FrameSummary]:
         return [traceback.FrameSummary(f, 1, "f") for f in files]

@@ -107,7 +107,7 @@ def test_sdpa_rewrite_on_cuda_bf16_matches_and_uses_is_causal():
     model = NaiveGPT("mini").cuda()
     reference = copy.deepcopy(model)
     handle = SdpaRung().apply(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cuda")))
-    assert handle.sites["rewritten"] == 4 and "causal" in handle.changes[0]
+    assert handle.rewrite.counts["rewritten"] == 4 and "causal" in handle.changes[0]
     idx = torch.randint(0, 2048, (3, 127), device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
         a, b = model(idx, idx), reference(idx, idx)

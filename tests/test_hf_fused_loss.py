@@ -112,7 +112,7 @@ CASES = {
 def test_loss_and_gradients_equal_transformers(name, case, kernel_calls):
     model, reference = _make(name)
     handle = TritonLayersRung(LOSS_ONLY).apply(_state(model))
-    assert handle.sites["hf_loss"] == 1
+    assert handle.rewrite.counts["hf_loss"] == 1
     assert f"{type(model).__name__}.loss_function: transformers' {MODELS[name][1].__name__} → speedkit fused cross-entropy" \
         in handle.changes, handle.changes
     ids, labels = _batch()
@@ -188,7 +188,7 @@ def test_a_loss_function_the_user_set_comes_back():
     assert model.__dict__[compat.HF_LOSS_FUNCTION_ATTR] is ForCausalLMLoss
     before = _attributes(model)
     handle = TritonLayersRung(LOSS_ONLY).apply(_state(model))
-    assert handle.sites["hf_loss"] == 1
+    assert handle.rewrite.counts["hf_loss"] == 1
     ids, labels = _batch()
     assert_rel_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss, TOL, "loss")
     handle.undo()
@@ -201,8 +201,8 @@ def test_a_loss_function_the_user_set_comes_back():
 
 def _left_alone(model: torch.nn.Module) -> list[str]:
     handle = TritonLayersRung().apply(_state(model))
-    assert handle.sites["hf_loss"] == 0 and compat.HF_LOSS_FUNCTION_ATTR not in model.__dict__
-    return handle.sites["left_alone"]
+    assert handle.rewrite.counts["hf_loss"] == 0 and compat.HF_LOSS_FUNCTION_ATTR not in model.__dict__
+    return handle.rewrite.left_alone
 
 
 def test_bert_masked_lm_computes_its_loss_without_loss_function():
@@ -222,7 +222,7 @@ def test_other_losses_are_left_alone():
     model = gpt2()
     model.loss_function = my_loss
     assert "GPT2LMHeadModel: its loss_function is my_loss, not a causal- or masked-LM cross-entropy" in \
-        TritonLayersRung().apply(_state(model)).sites["left_alone"]
+        TritonLayersRung().apply(_state(model)).rewrite.left_alone
     assert model.loss_function is my_loss
 
 
@@ -236,7 +236,7 @@ def test_a_transformers_loss_that_computes_something_else_is_left_alone(monkeypa
 def test_options_cross_entropy_off_leaves_the_loss():
     model = gpt2()
     handle = TritonLayersRung(TritonLayersOptions(cross_entropy=False)).apply(_state(model))
-    assert handle.sites["hf_loss"] == 0 and model.loss_function is ForCausalLMLoss
+    assert handle.rewrite.counts["hf_loss"] == 0 and model.loss_function is ForCausalLMLoss
 
 
 # -- in a LightningModule -------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def test_lightning_module_wrapping_a_hugging_face_model(kernel_calls):
     state = TrainState(model=lit, optimizer=lit.configure_optimizers(), device=DEVICE)
     assert TritonLayersRung().check(state) is None
     handle = TritonLayersRung().apply(state)
-    assert handle.sites["hf_loss"] == 1
+    assert handle.rewrite.counts["hf_loss"] == 1
     assert "GPT2LMHeadModel (self.model).loss_function: transformers' ForCausalLMLoss → speedkit fused cross-entropy" \
         in handle.changes, handle.changes
     batch = _batch()

@@ -73,7 +73,7 @@ def test_rewritten_attention_matches_the_original(name, sites, causal, seed):
     model = getattr(am, name)()
     reference = copy.deepcopy(model)
     handle = SdpaRung().apply(_state(model))
-    assert handle.sites["rewritten"] == sites, handle.changes
+    assert handle.rewrite.counts["rewritten"] == sites, handle.changes
     assert sum("causal" in c for c in handle.changes) == (1 if causal else 0) or causal == 0
     args, kwargs = _inputs(name, g)
     ref_args = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
@@ -110,7 +110,7 @@ def test_a_tril_buffer_that_is_not_causal_uses_an_explicit_mask():
     model.tril[3, 1] = 0  # no longer a causal mask: must not become is_causal
     reference = copy.deepcopy(model)
     handle = SdpaRung().apply(_state(model))
-    assert handle.sites["rewritten"] == 1 and "causal" not in handle.changes[0]
+    assert handle.rewrite.counts["rewritten"] == 1 and "causal" not in handle.changes[0]
     x = torch.randn(2, 11, D)
     torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
 
@@ -185,7 +185,7 @@ def test_left_alone_sites_are_reported_next_to_rewritten_ones():
 
     model = Both()
     handle = SdpaRung().apply(_state(model))
-    assert handle.sites["rewritten"] == 1
+    assert handle.rewrite.counts["rewritten"] == 1
     assert any("SoftmaxOverOtherDim" in line and "last dim" in line for line in handle.changes)
 
 

@@ -216,7 +216,7 @@ def test_torch_norms_are_swapped_in_place(make, kind, kernel_calls):
     norm = model[0]
     params = list(norm.parameters())
     handle = _compare(model, [_x(3, 5, D)])
-    assert handle.sites[kind] == 1 and kernel_calls[kind] == 1
+    assert handle.rewrite.counts[kind] == 1 and kernel_calls[kind] == 1
     assert model[0] is norm and list(norm.parameters()) == params and type(norm) is layers.SWAPS[type(make())]
     assert repr(norm).startswith(f"speedkit.{type(make()).__name__}(({D},), eps=")
     handle.undo()
@@ -227,7 +227,7 @@ def test_torch_norms_are_swapped_in_place(make, kind, kernel_calls):
 def test_rmsnorm_like_user_modules_are_recognised_by_computation(make, eps, kernel_calls):
     model = make()
     handle = _compare(model, [_x(3, 5, D)])
-    assert handle.sites["rms_like"] == 1 and kernel_calls["rms_norm"] == 1, handle.changes
+    assert handle.rewrite.counts["rms_like"] == 1 and kernel_calls["rms_norm"] == 1, handle.changes
     assert f"eps={eps:g}" in " ".join(handle.changes)
     x = _x(7, D)  # eps matters at this scale: the eps read must be the module's
     x_small = (x * 1e-3).detach()
@@ -257,7 +257,7 @@ def test_cross_entropy_calls_in_forward(kernel_calls):
     idx, targets = torch.randint(0, 37, (3, 7), device=DEVICE), torch.randint(0, 37, (3, 7), device=DEVICE)
     targets[0, :2] = 3  # ignored rows in the second loss
     handle = _compare(model, [idx, targets])
-    assert handle.sites["cross_entropy"] == 5 and type(model.loss) is layers.CrossEntropyLoss
+    assert handle.rewrite.counts["cross_entropy"] == 5 and type(model.loss) is layers.CrossEntropyLoss
     assert kernel_calls["cross_entropy"] == 4  # the 3-D call ran PyTorch's, as it must (class dim 1)
     assert ".float()" not in model.forward.__speedkit_source__
 
@@ -282,7 +282,7 @@ def test_naive_gpt_tiny(kernel_calls):
     idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
     handle = _compare(model, [idx, targets])
     # the MLP is a gelu_mlp site; in fp32 it runs as linear_gelu (the bias + GELU kernel), then c_proj
-    assert {k: handle.sites[k] for k in ("layer_norm", "cross_entropy", "gelu", "gelu_mlp")} == \
+    assert {k: handle.rewrite.counts[k] for k in ("layer_norm", "cross_entropy", "gelu", "gelu_mlp")} == \
         {"layer_norm": 3, "cross_entropy": 1, "gelu": 0, "gelu_mlp": 1}
     assert kernel_calls == Counter(layer_norm=3, cross_entropy=1, bias_gelu=1)
 
@@ -293,7 +293,7 @@ def test_lightning_training_step_cross_entropy(kernel_calls):
     reference = copy.deepcopy(model)
     state = TrainState(model=model, optimizer=model.configure_optimizers(), device=DEVICE)
     handle = TritonLayersRung().apply(state)
-    assert handle.sites["cross_entropy"] == 1 and "training_step" in model.__dict__
+    assert handle.rewrite.counts["cross_entropy"] == 1 and "training_step" in model.__dict__
     x, y = torch.randn(11, 9, device=DEVICE), torch.randint(0, 13, (11,), device=DEVICE)
     y[:3] = 0  # ignored
     loss, expected = default_loss_fn(model, (x, y), 0), default_loss_fn(reference, (x, y), 0)
@@ -311,12 +311,12 @@ def test_lightning_training_step_cross_entropy(kernel_calls):
 
 def test_linear_gelu_pairs(kernel_calls):
     handle = _compare(GeluMLP(), [_x(3, 5, D)])
-    assert handle.sites["gelu"] == 2 and kernel_calls["bias_gelu"] == 2
+    assert handle.rewrite.counts["gelu"] == 2 and kernel_calls["bias_gelu"] == 2
 
 
 def test_swiglu(kernel_calls):
     handle = _compare(SwiGLU(), [_x(3, 5, D)])
-    assert handle.sites["swiglu"] == 2 and kernel_calls["swiglu"] == 2
+    assert handle.rewrite.counts["swiglu"] == 2 and kernel_calls["swiglu"] == 2
 
 
 # -- near misses: left alone, each with its reason -----------------------------------------------------------
@@ -336,7 +336,7 @@ def test_near_misses_are_left_alone_with_reasons():
         assert expected in reason, (expected, reason)
     assert torch.equal(model.gemma.weight, gemma_weight)  # the probe put the weight back bit for bit
     handle = TritonLayersRung().apply(_state(model))
-    assert not any(v for k, v in handle.sites.items() if k != "left_alone")
+    assert not any(v for k, v in handle.rewrite.counts.items())
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert type(model.ln2d) is nn.LayerNorm and type(model.mine) is MyLayerNorm
 
@@ -344,7 +344,8 @@ def test_near_misses_are_left_alone_with_reasons():
 def test_options_turn_kinds_off():
     model = NaiveGPT("tiny", n_layer=1, vocab_size=61, block_size=16).to(DEVICE)
     handle = TritonLayersRung(TritonLayersOptions(norms=False, gelu=False, gelu_mlp=False)).apply(_state(model))
-    assert (handle.sites["layer_norm"], handle.sites["gelu"], handle.sites["cross_entropy"]) == (0, 0, 1)
+    counts = handle.rewrite.counts
+    assert (counts["layer_norm"], counts["gelu"], counts["cross_entropy"]) == (0, 0, 1)
     assert type(model.ln_f) is nn.LayerNorm and "forward" not in model.h[0].mlp.__dict__
 
 
@@ -367,7 +368,7 @@ def test_apply_undo_apply_is_stable():
     first.undo()
     assert _forward_state(model) == before
     second = TritonLayersRung().apply(_state(model))
-    assert second.changes == changes and second.sites["rms_like"] == 1
+    assert second.changes == changes and second.rewrite.counts["rms_like"] == 1
     assert torch.equal(model(idx, targets), loss_first)
     second.undo()
     second.undo()  # idempotent
@@ -493,7 +494,7 @@ def test_gpt2_style_mlp_is_rewritten_to_gelu_mlp(mlp_calls):
     model = TanhMLP(d=32).to(DEVICE, torch.bfloat16)  # widths cuBLASLt takes (multiples of 8)
     reference = copy.deepcopy(model)
     handle = TritonLayersRung().apply(_state(model))
-    assert handle.sites["gelu_mlp"] == 2 and handle.sites["gelu"] == 0
+    assert handle.rewrite.counts["gelu_mlp"] == 2 and handle.rewrite.counts["gelu"] == 0
     assert any("gelu_mlp ×2" in c for c in handle.changes), handle.changes
     tol = TOL if DEVICE.type == "cpu" else 2e-2
     for functional in (False, True):
@@ -519,8 +520,8 @@ def test_gelu_mlp_near_misses_keep_the_gelu_kernel():
     exact, no_bias = TanhMLP(act="none").to(DEVICE), TanhMLP(bias=False).to(DEVICE)
     handle = TritonLayersRung().apply(_state(exact))
     # the exact nn.GELU spelling is left as a Linear→GELU pair; the F.gelu(approximate="tanh") one is taken
-    assert handle.sites["gelu_mlp"] == 1 and handle.sites["gelu"] == 1
-    assert any("exact GELU" in n for n in handle.sites["left_alone"]), handle.sites["left_alone"]
+    assert handle.rewrite.counts["gelu_mlp"] == 1 and handle.rewrite.counts["gelu"] == 1
+    assert any("exact GELU" in n for n in handle.rewrite.left_alone), handle.rewrite.left_alone
     reason = TritonLayersRung().check(_state(no_bias))
     assert "without bias" in reason, reason
 
@@ -528,7 +529,7 @@ def test_gelu_mlp_near_misses_keep_the_gelu_kernel():
 def test_gelu_mlp_in_fp32_runs_the_bias_gelu_kernel(mlp_calls, kernel_calls):
     """fp32 without autocast: the GEMMs stay PyTorch's (they follow the user's TF32 setting)."""
     handle = _compare(TanhMLP(), [_x(2, 3, D)])
-    assert handle.sites["gelu_mlp"] == 2 and mlp_calls["gelu_mlp"] == 0 and kernel_calls["bias_gelu"] == 1
+    assert handle.rewrite.counts["gelu_mlp"] == 2 and mlp_calls["gelu_mlp"] == 0 and kernel_calls["bias_gelu"] == 1
 
 
 def test_gelu_mlp_traces_in_one_graph():

@@ -26,6 +26,7 @@ from torch import nn
 
 from speedkit.handle import AttributeWrapper, Handle, nested, set_attr
 from speedkit.options import check_value, parse_options
+from speedkit.rewrite.pipeline import PlanCache, RewritePlan
 from speedkit.state import TrainState
 
 
@@ -99,6 +100,37 @@ class Rung:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
 
 
+class RewriteRung(Rung):
+    """A rung that rewrites the model's source over :mod:`speedkit.rewrite.pipeline`: ``check`` makes
+    its plan (``make_plan``) and asks ``why_not`` of it; ``apply`` applies the plan ``check`` made
+    (``apply_plan``), made again only if the model changed since."""
+
+    judged_at_full_precision = True
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._plans = PlanCache()
+
+    def make_plan(self, model: nn.Module) -> RewritePlan:
+        raise NotImplementedError
+
+    def why_not(self, plan: RewritePlan) -> str | None:
+        """The reason the plan changes nothing, or None."""
+        raise NotImplementedError
+
+    def apply_plan(self, model: nn.Module, plan: RewritePlan) -> Handle:
+        raise NotImplementedError
+
+    def plan(self, model: nn.Module) -> RewritePlan:
+        return self._plans.plan(model, self.options, lambda: self.make_plan(model))
+
+    def check(self, state: TrainState) -> str | None:
+        return self.why_not(self.plan(state.model))
+
+    def apply(self, state: TrainState) -> Handle:
+        return self.apply_plan(state.model, self.plan(state.model))
+
+
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -121,4 +153,4 @@ def active_dropouts(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
-__all__ = ["AttributeWrapper", "Handle", "NoOptions", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]
+__all__ = ["AttributeWrapper", "Handle", "NoOptions", "RewriteRung", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]

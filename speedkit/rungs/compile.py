@@ -33,7 +33,6 @@ import functools
 import inspect
 import logging
 import sys
-import textwrap
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,9 +41,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from speedkit import compat, rewrite
+from speedkit import compat
 from speedkit.errors import first_line
 from speedkit.handle import configuration_changes
+from speedkit.rewrite.source import is_user_function, parse_function
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
 from speedkit.state import TrainState
 
@@ -232,16 +232,15 @@ _MAX_DEPTH = 3  # helper methods followed from training_step
 def _user_method(obj: Any, name: str) -> Any:
     """``type(obj).name`` when it is a plain function defined outside torch and Lightning."""
     fn = getattr(type(obj), name, None)
-    return fn if inspect.isfunction(fn) and rewrite.is_user_code(fn.__module__ or "") else None
+    return fn if is_user_function(fn) else None
 
 
 def _method_tree(fn: Any) -> tuple[ast.FunctionDef, str] | None:
     """The parsed source of a method and the name of its ``self`` argument."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        func = parse_function(fn).node
     except (OSError, TypeError, SyntaxError):
         return None
-    func = tree.body[0] if tree.body else None
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or not func.args.args:
         return None
     return func, func.args.args[0].arg  # type: ignore[return-value]

@@ -222,7 +222,7 @@ def _distributed_blocker(step: Step) -> str | None:
 def _hook_blocker(state: TrainState) -> str | None:
     """A LightningModule or callback hook that Lightning calls inside the step, overridden: its host
     code would run once, at capture."""
-    from speedkit.rewrite import is_user_code
+    from speedkit.rewrite.source import is_user_code
 
     owners: list[object] = [state.model]
     trainer = getattr(state.step, "trainer", None)

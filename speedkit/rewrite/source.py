@@ -1,0 +1,238 @@
+"""The source of a model's methods: read and parsed once, compiled back, bound to one instance; and
+the one test of whose code it is (the user's, or torch's, Lightning's, speedkit's, a library's).
+
+Rungs that change *what a model computes how* do not swap modules or parameters: they rewrite the
+Python source of a method (found by :mod:`inspect`, transformed as an :mod:`ast`), compile the new
+function, and bind it to the *instance* — the same place Lightning's own compile puts a compiled
+forward. Parameters, buffers, submodules, hooks and the state dict are untouched, so optimizers keep
+pointing at the live parameters and checkpoints load into the user's original model. ``undo()``
+removes the instance attribute again.
+
+The new function keeps the original's globals (live, not copied), closure values, ``super()``
+support, file name and line numbers, so tracebacks still point into the user's file.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import inspect
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from speedkit.handle import Handle
+
+#: name under which rewritten code reaches :mod:`speedkit.ops`
+OPS_NAME = "__speedkit_ops"
+_LIBRARIES = ("torch", "lightning", "pytorch_lightning")
+
+
+class NotRewritable(Exception):
+    """The method cannot be rewritten; the message says why (for the report)."""
+
+
+# -- whose code -------------------------------------------------------------------------------------
+
+
+def is_user_code(module_name: str) -> bool:
+    """Code defined in module ``module_name`` is the user's (or a model library's), not torch's or
+    Lightning's own."""
+    return module_name.split(".")[0] not in _LIBRARIES
+
+
+def is_user_module(module: nn.Module) -> bool:
+    """Modules whose code is the user's (torch's own modules are never rewritten)."""
+    return is_user_code(type(module).__module__)
+
+
+def is_user_function(fn: Any) -> bool:
+    """A plain Python function defined outside torch and Lightning."""
+    return inspect.isfunction(fn) and is_user_code(fn.__module__ or "")
+
+
+def is_users_own_file(filename: str) -> bool:
+    """Code outside installed packages, torch, Lightning and speedkit: the user's own (a library's
+    call is named with it; a library's module is not the user's)."""
+    return is_callers_file(filename) and not any(part in filename for part in ("site-packages", "dist-packages", "<frozen"))
+
+
+def is_callers_file(filename: str) -> bool:
+    """A file that is not torch's, Lightning's or speedkit's own (a model library's counts as the caller's)."""
+    return not any(part in filename for part in ("/torch/", "/lightning/", "/speedkit/", "/site-packages/lightning"))
+
+
+# -- parse ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class FunctionSource:
+    """A function's source as read (``lines`` from ``first_line`` of ``filename``) and parsed, with line
+    numbers relative to ``lines`` (``node`` is the module's first statement: the ``def``, or not)."""
+
+    lines: list[str]
+    first_line: int
+    filename: str
+    node: ast.stmt | None
+
+
+@functools.lru_cache(maxsize=None)
+def parse_function(fn: Callable[..., Any]) -> FunctionSource:
+    """Read and parse ``fn``'s source (cached per function; the tree is shared: do not change it).
+    Raises OSError or TypeError (no source) or SyntaxError (it does not parse on its own)."""
+    lines, first_line = inspect.getsourcelines(fn)
+    filename = inspect.getsourcefile(fn) or "<unknown>"
+    module = ast.parse(textwrap.dedent("".join(lines)))
+    return FunctionSource(lines, first_line, filename, module.body[0] if module.body else None)
+
+
+@dataclass(eq=False)  # hashed by identity: analyses are cached per parsed method
+class ParsedMethod:
+    """The source of a class's method as an AST (absolute line numbers), with what is needed to
+    compile it back.
+
+    ``function`` is always the user's original function (its globals, closure and defining class);
+    ``tree`` is its source, or the already rewritten source when another rung rewrote this
+    instance's method before (rewrites stack).
+    """
+
+    cls: type
+    function: Callable[..., Any]
+    tree: ast.FunctionDef
+    filename: str
+    first_line: int
+    name: str = "forward"  # the attribute it is reached by
+
+    @property
+    def self_name(self) -> str:
+        args = self.tree.args.posonlyargs + self.tree.args.args
+        if not args:
+            raise NotRewritable(f"{self.name} takes no self argument")
+        return args[0].arg
+
+
+@functools.lru_cache(maxsize=None)
+def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
+    """Parse ``cls.<name>`` (cached per class). Raises :class:`NotRewritable` with the reason."""
+    label = f"{cls.__name__}.{name}"
+    owner = next((k for k in cls.__mro__ if name in k.__dict__), None)  # inherited: the class that defines it
+    function = owner.__dict__[name] if owner is not None else None
+    if not isinstance(function, types.FunctionType):
+        raise NotRewritable(f"{label} is not a plain Python function")
+    forward = name == "forward"  # (a forward's refusals are worded as they always were)
+    if not forward and not is_user_code(function.__module__ or ""):
+        raise NotRewritable(f"{label} is the library's own")
+    try:
+        source = parse_function(function)
+    except (OSError, TypeError) as exc:
+        raise NotRewritable(f"source of {label} is not available ({exc})") from None
+    except SyntaxError as exc:
+        raise NotRewritable(f"source of {label} does not parse on its own ({exc.msg})" if forward
+                            else f"source of {label} is not available ({exc})") from None
+    tree = source.node
+    if not isinstance(tree, ast.FunctionDef) or tree.decorator_list:
+        if not forward:
+            raise NotRewritable(f"{label} is decorated or not a def")
+        if not isinstance(tree, ast.FunctionDef):
+            raise NotRewritable(f"{label} is not a def (async or a lambda)")
+        raise NotRewritable(f"{label} is decorated; decorators could change its meaning")
+    tree = copy.deepcopy(tree)
+    ast.increment_lineno(tree, source.first_line - 1)
+    return ParsedMethod(cls, function, tree, source.filename, source.first_line, name)
+
+
+def parse_instance_method(module: nn.Module, name: str = "forward") -> ParsedMethod:
+    """What a rung should transform for ``module.<name>``: the class's method, or — when a speedkit
+    rung already rewrote it on this instance — that rewritten source, so rewrites stack."""
+    bound = module.__dict__.get(name)
+    if bound is None:
+        return parse_method(type(module), name)
+    parsed = getattr(getattr(bound, "__func__", None), "__speedkit_parsed__", None)
+    if parsed is None:
+        how = "(compiled or patched)" if name == "forward" else "(patched)"
+        raise NotRewritable(f"{type(module).__name__} already has an instance-level {name} {how}")
+    return parsed
+
+
+def copy_tree(parsed: ParsedMethod) -> ast.FunctionDef:
+    """A fresh deep copy of the method's AST, to transform."""
+    return copy.deepcopy(parsed.tree)
+
+
+# -- compile and bind --------------------------------------------------------------------------------
+
+
+def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Callable[..., Any]:
+    """Compile a transformed method into a function with the original's globals and closure."""
+    import speedkit.ops as ops
+
+    fn = parsed.function
+    freevars = list(fn.__code__.co_freevars)
+    closure_values = {name: cell.cell_contents for name, cell in zip(freevars, fn.__closure__ or ())}
+    # the class that *defines* the method: zero-argument super() must see it (not a subclass), and
+    # private names (self.__x) are mangled with its name
+    defining = closure_values.get("__class__") or _defining_class(parsed)
+    # a factory supplies the closure: __class__, the original's free variables, and speedkit's
+    # ops; it sits in a class body named like the defining class so that the compiler mangles
+    # private names the same way; the inner function keeps the user's module globals, live
+    params = ["__class__", OPS_NAME, *[v for v in freevars if v != "__class__"]]
+    fields = {
+        "name": "speedkit_factory_",
+        "args": ast.arguments(posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        "body": [tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
+        "decorator_list": [], "returns": None, "type_params": [],
+    }
+    factory = ast.FunctionDef(**{k: v for k, v in fields.items() if k in ast.FunctionDef._fields})
+    class_fields = {"name": defining.__name__, "bases": [], "keywords": [], "body": [factory], "decorator_list": [], "type_params": []}
+    holder = ast.ClassDef(**{k: v for k, v in class_fields.items() if k in ast.ClassDef._fields})
+    module = ast.Module(body=[holder], type_ignores=[])
+    ast.fix_missing_locations(module)
+    code = compile(module, f"{parsed.filename}", "exec")
+    namespace: dict[str, Any] = {}
+    exec(code, fn.__globals__, namespace)  # noqa: S102 - our own transformed copy of the user's method
+    make = namespace[defining.__name__].__dict__["speedkit_factory_"]
+    new = make(defining, ops, *[closure_values[v] for v in freevars if v != "__class__"])
+    new.__qualname__ = f"{fn.__qualname__}[speedkit:{tag}]"
+    new.__defaults__ = fn.__defaults__
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__speedkit_rewrite__ = tag
+    new.__speedkit_source__ = ast.unparse(tree)  # what runs instead of the user's method, for debugging
+    # a later rung transforms this source, not the class's, so rewrites of one instance stack
+    new.__speedkit_parsed__ = ParsedMethod(parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line,
+                                           parsed.name)
+    return new
+
+
+def _defining_class(parsed: ParsedMethod) -> type:
+    """The class in whose body the method was written (for name mangling)."""
+    for klass in parsed.cls.__mro__:
+        if klass.__dict__.get(parsed.name) is parsed.function:
+            return klass
+    return parsed.cls
+
+
+def bind_method(handle: Handle, module: nn.Module, name: str, function: Callable[..., Any], description: str) -> None:
+    """Set ``module.<name>`` to ``function`` bound to it; ``handle`` puts back what was there and,
+    on redo, binds the very same bound method again (compiled code keyed on it stays valid).
+
+    For ``forward``, an earlier speedkit rewrite of the instance may be replaced (``function`` was
+    built on its source); anything else at instance level (a compiled or patched forward) is refused.
+    """
+    previous = module.__dict__.get(name)
+    if name == "forward" and previous is not None and not hasattr(getattr(previous, "__func__", None), "__speedkit_parsed__"):
+        raise NotRewritable(f"{type(module).__name__} already has an instance-level forward (compiled or patched)")
+    bound = types.MethodType(function, module)
+    setattr(module, name, bound)
+
+    def restore() -> None:
+        if previous is None:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, previous)
+
+    handle.record(description, restore, lambda: setattr(module, name, bound))
