@@ -182,6 +182,10 @@ def expected(waiting: set[str]) -> tuple[dict[Path, str], str, list[RungDoc]]:
     return cards, head + "\n" + "\n".join(table(docs)) + "\n" + tail, docs
 
 
+def shown(path: Path) -> str:
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
 def stale() -> list[str]:
     """What differs from what the generator writes (pending rungs not compared), one line each."""
     waiting = pending()
@@ -191,10 +195,10 @@ def stale() -> list[str]:
         if path.stem in waiting:
             continue
         if not path.exists():
-            problems.append(f"{path.relative_to(REPO)} is missing")
+            problems.append(f"{shown(path)} is missing")
         elif path.read_text(encoding="utf-8") != text:
-            problems.append(f"{path.relative_to(REPO)} is stale")
-    problems += [f"{path.relative_to(REPO)} is no registered rung's card" for path in sorted(CARDS.glob("*.md"))
+            problems.append(f"{shown(path)} is stale")
+    problems += [f"{shown(path)} is no registered rung's card" for path in sorted(CARDS.glob("*.md"))
                  if path not in cards]
     skip = {row(doc) for doc in docs if doc.name in waiting}
     _, have, _ = split_readme(README.read_text(encoding="utf-8"))
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("run: python docs/rung_cards.py", file=sys.stderr)
             return 1 if problems else 0
         for path in write():
-            print(f"wrote {path.relative_to(REPO)}")
+            print(f"wrote {shown(path)}")
     except DocstringError as error:
         print(error, file=sys.stderr)
         return 1
