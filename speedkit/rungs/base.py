@@ -20,8 +20,8 @@ Each rung's module docstring is its user documentation, from which ``docs/rung_c
 card (``docs/rungs/<name>.md``) and its row of README.md's rung table. Its first paragraph is one
 sentence, ``"<name>: <what it does>"``. The sections ``Speeds up:``, ``Does not help:``, ``Needs:`` and
 ``Numerics:`` (required) and ``Costs:`` (optional) each start with their label at the start of a
-paragraph or after a sentence's end (``". "``) inside one, and run to the next label or the end of the
-paragraph; ``Numerics:`` opens with a short sentence ("unchanged.", "bf16 / fp16."), the table's cell.
+paragraph or after a sentence's end (``". "`` or ``".) "``) inside one, and run to the next label or
+the end of the paragraph; ``Numerics:`` opens with a short sentence ("unchanged.", "bf16 / fp16."), the table's cell.
 Paragraphs that start with no label are prose about how the rung works, left out of the card.
 """
 
