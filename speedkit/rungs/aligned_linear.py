@@ -8,9 +8,11 @@ multiple of 64 and slicing the output back gives the same values with aligned ro
 H100, bf16, a 16,384 × 768 → 50,257 head with its loss: 2.0× faster in eager; under torch.compile,
 which pads some matmuls itself, 1.01× to 3.6× by shape: ``bench/gemm_align.py``).
 Does not help: layers whose width is already aligned; small layers, whose GEMMs are launch-bound
-(the pad is one more kernel); a run on the CPU (no known gain, so not tried).
-Needs: nothing beyond PyTorch; the padded rows are zeros and their outputs never leave the layer,
-so the values and gradients are those of the layer itself.
+(the pad is one more kernel; under ``min_out_features`` outputs, not tried); a run on the CPU (no known
+gain, so not tried).
+Needs: a CUDA device; nothing beyond PyTorch.
+Numerics: unchanged. The padded rows are zeros and their outputs never leave the layer, so the values
+and gradients are those of the layer itself.
 
 Applied by a class swap (``nn.Linear`` → :class:`speedkit.layers.AlignedLinear`): the same module
 object, parameters, hooks and state dict; undo swaps the class back. Only exact ``nn.Linear``

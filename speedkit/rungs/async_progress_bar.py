@@ -6,10 +6,13 @@ the loss) on a GPU. After every training batch Lightning turns each such value i
 step meanwhile, so the host's own work per step (Python, Lightning's loop, the data path) is added
 to the GPU's instead of overlapping it. Does not help: steps the GPU takes much longer over than
 the host (the wait costs little then), or modules that log nothing to the progress bar.
+Needs: a Lightning fit on a CUDA device whose module's own source passes ``prog_bar`` to ``self.log``.
+Numerics: unchanged. Training computes exactly what it did; only when a logged value is shown changes.
 
 What it changes: the training loop's per-step progress-bar values are copied to pinned host memory
 behind the step's kernels and shown once the copy is done, one or two steps late
-(:class:`~speedkit.lagged_scalars.LaggedScalars`); at most ``lag`` copies per value are outstanding.
+(:class:`~speedkit.lagged_scalars.LaggedScalars`); at most ``lag`` copies per value are outstanding,
+and a value read twice in a step is copied once.
 Epoch values, validation, loggers and callback metrics are as Lightning makes them. When the fit
 ends (undo) the values are read exactly, so ``trainer.progress_bar_metrics`` after the fit holds
 the last step's values. Training computes exactly what it did.

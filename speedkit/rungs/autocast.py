@@ -4,11 +4,14 @@ Speeds up: GEMM- and bandwidth-bound models; halves activation memory. Uses ``to
 which keeps precision-sensitive ops (softmax, norms, losses) in fp32.
 Does not help: tiny, launch-bound models (casts add kernels); CPUs without bf16 instructions.
 Needs: bf16 on CUDA compute capability >= 8.0 (else fp16 with ``GradScaler``); bf16 on CPU.
+Numerics: bf16 / fp16. Autocast's GEMM-like ops round to it, the rest stays fp32; on CUDA dropout draws other
+masks (its random stream maps onto elements by the dtype's vector width).
 
 The rung asks the training step for the precision (``state.step.set_autocast``): in plain PyTorch
 the step runs its forward under ``torch.autocast``; in a Lightning Trainer the step swaps the
-Trainer's precision plugin for Lightning's own ``MixedPrecision`` ("bf16-mixed" / "16-mixed"). A
-precision the user chose (a Trainer's ``precision=``) is left alone.
+Trainer's precision plugin for Lightning's own ``MixedPrecision`` ("bf16-mixed" / "16-mixed"); in bf16 it
+clips gradients before a fused optimizer too, which Lightning's refuses for fear of clipping scaled gradients
+(bf16 scales none). A precision the user chose (a Trainer's ``precision=``) is left alone.
 """
 
 from __future__ import annotations

@@ -15,6 +15,14 @@ model's modules and forwards, the optimizer's implementation, or ``state.step`` 
 which it may wrap (``set_attr(handle, state, "step", MyStep(state.step))``). Changes recorded with
 a redo (``set_attr`` does) can be switched off and on again without being rebuilt, which the ladder
 uses to time a configuration with and without the rung in interleaved windows.
+
+Each rung's module docstring is its user documentation, from which ``docs/rung_cards.py`` writes its
+card (``docs/rungs/<name>.md``) and its row of README.md's rung table. Its first paragraph is one
+sentence, ``"<name>: <what it does>"``. The sections ``Speeds up:``, ``Does not help:``, ``Needs:`` and
+``Numerics:`` (required) and ``Costs:`` (optional) each start with their label at the start of a
+paragraph or after a sentence's end (``". "`` or ``".) "``) inside one, and run to the next label or
+the end of the paragraph; ``Numerics:`` opens with a short sentence ("unchanged.", "bf16 / fp16."), the table's cell.
+Paragraphs that start with no label are prose about how the rung works, left out of the card.
 """
 
 from __future__ import annotations

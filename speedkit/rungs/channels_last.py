@@ -7,6 +7,7 @@ and the input are channels_last, every layer's output stays channels_last.
 Does not help: models without 2-d convolutions; fp32 convolutions without tensor cores (little gain);
 models where ops without a channels_last kernel keep converting activations back and forth.
 Needs: nothing beyond PyTorch: every op accepts either layout, and the values do not change.
+Numerics: unchanged. Kernels for the other layout may sum in another order.
 
 The model's 4-D parameters and buffers are converted in place (the same Parameter objects, so the
 optimizer's and Lightning's references stay valid), with their gradients and the optimizer's state

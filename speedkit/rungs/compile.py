@@ -5,6 +5,8 @@ overhead, and with ``mode="reduce-overhead"`` kernel-launch overhead (CUDA graph
 Does not help: models already dominated by large GEMMs in one kernel each; very dynamic shapes
 (recompilations). Costs compile time at the first steps.
 Needs: a Python that TorchDynamo supports; Inductor on CPU needs a C++ compiler.
+Numerics: the same function; dropout draws its masks from Inductor's own random stream. Fused kernels
+reorder some reductions.
 
 What is compiled is what the training step calls, read from its source: a LightningModule whose
 ``training_step`` calls ``self(...)`` gets its own ``forward`` compiled; one whose step calls
@@ -18,6 +20,9 @@ the graph breaks with their reasons. Guards: a compilation failure falls back to
 with a warning, a recompilation storm (more than ``max_recompiles`` new graphs, not counting those
 a call compiles right after a rung or a parity check switched the configuration) too, and a compile
 the step never ran ("compiled nothing that the training step runs") is a failed rung, not a slow one.
+Each configuration compiles once: while compile is on, Dynamo may keep 64 compiled entries per frame (not
+8), and a rung beneath it that the trials switch off is off under compile too. The ``inductor`` option
+takes Inductor settings for these forwards only (``{coordinate_descent_tuning: true}``).
 
 Hugging Face models call ``logger.warning_once`` inside ``forward`` (transformers 5 does in
 ``loss_function`` when the config's ``loss_type`` is None), and Dynamo breaks the graph at every

@@ -4,18 +4,33 @@ Speeds up: steps made of many small kernels, where the host issuing them is the 
 models, small batches, fused kernels called from Python, Lightning's per-step host work between
 launches). Does not help: steps dominated by a few long kernels. Costs: the capture after a few
 warm-up steps, and the graph's private memory pool.
+Needs: a CUDA device; one process (under DDP it refuses on every rank alike: a graphed all-reduce needs
+NCCL's graph set-up before the process group and ranks that agree on their captures, not done yet); one
+micro-batch per optimizer step; a step that replays the same work (static shapes, no host syncs, no
+numbers drawn on the host); under fp16 loss scaling, an optimizer that takes the scale on the device
+(``fused=True``, as ``fused_optimizer`` sets: otherwise ``GradScaler.step`` reads the inf check on the host).
+Numerics: unchanged (capturable optimizer rounding). Capturable optimizers compute on device-side step
+counters.
 
 Before anything is captured, the step's own source is read for what would make a replay wrong
 (:mod:`speedkit.graph_safety`: host syncs, dynamic shapes, data-dependent branches, host work), and
 the rung refuses with the first reason and its source line. The last warm-up step then runs under
-CUDA's sync debug mode, which finds syncs in library code too. What the rung changes: the step is
+CUDA's sync debug mode, which finds syncs in library code too, and with the host's random generators
+(torch's CPU one, NumPy's, Python's ``random``) watched for numbers drawn on the host (timm's Mixup/CutMix,
+Hugging Face's LayerDrop), which a graph would replay as drawn at capture (the call's line is named unless
+compiled code runs; a generator the step makes itself is not seen). What the rung changes: the step is
 wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
 it (their step counters move to the device), and the graph reads their learning rate from a device
 tensor filled from the param group's number before each replay; SGD, which has no capturable option,
-does so through its fused implementation (switched on where a schedule moves its rate). Under fp16 loss scaling the
+does so through its fused implementation (switched on where a schedule moves its rate; its flags back on
+undo and in checkpoints). Without a schedule, and for other optimizers without ``capturable``, the rate is a
+number baked into the graph, captured again when it changes, stopped if it changes every step. Under fp16 loss scaling the
 scaler's step and update are captured too, for an optimizer that unscales and skips an overflowed
 step on the device (``fused=True``). In a Lightning fit, the graph binds into the loop's automatic
-optimization.
+optimization and ``self.log`` calls are made after each replay; batches that do not fit the static buffers
+(a short last batch) run Lightning's own step. The peak memory shown adds the graph's working set at
+capture (replays allocate nothing), and the rung is never kept on memory alone. A failed capture is
+reverted with its reason and leaves the device's random generator usable.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Does not help: models without convolutions; input shapes that keep changing (eve
 timed again, so the first steps of each shape are slower).
 Needs: a CUDA device and cuDNN; no request for deterministic algorithms (the algorithm timing picks
 may differ from run to run, and so may the results, by rounding).
+Numerics: unchanged. Another algorithm sums in another order at most.
 
 The rung sets one process-global flag; ``undo`` puts its previous value back.
 """

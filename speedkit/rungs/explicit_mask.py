@@ -7,13 +7,16 @@ Lightning's demo Transformer, the PyTorch tutorials' models) called with an atte
 reads a device tensor on the host: a sync every step, a graph break under ``torch.compile``, and a
 step a CUDA graph cannot capture. Passing ``is_causal=False`` where the caller left it ``None`` skips
 the question: the mask is applied as given (an additive or boolean mask in scaled-dot-product
-attention), the same function, with no sync.
+attention), the same function, with no sync (Lightning's demo Transformer on the H200: 1.26× beneath
+compile, and with both its step can be captured by ``cuda_graph``).
 Does not help: callers that pass the hint already, or no mask; steps where a sync costs nothing (a
 device-bound step, whose host waits anyway). A causal mask applied as a mask rather than as
 ``is_causal=True`` does the masked half of the attention too: on long sequences that can cost more
 than the sync saved, which the ladder's timing decides.
-Numerics: the same attention with the mask added instead of the causal kernel's own masking (kernel
-choice, as a rewrite).
+Needs: a CUDA device (on a CPU no sync to remove); stacks running torch's own ``forward`` (a subclass's is
+left alone).
+Numerics: the same function; the mask added rather than the causal kernel's own masking. A kernel
+choice, judged as a rewrite.
 
 Only instances whose class runs torch's own ``forward`` are wrapped (a subclass's override may not
 take the hint); ``undo`` puts each instance's ``forward`` back.

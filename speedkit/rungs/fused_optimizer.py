@@ -7,6 +7,10 @@ Does not help: steps dominated by forward/backward of a few huge tensors (small 
 Needs: an optimizer whose constructor takes ``fused=`` or ``foreach=`` (in torch 2.14 every
 ``torch.optim`` class but LBFGS, SparseAdam and Muon; fused: Adam, AdamW, SGD, and Adagrad on the
 CPU), without ``differentiable=True``; fused needs floating-point parameters without sparse gradients.
+Where Lightning's own mixed precision (one the user chose, or fp16) clips gradients (``gradient_clip_val``,
+or the module's own ``configure_gradient_clipping``), it refuses a fused optimizer: foreach is chosen
+then (the ``autocast`` rung's bf16 plugin does not refuse).
+Numerics: unchanged. The same update, its per-element arithmetic in one kernel.
 
 Whether an implementation runs the optimizer's update is found out, not assumed (which classes,
 devices, dtypes and settings each one takes changes between torch versions: fused Adagrad refuses

@@ -1,17 +1,21 @@
 """gc_freeze: keep Python's garbage collector off the objects the run holds for good.
 
 Speeds up: host-bound steps in a large process. Python's collector scans every tracked object on
-each full (oldest-generation) collection; with torch, Lightning, a model library and compiled
-graphs loaded that is about a million objects, a few hundred milliseconds per collection, landing
+each full (oldest-generation) collection; with torch, Lightning and a model library loaded that is
+about half a million objects, with compiled graphs too about a million, a few hundred milliseconds per collection, landing
 on whichever step allocated the object that tipped the threshold (on a host-bound step, a slow
 step every so often, and noise in every measurement of it). ``gc.freeze()`` after a collection moves
 every object alive now (modules, parameters, compiled code, the libraries) into a permanent
 generation the collector no longer scans; what the steps allocate is still collected, by the same
 thresholds, in collections that are then short. (torchtitan controls the collector too, by turning
 automatic collection off and collecting every N steps; freezing keeps the collector's own schedule.)
-Does not help: device-bound steps (the host waits anyway); small processes.
+Does not help: device-bound steps (the host waits anyway); small processes (under 100,000 tracked
+objects it refuses).
 Costs: a reference cycle among the objects frozen now that becomes garbage later (a model replaced
 mid-fit) is kept until undo unfreezes it.
+Needs: the collector enabled (not ``gc.disable()``); the tracked objects are counted outside those a
+library froze already (a few hundred frozen before forking workers do not stop it).
+Numerics: unchanged. Only when garbage is collected changes.
 
 The rung changes process-global state: ``undo`` unfreezes (the objects go back to the oldest
 generation), objects some library froze before it too (``gc.unfreeze`` takes no subset; they are then

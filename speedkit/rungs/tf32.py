@@ -6,6 +6,8 @@ autocast keeps in fp32.
 Does not help: runs already entirely in bf16/fp16, or that are not GEMM-bound.
 Needs: CUDA compute capability >= 8.0; on CPU, a processor with bf16 instructions, where oneDNN's
 reduced-precision fp32 matmul path is the analogue (``torch.set_float32_matmul_precision("medium")``).
+Numerics: tf32. The GEMMs' inputs keep a 10-bit mantissa (on the CPU: bf16 products), with fp32 range and
+accumulation; convolutions too with the ``cudnn`` option.
 
 The rung changes process-global torch flags; ``undo`` restores the exact previous values.
 """
