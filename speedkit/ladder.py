@@ -48,7 +48,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle, changed_in_place
 from speedkit.measure.clock import StepClock
+from speedkit.measure.config import MeasureConfig
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.measure.stats import Comparison, block_log_gain, decide, describe, looks, not_slower
@@ -80,51 +81,6 @@ from speedkit.state import TrainState
 class TrialsNotRun(SpeedkitError):
     """The trials cannot judge anything on this run (the baseline's own loss is not finite): nothing
     was applied, the state is the user's, the message says why."""
-
-
-@dataclass
-class MeasureConfig:
-    """How the ladder measures and decides. Every default lives in ``configs/defaults.yaml``
-    (``measure:``); build with :meth:`from_dict`."""
-
-    warmup: int                # untimed steps before a configuration is first timed
-    steps: int                 # optimizer steps per timed window
-    repeats: int               # windows of a configuration timed alone (the baseline, the fit)
-    parity_steps: int          # optimizer steps of the parity trajectory
-    min_gain: float            # a rung must be faster by this much, with `confidence`
-    memory_gain: float         # ... or save this share of peak memory without being slower
-    confidence: float          # of the paired decisions
-    min_blocks: int            # A B B A blocks before a decision
-    max_blocks: int            # blocks before a comparison is called undecided
-    budget_s: float            # seconds one comparison may take before it is called undecided
-    settle: int                # untimed steps after switching configuration
-    final_check: bool          # time the final configuration against the baseline at the end
-    together_passes: int       # passes of the second look over the rungs reverted on speed (0: none)
-    switches_floor: bool       # time the user's switches against the final configuration; keep the faster
-    host_bound_share: float    # a GPU step whose host time is this share of it or more tries host-cutting rungs first...
-    busy_util: float           # ... unless NVML saw the GPU this busy (%): the host then waits in a sync, not issues
-    noise_target: float        # baseline windows varying more than this get longer comparison windows
-    max_window_factor: int     # ... up to this many times ``steps``
-    trials_budget_s: float     # the trials' time budget: at most this (the cap)...
-    trials_share: float        # ... this share of the fit's planned time where known ...
-    trials_min_s: float        # ... and never under this
-    holds_windows: int         # windows of the fit's own steps timed after the trials
-    holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
-    throughput_unit: str
-    mfu_precision: str
-    peak_tflops: float | None
-    telemetry: bool
-    profile: bool              # profile windows of the baseline, each kept rung and the final configuration
-    profile_steps: int         # optimizer steps per profile window
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None = None) -> MeasureConfig:
-        merged = {**config.measure_defaults(), **(values or {})}
-        names = {f.name for f in fields(cls)}
-        missing = names - set(merged)
-        if missing:
-            raise KeyError(f"configs/defaults.yaml measure: lacks {sorted(missing)}")
-        return cls(**{k: v for k, v in merged.items() if k in names})
 
 
 def _rel_diff(a: float, b: float) -> float:
@@ -204,7 +160,7 @@ class Ladder:
         if state.device.type == "cuda":  # the ladder makes CUDA events and streams: keep forked workers off them
             protect_forked_children()
         self.rungs = list(rungs)
-        self.cfg = measure if isinstance(measure, MeasureConfig) else MeasureConfig.from_dict(measure)
+        self.cfg = MeasureConfig.from_dict(measure)
         self.recipe = recipe
         self.on_event = on_event or (lambda line: None)
         self.clock = clock or StepClock(state.device)

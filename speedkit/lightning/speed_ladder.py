@@ -43,9 +43,10 @@ from speedkit.data.loader import watch_fit_iterator_start
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
-from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
+from speedkit.ladder import Ladder, TrialsNotRun
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
+from speedkit.measure.config import MeasureConfig
 from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
@@ -81,10 +82,8 @@ class SpeedLadder(Callback):
     """
 
     def __init__(self, rungs: Sequence[str | dict | Rung] | None = None, *, trials: bool | None = None,
-                 measure: dict[str, Any] | None = None, report_dir: str | Path | None = None,
+                 measure: dict[str, Any] | MeasureConfig | None = None, report_dir: str | Path | None = None,
                  stop_after_holds: bool = False, on_event: Callable[[str], None] | None = None) -> None:
-        from speedkit.recipe import validate_measure
-
         super().__init__()
         if trials is not None and not isinstance(trials, bool):
             raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
@@ -97,7 +96,7 @@ class SpeedLadder(Callback):
                               "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder")
         self.trials = rungs is None if trials is None else trials
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
-        self.measure = MeasureConfig.from_dict(validate_measure(measure))
+        self.measure = MeasureConfig.from_dict(measure)
         self.report_dir = Path(report_dir) if report_dir is not None else None
         #: where the profile's traces go (default: ``report_dir/traces``; ``speedkit optimize``: its --out's)
         self.trace_dir: Path | None = None
