@@ -63,8 +63,9 @@ from speedkit.handle import Handle, changed_in_place
 from speedkit.measure.clock import StepClock
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
-from speedkit.measure.session import MeasureSession, Window
-from speedkit.measure.stats import Comparison, block_log_gain, decide, describe, looks, not_slower
+from speedkit.measure.session import MeasureSession
+from speedkit.measure.compare import compare
+from speedkit.measure.stats import Comparison, describe, not_slower
 from speedkit.results import (
     SCHEMA_VERSION,
     LadderResult,
@@ -1195,50 +1196,26 @@ class Ladder:
         set_candidate(False)
         same_source = self.state.data is source_b
         session.warm(self._runner(), self._settle())
-        timed_from = self.host_clock()
-        on = False
-
-        def switch(candidate: bool) -> bool:
-            """The candidate on or off; whether that changed anything."""
-            nonlocal on
-            if candidate == on:
-                return False
-            set_candidate(candidate)
-            on = candidate
-            return True
-
-        a_windows: list[Window] = []
-        b_windows: list[Window] = []
-        gains: list[float] = []
-        verdict: Comparison | None = None
-        stops = looks(cfg.min_blocks, cfg.max_blocks)
         budget = cfg.budget_s if whole_budget else self._comparison_budget()
-        while True:
-            block: dict[bool, list[Window]] = {False: [], True: []}
+        shared: list[Any] | None = None
+
+        def start_block(switch: Callable[[bool], bool]) -> None:
+            nonlocal shared
             shared = self._block_batches(same_source and shared_batches)
             if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
                 for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
                     switch(candidate)  # then timed in neither configuration's windows, not in the first
                     session.warm(self._runner(shared), self._window_steps)
-            for candidate in (False, True, True, False):
-                if switch(candidate):
-                    session.warm(self._runner(), self._settle())
-                block[candidate].append(session.window(self._runner(shared), self._window_steps))
-            a_windows += block[False]
-            b_windows += block[True]
-            gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
-            out_of_budget = len(gains) >= cfg.max_blocks or (
-                len(gains) >= cfg.min_blocks and self.host_clock() - timed_from > budget)
-            if len(gains) not in stops and not out_of_budget:
-                continue
-            verdict = decide(gains, min_gain=cfg.min_gain, confidence=cfg.confidence, n_looks=len(stops))
-            self.on_event(f"  {label}: {len(gains)} blocks: {verdict.speedup:.3f}x "
+
+        def look(verdict: Comparison) -> None:
+            self.on_event(f"  {label}: {verdict.blocks} blocks: {verdict.speedup:.3f}x "
                           f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
-            if verdict.verdict != "undecided" or out_of_budget:
-                break
-        switch(False)
-        return PairedResult(**asdict(verdict), a=session.measurement(a_windows, warmup=cfg.warmup),
-                            b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
+
+        paired = compare(set_candidate, lambda: session.window(self._runner(shared), self._window_steps), cfg,
+                         budget_s=budget, clock=self.host_clock, settle=lambda: session.warm(self._runner(), self._settle()),
+                         start_block=start_block, on_look=look)
+        return PairedResult(**asdict(paired.comparison), a=session.measurement(paired.a, warmup=cfg.warmup),
+                            b=session.measurement(paired.b, warmup=cfg.warmup), seconds=self.host_clock() - start)
 
     @contextlib.contextmanager
     def _heartbeat(self, label: str, every_s: float = 20.0) -> Iterator[None]:
