@@ -46,6 +46,7 @@ from speedkit.handle import Handle
 from speedkit.ladder import Ladder, TrialsNotRun
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
+from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
@@ -120,7 +121,7 @@ class SpeedLadder(Callback):
         self._state: TrainState | None = None
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
-        self._step_before = 0  # the Trainer's global_step when the current batch started (for the probe)
+        self._steps = OptimizerSteps()  # where the fit's optimizer steps start and end (for the probe)
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
         self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
 
@@ -173,7 +174,7 @@ class SpeedLadder(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._probe is not None:
-            self._step_before = trainer.global_step
+            self._steps.batch_started(trainer)
             self._probe.batch_started()
 
     @override
@@ -181,9 +182,7 @@ class SpeedLadder(Callback):
                            batch_idx: int) -> None:
         if self._probe is None:
             return
-        # an optimizer step ended with this batch when Lightning counted one: every accumulate_grad_batches
-        # batches, and at an epoch's last batch where they do not divide it (not when training_step returned None)
-        if self._probe.batch_ended(trainer.global_step != self._step_before):
+        if self._probe.batch_ended(self._steps.batch_ended(trainer)):
             self._finish_holds(trainer)
 
     @override
@@ -269,6 +268,7 @@ class SpeedLadder(Callback):
         settle = max((h.settle_steps for h in self.handles), default=0)
         self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle),
                                   trainer=trainer)
+        self._steps = OptimizerSteps()
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
