@@ -126,7 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="lightning-transformer", help=f"comma-separated, of: {', '.join(ZOO)}")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the reports")
-    parser.add_argument("--rounds", type=int, default=2, help="fits of each variant in the overhead comparison (two per A B B A block)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fits of each variant in the overhead comparison (two per A B B A block)")
     parser.add_argument("--skip", default="", help="report or overhead, to leave one out")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()

@@ -63,6 +63,7 @@ from speedkit.handle import Handle, changed_in_place
 from speedkit.measure.clock import StepClock
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
+from speedkit.measure.noise import host_bound, noise_source
 from speedkit.measure.session import MeasureSession
 from speedkit.measure.compare import compare
 from speedkit.measure.stats import Comparison, describe, not_slower
@@ -410,7 +411,7 @@ class Ladder:
             factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
         self._window_steps = cfg.steps * max(1, factor)
         noise = {"baseline_spread": spread, "window_steps": self._window_steps,
-                 "source": _noise_source(baseline, cfg.host_bound_share, cfg.busy_util)}
+                 "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util)}
         if factor > 1:
             self.on_event(f"baseline: windows vary by {spread:.1%} ({noise['source']}): comparisons time windows of "
                           f"{self._window_steps} steps")
@@ -460,9 +461,9 @@ class Ladder:
         sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
         kept rungs that come after it there), only the order of the trials changes:
 
-        - a host-bound step (the host drives the device, see :func:`_host_bound`): the rungs that cut
-          host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are tried
-          first, compile first of them: in the host's noise the others' device-side gains do not
+        - a host-bound step (the host drives the device, see :func:`speedkit.measure.noise.host_bound`):
+          the rungs that cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's
+          sync) are tried first, compile first of them: in the host's noise the others' device-side gains do not
           show, beneath them they do;
         - a device-bound step: the rungs whose only gain is the device's wait for the host
           (``Rung.host_side``: the loader's path, the garbage collector, the progress bar's sync, CUDA
@@ -475,7 +476,7 @@ class Ladder:
         if self.clock.name == "perf_counter" or host is None or not step:
             return list(self.rungs)
         assert self.result is not None
-        if not _host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
+        if not host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
             later = [r for r in self.rungs if r.host_side]
             order = [r for r in self.rungs if not r.host_side] + later
             if order != list(self.rungs):
@@ -1295,34 +1296,6 @@ class Ladder:
                 losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
-
-
-def _host_bound(m: Measurement, host_bound_share: float, busy_util: float) -> bool:
-    """Whether the host's time issuing the step is what sets it: its host time ``host_bound_share`` of
-    the step or more, and, where NVML saw the GPU, the GPU busy less than ``busy_util`` percent of the
-    time. A step that syncs (Lightning's progress bar reads the loss every step) holds the host until
-    the device is done, so its host time is the step's either way; the GPU's utilization tells which:
-    99% on GPT-2 in fp32 (device-bound, host 339.5 of 340.2 ms), 32% on Lightning's demo Transformer."""
-    if m.host_ms is None or not m.step_ms or m.host_ms < host_bound_share * m.step_ms:
-        return False
-    util = (m.telemetry or {}).get("util_mean")
-    return util is None or util < busy_util
-
-
-def _noise_source(m: Measurement, host_bound_share: float, busy_util: float) -> str:
-    """The likely source of a configuration's window-to-window noise, from what its windows show
-    (host-bound: see :func:`_host_bound`)."""
-    telemetry = m.telemetry or {}
-    if telemetry.get("slowdown_reasons"):
-        return f"the GPU's clocks ({', '.join(telemetry['slowdown_reasons'])})"
-    if m.data_wait_ms is not None and m.step_ms and m.data_wait_ms > 0.2 * m.step_ms:
-        return f"waiting for batches ({m.data_wait_ms:.1f} of {m.step_ms:.1f} ms per step)"
-    if m.clock == "perf_counter":
-        return "the host (a CPU step is all host time: other processes, frequency scaling)"
-    if _host_bound(m, host_bound_share, busy_util):
-        return (f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
-                "the CPU's jitter (scheduling, frequency, other threads) is the step's")
-    return "the device (no host, loader or clock cause seen)"
 
 
 class _RoundingNoise:
