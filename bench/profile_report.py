@@ -11,8 +11,10 @@ For each zoo model:
              switch) fitted without and with ``SpeedProfiler`` in A B B A order (``--rounds`` pairs),
              each fit timed by speedkit's StepTimer (median over warmed-up windows on CUDA events):
              rows ``bench: "speed_profiler_overhead"``, variants ``without`` / ``with``, metric
-             ``step_ms``; ``ratio`` (with / without, the median over rounds) and the profiler's own
-             reading of its host time per step (``overhead_fraction``).
+             ``step_ms``; ``ratio`` (with / without, the median over rounds), the paired comparison of
+             the fits' speed with it against without (``paired_speed``: speedkit.measure.compare, one
+             A B B A block per two rounds) and the profiler's own reading of its host time per step
+             (``overhead_fraction``).
 
 Usage: PYTHONPATH=. python bench/profile_report.py --models lightning-transformer --out $OUT
 """
@@ -20,11 +22,13 @@ Usage: PYTHONPATH=. python bench/profile_report.py --models lightning-transforme
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +41,9 @@ from bench.common import Results  # noqa: E402
 from bench.zoo import Deadline, channels_last_as_a_user_would, compile_as_a_user_would, make_plan, release, tf32_matmuls  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
 from speedkit.lightning import SpeedLadder, SpeedProfiler, StepTimer  # noqa: E402
+from speedkit.measure.compare import compare  # noqa: E402
+from speedkit.measure.session import Window  # noqa: E402
+from speedkit.measure.stats import describe  # noqa: E402
 
 
 def ladder_report(name: str, out: Path) -> None:
@@ -67,12 +74,18 @@ def ladder_report(name: str, out: Path) -> None:
 
 
 def overhead(name: str, rounds: int, res: Results) -> None:
-    """The switches fitted without and with SpeedProfiler, A B B A, each timed by StepTimer."""
+    """The switches fitted without and with SpeedProfiler, A B B A, each timed by StepTimer: the
+    paired comparison of :func:`speedkit.measure.compare.compare`, one block per two rounds."""
     entry = ZOO[name]
     times: dict[str, list[float]] = {"without": [], "with": []}
     fractions: list[float] = []
-    order = [v for _ in range(rounds) for v in ("without", "with", "with", "without")][: 2 * rounds]
-    for variant in order:
+    variant = "without"
+
+    def switch(profiled: bool) -> None:
+        nonlocal variant
+        variant = "with" if profiled else "without"
+
+    def fit() -> Window:
         timer = StepTimer(warmup=10, window=20)
         profiler = SpeedProfiler(log_every_n_steps=10) if variant == "with" else None
         module, loader = entry.build("full", **entry.switches)
@@ -95,17 +108,26 @@ def overhead(name: str, rounds: int, res: Results) -> None:
               (f"  profiler's own reading {extra['profiler_step_ms']:.3f} ms, overhead {extra['overhead_fraction']:.4%}"
                if "overhead_fraction" in extra else ""), flush=True)
         release()
+        return Window(ms=m.step_ms, data_wait_ms=m.data_wait_ms or 0.0, host_ms=m.host_ms or 0.0, steps=m.steps)
+
+    blocks = max(1, rounds // 2)
+    rule = SimpleNamespace(min_gain=0.0, confidence=0.95, min_blocks=blocks, max_blocks=blocks)
+    paired = compare(switch, fit, rule, budget_s=math.inf, clock=time.perf_counter).comparison
     ratio = statistics.median(times["with"]) / statistics.median(times["without"])
     res.add("with", "ratio", ratio, "x", model=name, rounds=rounds,
-            overhead_fraction_median=statistics.median(fractions) if fractions else None)
-    print(f"{name}: with / without SpeedProfiler = {ratio:.4f}x (medians of {rounds} fits each)", flush=True)
+            overhead_fraction_median=statistics.median(fractions) if fractions else None,
+            paired_speed={"speedup": paired.speedup, "ci": [paired.low, paired.high], "blocks": paired.blocks,
+                          "verdict": paired.verdict})
+    print(f"{name}: with / without SpeedProfiler = {ratio:.4f}x (medians of {rounds} fits each); "
+          f"paired speed with it: {describe(paired)}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="lightning-transformer", help=f"comma-separated, of: {', '.join(ZOO)}")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the reports")
-    parser.add_argument("--rounds", type=int, default=2, help="A B B A pairs of the overhead fits")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fits of each variant in the overhead comparison (two per A B B A block)")
     parser.add_argument("--skip", default="", help="report or overhead, to leave one out")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()

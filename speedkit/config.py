@@ -32,6 +32,11 @@ def measure_defaults() -> dict[str, Any]:
     return dict(load("defaults")["measure"])
 
 
+def step_timer_defaults() -> dict[str, Any]:
+    """How ``StepTimer`` times a fit's steps where its caller does not say (``step_timer:``)."""
+    return dict(load("defaults")["step_timer"])
+
+
 def default_ladder() -> list[Any]:
     """The rungs ``SpeedLadder()`` climbs when given none."""
     return list(load("defaults")["ladder"])

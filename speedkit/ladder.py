@@ -48,7 +48,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,12 @@ from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle, changed_in_place
 from speedkit.measure.clock import StepClock
+from speedkit.measure.config import MeasureConfig
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
-from speedkit.measure.session import MeasureSession, Window
-from speedkit.measure.stats import Comparison, block_log_gain, decide, describe, looks, not_slower
+from speedkit.measure.noise import host_bound, noise_source
+from speedkit.measure.session import MeasureSession
+from speedkit.measure.compare import compare
+from speedkit.measure.stats import Comparison, describe, not_slower
 from speedkit.results import (
     SCHEMA_VERSION,
     LadderResult,
@@ -80,51 +83,6 @@ from speedkit.state import TrainState
 class TrialsNotRun(SpeedkitError):
     """The trials cannot judge anything on this run (the baseline's own loss is not finite): nothing
     was applied, the state is the user's, the message says why."""
-
-
-@dataclass
-class MeasureConfig:
-    """How the ladder measures and decides. Every default lives in ``configs/defaults.yaml``
-    (``measure:``); build with :meth:`from_dict`."""
-
-    warmup: int                # untimed steps before a configuration is first timed
-    steps: int                 # optimizer steps per timed window
-    repeats: int               # windows of a configuration timed alone (the baseline, the fit)
-    parity_steps: int          # optimizer steps of the parity trajectory
-    min_gain: float            # a rung must be faster by this much, with `confidence`
-    memory_gain: float         # ... or save this share of peak memory without being slower
-    confidence: float          # of the paired decisions
-    min_blocks: int            # A B B A blocks before a decision
-    max_blocks: int            # blocks before a comparison is called undecided
-    budget_s: float            # seconds one comparison may take before it is called undecided
-    settle: int                # untimed steps after switching configuration
-    final_check: bool          # time the final configuration against the baseline at the end
-    together_passes: int       # passes of the second look over the rungs reverted on speed (0: none)
-    switches_floor: bool       # time the user's switches against the final configuration; keep the faster
-    host_bound_share: float    # a GPU step whose host time is this share of it or more tries host-cutting rungs first...
-    busy_util: float           # ... unless NVML saw the GPU this busy (%): the host then waits in a sync, not issues
-    noise_target: float        # baseline windows varying more than this get longer comparison windows
-    max_window_factor: int     # ... up to this many times ``steps``
-    trials_budget_s: float     # the trials' time budget: at most this (the cap)...
-    trials_share: float        # ... this share of the fit's planned time where known ...
-    trials_min_s: float        # ... and never under this
-    holds_windows: int         # windows of the fit's own steps timed after the trials
-    holds_threshold: float     # a fit slower than the ladder's figure by more is flagged
-    throughput_unit: str
-    mfu_precision: str
-    peak_tflops: float | None
-    telemetry: bool
-    profile: bool              # profile windows of the baseline, each kept rung and the final configuration
-    profile_steps: int         # optimizer steps per profile window
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None = None) -> MeasureConfig:
-        merged = {**config.measure_defaults(), **(values or {})}
-        names = {f.name for f in fields(cls)}
-        missing = names - set(merged)
-        if missing:
-            raise KeyError(f"configs/defaults.yaml measure: lacks {sorted(missing)}")
-        return cls(**{k: v for k, v in merged.items() if k in names})
 
 
 def _rel_diff(a: float, b: float) -> float:
@@ -204,7 +162,7 @@ class Ladder:
         if state.device.type == "cuda":  # the ladder makes CUDA events and streams: keep forked workers off them
             protect_forked_children()
         self.rungs = list(rungs)
-        self.cfg = measure if isinstance(measure, MeasureConfig) else MeasureConfig.from_dict(measure)
+        self.cfg = MeasureConfig.from_dict(measure)
         self.recipe = recipe
         self.on_event = on_event or (lambda line: None)
         self.clock = clock or StepClock(state.device)
@@ -453,7 +411,7 @@ class Ladder:
             factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
         self._window_steps = cfg.steps * max(1, factor)
         noise = {"baseline_spread": spread, "window_steps": self._window_steps,
-                 "source": _noise_source(baseline, cfg.host_bound_share, cfg.busy_util)}
+                 "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util)}
         if factor > 1:
             self.on_event(f"baseline: windows vary by {spread:.1%} ({noise['source']}): comparisons time windows of "
                           f"{self._window_steps} steps")
@@ -503,9 +461,9 @@ class Ladder:
         sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
         kept rungs that come after it there), only the order of the trials changes:
 
-        - a host-bound step (the host drives the device, see :func:`_host_bound`): the rungs that cut
-          host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's sync) are tried
-          first, compile first of them: in the host's noise the others' device-side gains do not
+        - a host-bound step (the host drives the device, see :func:`speedkit.measure.noise.host_bound`):
+          the rungs that cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's
+          sync) are tried first, compile first of them: in the host's noise the others' device-side gains do not
           show, beneath them they do;
         - a device-bound step: the rungs whose only gain is the device's wait for the host
           (``Rung.host_side``: the loader's path, the garbage collector, the progress bar's sync, CUDA
@@ -518,7 +476,7 @@ class Ladder:
         if self.clock.name == "perf_counter" or host is None or not step:
             return list(self.rungs)
         assert self.result is not None
-        if not _host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
+        if not host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
             later = [r for r in self.rungs if r.host_side]
             order = [r for r in self.rungs if not r.host_side] + later
             if order != list(self.rungs):
@@ -1239,50 +1197,26 @@ class Ladder:
         set_candidate(False)
         same_source = self.state.data is source_b
         session.warm(self._runner(), self._settle())
-        timed_from = self.host_clock()
-        on = False
-
-        def switch(candidate: bool) -> bool:
-            """The candidate on or off; whether that changed anything."""
-            nonlocal on
-            if candidate == on:
-                return False
-            set_candidate(candidate)
-            on = candidate
-            return True
-
-        a_windows: list[Window] = []
-        b_windows: list[Window] = []
-        gains: list[float] = []
-        verdict: Comparison | None = None
-        stops = looks(cfg.min_blocks, cfg.max_blocks)
         budget = cfg.budget_s if whole_budget else self._comparison_budget()
-        while True:
-            block: dict[bool, list[Window]] = {False: [], True: []}
+        shared: list[Any] | None = None
+
+        def start_block(switch: Callable[[bool], bool]) -> None:
+            nonlocal shared
             shared = self._block_batches(same_source and shared_batches)
             if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
                 for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
                     switch(candidate)  # then timed in neither configuration's windows, not in the first
                     session.warm(self._runner(shared), self._window_steps)
-            for candidate in (False, True, True, False):
-                if switch(candidate):
-                    session.warm(self._runner(), self._settle())
-                block[candidate].append(session.window(self._runner(shared), self._window_steps))
-            a_windows += block[False]
-            b_windows += block[True]
-            gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
-            out_of_budget = len(gains) >= cfg.max_blocks or (
-                len(gains) >= cfg.min_blocks and self.host_clock() - timed_from > budget)
-            if len(gains) not in stops and not out_of_budget:
-                continue
-            verdict = decide(gains, min_gain=cfg.min_gain, confidence=cfg.confidence, n_looks=len(stops))
-            self.on_event(f"  {label}: {len(gains)} blocks: {verdict.speedup:.3f}x "
+
+        def look(verdict: Comparison) -> None:
+            self.on_event(f"  {label}: {verdict.blocks} blocks: {verdict.speedup:.3f}x "
                           f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
-            if verdict.verdict != "undecided" or out_of_budget:
-                break
-        switch(False)
-        return PairedResult(**asdict(verdict), a=session.measurement(a_windows, warmup=cfg.warmup),
-                            b=session.measurement(b_windows, warmup=cfg.warmup), seconds=self.host_clock() - start)
+
+        paired = compare(set_candidate, lambda: session.window(self._runner(shared), self._window_steps), cfg,
+                         budget_s=budget, clock=self.host_clock, settle=lambda: session.warm(self._runner(), self._settle()),
+                         start_block=start_block, on_look=look)
+        return PairedResult(**asdict(paired.comparison), a=session.measurement(paired.a, warmup=cfg.warmup),
+                            b=session.measurement(paired.b, warmup=cfg.warmup), seconds=self.host_clock() - start)
 
     @contextlib.contextmanager
     def _heartbeat(self, label: str, every_s: float = 20.0) -> Iterator[None]:
@@ -1362,34 +1296,6 @@ class Ladder:
                 losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
-
-
-def _host_bound(m: Measurement, host_bound_share: float, busy_util: float) -> bool:
-    """Whether the host's time issuing the step is what sets it: its host time ``host_bound_share`` of
-    the step or more, and, where NVML saw the GPU, the GPU busy less than ``busy_util`` percent of the
-    time. A step that syncs (Lightning's progress bar reads the loss every step) holds the host until
-    the device is done, so its host time is the step's either way; the GPU's utilization tells which:
-    99% on GPT-2 in fp32 (device-bound, host 339.5 of 340.2 ms), 32% on Lightning's demo Transformer."""
-    if m.host_ms is None or not m.step_ms or m.host_ms < host_bound_share * m.step_ms:
-        return False
-    util = (m.telemetry or {}).get("util_mean")
-    return util is None or util < busy_util
-
-
-def _noise_source(m: Measurement, host_bound_share: float, busy_util: float) -> str:
-    """The likely source of a configuration's window-to-window noise, from what its windows show
-    (host-bound: see :func:`_host_bound`)."""
-    telemetry = m.telemetry or {}
-    if telemetry.get("slowdown_reasons"):
-        return f"the GPU's clocks ({', '.join(telemetry['slowdown_reasons'])})"
-    if m.data_wait_ms is not None and m.step_ms and m.data_wait_ms > 0.2 * m.step_ms:
-        return f"waiting for batches ({m.data_wait_ms:.1f} of {m.step_ms:.1f} ms per step)"
-    if m.clock == "perf_counter":
-        return "the host (a CPU step is all host time: other processes, frequency scaling)"
-    if _host_bound(m, host_bound_share, busy_util):
-        return (f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
-                "the CPU's jitter (scheduling, frequency, other threads) is the step's")
-    return "the device (no host, loader or clock cause seen)"
 
 
 class _RoundingNoise:

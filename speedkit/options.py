@@ -8,8 +8,10 @@ naming the field. Shared by rungs, recipes and the measurement settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal, get_args, get_origin
 
 from speedkit.errors import ConfigError
@@ -68,6 +70,30 @@ def _found(value: Any) -> str:
     if isinstance(value, float) and value != value:
         return ".nan (not a number); give a number"
     return f"{value!r} ({type(value).__name__})"
+
+
+def unknown_name(what: str, key: Any, allowed: Iterable[Any]) -> str:
+    """The message for a name not among ``allowed``: the closest match where one is close, and the list."""
+    allowed = [str(a) for a in allowed]
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    if close and len(allowed) > 12:  # a long list would bury the likely fix
+        return f"unknown {what} {str(key)!r}; did you mean '{close[0]}'?"
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown {what} {str(key)!r}; {hint}allowed: {', '.join(allowed) or 'none'}"
+
+
+def describe_value(value: Any) -> str:
+    """A value as an error message shows it: null, a mapping or list (shortened), or its repr and type."""
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'} {one_line(repr(value))[:80]}"
+    return f"{one_line(repr(value))[:80]} ({type(value).__name__})"
+
+
+def one_line(text: Any) -> str:
+    """``text`` with every run of whitespace (newlines included) made one space."""
+    return " ".join(str(text).split())
 
 
 def parse_options(options_cls: type, raw: Any, where: str) -> Any:

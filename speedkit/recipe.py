@@ -42,9 +42,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from speedkit.config import default_ladder, measure_defaults
+from speedkit.config import default_ladder
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
+from speedkit.measure.config import MeasureConfig
+from speedkit.options import describe_value as _describe
+from speedkit.options import one_line as _one_line
+from speedkit.options import unknown_name as _unknown
 
 if TYPE_CHECKING:  # lightning and torch are imported only when a recipe is loaded
     import lightning.pytorch as pl
@@ -55,39 +59,6 @@ TOP_LEVEL_KEYS = ("model", "data", "trainer", "ladder", "measure", "report", "se
 SYNTHETIC_DATA = {"tokens": "speedkit.demos.SyntheticTokens", "vectors": "speedkit.demos.SyntheticVectors"}
 REPORT_FORMATS = ("json", "md", "html")
 REPORT_DEFAULTS: dict[str, Any] = {"formats": ["json", "md", "html"], "title": None}
-
-#: measure keys: (annotation, lowest allowed, whether the lowest is excluded, highest excluded)
-_MEASURE_RULES: dict[str, tuple[Any, float | None, bool, float | None]] = {
-    "warmup": (int, 0, False, None),
-    "steps": (int, 1, False, None),
-    "repeats": (int, 1, False, None),
-    "parity_steps": (int, 1, False, None),
-    "min_gain": (float, 0.0, False, 1.0),
-    "memory_gain": (float, 0.0, False, 1.0),
-    "confidence": (float, 0.5, False, 1.0),
-    "min_blocks": (int, 2, False, None),
-    "max_blocks": (int, 2, False, None),
-    "budget_s": (float, 0.0, True, None),
-    "settle": (int, 0, False, None),
-    "final_check": (bool, None, False, None),
-    "together_passes": (int, 0, False, None),
-    "switches_floor": (bool, None, False, None),
-    "host_bound_share": (float, 0.0, True, None),
-    "busy_util": (float, 0.0, True, None),
-    "noise_target": (float, 0.0, False, None),
-    "max_window_factor": (int, 1, False, None),
-    "trials_budget_s": (float, 0.0, True, None),
-    "trials_share": (float, 0.0, True, None),
-    "trials_min_s": (float, 0.0, False, None),
-    "holds_windows": (int, 0, False, None),
-    "holds_threshold": (float, 0.0, True, None),
-    "throughput_unit": (Literal["auto", "tokens", "samples"], None, False, None),
-    "mfu_precision": (Literal["bf16", "fp16", "tf32", "fp32"], None, False, None),
-    "peak_tflops": (typing.Optional[float], 0.0, True, None),
-    "telemetry": (bool, None, False, None),
-    "profile": (bool, None, False, None),
-    "profile_steps": (int, 1, False, None),
-}
 
 #: Trainer arguments that may be given as class_path specs, and the base class each must extend
 _TRAINER_OBJECTS = {
@@ -139,7 +110,7 @@ class Recipe:
     #: the recipe's rungs; configs/defaults.yaml ``ladder:`` where it lists none (``ladder_given`` False)
     ladder: list[Rung]
     #: configs/defaults.yaml ``measure:`` overridden by the recipe
-    measure: dict[str, Any]
+    measure: MeasureConfig
     report: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(REPORT_DEFAULTS))
     seed: int = 0
     ladder_given: bool = True
@@ -311,7 +282,7 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
     ladder = rungs.make_all(raw["ladder"] if "ladder" in raw else default_ladder(), "ladder")
     _check_compile_backend(ladder)
-    measure = validate_measure(raw.get("measure"))
+    measure = MeasureConfig.from_dict(raw.get("measure"))
     report = _report(raw.get("report"))
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
@@ -454,38 +425,6 @@ def _trainer_object(value: Any, where: str, base: str | None, required: bool = F
             raise ConfigError(where, f"expected {{class_path: ..., init_args: {{...}}}}, found {_describe(value)}")
         return _class_spec(value, where, base)
     return value
-
-
-def validate_measure(value: Any) -> dict[str, Any]:
-    """``configs/defaults.yaml``'s ``measure:`` overridden by ``value``, every key checked (one-line
-    ConfigError naming ``measure.<key>``). Recipes and ``SpeedLadder(measure=...)`` use it."""
-    defaults = measure_defaults()
-    if value is None:
-        return defaults
-    if not isinstance(value, dict):
-        raise ConfigError("measure", f"expected a mapping, found {_describe(value)}")
-    allowed = list(dict.fromkeys([*defaults, *_MEASURE_RULES]))
-    out = dict(defaults)
-    for key, item in value.items():
-        where = f"measure.{key}"
-        if key not in allowed:
-            raise ConfigError(where, _unknown("key", key, allowed))
-        if key not in _MEASURE_RULES:  # a default added to configs/defaults.yaml without a rule here
-            out[key] = item
-            continue
-        tp, low, low_open, high = _MEASURE_RULES[key]
-        item = _check(item, tp, where)
-        if isinstance(item, (int, float)) and not isinstance(item, bool):
-            too_low = low is not None and (item <= low if low_open else item < low)
-            too_high = high is not None and item >= high
-            if too_low or too_high:
-                kind = "an integer" if tp is int else "a number"
-                rng = f"> {low}" if low_open else f">= {low}" if high is None else f"in [{low}, {high})"
-                raise ConfigError(where, f"expected {kind} {rng}, found {item!r}")
-        out[key] = item
-    if out["max_blocks"] < out["min_blocks"]:
-        raise ConfigError("measure.max_blocks", f"must be >= measure.min_blocks ({out['min_blocks']}), found {out['max_blocks']}")
-    return out
 
 
 def _report(value: Any) -> dict[str, Any]:
@@ -639,22 +578,3 @@ def _rung_spec(spec: Any) -> Any:
     return copy.deepcopy(spec)
 
 
-def _unknown(what: str, key: Any, allowed: Iterable[Any]) -> str:
-    allowed = [str(a) for a in allowed]
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    if close and len(allowed) > 12:  # a long list would bury the likely fix
-        return f"unknown {what} {str(key)!r}; did you mean '{close[0]}'?"
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown {what} {str(key)!r}; {hint}allowed: {', '.join(allowed) or 'none'}"
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, (dict, list)):
-        return f"a {'mapping' if isinstance(value, dict) else 'list'} {_one_line(repr(value))[:80]}"
-    return f"{_one_line(repr(value))[:80]} ({type(value).__name__})"
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())

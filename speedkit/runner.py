@@ -250,8 +250,8 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     ladder.on_progress = on_progress
     # room for the holds check: the kept rungs' own warm-up in the fit (a CUDA graph warms up and
     # captures again), and windows timed in place of those in which torch.compile compiled
-    windows = max(1, measure["holds_windows"])
-    fit_steps = max(measure["warmup"], _FIT_SETTLE_ROOM) + (windows + left_out_at_most(windows)) * measure["steps"]
+    windows = max(1, measure.holds_windows)
+    fit_steps = max(measure.warmup, _FIT_SETTLE_ROOM) + (windows + left_out_at_most(windows)) * measure.steps
     with _quiet_lightning(), warnings.catch_warnings():
         # trials that cannot run are optimize's error, said once (SpeedLadder in a user's fit warns instead)
         warnings.filterwarnings("ignore", message=r"speedkit: .*SpeedLadder\(\) applies no rungs", category=UserWarning)
@@ -510,8 +510,8 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
             return sized.build_model(), {"datamodule": sized.build_datamodule()}
 
         result = timed_fit_trial(size, accumulate, build, sized.build_trainer_kwargs(),
-                                 warmup=int(recipe.measure["warmup"]) if warmup is None else warmup,
-                                 window=int(recipe.measure["steps"]) if window is None else window, windows=windows,
+                                 warmup=recipe.measure.warmup if warmup is None else warmup,
+                                 window=recipe.measure.steps if window is None else window, windows=windows,
                                  quiet_notes=bool(measured),
                                  callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [])
         measured.append(size)

@@ -18,7 +18,8 @@ from fakes import CostStep, SpeedRung, VirtualTime, timed_state
 
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle, set_attr
-from speedkit.ladder import Ladder, MeasureConfig
+from speedkit.ladder import Ladder
+from speedkit.measure.config import MeasureConfig
 from speedkit.measure.stats import block_log_gain, decide, looks
 from speedkit.rungs.base import Rung
 from speedkit.step import StepWrapper

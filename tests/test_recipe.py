@@ -196,8 +196,8 @@ def test_measure_defaults_are_merged() -> None:
     from speedkit.config import measure_defaults
 
     recipe = load_recipe_text(recipe_text(measure="measure: {steps: 7, min_gain: 0}\n"))
-    assert recipe.measure == {**measure_defaults(), "steps": 7, "min_gain": 0.0}
-    assert load_recipe_text(recipe_text(measure=None)).measure == measure_defaults()
+    assert recipe.measure.to_dict() == {**measure_defaults(), "steps": 7, "min_gain": 0.0}
+    assert load_recipe_text(recipe_text(measure=None)).measure.to_dict() == measure_defaults()
     assert load_recipe_text(recipe_text(report=None, seed=None)).report == {"formats": ["json", "md", "html"], "title": None}
 
 

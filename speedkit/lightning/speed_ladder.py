@@ -43,9 +43,11 @@ from speedkit.data.loader import watch_fit_iterator_start
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
-from speedkit.ladder import Ladder, MeasureConfig, TrialsNotRun
+from speedkit.ladder import Ladder, TrialsNotRun
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
+from speedkit.lightning.steps import OptimizerSteps
+from speedkit.measure.config import MeasureConfig
 from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
@@ -81,10 +83,8 @@ class SpeedLadder(Callback):
     """
 
     def __init__(self, rungs: Sequence[str | dict | Rung] | None = None, *, trials: bool | None = None,
-                 measure: dict[str, Any] | None = None, report_dir: str | Path | None = None,
+                 measure: dict[str, Any] | MeasureConfig | None = None, report_dir: str | Path | None = None,
                  stop_after_holds: bool = False, on_event: Callable[[str], None] | None = None) -> None:
-        from speedkit.recipe import validate_measure
-
         super().__init__()
         if trials is not None and not isinstance(trials, bool):
             raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
@@ -97,7 +97,7 @@ class SpeedLadder(Callback):
                               "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder")
         self.trials = rungs is None if trials is None else trials
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
-        self.measure = MeasureConfig.from_dict(validate_measure(measure))
+        self.measure = MeasureConfig.from_dict(measure)
         self.report_dir = Path(report_dir) if report_dir is not None else None
         #: where the profile's traces go (default: ``report_dir/traces``; ``speedkit optimize``: its --out's)
         self.trace_dir: Path | None = None
@@ -121,7 +121,7 @@ class SpeedLadder(Callback):
         self._state: TrainState | None = None
         self._ladder: Ladder | None = None
         self._probe: _HoldsProbe | None = None
-        self._step_before = 0  # the Trainer's global_step when the current batch started (for the probe)
+        self._steps = OptimizerSteps()  # where the fit's optimizer steps start and end (for the probe)
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
         self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
 
@@ -174,7 +174,7 @@ class SpeedLadder(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._probe is not None:
-            self._step_before = trainer.global_step
+            self._steps.batch_started(trainer)
             self._probe.batch_started()
 
     @override
@@ -182,9 +182,7 @@ class SpeedLadder(Callback):
                            batch_idx: int) -> None:
         if self._probe is None:
             return
-        # an optimizer step ended with this batch when Lightning counted one: every accumulate_grad_batches
-        # batches, and at an epoch's last batch where they do not divide it (not when training_step returned None)
-        if self._probe.batch_ended(trainer.global_step != self._step_before):
+        if self._probe.batch_ended(self._steps.batch_ended(trainer)):
             self._finish_holds(trainer)
 
     @override
@@ -270,6 +268,7 @@ class SpeedLadder(Callback):
         settle = max((h.settle_steps for h in self.handles), default=0)
         self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle),
                                   trainer=trainer)
+        self._steps = OptimizerSteps()
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 

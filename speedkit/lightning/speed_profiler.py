@@ -31,10 +31,11 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from speedkit import compat
+from speedkit import compat, config
 from speedkit.data.source import count_items
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
+from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.flops import peak_tflops
 from speedkit.measure.monitor import StepMonitor
 
@@ -48,16 +49,20 @@ class SpeedProfiler(Callback):
     Args:
         log_every_n_steps: optimizer steps between logged figures (None: the Trainer's own).
         flops_per_step: model FLOPs of one optimizer step, for MFU (None: found or counted).
-        mfu_precision: the precision whose dense peak MFU divides by ("bf16", "fp16", "tf32", "fp32").
+        mfu_precision: the precision whose dense peak MFU divides by ("bf16", "fp16", "tf32", "fp32";
+            None: ``configs/defaults.yaml`` ``measure.mfu_precision``).
         peak_tflops: that peak, where the table in ``configs/gpu_peaks.yaml`` lacks the GPU.
         nvml: sample NVML in the background (a GPU with ``nvidia-ml-py``; else nothing).
-        throughput_unit: "auto", "tokens" or "samples".
+        throughput_unit: "auto", "tokens" or "samples" (None: ``measure.throughput_unit``).
         report_dir: write ``speed_profile.json`` (the summary) there at the end of the fit (rank 0).
     """
 
     def __init__(self, log_every_n_steps: int | None = None, flops_per_step: int | None = None,
-                 mfu_precision: str = "bf16", peak_tflops: float | None = None, nvml: bool = True,
-                 throughput_unit: str = "auto", report_dir: str | os.PathLike | None = None) -> None:
+                 mfu_precision: str | None = None, peak_tflops: float | None = None, nvml: bool = True,
+                 throughput_unit: str | None = None, report_dir: str | os.PathLike | None = None) -> None:
+        defaults = config.measure_defaults()
+        mfu_precision = defaults["mfu_precision"] if mfu_precision is None else mfu_precision
+        throughput_unit = defaults["throughput_unit"] if throughput_unit is None else throughput_unit
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
             raise ConfigError("log_every_n_steps", f"expected a positive integer, found {log_every_n_steps!r}")
         if flops_per_step is not None and (not isinstance(flops_per_step, int) or flops_per_step <= 0):
@@ -77,8 +82,7 @@ class SpeedProfiler(Callback):
         self.summary: dict[str, Any] | None = None
         self.mfu_note: str | None = None
         self._sampler: Any = None
-        self._in_step = False
-        self._global_step = 0
+        self._steps = OptimizerSteps()
         self._items = 0
         self._counter: FlopCounterMode | None = None
 
@@ -95,13 +99,12 @@ class SpeedProfiler(Callback):
         if self._sampler is not None:
             self._sampler.start()
         self.monitor = StepMonitor(device, flops_per_step=self.flops_per_step, peak_tflops=peak, nvml=self._sampler)
-        self._global_step, self._in_step, self._items = trainer.global_step, False, 0
+        self._steps, self._items = OptimizerSteps(), 0
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.monitor is None or self._in_step:
+        if self.monitor is None or not self._steps.batch_started(trainer):
             return
-        self._in_step = True
         self.monitor.step_started()
         if self.monitor.steps == 0 and self.monitor.flops_per_step is None and self._counter is None:
             self._start_counting(trainer, pl_module)  # the first step: counted, not timed
@@ -126,12 +129,11 @@ class SpeedProfiler(Callback):
     def _batch_end(self, trainer: pl.Trainer, monitor: StepMonitor, batch: Any) -> None:
         items, unit = count_items(batch, self.throughput_unit)
         self._items += items
-        if trainer.global_step == self._global_step:  # a micro-batch of an accumulation: the step goes on
+        if not self._steps.batch_ended(trainer):  # a micro-batch of an accumulation: the step goes on
             return
-        self._global_step = trainer.global_step
         self._stop_counting()
         monitor.step_ended(self._items, unit)
-        self._items, self._in_step = 0, False
+        self._items = 0
         every = self.log_every_n_steps or trainer.log_every_n_steps or 50
         if trainer.global_step % every == 0 and trainer.loggers and trainer.is_global_zero:
             metrics = {PREFIX + k: v for k, v in monitor.metrics().items()}

@@ -8,7 +8,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from speedkit import config
 from speedkit.data.source import count_items
+from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import Measurement
 
@@ -25,9 +27,16 @@ class StepTimer(Callback):
         warmup: optimizer steps not timed (compilation, autotuning, allocator warm-up).
         window: optimizer steps per timed window.
         unit: "auto", "tokens" or "samples" (see :func:`speedkit.data.count_items`).
+
+    Each left out (None) is ``configs/defaults.yaml``'s: ``step_timer:`` ``warmup`` and ``window``,
+    ``measure:`` ``throughput_unit``.
     """
 
-    def __init__(self, warmup: int = 5, window: int = 10, unit: str = "auto") -> None:
+    def __init__(self, warmup: int | None = None, window: int | None = None, unit: str | None = None) -> None:
+        defaults = config.step_timer_defaults()
+        warmup = defaults["warmup"] if warmup is None else warmup
+        window = defaults["window"] if window is None else window
+        unit = config.measure_defaults()["throughput_unit"] if unit is None else unit
         if warmup < 1 or window < 1:
             raise ValueError(f"warmup and window must be >= 1, found warmup={warmup}, window={window}")
         self.warmup, self.window, self.unit = warmup, window, unit
@@ -35,15 +44,18 @@ class StepTimer(Callback):
         self.items_per_step = 0
         self.throughput_unit = "samples/s"
         self.session: MeasureSession | None = None
+        self._steps = OptimizerSteps()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session = MeasureSession(trainer.strategy.root_device)
         self.session.begin_steps(self.window, warmup=self.warmup)
+        self._steps = OptimizerSteps()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.session is not None
+        self._steps.batch_started(trainer)
         self.session.batch_started()
 
     @override
@@ -53,7 +65,7 @@ class StepTimer(Callback):
             items, self.throughput_unit = count_items(batch, self.unit)
             self.items_per_step = items * trainer.accumulate_grad_batches
             self.session.items_per_step, self.session.unit = self.items_per_step, self.throughput_unit
-        window = self.session.batch_ended((batch_idx + 1) % trainer.accumulate_grad_batches == 0)
+        window = self.session.batch_ended(self._steps.batch_ended(trainer))
         if window is not None:
             self.windows.append(window)
 

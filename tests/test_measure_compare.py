@@ -1,0 +1,59 @@
+"""speedkit.measure.compare: the A/B comparison the ladder and the benchmarks share, on fake windows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from speedkit.measure.compare import compare
+
+RULE = SimpleNamespace(min_gain=0.01, confidence=0.95, min_blocks=3, max_blocks=12)
+
+
+def _pair(a_ms: float, b_ms: float, noise: float = 0.0):
+    """A switch and a window timer over two configurations of fixed step times (with alternating noise)."""
+    state = {"on": False, "order": [], "switches": 0, "n": 0}
+
+    def switch(on: bool) -> None:
+        state["on"] = on
+        state["switches"] += 1
+
+    def window() -> SimpleNamespace:
+        state["n"] += 1
+        state["order"].append("B" if state["on"] else "A")
+        ms = (b_ms if state["on"] else a_ms) * (1 + noise * (-1) ** state["n"])
+        return SimpleNamespace(ms=ms)
+
+    return state, switch, window
+
+
+def test_faster_b_is_kept_after_the_minimum_of_blocks_in_abba_order_and_a_is_left_on():
+    state, switch, window = _pair(10.0, 8.0, noise=0.01)
+    paired = compare(switch, window, RULE, budget_s=1e9, clock=lambda: 0.0)
+    assert paired.comparison.verdict == "faster" and paired.comparison.blocks == 3
+    assert paired.comparison.speedup == pytest.approx(1.25, rel=0.02)
+    assert "".join(state["order"]) == "ABBA" * 3 and state["on"] is False
+    assert len(paired.a) == len(paired.b) == 6
+
+
+def test_an_even_pair_is_not_faster_and_settle_runs_after_each_switch():
+    state, switch, window = _pair(10.0, 10.0, noise=0.001)
+    settled = []
+    looks = []
+    paired = compare(switch, window, RULE, budget_s=1e9, clock=lambda: 0.0, settle=lambda: settled.append(state["on"]),
+                     on_look=looks.append)
+    assert paired.comparison.verdict == "not_faster" and looks[-1] is paired.comparison
+    assert settled[:2] == [True, False]  # after A -> B and B -> A, within each block
+
+
+def test_the_budget_stops_an_undecided_comparison_at_the_first_look_after_it():
+    now = [0.0]
+    state, switch, window = _pair(10.0, 10.2, noise=0.2)
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    paired = compare(switch, window, RULE, budget_s=0.5, clock=clock)
+    assert paired.comparison.blocks == RULE.min_blocks and state["on"] is False
