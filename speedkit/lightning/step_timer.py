@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from speedkit.data.source import count_items
+from speedkit.data.batch import count_items
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import Measurement
 
