@@ -133,7 +133,7 @@ def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
     """``n`` processes doing the dataset's per-sample work until the returned event is set."""
     import multiprocessing
 
-    from speedkit.data.loader import training_cpus
+    from speedkit.data.topology import training_cpus
     from speedkit.demos.data import _JpegSamples
 
     dataset = _JpegSamples(data["length"], data["size"], data["crop"], data["classes"], seed=1)
@@ -178,7 +178,7 @@ def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: i
 
 def print_cpus() -> None:
     """The CPUs this process may use and which share a core (a diagnostic's context)."""
-    from speedkit.data.loader import allowed_cpus, core_siblings, current_cpu, format_cpu_list, training_cpus
+    from speedkit.data.topology import allowed_cpus, core_siblings, current_cpu, format_cpu_list, training_cpus
 
     cpus = sorted(allowed_cpus())
     pairs = sorted({format_cpu_list(core_siblings(c)) for c in cpus})

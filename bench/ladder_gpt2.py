@@ -32,7 +32,7 @@ from bench.common import Results, gemm_ceiling_tflops  # noqa: E402
 from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
 from speedkit.measure import count_step_flops  # noqa: E402
 from speedkit.measure.session import MeasureSession  # noqa: E402
-from speedkit.data.source import move_to_device  # noqa: E402
+from speedkit.data.batch import move_to_device  # noqa: E402
 from speedkit.step import PlainStep  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"

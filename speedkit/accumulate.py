@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedkit.data.source import batch_leaves, map_batch
+from speedkit.data.batch import batch_leaves, map_batch
+from speedkit.data.rng import RngState
 from speedkit.errors import ConfigError, SpeedkitError, first_line
 
 #: fn(micro_batch, weight) -> the micro-batch's weighted loss, detached, after its backward ran; None
@@ -191,7 +192,7 @@ class GradStash:
 
 class _ModelState:
     """What a failed attempt may have moved besides the gradients: normalization layers' running
-    statistics and the random-number generators (CPU, and the current CUDA device's)."""
+    statistics and the random-number generators (torch's CPU and CUDA ones)."""
 
     def __init__(self, model: nn.Module | None) -> None:
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -202,16 +203,13 @@ class _ModelState:
                         b = getattr(m, name, None)
                         if isinstance(b, torch.Tensor):
                             self.buffers.append((b, b.detach().clone()))
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.rng = RngState.capture(process=("torch", "cuda"))
 
     def restore(self) -> None:
         with torch.no_grad():
             for b, saved in self.buffers:
                 b.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng)
+        self.rng.restore()
 
 
 def capturing_cuda_graph() -> bool:

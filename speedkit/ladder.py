@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from speedkit import compat, config
-from speedkit.data.source import SourceWrapper, count_items
+from speedkit.data.batch import count_items
 from speedkit.data.static import signature
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.fork_safety import protect_forked_children
@@ -1140,10 +1140,7 @@ class Ladder:
         asked for another while the first is in use."""
         data = self.state.data
         assert data is not None
-        maps = []
-        while isinstance(data, SourceWrapper) and data.maps_batches:
-            maps.append(data.map_batch)
-            data = data.inner
+        data, maps = data.unmapped()
         if id(data) not in self._iterators:
             self._iterators[id(data)] = data.iterator()
         batches = self._iterators[id(data)]

@@ -166,14 +166,14 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
     import torch
 
     from speedkit import compat
-    from speedkit.data.source import batch_leaves, map_batch
+    from speedkit.data.batch import batch_leaves, map_batch
     from speedkit.recipe import SYNTHETIC_DATA
-    from speedkit.snapshot import rng_state, set_rng_state
+    from speedkit.data.rng import RngState
 
     if recipe.data is None or recipe.data.class_path not in SYNTHETIC_DATA.values():
         return
     kind = next(k for k, v in SYNTHETIC_DATA.items() if v == recipe.data.class_path)
-    saved = rng_state()
+    saved = RngState.capture()
     try:
         with _quiet_lightning(), torch.random.fork_rng(devices=[]):
             model = model if model is not None else recipe.build_model()
@@ -203,7 +203,7 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
                                   f"({first_line(exc, type(exc).__name__)}); give the data your model takes: "
                                   f"{', '.join(k for k in SYNTHETIC_DATA if k != kind)} or a data module of your own") from None
     finally:
-        set_rng_state(saved)
+        saved.restore()
 
 
 def _raised_in_torch(exc: BaseException) -> bool:
@@ -392,7 +392,7 @@ def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, An
     is measured (its memory above all) on the longest batch a fit meets rather than on those its
     short trial happens to draw. Where every scanned batch has one shape, the data as it is. Returns
     the data and a line saying which."""
-    from speedkit.data.loader import tensor_bytes
+    from speedkit.data.batch import tensor_bytes
     from speedkit.data.static import signature
 
     dm = data.get("datamodule")

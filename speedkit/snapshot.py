@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import random
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from speedkit import compat
+from speedkit.data.rng import RngState
 
 _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -172,34 +172,6 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG state a training step or a data loader may draw from."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
-        "python": random.getstate(),
-        "numpy": None,
-    }
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    if state.get("numpy") is not None:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
 class Snapshot:
     """A copy of the training state; ``restore()`` puts it back in place, any number of times.
 
@@ -244,7 +216,7 @@ class Snapshot:
                                for g in optimizer.param_groups]
         self.step_state = step.state_dict() if step is not None else None
         self.data_state = data.state_dict() if data is not None else None
-        self.rng = rng_state()
+        self.rng = RngState.capture()  # the process RNGs
 
     @torch.no_grad()
     def restore(self, rng: bool = True) -> None:
@@ -282,4 +254,4 @@ class Snapshot:
             self.restore_rng()
 
     def restore_rng(self) -> None:
-        set_rng_state(self.rng)
+        self.rng.restore()

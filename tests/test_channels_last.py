@@ -241,7 +241,7 @@ def test_the_source_wrapper_delegates_all_but_the_layout():
     inner = BatchSource(DataLoader(TensorDataset(torch.randn(8, 3, 4, 4)), batch_size=2, shuffle=True,
                                    generator=torch.Generator().manual_seed(0)), "cpu")
     source = ChannelsLastSource(inner)
-    assert source.generators() == inner.generators() and source.state_dict()["generators"]
+    assert source.generators() == inner.generators() and source.state_dict()["generators"].generators
     host = source.parity_batches(2)
     assert all(b[0].is_contiguous() for b in host)
     assert source.to_device(host[0])[0].is_contiguous(memory_format=CL)

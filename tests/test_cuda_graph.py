@@ -577,7 +577,7 @@ def _batch(seed: int, n: int = 4):
 
 
 def _flat(batch):
-    from speedkit.data.source import batch_leaves
+    from speedkit.data.batch import batch_leaves
 
     return batch_leaves(batch)
 

@@ -20,13 +20,17 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from speedkit import compat, rungs
 from speedkit.data import BatchSource
-from speedkit.data.loader import LoaderSettings, choose_settings, loader_rate, rebuild_loader, worker_dependence
+from speedkit.data.choose import choose_settings, loader_rate
+from speedkit.data.settings import LoaderSettings, rebuild_loader
+from speedkit.data.workers import worker_dependence
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.errors import ConfigError
 from speedkit.ladder import Ladder
 from speedkit.lightning import SpeedLadder
 from speedkit.rungs import data_path
-from speedkit.rungs.data_path import DataPathRung, DataPathSource, Plan, overridden_transfer_hooks
+from speedkit.lightning import data as lightning_data
+from speedkit.lightning.data import DataPathFit, overridden_transfer_hooks
+from speedkit.rungs.data_path import DataPathRung, DataPathSource, Plan
 from speedkit.state import TrainState
 
 CPU = torch.device("cpu")
@@ -487,11 +491,9 @@ def test_overridden_transfer_hooks_are_found_on_the_module_and_the_datamodule():
         def transfer_batch_to_device(self, batch, device, dataloader_idx):
             return batch
 
-    source = SimpleNamespace(trainer=SimpleNamespace(datamodule=Moving()), module=Hooked())
-    assert overridden_transfer_hooks(SimpleNamespace(inner=source)) == [
+    assert overridden_transfer_hooks(SimpleNamespace(datamodule=Moving()), Hooked()) == [
         "LightningModule.on_before_batch_transfer", "datamodule.transfer_batch_to_device"]
-    plain = SimpleNamespace(trainer=SimpleNamespace(datamodule=None), module=pl.LightningModule())
-    assert overridden_transfer_hooks(plain) == []
+    assert overridden_transfer_hooks(SimpleNamespace(datamodule=None), pl.LightningModule()) == []
 
 
 # -- a Lightning fit --------------------------------------------------------------------------------
@@ -648,7 +650,7 @@ def test_persistent_workers_make_and_draw_what_they_would_without_prefetching(li
     (the same pull schedule, nothing copied)."""
     force_prefetch(monkeypatch)
     if not capped:  # what the fit read before the cap: one batch more per epoch than Lightning took
-        monkeypatch.setattr(data_path, "epoch_batches", lambda trainer: None)
+        monkeypatch.setattr(lightning_data, "epoch_batches", lambda trainer: None)
 
     def fit(callbacks) -> Seen:
         return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, max_epochs=3, limit_train_batches=limit)
@@ -680,7 +682,7 @@ def test_an_epoch_the_module_ends_at_batch_start_leaves_the_persistent_workers_w
     one batch more per epoch, and the augmentations move. Prefetching is forced on the CPU here."""
     force_prefetch(monkeypatch)
     if not told:
-        monkeypatch.setattr(data_path, "may_end_epoch_at_batch_start", lambda trainer: False)
+        monkeypatch.setattr(lightning_data, "may_end_epoch_at_batch_start", lambda trainer: False)
     pulls = _Pulls(monkeypatch)
 
     def fit(callbacks) -> Seen:
@@ -818,7 +820,7 @@ def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, 
 
 def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_made_it(monkeypatch):
     """Serving a reloaded loader fails: the fit goes on, on the loader Lightning made, and says why."""
-    serve = DataPathSource._serve
+    serve = DataPathFit._serve
     calls = []
 
     def failing(self, trainer, original):
@@ -827,7 +829,7 @@ def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_
             raise RuntimeError("no room")
         return serve(self, trainer, original)
 
-    monkeypatch.setattr(DataPathSource, "_serve", failing)
+    monkeypatch.setattr(DataPathFit, "_serve", failing)
 
     def fit(callbacks) -> Seen:
         return fit_and_see(lambda: Model("global_rng", 0, False), callbacks, max_epochs=3, reload_dataloaders_every_n_epochs=1)
@@ -844,7 +846,7 @@ def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_
 def test_stop_at_length_reads_no_further_than_the_sampler_length():
     from torch.utils.data import RandomSampler
 
-    from speedkit.data.loader import StopAtLength, needs_stop_at_length, reads_sampler_to_its_end
+    from speedkit.data.settings import StopAtLength, needs_stop_at_length, reads_sampler_to_its_end
 
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     wrapped, plain = StopAtLength(RandomSampler(range(10), generator=g1)), RandomSampler(range(10), generator=g2)
@@ -865,7 +867,7 @@ def test_stop_at_length_reads_no_further_than_the_sampler_length():
 
 
 def test_worker_counts_leave_two_cores_to_the_training_process():
-    from speedkit.data.loader import worker_counts
+    from speedkit.data.choose import worker_counts
 
     assert worker_counts(0, 16) == [0, 2, 4, 8, 14]
     assert worker_counts(4, 8) == [4, 2, 6]
@@ -877,7 +879,7 @@ def test_worker_counts_leave_two_cores_to_the_training_process():
 
 
 def test_cpu_lists_parse_and_format_as_linux_writes_them():
-    from speedkit.data.loader import format_cpu_list, parse_cpu_list
+    from speedkit.data.topology import format_cpu_list, parse_cpu_list
 
     assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert format_cpu_list({11, 0, 1, 2, 3, 8, 10}) == "0-3,8,10-11"
@@ -885,7 +887,7 @@ def test_cpu_lists_parse_and_format_as_linux_writes_them():
 
 
 def test_training_cpus_keep_the_core_issuing_the_step_and_one_more_with_their_hyperthreads():
-    from speedkit.data.loader import training_cpus
+    from speedkit.data.topology import training_cpus
 
     allowed = set(range(16))
     kept, rest = training_cpus(allowed=allowed, here=5, siblings=lambda c: {c % 8, c % 8 + 8})
@@ -899,7 +901,7 @@ def test_training_cpus_keep_the_core_issuing_the_step_and_one_more_with_their_hy
 
 
 def test_ddp_ranks_on_one_machine_each_keep_their_own_share_and_no_worker_runs_on_another_ranks_cores():
-    from speedkit.data.loader import host_share, physical_cores, training_cpus
+    from speedkit.data.topology import host_share, physical_cores, training_cpus
 
     allowed, ht = set(range(16)), (lambda c: {c % 8, c % 8 + 8})  # 8 cores, CPU c and c + 8 share one
     assert physical_cores(allowed, ht)[:2] == [{0, 8}, {1, 9}]
@@ -957,7 +959,7 @@ def test_rebuilt_workers_run_on_the_cpus_given_and_still_call_the_loaders_worker
     import os
     import pickle
 
-    from speedkit.data.loader import WorkerAffinity
+    from speedkit.data.topology import WorkerAffinity
 
     one = (min(os.sched_getaffinity(0)),)
     loader = DataLoader(Affinities(), batch_size=None, num_workers=0, worker_init_fn=_note_worker)
@@ -997,7 +999,7 @@ def test_the_threads_a_loader_iterator_starts_here_go_to_the_cpus_its_workers_we
     import os
     import threading
 
-    from speedkit.data.loader import iterate_with_threads_kept
+    from speedkit.data.topology import iterate_with_threads_kept
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -1030,7 +1032,8 @@ def test_a_lightning_step_counts_the_trainers_processes_on_this_machine():
 
 def test_under_ddp_the_rung_plans_workers_within_its_ranks_share(monkeypatch):
     import speedkit.rungs.data_path as data_path_module
-    from speedkit.data.loader import Choice, LoaderSettings
+    from speedkit.data.choose import Choice
+    from speedkit.data.settings import LoaderSettings
 
     seen = {}
 
@@ -1060,14 +1063,13 @@ def test_mappings_that_are_no_dict_are_batches_too():
     counted, copied and moved like a dict's, and it stays a BatchEncoding (its encodings with it)."""
     from transformers import BatchEncoding
 
-    from speedkit.data.loader import _same
-    from speedkit.data.source import count_items, host_copy, move_to_device
+    from speedkit.data.batch import count_items, host_copy, move_to_device, same_batch
 
     batch = BatchEncoding({"input_ids": torch.ones(4, 7, dtype=torch.long), "attention_mask": torch.ones(4, 7, dtype=torch.long)})
     assert count_items(batch) == (28, "tokens/s")
     copied = host_copy(batch)
     assert type(copied) is BatchEncoding and copied is not batch
     assert copied["input_ids"] is not batch["input_ids"] and torch.equal(copied["input_ids"], batch["input_ids"])
-    assert _same(copied, batch) and not _same(copied, BatchEncoding({**batch, "input_ids": batch["input_ids"] + 1}))
+    assert same_batch(copied, batch) and not same_batch(copied, BatchEncoding({**batch, "input_ids": batch["input_ids"] + 1}))
     moved = move_to_device(batch, torch.device("cpu"))
     assert type(moved) is BatchEncoding and set(moved) == {"input_ids", "attention_mask"}

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from speedkit.data.ring import (BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_epoch, slot_bytes_for,
                                 stop_ring_workers)
-from speedkit.data.source import batch_leaves, chain_epochs
+from speedkit.data.batch import batch_leaves
+from speedkit.data.source import chain_epochs
 from speedkit.rungs.data_path import DataPathOptions, plan_ring
 from test_data_path_gpu import Item, Pair, Stamped  # the batch types the GPU prefetch tests use
 
@@ -129,7 +130,8 @@ def test_a_ring_epoch_draws_its_shuffle_when_it_is_made_not_at_its_first_batch()
 
 
 def test_the_ring_is_planned_for_the_chosen_workers_within_its_memory_cap():
-    from speedkit.data.loader import Choice, LoaderSettings
+    from speedkit.data.choose import Choice
+    from speedkit.data.settings import LoaderSettings
 
     current, chosen = LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2)
     choice = Choice(current, chosen, [], [], batch_bytes=25 << 20)
@@ -176,7 +178,8 @@ def test_default_collate_in_a_worker_stacks_into_ordinary_memory_for_the_ring_an
 
 def test_the_rings_default_cap_is_an_eighth_of_the_machines_memory(monkeypatch):
     import speedkit.rungs.data_path as data_path
-    from speedkit.data.loader import Choice, LoaderSettings
+    from speedkit.data.choose import Choice
+    from speedkit.data.settings import LoaderSettings
 
     choice = Choice(LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2), [], [], batch_bytes=25 << 20)
     monkeypatch.setattr(data_path, "physical_memory", lambda: 4 << 30)  # an eighth: 512 MiB, under the ring's 840 MiB
@@ -188,7 +191,8 @@ def test_the_rings_default_cap_is_an_eighth_of_the_machines_memory(monkeypatch):
 
 def test_no_ring_where_shared_memory_is_too_small(monkeypatch):
     import speedkit.rungs.data_path as data_path
-    from speedkit.data.loader import Choice, LoaderSettings
+    from speedkit.data.choose import Choice
+    from speedkit.data.settings import LoaderSettings
 
     choice = Choice(LoaderSettings(0, False, False, None), LoaderSettings(8, True, False, 2), [], [], batch_bytes=25 << 20)
     monkeypatch.setattr(data_path, "shared_memory_free", lambda: 64 << 20)  # a container's default /dev/shm

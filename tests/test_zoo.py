@@ -24,7 +24,7 @@ import torch
 from test_lightning import _model_fingerprint
 
 from speedkit import compat
-from speedkit.data.source import count_items
+from speedkit.data.batch import count_items
 from speedkit.demos.zoo import ZOO
 from speedkit.lightning import SpeedLadder
 from speedkit.results import LadderResult

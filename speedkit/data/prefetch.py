@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from speedkit.data.loader import iterate_with_threads_kept
+from speedkit.data.batch import batch_leaves, map_batch, move_to_device
 from speedkit.data.ring import BatchRing, Packed, ring_epoch, stop_ring_workers
-from speedkit.data.source import batch_leaves, map_batch, move_to_device
+from speedkit.data.topology import iterate_with_threads_kept
 from speedkit.fork_safety import protect_forked_children
 
 

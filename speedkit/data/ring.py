@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from speedkit import compat
-from speedkit.data.loader import iterate_with_threads_kept
-from speedkit.data.source import batch_leaves, map_batch
+from speedkit.data.batch import batch_leaves, map_batch
+from speedkit.data.topology import iterate_with_threads_kept
 
 #: byte alignment of each tensor in a slot (any dtype may view it)
 ALIGN = 256
@@ -331,5 +331,20 @@ def stop_ring_workers(loader: Any) -> None:
     compat.shutdown_workers(loader)
 
 
-__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingEpoch", "RingLeaf", "handoff_loader", "packable", "persistent",
-           "ring_epoch", "slot_bytes_for", "stop_ring_workers"]
+def make_ring(spec: tuple[int, int, int]) -> BatchRing | None:
+    """A ring of ``spec`` (workers, slots per worker, bytes per slot), pinned; None where it cannot be made
+    or pinned (the batches then travel the usual way)."""
+    try:
+        ring = BatchRing(*spec)
+    except (RuntimeError, OSError, MemoryError):
+        return None
+    return ring if ring.register() else None
+
+
+def describe_ring(ring: BatchRing) -> str:
+    return (f"a ring of shared pinned memory ({ring.nbytes / 2**20:,.0f} MiB: {ring.slots_per_worker} slots of "
+            f"{ring.slot_bytes / 2**20:.1f} MiB per worker), copied to the device from there")
+
+
+__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingEpoch", "RingLeaf", "describe_ring", "handoff_loader",
+           "make_ring", "packable", "persistent", "ring_epoch", "slot_bytes_for", "stop_ring_workers"]

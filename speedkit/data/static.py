@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from speedkit.data.source import batch_leaves, map_batch
+from speedkit.data.batch import batch_leaves, map_batch
 
 
 def signature(batch: Any) -> Any:

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from speedkit import config
 from speedkit import rungs as rung_registry
-from speedkit.data.loader import watch_fit_iterator_start
+from speedkit.lightning.data import bind_source, watch_fit_iterator_start
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
@@ -282,7 +282,8 @@ class SpeedLadder(Callback):
             if wrapper is original or wrapper is None:
                 continue
             try:
-                handle = wrapper.bind_fit(trainer, pl_module)
+                handle = (bind_source(wrapper, trainer, pl_module) if what == "batch source"
+                          else wrapper.bind_fit(trainer, pl_module))
             except Exception as exc:  # the fit goes on as Lightning runs it
                 line = f"the kept {what} wrapper {type(wrapper).__name__} could not bind into the fit: {type(exc).__name__}: {exc}"
                 self.skipped[f"bind_{what.replace(' ', '_')}"] = line

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
 from speedkit import compat, config
-from speedkit.data.source import count_items
+from speedkit.data.batch import count_items
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.lightning.steps import OptimizerSteps

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from speedkit import compat
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
+from speedkit.lightning.data import overridden_transfer_hooks
 from speedkit.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
 _MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -326,6 +327,9 @@ class LightningSource(BatchSource):
         items = super().epoch()
         # a CombinedLoader yields (batch, batch_idx, dataloader_idx)
         return (item[0] for item in items) if self._combined else items
+
+    def host_batch_hooks(self) -> list[str]:
+        return overridden_transfer_hooks(self.trainer, self.module)
 
     def to_device(self, batch: Any) -> Any:
         batch = compat.lightning_before_batch_transfer(self.trainer, self.module, batch)

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from speedkit import config
-from speedkit.data.source import count_items
+from speedkit.data.batch import count_items
 from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import Measurement
