@@ -30,7 +30,7 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 	touch $@
 
 demo: $(VENV)/.demo-installed
-	$(PY) -m speedkit.cli optimize --out runs/tiny-cpu
+	$(PY) -m speedkit optimize --out runs/tiny-cpu
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest -q

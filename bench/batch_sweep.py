@@ -6,8 +6,8 @@ the library model, the library's attention switch; or a recipe file, its ladder 
 ``speedkit fit`` does), at the user's micro-batch and accumulation (``--accumulate``, so that the
 effective batch is micro-batch x accumulation and kept):
 
-  speedkit_choice   speedkit.sweep.sweep over the candidates, each size a short timed fit
-                    (speedkit.runner.timed_fit_trial: warm-up steps, then windows on the step clock)
+  speedkit_choice   speedkit.engine.sweep.sweep over the candidates, each size a short timed fit
+                    (speedkit.frontend.runner.timed_fit_trial: warm-up steps, then windows on the step clock)
   exhaustive_best   every candidate size measured the same way; the fastest that fit with the margin
   user              the user's own micro-batch (from the exhaustive pass)
   holds             200 optimizer steps at speedkit's choice: status "fits" or "out of memory"
@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO))
 from bench.common import Results  # noqa: E402
 from bench.zoo import channels_last_as_a_user_would, compile_as_a_user_would  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
-from speedkit.runner import recipe_trials, timed_fit_trial  # noqa: E402
-from speedkit.sweep import MARGIN, SweepTrial, candidates, sweep  # noqa: E402
+from speedkit.frontend.runner import recipe_trials, timed_fit_trial  # noqa: E402
+from speedkit.engine.sweep import MARGIN, SweepTrial, candidates, sweep  # noqa: E402
 
 
 def zoo_target(name: str, tiny: bool) -> tuple[int, Any]:
@@ -65,7 +65,7 @@ def zoo_target(name: str, tiny: bool) -> tuple[int, Any]:
 
 def recipe_target(path: str) -> tuple[int, Any]:
     """The recipe's batch size and its trial function (speedkit sweep's: its ladder applied, seeded)."""
-    from speedkit.recipe import load_recipe
+    from speedkit.frontend.recipe import load_recipe
 
     _, start, trial = recipe_trials(load_recipe(Path(path)))
     return start, trial

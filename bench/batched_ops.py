@@ -34,7 +34,7 @@ from speedkit.demos.batched import LoopOfGEMMs  # noqa: E402
 from speedkit.measure import summarize  # noqa: E402
 from speedkit.measure.session import MeasureSession  # noqa: E402
 from speedkit.rungs.batched import BatchedRung  # noqa: E402
-from speedkit.state import TrainState  # noqa: E402
+from speedkit.training.state import TrainState  # noqa: E402
 
 TARGET_SPEEDUP = 20.0
 PRECISIONS = {"fp32": "highest", "tf32": "high"}  # name in the results: torch.set_float32_matmul_precision

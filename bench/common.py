@@ -76,15 +76,7 @@ def gemm_ceiling_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, repe
     """Median bf16 GEMM rate on random data (the measured ceiling MFU is quoted against in ANCHORS.md)."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    from speedkit.measure.session import MeasureSession
+
+    times = sorted(MeasureSession(torch.device("cuda")).window_times(lambda: a @ b, warmup=3, steps=1, repeats=repeats))
     return 2 * n**3 / (times[len(times) // 2] / 1e3) / 1e12

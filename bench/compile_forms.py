@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
 
 VARIANTS = ("module/foreach", "module/fused", "forward/fused", "eager/fused")
 
@@ -64,18 +65,9 @@ def run(name: str, variant: str, steps: int, windows: int, warmup: int) -> tuple
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for i in range(warmup):
-        step(i)
-    torch.cuda.synchronize()
-    times = []
-    for w in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(steps):
-            step(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
+    calls = iter(range(1 << 62))
+    times = MeasureSession(torch.device("cuda")).window_times(lambda: step(next(calls)), warmup=warmup, steps=steps,
+                                                              repeats=windows)
     breaks = sum(counters["graph_break"].values())
     frames = counters["stats"]["unique_graphs"]
     torch.cuda.empty_cache()

@@ -30,23 +30,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
-from speedkit.layers import padded_linear  # noqa: E402
+from speedkit.kernels.layers import padded_linear  # noqa: E402
+from speedkit.measure.session import MeasureSession  # noqa: E402
 
 
 def time_call(fn, *, warmup: int = 5, repeats: int = 10, windows: int = 7) -> float:
     """Median milliseconds per call over ``windows`` windows of ``repeats`` calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    per_call = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / repeats)
-    return statistics.median(per_call)
+    return statistics.median(MeasureSession(torch.device("cuda")).window_times(fn, warmup=warmup, steps=repeats, repeats=windows))
 
 
 def main() -> None:

@@ -62,8 +62,8 @@ def recipes(tiny: bool) -> dict[str, dict[str, Any]]:
 
 
 def run_model(name: str, raw: dict[str, Any], out: Path, res: Results) -> None:
-    from speedkit.recipe import load_recipe
-    from speedkit.runner import optimize
+    from speedkit.frontend.recipe import load_recipe
+    from speedkit.frontend.runner import optimize
 
     recipe = load_recipe(raw)
     t0 = time.perf_counter()

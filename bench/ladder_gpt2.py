@@ -33,7 +33,7 @@ from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
 from speedkit.measure import count_step_flops  # noqa: E402
 from speedkit.measure.session import MeasureSession  # noqa: E402
 from speedkit.data.batch import move_to_device  # noqa: E402
-from speedkit.step import PlainStep  # noqa: E402
+from speedkit.training.step import PlainStep  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"
 BATCH, SEQ, VOCAB = 16, 1024, 50304
@@ -91,7 +91,7 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
     import shutil
 
     from bench.common import RESULTS, gpu_slug
-    from speedkit.cli import main
+    from speedkit.frontend.cli import main
     from speedkit.report import load_report
 
     t0 = time.perf_counter()

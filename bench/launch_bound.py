@@ -29,10 +29,10 @@ from speedkit import config  # noqa: E402
 from speedkit import rungs as rung_registry  # noqa: E402
 from speedkit.data.source import BatchSource  # noqa: E402
 from speedkit.demos import LaunchBoundMLP  # noqa: E402
-from speedkit.ladder import Ladder  # noqa: E402
+from speedkit.engine.ladder import Ladder  # noqa: E402
 from speedkit.measure.session import MeasureSession  # noqa: E402
-from speedkit.state import TrainState  # noqa: E402
-from speedkit.step import PlainStep  # noqa: E402
+from speedkit.training.state import TrainState  # noqa: E402
+from speedkit.training.step import PlainStep  # noqa: E402
 
 BATCH, FEATURES, HIDDEN, DEPTH, CLASSES = 64, 256, 256, 8, 10
 WARMUP, STEPS, REPEATS = 20, 200, 7

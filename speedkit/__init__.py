@@ -15,7 +15,7 @@ To measure which rungs pay off on your model: ``speedkit optimize recipe.yaml``.
 
 from __future__ import annotations
 
-from speedkit.api import Applied, apply
+from speedkit.frontend.api import Applied, apply
 from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
 
 __version__ = "0.1.0"

@@ -32,6 +32,11 @@ def measure_defaults() -> dict[str, Any]:
     return dict(load("defaults")["measure"])
 
 
+def defaults(section: str) -> Any:
+    """One section of ``configs/defaults.yaml`` (``measure``, ``step_timer``, ``loader``, ``nvml``, ``sweep``, ...)."""
+    return load("defaults")[section]
+
+
 def step_timer_defaults() -> dict[str, Any]:
     """How ``StepTimer`` times a fit's steps where its caller does not say (``step_timer:``)."""
     return dict(load("defaults")["step_timer"])

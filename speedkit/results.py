@@ -125,7 +125,7 @@ class LadderResult:
     #: where the step's time goes: torch.profiler windows of the baseline, of each kept rung added in
     #: the final order and of the final configuration, and host syncs (speedkit.profile); None: not profiled
     profile: dict[str, Any] | None = None
-    #: each kept rung's share of the total and the categories it moved (speedkit.attribution)
+    #: each kept rung's share of the total and the categories it moved (speedkit.engine.attribution)
     attribution: dict[str, Any] | None = None
     #: NVML samples over the profile windows (utilization, power against its limit, SM clock, reasons)
     telemetry_timeline: dict[str, Any] | None = None

@@ -63,7 +63,7 @@ def tiny_gpt_state(batch_size: int = 4, seq_len: int = 32, device: str = "cpu", 
     """A TrainState over the tiny naive GPT with synthetic tokens."""
     from speedkit.data import BatchSource
     from speedkit.demos import NaiveGPT, SyntheticTokens
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     torch.manual_seed(0)
     model = NaiveGPT("tiny", **model_kwargs).to(device)
@@ -75,7 +75,7 @@ def tiny_gpt_state(batch_size: int = 4, seq_len: int = 32, device: str = "cpu", 
 def mlp_state(device: str = "cpu", **kwargs):
     from speedkit.data import BatchSource
     from speedkit.demos import LaunchBoundMLP, SyntheticVectors
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     torch.manual_seed(0)
     model = LaunchBoundMLP(depth=2, hidden=32, features=16, **kwargs).to(device)

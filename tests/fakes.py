@@ -14,7 +14,7 @@ from typing import Any
 from speedkit.handle import set_attr
 from speedkit.measure.clock import StepClock
 from speedkit.rungs.base import Handle, Rung
-from speedkit.step import StepWrapper
+from speedkit.training.step import StepWrapper
 
 
 class VirtualTime:

@@ -36,7 +36,7 @@ def _models() -> list[tuple[str, nn.Module, Any]]:
     import attention_models
     from speedkit.demos import batched as batched_demos
     from speedkit.demos.zoo import ZOO
-    from speedkit.recipe import load_recipe
+    from speedkit.frontend.recipe import load_recipe
 
     out: list[tuple[str, nn.Module, Any]] = []
     for name in sorted(ZOO):
@@ -112,7 +112,7 @@ def _site_report(handle: Any) -> Any:
 
 def capture() -> dict[str, Any]:
     from speedkit import rungs
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     out: dict[str, Any] = {}
     for label, model, optimizer in _models():

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import speedkit
-from speedkit import layers
+from speedkit.kernels import layers
 from speedkit.rungs.aligned_linear import AlignedLinearOptions, AlignedLinearRung, misaligned_linears
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 class TiedLM(nn.Module):

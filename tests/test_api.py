@@ -93,7 +93,7 @@ def test_speedladder_arguments_that_cannot_work_are_one_line_errors():
 def test_batches_end_with_the_epoch_and_group_micro_batches():
     """The README's loop ends when the data does: one epoch per batches() call (a fresh pass),
     ``steps`` stops early, ``accumulate`` groups the micro-batches of one optimizer step."""
-    from speedkit.api import MicroBatches
+    from speedkit.frontend.api import MicroBatches
 
     model, opt, _ = _plain()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randint(0, 10, (40,))),

@@ -1,4 +1,4 @@
-"""async_progress_bar: per-step progress-bar values read late without a host sync (speedkit.lagged_scalars),
+"""async_progress_bar: per-step progress-bar values read late without a host sync (speedkit.training.lagged_scalars),
 bound into Lightning's result collections (speedkit.compat), as a rung."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit import compat, rungs
-from speedkit.lagged_scalars import LaggedScalars
+from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.rungs.async_progress_bar import AsyncProgressBarRung, logs_to_progress_bar
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 class FakeCopies:

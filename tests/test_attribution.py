@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from speedkit.attribution import attribute, moved_categories
+from speedkit.engine.attribution import attribute, moved_categories
 
 LABELS = {"attention": "attention", "gemm": "GEMM", "host_idle": "host-bound idle GPU"}
 

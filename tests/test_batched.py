@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from speedkit import ops
+from speedkit.kernels import ops
 from speedkit.data import BatchSource
 from speedkit.demos.batched import (
     Ensemble,
@@ -23,7 +23,7 @@ from speedkit.demos.batched import (
     SyntheticGEMMs,
 )
 from speedkit.rungs.batched import NOTHING_FOUND, BatchedOptions, BatchedRung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 # fp32 throughout: the batched GEMM may sum in another order than the per-slice ones
 RTOL, ATOL = 1e-5, 1e-6

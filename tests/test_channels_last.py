@@ -14,15 +14,15 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit.data import BatchSource
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.lightning import SpeedLadder
 from speedkit.rungs.channels_last import (
     ChannelsLastRung,
     ChannelsLastSource,
     channels_last_batch,
 )
-from speedkit.snapshot import Snapshot
-from speedkit.state import TrainState
+from speedkit.training.snapshot import Snapshot
+from speedkit.training.state import TrainState
 
 CL = torch.channels_last
 #: small and quick (as in test_lightning.py): the decisions are not what these tests are about

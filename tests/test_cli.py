@@ -12,7 +12,7 @@ import pytest
 import yaml
 from test_recipe import BAD_RECIPES
 
-from speedkit.cli import main
+from speedkit.frontend.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_missing_file_one_line_exit_2(tmp_path, capsys):
 def test_console_script_exit_code_and_no_traceback(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("model: {class_path: speedkit.demos.NaiveGPT}\ndata: {synthetic: tokens}\nladder: [tf32]\nmeasure: {steps: -3}\n")
-    proc = subprocess.run([sys.executable, "-m", "speedkit.cli", "optimize", str(path)], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "speedkit", "optimize", str(path)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "measure.steps" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -62,7 +62,7 @@ def test_a_recipe_without_a_ladder_climbs_the_default_one_and_fit_refuses_it(tmp
     from test_recipe import recipe_text
 
     from speedkit.config import default_ladder
-    from speedkit.recipe import load_recipe
+    from speedkit.frontend.recipe import load_recipe
 
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_text(ladder=None))
@@ -337,7 +337,7 @@ def test_each_message_is_printed_once_and_lightnings_notes_stay_out_of_the_way(u
     validate silent on stderr for a recipe that leaves Lightning's logger on (the Trainer built to check
     the recipe's arguments would make one; the run says it where it matters)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_recipe("nan").parent), str(REPO)])}
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "speedkit.cli", *argv], capture_output=True, text=True,  # noqa: E731
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "speedkit", *argv], capture_output=True, text=True,  # noqa: E731
                                        cwd=tmp_path, env=env)
     nan = user_recipe("nan")
     nan.write_text(nan.read_text().replace("logger: false, ", ""))

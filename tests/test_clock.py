@@ -58,7 +58,7 @@ def test_ladder_measurement_waits_once_per_window(monkeypatch):
     """The ladder's whole measurement path (warm-up + windows) syncs once per timed window."""
     from conftest import mlp_state
 
-    from speedkit.ladder import Ladder
+    from speedkit.engine.ladder import Ladder
 
     state = mlp_state()
     ladder = Ladder(state, [], {"warmup": 1, "steps": 7, "repeats": 3, "parity_steps": 1, "telemetry": False})

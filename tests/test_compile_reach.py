@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.rungs.compile import CompileOptions, CompileRung, GuardedForward, apply_compile, step_modules
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 class Backbone(nn.Module):
@@ -115,8 +115,8 @@ def test_already_compiled_inner_models_are_left_as_the_user_compiled_them():
 
 def test_in_the_ladder_compile_counts_frames_of_the_inner_model():
     from speedkit.data import BatchSource
-    from speedkit.ladder import Ladder
-    from speedkit.step import PlainStep
+    from speedkit.engine.ladder import Ladder
+    from speedkit.training.step import PlainStep
 
     class FreshBackbone(Backbone):  # its own code: no graph cached by the tests before
         def forward(self, x):

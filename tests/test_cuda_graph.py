@@ -21,11 +21,11 @@ from torch import nn
 
 from speedkit import rungs
 from speedkit.data.static import StaticBatch
-from speedkit.graph_safety import scan_function, scan_step
+from speedkit.cudagraph.safety import scan_function, scan_step
 from speedkit.handle import Handle
 from speedkit.rungs.cuda_graph import optimizer_blocker, scaler_blocker
-from speedkit.state import TrainState
-from speedkit.step import PlainStep
+from speedkit.training.state import TrainState
+from speedkit.training.step import PlainStep
 
 
 class _Base(pl.LightningModule):
@@ -344,7 +344,7 @@ def test_the_capture_check_finds_random_numbers_drawn_on_the_host_and_names_the_
     import numpy as np
     from timm.data import Mixup
 
-    from speedkit.step_watch import find_host_draws
+    from speedkit.cudagraph.step_watch import find_host_draws
 
     x, y = torch.randn(4, 3, 16, 16), torch.arange(4)
     mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=10)
@@ -458,7 +458,7 @@ def test_speedkit_layers_swapped_into_a_demo_model_pass_the_check():
     """The zoo's models live in speedkit.demos (their own package is speedkit): the norms that
     triton_layers swaps in are speedkit's, capture-safe by construction, and not scanned as user code."""
     from speedkit.demos.gpt2 import NaiveGPT
-    from speedkit.layers import LayerNorm
+    from speedkit.kernels.layers import LayerNorm
 
     model = NaiveGPT(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8)
     model.ln_f = LayerNorm(16)
@@ -653,7 +653,7 @@ def test_the_graphs_rate_tensors_sit_in_the_groups_only_for_the_capture_and_foll
     """Schedules, get_last_lr() and checkpoints see numbers: a tensor is in a capturable group only
     while the step is captured; before each replay the group's number is written into it, once per
     change (a user's own tensor rate is copied)."""
-    from speedkit.graph import GraphedStep
+    from speedkit.cudagraph.graphed_step import GraphedStep
 
     model = nn.Linear(4, 2)
     opt = torch.optim.AdamW([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}], capturable=True)
@@ -686,7 +686,7 @@ def test_the_graphs_rate_tensors_sit_in_the_groups_only_for_the_capture_and_foll
 
 
 def test_a_capture_error_torch_words_obscurely_is_explained():
-    from speedkit.graph import capture_failure
+    from speedkit.cudagraph.graphed_step import capture_failure
 
     why = capture_failure(RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode."))
     assert why.startswith("the step sets the CUDA random generator's state while it is captured (activation checkpointing")
@@ -700,7 +700,7 @@ def test_a_sync_made_while_torch_compile_compiles_is_not_the_steps():
     graph break runs in the caller's frames, compiled code's or the user's, and still counts."""
     import traceback
 
-    from speedkit.step_watch import while_compiling
+    from speedkit.cudagraph.step_watch import while_compiling
 
     def frames(*files: str) -> list[traceback.FrameSummary]:
         return [traceback.FrameSummary(f, 1, "f") for f in files]
@@ -722,9 +722,9 @@ def test_a_graph_captured_before_a_change_in_place_is_captured_again_and_switche
     was, and dropping it there (d9ada28..c5f4f53) put a warm-up and a capture into every timed B
     block: cuda_graph measured 0.835x on GPT-2, 0.852x on Llama, 0.943x on ViT (H200), where it had
     been kept before. A rung switched beneath the graph rebases it through ``Handle.rebase``."""
-    from speedkit.graph import GraphedStep
+    from speedkit.cudagraph.graphed_step import GraphedStep
     from speedkit.handle import Handle, configuration_changed, in_place_changes, set_attr
-    from speedkit.ladder import _dropout_off
+    from speedkit.engine.ladder import _dropout_off
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), capturable=True)

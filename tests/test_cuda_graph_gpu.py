@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit import rungs
-from speedkit.graph import GraphedStep
+from speedkit.cudagraph.graphed_step import GraphedStep
 from speedkit.lightning import SpeedLadder
-from speedkit.state import TrainState
-from speedkit.step import PlainStep
+from speedkit.training.state import TrainState
+from speedkit.training.step import PlainStep
 
 pytestmark = pytest.mark.gpu
 
@@ -86,7 +86,7 @@ def test_twenty_graphed_steps_match_eager_with_schedule_and_clipping():
 
 
 def test_graph_recaptures_after_the_optimizer_state_is_replaced():
-    from speedkit.snapshot import Snapshot
+    from speedkit.training.snapshot import Snapshot
 
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -529,7 +529,7 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
 
     from conftest import mlp_state
 
-    from speedkit.ladder import Ladder
+    from speedkit.engine.ladder import Ladder
 
     real = Ladder._compare
     forced = []

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @pytest.fixture(autouse=True)

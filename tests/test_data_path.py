@@ -25,13 +25,13 @@ from speedkit.data.settings import LoaderSettings, rebuild_loader
 from speedkit.data.workers import worker_dependence
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.errors import ConfigError
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.lightning import SpeedLadder
 from speedkit.rungs import data_path
 from speedkit.lightning import data as lightning_data
 from speedkit.lightning.data import DataPathFit, overridden_transfer_hooks
 from speedkit.rungs.data_path import DataPathRung, DataPathSource, Plan
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 CPU = torch.device("cpu")
 
@@ -923,7 +923,7 @@ def test_ddp_ranks_on_one_machine_each_keep_their_own_share_and_no_worker_runs_o
 
 
 def test_the_steps_say_how_many_training_processes_share_the_machine(monkeypatch):
-    from speedkit.step import PlainStep, StepWrapper, local_processes_from_env
+    from speedkit.training.step import PlainStep, StepWrapper, local_processes_from_env
 
     assert local_processes_from_env({}) == (0, 1)
     assert local_processes_from_env({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}) == (1, 4)

@@ -7,7 +7,7 @@ import torch
 
 from speedkit.demos import LaunchBoundMLP, NaiveGPT
 from speedkit.measure import count_step_flops, mfu, peak_tflops
-from speedkit.step import PlainStep
+from speedkit.training.step import PlainStep
 
 
 def test_mlp_flops_match_hand_count():

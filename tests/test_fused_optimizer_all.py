@@ -16,7 +16,7 @@ from torch import nn
 
 from speedkit import compat
 from speedkit.rungs.fused_optimizer import FusedOptimizerOptions, FusedOptimizerRung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5  # fp32: the implementations round in another order, nothing more

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_gpt_state
 
 from speedkit import rungs
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.measure import StepClock
 
 pytestmark = pytest.mark.gpu
@@ -101,7 +101,7 @@ def test_sdpa_rewrite_on_cuda_bf16_matches_and_uses_is_causal():
 
     from speedkit.demos import NaiveGPT
     from speedkit.rungs.sdpa import SdpaRung
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     torch.manual_seed(0)
     model = NaiveGPT("mini").cuda()
@@ -127,7 +127,7 @@ def test_sdpa_fused_float_masks_on_cuda_match_outside_fully_masked_rows():
     import attention_models as am
 
     from speedkit.rungs.sdpa import SdpaRung
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     torch.manual_seed(0)
     B, T, D = 3, 37, 24

@@ -15,10 +15,12 @@ import pytest
 import torch
 from conftest import assert_rel_close
 
-from speedkit import compat, hf_loss, kernels, layers
+from speedkit import compat, kernels
+from speedkit.rewrite import hf_loss
+from speedkit.kernels import layers
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung
-from speedkit.state import TrainState
-from speedkit.step import default_loss_fn
+from speedkit.training.state import TrainState
+from speedkit.training.step import default_loss_fn
 
 transformers = pytest.importorskip("transformers")
 loss_utils = pytest.importorskip("transformers.loss.loss_utils")

@@ -18,11 +18,11 @@ from fakes import CostStep, SpeedRung, VirtualTime, timed_state
 
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle, set_attr
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.stats import block_log_gain, decide, looks
 from speedkit.rungs.base import Rung
-from speedkit.step import StepWrapper
+from speedkit.training.step import StepWrapper
 
 FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
         "max_blocks": 12, "budget_s": 1e9,
@@ -288,7 +288,7 @@ def test_trial_steps_do_not_leak_into_training():
 def test_same_snapshot_same_batches_give_identical_trajectories():
     time = VirtualTime()
     ladder, _ = _run(timed_state(time), [], time)
-    ladder._snapshot = __import__("speedkit.snapshot", fromlist=["Snapshot"]).Snapshot(
+    ladder._snapshot = __import__("speedkit.training.snapshot", fromlist=["Snapshot"]).Snapshot(
         ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data)
     ladder._parity_batches = ladder.state.data.parity_batches(ladder.cfg.parity_steps)  # released when it ran
     assert ladder._trajectory() == ladder._trajectory()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speedkit.rungs.sdpa import SdpaOptions, SdpaRung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit.demos import NaiveGPT, SyntheticTokens
 from speedkit.errors import ConfigError
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.lightning import SpeedLadder, StepTimer
 from speedkit.rungs.compile import GuardedForward
 
@@ -327,7 +327,7 @@ def test_user_compile_is_left_alone():
     from lightning.pytorch.utilities.compile import from_compiled
 
     from speedkit.rungs import make
-    from speedkit.state import TrainState
+    from speedkit.training.state import TrainState
 
     model = from_compiled(torch.compile(NaiveGPT("tiny"), backend="eager"))
     state = TrainState(model=model, optimizer=None, device=torch.device("cpu"))

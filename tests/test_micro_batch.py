@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from speedkit.accumulate import merge_batches, split_batch
+from speedkit.training.accumulate import merge_batches, split_batch
 from speedkit.data.source import BatchSource
 from speedkit.lightning import SpeedLadder
 from speedkit.rungs.micro_batch import MergedStep, MicroBatchRung, MicroBatchOptions, largest_fitting_factor
-from speedkit.state import TrainState
-from speedkit.step import PlainStep
+from speedkit.training.state import TrainState
+from speedkit.training.step import PlainStep
 
 from ranks import spawn_ranks
 

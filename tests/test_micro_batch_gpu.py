@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from speedkit import graph
+from speedkit.cudagraph import graphed_step as graph
 from speedkit.lightning import SpeedLadder
 
 pytestmark = pytest.mark.gpu

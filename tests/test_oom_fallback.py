@@ -1,4 +1,4 @@
-"""The out-of-memory fallback (speedkit.accumulate, speedkit.lightning.OOMFallback) on the CPU, with
+"""The out-of-memory fallback (speedkit.training.accumulate, speedkit.lightning.OOMFallback) on the CPU, with
 injected out-of-memory errors: a simulated memory budget (a forward of more samples than it allows
 raises ``torch.OutOfMemoryError``) and errors at random points of forwards and backwards. Over 200
 optimizer steps every sample counts once, with its weight, in the step it belongs to, and the
@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import speedkit
-from speedkit.accumulate import GradStash, MicroBatcher, OutOfMemoryAtOneSample, batch_size, split_batch
+from speedkit.training.accumulate import GradStash, MicroBatcher, OutOfMemoryAtOneSample, batch_size, split_batch
 from speedkit.lightning import OOMFallback
 
 from ranks import spawn_ranks
@@ -338,7 +338,7 @@ def _ddp_worker(rank: int, port: int, world: int, fallback: bool, out: str) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from speedkit.distributed import any_rank, average_gradients
+    from speedkit.training.distributed import any_rank, average_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -524,7 +524,7 @@ def test_with_merged_micro_batches_the_fallback_splits_them_and_trains_like_the_
 
 def test_inside_a_cuda_graph_capture_the_fallback_does_not_split_and_raises_as_it_comes(monkeypatch):
     """A graph records one split: the capture sees the error (and runs the step eagerly, split there)."""
-    import speedkit.accumulate as accumulate
+    import speedkit.training.accumulate as accumulate
 
     monkeypatch.setattr(accumulate, "capturing_cuda_graph", lambda: True)
     model = nn.Linear(4, 2)
@@ -557,4 +557,4 @@ def test_the_fits_lightning_step_finds_the_fallback_a_cuda_graph_captures():
     fallback = OOMFallback()
     module = _lightning_run(None, [fallback, Look()], steps=2)
     assert found and all(f is fallback.fallback for f in found)
-    assert speedkit.step.PlainStep(module, torch.optim.SGD(module.parameters(), lr=0.1), "cpu").oom_fallback() is None
+    assert speedkit.training.step.PlainStep(module, torch.optim.SGD(module.parameters(), lr=0.1), "cpu").oom_fallback() is None

@@ -84,9 +84,9 @@ def _graph_run(limit: int | None, only_while_capturing: bool, graphed: bool = Tr
     its forward raising out-of-memory above ``limit`` rows (a simulated budget; only while a graph is
     captured where ``only_while_capturing``); the losses, the parameters after, and the graphed step."""
     from speedkit import rungs
-    from speedkit.accumulate import MicroBatcher, capturing_cuda_graph
-    from speedkit.state import TrainState
-    from speedkit.step import PlainStep
+    from speedkit.training.accumulate import MicroBatcher, capturing_cuda_graph
+    from speedkit.training.state import TrainState
+    from speedkit.training.step import PlainStep
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def _close(a: list[float], b: list[float], pa, pb) -> None:
 def test_a_split_made_in_warm_up_is_captured_and_replayed_with_the_losses_of_the_run_without():
     plain, plain_params, _, _ = _graph_run(None, False, graphed=False)
     losses, params, graphed, batcher = _graph_run(8, False)
-    assert isinstance(graphed, __import__("speedkit.graph", fromlist=["GraphedStep"]).GraphedStep)
+    assert isinstance(graphed, __import__("speedkit.cudagraph.graphed_step", fromlist=["GraphedStep"]).GraphedStep)
     assert batcher.parts == 4 and batcher.events, "the first warm-up step splits 32 rows to micro-batches of 8"
     assert graphed.stopped is None and graphed.captures == 1 and graphed.replays > 0, graphed.report()
     assert any("fallback's split: 4 micro-batches" in line for line in graphed.report()), graphed.report()

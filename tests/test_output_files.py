@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from speedkit.cli import OUTPUT_ERROR_EXIT, main
+from speedkit.frontend.cli import OUTPUT_ERROR_EXIT, main
 from speedkit.errors import OutputError
 from speedkit.files import write_text_atomic
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from speedkit.data import BatchSource
 from speedkit.handle import Handle, set_attr
-from speedkit.ladder import Ladder
+from speedkit.engine.ladder import Ladder
 from speedkit.rungs import make as get_rung
 from speedkit.rungs.base import Rung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 #: judge parity; spend as little as possible on timing
 QUICK = {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 4, "min_blocks": 2, "max_blocks": 2, "settle": 0,
@@ -33,7 +33,7 @@ QUICK = {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 4, "min_blocks":
 
 def _ladder(model, optimizer, batches, rungs, scheduler=None, autocast=None, device="cpu"):
     """The ladder over ``rungs``; ``autocast``: the run's own autocast dtype (as a user who chose bf16)."""
-    from speedkit.step import PlainStep
+    from speedkit.training.step import PlainStep
 
     device = torch.device(device)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
@@ -315,7 +315,7 @@ def test_reduction_order_noise_grows_with_the_sums_a_cuda_leaf_computes():
     """fp32's envelope on CUDA: a kernel's reduction order is its own (tiles, split-K, atomics), so a
     leaf summing K terms gets about sqrt(K) fp32 roundings; a coarser precision's calibration (bf16)
     keeps its own rounding, and a leaf that sums nothing keeps fp32's."""
-    from speedkit.ladder import _reduction_length, _RoundingNoise
+    from speedkit.engine.ladder import _reduction_length, _RoundingNoise
 
     eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
     assert _reduction_length(nn.Linear(512, 8)) == 512
@@ -336,7 +336,7 @@ def test_reduction_order_noise_grows_with_the_sums_a_cuda_leaf_computes():
 
 @pytest.mark.gpu
 def test_reduction_order_noise_on_cuda_leaves():
-    from speedkit.ladder import _RoundingNoise
+    from speedkit.engine.ladder import _RoundingNoise
 
     eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
     linear = nn.Linear(512, 8).cuda()
@@ -359,7 +359,7 @@ def test_dropout_off_reaches_the_rates_models_pass_to_kernels_themselves():
     H200 a compiled T5 moved its loss 3.6e-4, the same every run, with its nn.Dropout modules off)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from speedkit.ladder import _dropout_off
+    from speedkit.engine.ladder import _dropout_off
     from speedkit.rungs.base import active_dropouts
 
     config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.1,

@@ -9,7 +9,7 @@ and only that:
   harness defines those, tiny, in front of the block (:data:`USERS_OBJECTS`). A block that uses a
   name the harness does not know fails: the README asks the reader for something it never named.
 * **Shell blocks** run line by line (comments stripped) with the test's virtual environment first on
-  ``PATH``, so ``pip`` and ``speedkit`` are the ones installed (``python -m speedkit.cli`` where the
+  ``PATH``, so ``pip`` and ``speedkit`` are the ones installed (``python -m speedkit`` where the
   checkout runs uninstalled). Small: ``speedkit optimize|fit`` get :data:`CPU_SIZE` appended
   (LightningCLI-style overrides: a tiny model, short sequences, few timing blocks; on the CPU where
   there is no GPU), and ``--trainer.max_steps`` is cut to a few steps;
@@ -212,7 +212,7 @@ def _speedkit_cpu_sized(args: list[str]) -> list[str]:
 def _speedkit_command() -> list[str]:
     """``speedkit`` as installed (the console script), or the module where the checkout runs uninstalled."""
     script = Path(sys.executable).parent / "speedkit"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "speedkit.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "speedkit"]
 
 
 def _make_venv() -> Path:

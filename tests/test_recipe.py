@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from speedkit.errors import ConfigError
-from speedkit.recipe import ClassSpec, Recipe, dump_recipe, embedded_default_path, load_recipe, load_recipe_text
+from speedkit.frontend.recipe import ClassSpec, Recipe, dump_recipe, embedded_default_path, load_recipe, load_recipe_text
 
 @pytest.fixture(autouse=True)
 def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:

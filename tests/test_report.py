@@ -254,7 +254,7 @@ def test_the_headline_is_one_measurement_under_drift_and_noise(seed):
     blocks, so they agree (make demo printed "27.8k -> 74.1k tokens/s (1.68x)")."""
     from fakes import SpeedRung, VirtualTime, timed_state
 
-    from speedkit.ladder import Ladder
+    from speedkit.engine.ladder import Ladder
     from speedkit.report.markdown import summary_line
 
     time = VirtualTime(drift=0.6, noise=0.05, seed=seed, horizon=400)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from speedkit.cli import main
+from speedkit.frontend.cli import main
 from speedkit.report import html as html_report
 from speedkit.report import load_report
 from speedkit.report.compare import compare_reports

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_rel_close
 
 from speedkit.rungs.sdpa import SdpaRung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 B, T, D = 3, 37, 24  # odd on purpose
 
@@ -241,7 +241,7 @@ def test_nothing_to_do_says_so():
 def test_sdpa_in_the_ladder_on_the_naive_gpt_is_kept_or_measured():
     from conftest import tiny_gpt_state
 
-    from speedkit.ladder import Ladder
+    from speedkit.engine.ladder import Ladder
 
     state = tiny_gpt_state(batch_size=4, seq_len=64)
     result = Ladder(state, [SdpaRung()], {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False}).run()

@@ -1,4 +1,4 @@
-"""The batch-size sweep's search (speedkit.sweep) on synthetic throughput and memory curves: the
+"""The batch-size sweep's search (speedkit.engine.sweep) on synthetic throughput and memory curves: the
 choice is within 5% of the best an exhaustive sweep of the same sizes finds, in at most 8 trials,
 and never a size that runs out of memory or leaves less than the margin free."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speedkit.errors import ConfigError
-from speedkit.sweep import SweepResult, SweepTrial, candidates, sweep
+from speedkit.engine.sweep import SweepResult, SweepTrial, candidates, sweep
 
 GB = 10**9
 
@@ -136,8 +136,8 @@ TinyGPTWithBudget = _budgeted_gpt()
 def test_speedkit_sweep_keeps_the_effective_batch_and_never_chooses_a_size_that_ran_out_of_memory(tmp_path):
     import json
 
-    from speedkit.recipe import load_recipe
-    from speedkit.runner import sweep_recipe
+    from speedkit.frontend.recipe import load_recipe
+    from speedkit.frontend.runner import sweep_recipe
 
     lines: list[str] = []
     result = sweep_recipe(load_recipe(_tiny_recipe(2, 4)), tmp_path, on_event=lines.append)
@@ -153,7 +153,7 @@ def test_speedkit_sweep_keeps_the_effective_batch_and_never_chooses_a_size_that_
 
 
 def test_speedkit_sweep_cli_names_a_recipe_without_a_batch_size(tmp_path, capsys):
-    from speedkit.cli import main
+    from speedkit.frontend.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
@@ -165,7 +165,7 @@ def test_speedkit_sweep_cli_names_a_recipe_without_a_batch_size(tmp_path, capsys
 def test_speedkit_sweep_cli_lets_the_effective_batch_grow_when_asked(tmp_path, capsys):
     import yaml
 
-    from speedkit.cli import main
+    from speedkit.frontend.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(_tiny_recipe(2, 1)))
@@ -183,7 +183,7 @@ def test_speedkit_sweep_cli_lets_the_effective_batch_grow_when_asked(tmp_path, c
 
 
 def test_the_learning_rate_rule_is_linear_for_sgd_and_square_root_for_adam():
-    from speedkit.sweep import lr_scaling
+    from speedkit.engine.sweep import lr_scaling
 
     assert lr_scaling("SGD", 4.0)["factor"] == 4.0
     assert lr_scaling("AdamW", 4.0)["factor"] == 2.0 and "Adam family" in lr_scaling("AdamW", 4.0)["rule"]
@@ -196,7 +196,7 @@ def test_the_learning_rate_rule_is_linear_for_sgd_and_square_root_for_adam():
 def test_speedkit_sweep_refuses_several_devices_in_one_line(tmp_path, capsys):
     import yaml
 
-    from speedkit.cli import main
+    from speedkit.frontend.cli import main
 
     raw = _tiny_recipe(2, 1)
     raw["trainer"]["devices"] = 2
@@ -210,7 +210,7 @@ def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
     import lightning.pytorch as pl
     from torch import nn
 
-    from speedkit.runner import timed_fit_trial
+    from speedkit.frontend.runner import timed_fit_trial
 
     class PaddedLM(pl.LightningModule):
         def __init__(self) -> None:

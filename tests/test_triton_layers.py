@@ -16,13 +16,13 @@ from conftest import assert_rel_close
 from torch import nn
 
 import speedkit.kernels as kernels
-from speedkit import layers
+from speedkit.kernels import layers
 from speedkit.demos import NaiveGPT
 from speedkit.kernels import cublaslt
 from speedkit.rungs import triton_layers
 from speedkit.rungs.triton_layers import NOTHING_FOUND, TritonLayersOptions, TritonLayersRung
-from speedkit.state import TrainState
-from speedkit.step import default_loss_fn
+from speedkit.training.state import TrainState
+from speedkit.training.step import default_loss_fn
 
 # fp32 throughout: the kernels reduce in another order than PyTorch's, nothing more
 TOL = 1e-5

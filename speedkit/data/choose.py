@@ -138,7 +138,7 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     """
     device = torch.device(device)
     if tolerance is None:
-        tolerance = float(config.load("defaults")["loader"]["tolerance"])
+        tolerance = float(config.defaults("loader")["tolerance"])
     current = LoaderSettings.of(loader)
     pin = (device.type == "cuda") if pin_memory is None else pin_memory
 

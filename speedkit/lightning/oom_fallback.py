@@ -1,8 +1,8 @@
 """OOMFallback: a Lightning fit that runs out of device memory redoes the batch as micro-batches.
 
-A thin callback over :mod:`speedkit.accumulate`. For the fit, it takes over the forward and backward
+A thin callback over :mod:`speedkit.training.accumulate`. For the fit, it takes over the forward and backward
 of each batch (the LightningModule's ``training_step`` wrapped on the instance): the batch runs
-through a :class:`~speedkit.accumulate.MicroBatcher`, whole until a forward or backward runs out of
+through a :class:`~speedkit.training.accumulate.MicroBatcher`, whole until a forward or backward runs out of
 memory, then split in 2, 4, ... micro-batches whose losses are weighted by their share of the
 batch's samples and accumulated. Each micro-batch's backward goes through the module's own
 ``backward`` hook, scaled by the precision plugin's grad scaler where there is one (fp16) and
@@ -41,12 +41,12 @@ from typing_extensions import override
 
 from torch.nn.parallel import DistributedDataParallel
 
-from speedkit.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
-from speedkit.distributed import any_rank, average_gradients
+from speedkit.training.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
+from speedkit.training.distributed import any_rank, average_gradients
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
-from speedkit.step import loss_of
+from speedkit.training.step import loss_of
 
 
 class OOMFallback(Callback):

@@ -43,7 +43,7 @@ from speedkit.lightning.data import bind_source, watch_fit_iterator_start
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
-from speedkit.ladder import Ladder, TrialsNotRun
+from speedkit.engine.ladder import Ladder, TrialsNotRun
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
 from speedkit.lightning.steps import OptimizerSteps
@@ -52,8 +52,8 @@ from speedkit.measure.holds import judge_holds, left_out_at_most
 from speedkit.measure.session import MeasureSession, Window
 from speedkit.results import LadderResult
 from speedkit.rungs.base import Rung
-from speedkit.state import TrainState
-from speedkit.step import StepWrapper
+from speedkit.training.state import TrainState
+from speedkit.training.step import StepWrapper
 
 
 def log_event(line: str) -> None:

@@ -95,7 +95,7 @@ class SpeedProfiler(Callback):
         peak, source = peak_tflops(device, self.mfu_precision, self.peak_tflops)
         if peak is None:
             self.mfu_note = source
-        self._sampler = NvmlSampler.create(device, interval_s=0.5) if self.nvml else None
+        self._sampler = NvmlSampler.create(device, interval_s=float(config.defaults("nvml")["fit_interval_s"])) if self.nvml else None
         if self._sampler is not None:
             self._sampler.start()
         self.monitor = StepMonitor(device, flops_per_step=self.flops_per_step, peak_tflops=peak, nvml=self._sampler)

@@ -35,7 +35,7 @@ from speedkit import compat
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
 from speedkit.lightning.data import overridden_transfer_hooks
-from speedkit.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
+from speedkit.training.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
 _MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
 

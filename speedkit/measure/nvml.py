@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from speedkit import config
+
 # Clock-event reason bits: (name, pynvml constant (new name), pynvml constant (old name), value).
 # The values are NVML's (nvml.h, nvmlClocksEventReason*); they are the fallback when a pynvml
 # version lacks both names.
@@ -138,15 +140,18 @@ class NvmlSampler:
 
     Args:
         device_index: the GPU's NVML index (use :meth:`create` to map a torch device to it).
-        interval_s: seconds between samples; the first sample is taken at once.
+        interval_s: seconds between samples (None: ``nvml.interval_s`` of configs/defaults.yaml); the
+            first sample is taken at once.
         clock: monotonic clock for ``duration_s`` (tests pass a fake one).
 
     Raises:
         ValueError: ``interval_s`` is not positive or ``device_index`` is negative.
     """
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.1, *,
+    def __init__(self, device_index: int = 0, interval_s: float | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if interval_s is None:
+            interval_s = float(config.defaults("nvml")["interval_s"])
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if device_index < 0:
@@ -163,7 +168,7 @@ class NvmlSampler:
         self.summary: dict[str, Any] | None = None
 
     @classmethod
-    def create(cls, device: torch.device | str, interval_s: float = 0.1) -> NvmlSampler | None:
+    def create(cls, device: torch.device | str, interval_s: float | None = None) -> NvmlSampler | None:
         """A sampler for the GPU behind ``device``, or ``None`` where NVML cannot watch it."""
         device = torch.device(device)
         if device.type != "cuda":

@@ -3,7 +3,7 @@
 A host sync (``.item()``, ``.cpu()``, ``bool(tensor)``, a ``nonzero``) makes the host wait until the
 GPU has finished everything queued so far: the GPU then idles while the host issues the next work,
 and a profile shows it as ``host_idle``. :func:`find_host_syncs` runs one step under CUDA's sync
-debug mode (:func:`speedkit.step_watch.find_syncs`) and names each synchronizing line, library
+debug mode (:func:`speedkit.cudagraph.step_watch.find_syncs`) and names each synchronizing line, library
 code included. Example: Lightning's demo Transformer (``nn.Transformer``) makes one sync per step in
 its causal-mask check (``_detect_is_causal_mask`` compares the mask with a freshly built causal one and reads the
 answer on the host).
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from speedkit.step_watch import find_syncs
+from speedkit.cudagraph.step_watch import find_syncs
 
 
 def find_host_syncs(run_one: Callable[[], Any], device: torch.device | str) -> list[dict[str, Any]]:

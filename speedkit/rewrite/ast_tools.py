@@ -1,6 +1,6 @@
 """Small AST helpers shared by the matchers and emitters of :mod:`speedkit.rewrite`: which names a
 node reads and binds, the blocks a statement holds, what a global name refers to, and builders for
-the nodes an emitter writes (names, constants, tuples, ``self.attr``, calls into :mod:`speedkit.ops`)."""
+the nodes an emitter writes (names, constants, tuples, ``self.attr``, calls into :mod:`speedkit.kernels.ops`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """sdpa's decisions and emitter: per instance, whether each attention site found by
 :mod:`speedkit.rewrite.attention` is rewritten (its dropout modules exist, weights read afterwards are
 exact, a causal mask is a causal buffer of the instance), and the rewrite itself: each step recorded
-where the user's statement stood, the final ``@ v`` one :func:`speedkit.ops.attention` call.
+where the user's statement stood, the final ``@ v`` one :func:`speedkit.kernels.ops.attention` call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """batched's decisions and emitter: per instance, whether each site found by
 :mod:`speedkit.rewrite.gemms` is rewritten (plain ``nn.Linear`` without hooks, of one input width,
 dtype and device; ensemble members identical in structure, parameters and attributes, with no
-running statistics or dropout), and the rewrite into :mod:`speedkit.ops`' batched calls.
+running statistics or dropout), and the rewrite into :mod:`speedkit.kernels.ops`' batched calls.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """triton_layers' matcher, decisions and emitter for method sources (see :mod:`speedkit.rungs.triton_layers`):
 ``F.cross_entropy(logits[.float()][.view(-1, V)], t, …)``, ``self.proj(self.act(self.fc(x)))`` (a
 Linear→tanh-GELU→Linear MLP), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` (Linear→GELU) and
-``F.silu(g) * u``, found and rewritten in one deterministic walk into calls to :mod:`speedkit.layers`;
+``F.silu(g) * u``, found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
 per instance, whether the modules named are the plain PyTorch ones without hooks.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit import layers
+from speedkit.kernels import layers
 from speedkit.rewrite.ast_tools import SCOPES, call_ops, global_value, names_stored, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree

@@ -28,7 +28,7 @@ from torch import nn
 
 from speedkit.handle import Handle
 
-#: name under which rewritten code reaches :mod:`speedkit.ops`
+#: name under which rewritten code reaches :mod:`speedkit.kernels.ops`
 OPS_NAME = "__speedkit_ops"
 _LIBRARIES = ("torch", "lightning", "pytorch_lightning")
 
@@ -169,7 +169,7 @@ def copy_tree(parsed: ParsedMethod) -> ast.FunctionDef:
 
 def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Callable[..., Any]:
     """Compile a transformed method into a function with the original's globals and closure."""
-    import speedkit.ops as ops
+    import speedkit.kernels.ops as ops
 
     fn = parsed.function
     freevars = list(fn.__code__.co_freevars)

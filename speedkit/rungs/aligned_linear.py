@@ -14,7 +14,7 @@ Needs: a CUDA device; nothing beyond PyTorch.
 Numerics: unchanged. The padded rows are zeros and their outputs never leave the layer, so the values
 and gradients are those of the layer itself.
 
-Applied by a class swap (``nn.Linear`` → :class:`speedkit.layers.AlignedLinear`): the same module
+Applied by a class swap (``nn.Linear`` → :class:`speedkit.kernels.layers.AlignedLinear`): the same module
 object, parameters, hooks and state dict; undo swaps the class back. Only exact ``nn.Linear``
 instances are swapped (a subclass's forward is user code) and not those whose ``forward`` was
 replaced on the instance. The layer's output is a view whose rows are the padded width apart;
@@ -28,9 +28,9 @@ import functools
 
 from torch import nn
 
-from speedkit import layers
+from speedkit.kernels import layers
 from speedkit.rungs.base import Handle, Rung, nested
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 #: a half-precision GEMM's rows must start 16 bytes apart (8 bf16/fp16 elements) for cuBLAS's fast kernels
 _ALIGNMENT = 8

@@ -11,7 +11,7 @@ Numerics: unchanged. Training computes exactly what it did; only when a logged v
 
 What it changes: the training loop's per-step progress-bar values are copied to pinned host memory
 behind the step's kernels and shown once the copy is done, one or two steps late
-(:class:`~speedkit.lagged_scalars.LaggedScalars`); at most ``lag`` copies per value are outstanding,
+(:class:`~speedkit.training.lagged_scalars.LaggedScalars`); at most ``lag`` copies per value are outstanding,
 and a value read twice in a step is copied once.
 Epoch values, validation, loggers and callback metrics are as Lightning makes them. When the fit
 ends (undo) the values are read exactly, so ``trainer.progress_bar_metrics`` after the fit holds
@@ -26,9 +26,9 @@ from typing import Any
 
 from speedkit import compat
 from speedkit.handle import Handle
-from speedkit.lagged_scalars import LaggedScalars
+from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.rungs.base import Rung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @dataclasses.dataclass

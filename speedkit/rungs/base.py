@@ -35,7 +35,7 @@ from torch import nn
 from speedkit.handle import AttributeWrapper, Handle, nested, set_attr
 from speedkit.options import check_value, parse_options
 from speedkit.rewrite.pipeline import PlanCache, RewritePlan
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @dataclasses.dataclass

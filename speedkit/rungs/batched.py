@@ -10,7 +10,7 @@ Needs: nothing beyond PyTorch (``torch.func`` for ensembles).
 
 Nothing is swapped: the rung rewrites the source of each user module's ``forward`` through
 :mod:`speedkit.rewrite` and binds the new function to the instance, so parameters, state dicts and
-optimizers are untouched; the runtime in :mod:`speedkit.ops` concatenates/stacks the live
+optimizers are untouched; the runtime in :mod:`speedkit.kernels.ops` concatenates/stacks the live
 parameters on every call, differentiably. Recognised, statically and conservatively:
 
 1. ``self.A(x)``, ``self.B(x)``, … (same plain name ``x``, no keywords) in the values of statements

@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from speedkit import compat
 from speedkit.data.source import SourceWrapper
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts, set_attr
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 _CONVOLUTIONS_2D = (nn.Conv2d, nn.ConvTranspose2d)
 

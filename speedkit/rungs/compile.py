@@ -51,7 +51,7 @@ from speedkit.errors import first_line
 from speedkit.handle import configuration_changes
 from speedkit.rewrite.source import is_user_function, parse_function
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @dataclass

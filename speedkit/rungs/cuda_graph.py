@@ -13,13 +13,13 @@ Numerics: unchanged (capturable optimizer rounding). Capturable optimizers compu
 counters.
 
 Before anything is captured, the step's own source is read for what would make a replay wrong
-(:mod:`speedkit.graph_safety`: host syncs, dynamic shapes, data-dependent branches, host work), and
+(:mod:`speedkit.cudagraph.safety`: host syncs, dynamic shapes, data-dependent branches, host work), and
 the rung refuses with the first reason and its source line. The last warm-up step then runs under
 CUDA's sync debug mode, which finds syncs in library code too, and with the host's random generators
 (torch's CPU one, NumPy's, Python's ``random``) watched for numbers drawn on the host (timm's Mixup/CutMix,
 Hugging Face's LayerDrop), which a graph would replay as drawn at capture (the call's line is named unless
 compiled code runs; a generator the step makes itself is not seen). What the rung changes: the step is
-wrapped in a :class:`~speedkit.graph.GraphedStep`; optimizers that have a ``capturable`` option get
+wrapped in a :class:`~speedkit.cudagraph.graphed_step.GraphedStep`; optimizers that have a ``capturable`` option get
 it (their step counters move to the device), and the graph reads their learning rate from a device
 tensor filled from the param group's number before each replay; SGD, which has no capturable option,
 does so through its fused implementation (switched on where a schedule moves its rate; its flags back on
@@ -40,14 +40,14 @@ import dataclasses
 import torch
 
 from speedkit import compat
-from speedkit.graph import GraphedStep
-from speedkit.graph_safety import scan_step
+from speedkit.cudagraph.graphed_step import GraphedStep
+from speedkit.cudagraph.safety import scan_step
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung
 from speedkit.rungs.fused_optimizer import apply_fused_optimizer, choose_implementation
-from speedkit.saved_optimizer import SavedAsUser
-from speedkit.state import TrainState
-from speedkit.step import Step
+from speedkit.training.saved_optimizer import SavedAsUser
+from speedkit.training.state import TrainState
+from speedkit.training.step import Step
 
 #: hooks of a LightningModule or callback that Lightning calls inside the step: their host code would run once, at capture
 _IN_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")

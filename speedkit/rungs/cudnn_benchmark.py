@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from speedkit.rungs.base import Handle, Rung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 

@@ -63,7 +63,7 @@ from speedkit.data.ring import BatchRing, handoff_loader, make_ring, persistent,
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.errors import ConfigError
 from speedkit.rungs.base import Handle, Rung, set_attr
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ from typing import Any
 from torch import nn
 
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, set_attr
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 #: the classes whose forward sniffs its mask, with (the mask's parameter, the hint's parameter)
 _SNIFFERS: dict[type[nn.Module], tuple[str, str]] = {

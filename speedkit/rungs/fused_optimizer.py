@@ -36,8 +36,8 @@ from torch import nn
 from speedkit import compat
 from speedkit.errors import first_line
 from speedkit.rungs.base import Handle, Rung
-from speedkit.saved_optimizer import SavedAsUser
-from speedkit.state import TrainState
+from speedkit.training.saved_optimizer import SavedAsUser
+from speedkit.training.state import TrainState
 
 _FLAGS = ("fused", "foreach")
 _ABSENT = object()

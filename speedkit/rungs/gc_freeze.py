@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 
 from speedkit.rungs.base import Handle, Rung
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 #: frozen objects under which freezing cannot matter (a bare interpreter holds some tens of thousands)
 MIN_OBJECTS = 100_000

@@ -46,13 +46,13 @@ import torch
 from torch import nn
 
 from speedkit import compat
-from speedkit.accumulate import merge_batches
-from speedkit.distributed import smallest
+from speedkit.training.accumulate import merge_batches
+from speedkit.training.distributed import smallest
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung, active_dropouts
-from speedkit.state import TrainState
-from speedkit.step import Step, StepWrapper
+from speedkit.training.state import TrainState
+from speedkit.training.step import Step, StepWrapper
 
 #: memory left free by the default factor's prediction (the sweep's margin)
 MARGIN = 0.10

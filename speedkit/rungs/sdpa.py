@@ -13,7 +13,7 @@ a statement computing ``q @ kᵀ`` (``@``, ``torch.matmul``, ``torch.bmm``, or a
 (``masked_fill(M, -inf)`` and/or ``+ mask``, possibly under an ``if``), then ``softmax`` over the
 last dim (also in fp32 and cast back), optionally dropped out, then multiplied by ``v``. Each step
 is recorded where the user's statement stood (so evaluation order is unchanged) and the final
-``@ v`` becomes one :func:`speedkit.ops.attention` call. A mask that is exactly a causal buffer
+``@ v`` becomes one :func:`speedkit.kernels.ops.attention` call. A mask that is exactly a causal buffer
 sliced to a square (checked on the buffer's values at apply time) becomes ``is_causal=True``.
 
 Left alone, with the reason in the report: weights used between the steps, pre-softmax scores
@@ -31,7 +31,7 @@ from typing import Literal
 
 from torch import nn
 
-from speedkit.library_switches import SwitchPlan, apply_switches, plan_switches
+from speedkit.rewrite.library_switches import SwitchPlan, apply_switches, plan_switches
 from speedkit.rewrite.attention_emit import ATTENTION, decide
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
 from speedkit.rewrite.source import is_user_module

@@ -21,7 +21,7 @@ import torch
 from speedkit import compat
 from speedkit.config import loosest
 from speedkit.rungs.base import Handle, Rung, set_attr
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 
 @dataclass

@@ -7,7 +7,7 @@ code upcasts them with ``.float()``), the bias + GELU after a Linear, and SwiGLU
 Does not help: compute-bound models (large GEMMs dominate), small activations, and norms and
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
-call (see :mod:`speedkit.layers`). The cross-entropy kernel stays under compile (a forward op that
+call (see :mod:`speedkit.kernels.layers`). The cross-entropy kernel stays under compile (a forward op that
 keeps only the log-sum-exp, a backward op that writes the gradient in one pass).
 Measured on an H200 (GPT-2 small, bf16 autocast, TF32, fused AdamW, SDPA, 16×1024 tokens): eager,
 the fused cross-entropy takes the step from 46.9 to 38.4 ms and the peak memory from 17.2 to 10.6 GB
@@ -21,7 +21,7 @@ Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors 
 What is swapped, in the order it is done, all on one handle:
 
 1. exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (over one last dim) and ``nn.CrossEntropyLoss`` (without
-   class weights) instances get the class of their :mod:`speedkit.layers` subclass: the same
+   class weights) instances get the class of their :mod:`speedkit.kernels.layers` subclass: the same
    object, parameters, hooks and state dict; undo assigns the original class back.
 2. user modules that compute an RMSNorm, recognised by what they compute and not by name (one
    (N,) parameter, no buffers or children, a one-tensor forward whose output matches
@@ -35,11 +35,11 @@ What is swapped, in the order it is done, all on one handle:
    it runs as the next form), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` for a Linear with bias
    and a GELU, and
    ``F.silu(g) * u`` (or an ``nn.SiLU`` module) become calls to the functions of
-   :mod:`speedkit.layers`, which check at run time that the kernel computes what the code would
+   :mod:`speedkit.kernels.layers`, which check at run time that the kernel computes what the code would
    and run the code as written otherwise.
 4. Hugging Face models that compute their causal- or masked-LM loss themselves
    (``model(input_ids, labels=labels)``) get a per-instance ``loss_function`` computing exactly
-   transformers' loss through the fused cross-entropy (see :mod:`speedkit.hf_loss`).
+   transformers' loss through the fused cross-entropy (see :mod:`speedkit.rewrite.hf_loss`).
 
 Left alone, with the reason in the report: subclasses of the PyTorch modules (user code), norms
 over several dims, cross-entropy with class weights, a Linear or GELU with hooks, modules whose
@@ -61,13 +61,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from speedkit import hf_loss, layers
+from speedkit.rewrite import hf_loss
+from speedkit.kernels import layers
 from speedkit.kernels import cublaslt, kernels_available
 from speedkit.rewrite.layers import LAYERS, decide
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
 from speedkit.rewrite.source import NotRewritable, is_user_code, is_user_module
 from speedkit.rungs.base import Handle, RewriteRung, nested
-from speedkit.state import TrainState
+from speedkit.training.state import TrainState
 
 NOTHING_FOUND = ("nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
                  "Linear→GELU or SwiGLU found")

@@ -5,7 +5,7 @@ The modules subclass the PyTorch module they stand in for and add nothing to it 
 buffer or attribute), so a model whose ``nn.LayerNorm`` became :class:`LayerNorm` has the same
 state dict, and ``module.__class__ = nn.LayerNorm`` turns it back exactly: that is how the
 ``triton_layers`` rung swaps them. The functions are what the rung's rewritten ``forward`` /
-``training_step`` code calls (through :mod:`speedkit.ops`) in place of a PyTorch expression.
+``training_step`` code calls (through :mod:`speedkit.kernels.ops`) in place of a PyTorch expression.
 
 Each one checks at run time that the kernel computes what the PyTorch code would, and runs the
 PyTorch code itself otherwise (a device the kernels do not run on, a dtype or shape they do not

@@ -16,7 +16,7 @@ step runs is decided once, at capture. So a step is unsafe to capture when it
 Two checks find them. :func:`scan_step`, here, reads the source of the step's own code
 (``training_step`` and the helper methods it calls, the user's modules' ``forward``) and names each
 unsafe pattern with its file and line; it runs anywhere, before anything is captured.
-:mod:`speedkit.step_watch` runs one real step and names every synchronizing call and every random
+:mod:`speedkit.cudagraph.step_watch` runs one real step and names every synchronizing call and every random
 number drawn on the host (library code included). Model libraries' code is left to the second
 check: reading it statically would refuse on branches that never run.
 """

@@ -8,7 +8,7 @@ as given) or ``ForMaskedLMLoss`` (no shift). Both upcast the logits to fp32 (a w
 then take the mean over the labels that are not ``ignore_index``, or the sum divided by
 ``num_items_in_batch`` when it is given; other keyword arguments are ignored.
 
-:class:`FusedLMLoss` computes the same through :func:`speedkit.layers.cross_entropy`, the upcast
+:class:`FusedLMLoss` computes the same through :func:`speedkit.kernels.layers.cross_entropy`, the upcast
 done inside the kernel. It is set on one model instance through transformers' own seam (the setter
 behind ``model.loss_function = fn``; undo removes it again, and the property resolves the loss
 as before). It is first checked against the installed transformers' function on a tiny input, so a
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speedkit import compat, layers
+from speedkit import compat
+from speedkit.kernels import layers
 from speedkit.handle import Handle, set_attr
 
 

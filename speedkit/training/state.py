@@ -2,7 +2,7 @@
 
 :class:`TrainState` is plain PyTorch. Rungs change what it holds in place and reversibly, through
 a :class:`~speedkit.handle.Handle`: flags and modules of the model, the optimizer's implementation,
-``state.step`` (the :class:`~speedkit.step.Step` that runs one optimizer step, which a rung may
+``state.step`` (the :class:`~speedkit.training.step.Step` that runs one optimizer step, which a rung may
 wrap) and ``state.data`` (the :class:`~speedkit.data.BatchSource` it is fed from, likewise).
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from speedkit.config import loosest
 from speedkit.data.source import BatchSource
-from speedkit.step import PlainStep, Step
+from speedkit.training.step import PlainStep, Step
 
 
 @dataclass
@@ -28,7 +28,7 @@ class TrainState:
         optimizer: its optimizer; rungs keep this object and its parameter references alive.
         device: where the step runs.
         step: one optimizer step of training (plain PyTorch or the user's Lightning step);
-            defaults to a :class:`~speedkit.step.PlainStep` over ``model`` and ``optimizer``.
+            defaults to a :class:`~speedkit.training.step.PlainStep` over ``model`` and ``optimizer``.
         data: the batches the step is fed; ``None`` when batches are fed by hand.
         precision: the loosest numerics in effect ("fp32", "tf32", "fp16", "bf16"); sets the
             parity tolerance of the next rung. Defaults to what the step and torch's flags say.

@@ -76,8 +76,8 @@ from speedkit.results import (
     RungResult,
 )
 from speedkit.rungs.base import Rung, active_dropouts
-from speedkit.snapshot import Snapshot
-from speedkit.state import TrainState
+from speedkit.training.snapshot import Snapshot
+from speedkit.training.state import TrainState
 
 
 class TrialsNotRun(SpeedkitError):
@@ -339,9 +339,9 @@ class Ladder:
         """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
         of each prefix of the final configuration's rungs (the last one the final configuration),
         host syncs and traces of the first and the last, NVML sampled across them; then each kept
-        rung's attribution (:mod:`speedkit.attribution`). Never fails the run: a window that cannot
+        rung's attribution (:mod:`speedkit.engine.attribution`). Never fails the run: a window that cannot
         be taken leaves the profile's ``note``."""
-        from speedkit.attribution import attribute
+        from speedkit.engine.attribution import attribute
         from speedkit.measure.nvml import NvmlSampler, timeline
         from speedkit.profile import CATEGORIES, CATEGORY_LABELS, ProfileUnavailable, find_host_syncs, profile_window
 

@@ -1,7 +1,7 @@
 """Progress bars for long work (the ladder's trials, the batch-size sweep), on a terminal only.
 
-The engines report progress as ``on_progress(done, total, label)`` calls (:class:`speedkit.ladder.Ladder`:
-rungs tried of those in the ladder, then its closing phases; :func:`speedkit.sweep.sweep`: sizes
+The engines report progress as ``on_progress(done, total, label)`` calls (:class:`speedkit.engine.ladder.Ladder`:
+rungs tried of those in the ladder, then its closing phases; :func:`speedkit.engine.sweep.sweep`: sizes
 measured of at most ``max_trials``); :class:`ProgressBar` draws them with rich above the printed
 event lines. Where the output is not a terminal (a log file, CI) it draws nothing: the event lines
 alone say what happens.

@@ -15,8 +15,8 @@ from speedkit.data.source import BatchSource
 from speedkit.errors import ConfigError, first_line
 from speedkit.handle import Handle
 from speedkit.rungs.base import Rung
-from speedkit.state import TrainState
-from speedkit.step import LossFn, PlainStep, default_loss_fn
+from speedkit.training.state import TrainState
+from speedkit.training.step import LossFn, PlainStep, default_loss_fn
 
 
 class MicroBatches(list):
@@ -29,7 +29,7 @@ class Applied:
 
     Attributes:
         model, optimizer: the (possibly modified in place) objects to train with.
-        state: the underlying :class:`~speedkit.state.TrainState` (``state.step`` runs one step).
+        state: the underlying :class:`~speedkit.training.state.TrainState` (``state.step`` runs one step).
         applied: names of the rungs applied; ``skipped``: rung name -> reason it did not apply.
         fallback: the out-of-memory fallback (``oom_fallback=True``): ``fallback.parts`` micro-batches
             per batch now, ``fallback.events`` each split; None without it.
@@ -168,8 +168,8 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         loss_fn: ``(model, batch, batch_idx) -> loss``; defaults to ``training_step`` or ``model(*batch)``.
         accumulate, clip_grad_norm, scheduler: the step's gradient accumulation, clipping and schedule.
         oom_fallback: :meth:`Applied.step` redoes a batch whose forward or backward ran out of device
-            memory as micro-batches, accumulated (:mod:`speedkit.accumulate`); a dict gives
-            :class:`~speedkit.accumulate.MicroBatcher`'s options (``probe_after``).
+            memory as micro-batches, accumulated (:mod:`speedkit.training.accumulate`); a dict gives
+            :class:`~speedkit.training.accumulate.MicroBatcher`'s options (``probe_after``).
     """
     _check_arguments(model, optimizer, loader)
     built = rung_registry.make_all(rungs, "rungs")
@@ -205,7 +205,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
 
 def _micro_batcher(option: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     """The out-of-memory fallback ``oom_fallback`` asks for (None for False)."""
-    from speedkit.accumulate import MicroBatcher, check_probe_after
+    from speedkit.training.accumulate import MicroBatcher, check_probe_after
 
     if option is False or option is None:
         return None
@@ -219,7 +219,7 @@ def _micro_batcher(option: Any, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:
     """One ConfigError naming the first of :func:`apply`'s objects that cannot work, before anything
-    changes (the step's own arguments are :class:`~speedkit.step.PlainStep`'s to check)."""
+    changes (the step's own arguments are :class:`~speedkit.training.step.PlainStep`'s to check)."""
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, found {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from speedkit import config
 from speedkit.errors import ConfigError, OutputError, SpeedkitError, UnsupportedError, failure_in_user_code, first_line
-from speedkit.recipe import Recipe, dump_recipe
+from speedkit.frontend.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
 
 #: Trainer arguments ``optimize`` sets for its short run, whatever the recipe says
@@ -167,7 +168,7 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
 
     from speedkit import compat
     from speedkit.data.batch import batch_leaves, map_batch
-    from speedkit.recipe import SYNTHETIC_DATA
+    from speedkit.frontend.recipe import SYNTHETIC_DATA
     from speedkit.data.rng import RngState
 
     if recipe.data is None or recipe.data.class_path not in SYNTHETIC_DATA.values():
@@ -430,12 +431,12 @@ def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, An
 
 
 def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, dict[str, Any]]],
-                    trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int = 3,
+                    trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int | None = None,
                     callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False,
                     worst_case: bool = True) -> Any:
     """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
     windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
-    module and ``fit``'s data keyword arguments; a :class:`~speedkit.sweep.SweepTrial`. Out of device
+    module and ``fit``'s data keyword arguments; a :class:`~speedkit.engine.sweep.SweepTrial`. Out of device
     memory is a size that does not fit (its memory freed before the next). Where the loader's
     batches vary in shape, the size is measured on the worst-case input (``worst_case``:
     :func:`worst_case_data`). A compiled model is
@@ -450,10 +451,11 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     from speedkit import compat
 
     from speedkit.lightning import StepTimer
-    from speedkit.sweep import SweepTrial
+    from speedkit.engine.sweep import SweepTrial
 
     cuda = _on_cuda(trainer_kwargs)
     timer = StepTimer(warmup=warmup, window=window)
+    windows = int(config.defaults("sweep")["windows"]) if windows is None else windows
     kwargs = {**trainer_kwargs, **_OPTIMIZE_TRAINER, "max_steps": warmup + window * windows,
               "accumulate_grad_batches": accumulate}
     kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
@@ -488,7 +490,7 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
 
 
 def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
-    """A recipe's batch size (its dotted key and value) and ``trial(size, accumulate, *, windows=3,
+    """A recipe's batch size (its dotted key and value) and ``trial(size, accumulate, *, windows=None (``sweep.windows``),
     warmup=None, window=None)``: :func:`timed_fit_trial` of the recipe at that micro-batch, seeded as
     the recipe says, its ladder applied without trials as ``speedkit fit`` does; warm-up and window
     from the recipe's ``measure`` unless given. The ladder's notes (a rung that does not apply) are
@@ -496,12 +498,12 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
     from lightning.fabric.utilities.seed import seed_everything
 
     from speedkit.lightning import SpeedLadder
-    from speedkit.recipe import load_recipe
+    from speedkit.frontend.recipe import load_recipe
 
     key, start = _batch_size_key(recipe)
     measured: list[int] = []
 
-    def trial(size: int, accumulate: int, *, windows: int = 3, warmup: int | None = None,
+    def trial(size: int, accumulate: int, *, windows: int | None = None, warmup: int | None = None,
               window: int | None = None) -> Any:
         sized = load_recipe(recipe.raw, overrides=[(key, size)])
 
@@ -523,18 +525,18 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
 def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
                  max_trials: int | None = None, on_event: Callable[[str], None] | None = None,
                  on_progress: Callable[[int, int, str], None] | None = None) -> Any:
-    """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.sweep`).
+    """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.engine.sweep`).
 
     Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
     does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps
     (:func:`timed_fit_trial`); an out-of-memory error is a size that does not fit. With
     ``keep_effective`` the recipe's effective batch (micro-batch x ``accumulate_grad_batches``) is
     kept through the accumulation. Writes ``sweep.json`` (table rows and a plot-ready series) and
-    ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.sweep.SweepResult`.
+    ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.engine.sweep.SweepResult`.
     """
     import torch
 
-    from speedkit import sweep as sweeping
+    from speedkit.engine import sweep as sweeping
     from speedkit.files import write_text_atomic
 
     key, start, trial = recipe_trials(recipe)

@@ -339,33 +339,33 @@ def ensemble(modules: Sequence[nn.Module], *args: Any) -> list[Any]:
 
 
 # -- fused layers (the triton_layers rung) ------------------------------------------------------
-# Entry points for rewritten code; checks and fallbacks live in speedkit.layers, imported on first
+# Entry points for rewritten code; checks and fallbacks live in speedkit.kernels.layers, imported on first
 # call (it imports Triton).
 
 
 def cross_entropy(input: Any, target: Any, **kwargs: Any) -> Tensor:
     """``F.cross_entropy(input.float() if upcast else input, target, …)``, fused where it applies."""
-    from speedkit import layers
+    from speedkit.kernels import layers
 
     return layers.cross_entropy(input, target, **kwargs)
 
 
 def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: str = "none") -> Tensor:
     """``act(linear(x))`` / ``F.gelu(linear(x), approximate=…)`` with the bias added in the GELU kernel."""
-    from speedkit import layers
+    from speedkit.kernels import layers
 
     return layers.linear_gelu(linear, act, x, approximate)
 
 
 def gelu_mlp(proj: nn.Module, act: nn.Module | None, fc: nn.Module, x: Any, approximate: str = "none") -> Tensor:
     """``proj(act(fc(x)))`` / ``proj(F.gelu(fc(x), approximate=…))``, the tanh-GELU in cuBLASLt's epilogues."""
-    from speedkit import layers
+    from speedkit.kernels import layers
 
     return layers.gelu_mlp(proj, act, fc, x, approximate)
 
 
 def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     """``F.silu(gate) * up`` (or ``act(gate) * up`` for an ``nn.SiLU``) in one kernel."""
-    from speedkit import layers
+    from speedkit.kernels import layers
 
     return layers.silu_mul(gate, up, act)

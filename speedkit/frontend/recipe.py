@@ -138,7 +138,7 @@ class Recipe:
 
 def embedded_default_path() -> Path:
     """The recipe shipped with speedkit and used when none is given (a tiny GPT on the CPU)."""
-    return Path(__file__).resolve().parent / "recipes" / "tiny-cpu.yaml"
+    return Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
 
 
 # -- loading ---------------------------------------------------------------------------------

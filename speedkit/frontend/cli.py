@@ -82,7 +82,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
     """
     import yaml
 
-    from speedkit.recipe import TOP_LEVEL_KEYS
+    from speedkit.frontend.recipe import TOP_LEVEL_KEYS
 
     rest: list[str] = []
     out: list[tuple[str, Any]] = []
@@ -109,7 +109,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
 
 
 def _load(path: str | None, overrides: list[tuple[str, Any]]):
-    from speedkit.recipe import embedded_default_path, load_recipe
+    from speedkit.frontend.recipe import embedded_default_path, load_recipe
 
     return load_recipe(Path(path) if path else embedded_default_path(), overrides=overrides)
 
@@ -117,9 +117,9 @@ def _load(path: str | None, overrides: list[tuple[str, Any]]):
 def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from rich.console import Console
 
-    from speedkit.progress import ProgressBar
+    from speedkit.frontend.progress import ProgressBar
     from speedkit.report.console import render_console
-    from speedkit.runner import Interrupted, optimize
+    from speedkit.frontend.runner import Interrupted, optimize
 
     recipe = _load(args.recipe, overrides)
     if args.out is not None and not args.out.strip():
@@ -158,7 +158,7 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
 
 
 def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
-    from speedkit.runner import fit
+    from speedkit.frontend.runner import fit
 
     recipe = _load(args.recipe, overrides)
     trainer, ladder = fit(recipe)
@@ -191,8 +191,8 @@ def profiler_line(s: dict[str, Any]) -> str:
 def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from rich.console import Console
 
-    from speedkit.progress import ProgressBar
-    from speedkit.runner import sweep_recipe
+    from speedkit.frontend.progress import ProgressBar
+    from speedkit.frontend.runner import sweep_recipe
 
     recipe = _load(args.recipe, overrides)
     if args.max_trials is not None and args.max_trials < 1:
@@ -214,7 +214,7 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
-    from speedkit.runner import check_model_takes_data, check_trainer
+    from speedkit.frontend.runner import check_model_takes_data, check_trainer
 
     recipe = _load(args.recipe, overrides)
     note = check_trainer(recipe, here=False)

@@ -1,6 +1,6 @@
 """The whole training step as one CUDA graph: captured once after warm-up, replayed every step.
 
-:class:`GraphedStep` wraps a :class:`~speedkit.step.Step`. Its first ``warmup`` steps run eagerly on
+:class:`GraphedStep` wraps a :class:`~speedkit.training.step.Step`. Its first ``warmup`` steps run eagerly on
 a side stream (compilation, autotuning, the optimizer's lazy state); the last of them runs under
 CUDA's sync debug mode, and any synchronizing call it makes (``.item()``, ``bool(tensor)``, a
 data-dependent size) stops the graph with its file and line. Then the step's device work — forward,
@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from speedkit import compat
-from speedkit.accumulate import free_device_memory
+from speedkit.training.accumulate import free_device_memory
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line
-from speedkit.graph_safety import Blocker
-from speedkit.step_watch import find_host_draws, find_syncs
+from speedkit.cudagraph.safety import Blocker
+from speedkit.cudagraph.step_watch import find_host_draws, find_syncs
 from speedkit.handle import Handle, in_place_changes
-from speedkit.step import LogCall, Step, StepWrapper
+from speedkit.training.step import LogCall, Step, StepWrapper
 
 #: optimizer hyper-parameters a schedule may change, read by the graph from device tensors
 TENSOR_HPARAMS = ("lr",)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedkit.accumulate import stop_on_out_of_memory
+from speedkit.training.accumulate import stop_on_out_of_memory
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 
@@ -156,7 +156,7 @@ class Step:
 
     def oom_fallback(self) -> Any | None:
         """The out-of-memory fallback this step runs its batches through
-        (:class:`speedkit.accumulate.MicroBatcher`), if any: a CUDA graph captures its split."""
+        (:class:`speedkit.training.accumulate.MicroBatcher`), if any: a CUDA graph captures its split."""
         return None
 
     def why_no_optimizer(self) -> str | None:
@@ -340,7 +340,7 @@ class PlainStep(Step):
         accumulate: micro-batches per optimizer step (the loss of each is divided by it).
         clip_grad_norm: clip the gradients' total norm to this value before the optimizer step.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
-        micro_batcher: the out-of-memory fallback (:class:`speedkit.accumulate.MicroBatcher`): each
+        micro_batcher: the out-of-memory fallback (:class:`speedkit.training.accumulate.MicroBatcher`): each
             batch's forward and backward run through it, split into micro-batches on out-of-memory.
     """
 

@@ -2,7 +2,7 @@
 :func:`find_syncs` runs the step under ``torch.cuda.set_sync_debug_mode`` and names every
 synchronizing call it made (library code included), with its file and line; :func:`find_host_draws`
 watches the same step for random numbers drawn on the host (timm's Mixup, LayerDrop). The static
-reading of the step's own source is :mod:`speedkit.graph_safety`.
+reading of the step's own source is :mod:`speedkit.cudagraph.safety`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from speedkit.graph_safety import Blocker
+from speedkit.cudagraph.safety import Blocker
 from speedkit.rewrite.source import is_callers_file, is_users_own_file
 
 
