@@ -22,7 +22,7 @@ LLAMA = REPO / "bench" / "results" / "2026-11-27_h200_zoo_hf-llama_accumulate4_8
 @pytest.fixture(autouse=True)
 def _no_plots(monkeypatch):
     """The CLI's plumbing is under test here, not the plots (test_report_html.py draws them)."""
-    monkeypatch.setattr(html_report, "_load_matplotlib", lambda: None)
+    monkeypatch.setattr(html_report, "load_matplotlib", lambda: None)
 
 
 def _run_dir(tmp_path: Path, name: str, source: Path = FIXTURE, edit=None) -> Path:

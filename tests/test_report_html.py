@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from speedkit.report import FORMATS, load_report, write_report
+from speedkit.report import FORMATS, load_report, plots, write_report
 from speedkit.report import html as html_report
 from speedkit.report.html import NO_MATPLOTLIB, NOT_MEASURED, SECTIONS, render_html
 from speedkit.report.markdown import render_markdown
@@ -22,7 +22,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "report_v3.json"
 LLAMA = REPO / "bench" / "results" / "2026-11-27_h200_zoo_hf-llama_accumulate4_83219d4_report.json"
 RESNET = REPO / "bench" / "results" / "2026-11-27_h200_zoo_tv-resnet50_9b43302_report.json"
 
-HAS_MPL = html_report._load_matplotlib() is not None
+HAS_MPL = plots.load_matplotlib() is not None
 
 
 def _v3() -> dict:
@@ -41,7 +41,7 @@ def llama_page(tmp_path_factory) -> str:
 
 @pytest.fixture
 def no_matplotlib(monkeypatch):
-    monkeypatch.setattr(html_report, "_load_matplotlib", lambda: None)
+    monkeypatch.setattr(html_report, "load_matplotlib", lambda: None)
 
 
 def _assert_self_contained(page: str) -> None:
@@ -117,7 +117,7 @@ def test_a_plot_that_raises_becomes_a_note(monkeypatch, tmp_path):
         raise ValueError("<bad>")
 
     monkeypatch.setattr(html_report, "plot_waterfall", broken)
-    monkeypatch.setattr(html_report, "_load_matplotlib", lambda: ("mpl", None, None))
+    monkeypatch.setattr(html_report, "load_matplotlib", lambda: ("mpl", None, None))
     monkeypatch.setattr(html_report, "plot_throughput_mfu", broken)
     monkeypatch.setattr(html_report, "plot_memory", broken)
     monkeypatch.setattr(html_report, "plot_breakdown", broken)

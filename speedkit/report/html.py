@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,43 +31,30 @@ from speedkit.report.markdown import (
     holds_line,
     rung_cells,
 )
+from speedkit.report.plots import (
+    NO_MATPLOTLIB,
+    category_color,
+    known,
+    load_matplotlib,
+    ms_text,
+    plot_breakdown,
+    plot_memory,
+    plot_throughput_mfu,
+    plot_timeline,
+    plot_waterfall,
+)
 
-__all__ = ["CATEGORY_COLORS", "NO_MATPLOTLIB", "SECTIONS", "configurations", "plot_breakdown", "plot_memory",
-           "plot_throughput_mfu", "plot_timeline", "plot_waterfall", "render_html"]
+__all__ = ["NO_MATPLOTLIB", "SECTIONS", "configurations", "render_html"]
 
-#: the page's note where matplotlib is missing
-NO_MATPLOTLIB = "plots need matplotlib (pip install matplotlib)"
 NOT_MEASURED = "not measured in this run"
 
-#: the breakdown categories' colours, in their fixed order (Okabe-Ito first: tells apart for most
-#: colour vision); a category not listed takes one of :data:`_EXTRA_COLORS` in order of appearance
-CATEGORY_COLORS = {
-    "data_wait": "#8c564b",
-    "host_idle": "#c7c7c7",
-    "gemm": "#0072b2",
-    "attention": "#56b4e9",
-    "normalization": "#009e73",
-    "elementwise": "#e69f00",
-    "loss": "#cc79a7",
-    "optimizer": "#d55e00",
-    "memcpy": "#f0e442",
-    "communication": "#6a3d9a",
-    "other": "#7f7f7f",
-}
-_EXTRA_COLORS = ("#17becf", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39")
 
 #: statuses listed under "not applied and why"
 _NOT_APPLIED = ("not_applicable", "reverted", "failed", "interrupted")
 
-_BLUE, _GREEN, _RED, _GREY = "#0072b2", "#009e73", "#d55e00", "#9aa4ae"
 
 
 # -- small helpers ----------------------------------------------------------------------------
-
-def _known(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
 
 def _e(value: Any) -> str:
     """Escaped text of anything from the report; "—" for a missing value."""
@@ -78,22 +63,14 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _ms(value: Any, digits: int | None = None) -> str:
-    if not _known(value):
-        return MISSING
-    if digits is None:
-        digits = 2 if abs(value) < 10 else 1
-    return f"{value:,.{digits}f} ms"
-
-
 def _signed_ms(value: Any) -> str:
-    if not _known(value):
+    if not known(value):
         return MISSING
     return f"{value:+,.1f} ms".replace("-", "−")
 
 
 def _signed_bytes(value: Any) -> str:
-    if not _known(value):
+    if not known(value):
         return MISSING
     if abs(value) < 5e6:
         return "0.00 GB"
@@ -101,7 +78,7 @@ def _signed_bytes(value: Any) -> str:
 
 
 def _num(value: Any, spec: str, unit: str = "") -> str:
-    return f"{format(value, spec)}{unit}" if _known(value) else MISSING
+    return f"{format(value, spec)}{unit}" if known(value) else MISSING
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (),
@@ -126,15 +103,6 @@ def _section(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{html.escape(title)}</h2>\n{body}\n</section>'
 
 
-def _category_color(category: str, order: Sequence[str]) -> str:
-    if category in CATEGORY_COLORS:
-        return CATEGORY_COLORS[category]
-    extra = [c for c in order if c not in CATEGORY_COLORS]
-    i = extra.index(category) if category in extra else len(extra)
-    return _EXTRA_COLORS[i % len(_EXTRA_COLORS)]
-
-
-# -- what the page plots ------------------------------------------------------------------------
 
 def _final_measurement(d: dict[str, Any]) -> dict[str, Any]:
     fc = d.get("final_check") or {}
@@ -170,7 +138,7 @@ def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
     measurements when there is one, so their figures match the headline."""
     s = d.get("summary") or {}
     base = dict(_baseline_measurement(d))
-    if _known(s.get("baseline_step_ms")):
+    if known(s.get("baseline_step_ms")):
         base["step_ms"] = s["baseline_step_ms"]
     out = [{"label": "baseline", "kind": "baseline", "measurement": base}]
     for rung in d.get("rungs") or []:
@@ -178,221 +146,10 @@ def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"label": str(rung.get("name")), "kind": "kept", "measurement": rung.get("measurement") or {}})
     if len(out) > 1 or (d.get("final_check") or {}).get("b"):
         final = dict(_final_measurement(d))
-        if _known(s.get("final_step_ms")):
+        if known(s.get("final_step_ms")):
             final["step_ms"] = s["final_step_ms"]
         out.append({"label": "final", "kind": "final", "measurement": final})
     return out
-
-
-# -- plots: one small function per figure; each returns PNG bytes -------------------------------
-
-def _load_matplotlib() -> Any | None:
-    """matplotlib's pieces the plots use, or None where it is not installed."""
-    try:
-        import matplotlib
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    return matplotlib, Figure, FigureCanvasAgg
-
-
-_STYLE = {
-    "font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 9,
-    "ytick.labelsize": 9, "legend.fontsize": 9, "axes.spines.top": False, "axes.spines.right": False,
-    "axes.grid": True, "grid.color": "#e5e8eb", "grid.linewidth": 0.8, "axes.axisbelow": True,
-    "axes.edgecolor": "#8c959f", "font.family": "DejaVu Sans",
-    "text.parse_math": False,  # a "$" in a rung's name is text, not mathtext
-}
-
-
-def _png(mpl: Any, draw: Callable[[Any], None], size: tuple[float, float]) -> bytes:
-    matplotlib, Figure, FigureCanvasAgg = mpl
-    with matplotlib.rc_context(_STYLE):
-        fig = Figure(figsize=size, dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
-        draw(fig)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=150, facecolor="white")
-    return buf.getvalue()
-
-
-def plot_waterfall(mpl: Any, rows: Sequence[tuple[str, float]]) -> bytes:
-    """Step time per configuration, baseline at the top: each bar the step time with it, the part a
-    rung removed (or added) drawn as a lighter segment, labelled with ms and × the baseline."""
-    base = rows[0][1]
-
-    def draw(fig: Any) -> None:
-        ax = fig.add_subplot()
-        ys = list(range(len(rows)))
-        prev = None
-        for y, (label, ms) in zip(ys, rows):
-            last = y == len(rows) - 1 and label == "final"
-            color = _BLUE if y == 0 else (_GREEN if last else "#5b8fc7")
-            ax.barh(y, ms, color=color, height=0.62)
-            if prev is not None and not last:
-                lo, hi = sorted((prev, ms))
-                up = ms > prev
-                ax.barh(y, hi - lo, left=lo, height=0.62, color="#f7c6b5" if up else "#b8e5d6",
-                        hatch="///" if up else None, edgecolor=_RED if up else "none", linewidth=0)
-            text = f"{ms:,.1f} ms · {base / ms:.2f}×" if ms > 0 else f"{ms:,.1f} ms"
-            ax.text(max(ms, prev or 0) + base * 0.01, y, text, va="center", fontsize=9)
-            prev = ms
-        ax.set_yticks(ys, [r[0] for r in rows])
-        ax.invert_yaxis()
-        ax.set_xlim(0, base * 1.32)
-        ax.set_xlabel("step time (ms per optimizer step) — shorter is faster")
-        ax.grid(axis="y", visible=False)
-
-    return _png(mpl, draw, (10, 0.42 * len(rows) + 1.0))
-
-
-def _si_tick(v: float, _pos: Any = None) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= scale:
-            return f"{v / scale:g}{suffix}"
-    return f"{v:g}"
-
-
-def plot_throughput_mfu(mpl: Any, rows: Sequence[tuple[str, float | None, float | None]], unit: str) -> bytes:
-    """Throughput and MFU per configuration, side by side."""
-
-    def draw(fig: Any) -> None:
-        ax1, ax2 = fig.subplots(1, 2, sharey=True)
-        ys = list(range(len(rows)))
-        labels = [r[0] for r in rows]
-        tp = [r[1] if _known(r[1]) else 0 for r in rows]
-        mfu = [r[2] * 100 if _known(r[2]) else 0 for r in rows]
-        colors = [_BLUE if i == 0 else (_GREEN if labels[i] == "final" else "#5b8fc7") for i in ys]
-        ax1.barh(ys, tp, color=colors, height=0.62)
-        ax2.barh(ys, mfu, color=colors, height=0.62)
-        top_tp, top_mfu = max(tp) or 1, max(mfu) or 1
-        for y, r in zip(ys, rows):
-            ax1.text(tp[y] + top_tp * 0.01, y, format_throughput(r[1]) if _known(r[1]) else "not measured", va="center", fontsize=9)
-            ax2.text(mfu[y] + top_mfu * 0.01, y, f"{mfu[y]:.1f}%" if _known(r[2]) else "not measured", va="center", fontsize=9)
-        ax1.set_yticks(ys, labels)
-        ax1.invert_yaxis()
-        ax1.set_xlim(0, top_tp * 1.25)
-        ax2.set_xlim(0, top_mfu * 1.25)
-        ax1.xaxis.set_major_formatter(_si_tick)
-        ax1.set_xlabel(f"throughput ({unit})")
-        ax2.set_xlabel("MFU (% of peak)")
-        for ax in (ax1, ax2):
-            ax.grid(axis="y", visible=False)
-
-    return _png(mpl, draw, (10, 0.36 * len(rows) + 1.0))
-
-
-def plot_memory(mpl: Any, rows: Sequence[tuple[str, float | None]]) -> bytes:
-    """Peak memory allocated per configuration, in GB."""
-
-    def draw(fig: Any) -> None:
-        ax = fig.add_subplot()
-        ys = list(range(len(rows)))
-        gb = [r[1] / 1e9 if _known(r[1]) else 0 for r in rows]
-        top = max(gb) or 1
-        colors = [_BLUE if i == 0 else (_GREEN if rows[i][0] == "final" else "#5b8fc7") for i in ys]
-        ax.barh(ys, gb, color=colors, height=0.62)
-        for y, r in zip(ys, rows):
-            ax.text(gb[y] + top * 0.01, y, f"{gb[y]:.2f} GB" if _known(r[1]) else "not measured", va="center", fontsize=9)
-        ax.set_yticks(ys, [r[0] for r in rows])
-        ax.invert_yaxis()
-        ax.set_xlim(0, top * 1.2)
-        ax.set_xlabel("peak memory allocated (GB, torch.cuda.max_memory_allocated)")
-        ax.grid(axis="y", visible=False)
-
-    return _png(mpl, draw, (10, 0.36 * len(rows) + 1.0))
-
-
-def plot_breakdown(mpl: Any, windows: Sequence[dict[str, Any]], categories: Sequence[str],
-                   labels: dict[str, str], shares: bool = False) -> bytes:
-    """Stacked horizontal bars: each profiled window's step split into categories, in ms per step;
-    with ``shares``, a second panel of the same split as a share of each window's step (so a small
-    step's make-up stays readable next to a large one)."""
-
-    def draw(fig: Any) -> None:
-        if shares:
-            ax, ax_share = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
-        else:
-            ax, ax_share = fig.add_subplot(), None
-        ys = list(range(len(windows)))
-        totals = [sum(float(v or 0) for v in (w.get("breakdown_ms") or {}).values()) or 1.0 for w in windows]
-        left = [0.0] * len(windows)
-        left_share = [0.0] * len(windows)
-        for cat in categories:
-            vals = [float((w.get("breakdown_ms") or {}).get(cat) or 0) for w in windows]
-            if not any(vals):
-                continue
-            style = {"height": 0.6, "color": _category_color(cat, categories), "edgecolor": "white",
-                     "linewidth": 0.5, "hatch": "//" if cat == "host_idle" else None}
-            ax.barh(ys, vals, left=left, label=labels.get(cat, cat), **style)
-            left = [a + b for a, b in zip(left, vals)]
-            if ax_share is not None:
-                pct = [100 * v / t for v, t in zip(vals, totals)]
-                ax_share.barh(ys, pct, left=left_share, **style)
-                left_share = [a + b for a, b in zip(left_share, pct)]
-        top = max(left) or 1
-        for y, w in zip(ys, windows):
-            ax.text(left[y] + top * 0.01, y, _ms(w.get("step_ms")), va="center", fontsize=9)
-        ax.set_yticks(ys, [str(w.get("label")) for w in windows])
-        ax.invert_yaxis()
-        ax.set_xlim(0, top * 1.18)
-        ax.set_xlabel("ms per optimizer step")
-        ax.grid(axis="y", visible=False)
-        if ax_share is not None:
-            ax_share.set_xlim(0, 100)
-            ax_share.set_xlabel("share of the step (%)")
-            ax_share.grid(axis="y", visible=False)
-        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=6, frameon=False)
-
-    return _png(mpl, draw, (10, 0.42 * len(windows) + 1.9))
-
-
-def plot_timeline(mpl: Any, timeline: dict[str, Any]) -> bytes:
-    """NVML over time: utilization, power against its limit, SM clock; samples with a clock-event
-    reason shaded (they confound the timing)."""
-    samples = [s for s in timeline.get("samples") or [] if isinstance(s, dict)]
-
-    def draw(fig: Any) -> None:
-        axes = fig.subplots(3, 1, sharex=True)
-        t = [s.get("t_s") if _known(s.get("t_s")) else i * (timeline.get("interval_s") or 1) for i, s in enumerate(samples)]
-
-        def series(key: str) -> list[float]:
-            return [s.get(key) if _known(s.get(key)) else math.nan for s in samples]
-
-        axes[0].plot(t, series("util"), color=_BLUE, linewidth=1.4)
-        axes[0].set_ylabel("GPU util (%)")
-        axes[0].set_ylim(0, 105)
-        axes[1].plot(t, series("power_w"), color=_RED, linewidth=1.4, label="power draw")
-        limit = series("power_limit_w")
-        if any(not math.isnan(v) for v in limit):
-            axes[1].plot(t, limit, color="#444c56", linewidth=1.2, linestyle="--", label="power limit")
-        axes[1].set_ylabel("power (W)")
-        axes[1].set_ylim(bottom=0)
-        axes[1].legend(loc="lower right", frameon=False, ncol=2)
-        axes[2].plot(t, series("sm_clock_mhz"), color=_GREEN, linewidth=1.4)
-        axes[2].set_ylabel("SM clock (MHz)")
-        axes[2].set_ylim(bottom=0)
-        axes[2].set_xlabel("time (s)")
-        dt = timeline.get("interval_s") if _known(timeline.get("interval_s")) else (t[1] - t[0] if len(t) > 1 else 1)
-        flagged = [(ti, s.get("reasons") or []) for ti, s in zip(t, samples)
-                   if [r for r in s.get("reasons") or [] if r != "gpu_idle"]]
-        for ti, _ in flagged:
-            for ax in axes:
-                ax.axvspan(ti - dt / 2, ti + dt / 2, color="#f0e442", alpha=0.35, linewidth=0)
-        marks = [m for m in timeline.get("marks") or [] if isinstance(m, dict) and _known(m.get("t_s"))]
-        for m in marks:  # where each configuration's window began
-            for ax in axes:
-                ax.axvline(m["t_s"], color="#57606a", linewidth=0.8, linestyle=":")
-            axes[0].text(m["t_s"], 4, str(m.get("label")), rotation=90, va="bottom", ha="left", fontsize=8,
-                         color="#24292f", clip_on=True,
-                         bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1.0})
-        if flagged:
-            reasons = sorted({r for _, rs in flagged for r in rs if r != "gpu_idle"})
-            axes[0].set_title("shaded: clock-event reason (" + ", ".join(reasons) + ") — a confounder", loc="left",
-                              fontsize=9, color="#6e5a00")
-
-    return _png(mpl, draw, (10, 5.2))
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -405,7 +162,7 @@ class _Plots:
     becomes a one-line note in its place."""
 
     def __init__(self) -> None:
-        self.mpl = _load_matplotlib()
+        self.mpl = load_matplotlib()
 
     def __call__(self, alt: str, fn: Callable[..., bytes], *args: Any) -> str:
         if self.mpl is None:
@@ -423,14 +180,14 @@ def _headline(d: dict[str, Any]) -> str:
     fc = d.get("final_check") or {}
     unit = s.get("throughput_unit")
     ci = s.get("speedup_ci")
-    conf = fc.get("confidence") if _known(fc.get("confidence")) else (d.get("measure") or {}).get("confidence")
-    ci_text = (f"{_num(conf * 100 if _known(conf) else None, '.0f', '%')} interval {ci[0]:.2f}–{ci[1]:.2f}×"
-               if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_known(c) for c in ci) else "no interval")
+    conf = fc.get("confidence") if known(fc.get("confidence")) else (d.get("measure") or {}).get("confidence")
+    ci_text = (f"{_num(conf * 100 if known(conf) else None, '.0f', '%')} interval {ci[0]:.2f}–{ci[1]:.2f}×"
+               if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci) else "no interval")
     base, final = _baseline_measurement(d), _final_measurement(d)
     speed = s.get("speedup")
     cards = [
         ("speedup vs baseline", format_gain(speed), f"{ci_text}; {_e(s.get('figures_from'))}"),
-        ("step time", f"{_ms(s.get('final_step_ms'))}", f"from {_ms(s.get('baseline_step_ms'))}"),
+        ("step time", f"{ms_text(s.get('final_step_ms'))}", f"from {ms_text(s.get('baseline_step_ms'))}"),
         ("throughput" + (f" ({unit})" if unit else ""), format_throughput(s.get("final_throughput")),
          f"from {format_throughput(s.get('baseline_throughput'), unit)}"),
         ("MFU", format_percent(final.get("mfu")), f"from {format_percent(base.get('mfu'))}"),
@@ -454,7 +211,7 @@ def _headline(d: dict[str, Any]) -> str:
         klass = "warn" if (d.get("holds") or {}).get("flagged") else "note"
         out.append(f'<p class="{klass}"><b>In training:</b> {_e(holds)}</p>')
     vs = s.get("vs_switches")
-    if isinstance(vs, (list, tuple)) and len(vs) == 3 and all(_known(v) for v in vs):
+    if isinstance(vs, (list, tuple)) and len(vs) == 3 and all(known(v) for v in vs):
         out.append(f'<p class="note">Against the switches a user would flip by hand: {vs[0]:.2f}× '
                    f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).</p>")
     return "\n".join(out)
@@ -462,12 +219,12 @@ def _headline(d: dict[str, Any]) -> str:
 
 def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
     rows = [(c["label"], c["measurement"].get("step_ms")) for c in configurations(d)]
-    rows = [(label, ms) for label, ms in rows if _known(ms) and ms > 0]
+    rows = [(label, ms) for label, ms in rows if known(ms) and ms > 0]
     if len(rows) < 2:
         return _note(f"Step time per configuration: {NOT_MEASURED} (no rung was kept).")
     base = rows[0][1]
     table = _table(["configuration", "step time", "change vs previous", "× baseline"],
-                   [[_e(label), _ms(ms), MISSING if i == 0 else _signed_ms(ms - rows[i - 1][1]), f"{base / ms:.2f}×"]
+                   [[_e(label), ms_text(ms), MISSING if i == 0 else _signed_ms(ms - rows[i - 1][1]), f"{base / ms:.2f}×"]
                     for i, (label, ms) in enumerate(rows)], numeric=(1, 2, 3))
     final, kept = rows[-1][1], [ms for label, ms in rows[1:-1]]
     spread = _final_measurement(d).get("spread")
@@ -489,7 +246,7 @@ def _throughput(d: dict[str, Any], plots: _Plots) -> str:
     unit = (d.get("summary") or {}).get("throughput_unit") or next(
         (c["measurement"].get("throughput_unit") for c in confs if c["measurement"].get("throughput_unit")), "items/s")
     rows = [(c["label"], c["measurement"].get("throughput"), c["measurement"].get("mfu")) for c in confs]
-    if not any(_known(r[1]) for r in rows):
+    if not any(known(r[1]) for r in rows):
         return _note(f"Throughput: {NOT_MEASURED}.")
     flops = d.get("flops") or {}
     peak = flops.get("peak_tflops")
@@ -497,7 +254,7 @@ def _throughput(d: dict[str, Any], plots: _Plots) -> str:
                    [[_e(c["label"]), _e(format_throughput(c["measurement"].get("throughput"), unit)),
                      format_percent(c["measurement"].get("mfu")), _num(c["measurement"].get("tflops"), ".1f", " TFLOP/s")]
                     for c in confs], numeric=(1, 2, 3))
-    peak_text = (f"MFU against a peak of {peak:g} TFLOP/s ({_e(flops.get('peak_source'))})" if _known(peak)
+    peak_text = (f"MFU against a peak of {peak:g} TFLOP/s ({_e(flops.get('peak_source'))})" if known(peak)
                  else "no MFU: no peak is known for this device")
     return (plots("throughput and MFU per configuration", plot_throughput_mfu, rows, unit) + _note(peak_text + ".")
             + "<details><summary>as a table (with achieved TFLOP/s)</summary>" + table + "</details>")
@@ -506,11 +263,11 @@ def _throughput(d: dict[str, Any], plots: _Plots) -> str:
 def _memory(d: dict[str, Any], plots: _Plots) -> str:
     confs = configurations(d)
     rows = [(c["label"], c["measurement"].get("peak_memory_bytes")) for c in confs]
-    if not any(_known(r[1]) for r in rows):
+    if not any(known(r[1]) for r in rows):
         return _note(f"Peak memory: {NOT_MEASURED} (measured on CUDA only).")
     base = rows[0][1]
     table = _table(["configuration", "peak memory", "vs baseline"],
-                   [[_e(label), format_bytes(b), _signed_bytes(b - base) if _known(b) and _known(base) and i else MISSING]
+                   [[_e(label), format_bytes(b), _signed_bytes(b - base) if known(b) and known(base) and i else MISSING]
                     for i, (label, b) in enumerate(rows)], numeric=(1, 2))
     return plots("peak memory per configuration", plot_memory, rows) + "<details><summary>as a table</summary>" + table + "</details>"
 
@@ -541,14 +298,14 @@ def _breakdown(d: dict[str, Any], plots: _Plots) -> str:
     bb, ab = before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}
     for c in cats:
         b, a = bb.get(c), ab.get(c)
-        if not (_known(b) and b) and not (_known(a) and a):
+        if not (known(b) and b) and not (known(a) and a):
             continue
-        swatch = f'<span class="swatch" style="background:{_category_color(c, cats)}"></span>'
-        share = lambda v, w: format_percent(v / w["step_ms"]) if _known(v) and _known(w.get("step_ms")) and w["step_ms"] else MISSING  # noqa: E731
-        rows.append([swatch + _e(labels[c]), _ms(b), _ms(a), _signed_ms(a - b) if _known(a) and _known(b) else MISSING,
+        swatch = f'<span class="swatch" style="background:{category_color(c, cats)}"></span>'
+        share = lambda v, w: format_percent(v / w["step_ms"]) if known(v) and known(w.get("step_ms")) and w["step_ms"] else MISSING  # noqa: E731
+        rows.append([swatch + _e(labels[c]), ms_text(b), ms_text(a), _signed_ms(a - b) if known(a) and known(b) else MISSING,
                      share(b, before), share(a, after)])
-    rows.append(["<b>step</b>", f"<b>{_ms(before.get('step_ms'))}</b>", f"<b>{_ms(after.get('step_ms'))}</b>",
-                 _signed_ms(after["step_ms"] - before["step_ms"]) if _known(after.get("step_ms")) and _known(before.get("step_ms")) else MISSING,
+    rows.append(["<b>step</b>", f"<b>{ms_text(before.get('step_ms'))}</b>", f"<b>{ms_text(after.get('step_ms'))}</b>",
+                 _signed_ms(after["step_ms"] - before["step_ms"]) if known(after.get("step_ms")) and known(before.get("step_ms")) else MISSING,
                  "", ""])
     rows.append(["device busy", format_percent(before.get("device_busy_fraction")),
                  format_percent(after.get("device_busy_fraction")), "", "", ""])
@@ -566,7 +323,7 @@ def _breakdown(d: dict[str, Any], plots: _Plots) -> str:
             out.append(f"<h3>Top kernels: {_e(w.get('label'))}</h3>" + _table(
                 ["kernel / op", "category", "ms per step"],
                 [[f'<code class="op" title="{_e(o.get("name"))}">{_e(_shorten(str(o.get("name") or ""), 90))}</code>',
-                  _e(labels.get(o.get("category"), o.get("category"))), _ms(o.get("ms"))] for o in ops], numeric=(2,)))
+                  _e(labels.get(o.get("category"), o.get("category"))), ms_text(o.get("ms"))] for o in ops], numeric=(2,)))
     return "\n".join(out)
 
 
@@ -661,12 +418,12 @@ def _telemetry(d: dict[str, Any], plots: _Plots) -> str:
         counts: dict[str, int] = {}
         during: dict[str, list[str]] = {}
         starts = sorted(((m["t_s"], str(m.get("label"))) for m in tl.get("marks") or []
-                         if isinstance(m, dict) and _known(m.get("t_s"))), key=lambda m: m[0])
+                         if isinstance(m, dict) and known(m.get("t_s"))), key=lambda m: m[0])
         for s in samples:
             for r in s.get("reasons") or []:
                 counts[r] = counts.get(r, 0) + 1
                 t = s.get("t_s")
-                window = next((label for start, label in reversed(starts) if _known(t) and start <= t), None)
+                window = next((label for start, label in reversed(starts) if known(t) and start <= t), None)
                 if window and window not in during.setdefault(r, []):
                     during[r].append(window)
         confounders = {r: n for r, n in counts.items() if r != "gpu_idle"}
@@ -706,10 +463,10 @@ def _in_training(d: dict[str, Any]) -> str:
         unit = fm.get("throughput_unit")
         rows = [
             ["steps monitored", _e(fm.get("steps"))],
-            ["step time (median)", _ms(fm.get("step_ms_median"))],
+            ["step time (median)", ms_text(fm.get("step_ms_median"))],
             ["throughput", _e(format_throughput(fm.get("throughput"), unit))],
             ["MFU", format_percent(fm.get("mfu"))],
-            ["waiting for data", _ms(fm.get("data_wait_ms"))],
+            ["waiting for data", ms_text(fm.get("data_wait_ms"))],
             ["peak memory allocated", format_bytes(fm.get("peak_memory_bytes"))],
             ["memory reserved", format_bytes(fm.get("reserved_bytes"))],
             ["allocator retries", _e(fm.get("alloc_retries"))],
@@ -741,8 +498,8 @@ def _environment(d: dict[str, Any]) -> str:
         ("precision / accumulation", f"{run.get('precision') or MISSING}, {run.get('accumulate_grad_batches') or MISSING} "
                                      "batch(es) per optimizer step" if run else None),
         ("optimizer / strategy", f"{run.get('optimizer') or MISSING} / {run.get('strategy') or MISSING}" if run else None),
-        ("FLOPs per step", f"{flops['per_step'] / 1e12:,.2f} TFLOP" if _known(flops.get("per_step")) else None),
-        ("MFU peak", f"{flops['peak_tflops']:g} TFLOP/s — {flops.get('peak_source') or MISSING}" if _known(flops.get("peak_tflops")) else flops.get("peak_source")),
+        ("FLOPs per step", f"{flops['per_step'] / 1e12:,.2f} TFLOP" if known(flops.get("per_step")) else None),
+        ("MFU peak", f"{flops['peak_tflops']:g} TFLOP/s — {flops.get('peak_source') or MISSING}" if known(flops.get("peak_tflops")) else flops.get("peak_source")),
     ]
     table = _table(["", ""], [[_e(k), _e(v)] for k, v in rows], cls="kv")
     conv = flops.get("convention")
@@ -795,7 +552,7 @@ def _rungs(d: dict[str, Any]) -> str:
         if c:
             items.append(f"<li>Paired timing: {_e(c.get('blocks'))} A B B A blocks, speedup {_num(c.get('speedup'), '.3f', '×')} "
                          f"[{_num(c.get('low'), '.3f')}–{_num(c.get('high'), '.3f')}]: {_e(str(c.get('verdict')).replace('_', ' '))}</li>")
-        if _known(r.get("seconds")):
+        if known(r.get("seconds")):
             items.append(f"<li>Time spent: {r['seconds']:.1f} s</li>")
         details.append(f"<details><summary>{i}. {_e(r.get('name'))} — {_e(status)}</summary><ul>{''.join(items)}</ul></details>")
     return table + _note("Step time: median ± noise; “vs previous”: paired speedup with its interval.") + "".join(details)
@@ -803,48 +560,11 @@ def _rungs(d: dict[str, Any]) -> str:
 
 # -- the page -------------------------------------------------------------------------------------
 
-_CSS = """
-:root{color-scheme:light}
-body{margin:0;background:#fff;color:#1f2328;font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif}
-main{max-width:1080px;margin:0 auto;padding:24px 28px 64px}
-h1{font-size:26px;margin:0 0 4px}
-h2{font-size:20px;margin:36px 0 10px;padding-bottom:4px;border-bottom:1px solid #d0d7de}
-h3{font-size:15px;margin:18px 0 6px}
-nav{font-size:13px;margin:6px 0 10px;color:#59636e}
-nav a{color:#0969da;margin-right:12px;text-decoration:none;white-space:nowrap}
-a{color:#0969da}
-.scroll{overflow-x:auto;margin:8px 0 14px}
-table{border-collapse:collapse;width:100%;font-size:13.5px}
-table.narrow,table.kv{width:auto;min-width:50%}
-th,td{padding:5px 9px;border-bottom:1px solid #e1e4e8;text-align:left;vertical-align:top}
-th{background:#f6f8fa;font-weight:600;border-bottom:1px solid #d0d7de}
-.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-table.rungs{font-size:12.5px}
-table.rungs th,table.rungs td{padding:4px 6px}
-table.rungs td{white-space:nowrap}
-table.rungs td:last-child{white-space:normal;min-width:110px}
-table.rungs td:first-child{white-space:normal;width:15%;min-width:120px}
-table.kv td:first-child{color:#59636e;white-space:nowrap}
-table.kv thead{display:none}
-tr.st-kept td,tr.st-closing td{background:#f0fff4}
-tr.st-failed td,tr.st-interrupted td,tr.flag td{background:#fff5f5}
-tr.st-reverted td{background:#fffbea}
-tr.st-not_applicable td{color:#59636e}
-code{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,"Liberation Mono",monospace;background:#f6f8fa;padding:0 3px;border-radius:3px}
-code.path,code.op{word-break:break-all}
-img.plot{display:block;width:100%;height:auto;margin:6px 0}
-.note{color:#59636e;font-size:13.5px}
-.warn{background:#fff8c5;border-left:3px solid #d4a72c;padding:6px 10px;font-size:14px}
-.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(180px,1fr));gap:10px;margin:14px 0}
-.card{border:1px solid #d0d7de;border-radius:8px;padding:10px 12px}
-.card .label{font-size:12px;color:#59636e;letter-spacing:.02em}
-.card .value{font-size:23px;white-space:nowrap;font-weight:650;font-variant-numeric:tabular-nums}
-.card .sub{font-size:12.5px;color:#59636e}
-.swatch{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;vertical-align:-1px}
-details{margin:6px 0}
-summary{cursor:pointer;color:#0969da;font-size:14px}
-details ul{margin:4px 0 10px;font-size:13.5px}
-"""
+
+def _css() -> str:
+    """The page's style sheet (``report.css`` beside this module), inlined: the page fetches nothing."""
+    return (Path(__file__).resolve().parent / "report.css").read_text()
+
 
 #: (id, heading) of every section, in page order
 SECTIONS = (
@@ -899,7 +619,7 @@ def render_html(report: dict[str, Any], out_dir: Path | str | None = None) -> st
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title>",
-        f"<style>{_CSS}</style></head><body><main>",
+        f"<style>{_css()}</style></head><body><main>",
         f"<h1>{_e(title)}</h1>",
         f'<div class="note">{sub}</div>',
         f"<nav>{nav}</nav>",
