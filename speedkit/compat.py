@@ -6,6 +6,12 @@ it is needed and what happens when the private name moves: a guard that finds no
 conservatively (no fused kernels, "not compiled", "no hooks known") instead of raising, so a new
 release degrades speedkit's choices rather than breaking the user's run. ``tests/test_compat.py``
 checks every entry against the installed versions.
+
+Why one module of about 900 lines: the point of it is that a reviewer (or a new torch release) finds
+every private name speedkit reaches in one file, grouped by subsystem (dynamo and inductor, autograd
+and hooks, CUDA graphs, the allocator, Lightning's loop, trainer and precision internals); its entries
+are short, independent functions that share no state, and splitting them would scatter exactly what
+``tests/test_imports.py`` keeps in one place.
 """
 
 from __future__ import annotations
