@@ -7,6 +7,8 @@ Each small GEMM leaves most of a GPU idle and costs a launch; one GEMM over the 
 Does not help: models whose GEMMs are already large (a 4096-wide projection is compute-bound;
 fusing it saves a launch, no more), or CPU runs bound by arithmetic.
 Needs: nothing beyond PyTorch (``torch.func`` for ensembles).
+Numerics: unchanged. Each output is the GEMM it was, computed in a larger one (summed in another order
+at most).
 
 Nothing is swapped: the rung rewrites the source of each user module's ``forward`` through
 :mod:`speedkit.rewrite` and binds the new function to the instance, so parameters, state dicts and

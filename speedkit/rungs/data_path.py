@@ -1,38 +1,50 @@
-"""data_path: feed the step faster — loader workers and pinning chosen by measurement, and the next
-batch copied to the GPU on a side stream while the current step runs.
+"""data_path: loader workers and pinning chosen by measurement, the next batch copied to the GPU during the step.
 
 Speeds up: steps that wait for their batch (decoding and augmenting on too few workers, pageable
 host-to-device copies on the compute stream). Does not help: a loader already faster than the step,
 batches made on the device.
 Needs: a torch ``DataLoader`` to rebuild (any other iterable is only prefetched); a CUDA device for
 pinning and prefetching (on a CPU only the worker count can change).
+Numerics: unchanged. With ``exact`` (the default) every sample and every RNG stream stay as they were.
 
 The user's loader is copied (:func:`~speedkit.data.settings.rebuild_loader`: the same dataset,
 sampler, collate_fn, generator, ... objects) with settings chosen by measuring the loader alone
 (:func:`~speedkit.data.choose.choose_settings`). With ``exact`` (the default) only settings that
 leave every sample and every RNG stream as they were are changed: the worker count only when the
-dataset's samples (and its collate_fn) do not draw random numbers, the prefetch factor only when they do not or the
-workers are not persistent, persistent workers never (see :mod:`speedkit.data.settings`). On CUDA, batches are copied by a
-:class:`~speedkit.data.prefetch.DevicePrefetcher`; Lightning's batch hooks still run, in their
-order, on the batch already on the device (``on_before_batch_transfer``, then
-``transfer_batch_to_device``, which finds it there, then ``on_after_batch_transfer``). A module or
-datamodule that overrides ``on_before_batch_transfer`` or ``transfer_batch_to_device`` expects the
+dataset's samples (and its collate_fn) do not draw random numbers (a seeded shuffle,
+``shuffle=True, generator=g``, gains workers with its sampler read no further than the fit without
+them reads it, so the generator draws the same shuffles), the prefetch factor only when they do not
+or the workers are not persistent, persistent workers never (see :mod:`speedkit.data.settings`). On
+CUDA, batches are copied by a :class:`~speedkit.data.prefetch.DevicePrefetcher` on a side stream
+(``record_stream``, stream waits), which never reads into the next epoch before the loop asks for it
+(making an epoch's iterator draws its shuffle and its workers' seeds, which the step's own draws,
+dropout, would otherwise move); in a fit, no further than the batches Lightning takes per epoch
+(``limit_train_batches``, or ``on_train_batch_start`` returning -1, after which the batch ahead is
+pulled: persistent workers then make, and draw random numbers for, the batches they would without
+speedkit); a plain loop that ``break``s off an epoch has had one batch more read. Lightning's batch
+hooks still run, in their order, on the batch already on the device (``on_before_batch_transfer``,
+then ``transfer_batch_to_device``, which finds it there, then ``on_after_batch_transfer``). A module
+or datamodule that overrides ``on_before_batch_transfer`` or ``transfer_batch_to_device`` expects the
 host batch: the copy is then left to Lightning (not prefetched), the loader settings still apply.
 
 Where the loader's work runs in workers, three things keep it from slowing the thread that issues
 the step (on a GPU, the step waits for that thread): the workers run off two cores left to the
-training process (``worker_cpus``); on CUDA each worker writes its batch into a ring of shared memory
-pinned once, from which the copy to the device reads (``ring``, :mod:`speedkit.data.ring`), so the
-training process runs no pinning thread and takes no handoff per tensor; a batch that travels the
-usual way comes through named shared memory (``sharing``), without a socket round trip per tensor.
-Each of those handoffs turned the GIL over to another thread of the training process, which the
-step's thread then waited for.
+training process (``worker_cpus``; under DDP each rank takes its own share of the machine's cores,
+the two kept for training apart); on CUDA each worker writes its batch into a ring of shared memory
+pinned once, from which the copy to the device reads (``ring``, :mod:`speedkit.data.ring`:
+persistent workers keep the ring across epochs, and the slots of batches an epoch cut short left
+unread come back), so the training process runs no pinning thread and takes no handoff per tensor;
+a batch that travels the usual way comes through named shared memory (``sharing``), without a
+socket round trip per tensor. Each of those handoffs turned the GIL over to another thread of the
+training process, which the step's thread then waited for.
 
-In a Lightning fit the kept rung's source is bound (:class:`speedkit.lightning.data.DataPathFit`): the fit loop
-iterates the rebuilt loader, prefetched, and its first epoch's iterator — which Lightning made
-before the trials — is made again from the RNG and generator states Lightning made it from, so the
+In a Lightning fit the kept rung's source is bound (:class:`speedkit.lightning.data.DataPathFit`): the
+fit loop iterates the rebuilt loader, prefetched, and its first epoch's iterator — which Lightning
+made before the trials — is made again from the RNG and generator states Lightning made it from (the
+user's own loader, only prefetched, keeps the iterator Lightning made, prefetched as it is), so the
 fit sees the same samples in the same order as without speedkit. A fit that reloads its train
-loader (``reload_dataloaders_every_n_epochs``) has each new loader served the same way.
+loader (``reload_dataloaders_every_n_epochs``) has each new loader served the same way. The report
+gives data wait and copy time per step.
 """
 
 from __future__ import annotations

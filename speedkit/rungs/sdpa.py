@@ -6,6 +6,16 @@ memory-efficient kernels that never store it: less memory traffic, less memory, 
 causal mask recognised as such — half the work.
 Does not help: models already on SDPA / ``nn.MultiheadAttention``; very short sequences.
 Needs: nothing beyond PyTorch (flash kernels need a recent GPU and fp16/bf16; SDPA picks).
+Numerics: the same function; attention dropout draws other masks. The kernel SDPA picks (flash,
+memory-efficient) orders the softmax's reductions its own way. With ``float_masks="fused"``, a query
+row whose keys an additive mask all sets to a huge finite negative (left padding under a causal mask)
+differs, as in Hugging Face's own SDPA attention; ``"exact"`` runs such attention on SDPA's math
+backend, as written, without the speed-up.
+
+The libraries' own switches come first: a Hugging Face model's ``attn_implementation`` ``"eager"``
+becomes ``"sdpa"`` through ``set_attn_implementation`` (``hf_implementation``), timm's ``fused_attn``
+is set (``libraries``; :mod:`speedkit.rewrite.library_switches`); the source rewrite below takes the
+hand-written attention that is left.
 
 Detection works on the computation, not on names: in every user module's ``forward`` source,
 a statement computing ``q @ kᵀ`` (``@``, ``torch.matmul``, ``torch.bmm``, or a canonical
