@@ -18,10 +18,7 @@ The docstring of every registered rung (``speedkit.rungs.names()``) has this for
 * The first sentence of ``Numerics:`` (up to the first ``". "``) is the table's numerics cell: make it short
   ("unchanged.", "bf16 / fp16.").
 
-A docstring that breaks the format is an error naming the rung and what is missing. While
-``docs/PENDING_DOCSTRINGS.md`` exists, the rungs it names in its ``## `name` `` headings are pending:
-their cards and rows are written from what their docstrings hold (a missing section left out) and
-``--check`` does not compare them.
+A docstring that breaks the format is an error naming the rung and what is missing.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ from speedkit import rungs  # noqa: E402
 
 README = REPO / "README.md"
 CARDS = REPO / "docs" / "rungs"
-PENDING = REPO / "docs" / "PENDING_DOCSTRINGS.md"
 START, END = "<!-- rungs:start -->", "<!-- rungs:end -->"
 REQUIRED = ("Speeds up", "Does not help", "Needs", "Numerics")
 LABELS = ("Speeds up", "Does not help", "Costs", "Needs", "Numerics")  # in a card's order
@@ -73,7 +69,7 @@ def paragraphs(doc: str) -> list[str]:
     return [" ".join(line.strip() for line in block.splitlines()) for block in re.split(r"\n\s*\n", doc.strip())]
 
 
-def parse(name: str, doc: str, *, lenient: bool = False) -> tuple[str, dict[str, str]]:
+def parse(name: str, doc: str) -> tuple[str, dict[str, str]]:
     """The title and the labelled sections of rung ``name``'s docstring ``doc``."""
     title, *rest = paragraphs(doc)
     prefix = f"{name}: "
@@ -93,7 +89,7 @@ def parse(name: str, doc: str, *, lenient: bool = False) -> tuple[str, dict[str,
                 raise DocstringError(f"rung {name}: the section {label!r} appears twice")
             sections[label] = paragraph[match.end():following.start() if following else None].strip()
     missing = [label for label in REQUIRED if not sections.get(label)]
-    if missing and not lenient:
+    if missing:
         raise DocstringError(f"rung {name}: the docstring has no {', '.join(repr(m + ':') for m in missing)} section")
     return title[len(prefix):], sections
 
@@ -110,19 +106,12 @@ def options_line(cls: type) -> str:
             + ", ".join(f"`{f.name}={default(f)!r}`" for f in fields) + ".")
 
 
-def pending() -> set[str]:
-    """The rungs docs/PENDING_DOCSTRINGS.md names while it exists (their sections are yet to be added)."""
-    if not PENDING.exists():
-        return set()
-    return set(re.findall(r"^## `(\w+)`", PENDING.read_text(encoding="utf-8"), re.M))
-
-
-def read_rungs(waiting: set[str]) -> list[RungDoc]:
+def read_rungs() -> list[RungDoc]:
     docs = []
     for name in rungs.names():
         cls = rungs.get(name)
         module = sys.modules[cls.__module__]
-        title, sections = parse(name, module.__doc__ or "", lenient=name in waiting)
+        title, sections = parse(name, module.__doc__ or "")
         docs.append(RungDoc(name, module.__name__, title, sections, options_line(cls)))
     return docs
 
@@ -155,7 +144,7 @@ def cell(text: str) -> str:
 
 
 def row(doc: RungDoc) -> str:
-    numerics = first_sentence(doc.sections["Numerics"]) if "Numerics" in doc.sections else "(pending)"
+    numerics = first_sentence(doc.sections["Numerics"])
     return f"| [`{doc.name}`](docs/rungs/{doc.name}.md) | {cell(doc.title.rstrip('.'))} | {cell(numerics)} |"
 
 
@@ -172,9 +161,9 @@ def split_readme(readme: str) -> tuple[str, list[str], str]:
     return head + START, body.strip("\n").splitlines(), END + tail
 
 
-def expected(waiting: set[str]) -> tuple[dict[Path, str], str, list[RungDoc]]:
+def expected() -> tuple[dict[Path, str], str, list[RungDoc]]:
     """The cards' text by path, the README's text, and the rungs read, as the generator writes them."""
-    docs = read_rungs(waiting)
+    docs = read_rungs()
     readme = README.read_text(encoding="utf-8")
     anchor = readme_anchor(readme)
     head, _, tail = split_readme(readme)
@@ -187,31 +176,25 @@ def shown(path: Path) -> str:
 
 
 def stale() -> list[str]:
-    """What differs from what the generator writes (pending rungs not compared), one line each."""
-    waiting = pending()
-    cards, readme, docs = expected(waiting)
+    """What differs from what the generator writes, one line each."""
+    cards, readme, _ = expected()
     problems = []
     for path, text in cards.items():
-        if path.stem in waiting:
-            continue
         if not path.exists():
             problems.append(f"{shown(path)} is missing")
         elif path.read_text(encoding="utf-8") != text:
             problems.append(f"{shown(path)} is stale")
     problems += [f"{shown(path)} is no registered rung's card" for path in sorted(CARDS.glob("*.md"))
                  if path not in cards]
-    skip = {row(doc) for doc in docs if doc.name in waiting}
     _, have, _ = split_readme(README.read_text(encoding="utf-8"))
     _, want, _ = split_readme(readme)
-    have_rows = [line for line in have if not any(line.startswith(f"| [`{n}`]") for n in waiting)]
-    want_rows = [line for line in want if line not in skip]
-    if have_rows != want_rows:
+    if have != want:
         problems.append("README.md's rung table (between the rungs:start and rungs:end markers) is stale")
     return problems
 
 
 def write() -> list[Path]:
-    cards, readme, _ = expected(pending())
+    cards, readme, _ = expected()
     CARDS.mkdir(parents=True, exist_ok=True)
     written = []
     for path, text in cards.items():

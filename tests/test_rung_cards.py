@@ -1,8 +1,5 @@
 """The rung cards (docs/rungs/<name>.md) and README.md's rung table are what ``docs/rung_cards.py`` writes
-from the rungs' docstrings, every rung has both, and every docstring follows the card format.
-
-Rungs named in docs/PENDING_DOCSTRINGS.md, while it exists, are not compared (their sections are yet to
-be added to their docstrings)."""
+from the rungs' docstrings, every rung has both, and every docstring follows the card format."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ def _load_generator():
 
 
 cards = _load_generator()
-PENDING = cards.pending()
-CHECKED = [name for name in rungs.names() if name not in PENDING]
+CHECKED = rungs.names()
 
 
 def test_cards_and_readme_table_are_what_the_generator_writes():
