@@ -1,6 +1,6 @@
 # The README's two set-up commands, each working on a fresh machine (Python >= 3.10, no GPU):
 #   make demo   .venv with torch's CPU build and speedkit; the embedded tiny recipe optimized on the CPU
-#   make test   .venv with speedkit and its test extra; the tests (GPU tests skip without CUDA)
+#   make test   .venv with speedkit and its test extra; ruff, then the tests (GPU tests skip without CUDA)
 # Sizes and times measured on the project's 2-core machine are in README.md ("Set up").
 VENV   ?= .venv
 PYTHON ?= python3
@@ -32,7 +32,10 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 demo: $(VENV)/.demo-installed
 	$(PY) -m speedkit optimize --out runs/tiny-cpu
 
+# lint (ruff: rules and format, configured in pyproject.toml), then the tests (the layering check among them)
 test: $(VENV)/.test-installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 clean:
