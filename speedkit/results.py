@@ -88,6 +88,8 @@ class RungResult:
     gain_vs_previous: float | None = None  # paired speedup over the configuration before it
     gain_vs_baseline: float | None = None  # product of the paired speedups of the kept rungs up to here
     seconds: float = 0.0               # wall time spent trying this rung (compile included)
+    #: what a source-rewriting rung rewrote and left alone (``RewriteReport.as_dict``); None for other rungs
+    rewrite: dict[str, Any] | None = None
 
 
 @dataclass

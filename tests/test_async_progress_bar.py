@@ -163,7 +163,7 @@ def test_epoch_and_validation_values_keep_lightnings_conversion():
 
 def _state(model, device="cuda", trainer=True):
     step = types.SimpleNamespace(trainer=types.SimpleNamespace(_logger_connector=types.SimpleNamespace(
-        _progress_bar_metrics={}))) if trainer else types.SimpleNamespace()
+        _progress_bar_metrics={}))) if trainer else types.SimpleNamespace(trainer=None)  # Step.trainer: None outside Lightning
     return TrainState(model=model, optimizer=None, device=torch.device(device), step=step, precision="fp32")
 
 

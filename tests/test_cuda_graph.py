@@ -724,7 +724,7 @@ def test_a_graph_captured_before_a_change_in_place_is_captured_again_and_switche
     been kept before. A rung switched beneath the graph rebases it through ``Handle.rebase``."""
     from speedkit.cudagraph.graphed_step import GraphedStep
     from speedkit.handle import Handle, configuration_changed, in_place_changes, set_attr
-    from speedkit.engine.ladder import _dropout_off
+    from speedkit.engine.parity import dropout_off as _dropout_off
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), capturable=True)

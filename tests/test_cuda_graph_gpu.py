@@ -531,7 +531,7 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
 
     from speedkit.engine.ladder import Ladder
 
-    real = Ladder._compare
+    real = Ladder.compare
     forced = []
 
     def compare(self, set_candidate, label, shared_batches=True):
@@ -543,7 +543,7 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
             paired = replace(paired, verdict="faster")
         return paired
 
-    monkeypatch.setattr(Ladder, "_compare", compare)
+    monkeypatch.setattr(Ladder, "compare", compare)
     state = mlp_state("cuda")
     opt = state.optimizer
     # in the given order (a host-bound step, as this MLP's is on an H200, would try cuda_graph first and

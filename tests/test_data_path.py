@@ -575,7 +575,7 @@ def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
     "trials" runs real trials and restores, only the keep decision fixed."""
     spec = {"name": "data_path", "options": {"workers": workers}}
     if mode == "trials":
-        monkeypatch.setattr(Ladder, "_decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
         return SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
     return SpeedLadder(rungs=[spec])
 

@@ -288,10 +288,10 @@ def test_trial_steps_do_not_leak_into_training():
 def test_same_snapshot_same_batches_give_identical_trajectories():
     time = VirtualTime()
     ladder, _ = _run(timed_state(time), [], time)
-    ladder._snapshot = __import__("speedkit.training.snapshot", fromlist=["Snapshot"]).Snapshot(
+    ladder.parity.snapshot = __import__("speedkit.training.snapshot", fromlist=["Snapshot"]).Snapshot(
         ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data)
-    ladder._parity_batches = ladder.state.data.parity_batches(ladder.cfg.parity_steps)  # released when it ran
-    assert ladder._trajectory() == ladder._trajectory()
+    ladder.parity.batches = ladder.state.data.parity_batches(ladder.cfg.parity_steps)  # released when it ran
+    assert ladder.parity.trajectory() == ladder.parity.trajectory()
 
 
 # -- decisions that survive noise and drift ------------------------------------------------------------
@@ -398,9 +398,9 @@ def test_memory_savings_alone_keep_a_rung_that_is_not_slower():
 
     ladder = Ladder(mlp_state(), [], FAST)
     leaner = PairedResult(1.0, 0.995, 1.005, 0.95, 6, "undecided", 0.01, a=m(100), b=m(80))
-    assert ladder._decide(leaner)[0] == "kept"
+    assert ladder.decide(leaner)[0] == "kept"
     slower = PairedResult(0.9, 0.88, 0.92, 0.95, 6, "not_faster", 0.01, a=m(100), b=m(80))
-    assert ladder._decide(slower)[0] == "reverted"
+    assert ladder.decide(slower)[0] == "reverted"
 
 
 # -- the closing and final checks ------------------------------------------------------------------------
@@ -642,8 +642,11 @@ def test_a_rung_undecided_in_host_noise_is_kept_when_judged_on_a_rung_that_remov
 def test_second_looks_stop_after_a_pass_that_keeps_nothing_and_never_judge_a_configuration_twice(monkeypatch):
     state, time, _ = _flag_state({(False, False): 0.040, (True, False): 0.042, (False, True): 0.042, (True, True): 0.043})
     looks = []
-    real = Ladder._look_again
-    monkeypatch.setattr(Ladder, "_look_again", lambda self, group, ref, **kw: (looks.append([r.name for r in group]), real(self, group, ref, **kw))[1])
+    from speedkit.engine import second_look
+
+    real = second_look.look_again
+    monkeypatch.setattr(second_look, "look_again", lambda ladder, group, ref, **kw: (
+        looks.append([r.name for r in group]), real(ladder, group, ref, **kw))[1])
     _, result = _run(state, [PartnerRung("a", ("b",)), PartnerRung("b", ("a",))], time, together_passes=5)
     assert looks == [["a", "b"]]  # alone each was judged on the baseline in the climb; one pass keeps nothing: no second
     assert [r.status for r in result.rungs[1:]] == ["reverted", "reverted"]
@@ -844,7 +847,7 @@ def test_the_ladder_holds_no_copy_of_the_training_state_after_it_ran():
     with torch.no_grad():  # values no other test's model has: a copy found is one this ladder made
         param.add_(0.4242)
     ladder, _ = _run(state, [SpeedRung("x", time, 0.01, -0.2)], time)
-    assert ladder._snapshot is None and ladder._parity_batches == []
+    assert ladder.snapshot is None and ladder.parity.snapshot is None and ladder.timing is None and ladder.parity.batches == []
     gc.collect()
     # plain tensors only: a tracing subclass left by another test (a FakeTensor of torch.compile) cannot be compared
     copies = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o is not param and o.shape == param.shape
@@ -1329,6 +1332,7 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
     and the groups still judged: test_a_spent_budget_shortens_comparisons_and_judges_only_the_groups_again.)"""
     from types import SimpleNamespace
 
+    from speedkit.engine.second_look import second_look_groups
     from speedkit.results import LadderResult, RungResult
 
     names = ["bf16", "layout", "fused", "compile", "quiet"]
@@ -1338,9 +1342,9 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
     ladder = Ladder(timed_state(time), rungs, FAST, clock=time.clock(), host_clock=time)
     ladder.result = LadderResult(1, None, {}, "cpu", {}, {}, [RungResult(n, "reverted", comparison=object()) for n in names])
     estimates = {"bf16": 0.93, "layout": 0.97, "fused": 1.03, "compile": 1.13, "quiet": 0.99}
-    ladder._last_comparison = {n: SimpleNamespace(verdict="slower" if n == "bf16" else "undecided", speedup=e)
+    ladder.last_comparison = {n: SimpleNamespace(verdict="slower" if n == "bf16" else "undecided", speedup=e)
                                for n, e in estimates.items()}
-    order = [[r.name for r in g] for g in ladder._second_look_groups()]
+    order = [[r.name for r in g] for g in second_look_groups(ladder)]
     assert order == [["bf16", "layout"], ["compile"], ["fused"], ["quiet"], ["layout"], ["bf16"], ["fused", "compile"]]
 
 

@@ -258,7 +258,7 @@ def _linear_without_bias(module: nn.Linear):
 
 def _keep_every_rung(monkeypatch):
     """Decisions on timing are not what these tests are about: every measured rung is kept."""
-    monkeypatch.setattr(Ladder, "_decide", lambda self, paired, memory_comparable=True: ("kept", "kept by the test"))
+    monkeypatch.setattr(Ladder, "decide", lambda self, paired, memory_comparable=True: ("kept", "kept by the test"))
 
 
 def _rungs_under(under: str, rung: Rung) -> list[Rung]:
@@ -315,7 +315,8 @@ def test_reduction_order_noise_grows_with_the_sums_a_cuda_leaf_computes():
     """fp32's envelope on CUDA: a kernel's reduction order is its own (tiles, split-K, atomics), so a
     leaf summing K terms gets about sqrt(K) fp32 roundings; a coarser precision's calibration (bf16)
     keeps its own rounding, and a leaf that sums nothing keeps fp32's."""
-    from speedkit.engine.ladder import _reduction_length, _RoundingNoise
+    from speedkit.engine.parity import RoundingNoise as _RoundingNoise
+    from speedkit.engine.parity import reduction_length as _reduction_length
 
     eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
     assert _reduction_length(nn.Linear(512, 8)) == 512
@@ -336,7 +337,7 @@ def test_reduction_order_noise_grows_with_the_sums_a_cuda_leaf_computes():
 
 @pytest.mark.gpu
 def test_reduction_order_noise_on_cuda_leaves():
-    from speedkit.engine.ladder import _RoundingNoise
+    from speedkit.engine.parity import RoundingNoise as _RoundingNoise
 
     eps = {"fp32": 1.19e-7, "tf32": 9.77e-4, "bf16": 7.81e-3}
     linear = nn.Linear(512, 8).cuda()
@@ -359,7 +360,7 @@ def test_dropout_off_reaches_the_rates_models_pass_to_kernels_themselves():
     H200 a compiled T5 moved its loss 3.6e-4, the same every run, with its nn.Dropout modules off)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from speedkit.engine.ladder import _dropout_off
+    from speedkit.engine.parity import dropout_off as _dropout_off
     from speedkit.rungs.base import active_dropouts
 
     config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.1,

@@ -42,7 +42,7 @@ class Applied:
 
     @property
     def fallback(self) -> Any:
-        return getattr(self.state.step, "micro_batcher", None)
+        return self.state.step.oom_fallback()
 
     @property
     def model(self) -> nn.Module:
@@ -73,13 +73,13 @@ class Applied:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when fp16 autocast needs a GradScaler."""
-        scaler = getattr(self.state.step, "scaler", None)
+        scaler = self.state.step.scaler
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def optimizer_step(self) -> None:
         """Clip (if asked), ``optimizer.step()`` through the GradScaler when there is one, zero the
         gradients, step the scheduler."""
-        self.state.step.optimizer_step()  # type: ignore[attr-defined]
+        self.state.step.optimizer_step()
 
     def step(self, batch: Any, batch_idx: int = 0) -> torch.Tensor:
         """One whole training step on ``batch`` (already on the device); returns the detached loss.

@@ -395,7 +395,7 @@ class SpeedLadder(Callback):
             except Exception as exc:  # keep undoing the rest
                 errors.append(exc)
         if self._ladder is not None:
-            self._ladder.slots = []
+            self._ladder.stack.slots = []
         # what the trials made (sources, prefetchers, sessions: CUDA events among them) is let go of
         # here and freed in this process, not by a DataLoader worker forked later (fork_safety)
         self._ladder = None

@@ -249,16 +249,18 @@ class LightningStep(Step):
         return handle
 
     # -- state -----------------------------------------------------------------------------
-    def _scaler(self) -> Any:
+    @property
+    def scaler(self) -> Any:  # type: ignore[override]
+        """The precision plugin's GradScaler (fp16 mixed precision), None without one."""
         return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def state_dict(self) -> dict[str, Any]:
-        scaler = self._scaler()
+        scaler = self.scaler
         return {"scaler": (scaler, scaler.state_dict()) if scaler is not None else None,
                 "schedulers": [(c.scheduler, c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_scaler(self._scaler(), state.get("scaler"), self._scaler_initial)
+        restore_scaler(self.scaler, state.get("scaler"), self._scaler_initial)
         for scheduler, saved in state.get("schedulers", []):
             scheduler.load_state_dict(saved)
 

@@ -49,6 +49,9 @@ Schema version 3, field by field:
   - ``options`` (object) — the rung's options as used;
   - ``reason`` (str | null) — why it was kept, reverted, not applicable or failed;
   - ``changes`` (list of str) — what applying it changed, one line each;
+  - ``rewrite`` (object | null) — for a rung that rewrites the model's source, what it rewrote and
+    left alone (:meth:`speedkit.rewrite.pipeline.RewriteReport.as_dict`: the site counts per kind,
+    ``rewrites`` where listed, ``left_alone``); null for other rungs;
   - ``precision`` (str) — effective numerics with the rung applied (``"fp32"``, ``"tf32"``,
     ``"bf16"``...), which picks the parity tolerance;
   - ``measurement`` (object | null) — null when not measured:

@@ -68,7 +68,7 @@ class AsyncProgressBarRung(Rung):
     precision = None  # training is untouched; only when a logged value is read changes
 
     def check(self, state: TrainState) -> str | None:
-        trainer = getattr(state.step, "trainer", None)
+        trainer = state.step.trainer
         if trainer is None:
             return "not a Lightning fit: only Lightning's loop turns progress-bar values into floats after every step"
         if state.device.type != "cuda":
@@ -81,7 +81,7 @@ class AsyncProgressBarRung(Rung):
         return None
 
     def apply(self, state: TrainState) -> Handle:
-        trainer = state.step.trainer  # type: ignore[attr-defined]
+        trainer = state.step.trainer
         handle = Handle(self.name)
         lagged = LaggedScalars(self.options.lag)
         restore = [compat.lightning_step_progress_bar(trainer, lagged.convert)]

@@ -62,7 +62,7 @@ class Rung:
     memory_note: ClassVar[str] = ""
     #: its cost includes work each new input shape brings (compiling, searching algorithms, autotuning,
     #: capturing): where batch shapes vary, it is timed on batches each window draws anew, as a fit
-    #: meets them, not on the batches an A/B block shares (see the ladder's ``_shapes_vary``)
+    #: meets them, not on the batches an A/B block shares (see ``shapes_vary`` in :class:`speedkit.engine.timing.Timing`)
     new_shape_cost: ClassVar[bool] = False
     #: rungs with which it may pay where it does not alone (bf16 on a convnet pays with channels_last
     #: and compile, not in eager NCHW): reverted on speed with some of these, it is also tried together

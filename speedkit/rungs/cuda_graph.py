@@ -240,7 +240,7 @@ def _hook_blocker(state: TrainState) -> str | None:
     from speedkit.rewrite.source import is_user_code
 
     owners: list[object] = [state.model]
-    trainer = getattr(state.step, "trainer", None)
+    trainer = state.step.trainer
     owners += list(getattr(trainer, "callbacks", []) or [])
     for owner in owners:
         for hook in _IN_STEP_HOOKS:

@@ -313,8 +313,7 @@ class DataPathRung(Rung):
         assert source is not None
         key = (id(source.loader), str(state.device))
         if key not in self._plans:
-            step = getattr(state, "step", None)
-            self._plans[key] = self._make_plan(source, state.device, step.host_processes() if step is not None else (0, 1))
+            self._plans[key] = self._make_plan(source, state.device, state.step.host_processes())
         return self._plans[key]
 
     def _make_plan(self, source: BatchSource, device: torch.device, processes: tuple[int, int] = (0, 1)) -> Plan:

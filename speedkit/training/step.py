@@ -76,6 +76,10 @@ class Step:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     device: torch.device
+    #: the GradScaler the step scales its loss with (fp16 autocast), None without one
+    scaler: torch.amp.GradScaler | None = None
+    #: the Lightning Trainer whose ``fit`` runs the step, None outside a Lightning fit
+    trainer: Any = None
 
     @property
     def accumulate(self) -> int:
@@ -158,6 +162,18 @@ class Step:
         """The out-of-memory fallback this step runs its batches through
         (:class:`speedkit.training.accumulate.MicroBatcher`), if any: a CUDA graph captures its split."""
         return None
+
+    def optimizer_step(self) -> None:
+        """Clip (if asked), step the optimizer (through the GradScaler where there is one), zero the
+        gradients, step the scheduler: the second half of a step whose forward and backward the user
+        runs by hand (:class:`speedkit.frontend.api.Accelerated`). A step that runs in someone
+        else's loop (Lightning's) has none."""
+        raise NotImplementedError(f"{type(self).__name__} steps its optimizer inside its own loop")
+
+    def memory_outside_peak(self) -> int:
+        """Bytes the step holds that the allocator's peak does not show (a CUDA graph's pool): the
+        measured peak memory adds them."""
+        return 0
 
     def why_no_optimizer(self) -> str | None:
         """Why rungs that change the optimizer find none to change (None: :attr:`optimizer` is the one)."""
@@ -255,6 +271,20 @@ class StepWrapper(Step):
 
     def why_no_optimizer(self) -> str | None:
         return self.inner.why_no_optimizer()
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:  # type: ignore[override]
+        return self.inner.scaler
+
+    @property
+    def trainer(self) -> Any:  # type: ignore[override]
+        return self.inner.trainer
+
+    def optimizer_step(self) -> None:
+        self.inner.optimizer_step()
+
+    def memory_outside_peak(self) -> int:
+        return self.inner.memory_outside_peak()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -1,0 +1,65 @@
+"""The ladder's closing check: each kept rung that asks for it (``Rung.recheck``) judged again with
+the rungs kept after it on top, and reverted where it no longer pays. A verb of the ladder's policy,
+taking the :class:`~speedkit.engine.ladder.Ladder`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from speedkit.errors import first_line
+from speedkit.results import RungResult
+
+if TYPE_CHECKING:
+    from speedkit.engine.ladder import Ladder
+
+
+def closing_check(ladder: Ladder, reference: list[float]) -> list[float]:
+    """Re-judge each kept rung that asks for it, with the kept rungs after it on top; returns the
+    final configuration's loss trajectory."""
+    result = ladder.result
+    assert result is not None
+    j = 0
+    while j < len(ladder.slots) - 1:
+        slot = ladder.slots[j]
+        if not slot.rung.recheck:
+            j += 1
+            continue
+        entry = next(r for r in result.rungs if r.name == slot.rung.name)
+        names = ", ".join(s.rung.name for s in ladder.slots[j + 1:])
+        ladder.on_event(f"closing check: {slot.rung.name} with {names} on top")
+        t0 = ladder.host_clock()
+        without = [i != j for i in range(len(ladder.slots))]
+        closing = RungResult(f"closing check: without {slot.rung.name}", "closing", changes=[f"reverted {slot.rung.name}"])
+        try:
+            losses, closing.parity = ladder.parity.of(without, [True] * len(ladder.slots), reference)
+            closing.precision = ladder.state.precision
+            if not closing.parity.passed:  # the configuration without it must be the same function
+                raise RuntimeError("the configuration without it changes numerics")
+            paired = ladder.compare(lambda on: ladder.stack.configure([True] * len(ladder.slots) if on else without),
+                                  slot.rung.name, shared_batches=ladder.stack.shares_batches())
+            status, why = ladder.decide(paired)
+        except Exception as exc:  # put the configuration back and say why the check failed
+            paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
+        finally:
+            ladder.snapshot.restore()
+        if status == "reverted":  # it no longer pays with the later rungs on top
+            ladder.stack.remove(j)
+            ladder.judged.add(((slot.rung.name,), tuple(s.rung.name for s in ladder.slots)))
+            entry.status = "reverted"
+            entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
+            closing.reason = f"final configuration without {slot.rung.name}"
+            closing.comparison, closing.measurement = paired, paired.a if paired else None
+            closing.seconds = ladder.host_clock() - t0
+            result.rungs.append(closing)
+            ladder.on_event(f"closing check: {slot.rung.name} reverted ({why})")
+            reference = losses
+            continue
+        ladder.stack.all_on()
+        if status == "kept" and paired is not None:  # its gain in the final order, measured
+            ladder.decisions[slot.rung.name] = ((slot.rung.name,), paired.speedup)
+        note = f"closing check with {names} on top: {why}" + (", kept" if status == "kept" else ", kept as it was")
+        entry.reason = f"{entry.reason}; {note}" if entry.reason else note
+        ladder.on_event(f"closing check: {slot.rung.name} kept")
+        j += 1
+    return reference

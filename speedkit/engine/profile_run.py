@@ -1,0 +1,75 @@
+"""The ladder's profile: where the time goes in the baseline and each prefix of the final
+configuration's rungs (:mod:`speedkit.profile`), NVML sampled across them, then each kept rung's
+attribution (:mod:`speedkit.engine.attribution`). A verb of the ladder, taking the
+:class:`~speedkit.engine.ladder.Ladder`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from speedkit.errors import first_line
+
+if TYPE_CHECKING:
+    from speedkit.engine.ladder import Ladder
+
+
+def profile_configurations(ladder: Ladder) -> None:
+    """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
+    of each prefix of the final configuration's rungs (the last one the final configuration),
+    host syncs and traces of the first and the last, NVML sampled across them; then each kept
+    rung's attribution (:mod:`speedkit.engine.attribution`). Never fails the run: a window that cannot
+    be taken leaves the profile's ``note``."""
+    from speedkit.engine.attribution import attribute
+    from speedkit.measure.nvml import NvmlSampler, timeline
+    from speedkit.profile import CATEGORIES, CATEGORY_LABELS, ProfileUnavailable, find_host_syncs, profile_window
+
+    result, state, n = ladder.result, ladder.state, len(ladder.slots)
+    assert result is not None
+    names = [s.rung.name for s in ladder.slots]
+    profile: dict[str, Any] = {"steps": ladder.cfg.profile_steps, "categories": list(CATEGORIES),
+                               "labels": dict(CATEGORY_LABELS), "windows": [], "host_syncs": {}, "note": None,
+                               "host_syncs_note": None if state.device.type == "cuda" else
+                               "found on CUDA only (its sync debug mode): a CPU step has no device to wait for"}
+    result.profile = profile
+    sampler = NvmlSampler.create(state.device) if ladder.cfg.telemetry else None
+    marks: list[tuple[float, str]] = []
+    if sampler is not None:
+        sampler.start()
+    started = time.monotonic()  # the sampler's own start, within microseconds
+    try:
+        for k in range(n + 1):
+            label = "baseline" if k == 0 else "final" if k == n else names[k - 1]
+            ladder.on_event(f"profile: {label}" + (f" ({' + '.join(names[:k])})" if 0 < k < n else ""))
+            ladder.stack.configure([i < k for i in range(n)])
+            run_one = ladder.timing.runner()
+            for _ in range(ladder.timing.settle()):
+                run_one()
+            edge = k in (0, n)
+            trace = ladder.trace_dir / f"{label}.json.gz" if edge and ladder.trace_dir is not None else None
+            marks.append((time.monotonic() - started, label))
+            window = profile_window(run_one, steps=ladder.cfg.profile_steps, label=label, device=state.device,
+                                    trace_path=trace).to_dict()
+            window["rungs"] = names[:k]
+            if trace is not None and window.get("trace"):
+                window["trace"] = f"{ladder.trace_dir.name}/{trace.name}"  # beside the report
+            profile["windows"].append(window)
+            if edge and state.device.type == "cuda":
+                profile["host_syncs"][label] = find_host_syncs(run_one, state.device)
+                if k == 0 and n == 0:
+                    profile["host_syncs"]["final"] = profile["host_syncs"][label]
+    except ProfileUnavailable as exc:
+        profile["note"] = f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {first_line(exc)}"
+    except Exception as exc:  # the decisions stand; only the picture of where the time goes is missing
+        profile["note"] = (f"profile stopped at {len(profile['windows'])} of {n + 1} windows: "
+                           f"{type(exc).__name__}: {first_line(exc)}")
+    finally:
+        if sampler is not None:
+            sampler.stop()
+            result.telemetry_timeline = timeline(sampler.samples, sampler.interval_s, marks)
+        ladder.stack.configure([True] * n)
+        ladder.snapshot.restore()
+    if len(profile["windows"]) == n + 1 and n:
+        measured = result.final_check.speedup if result.final_check is not None else None
+        result.attribution = attribute(names, ladder.decisions, profile["windows"], measured, CATEGORY_LABELS)

@@ -1,0 +1,187 @@
+"""The ladder's second look: the rungs reverted on speed (or rejected on numerics under another
+precision, or failed beneath other rungs) judged again on the final configuration, with their
+partners, alone, and together with the others leaning faster, pass after pass until a pass keeps
+nothing. Verbs of the ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from speedkit.errors import first_line
+from speedkit.results import Parity, RungResult
+from speedkit.rungs.base import Rung
+
+if TYPE_CHECKING:
+    from speedkit.engine.ladder import Ladder
+
+
+def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
+    """Judge the rungs reverted on speed again, on the final configuration, pass after pass until
+    a pass keeps none (``together_passes`` at most): a rung whose gain was hidden in the noise of
+    the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
+    rungs kept after it. Each goes in at its place in the ladder, beneath the kept rungs after it
+    (switched off, then on again on top of it, rebased), and is judged against the final
+    configuration without it, in the order of :func:`second_look_groups`: a rung with the
+    partners it names (bf16 with channels_last and compile on a convnet), each rung alone (the
+    likeliest to pay first), and the rungs still undecided but leaning faster, all together.
+    The groups of the first pass are judged whatever the trials' budget has left, each with a
+    whole comparison's (``budget_s``: where small gains add up, they are what the budget would be
+    spent on first); once it is spent, the rest is skipped. A configuration already judged is
+    not judged again."""
+    for n in range(ladder.cfg.together_passes):
+        changed, skipped = False, False
+        for group in second_look_groups(ladder):
+            key = (tuple(r.name for r in group), tuple(s.rung.name for s in ladder.slots))
+            if key in ladder.judged or not all(worth_another_look(ladder, r) for r in group):
+                continue  # judged on this configuration already, or kept since in this pass
+            if ladder.budget.remaining() <= 0 and (n > 0 or len(group) == 1):
+                skipped = True  # the groups of the first pass after it are still judged
+                continue
+            ladder.judged.add(key)
+            # a group of the first pass: its likeliest gains, judged once with a whole comparison's
+            # budget (at the minimum of blocks, Lightning's demo Transformer's rungs leaning faster
+            # measured 1.53x [0.24, 9.58] together over 2 blocks and were reverted, the trials'
+            # budget spent on the climb's noisy eager steps)
+            kept, reference = look_again(ladder, group, reference, whole_budget=n == 0 and len(group) > 1)
+            changed = changed or kept
+        if skipped:
+            ladder.note_budget("second look" if n == 0 and not changed else "second look (the rest)")
+            break
+        if not changed:
+            break
+    return reference
+
+def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
+    """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
+    on numerics under another precision than the final configuration's (channels_last against an
+    fp32 envelope, before bf16 was kept), or failed in the climb beneath other kept rungs than the
+    final configuration's (cuda_graph refused for a sync in eager code that the compiled step does
+    not make: transformers' check whether a padding mask is all ones), and not kept since."""
+    entry = ladder.entry(rung.name)
+    if entry is None or any(s.rung is rung for s in ladder.slots):
+        return False
+    if entry.status == "failed":
+        beneath = ladder.failed_beneath.get(rung.name)
+        return beneath is not None and beneath != tuple(s.rung.name for s in ladder.slots)
+    if entry.status != "reverted":
+        return False
+    if entry.comparison is not None:
+        return True
+    parity = entry.parity  # a rewrite is judged at full precision anyway: its function differs
+    return (parity is not None and not parity.passed and parity.precision != ladder.state.precision
+            and not rung.judged_at_full_precision)
+
+def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
+    """Each rung reverted on speed with the partners it names that were reverted too; then, while
+    the trials' budget lasts, each rung alone, the highest point estimate first (a rung rejected on
+    numerics under another precision, never timed, counts as even); then all those still
+    undecided with a gain in their point estimate together: small gains (2-3% each on a noisy
+    host-bound step) that no comparison of one could tell from the noise add up to one it can.
+    Alone first, so that a rung judged on its own is not kept on another's gain (fused AdamW's
+    3% riding on compile's 19% in a group); with the budget spent the singles are skipped and
+    the groups still judged."""
+    candidates = [r for r in ladder.rungs if worth_another_look(ladder, r)]
+    groups: list[list[Rung]] = []
+    for rung in candidates:
+        partners = [p for p in candidates if p.name in rung.partners]
+        if partners:
+            group = sorted([rung, *partners], key=ladder.rungs.index)
+            if group not in groups:
+                groups.append(group)
+
+    def estimate(rung: Rung) -> float:
+        paired = ladder.last_comparison.get(rung.name)
+        return paired.speedup if paired is not None else 1.0
+
+    groups += [[r] for r in sorted(candidates, key=estimate, reverse=True)]
+    leaning = [r for r in candidates if leans_faster(ladder, r)]
+    if len(leaning) > 1 and leaning not in groups:
+        groups.append(leaning)
+    return groups
+
+def leans_faster(ladder: Ladder, rung: Rung) -> bool:
+    """Undecided in its last comparison, with a point estimate above 1."""
+    paired = ladder.last_comparison.get(rung.name)
+    return paired is not None and paired.verdict == "undecided" and paired.speedup > 1.0
+
+def look_again(ladder: Ladder, group: list[Rung], reference: list[float],
+                whole_budget: bool = False) -> tuple[bool, list[float]]:
+    """Apply ``group`` at its places in the final configuration and judge it against that
+    configuration without it (``whole_budget``: see :meth:`Ladder.compare`); keep it if it pays. Returns
+    whether it was kept, and the reference trajectory from then on."""
+    result = ladder.result
+    assert result is not None
+    order = {rung.name: i for i, rung in enumerate(ladder.rungs)}
+    entries = [ladder.entry(r.name) for r in group]
+    first = min(order[r.name] for r in group)
+    above = [s.rung.name for s in ladder.slots if order[s.rung.name] > first]
+    where = f"beneath {', '.join(above)}" if above else \
+        f"on top of {', '.join(s.rung.name for s in ladder.slots)}" if ladder.slots else "on the baseline"
+    label = " + ".join(r.name for r in group)
+    ladder.on_event(f"second look: {label} {where}")
+    t0, inserted = ladder.host_clock(), []
+    parity: Parity | None = None
+    try:
+        for rung in group:  # in ladder order: each at its place among the kept rungs
+            place = ladder.stack.place(rung)
+            ladder.stack.configure([i < place for i in range(len(ladder.slots))])
+            reason = rung.check(ladder.state)
+            if reason is not None:
+                raise RuntimeError(f"{rung.name} no longer applies: {reason}")
+            ladder.stack.insert(place, rung, (True,) * place)
+            inserted = [i + (i >= place) for i in inserted] + [place]
+        n = len(ladder.slots)
+        losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
+        if not parity.passed:
+            raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+        for i in inserted:
+            if ladder.slots[i].handle.problem():
+                raise RuntimeError(ladder.slots[i].handle.problem())
+            if ladder.slots[i].rung.judged_at_full_precision:
+                precise = ladder.parity.at_full_precision(i)
+                if precise is not None and not precise.passed:
+                    raise RuntimeError(f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
+                                       f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off")
+        without = [i not in inserted for i in range(n)]
+        paired = ladder.compare(lambda on: ladder.stack.configure([True] * n if on else without), label,
+                               shared_batches=ladder.stack.shares_batches(), whole_budget=whole_budget)
+        status, why = ladder.decide(paired, all(r.memory_comparable for r in group))
+        if len(group) == 1:
+            ladder.last_comparison[group[0].name] = paired
+    except Exception as exc:
+        paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
+    finally:
+        ladder.snapshot.restore()
+    together = f" together with {', '.join(r.name for r in group[1:])}" if len(group) > 1 else ""
+    if status == "kept":  # its entry keeps its first figures; the row after says what changed
+        assert paired is not None
+        for rung in group:
+            ladder.decisions[rung.name] = (tuple(r.name for r in group), paired.speedup)
+        for rung, entry in zip(group, entries):
+            assert entry is not None
+            slot = next(s for s in ladder.slots if s.rung is rung)
+            entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
+            entry.rewrite = slot.rewrite_report()
+            partners = [r.name for r in group if r is not rung]
+            entry.reason = (f"kept on a second look {where}" + (f", with {', '.join(partners)}" if partners else "")
+                            + f": {why}; before them: {entry.reason}")
+        result.rungs.append(RungResult(
+            f"second look: {label} {where}", "closing", precision=ladder.state.precision,
+            changes=[f"applied {label} {where}"], parity=parity, comparison=paired, measurement=paired.b,
+            gain_vs_previous=paired.speedup, reason=f"final configuration with {label}",
+            seconds=ladder.host_clock() - t0))
+        kept = True
+    else:
+        for i in sorted(inserted, reverse=True):
+            ladder.stack.remove(i)
+        ladder.stack.all_on()
+        for entry in entries:
+            assert entry is not None
+            entry.reason = f"{entry.reason}; second look {where}{together}: {why}, reverted"
+        kept = False
+    for entry in entries:
+        assert entry is not None
+        entry.seconds = (entry.seconds or 0.0) + (ladder.host_clock() - t0) / len(group)
+    ladder.on_event(f"second look: {label} {'kept' if kept else 'reverted'} ({why})")
+    return kept, (losses if kept else reference)

@@ -1,0 +1,143 @@
+"""The ladder's stack of rungs: each kept (or candidate) rung in a slot, in the ladder's order, and
+switching a configuration of them on and off (:class:`Stack`), the slots above a changed one switched
+off and on again on top of it (rebased); :class:`RungProblem`, a rung's report that its change stopped working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speedkit.handle import Handle
+from speedkit.rungs.base import Rung
+from speedkit.training.state import TrainState
+
+
+class RungProblem(Exception):
+    """A rung's own report that its change stopped working (e.g. compile fell back to eager)."""
+
+
+class Slot:
+    """A kept (or candidate) rung in the stack, switched off and on through its handle: suspended
+    and resumed when the handle can redo its changes, else undone and applied again."""
+
+    def __init__(self, rung: Rung, handle: Handle, below: tuple[bool, ...]) -> None:
+        self.rung, self.handle = rung, handle
+        #: which slots beneath it were on when it was last switched on (applied on top of them)
+        self.below = below
+
+    @property
+    def on(self) -> bool:
+        return self.handle is not None and self.handle.active and not self.handle.suspended
+
+    def disable(self) -> None:
+        if not self.on:
+            return
+        if self.handle.toggleable:
+            self.handle.suspend()
+        else:
+            self.handle.undo()
+
+    def enable(self, state: TrainState) -> None:
+        if self.on:
+            return
+        if self.handle.active and self.handle.suspended:
+            self.handle.resume()
+            return
+        reason = self.rung.check(state)
+        if reason is not None:
+            raise RuntimeError(f"{self.rung.name} no longer applies: {reason}")
+        self.handle = self.rung.apply(state)
+
+    def undo(self) -> None:
+        self.handle.undo()
+
+    def rewrite_report(self) -> dict[str, Any] | None:
+        """What its rung rewrote in the model's source and left alone, as plain data; None for a rung
+        that rewrites none."""
+        return self.handle.rewrite.as_dict() if self.handle.rewrite is not None else None
+
+
+class Stack:
+    """The slots of the rungs on ``state``, bottom first, and the configuration they are in.
+
+    Args:
+        state: the training objects the rungs change.
+        order: the ladder's rungs, in its order: where a rung goes among the kept ones.
+    """
+
+    def __init__(self, state: TrainState, order: list[Rung]) -> None:
+        self.state = state
+        self.order = {r.name: i for i, r in enumerate(order)}
+        self.slots: list[Slot] = []
+        self._settle_needed = 0  # untimed steps a rebased rung asks for after the next switch
+
+    @property
+    def handles(self) -> list[Handle]:
+        return [s.handle for s in self.slots]
+
+    def names(self) -> list[str]:
+        return [s.rung.name for s in self.slots]
+
+    def place(self, rung: Rung) -> int:
+        """Where ``rung`` goes among the kept rungs: after those before it in the ladder's order."""
+        return sum(self.order.get(s.rung.name, -1) < self.order[rung.name] for s in self.slots)
+
+    def insert(self, place: int, rung: Rung, below: tuple[bool, ...]) -> Slot:
+        """Apply ``rung`` on the configuration in effect and put its slot at ``place``."""
+        slot = Slot(rung, rung.apply(self.state), below)
+        self.slots.insert(place, slot)
+        return slot
+
+    def configure(self, mask: list[bool]) -> None:
+        """Switch the kept rungs to ``mask`` (on/off per slot), touching only the slots from the
+        first that changes upward (rungs above it may depend on it)."""
+        current = [s.on for s in self.slots]
+        if current == mask:
+            return
+        first = next(i for i, (c, m) in enumerate(zip(current, mask)) if c != m)
+        for slot in reversed(self.slots[first:]):
+            slot.disable()
+        for i in range(first, len(self.slots)):
+            slot = self.slots[i]
+            if not mask[i]:
+                continue
+            slot.enable(self.state)
+            below = tuple(mask[:i])
+            if slot.below != below:  # what it wraps changed beneath it while it was off
+                slot.handle.rebase()
+                self._settle_needed = max(self._settle_needed, slot.handle.settle_steps)
+            slot.below = below
+
+    def all_on(self) -> None:
+        self.configure([True] * len(self.slots))
+
+    def settle(self, configured: int) -> int:
+        """Untimed steps after switching configuration: ``configured``, or more where a rung that was
+        rebased needs them (and forget that need)."""
+        steps, self._settle_needed = max(configured, self._settle_needed), 0
+        return steps
+
+    def remove(self, j: int) -> None:
+        """Undo the rung of slot ``j``, the slots above it switched back on without it (rebased)."""
+        self.configure([i != j for i in range(len(self.slots))])
+        self.slots.pop(j).undo()
+        for above in self.slots[j:]:  # what they were applied on no longer has slot j
+            above.below = above.below[:j] + above.below[j + 1:]
+
+    def drop(self, added: list[Slot]) -> None:
+        """Undo candidate slots appended above the kept ones (they were applied with those off)."""
+        for slot in reversed(added):
+            if slot in self.slots:
+                slot.disable()
+                self.slots.remove(slot)
+                slot.undo()
+
+    def revert(self) -> None:
+        """Undo every kept rung, last first."""
+        while self.slots:
+            self.slots.pop().undo()
+
+    def shares_batches(self) -> bool:
+        """Whether the kept rungs may be timed on batches an A/B block shares (none of them does work
+        per new input shape)."""
+        return not any(s.rung.new_shape_cost for s in self.slots)

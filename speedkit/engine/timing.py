@@ -1,0 +1,147 @@
+"""Timing configurations of the ladder's stack (:class:`Timing`): one step of the configuration in
+effect fed by the data source, a configuration alone, and two against each other in interleaved
+A B B A blocks (:func:`speedkit.measure.compare.compare`); a heartbeat for long silent phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+from speedkit.engine.stack import Stack
+from speedkit.measure.compare import compare
+from speedkit.measure.config import MeasureConfig
+from speedkit.measure.session import MeasureSession
+from speedkit.measure.stats import Comparison
+from speedkit.results import Measurement, PairedResult
+from speedkit.training.snapshot import Snapshot
+from speedkit.training.state import TrainState
+
+
+class Timing:
+    """Times configurations of ``stack`` on ``state`` through ``session``, each window from
+    ``snapshot`` (weights and schedule; the RNG runs on).
+
+    ``window_steps``: optimizer steps per window of the A/B comparisons (``steps``, or more where the
+    baseline's windows vary more than ``noise_target``); ``shapes_vary``: batches differ in shape
+    (padded to each batch's longest sequence): each A/B block then times both configurations on the
+    same batches, whose work would otherwise differ more between windows than most rungs change it.
+    """
+
+    def __init__(self, state: TrainState, cfg: MeasureConfig, session: MeasureSession, stack: Stack, snapshot: Snapshot,
+                 *, host_clock: Callable[[], float], on_event: Callable[[str], None], shapes_vary: bool) -> None:
+        self.state, self.cfg, self.session, self.stack, self.snapshot = state, cfg, session, stack, snapshot
+        self.host_clock, self.on_event = host_clock, on_event
+        self.shapes_vary = shapes_vary
+        self.window_steps = cfg.steps
+        self._iterators: dict[int, Iterator[Any]] = {}
+
+    def close(self) -> None:
+        """Forget the data sources' iterators (the trials are over)."""
+        self._iterators.clear()
+
+    def settle(self) -> int:
+        """Untimed steps after switching configuration (:meth:`Stack.settle`)."""
+        return self.stack.settle(self.cfg.settle)
+
+    def runner(self, batches: list[Any] | None = None) -> Callable[[], None]:
+        """One step of the current configuration, fed by the current data source's iterator, or by
+        ``batches`` (the block's own, see ``shapes_vary``) where given."""
+        state = self.state
+        source = iter(batches) if batches is not None else self.source_iterator()
+        return self.session.runner(lambda micro, i: state.step(micro, i), source, state.step.accumulate)
+
+    def source_iterator(self) -> Iterator[Any]:
+        """The current data source's iterator, made on first use and kept across windows. Beneath
+        wrappers that only map batches (channels_last), the source they wrap is iterated and its
+        batches mapped: both configurations of a comparison read one stream, and a source serving
+        one live iterator at a time (data_path's ring: a second iterator closes the first) is never
+        asked for another while the first is in use."""
+        data = self.state.data
+        assert data is not None
+        data, maps = data.unmapped()
+        if id(data) not in self._iterators:
+            self._iterators[id(data)] = data.iterator()
+        batches = self._iterators[id(data)]
+        for map_batch in reversed(maps):  # the innermost wrapper's first
+            batches = map(map_batch, batches)
+        return batches
+
+    def block_batches(self, same_source: bool) -> list[Any] | None:
+        """The batches every window of the next A/B block runs, drawn once (untimed) from the data
+        source, where batch shapes vary and both configurations read the same source; else None
+        (each window draws its own: a change of the data path is timed on the data it serves)."""
+        if not (self.shapes_vary and same_source):
+            return None
+        source = self.source_iterator()
+        return [next(source) for _ in range(self.window_steps * self.state.step.accumulate)]
+
+    def alone(self) -> Measurement:
+        """The configuration in effect, measured on its own (the baseline)."""
+        cfg = self.cfg
+        self.snapshot.restore(rng=False)
+        return self.session.measure(self.runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
+
+    def compare(self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float],
+                shared_batches: bool = True) -> PairedResult:
+        """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
+        paired decision is made, ``max_blocks`` are spent or its budget is out (``budget_s()``, asked after
+        the warm-ups). Leaves A on.
+        ``shared_batches``: where batch shapes vary, the windows of a block may run the same batches.
+        The budget counts from the end of the warm-ups: a compilation there (a configuration compiled
+        for the first time, or again, e.g. after parity ran it with dropout off) is the trials' time,
+        and left the comparison, counted from its start, too few blocks to decide."""
+        cfg, session = self.cfg, self.session
+        self.snapshot.restore(rng=False)
+        start = self.host_clock()
+        set_candidate(True)
+        source_b = self.state.data
+        with heartbeat(self.on_event, f"  {label}: warm-up"):
+            session.warm(self.runner(), max(cfg.warmup, self.settle()))
+        set_candidate(False)
+        same_source = self.state.data is source_b
+        session.warm(self.runner(), self.settle())
+        budget = budget_s()
+        shared: list[Any] | None = None
+
+        def start_block(switch: Callable[[bool], bool]) -> None:
+            nonlocal shared
+            shared = self.block_batches(same_source and shared_batches)
+            if shared is not None:  # each configuration meets the block's shapes once, untimed: work the
+                for candidate in (True, False):  # first batch of a shape brings (cuBLAS, cuDNN plans) is
+                    switch(candidate)  # then timed in neither configuration's windows, not in the first
+                    session.warm(self.runner(shared), self.window_steps)
+
+        def look(verdict: Comparison) -> None:
+            self.on_event(f"  {label}: {verdict.blocks} blocks: {verdict.speedup:.3f}x "
+                          f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
+
+        paired = compare(set_candidate, lambda: session.window(self.runner(shared), self.window_steps), cfg,
+                         budget_s=budget, clock=self.host_clock, settle=lambda: session.warm(self.runner(), self.settle()),
+                         start_block=start_block, on_look=look)
+        return PairedResult(**asdict(paired.comparison), a=session.measurement(paired.a, warmup=cfg.warmup),
+                            b=session.measurement(paired.b, warmup=cfg.warmup), seconds=self.host_clock() - start)
+
+
+@contextlib.contextmanager
+def heartbeat(on_event: Callable[[str], None], label: str, every_s: float = 20.0) -> Iterator[None]:
+    """Say "still running" every ``every_s`` seconds of wall time while the block runs (a first
+    compile can take minutes with nothing else to show)."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            on_event(f"{label}: still running after {time.monotonic() - start:.0f} s")
+
+    thread = threading.Thread(target=beat, daemon=True, name="speedkit-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
