@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO))
 from bench.common import Results  # noqa: E402
 from bench.zoo import channels_last_as_a_user_would, compile_as_a_user_would  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
-from speedkit.frontend.runner import recipe_trials, timed_fit_trial  # noqa: E402
 from speedkit.engine.sweep import MARGIN, SweepTrial, candidates, sweep  # noqa: E402
+from speedkit.frontend.runner import recipe_trials, timed_fit_trial  # noqa: E402
 
 
 def zoo_target(name: str, tiny: bool) -> tuple[int, Any]:

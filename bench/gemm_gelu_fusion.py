@@ -205,7 +205,9 @@ if __name__ == "__main__":
     M, C, H = 16384, 768, 3072
     x = torch.randn(M, C, device=dev, dtype=dt); w1 = (torch.randn(H, C, device=dev) * 0.03).to(dt); b1 = torch.zeros(H, device=dev, dtype=dt)
     dy = torch.randn(M, C, device=dev, dtype=dt); w2 = (torch.randn(C, H, device=dev) * 0.03).to(dt)
-    med = lambda fn: sorted(MeasureSession(dev).window_times(fn, warmup=10, steps=50, repeats=7))[3]
+    def med(fn):
+        return sorted(MeasureSession(dev).window_times(fn, warmup=10, steps=50, repeats=7))[3]
+
     gelu = torch.nn.functional.gelu
     c_fwd = med(lambda: gelu(torch.addmm(b1, x, w1.t()), approximate="tanh"))
     c_mm = med(lambda: torch.addmm(b1, x, w1.t()))

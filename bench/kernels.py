@@ -133,7 +133,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    times = sorted(MeasureSession(device).window_times(lambda: dst.copy_(src), warmup=0, steps=1, repeats=repeats))
+    times = sorted(MeasureSession(device).window_times(lambda: dst.copy_(src), warmup=0, steps=1, repeats=repeats))  # noqa: F821 (deleted below, after the closure last runs)
     del src, dst
     free_memory()
     return 2 * nbytes / (times[len(times) // 2] / 1e3)
@@ -360,15 +360,15 @@ class Bench:
             def fwd(fn=fn) -> None:
                 i = next(counter) % sets
                 with torch.no_grad():
-                    fn(xs[i].detach(), w.detach(), b.detach() if b is not None else None)
+                    fn(xs[i].detach(), w.detach(), b.detach() if b is not None else None)  # noqa: F821 (deleted below, after the closure last runs)
 
             def clear() -> None:
-                for t in xs + params:
+                for t in xs + params:  # noqa: F821 (deleted below, after the closure last runs)
                     t.grad = None
 
             def fwd_bwd(fn=fn, my_dys=my_dys) -> None:
                 i = next(counter) % sets
-                x = xs[i]
+                x = xs[i]  # noqa: F821 (deleted below, after the closure last runs)
                 x.grad = None
                 for p in params:
                     p.grad = None
@@ -482,7 +482,7 @@ class Bench:
             def fwd(fn=fn, my_logits=my_logits) -> None:
                 i = next(counter) % sets
                 with torch.no_grad():
-                    fn(my_logits[i].detach(), targets[i])  # detached: Liger writes no gradient
+                    fn(my_logits[i].detach(), targets[i])  # detached: Liger writes no gradient  # noqa: F821 (deleted below, after the closure last runs)
 
             def clear(my_logits=my_logits) -> None:
                 for t in my_logits:
@@ -492,7 +492,7 @@ class Bench:
                 i = next(counter) % sets
                 t = my_logits[i]
                 t.grad = None
-                fn(t, targets[i]).backward()
+                fn(t, targets[i]).backward()  # noqa: F821 (deleted below, after the closure last runs)
 
             try:
                 if in_place:

@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results, gemm_ceiling_tflops  # noqa: E402
+from speedkit.data.batch import move_to_device  # noqa: E402
 from speedkit.demos import NaiveGPT, SyntheticTokens  # noqa: E402
 from speedkit.measure import count_step_flops  # noqa: E402
 from speedkit.measure.session import MeasureSession  # noqa: E402
-from speedkit.data.batch import move_to_device  # noqa: E402
 from speedkit.training.step import PlainStep  # noqa: E402
 
 RECIPE = REPO / "recipes" / "gpt2-small-naive.yaml"
@@ -73,10 +73,10 @@ def hand_ladder(res: Results, flops: int, ceiling: float) -> None:
         def step() -> None:
             idx, tgt = move_to_device(next(it), torch.device("cuda"))
             with torch.autocast("cuda", torch.bfloat16) if cfg.get("bf16") else contextlib.nullcontext():
-                loss = fwd(idx, tgt)
+                loss = fwd(idx, tgt)  # noqa: F821 (deleted below, after the closure last runs)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.step()  # noqa: F821 (deleted below, after the closure last runs)
+            opt.zero_grad(set_to_none=True)  # noqa: F821 (deleted below, after the closure last runs)
 
         m = MeasureSession(torch.device("cuda")).measure(lambda: step(), warmup=WARMUP, steps=STEPS, repeats=REPEATS)
         _record(res, variant, m.step_ms, m.spread, flops, ceiling, m.peak_memory_bytes)

@@ -182,7 +182,9 @@ def ce_variants() -> None:
         loss = torch.empty(M, device=DEV)
         floor = 2 * M * V * 2
         counter = itertools.count()
-        cur = lambda: sk.cross_entropy(logits[next(counter) % 3], targets[0])
+        def cur():
+            return sk.cross_entropy(logits[next(counter) % 3], targets[0])  # noqa: F821 (deleted below, after its last call)
+
         with torch.no_grad():
             print(f"== ce {M}x{V}: speedkit forward now {step_ms(cur):.3f} ms", flush=True)
         ref = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
@@ -196,7 +198,7 @@ def ce_variants() -> None:
 
                     def run(block=block, warps=warps, grid=grid, ev1=ev1, ev2=ev2, cs=cs) -> None:
                         i = next(counter) % 3
-                        _ce_variant[(grid,)](logits[i], targets[i], grad, loss, V, V, M, V, 1.0 / M,
+                        _ce_variant[(grid,)](logits[i], targets[i], grad, loss, V, V, M, V, 1.0 / M,  # noqa: F821 (deleted below, after the closure last runs)
                                              EV1=bool(ev1), EV2=bool(ev2), CS=bool(cs), BLOCK=block, num_warps=warps)
 
                     try:

@@ -42,8 +42,8 @@ Usage: PYTHONPATH=. python bench/zoo.py [--models hf-gpt2,timm-vit] [--steps 10]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import gc
 import math
 import shutil

@@ -15,8 +15,8 @@ To measure which rungs pay off on your model: ``speedkit optimize recipe.yaml``.
 
 from __future__ import annotations
 
-from speedkit.frontend.api import Applied, apply
 from speedkit.errors import ConfigError, SpeedkitError, UnsupportedError
+from speedkit.frontend.api import Applied, apply
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,6 @@ Regenerate only on purpose: ``python tests/rewrite_reports.py --write``.
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import types
@@ -34,6 +33,7 @@ def _models() -> list[tuple[str, nn.Module, Any]]:
     """(label, model, optimizer) triples, each built fresh after ``torch.manual_seed(0)``."""
     sys.path.insert(0, str(HERE))
     import attention_models
+
     from speedkit.demos import batched as batched_demos
     from speedkit.demos.zoo import ZOO
     from speedkit.frontend.recipe import load_recipe

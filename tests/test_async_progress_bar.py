@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit import compat, rungs
-from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.rungs.async_progress_bar import AsyncProgressBarRung, logs_to_progress_bar
+from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.training.state import TrainState
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from speedkit.kernels import ops
 from speedkit.data import BatchSource
 from speedkit.demos.batched import (
     Ensemble,
@@ -22,6 +21,7 @@ from speedkit.demos.batched import (
     SiblingProjections,
     SyntheticGEMMs,
 )
+from speedkit.kernels import ops
 from speedkit.rungs.batched import NOTHING_FOUND, BatchedOptions, BatchedRung
 from speedkit.training.state import TrainState
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit.rungs.compile import CompileOptions, CompileRung, GuardedForward, apply_compile, step_modules
+from speedkit.rungs.compile import CompileOptions, CompileRung, GuardedForward, step_modules
 from speedkit.training.state import TrainState
 
 

@@ -4,8 +4,6 @@ applicability, and the handle changes that stay on while a rung is suspended."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import copy
 import dataclasses
 import inspect
@@ -13,6 +11,7 @@ import json
 import random
 import sys
 import time
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -20,8 +19,8 @@ import torch
 from torch import nn
 
 from speedkit import rungs
-from speedkit.data.static import StaticBatch
 from speedkit.cudagraph.safety import scan_function, scan_step
+from speedkit.data.static import StaticBatch
 from speedkit.handle import Handle
 from speedkit.rungs.cuda_graph import optimizer_blocker, scaler_blocker
 from speedkit.training.state import TrainState
@@ -723,8 +722,8 @@ def test_a_graph_captured_before_a_change_in_place_is_captured_again_and_switche
     block: cuda_graph measured 0.835x on GPT-2, 0.852x on Llama, 0.943x on ViT (H200), where it had
     been kept before. A rung switched beneath the graph rebases it through ``Handle.rebase``."""
     from speedkit.cudagraph.graphed_step import GraphedStep
-    from speedkit.handle import Handle, configuration_changed, in_place_changes, set_attr
     from speedkit.engine.parity import dropout_off as _dropout_off
+    from speedkit.handle import Handle, configuration_changed, in_place_changes, set_attr
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), capturable=True)

@@ -21,15 +21,15 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from speedkit import compat, rungs
 from speedkit.data import BatchSource
 from speedkit.data.choose import choose_settings, loader_rate
+from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.data.settings import LoaderSettings, rebuild_loader
 from speedkit.data.workers import worker_dependence
-from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
-from speedkit.errors import ConfigError
 from speedkit.engine.ladder import Ladder
+from speedkit.errors import ConfigError
 from speedkit.lightning import SpeedLadder
-from speedkit.rungs import data_path
 from speedkit.lightning import data as lightning_data
 from speedkit.lightning.data import DataPathFit, overridden_transfer_hooks
+from speedkit.rungs import data_path
 from speedkit.rungs.data_path import DataPathRung, DataPathSource, Plan
 from speedkit.training.state import TrainState
 

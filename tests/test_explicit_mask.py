@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_rel_close
 from torch import nn
 from torch.nn.modules import transformer as torch_transformer
 
-from conftest import assert_rel_close
 from speedkit import rungs
 from speedkit.rungs.explicit_mask import MaskAsGiven, sniffing_stacks
 

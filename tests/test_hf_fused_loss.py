@@ -16,8 +16,8 @@ import torch
 from conftest import assert_rel_close
 
 from speedkit import compat, kernels
-from speedkit.rewrite import hf_loss
 from speedkit.kernels import layers
+from speedkit.rewrite import hf_loss
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung
 from speedkit.training.state import TrainState
 from speedkit.training.step import default_loss_fn

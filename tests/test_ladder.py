@@ -12,13 +12,13 @@ import re
 
 import pytest
 import torch
-from torch import nn
 from conftest import mlp_state
 from fakes import CostStep, SpeedRung, VirtualTime, timed_state
+from torch import nn
 
 from speedkit.data.source import BatchSource
-from speedkit.handle import Handle, set_attr
 from speedkit.engine.ladder import Ladder
+from speedkit.handle import Handle, set_attr
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.stats import block_log_gain, decide, looks
 from speedkit.rungs.base import Rung
@@ -723,7 +723,7 @@ def test_hook_driven_windows_start_after_the_warmup_and_count_micro_batches():
     session = MeasureSession("cpu", clock=time.clock(), host_clock=time)
     session.begin_steps(2, warmup=1)
     windows = []
-    for step in range(5):
+    for _step in range(5):
         for micro in range(2):  # accumulation over 2 micro-batches
             time.now += 0.001  # waiting for the batch
             session.batch_started()

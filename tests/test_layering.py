@@ -13,7 +13,6 @@ must be placed here, and README's Layout names it (``test_readme_layout_names_ev
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from test_imports import PACKAGE, _graph
 

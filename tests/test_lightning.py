@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit.demos import NaiveGPT, SyntheticTokens
-from speedkit.errors import ConfigError
 from speedkit.engine.ladder import Ladder
+from speedkit.errors import ConfigError
 from speedkit.lightning import SpeedLadder, StepTimer
 from speedkit.rungs.compile import GuardedForward
 
@@ -217,9 +217,8 @@ class _PaddedSequences(pl.LightningModule):
 
 
 def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(no_interpreter, tmp_path):
-    from speedkit.report import write_report
-
     from speedkit.lightning import SpeedProfiler
+    from speedkit.report import write_report
 
     ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True},
                          report_dir=tmp_path / "report")

@@ -8,17 +8,16 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from ranks import spawn_ranks
 from torch import nn
 from torch.nn import functional as F
 
-from speedkit.training.accumulate import merge_batches, split_batch
 from speedkit.data.source import BatchSource
 from speedkit.lightning import SpeedLadder
-from speedkit.rungs.micro_batch import MergedStep, MicroBatchRung, MicroBatchOptions, largest_fitting_factor
+from speedkit.rungs.micro_batch import MergedStep, MicroBatchOptions, MicroBatchRung, largest_fitting_factor
+from speedkit.training.accumulate import merge_batches, split_batch
 from speedkit.training.state import TrainState
 from speedkit.training.step import PlainStep
-
-from ranks import spawn_ranks
 
 SAMPLES, BATCH, FEATURES, CLASSES = 256, 8, 10, 4
 

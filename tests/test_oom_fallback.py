@@ -13,14 +13,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from ranks import spawn_ranks
 from torch import nn
 from torch.nn import functional as F
 
 import speedkit
-from speedkit.training.accumulate import GradStash, MicroBatcher, OutOfMemoryAtOneSample, batch_size, split_batch
 from speedkit.lightning import OOMFallback
-
-from ranks import spawn_ranks
+from speedkit.training.accumulate import GradStash, MicroBatcher, OutOfMemoryAtOneSample, batch_size, split_batch
 
 SAMPLES, BATCH, FEATURES, CLASSES = 512, 16, 12, 5
 

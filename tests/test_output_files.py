@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from speedkit.frontend.cli import OUTPUT_ERROR_EXIT, main
 from speedkit.errors import OutputError
 from speedkit.files import write_text_atomic
+from speedkit.frontend.cli import OUTPUT_ERROR_EXIT, main
 
 FAST_RECIPE = ("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
                "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"

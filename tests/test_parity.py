@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.data import BatchSource
-from speedkit.handle import Handle, set_attr
 from speedkit.engine.ladder import Ladder
+from speedkit.handle import Handle, set_attr
 from speedkit.rungs import make as get_rung
 from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState

@@ -11,8 +11,15 @@ import torch
 from torch import nn
 
 from speedkit.errors import SpeedkitError
-from speedkit.profile import (CATEGORIES, CATEGORY_LABELS, ProfileUnavailable, ProfileWindow, categorize,
-                              find_host_syncs, profile_window)
+from speedkit.profile import (
+    CATEGORIES,
+    CATEGORY_LABELS,
+    ProfileUnavailable,
+    ProfileWindow,
+    categorize,
+    find_host_syncs,
+    profile_window,
+)
 
 # -- categorize -----------------------------------------------------------------------------------------
 

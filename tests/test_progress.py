@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from speedkit.frontend.progress import ProgressBar
 from speedkit.engine.sweep import SweepTrial, sweep
+from speedkit.frontend.progress import ProgressBar
 
 
 def test_off_a_terminal_the_bar_draws_nothing():

@@ -17,6 +17,7 @@ import yaml
 from speedkit.errors import ConfigError
 from speedkit.frontend.recipe import ClassSpec, Recipe, dump_recipe, embedded_default_path, load_recipe, load_recipe_text
 
+
 @pytest.fixture(autouse=True)
 def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """load_recipe adds the recipe's directory to sys.path; keep each test's additions to itself."""

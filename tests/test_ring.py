@@ -8,14 +8,23 @@ import pickle
 
 import pytest
 import torch
+from test_data_path_gpu import Item, Pair, Stamped  # the batch types the GPU prefetch tests use
 from torch.utils.data import DataLoader, Dataset
 
-from speedkit.data.ring import (BatchRing, Packed, RingCollate, RingLeaf, handoff_loader, packable, ring_epoch, slot_bytes_for,
-                                stop_ring_workers)
 from speedkit.data.batch import batch_leaves
+from speedkit.data.ring import (
+    BatchRing,
+    Packed,
+    RingCollate,
+    RingLeaf,
+    handoff_loader,
+    packable,
+    ring_epoch,
+    slot_bytes_for,
+    stop_ring_workers,
+)
 from speedkit.data.source import chain_epochs
 from speedkit.rungs.data_path import DataPathOptions, plan_ring
-from test_data_path_gpu import Item, Pair, Stamped  # the batch types the GPU prefetch tests use
 
 
 def _batch(i: int):

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from conftest import mlp_state, tiny_gpt_state
+from torch import nn
 
 from speedkit import rungs
 from speedkit.errors import ConfigError
@@ -239,8 +239,8 @@ def test_compile_makes_room_for_each_configuration_in_dynamos_cache_and_gives_it
 
 
 def test_dropout_off_for_parity_announces_the_switch():
-    from speedkit.handle import configuration_changes
     from speedkit.engine.parity import dropout_off as _dropout_off
+    from speedkit.handle import configuration_changes
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     before = configuration_changes()

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from speedkit.errors import ConfigError
 from speedkit.engine.sweep import SweepResult, SweepTrial, candidates, sweep
+from speedkit.errors import ConfigError
 
 GB = 10**9
 

@@ -16,9 +16,8 @@ from conftest import assert_rel_close
 from torch import nn
 
 import speedkit.kernels as kernels
-from speedkit.kernels import layers
 from speedkit.demos import NaiveGPT
-from speedkit.kernels import cublaslt
+from speedkit.kernels import cublaslt, layers
 from speedkit.rungs import triton_layers
 from speedkit.rungs.triton_layers import NOTHING_FOUND, TritonLayersOptions, TritonLayersRung
 from speedkit.training.state import TrainState
@@ -166,7 +165,7 @@ def kernel_calls(monkeypatch):
     """Counts the kernel calls the swapped layers make (the point: not a fallback to PyTorch)."""
     calls = Counter()
     for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu"):
-        def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):
+        def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):  # noqa: B008 (binds the kernel now, by design)
             calls[_name] += 1
             return _fn(*args, **kwargs)
         monkeypatch.setattr(layers.kernels, name, spy)

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from speedkit import compat
-from speedkit.training.accumulate import free_device_memory
-from speedkit.data.static import StaticBatch
-from speedkit.errors import first_line
 from speedkit.cudagraph.safety import Blocker
 from speedkit.cudagraph.step_watch import find_host_draws, find_syncs
+from speedkit.data.static import StaticBatch
+from speedkit.errors import first_line
 from speedkit.handle import Handle, in_place_changes
+from speedkit.training.accumulate import free_device_memory
 from speedkit.training.step import LogCall, Step, StepWrapper
 
 #: optimizer hyper-parameters a schedule may change, read by the graph from device tensors

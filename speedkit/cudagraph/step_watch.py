@@ -23,7 +23,6 @@ from speedkit.cudagraph.safety import Blocker
 from speedkit.rewrite.source import is_callers_file, is_users_own_file
 
 
-
 def find_syncs(run_step: Callable[[], Any], unique: bool = True) -> tuple[Any, list[Blocker]]:
     """Run ``run_step()`` once with CUDA's sync debug mode warning on every synchronizing call; return
     its result and the calls found (file and line of the Python code that made each; with ``unique``

@@ -165,7 +165,7 @@ def private_rngs(*roots: Any, depth: int = 4, visit_limit: int = 512, width: int
 
 def _cell_filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell
         return False
     return True

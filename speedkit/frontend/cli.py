@@ -118,8 +118,8 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     from rich.console import Console
 
     from speedkit.frontend.progress import ProgressBar
-    from speedkit.report.console import render_console
     from speedkit.frontend.runner import Interrupted, optimize
+    from speedkit.report.console import render_console
 
     recipe = _load(args.recipe, overrides)
     if args.out is not None and not args.out.strip():

@@ -433,7 +433,7 @@ def _report(value: Any) -> dict[str, Any]:
         return out
     if not isinstance(value, dict):
         raise ConfigError("report", f"expected a mapping, found {_describe(value)}")
-    for key, item in value.items():
+    for key in value:
         if key not in REPORT_DEFAULTS:
             raise ConfigError(f"report.{key}", _unknown("key", key, REPORT_DEFAULTS))
     if "formats" in value:
@@ -445,7 +445,7 @@ def _report(value: Any) -> dict[str, Any]:
                 raise ConfigError(f"report.formats[{i}]", f"expected one of {', '.join(REPORT_FORMATS)}, found {_describe(fmt)}")
         out["formats"] = list(dict.fromkeys(formats))
     if "title" in value:
-        out["title"] = _check(value["title"], typing.Optional[str], "report.title")
+        out["title"] = _check(value["title"], typing.Optional[str], "report.title")  # noqa: UP045 (a runtime type _check reads)
     return out
 
 

@@ -168,8 +168,8 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
 
     from speedkit import compat
     from speedkit.data.batch import batch_leaves, map_batch
-    from speedkit.frontend.recipe import SYNTHETIC_DATA
     from speedkit.data.rng import RngState
+    from speedkit.frontend.recipe import SYNTHETIC_DATA
 
     if recipe.data is None or recipe.data.class_path not in SYNTHETIC_DATA.values():
         return
@@ -449,9 +449,8 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     import torch
 
     from speedkit import compat
-
-    from speedkit.lightning import StepTimer
     from speedkit.engine.sweep import SweepTrial
+    from speedkit.lightning import StepTimer
 
     cuda = _on_cuda(trainer_kwargs)
     timer = StepTimer(warmup=warmup, window=window)
@@ -497,8 +496,8 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
     shown with the first size only."""
     from lightning.fabric.utilities.seed import seed_everything
 
-    from speedkit.lightning import SpeedLadder
     from speedkit.frontend.recipe import load_recipe
+    from speedkit.lightning import SpeedLadder
 
     key, start = _batch_size_key(recipe)
     measured: list[int] = []

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from speedkit.kernels.support import next_power_of_2, num_sms, runs_triton
 
+
 @triton.jit
 def _half_one_plus_tanh(u):
     """(s, 1 - s) with s = ½(1 + tanh(u)) = sigmoid(2u), each without cancellation: from

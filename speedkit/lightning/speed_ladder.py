@@ -39,11 +39,11 @@ from typing_extensions import override
 
 from speedkit import config
 from speedkit import rungs as rung_registry
-from speedkit.lightning.data import bind_source, watch_fit_iterator_start
+from speedkit.engine.ladder import Ladder, TrialsNotRun
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
-from speedkit.engine.ladder import Ladder, TrialsNotRun
+from speedkit.lightning.data import bind_source, watch_fit_iterator_start
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.step import LightningSource, LightningStep
 from speedkit.lightning.steps import OptimizerSteps

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speedkit import compat
-from speedkit.kernels import layers
 from speedkit.handle import Handle, set_attr
+from speedkit.kernels import layers
 
 
 class FusedLMLoss:

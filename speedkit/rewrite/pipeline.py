@@ -109,7 +109,7 @@ class RewriteReport:
 # -- find, decide: the plan ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find(rewriter: Rewriter, parsed: ParsedMethod) -> Found:
     """The rewriter's sites in ``parsed`` (cached: a class's source is read once)."""
     return rewriter.find(parsed)
@@ -182,7 +182,7 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
 # -- emit, compile, bind: the apply ----------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(rewriter: Rewriter, parsed: ParsedMethod, decisions: tuple[Any, ...]) -> Callable[..., Any]:
     """The rewritten method for one tuple of decisions (shared by all instances that run ``parsed``)."""
     tree = copy_tree(parsed)

@@ -81,7 +81,7 @@ class FunctionSource:
     node: ast.stmt | None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse_function(fn: Callable[..., Any]) -> FunctionSource:
     """Read and parse ``fn``'s source (cached per function; the tree is shared: do not change it).
     Raises OSError or TypeError (no source) or SyntaxError (it does not parse on its own)."""
@@ -116,7 +116,7 @@ class ParsedMethod:
         return args[0].arg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
     """Parse ``cls.<name>`` (cached per class). Raises :class:`NotRewritable` with the reason."""
     label = f"{cls.__name__}.{name}"

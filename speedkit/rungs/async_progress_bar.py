@@ -26,8 +26,8 @@ from typing import Any
 
 from speedkit import compat
 from speedkit.handle import Handle
-from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.rungs.base import Rung
+from speedkit.training.lagged_scalars import LaggedScalars
 from speedkit.training.state import TrainState
 
 

@@ -61,6 +61,8 @@ import torch
 
 from speedkit import compat
 from speedkit.data.choose import Choice, choose_settings
+from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
+from speedkit.data.ring import BatchRing, handoff_loader, make_ring, persistent, slot_bytes_for
 from speedkit.data.settings import (
     LoaderSettings,
     in_process_change_blocker,
@@ -68,11 +70,9 @@ from speedkit.data.settings import (
     not_rebuildable,
     rebuild_loader,
 )
+from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.data.topology import format_cpu_list, physical_memory, shared_memory_free, training_cpus
 from speedkit.data.workers import worker_dependence
-from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
-from speedkit.data.ring import BatchRing, handoff_loader, make_ring, persistent, slot_bytes_for
-from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.errors import ConfigError
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.training.state import TrainState

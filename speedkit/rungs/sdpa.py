@@ -41,8 +41,8 @@ from typing import Literal
 
 from torch import nn
 
-from speedkit.rewrite.library_switches import SwitchPlan, apply_switches, plan_switches
 from speedkit.rewrite.attention_emit import ATTENTION, decide
+from speedkit.rewrite.library_switches import SwitchPlan, apply_switches, plan_switches
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
 from speedkit.rewrite.source import is_user_module
 from speedkit.rungs.base import Handle, RewriteRung, nested

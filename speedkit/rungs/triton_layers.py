@@ -64,9 +64,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speedkit.kernels import cublaslt, kernels_available, layers
 from speedkit.rewrite import hf_loss
-from speedkit.kernels import layers
-from speedkit.kernels import cublaslt, kernels_available
 from speedkit.rewrite.layers import LAYERS, decide
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
 from speedkit.rewrite.source import NotRewritable, is_user_code, is_user_module

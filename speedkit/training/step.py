@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedkit.training.accumulate import stop_on_out_of_memory
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
+from speedkit.training.accumulate import stop_on_out_of_memory
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
 #: one recorded ``self.log(*args, **kwargs)`` call: (args, kwargs, "file:line" of the call)
