@@ -75,15 +75,41 @@ def run_target(name: str, start: int, trial: Any, accumulate: int, res: Results,
     effective = start * accumulate
     extra = {"model": name, "effective_batch": effective}
     t0 = time.perf_counter()
-    chosen = sweep(lambda s: trial(s, effective // s), start, effective=effective, memory_bytes=memory,
-                   on_event=lambda line: print(f"  [{name}] {line}", flush=True))
+    chosen = sweep(
+        lambda s: trial(s, effective // s),
+        start,
+        effective=effective,
+        memory_bytes=memory,
+        on_event=lambda line: print(f"  [{name}] {line}", flush=True),
+    )
     sweep_s = time.perf_counter() - t0
     for t in chosen.trials:
-        res.add("size", "throughput", t.throughput, t.unit or "-", **extra, size=t.size, accumulate=t.accumulate,
-                fits=t.fits, reason=t.reason, sweep_pass="speedkit", peak_memory_gb=t.peak_memory_bytes / 1e9 if t.peak_memory_bytes else None)
+        res.add(
+            "size",
+            "throughput",
+            t.throughput,
+            t.unit or "-",
+            **extra,
+            size=t.size,
+            accumulate=t.accumulate,
+            fits=t.fits,
+            reason=t.reason,
+            sweep_pass="speedkit",
+            peak_memory_gb=t.peak_memory_bytes / 1e9 if t.peak_memory_bytes else None,
+        )
     best_trial = chosen.trial(chosen.chosen)
-    res.add("speedkit_choice", "throughput", best_trial.throughput, best_trial.unit, **extra, size=chosen.chosen,
-            accumulate=best_trial.accumulate, trials=len(chosen.trials), sweep_s=sweep_s, rule=chosen.rule)
+    res.add(
+        "speedkit_choice",
+        "throughput",
+        best_trial.throughput,
+        best_trial.unit,
+        **extra,
+        size=chosen.chosen,
+        accumulate=best_trial.accumulate,
+        trials=len(chosen.trials),
+        sweep_s=sweep_s,
+        rule=chosen.rule,
+    )
     # every candidate, measured the same way (the ones the sweep measured are measured again: same process, later)
     exhaustive: list[SweepTrial] = []
     for size in candidates(start, effective=effective):
@@ -91,25 +117,54 @@ def run_target(name: str, start: int, trial: Any, accumulate: int, res: Results,
         if t.fits and memory and t.peak_memory_bytes is not None and t.peak_memory_bytes > (1 - MARGIN) * memory:
             t = SweepTrial(t.size, t.accumulate, t.throughput, t.unit, t.peak_memory_bytes, False, "over the margin", t.seconds)
         exhaustive.append(t)
-        res.add("size", "throughput", t.throughput, t.unit or "-", **extra, size=t.size, accumulate=t.accumulate, fits=t.fits,
-                reason=t.reason, sweep_pass="exhaustive", peak_memory_gb=t.peak_memory_bytes / 1e9 if t.peak_memory_bytes else None)
+        res.add(
+            "size",
+            "throughput",
+            t.throughput,
+            t.unit or "-",
+            **extra,
+            size=t.size,
+            accumulate=t.accumulate,
+            fits=t.fits,
+            reason=t.reason,
+            sweep_pass="exhaustive",
+            peak_memory_gb=t.peak_memory_bytes / 1e9 if t.peak_memory_bytes else None,
+        )
     fitting = [t for t in exhaustive if t.fits and t.throughput]
     best = max(fitting, key=lambda t: t.throughput) if fitting else None
     if best is not None:
-        res.add("exhaustive_best", "throughput", best.throughput, best.unit, **extra, size=best.size,
-                accumulate=best.accumulate, candidates=len(exhaustive))
+        res.add(
+            "exhaustive_best",
+            "throughput",
+            best.throughput,
+            best.unit,
+            **extra,
+            size=best.size,
+            accumulate=best.accumulate,
+            candidates=len(exhaustive),
+        )
     user = next((t for t in exhaustive if t.size == start), None)
     if user is not None and user.throughput:
         res.add("user", "throughput", user.throughput, user.unit, **extra, size=start, accumulate=accumulate)
     again = next((t for t in exhaustive if t.size == chosen.chosen), None)
     if best is not None and again is not None and again.throughput:
-        res.add("speedkit_choice", "ratio_vs_exhaustive_best", again.throughput / best.throughput, "x", **extra,
-                size=chosen.chosen, best_size=best.size)
+        res.add(
+            "speedkit_choice",
+            "ratio_vs_exhaustive_best",
+            again.throughput / best.throughput,
+            "x",
+            **extra,
+            size=chosen.chosen,
+            best_size=best.size,
+        )
     held = trial(chosen.chosen, effective // chosen.chosen, windows=20, warmup=3, window=10)  # 200 timed steps
     res.add("holds", "status", None, "fits" if held.fits else held.reason, **extra, size=chosen.chosen, steps=203)
-    print(f"{name:22s} user {start}: {user.throughput if user else 0:,.0f}  speedkit {chosen.chosen} "
-          f"({len(chosen.trials)} trials)  exhaustive best {best.size if best else '-'}: "
-          f"{best.throughput if best else 0:,.0f}  200 steps: {'fits' if held.fits else held.reason}", flush=True)
+    print(
+        f"{name:22s} user {start}: {user.throughput if user else 0:,.0f}  speedkit {chosen.chosen} "
+        f"({len(chosen.trials)} trials)  exhaustive best {best.size if best else '-'}: "
+        f"{best.throughput if best else 0:,.0f}  200 steps: {'fits' if held.fits else held.reason}",
+        flush=True,
+    )
 
 
 def main() -> None:

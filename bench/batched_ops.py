@@ -61,15 +61,18 @@ def _check_same(variants: dict, x: torch.Tensor) -> None:
 
 def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor, backward: bool) -> Callable[[], None]:
     if not backward:
+
         def forward() -> None:
             with torch.no_grad():
                 fn(x)
+
         return forward
 
     xg = x.detach().clone().requires_grad_()
 
     def forward_backward() -> None:
         fn(xg).backward(grad)  # gradients accumulate; their size does not change the work
+
     return forward_backward
 
 
@@ -107,18 +110,28 @@ def main() -> None:
             for mode, backward in (("forward", False), ("forward+backward", True)):
                 times = {}
                 for name, fn in variants.items():
-                    windows = MeasureSession(device).window_times(_step(fn, x, grad, backward), warmup=warmup, steps=steps,
-                                           repeats=args.repeats)
+                    windows = MeasureSession(device).window_times(
+                        _step(fn, x, grad, backward), warmup=warmup, steps=steps, repeats=args.repeats
+                    )
                     ms, noise = summarize(windows)
                     times[name] = ms
                     res.add(f"{mode}/{precision}/{name}", "ms", ms, "ms", noise=noise, shape=shape)
                 for name in ("batched", "bmm"):
                     speedup = times["loop"] / times[name]
-                    res.add(f"{mode}/{precision}/{name}", "speedup_vs_loop", speedup, "x", shape=shape,
-                            **({"target": TARGET_SPEEDUP} if name == "batched" else {}))
-                print(f"{mode:17s} {precision}: loop {times['loop']:8.3f} ms  batched {times['batched']:8.3f} ms "
-                      f"({times['loop'] / times['batched']:5.1f}x)  bmm {times['bmm']:8.3f} ms "
-                      f"({times['loop'] / times['bmm']:5.1f}x)", flush=True)
+                    res.add(
+                        f"{mode}/{precision}/{name}",
+                        "speedup_vs_loop",
+                        speedup,
+                        "x",
+                        shape=shape,
+                        **({"target": TARGET_SPEEDUP} if name == "batched" else {}),
+                    )
+                print(
+                    f"{mode:17s} {precision}: loop {times['loop']:8.3f} ms  batched {times['batched']:8.3f} ms "
+                    f"({times['loop'] / times['batched']:5.1f}x)  bmm {times['bmm']:8.3f} ms "
+                    f"({times['loop'] / times['bmm']:5.1f}x)",
+                    flush=True,
+                )
     finally:
         torch.set_float32_matmul_precision(previous)
     fwd = res.value("forward/fp32/batched", "speedup_vs_loop")

@@ -35,8 +35,9 @@ def commit() -> str:
         return env
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{head}+dirty" if dirty else head
@@ -59,8 +60,19 @@ class Results:
     def add(self, variant: str, metric: str, value: float | None, unit: str, **extra) -> None:
         """Append one row; ``extra`` may hold ``bench`` to file it under another benchmark's name."""
         model = {"model": extra.pop("model", self.model)} if self.model or "model" in extra else {}
-        row = {"bench": extra.pop("bench", self.bench), **model, "variant": variant, "device": self.device, "metric": metric,
-               "value": value, "unit": unit, "commit": self.commit, "date": self.date, **self.every_row, **extra}
+        row = {
+            "bench": extra.pop("bench", self.bench),
+            **model,
+            "variant": variant,
+            "device": self.device,
+            "metric": metric,
+            "value": value,
+            "unit": unit,
+            "commit": self.commit,
+            "date": self.date,
+            **self.every_row,
+            **extra,
+        }
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")

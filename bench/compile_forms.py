@@ -51,8 +51,10 @@ def run(name: str, variant: str, steps: int, windows: int, warmup: int) -> tuple
     elif form == "forward":
         model.forward = torch.compile(model.forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=optimizer_kind == "fused")
-    batches = [tuple(t.cuda() for t in b) if isinstance(b, (tuple, list)) else {k: v.cuda() for k, v in b.items()}
-               for b, _ in zip(loader, range(4))]
+    batches = [
+        tuple(t.cuda() for t in b) if isinstance(b, (tuple, list)) else {k: v.cuda() for k, v in b.items()}
+        for b, _ in zip(loader, range(4))
+    ]
 
     def step(i: int) -> None:
         batch = batches[i % len(batches)]
@@ -66,8 +68,9 @@ def run(name: str, variant: str, steps: int, windows: int, warmup: int) -> tuple
         opt.zero_grad(set_to_none=True)
 
     calls = iter(range(1 << 62))
-    times = MeasureSession(torch.device("cuda")).window_times(lambda: step(next(calls)), warmup=warmup, steps=steps,
-                                                              repeats=windows)
+    times = MeasureSession(torch.device("cuda")).window_times(
+        lambda: step(next(calls)), warmup=warmup, steps=steps, repeats=windows
+    )
     breaks = sum(counters["graph_break"].values())
     frames = counters["stats"]["unique_graphs"]
     torch.cuda.empty_cache()

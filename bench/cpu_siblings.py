@@ -70,8 +70,10 @@ def main() -> None:
     for kind in ("spin", "copy"):
         row = [f"{c}:{sorted(rate_with([c], kind) for _ in range(3))[1] / base:.2f}" for c in cpus[1:]]
         print(f"  {kind:4s} {' '.join(row)}")
-        half = cpus[1:1 + len(cpus) // 2]
-        print(f"  {kind:4s} half the others busy: {rate_with(half, kind) / base:.2f}, all: {rate_with(cpus[1:], kind) / base:.2f}")
+        half = cpus[1 : 1 + len(cpus) // 2]
+        print(
+            f"  {kind:4s} half the others busy: {rate_with(half, kind) / base:.2f}, all: {rate_with(cpus[1:], kind) / base:.2f}"
+        )
 
 
 if __name__ == "__main__":

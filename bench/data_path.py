@@ -60,10 +60,14 @@ from speedkit.lightning import SpeedLadder, StepTimer  # noqa: E402
 
 #: per --model (the rows' model field): the data at full size and tiny (--tiny, CPU)
 DATA = {
-    "image-data-bound": {"full": dict(batch_size=128, size=144, crop=128, classes=100, length=16384),
-                         "tiny": dict(batch_size=8, size=40, crop=32, classes=10, length=512)},
-    "timm-vit": {"full": dict(batch_size=64, size=256, crop=224, classes=100, length=16384),
-                 "tiny": dict(batch_size=4, size=40, crop=32, classes=10, length=256)},
+    "image-data-bound": {
+        "full": dict(batch_size=128, size=144, crop=128, classes=100, length=16384),
+        "tiny": dict(batch_size=8, size=40, crop=32, classes=10, length=512),
+    },
+    "timm-vit": {
+        "full": dict(batch_size=64, size=256, crop=224, classes=100, length=16384),
+        "tiny": dict(batch_size=4, size=40, crop=32, classes=10, length=256),
+    },
 }
 
 
@@ -102,7 +106,12 @@ class ThreadCounters(Callback):
                     switches[key] = int(value)
         except OSError:
             pass
-        return time.perf_counter(), time.thread_time(), switches["voluntary_ctxt_switches"], switches["nonvoluntary_ctxt_switches"]
+        return (
+            time.perf_counter(),
+            time.thread_time(),
+            switches["voluntary_ctxt_switches"],
+            switches["nonvoluntary_ctxt_switches"],
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         now = self.read()
@@ -115,8 +124,10 @@ class ThreadCounters(Callback):
         if not self.steps:
             return "fit thread: no step counted"
         wall, cpu, vol, invol = (v / self.steps for v in self.sums)
-        return (f"fit thread per step: wall {wall * 1e3:.2f} ms, CPU {cpu * 1e3:.2f} ms ({cpu / wall:.0%}), "
-                f"context switches {vol:.1f} voluntary, {invol:.1f} involuntary")
+        return (
+            f"fit thread per step: wall {wall * 1e3:.2f} ms, CPU {cpu * 1e3:.2f} ms ({cpu / wall:.0%}), "
+            f"context switches {vol:.1f} voluntary, {invol:.1f} involuntary"
+        )
 
 
 def _burn(dataset, cpus, stop) -> None:  # type: ignore[no-untyped-def]
@@ -146,9 +157,19 @@ def start_burners(n: int, isolated: bool, data: dict) -> tuple[list, object]:
     return procs, stop
 
 
-def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: int, tiny: bool,
-                options: dict | None = None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound",
-                prog_bar: bool = True) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
+def run_variant(
+    variant: str,
+    data: dict,
+    *,
+    steps: int,
+    windows: int,
+    warmup: int,
+    tiny: bool,
+    options: dict | None = None,
+    step_rungs: tuple[str, ...] = (),
+    model_name: str = "image-data-bound",
+    prog_bar: bool = True,
+) -> tuple[StepTimer, SpeedLadder | None, ThreadCounters]:
     base, _, burn = variant.partition("+burn")
     pl.seed_everything(0, verbose=False)
     device = "cpu" if tiny else "cuda"
@@ -160,9 +181,18 @@ def run_variant(variant: str, data: dict, *, steps: int, windows: int, warmup: i
     rungs = ([rung] if base.startswith("speedkit") else []) + list(step_rungs)
     ladder = SpeedLadder(rungs=rungs) if rungs else None
     callbacks = [c for c in (ladder, timer, counters) if c is not None]  # the ladder first: the timer starts after it applied
-    trainer = pl.Trainer(accelerator=device, devices=1, precision="32-true" if tiny else "bf16-mixed",
-                         max_steps=warmup + steps * windows, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator=device,
+        devices=1,
+        precision="32-true" if tiny else "bf16-mixed",
+        max_steps=warmup + steps * windows,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
     burners, stop = start_burners(int(burn.removesuffix("iso")), burn.endswith("iso"), data) if burn else ([], None)
     try:
         with warnings.catch_warnings():
@@ -183,29 +213,51 @@ def print_cpus() -> None:
     cpus = sorted(allowed_cpus())
     pairs = sorted({format_cpu_list(core_siblings(c)) for c in cpus})
     kept, rest = training_cpus()
-    print(f"CPUs {format_cpu_list(cpus)}; cores (hyperthread siblings): {' '.join(pairs)}; this thread on CPU {current_cpu()}; "
-          f"kept for training: {format_cpu_list(kept) or 'none'}, workers on {format_cpu_list(rest)}", flush=True)
+    print(
+        f"CPUs {format_cpu_list(cpus)}; cores (hyperthread siblings): {' '.join(pairs)}; this thread on CPU {current_cpu()}; "
+        f"kept for training: {format_cpu_list(kept) or 'none'}, workers on {format_cpu_list(rest)}",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny images on the CPU, a smoke test; rows go to a temporary directory")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny images on the CPU, a smoke test; rows go to a temporary directory"
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 20; --tiny 2)")
     parser.add_argument("--windows", type=int, default=None, help="timed windows per variant (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --tiny 1)")
     parser.add_argument("--model", choices=sorted(DATA), default="image-data-bound", help="see above")
     parser.add_argument("--variants", default="stock,speedkit,gpu_resident")
-    parser.add_argument("--prog-bar", choices=("on", "off"), default="on",
-                        help="off: the model logs its loss without prog_bar=True, so Lightning does not turn it into a "
-                             "float (a host sync) after every step (a diagnostic of what that sync costs)")
-    parser.add_argument("--try", dest="tries", action="append", default=[],
-                        help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable")
-    parser.add_argument("--with", dest="step_rungs", default="",
-                        help="rungs every variant's step also gets, comma-separated (e.g. cuda_graph); after data_path")
+    parser.add_argument(
+        "--prog-bar",
+        choices=("on", "off"),
+        default="on",
+        help="off: the model logs its loss without prog_bar=True, so Lightning does not turn it into a "
+        "float (a host sync) after every step (a diagnostic of what that sync costs)",
+    )
+    parser.add_argument(
+        "--try",
+        dest="tries",
+        action="append",
+        default=[],
+        help="also run speedkit with these rung options, K=V[,K=V] (e.g. workers=8,prefetch=false); repeatable",
+    )
+    parser.add_argument(
+        "--with",
+        dest="step_rungs",
+        default="",
+        help="rungs every variant's step also gets, comma-separated (e.g. cuda_graph); after data_path",
+    )
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the whole run (s)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run the variants this many times in rotation (a machine's slow spell then hits every variant "
-                             "alike); the fraction is the median of the repeats' fractions, each repeat's rows kept")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variants this many times in rotation (a machine's slow spell then hits every variant "
+        "alike); the fraction is the median of the repeats' fractions, each repeat's rows kept",
+    )
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -223,59 +275,127 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     runs = [(v, None) for v in args.variants.split(",") if v]
-    runs += [(f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))}) for spec in args.tries]
+    runs += [
+        (f"speedkit/{spec}", {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in spec.split(","))})
+        for spec in args.tries
+    ]
     step_rungs = tuple(r for r in args.step_rungs.split(",") if r)
     #: what every row of this run carries besides the model: the rungs every step got, the logging
-    setup = {**({"step_rungs": list(step_rungs)} if step_rungs else {}), **({"prog_bar": False} if args.prog_bar == "off" else {})}
+    setup = {
+        **({"step_rungs": list(step_rungs)} if step_rungs else {}),
+        **({"prog_bar": False} if args.prog_bar == "off" else {}),
+    }
     fractions, speedups = [], []
     for repeat in range(args.repeats):
-        throughput = run_once(runs, data, res, steps=steps, windows=windows, warmup=warmup, tiny=args.tiny,
-                              repeat=repeat if args.repeats > 1 else None, step_rungs=step_rungs, model_name=args.model,
-                              prog_bar=args.prog_bar == "on", setup=setup)
+        throughput = run_once(
+            runs,
+            data,
+            res,
+            steps=steps,
+            windows=windows,
+            warmup=warmup,
+            tiny=args.tiny,
+            repeat=repeat if args.repeats > 1 else None,
+            step_rungs=step_rungs,
+            model_name=args.model,
+            prog_bar=args.prog_bar == "on",
+            setup=setup,
+        )
         if "speedkit" in throughput and "gpu_resident" in throughput:
             fractions.append(throughput["speedkit"] / throughput["gpu_resident"])
-            res.add("speedkit", "fraction_of_gpu_resident", fractions[-1], "fraction", target=0.95, model=args.model,
-                    **setup, **({"repeat": repeat} if args.repeats > 1 else {}))
+            res.add(
+                "speedkit",
+                "fraction_of_gpu_resident",
+                fractions[-1],
+                "fraction",
+                target=0.95,
+                model=args.model,
+                **setup,
+                **({"repeat": repeat} if args.repeats > 1 else {}),
+            )
             print(f"speedkit / gpu_resident: {fractions[-1]:.1%} (target >= 95%)")
         if "speedkit" in throughput and "stock" in throughput:
             speedups.append(throughput["speedkit"] / throughput["stock"])
             print(f"speedkit / stock: {speedups[-1]:.2f}x")
     if args.repeats > 1 and fractions:
         median = statistics.median(fractions)
-        res.add("speedkit", "fraction_of_gpu_resident_median", median, "fraction", target=0.95, model=args.model, repeats=len(fractions),
-                fractions=fractions, **setup)
-        print(f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
-              f"(each: {', '.join(f'{f:.1%}' for f in fractions)})" + (f"; speedkit / stock {statistics.median(speedups):.2f}x"
-                                                                      if speedups else ""))
+        res.add(
+            "speedkit",
+            "fraction_of_gpu_resident_median",
+            median,
+            "fraction",
+            target=0.95,
+            model=args.model,
+            repeats=len(fractions),
+            fractions=fractions,
+            **setup,
+        )
+        print(
+            f"median of {len(fractions)} repeats: speedkit / gpu_resident {median:.1%} "
+            f"(each: {', '.join(f'{f:.1%}' for f in fractions)})"
+            + (f"; speedkit / stock {statistics.median(speedups):.2f}x" if speedups else "")
+        )
     print(f"rows appended to {res.path}")
 
 
-def run_once(runs: list, data: dict, res: Results, *, steps: int, windows: int, warmup: int, tiny: bool,
-             repeat: int | None, step_rungs: tuple[str, ...] = (), model_name: str = "image-data-bound",
-             prog_bar: bool = True, setup: dict | None = None) -> dict[str, float]:
+def run_once(
+    runs: list,
+    data: dict,
+    res: Results,
+    *,
+    steps: int,
+    windows: int,
+    warmup: int,
+    tiny: bool,
+    repeat: int | None,
+    step_rungs: tuple[str, ...] = (),
+    model_name: str = "image-data-bound",
+    prog_bar: bool = True,
+    setup: dict | None = None,
+) -> dict[str, float]:
     """Each variant once, one after the other; its rows appended (with ``repeat`` when repeating, and
     ``setup``: what every row of the run carries)."""
     throughput: dict[str, float] = {}
     tag = {"model": model_name, **(setup or {}), **({"repeat": repeat} if repeat is not None else {})}
     for variant, options in runs:
-        timer, ladder, counters = run_variant(variant, data, steps=steps, windows=windows, warmup=warmup, tiny=tiny,
-                                              options=options, step_rungs=step_rungs, model_name=model_name,
-                                              prog_bar=prog_bar)
+        timer, ladder, counters = run_variant(
+            variant,
+            data,
+            steps=steps,
+            windows=windows,
+            warmup=warmup,
+            tiny=tiny,
+            options=options,
+            step_rungs=step_rungs,
+            model_name=model_name,
+            prog_bar=prog_bar,
+        )
         m = timer.measurement
         if m is None:
             raise SystemExit(f"{variant}: no window was timed (raise --windows or lower --warmup)")
-        extra = {"noise": m.spread, "windows": len(m.window_ms), "steps_per_window": m.steps,
-                 "switch_interval_s": sys.getswitchinterval(), **tag}
+        extra = {
+            "noise": m.spread,
+            "windows": len(m.window_ms),
+            "steps_per_window": m.steps,
+            "switch_interval_s": sys.getswitchinterval(),
+            **tag,
+        }
         if ladder is not None:
-            extra["changes"] = [line for r in ladder.rungs for line in
-                                (ladder.applied_changes.get(r.name, []) or [f"{r.name} skipped: {ladder.skipped.get(r.name, '')}"])]
+            extra["changes"] = [
+                line
+                for r in ladder.rungs
+                for line in (ladder.applied_changes.get(r.name, []) or [f"{r.name} skipped: {ladder.skipped.get(r.name, '')}"])
+            ]
         res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra)
         res.add(variant, "step_ms", m.step_ms, "ms", noise=m.spread, **tag)
         res.add(variant, "data_wait_ms", m.data_wait_ms, "ms per step (host time between steps)", **tag)
         res.add(variant, "host_ms", m.host_ms, "ms per step (host time inside the step)", **tag)
         throughput[variant] = m.throughput
-        print(f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
-              f"data wait {m.data_wait_ms or 0:7.2f} ms/step, host {m.host_ms or 0:7.2f} ms/step", flush=True)
+        print(
+            f"{variant:14s} {m.throughput:>10,.1f} {m.throughput_unit}  {m.step_ms:8.2f} ms/step ±{m.spread:5.1%}  "
+            f"data wait {m.data_wait_ms or 0:7.2f} ms/step, host {m.host_ms or 0:7.2f} ms/step",
+            flush=True,
+        )
         print(f"    {counters.line()}", flush=True)
         if ladder is not None:
             for line in extra["changes"]:

@@ -51,7 +51,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         M, K, N = (int(v) for v in shape.split("x"))
         x = torch.randn(M, K, device="cuda", requires_grad=True)
-        w = (torch.randn(N, K, device="cuda") * K ** -0.5).requires_grad_()
+        w = (torch.randn(N, K, device="cuda") * K**-0.5).requires_grad_()
         target = torch.randint(0, N, (M,), device="cuda")
 
         def exact(x, w, target):
@@ -70,13 +70,18 @@ def main() -> None:
                         loss = fn(x, w, target)
                     loss.backward()
                     x.grad = w.grad = None
+
                 figures[name] = time_call(fwd_bwd)
-                results.add(f"{name}/{mode}", "step_ms", figures[name], "ms (head + loss, fwd+bwd)", shape=shape,
-                            multiple=args.multiple)
-            results.add(f"padded/{mode}", "speedup", figures["exact"] / figures["padded"], "x", shape=shape,
-                        multiple=args.multiple)
-            print(f"{shape} {mode}: exact {figures['exact']:.3f} ms, padded {figures['padded']:.3f} ms, "
-                  f"{figures['exact'] / figures['padded']:.3f}x")
+                results.add(
+                    f"{name}/{mode}", "step_ms", figures[name], "ms (head + loss, fwd+bwd)", shape=shape, multiple=args.multiple
+                )
+            results.add(
+                f"padded/{mode}", "speedup", figures["exact"] / figures["padded"], "x", shape=shape, multiple=args.multiple
+            )
+            print(
+                f"{shape} {mode}: exact {figures['exact']:.3f} ms, padded {figures['padded']:.3f} ms, "
+                f"{figures['exact'] / figures['padded']:.3f}x"
+            )
 
 
 if __name__ == "__main__":

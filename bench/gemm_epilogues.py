@@ -60,7 +60,9 @@ class RowMajor:
         """dh = (dy w) * gelu'(h); dy (M,N), w (N,K), h and dh (M,K); with db, also db = sum over rows of
         dh in the epilogue (DGELU_BGRAD; bf16 only: cuBLASLt refuses an fp32 db here)."""
         (M, N), K = dy.shape, w.shape[1]
-        self.lt.gemm(w, False, dy, False, dh, K, M, N, K, N, K, "DGELU" if db is None else "DGELU_BGRAD", bias=db, aux=h, aux_ld=K)
+        self.lt.gemm(
+            w, False, dy, False, dh, K, M, N, K, N, K, "DGELU" if db is None else "DGELU_BGRAD", bias=db, aux=h, aux_ld=K
+        )
 
     def weight_grad_bgrad(self, dy, x, dw, db):
         """dw = dy^T x (N,K), db = sum over rows of dy (N); dy (M,N), x (M,K)."""
@@ -84,9 +86,9 @@ def main() -> None:
     torch.manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(M, C, **bf)
-    w1 = (torch.randn(Fh, C, **bf) * C ** -0.5)
+    w1 = torch.randn(Fh, C, **bf) * C**-0.5
     b1 = torch.randn(Fh, **bf) * 0.1
-    w2 = (torch.randn(C, Fh, **bf) * Fh ** -0.5)
+    w2 = torch.randn(C, Fh, **bf) * Fh**-0.5
     dy = torch.randn(M, C, **bf) * 1e-2
     lt = RowMajor()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; tokens {M}, width {C}")
@@ -96,6 +98,7 @@ def main() -> None:
     def gelu_bwd_and_bias(dg, h):
         dh = torch.ops.aten.gelu_backward(dg, h, approximate="tanh")
         return dh, dh.sum(0)
+
     gelu_bwd_c = torch.compile(gelu_bwd_and_bias)
     sum_c = torch.compile(lambda t: t.sum(0))
 
@@ -107,7 +110,9 @@ def main() -> None:
     torch.cuda.synchronize()
     hf = x.float() @ w1.float().t() + b1.float()
     gf = F.gelu(hf, approximate="tanh")
-    print(f"check fwd: h rel {rel_err(h, hf):.2e} (torch {rel_err(h_ref, hf):.2e}), g rel {rel_err(g, gf):.2e} (torch {rel_err(g_ref, gf):.2e})")
+    print(
+        f"check fwd: h rel {rel_err(h, hf):.2e} (torch {rel_err(h_ref, hf):.2e}), g rel {rel_err(g, gf):.2e} (torch {rel_err(g_ref, gf):.2e})"
+    )
 
     # backward through the GELU: mm + Inductor's gelu backward and bias sum against DGELU_BGRAD
     dg_ref = dy @ w2
@@ -116,8 +121,10 @@ def main() -> None:
     lt.dgelu(dy, w2, h_ref, dh, db1)
     torch.cuda.synchronize()
     dhf = torch.ops.aten.gelu_backward(dy.float() @ w2.float(), h_ref.float(), approximate="tanh")
-    print(f"check dgelu: dh rel {rel_err(dh, dhf):.2e} (torch {rel_err(dh_ref, dhf):.2e}), "
-          f"db1 rel {rel_err(db1, dhf.sum(0)):.2e} (torch {rel_err(db1_ref, dhf.sum(0)):.2e})")
+    print(
+        f"check dgelu: dh rel {rel_err(dh, dhf):.2e} (torch {rel_err(dh_ref, dhf):.2e}), "
+        f"db1 rel {rel_err(db1, dhf.sum(0)):.2e} (torch {rel_err(db1_ref, dhf.sum(0)):.2e})"
+    )
 
     # weight gradient with the bias gradient: mm + sum against BGRADB
     dw2, db2 = torch.empty(C, Fh, **bf), torch.empty(C, **bf)
@@ -127,8 +134,10 @@ def main() -> None:
     lt.dgelu(dy, w2, h_ref, dh)
     torch.cuda.synchronize()
     print(f"check dgelu alone: dh rel {rel_err(dh, dhf):.2e}")
-    print(f"check bgradb: dW2 rel {rel_err(dw2, dw2f):.2e} (torch {rel_err(dy.t() @ g_ref, dw2f):.2e}), "
-          f"db2 rel {rel_err(db2, dy.float().sum(0)):.2e}")
+    print(
+        f"check bgradb: dW2 rel {rel_err(dw2, dw2f):.2e} (torch {rel_err(dy.t() @ g_ref, dw2f):.2e}), "
+        f"db2 rel {rel_err(db2, dy.float().sum(0)):.2e}"
+    )
 
     out_h = torch.empty(M, Fh, **bf)
     rows = []
@@ -136,6 +145,7 @@ def main() -> None:
     def base_fwd():
         torch.addmm(b1, x, w1.t(), out=out_h)
         gelu_c(out_h)
+
     rows.append(("fc fwd: addmm + GELU (Inductor)", timed(base_fwd)))
     rows.append(("fc fwd: addmm alone", timed(lambda: torch.addmm(b1, x, w1.t(), out=out_h))))
     rows.append(("fc fwd: cuBLASLt GELU_AUX_BIAS", timed(lambda: lt.linear_gelu_aux(x, w1, b1, g, h))))
@@ -146,6 +156,7 @@ def main() -> None:
     def base_bwd():
         torch.mm(dy, w2, out=dg_buf)
         gelu_bwd_c(dg_buf, h_ref)
+
     rows.append(("proj dX + dGELU + db1: mm + Inductor", timed(base_bwd)))
     rows.append(("proj dX: mm alone", timed(lambda: torch.mm(dy, w2, out=dg_buf))))
     rows.append(("proj dX + dGELU + db1: cuBLASLt DGELU_BGRAD", timed(lambda: lt.dgelu(dy, w2, h_ref, dh, db1))))
@@ -154,6 +165,7 @@ def main() -> None:
     def lt_dgelu_sum():
         lt.dgelu(dy, w2, h_ref, dh)
         sum_c(dh)
+
     rows.append(("proj dX + dGELU + db1: cuBLASLt DGELU + sum (Inductor)", timed(lt_dgelu_sum)))
     rows.append(("db1 alone: sum (Inductor)", timed(lambda: sum_c(dh))))
     rows.append(("dGELU + db1 alone (Inductor)", timed(lambda: gelu_bwd_c(dg_buf, h_ref))))
@@ -164,6 +176,7 @@ def main() -> None:
     def base_wgrad():
         torch.mm(dy.t(), g_ref, out=dw_buf)
         sum_c(dy)
+
     rows.append(("proj dW + db2: mm + sum", timed(base_wgrad)))
     rows.append(("proj dW: mm alone", timed(lambda: torch.mm(dy.t(), g_ref, out=dw_buf))))
     rows.append(("proj dW + db2: cuBLASLt BGRADB", timed(lambda: lt.weight_grad_bgrad(dy, g_ref, dw2, db2))))

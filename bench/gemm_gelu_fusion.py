@@ -13,6 +13,7 @@ twice cuBLAS's GEMM alone: it loses more in the GEMM than the passes cost.
 Usage: PYTHONPATH=. python bench/gemm_gelu_fusion.py        (GPU)
        TRITON_INTERPRET=1 PYTHONPATH=. python bench/gemm_gelu_fusion.py   (CPU check of the kernels, fp32)
 """
+
 import os
 import sys
 from pathlib import Path
@@ -24,16 +25,28 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from speedkit.kernels.activations import _gelu_and_grad
 
-CONFIGS = [triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP": 8}, num_warps=w, num_stages=s)
-           for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-                                    (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 4)]]
+CONFIGS = [
+    triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP": 8}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 4),
+        (128, 256, 64, 8, 4),
+        (128, 128, 128, 8, 3),
+        (64, 256, 64, 4, 4),
+        (256, 128, 64, 8, 4),
+    ]
+]
 if os.environ.get("TRITON_INTERPRET") == "1":
     CONFIGS = [triton.Config({"BM": 32, "BN": 32, "BK": 16, "GROUP": 2})]
+
 
 @triton.jit
 def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
-    npm = tl.cdiv(M, BM); npn = tl.cdiv(N, BN)
+    npm = tl.cdiv(M, BM)
+    npn = tl.cdiv(N, BN)
     width = GROUP * npn
     g = pid // width
     first = g * GROUP
@@ -41,6 +54,7 @@ def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
     pm = first + (pid % width) % size
     pn = (pid % width) // size
     return pm, pn
+
 
 @triton.jit
 def _mm_acc(A, Bm, rm, rn, M, N, K, sam, sak, sbk, sbn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -58,11 +72,31 @@ def _mm_acc(A, Bm, rm, rn, M, N, K, sam, sak, sbk, sbn, BM: tl.constexpr, BN: tl
         b_ptr += BK * sbk
     return acc
 
+
 @triton.autotune(CONFIGS, key=["M", "N", "K"])
 @triton.jit
-def _fwd(X, W, B, H, G, M, N, K, sxm, sxk, swn, swk, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+def _fwd(
+    X,
+    W,
+    B,
+    H,
+    G,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    TANH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pm, pn = _tile(M, N, BM, BN, GROUP)
-    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
     acc = _mm_acc(X, W, rm, rn, M, N, K, sxm, sxk, swk, swn, BM, BN, BK)
     bias = tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)
     h = (acc + bias[None, :]).to(H.dtype.element_ty)
@@ -72,11 +106,31 @@ def _fwd(X, W, B, H, G, M, N, K, sxm, sxk, swn, swk, TANH: tl.constexpr, BM: tl.
     tl.store(H + off, h, mask=mask)
     tl.store(G + off, g.to(G.dtype.element_ty), mask=mask)
 
+
 @triton.autotune(CONFIGS, key=["M", "N", "K"], reset_to_zero=["DBP"])
 @triton.jit
-def _bwd(DY, W2, Hs, DH, DBP, M, N, K, sdm, sdk, swk, swn, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+def _bwd(
+    DY,
+    W2,
+    Hs,
+    DH,
+    DBP,
+    M,
+    N,
+    K,
+    sdm,
+    sdk,
+    swk,
+    swn,
+    TANH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pm, pn = _tile(M, N, BM, BN, GROUP)
-    rm = pm * BM + tl.arange(0, BM); rn = pn * BN + tl.arange(0, BN)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
     acc = _mm_acc(DY, W2, rm, rn, M, N, K, sdm, sdk, swk, swn, BM, BN, BK)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     off = rm.to(tl.int64)[:, None] * N + rn[None, :]
@@ -87,19 +141,26 @@ def _bwd(DY, W2, Hs, DH, DBP, M, N, K, sdm, sdk, swk, swn, TANH: tl.constexpr, B
     tl.store(DH + off, dh, mask=mask)
     tl.store(DBP + pm.to(tl.int64) * N + rn, tl.sum(dh.to(tl.float32), axis=0), mask=rn < N)
 
+
 # TMA variants: operands and outputs through tensor descriptors (Hopper's bulk copies; Triton pads and
 # clips the edges), the K loop pipelined by Triton.
 def _desc_hook(names):
     def hook(nargs):
         for name, rows, cols in names:
             nargs[name].block_shape = [nargs[rows], nargs[cols]]
+
     return hook
+
 
 _FWD_DESCS = [("XD", "BM", "BK"), ("WD", "BN", "BK"), ("HD", "BM", "BN"), ("GD", "BM", "BN")]
 _BWD_DESCS = [("DYD", "BM", "BK"), ("W2D", "BK", "BN"), ("HSD", "BM", "BN"), ("DHD", "BM", "BN")]
 
+
 def _tma_configs(names):
-    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_desc_hook(names)) for c in CONFIGS]
+    return [
+        triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_desc_hook(names)) for c in CONFIGS
+    ]
+
 
 @triton.jit
 def _mm_acc_tma(AD, BD, pm, pn, K, B_ROWS_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -113,9 +174,12 @@ def _mm_acc_tma(AD, BD, pm, pn, K, B_ROWS_N: tl.constexpr, BM: tl.constexpr, BN:
             acc = tl.dot(a, BD.load([k * BK, pn * BN]), acc)
     return acc
 
+
 @triton.autotune(_tma_configs(_FWD_DESCS), key=["M", "N", "K"])
 @triton.jit
-def _fwd_tma(XD, WD, B, HD, GD, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+def _fwd_tma(
+    XD, WD, B, HD, GD, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr
+):
     pm, pn = _tile(M, N, BM, BN, GROUP)
     acc = _mm_acc_tma(XD, WD, pm, pn, K, True, BM, BN, BK)
     rn = pn * BN + tl.arange(0, BN)
@@ -125,9 +189,24 @@ def _fwd_tma(XD, WD, B, HD, GD, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, B
     HD.store([pm * BM, pn * BN], h)
     GD.store([pm * BM, pn * BN], g.to(GD.dtype))
 
+
 @triton.autotune(_tma_configs(_BWD_DESCS), key=["M", "N", "K"], reset_to_zero=["DBP"])
 @triton.jit
-def _bwd_tma(DYD, W2D, HSD, DHD, DBP, M, N, K, TANH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+def _bwd_tma(
+    DYD,
+    W2D,
+    HSD,
+    DHD,
+    DBP,
+    M,
+    N,
+    K,
+    TANH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pm, pn = _tile(M, N, BM, BN, GROUP)
     acc = _mm_acc_tma(DYD, W2D, pm, pn, K, False, BM, BN, BK)
     h = HSD.load([pm * BM, pn * BN]).to(tl.float32)
@@ -139,59 +218,85 @@ def _bwd_tma(DYD, W2D, HSD, DHD, DBP, M, N, K, TANH: tl.constexpr, BM: tl.conste
     DHD.store([pm * BM, pn * BN], dh)
     tl.store(DBP + pm.to(tl.int64) * N + rn, tl.sum(dh.to(tl.float32), axis=0), mask=rn < N)
 
+
 def _grid(M, N):
     """One program per (BM, BN) output tile of the config the autotuner runs."""
     return lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
+
 
 def _bias_partials(M, N, device):
     """The backward's bias-gradient partial sums, one row per row block (BM >= 32 in every config)."""
     return torch.zeros(triton.cdiv(M, 32), N, device=device, dtype=torch.float32)
 
+
 def _desc(t):
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     return TensorDescriptor.from_tensor(t, [1, 1])  # block shape set per config by the pre-hook
 
+
 def fwd_tma(x, w, b, tanh=True):
-    M, K = x.shape; N = w.shape[0]
-    h = torch.empty(M, N, device=x.device, dtype=x.dtype); g = torch.empty_like(h)
+    M, K = x.shape
+    N = w.shape[0]
+    h = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    g = torch.empty_like(h)
     _fwd_tma[_grid(M, N)](_desc(x), _desc(w), b, _desc(h), _desc(g), M, N, K, TANH=tanh)
     return h, g
 
+
 def bwd_tma(dy, w2, h, tanh=True):
-    M, K = dy.shape; N = w2.shape[1]
+    M, K = dy.shape
+    N = w2.shape[1]
     dh = torch.empty_like(h)
     dbp = _bias_partials(M, N, dy.device)
     _bwd_tma[_grid(M, N)](_desc(dy), _desc(w2), _desc(h), _desc(dh), dbp, M, N, K, TANH=tanh)
     return dh, dbp.sum(0)
 
+
 def fwd(x, w, b, tanh=True):
-    M, K = x.shape; N = w.shape[0]
-    h = torch.empty(M, N, device=x.device, dtype=x.dtype); g = torch.empty_like(h)
+    M, K = x.shape
+    N = w.shape[0]
+    h = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    g = torch.empty_like(h)
     _fwd[_grid(M, N)](x, w, b, h, g, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), TANH=tanh)
     return h, g
 
+
 def bwd(dy, w2, h, tanh=True):
-    M, K = dy.shape; N = w2.shape[1]
+    M, K = dy.shape
+    N = w2.shape[1]
     dh = torch.empty_like(h)
     dbp = _bias_partials(M, N, dy.device)
     _bwd[_grid(M, N)](dy, w2, h, dh, dbp, M, N, K, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), TANH=tanh)
     return dh, dbp.sum(0)
 
+
 def check(dev, M, K, N, dt=torch.bfloat16, fwd=fwd, bwd=bwd):
     torch.manual_seed(0)
-    x = torch.randn(M, K, device=dev, dtype=dt); w = (torch.randn(N, K, device=dev) * 0.05).to(dt); b = torch.randn(N, device=dev).to(dt)
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    w = (torch.randn(N, K, device=dev) * 0.05).to(dt)
+    b = torch.randn(N, device=dev).to(dt)
     h, g = fwd(x, w, b)
     h_ref = torch.addmm(b.float(), x.float(), w.float().t()).to(dt)
     g_ref = torch.nn.functional.gelu(h_ref.float(), approximate="tanh").to(dt)
     print("fwd h", (h.float() - h_ref.float()).abs().max().item(), "g", (g.float() - g_ref.float()).abs().max().item())
-    dy = torch.randn(M, K, device=dev, dtype=dt); w2 = (torch.randn(K, N, device=dev) * 0.05).to(dt)
+    dy = torch.randn(M, K, device=dev, dtype=dt)
+    w2 = (torch.randn(K, N, device=dev) * 0.05).to(dt)
     dh, db = bwd(dy, w2, h)
     dg_ref = (dy.float() @ w2.float()).to(dt)
     hh = h.float().requires_grad_()
-    gg = torch.nn.functional.gelu(hh, approximate="tanh"); gg.backward(dg_ref.float())
+    gg = torch.nn.functional.gelu(hh, approximate="tanh")
+    gg.backward(dg_ref.float())
     dh_ref = hh.grad.to(dt)
-    print("bwd dh", (dh.float() - dh_ref.float()).abs().max().item(), "rel", ((dh.float() - dh_ref.float()).norm() / dh_ref.float().norm()).item(),
-          "db", ((db - dh_ref.float().sum(0)).abs().max() / dh_ref.float().sum(0).abs().max()).item())
+    print(
+        "bwd dh",
+        (dh.float() - dh_ref.float()).abs().max().item(),
+        "rel",
+        ((dh.float() - dh_ref.float()).norm() / dh_ref.float().norm()).item(),
+        "db",
+        ((db - dh_ref.float().sum(0)).abs().max() / dh_ref.float().sum(0).abs().max()).item(),
+    )
+
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -201,10 +306,16 @@ if __name__ == "__main__":
     check("cuda", 1000, 768, 3072)
     check("cuda", 1000, 768, 3072, fwd=fwd_tma, bwd=bwd_tma)
     from speedkit.measure.session import MeasureSession
-    dev = torch.device("cuda"); dt = torch.bfloat16
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
     M, C, H = 16384, 768, 3072
-    x = torch.randn(M, C, device=dev, dtype=dt); w1 = (torch.randn(H, C, device=dev) * 0.03).to(dt); b1 = torch.zeros(H, device=dev, dtype=dt)
-    dy = torch.randn(M, C, device=dev, dtype=dt); w2 = (torch.randn(C, H, device=dev) * 0.03).to(dt)
+    x = torch.randn(M, C, device=dev, dtype=dt)
+    w1 = (torch.randn(H, C, device=dev) * 0.03).to(dt)
+    b1 = torch.zeros(H, device=dev, dtype=dt)
+    dy = torch.randn(M, C, device=dev, dtype=dt)
+    w2 = (torch.randn(C, H, device=dev) * 0.03).to(dt)
+
     def med(fn):
         return sorted(MeasureSession(dev).window_times(fn, warmup=10, steps=50, repeats=7))[3]
 
@@ -222,5 +333,7 @@ if __name__ == "__main__":
     m_bwd = med(lambda: bwd_tma(dy, w2, h))
     print(f"TMA: fwd {m_fwd:.3f} ms ({_fwd_tma.best_config}); bwd {m_bwd:.3f} ms ({_bwd_tma.best_config})")
     print(f"fwd: cuBLAS addmm {c_mm:.3f} + gelu = {c_fwd:.3f} ms; triton fused {t_fwd:.3f} ms; best config {_fwd.best_config}")
-    print(f"bwd: cuBLAS mm {c_mm2:.3f} + gelu_backward+sum (compiled) = {c_bwd:.3f} ms; triton fused {t_bwd:.3f} ms; best config {_bwd.best_config}")
-    print(f"per step (x12): saving fwd {12*(c_fwd-t_fwd):.2f} ms, bwd {12*(c_bwd-t_bwd):.2f} ms")
+    print(
+        f"bwd: cuBLAS mm {c_mm2:.3f} + gelu_backward+sum (compiled) = {c_bwd:.3f} ms; triton fused {t_bwd:.3f} ms; best config {_bwd.best_config}"
+    )
+    print(f"per step (x12): saving fwd {12 * (c_fwd - t_fwd):.2f} ms, bwd {12 * (c_bwd - t_bwd):.2f} ms")

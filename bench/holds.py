@@ -30,8 +30,16 @@ sys.path.insert(0, str(REPO))
 from bench.common import RESULTS, Results, gpu_slug  # noqa: E402
 
 #: measurement for the bench: the defaults, with a shorter budget per comparison
-MEASURE = {"warmup": 3, "steps": 10, "repeats": 5, "parity_steps": 3, "min_blocks": 3, "max_blocks": 8, "budget_s": 60.0,
-           "holds_windows": 3}
+MEASURE = {
+    "warmup": 3,
+    "steps": 10,
+    "repeats": 5,
+    "parity_steps": 3,
+    "min_blocks": 3,
+    "max_blocks": 8,
+    "budget_s": 60.0,
+    "holds_windows": 3,
+}
 TOKENS = {"synthetic": "tokens", "batch_size": 16, "seq_len": 1024, "vocab_size": 50304, "length": 65536}
 IMAGES = {"class_path": "speedkit.demos.SyntheticImages", "init_args": {"batch_size": 64, "size": 224, "num_workers": 4}}
 
@@ -44,18 +52,31 @@ def recipes(tiny: bool) -> dict[str, dict[str, Any]]:
 
     gpt2_ladder = yaml.safe_load((REPO / "recipes" / "gpt2-small-naive.yaml").read_text())["ladder"]
     tokens = {**TOKENS, "batch_size": 2, "seq_len": 64, "vocab_size": 512, "length": 256} if tiny else TOKENS
-    images = ({**IMAGES, "init_args": {"batch_size": 4, "size": 32, "num_workers": 2, "length": 256}} if tiny else IMAGES)
+    images = {**IMAGES, "init_args": {"batch_size": 4, "size": 32, "num_workers": 2, "length": 256}} if tiny else IMAGES
     trainer = {"accelerator": "cpu" if tiny else "gpu", "devices": 1}
     ladder = config.default_ladder()
     size = "tiny" if tiny else "full"
     out = {
-        "naive-gpt2": {"model": {"class_path": "speedkit.demos.NaiveGPT", "init_args": {"size": "tiny" if tiny else "small"}},
-                       "data": tokens, "ladder": gpt2_ladder},
-        "hf-gpt2": {"model": {"class_path": "speedkit.demos.zoo.HFGPT2", "init_args": {"size": size, "vocab_size": tokens["vocab_size"]}},
-                    "data": tokens, "ladder": ladder},
-        "timm-vit": {"model": {"class_path": "speedkit.demos.zoo.TimmViT", "init_args": {"size": size}}, "data": images, "ladder": ladder},
-        "tv-resnet50": {"model": {"class_path": "speedkit.demos.zoo.TorchvisionResNet50", "init_args": {"size": size}},
-                        "data": images, "ladder": ladder},
+        "naive-gpt2": {
+            "model": {"class_path": "speedkit.demos.NaiveGPT", "init_args": {"size": "tiny" if tiny else "small"}},
+            "data": tokens,
+            "ladder": gpt2_ladder,
+        },
+        "hf-gpt2": {
+            "model": {"class_path": "speedkit.demos.zoo.HFGPT2", "init_args": {"size": size, "vocab_size": tokens["vocab_size"]}},
+            "data": tokens,
+            "ladder": ladder,
+        },
+        "timm-vit": {
+            "model": {"class_path": "speedkit.demos.zoo.TimmViT", "init_args": {"size": size}},
+            "data": images,
+            "ladder": ladder,
+        },
+        "tv-resnet50": {
+            "model": {"class_path": "speedkit.demos.zoo.TorchvisionResNet50", "init_args": {"size": size}},
+            "data": images,
+            "ladder": ladder,
+        },
     }
     measure = {**MEASURE, "steps": 3, "repeats": 2, "warmup": 1, "max_blocks": 3, "holds_windows": 2} if tiny else MEASURE
     return {name: {**r, "trainer": trainer, "measure": measure, "seed": 0} for name, r in out.items()}
@@ -75,19 +96,44 @@ def run_model(name: str, raw: dict[str, Any], out: Path, res: Results) -> None:
     if holds is None or holds.fit is None or holds.ladder is None:
         res.add("fit", "status", None, "not measured", **extra, note=holds.note if holds else "no fit check")
         return
-    res.add("ladder", "step_ms", holds.ladder.step_ms, "ms", **extra, noise=holds.ladder.spread,
-            data_wait_ms=holds.ladder.data_wait_ms, host_ms=holds.ladder.host_ms)
-    res.add("fit", "step_ms", holds.fit.step_ms, "ms", **extra, noise=holds.fit.spread,
-            data_wait_ms=holds.fit.data_wait_ms, host_ms=holds.fit.host_ms)
+    res.add(
+        "ladder",
+        "step_ms",
+        holds.ladder.step_ms,
+        "ms",
+        **extra,
+        noise=holds.ladder.spread,
+        data_wait_ms=holds.ladder.data_wait_ms,
+        host_ms=holds.ladder.host_ms,
+    )
+    res.add(
+        "fit",
+        "step_ms",
+        holds.fit.step_ms,
+        "ms",
+        **extra,
+        noise=holds.fit.spread,
+        data_wait_ms=holds.fit.data_wait_ms,
+        host_ms=holds.fit.host_ms,
+    )
     res.add("fit", "gap", holds.gap, "fraction", **extra, flagged=holds.flagged, cause=holds.cause)
     final = result.final_measurement
-    res.add("ladder", "throughput", final.throughput if final else None, final.throughput_unit if final else "", **extra,
-            speedup_vs_baseline=result.to_dict()["summary"]["speedup"], ladder_wall_s=wall)
+    res.add(
+        "ladder",
+        "throughput",
+        final.throughput if final else None,
+        final.throughput_unit if final else "",
+        **extra,
+        speedup_vs_baseline=result.to_dict()["summary"]["speedup"],
+        ladder_wall_s=wall,
+    )
     report = RESULTS / f"{res.date}_{gpu_slug()}_holds_{name}_report.json"
     shutil.copyfile(written["json"], report)
-    print(f"{name:12s} ladder {holds.ladder.step_ms:8.2f} ms  fit {holds.fit.step_ms:8.2f} ms  gap {holds.gap:+6.1%}"
-          f"{'  FLAGGED: ' + str(holds.cause) if holds.flagged else ''}  kept {', '.join(kept) or 'none'}  ({wall:.0f} s)",
-          flush=True)
+    print(
+        f"{name:12s} ladder {holds.ladder.step_ms:8.2f} ms  fit {holds.fit.step_ms:8.2f} ms  gap {holds.gap:+6.1%}"
+        f"{'  FLAGGED: ' + str(holds.cause) if holds.flagged else ''}  kept {', '.join(kept) or 'none'}  ({wall:.0f} s)",
+        flush=True,
+    )
 
 
 def main() -> None:

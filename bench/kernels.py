@@ -83,13 +83,20 @@ SHAPES = {
 CPU_SHAPES = {"ln": [(64, 96), (8, 5000)], "rms": [(64, 96), (8, 5000)], "ce": [(32, 1000), (8, 5000)]}
 # ANCHORS.md targets: norms fwd+bwd effective TB/s (higher is better), CE fwd+bwd ms (lower is better)
 TARGETS = {
-    ("ln", (16384, 768)): 2.0, ("ln", (16384, 4096)): 3.0, ("ln", (8192, 8192)): 3.0,
-    ("rms", (16384, 768)): 2.0, ("rms", (16384, 4096)): 3.0, ("rms", (8192, 8192)): 3.0,
-    ("ce", (16384, 50304)): 1.3, ("ce", (8192, 128256)): 1.3,
+    ("ln", (16384, 768)): 2.0,
+    ("ln", (16384, 4096)): 3.0,
+    ("ln", (8192, 8192)): 3.0,
+    ("rms", (16384, 768)): 2.0,
+    ("rms", (16384, 4096)): 3.0,
+    ("rms", (8192, 8192)): 3.0,
+    ("ce", (16384, 50304)): 1.3,
+    ("ce", (8192, 128256)): 1.3,
 }
-VARIANTS = {"ln": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
-            "rms": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
-            "ce": ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit", "sk_compiled"]}
+VARIANTS = {
+    "ln": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
+    "rms": ["eager", "compile", "liger", "speedkit", "sk_compiled"],
+    "ce": ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit", "sk_compiled"],
+}
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOL = 2e-2  # relative error norm for bf16 against eager fp32
 DTYPE = torch.bfloat16
@@ -108,8 +115,8 @@ def rel_err(actual: torch.Tensor | None, ref: torch.Tensor | None) -> float:
     num = den = 0.0
     chunk = 1 << 26
     for i in range(0, a.numel(), chunk):
-        rc = r[i:i + chunk].double()
-        num += (a[i:i + chunk].double() - rc).square().sum().item()
+        rc = r[i : i + chunk].double()
+        num += (a[i : i + chunk].double() - rc).square().sum().item()
         den += rc.square().sum().item()
     if not math.isfinite(num):
         return math.inf
@@ -139,8 +146,15 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
     return 2 * nbytes / (times[len(times) // 2] / 1e3)
 
 
-def measure(step: Callable[[], object], device: torch.device, *, warmup: int, steps: int, repeats: int,
-            refresh: Callable[[], None] | None = None) -> tuple[float, float]:
+def measure(
+    step: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    refresh: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """(median ms per step, noise) over ``repeats`` windows of ``steps``; ``refresh`` runs untimed before each window."""
     if refresh is None:
         return summarize(MeasureSession(device).window_times(step, warmup=warmup, steps=steps, repeats=repeats))
@@ -154,8 +168,9 @@ def measure(step: Callable[[], object], device: torch.device, *, warmup: int, st
     return summarize(windows)
 
 
-def measure_graphed(step: Callable[[], object], device: torch.device, sets: int, *, warmup: int, steps: int,
-                    repeats: int) -> tuple[float, float]:
+def measure_graphed(
+    step: Callable[[], object], device: torch.device, sets: int, *, warmup: int, steps: int, repeats: int
+) -> tuple[float, float]:
     """(median ms per step, noise) with the host out of the way: ``sets`` steps (one per input set)
     captured in one CUDA graph, the graph replayed on the step clock, its time divided by ``sets``.
 
@@ -249,8 +264,11 @@ def make_variants(op: str, names: list[str], liger: dict | None, liger_note: str
                 # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction) -> (loss, ...)
                 out[name] = lambda logits, target, f=liger["ce"]: f.apply(logits, target, None, -100, 0.0, 0.0, "mean")[0]
         elif name == "sk_compiled":  # speedkit's custom ops inside a torch.compile'd function (what a compiled model runs)
-            sk_fn = {"ln": lambda x, w, b: sk.layer_norm(x, w, b, LN_EPS), "rms": lambda x, w, b: sk.rms_norm(x, w, RMS_EPS),
-                     "ce": lambda logits, target: sk.cross_entropy(logits, target)}[op]
+            sk_fn = {
+                "ln": lambda x, w, b: sk.layer_norm(x, w, b, LN_EPS),
+                "rms": lambda x, w, b: sk.rms_norm(x, w, RMS_EPS),
+                "ce": lambda logits, target: sk.cross_entropy(logits, target),
+            }[op]
             out[name] = torch.compile(sk_fn, dynamic=False, fullgraph=True)
         elif name == "speedkit":
             if op == "ln":
@@ -266,8 +284,9 @@ def make_variants(op: str, names: list[str], liger: dict | None, liger_note: str
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, device: torch.device, res: Results, copy_bps: float,
-                 liger: dict | None, liger_note: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, device: torch.device, res: Results, copy_bps: float, liger: dict | None, liger_note: str
+    ) -> None:
         self.args, self.device, self.res, self.copy_bps = args, device, res, copy_bps
         self.liger, self.liger_note = liger, liger_note
         self.summary: list[dict] = []  # one per op × shape: {"op", "shape", "variants": {name: {...}}}
@@ -296,8 +315,16 @@ class Bench:
         else:
             ok = all(e < TOL for e in errs.values())
             text = " ".join(f"{k} {v:.1e}" for k, v in errs.items())
-            self.add(name, "correct", 1.0 if ok else 0.0, "bool", op, shape, tol=TOL,
-                     **{f"rel_err_{k}": (v if math.isfinite(v) else None) for k, v in errs.items()})
+            self.add(
+                name,
+                "correct",
+                1.0 if ok else 0.0,
+                "bool",
+                op,
+                shape,
+                tol=TOL,
+                **{f"rel_err_{k}": (v if math.isfinite(v) else None) for k, v in errs.items()},
+            )
         if not ok:
             line = f"CORRECTNESS FAIL {op} {shape} {name}: {text}"
             print(line, flush=True)
@@ -309,8 +336,9 @@ class Bench:
         if self.device.type != "cuda":
             return None, None, "CUDA graphs need a CUDA device"
         try:
-            ms, noise = measure_graphed(step, self.device, self.args.sets, warmup=self.warmup, steps=self.steps * 3,
-                                        repeats=self.repeats)
+            ms, noise = measure_graphed(
+                step, self.device, self.args.sets, warmup=self.warmup, steps=self.steps * 3, repeats=self.repeats
+            )
             return ms, noise, ""
         except Exception as exc:  # noqa: BLE001 - the variant cannot be captured: say why, go on
             torch.cuda.synchronize(self.device)
@@ -389,26 +417,53 @@ class Bench:
             g_tbs = bytes_fb / g_ms / 1e9 if g_ms else None
             if g_ms:
                 self.add(name, "fwdbwd_graphed_ms", g_ms, "ms", op, shape, noise=g_noise)
-                self.add(name, "fwdbwd_graphed_tbs", g_tbs, "TB/s", op, shape, bytes=bytes_fb,
-                         **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+                self.add(
+                    name,
+                    "fwdbwd_graphed_tbs",
+                    g_tbs,
+                    "TB/s",
+                    op,
+                    shape,
+                    bytes=bytes_fb,
+                    **({"target": row["target"]} if name == "speedkit" and row["target"] else {}),
+                )
             else:
                 self.add(name, "fwdbwd_graphed_ms", None, "ms", op, shape, reason=g_note)
             self.add(name, "fwd_ms", f_ms, "ms", op, shape, noise=f_noise)
             self.add(name, "fwd_tbs", f_tbs, "TB/s", op, shape, bytes=bytes_f)
             self.add(name, "fwdbwd_ms", fb_ms, "ms", op, shape, noise=fb_noise)
-            self.add(name, "fwdbwd_tbs", fb_tbs, "TB/s", op, shape, bytes=bytes_fb,
-                     **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+            self.add(
+                name,
+                "fwdbwd_tbs",
+                fb_tbs,
+                "TB/s",
+                op,
+                shape,
+                bytes=bytes_fb,
+                **({"target": row["target"]} if name == "speedkit" and row["target"] else {}),
+            )
             self.add(name, "fwdbwd_of_floor", floor_fb_ms / fb_ms, "fraction", op, shape)
             self.add(name, "fwd_of_floor", floor_f_ms / f_ms, "fraction", op, shape)
             if mem is not None:
                 self.add(name, "fwdbwd_peak_extra_gb", mem / 1e9, "GB", op, shape)
-            row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fwd_tbs": f_tbs, "fb_tbs": fb_tbs, "mem": mem,
-                                     "g_ms": g_ms, "g_tbs": g_tbs}
+            row["variants"][name] = {
+                "ok": ok,
+                "fwd_ms": f_ms,
+                "fb_ms": fb_ms,
+                "fwd_tbs": f_tbs,
+                "fb_tbs": fb_tbs,
+                "mem": mem,
+                "g_ms": g_ms,
+                "g_tbs": g_tbs,
+            }
             mem_text = f" +{mem / 1e9:.2f} GB" if mem is not None else ""
             g_text = f"{g_ms:8.4f} ms {g_tbs:5.2f} TB/s" if g_ms else "n/a"
-            print(f"{op} {shape} {name:9s} fwd {f_ms:8.4f} ms {f_tbs:5.2f} TB/s | fwd+bwd {fb_ms:8.4f} ms "
-                  f"{fb_tbs:5.2f} TB/s ({floor_fb_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}"
-                  f"{'' if ok else '  [WRONG]'}", flush=True)
+            print(
+                f"{op} {shape} {name:9s} fwd {f_ms:8.4f} ms {f_tbs:5.2f} TB/s | fwd+bwd {fb_ms:8.4f} ms "
+                f"{fb_tbs:5.2f} TB/s ({floor_fb_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}"
+                f"{'' if ok else '  [WRONG]'}",
+                flush=True,
+            )
             del fwd, fwd_bwd, clear, my_dys
         del xs, dys, ref
         free_memory()
@@ -432,8 +487,12 @@ class Bench:
         bc = b.detach().clone().requires_grad_() if b is not None else None
         y = fn(x, wc, bc)
         y.backward(ref["dy"].clone())  # a copy: Liger writes into it
-        errs = {"y_nograd": rel_err(y_ng, ref["y"]), "y": rel_err(y, ref["y"]), "dx": rel_err(x.grad, ref["dx"]),
-                "dw": rel_err(wc.grad, ref["dw"])}
+        errs = {
+            "y_nograd": rel_err(y_ng, ref["y"]),
+            "y": rel_err(y, ref["y"]),
+            "dx": rel_err(x.grad, ref["dx"]),
+            "dw": rel_err(wc.grad, ref["dw"]),
+        }
         if b is not None:
             errs["db"] = rel_err(bc.grad, ref["db"])
         return errs
@@ -450,11 +509,25 @@ class Bench:
         bytes_fb = 2 * M * V * 2
         floor_ms = bytes_fb / self.copy_bps * 1e3
         grad_gb = M * V * 2 / 1e9
-        self.add("floor", "fwdbwd_floor_ms", floor_ms, "ms", op, shape, bytes=bytes_fb,
-                 note="read the logits once, write the gradient once")
+        self.add(
+            "floor",
+            "fwdbwd_floor_ms",
+            floor_ms,
+            "ms",
+            op,
+            shape,
+            bytes=bytes_fb,
+            note="read the logits once, write the gradient once",
+        )
         ref = self.ce_reference(M, V)
-        row = {"op": op, "shape": shape, "target": TARGETS.get((op, (M, V))), "floor_ms": floor_ms, "variants": {},
-               "grad_gb": grad_gb}
+        row = {
+            "op": op,
+            "shape": shape,
+            "target": TARGETS.get((op, (M, V))),
+            "floor_ms": floor_ms,
+            "variants": {},
+            "grad_gb": grad_gb,
+        }
         self.summary.append(row)
 
         for name, fn in variants.items():
@@ -499,8 +572,14 @@ class Bench:
                     refresh()
                 f_ms, f_noise = measure(fwd, dev, warmup=self.warmup, steps=self.steps, repeats=self.repeats)
                 if in_place:
-                    fb_ms, fb_noise = measure(fwd_bwd, dev, warmup=self.warmup, steps=sets,
-                                              repeats=max(self.repeats, self.steps * self.repeats // sets), refresh=refresh)
+                    fb_ms, fb_noise = measure(
+                        fwd_bwd,
+                        dev,
+                        warmup=self.warmup,
+                        steps=sets,
+                        repeats=max(self.repeats, self.steps * self.repeats // sets),
+                        refresh=refresh,
+                    )
                 else:
                     fb_ms, fb_noise = measure(fwd_bwd, dev, warmup=self.warmup, steps=self.steps, repeats=self.repeats)
                 mem = peak_extra_bytes(fwd_bwd, clear, dev)
@@ -510,16 +589,36 @@ class Bench:
                 continue
             finally:
                 clear()
-            g_ms, g_noise, g_note = self.graphed(fwd_bwd, clear) if not in_place else (None, None, "writes its gradient into the logits and syncs with the host (.item())")
+            g_ms, g_noise, g_note = (
+                self.graphed(fwd_bwd, clear)
+                if not in_place
+                else (None, None, "writes its gradient into the logits and syncs with the host (.item())")
+            )
             if g_ms:
-                self.add(name, "fwdbwd_graphed_ms", g_ms, "ms", op, shape, noise=g_noise,
-                         **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+                self.add(
+                    name,
+                    "fwdbwd_graphed_ms",
+                    g_ms,
+                    "ms",
+                    op,
+                    shape,
+                    noise=g_noise,
+                    **({"target": row["target"]} if name == "speedkit" and row["target"] else {}),
+                )
             else:
                 self.add(name, "fwdbwd_graphed_ms", None, "ms", op, shape, reason=g_note)
             fb_tbs = bytes_fb / fb_ms / 1e9
             self.add(name, "fwd_ms", f_ms, "ms", op, shape, noise=f_noise)
-            self.add(name, "fwdbwd_ms", fb_ms, "ms", op, shape, noise=fb_noise,
-                     **({"target": row["target"]} if name == "speedkit" and row["target"] else {}))
+            self.add(
+                name,
+                "fwdbwd_ms",
+                fb_ms,
+                "ms",
+                op,
+                shape,
+                noise=fb_noise,
+                **({"target": row["target"]} if name == "speedkit" and row["target"] else {}),
+            )
             self.add(name, "fwdbwd_tbs", fb_tbs, "TB/s", op, shape, bytes=bytes_fb)
             self.add(name, "fwdbwd_of_floor", floor_ms / fb_ms, "fraction", op, shape)
             if mem is not None:
@@ -527,8 +626,11 @@ class Bench:
             row["variants"][name] = {"ok": ok, "fwd_ms": f_ms, "fb_ms": fb_ms, "fb_tbs": fb_tbs, "mem": mem, "g_ms": g_ms}
             mem_text = f" +{mem / 1e9:.2f} GB" if mem is not None else ""
             g_text = f"{g_ms:8.3f} ms" if g_ms else "n/a"
-            print(f"{op} {shape} {name:13s} fwd {f_ms:8.3f} ms | fwd+bwd {fb_ms:8.3f} ms {fb_tbs:5.2f} TB/s "
-                  f"({floor_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}{'' if ok else '  [WRONG]'}", flush=True)
+            print(
+                f"{op} {shape} {name:13s} fwd {f_ms:8.3f} ms | fwd+bwd {fb_ms:8.3f} ms {fb_tbs:5.2f} TB/s "
+                f"({floor_ms / fb_ms:4.0%} of floor) | graphed {g_text}{mem_text}{'' if ok else '  [WRONG]'}",
+                flush=True,
+            )
             del fwd, fwd_bwd, refresh, clear, my_logits  # the closures hold Liger's own logits sets
             free_memory()
         del logits, targets, ref
@@ -573,13 +675,21 @@ class Bench:
 
     def table(self) -> None:
         names_all = ["eager", "eager_float", "compile", "compile_float", "liger", "speedkit", "sk_compiled"]
-        sections = (("forward+backward, a Python loop of steps (host overhead included)", "fb_tbs", "fb_ms", True),
-                    ("forward+backward replayed from a CUDA graph (kernel time, host out of the way)", "g_tbs", "g_ms", True),
-                    ("forward (no_grad)", "fwd_tbs", "fwd_ms", False))
+        sections = (
+            ("forward+backward, a Python loop of steps (host overhead included)", "fb_tbs", "fb_ms", True),
+            ("forward+backward replayed from a CUDA graph (kernel time, host out of the way)", "g_tbs", "g_ms", True),
+            ("forward (no_grad)", "fwd_tbs", "fwd_ms", False),
+        )
         for title, norm_key, time_key, has_target in sections:
-            print(f"\n== {title}: norms effective TB/s (higher is better), ce ms (lower is better); "
-                  f"sk/best = best other variant's time / speedkit's ==")
-            print(f"{'op':4s} {'shape':12s} " + " ".join(f"{n:>13s}" for n in names_all) + f" {'sk/best':>8s} {'target':>8s} {'floor':>9s}")
+            print(
+                f"\n== {title}: norms effective TB/s (higher is better), ce ms (lower is better); "
+                f"sk/best = best other variant's time / speedkit's =="
+            )
+            print(
+                f"{'op':4s} {'shape':12s} "
+                + " ".join(f"{n:>13s}" for n in names_all)
+                + f" {'sk/best':>8s} {'target':>8s} {'floor':>9s}"
+            )
             for row in self.summary:
                 is_ce = row["op"] == "ce"
                 key = time_key if is_ce else norm_key
@@ -594,7 +704,11 @@ class Bench:
                         text += f"+{v['mem'] / 1e9:.1f}G"
                     cells.append(f"{text + ('' if v['ok'] else '!'):>13s}")
                 sk = row["variants"].get("speedkit")
-                others = [v[time_key] for n, v in row["variants"].items() if n not in ("speedkit", "sk_compiled") and v["ok"] and v.get(time_key)]
+                others = [
+                    v[time_key]
+                    for n, v in row["variants"].items()
+                    if n not in ("speedkit", "sk_compiled") and v["ok"] and v.get(time_key)
+                ]
                 ratio = f"{min(others) / sk[time_key]:.2f}x" if sk and sk.get(time_key) and others else "-"
                 target, floor = "-", "-"
                 if has_target:
@@ -605,8 +719,10 @@ class Bench:
                             target += " ok" if met else " no"
                     floor = f"{row['floor_ms']:.3f}ms"
                 print(f"{row['op']:4s} {row['shape']:12s} " + " ".join(cells) + f" {ratio:>8s} {target:>8s} {floor:>9s}")
-        print("('!' = failed the correctness check; '-' = not run or not capturable; ce cells of the first table: "
-              "ms + peak extra GB, gradient included)")
+        print(
+            "('!' = failed the correctness check; '-' = not run or not capturable; ce cells of the first table: "
+            "ms + peak extra GB, gradient included)"
+        )
 
 
 def parse_shapes(text: str | None) -> set[tuple[int, int]] | None:
@@ -620,8 +736,11 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--ops", default="ln,rms,ce", help="comma-separated subset of ln,rms,ce")
     parser.add_argument("--shapes", default=None, help="comma-separated MxN subset, e.g. 16384x768,8192x128256")
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated subset of eager,eager_float,compile,compile_float,liger,speedkit,sk_compiled")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated subset of eager,eager_float,compile,compile_float,liger,speedkit,sk_compiled",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer warm-up steps, steps and windows")
     parser.add_argument("--sets", type=int, default=3, help="random input sets rotated through (>= 3)")
     parser.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<date>_<gpu>.jsonl)")
@@ -661,12 +780,13 @@ def main() -> int:
     liger, liger_note = load_liger()
     torch.manual_seed(0)
     copy_bps = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 24))
-    env = {"torch": torch.__version__, "triton": triton.__version__, "liger": liger_note if liger else None,
-           "gpu": res.device}
-    print(f"device {res.device} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"liger {liger_note} | d2d copy {copy_bps / 1e9:.0f} GB/s (read+written)", flush=True)
-    res.add("copy", "d2d_copy_gbs", copy_bps / 1e9, "GB/s", op="copy",
-            shape="1GiB" if device.type == "cuda" else "16MiB", **env)
+    env = {"torch": torch.__version__, "triton": triton.__version__, "liger": liger_note if liger else None, "gpu": res.device}
+    print(
+        f"device {res.device} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"liger {liger_note} | d2d copy {copy_bps / 1e9:.0f} GB/s (read+written)",
+        flush=True,
+    )
+    res.add("copy", "d2d_copy_gbs", copy_bps / 1e9, "GB/s", op="copy", shape="1GiB" if device.type == "cuda" else "16MiB", **env)
     if liger is None:
         print(f"liger skipped: {liger_note}", flush=True)
 

@@ -40,15 +40,20 @@ BATCH, SEQ, VOCAB = 16, 1024, 50304
 WARMUP, STEPS, REPEATS = 3, 10, 5
 
 
-def _record(res: Results, variant: str, step_ms: float, spread: float, flops: int, ceiling: float, peak_bytes: int | None) -> None:
+def _record(
+    res: Results, variant: str, step_ms: float, spread: float, flops: int, ceiling: float, peak_bytes: int | None
+) -> None:
     tokens = BATCH * SEQ
     res.add(variant, "tokens_per_s", tokens / (step_ms / 1e3), "tokens/s")
     res.add(variant, "step_ms", step_ms, "ms", noise=spread)
     res.add(variant, "mfu", flops / (step_ms / 1e3) / 1e12 / ceiling, "fraction of measured bf16 GEMM ceiling")
     if peak_bytes is not None:
         res.add(variant, "peak_memory_gb", peak_bytes / 1e9, "GB")
-    print(f"{variant:32s} {tokens / (step_ms / 1e3):>12,.0f} tok/s  {step_ms:8.1f} ms ±{spread:5.1%}  "
-          f"MFU {flops / (step_ms / 1e3) / 1e12 / ceiling:6.1%}  peak {peak_bytes / 1e9 if peak_bytes else float('nan'):5.1f} GB", flush=True)
+    print(
+        f"{variant:32s} {tokens / (step_ms / 1e3):>12,.0f} tok/s  {step_ms:8.1f} ms ±{spread:5.1%}  "
+        f"MFU {flops / (step_ms / 1e3) / 1e12 / ceiling:6.1%}  peak {peak_bytes / 1e9 if peak_bytes else float('nan'):5.1f} GB",
+        flush=True,
+    )
 
 
 def hand_ladder(res: Results, flops: int, ceiling: float) -> None:
@@ -107,23 +112,53 @@ def speedkit_ladder(res: Results, flops: int, ceiling: float, out: Path) -> list
             res.add(f"speedkit/{rung['name']}", "status", None, rung["status"], reason=rung["reason"])
             continue
         c = rung.get("comparison") or {}
-        _record(res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"])
+        _record(
+            res, f"speedkit/{rung['name']}[{rung['status']}]", m["step_ms"], m["spread"], flops, ceiling, m["peak_memory_bytes"]
+        )
         if c:
-            res.add(f"speedkit/{rung['name']}[{rung['status']}]", "paired_speedup", c["speedup"], "x",
-                    ci=[c["low"], c["high"]], blocks=c["blocks"], verdict=c["verdict"])
+            res.add(
+                f"speedkit/{rung['name']}[{rung['status']}]",
+                "paired_speedup",
+                c["speedup"],
+                "x",
+                ci=[c["low"], c["high"]],
+                blocks=c["blocks"],
+                verdict=c["verdict"],
+            )
     kept = [{"name": r["name"], "options": r["options"]} for r in report["rungs"] if r["status"] == "kept"]
     final = (report.get("final_check") or {}).get("b") or next(
-        r["measurement"] for r in reversed(report["rungs"]) if r["status"] in ("closing", "kept", "baseline"))
+        r["measurement"] for r in reversed(report["rungs"]) if r["status"] in ("closing", "kept", "baseline")
+    )
     _record(res, "speedkit", final["step_ms"], final["spread"], flops, ceiling, final["peak_memory_bytes"])
     holds = report.get("holds") or {}
     if holds.get("fit") and holds.get("ladder"):
         for variant in ("ladder", "fit"):
             m = holds[variant]
-            res.add(variant, "step_ms", m["step_ms"], "ms", bench="holds", model="naive-gpt2", noise=m["spread"],
-                    data_wait_ms=m["data_wait_ms"], host_ms=m["host_ms"])
-        res.add("fit", "gap", holds["gap"], "fraction", bench="holds", model="naive-gpt2", flagged=holds["flagged"],
-                cause=holds["cause"])
-        print(f"holds: ladder {holds['ladder']['step_ms']:.2f} ms, fit {holds['fit']['step_ms']:.2f} ms ({holds['gap']:+.1%})", flush=True)
+            res.add(
+                variant,
+                "step_ms",
+                m["step_ms"],
+                "ms",
+                bench="holds",
+                model="naive-gpt2",
+                noise=m["spread"],
+                data_wait_ms=m["data_wait_ms"],
+                host_ms=m["host_ms"],
+            )
+        res.add(
+            "fit",
+            "gap",
+            holds["gap"],
+            "fraction",
+            bench="holds",
+            model="naive-gpt2",
+            flagged=holds["flagged"],
+            cause=holds["cause"],
+        )
+        print(
+            f"holds: ladder {holds['ladder']['step_ms']:.2f} ms, fit {holds['fit']['step_ms']:.2f} ms ({holds['gap']:+.1%})",
+            flush=True,
+        )
     return kept
 
 
@@ -138,18 +173,34 @@ def lightning_runs(res: Results, flops: int, ceiling: float, kept: list, only_fi
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         model = NaiveGPT("small")
         timer = StepTimer(warmup=WARMUP + 2, window=STEPS)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, precision=precision, max_steps=WARMUP + 2 + STEPS * REPEATS,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[timer, *callbacks])
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            precision=precision,
+            max_steps=WARMUP + 2 + STEPS * REPEATS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer, *callbacks],
+        )
         torch.cuda.reset_peak_memory_stats()
-        trainer.fit(torch.compile(model) if compile_model else model,
-                    datamodule=SyntheticTokens(batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, length=BATCH * 4096))
+        trainer.fit(
+            torch.compile(model) if compile_model else model,
+            datamodule=SyntheticTokens(batch_size=BATCH, seq_len=SEQ, vocab_size=VOCAB, length=BATCH * 4096),
+        )
         _record(res, variant, timer.step_ms, timer.spread, flops, ceiling, timer.measurement.peak_memory_bytes)
         torch.set_float32_matmul_precision("highest")
         torch.cuda.empty_cache()
 
-    variants = [] if only_fit else [("lightning/32-true", "32-true", {}),
-                                    ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True})]
+    variants = (
+        []
+        if only_fit
+        else [
+            ("lightning/32-true", "32-true", {}),
+            ("lightning/bf16-mixed+compile+tf32", "bf16-mixed", {"compile_model": True, "tf32": True}),
+        ]
+    )
     if kept:
         variants.append(("speedkit-fit", "32-true", {"callbacks": [SpeedLadder(rungs=kept)]}))
         # what triton_layers adds on top of compile, through the same Trainer loop and timer
@@ -203,8 +254,15 @@ def main() -> None:
         hand_ladder(res, flops, ceiling)
 
     print("\nsummary (tokens/s):")
-    for variant in ("lightning/32-true", "lightning/bf16-mixed+compile+tf32", "speedkit", "speedkit-fit",
-                    "speedkit-fit/without-triton_layers", "hand/eager-fp32", "hand/+compile"):
+    for variant in (
+        "lightning/32-true",
+        "lightning/bf16-mixed+compile+tf32",
+        "speedkit",
+        "speedkit-fit",
+        "speedkit-fit/without-triton_layers",
+        "hand/eager-fp32",
+        "hand/+compile",
+    ):
         v = res.value(variant, "tokens_per_s")
         if v:
             print(f"  {variant:36s} {v:>12,.0f}")

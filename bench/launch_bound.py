@@ -40,8 +40,10 @@ WARMUP, STEPS, REPEATS = 20, 200, 7
 
 def _batches(device: torch.device, n: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(BATCH, FEATURES, generator=g).to(device), torch.randint(0, CLASSES, (BATCH,), generator=g).to(device))
-            for _ in range(n)]
+    return [
+        (torch.randn(BATCH, FEATURES, generator=g).to(device), torch.randint(0, CLASSES, (BATCH,), generator=g).to(device))
+        for _ in range(n)
+    ]
 
 
 def _model(device: torch.device) -> LaunchBoundMLP:
@@ -117,7 +119,9 @@ def speedkit(res: Results, device: torch.device, batches: list, tiny: bool) -> f
     step = PlainStep(model, opt, device, loss_fn=loss_fn)
     state = TrainState(model=model, optimizer=opt, device=device, step=step, data=BatchSource(batches, device))
     measure = {"warmup": 10, "steps": 50, "repeats": 5} if not tiny else {"warmup": 1, "steps": 2, "repeats": 2, "max_blocks": 3}
-    ladder = Ladder(state, rung_registry.make_all(config.default_ladder()), measure, on_event=lambda line: print("  " + line, flush=True))
+    ladder = Ladder(
+        state, rung_registry.make_all(config.default_ladder()), measure, on_event=lambda line: print("  " + line, flush=True)
+    )
     result = ladder.run()
     kept = [r.name for r in result.kept]
     for r in result.rungs[1:]:

@@ -106,8 +106,11 @@ def norm_case(op: str, M: int, N: int) -> None:
         ms = step_ms(fwd_bwd)
         h = host_us(fwd_bwd)
         gpu, kernels = kernel_profile(fwd_bwd)
-        print(f"  {name:9s} step {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:.2f} TB/s) | gpu {gpu:7.1f} us "
-              f"({nbytes / gpu / 1e6:.2f} TB/s) | host {h:6.1f} us", flush=True)
+        print(
+            f"  {name:9s} step {ms * 1e3:7.1f} us ({nbytes / ms / 1e9:.2f} TB/s) | gpu {gpu:7.1f} us "
+            f"({nbytes / gpu / 1e6:.2f} TB/s) | host {h:6.1f} us",
+            flush=True,
+        )
         for k, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
             print(f"      {calls} x {us:7.1f} us  {k[:110]}")
     # the launchers alone
@@ -124,16 +127,32 @@ def norm_case(op: str, M: int, N: int) -> None:
 
     f_ms, b_ms = step_ms(launch_fwd), step_ms(launch_bwd)
     gpu_b, kernels_b = kernel_profile(launch_bwd)
-    print(f"  launchers fwd {f_ms * 1e3:6.1f} us + bwd {b_ms * 1e3:6.1f} us = {nbytes / (f_ms + b_ms) / 1e9:.2f} TB/s | "
-          f"bwd gpu {gpu_b:.1f} us host fwd {host_us(launch_fwd):.1f} us bwd {host_us(launch_bwd):.1f} us", flush=True)
+    print(
+        f"  launchers fwd {f_ms * 1e3:6.1f} us + bwd {b_ms * 1e3:6.1f} us = {nbytes / (f_ms + b_ms) / 1e9:.2f} TB/s | "
+        f"bwd gpu {gpu_b:.1f} us host fwd {host_us(launch_fwd):.1f} us bwd {host_us(launch_bwd):.1f} us",
+        flush=True,
+    )
 
 
 # -- cross-entropy forward variants ------------------------------------------------------------------------
 
 
 @triton.jit
-def _ce_variant(LOGITS, TARGET, GRAD, LOSS, stride_l, stride_g, M, V, scale,
-                EV1: tl.constexpr, EV2: tl.constexpr, CS: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_variant(
+    LOGITS,
+    TARGET,
+    GRAD,
+    LOSS,
+    stride_l,
+    stride_g,
+    M,
+    V,
+    scale,
+    EV1: tl.constexpr,
+    EV2: tl.constexpr,
+    CS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols0 = tl.arange(0, BLOCK)
@@ -182,6 +201,7 @@ def ce_variants() -> None:
         loss = torch.empty(M, device=DEV)
         floor = 2 * M * V * 2
         counter = itertools.count()
+
         def cur():
             return sk.cross_entropy(logits[next(counter) % 3], targets[0])  # noqa: F821 (deleted below, after its last call)
 
@@ -198,20 +218,53 @@ def ce_variants() -> None:
 
                     def run(block=block, warps=warps, grid=grid, ev1=ev1, ev2=ev2, cs=cs) -> None:
                         i = next(counter) % 3
-                        _ce_variant[(grid,)](logits[i], targets[i], grad, loss, V, V, M, V, 1.0 / M,  # noqa: F821 (deleted below, after the closure last runs)
-                                             EV1=bool(ev1), EV2=bool(ev2), CS=bool(cs), BLOCK=block, num_warps=warps)
+                        _ce_variant[(grid,)](
+                            logits[i],  # noqa: F821 (deleted below, after its last call)
+                            targets[i],
+                            grad,  # noqa: F821
+                            loss,
+                            V,
+                            V,
+                            M,
+                            V,
+                            1.0 / M,  # noqa: F821 (deleted below, after the closure last runs)
+                            EV1=bool(ev1),
+                            EV2=bool(ev2),
+                            CS=bool(cs),
+                            BLOCK=block,
+                            num_warps=warps,
+                        )
 
                     try:
-                        _ce_variant[(grid,)](logits[0], targets[0], grad, loss, V, V, M, V, 1.0 / M,
-                                             EV1=bool(ev1), EV2=bool(ev2), CS=bool(cs), BLOCK=block, num_warps=warps)
+                        _ce_variant[(grid,)](
+                            logits[0],
+                            targets[0],
+                            grad,
+                            loss,
+                            V,
+                            V,
+                            M,
+                            V,
+                            1.0 / M,
+                            EV1=bool(ev1),
+                            EV2=bool(ev2),
+                            CS=bool(cs),
+                            BLOCK=block,
+                            num_warps=warps,
+                        )
                         err = (loss - ref).abs().max().item()
                         ms = step_ms(run, steps=10, repeats=5)
                     except Exception as exc:  # noqa: BLE001
-                        print(f"  block {block} warps {warps} {grid_name} ev {ev1}{ev2} cs {cs}: {type(exc).__name__} {str(exc)[:100]}")
+                        print(
+                            f"  block {block} warps {warps} {grid_name} ev {ev1}{ev2} cs {cs}: {type(exc).__name__} {str(exc)[:100]}"
+                        )
                         continue
                     results.append((ms, block, warps, grid_name, ev1, ev2, cs, err))
-                    print(f"  {ms:.3f} ms ({floor / ms / 1e9:.2f} TB/s of floor) block {block} warps {warps} grid {grid_name} "
-                          f"evict {ev1}{ev2} cs {cs} | max loss err {err:.1e}", flush=True)
+                    print(
+                        f"  {ms:.3f} ms ({floor / ms / 1e9:.2f} TB/s of floor) block {block} warps {warps} grid {grid_name} "
+                        f"evict {ev1}{ev2} cs {cs} | max loss err {err:.1e}",
+                        flush=True,
+                    )
         results.sort()
         print("  best:", results[:5], flush=True)
         del logits, grad
@@ -233,11 +286,26 @@ def sweep_bwd() -> None:
         default_cfg, default_pb = norms._bwd_config, norms._partials_block
         rows = []
         try:
-            for bm, warps, per_sm in ((1, 4, 4), (1, 8, 2), (2, 4, 2), (2, 8, 2), (2, 8, 1), (4, 8, 2), (4, 16, 1), (1, 16, 2), (2, 16, 1)):
+            for bm, warps, per_sm in (
+                (1, 4, 4),
+                (1, 8, 2),
+                (2, 4, 2),
+                (2, 8, 2),
+                (2, 8, 1),
+                (4, 8, 2),
+                (4, 16, 1),
+                (1, 16, 2),
+                (2, 16, 1),
+            ):
                 if bm * bn > 16384 or warps * per_sm > 64 or (N <= 1024 and bm == 1 and warps > 8):
                     continue
                 for pb in (16, 32, 64):
-                    norms._bwd_config = lambda n, m, d, r=False, bm=bm, wp=warps, p=per_sm: (bm, bn, wp, min(-(-m // bm), sms * p))
+                    norms._bwd_config = lambda n, m, d, r=False, bm=bm, wp=warps, p=per_sm: (
+                        bm,
+                        bn,
+                        wp,
+                        min(-(-m // bm), sms * p),
+                    )
                     norms._partials_block = lambda n, d, pb=pb: pb
                     counter = itertools.count()
 
@@ -256,8 +324,11 @@ def sweep_bwd() -> None:
             norms._bwd_config, norms._partials_block = default_cfg, default_pb
         rows.sort()
         cur = norms._bwd_config(N, M, DEV, rms)
-        print(f"== {op} {M}x{N} bwd gpu us (default {cur[0]}, {cur[2]} warps, {cur[3]} programs, partials block "
-              f"{norms._partials_block(N, DEV)}):", flush=True)
+        print(
+            f"== {op} {M}x{N} bwd gpu us (default {cur[0]}, {cur[2]} warps, {cur[3]} programs, partials block "
+            f"{norms._partials_block(N, DEV)}):",
+            flush=True,
+        )
         for r in rows[:8]:
             print(f"  {r[0]:7.1f} us  bm {r[1]} warps {r[2]} per_sm {r[3]} partials block {r[4]} (partials {r[5]:.1f} us)")
 
@@ -296,7 +367,6 @@ def main() -> None:
         ce_variants()
 
 
-
 # -- host overhead, piece by piece ----------------------------------------------------------------------
 
 
@@ -315,8 +385,25 @@ def host_breakdown() -> None:
     grid = (triton.cdiv(M, bm),)
 
     def launch():
-        return norms._norm_fwd_kernel[grid](xd, wd, bd, y, mean, rstd, N, N, M, N, 1e-5, IS_RMS=False, HAS_W=True,
-                                            HAS_B=True, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        return norms._norm_fwd_kernel[grid](
+            xd,
+            wd,
+            bd,
+            y,
+            mean,
+            rstd,
+            N,
+            N,
+            M,
+            N,
+            1e-5,
+            IS_RMS=False,
+            HAS_W=True,
+            HAS_B=True,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
+        )
 
     compiled = launch()
     kc, kkc, target, backend, binder = norms._norm_fwd_kernel.device_caches[torch.cuda.current_device()]
@@ -357,6 +444,7 @@ def host_breakdown() -> None:
         x.grad = w.grad = b.grad = None
     print("  knobs launch hooks:", triton.knobs.runtime.launch_enter_hook if hasattr(triton, "knobs") else "n/a")
     from triton.compiler import compiler as tc
+
     print(inspect.getsource(tc.CompiledKernel.__getitem__))
     src = inspect.getsource(type(norms._norm_fwd_kernel).run)
     print(src[:4000])

@@ -51,13 +51,25 @@ def ladder_report(name: str, out: Path) -> None:
     plan = make_plan(False, None, None)
     entry = ZOO[name]
     folder = out / name
-    ladder = SpeedLadder(plan.ladder(), trials=True, measure=plan.measure, report_dir=folder,
-                         on_event=lambda line: print(f"  [{name}] {line}", flush=True))
+    ladder = SpeedLadder(
+        plan.ladder(),
+        trials=True,
+        measure=plan.measure,
+        report_dir=folder,
+        on_event=lambda line: print(f"  [{name}] {line}", flush=True),
+    )
     profiler = SpeedProfiler(log_every_n_steps=5, report_dir=folder)
     module, loader = entry.build("full")
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=plan.warmup + plan.steps * 4, logger=CSVLogger(folder / "logs"),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[ladder, profiler, Deadline(plan.time_guard_s)])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=plan.warmup + plan.steps * 4,
+        logger=CSVLogger(folder / "logs"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder, profiler, Deadline(plan.time_guard_s)],
+    )
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     result = ladder.result
@@ -68,8 +80,11 @@ def ladder_report(name: str, out: Path) -> None:
 
         (folder / "ladder_result.json").write_text(json.dumps(to_json_safe(result.to_dict()), indent=1))
     kept = ", ".join(r.name for r in result.kept) if result else "-"
-    print(f"{name}: report in {folder} ({time.perf_counter() - t0:.0f} s), kept {kept}; profiler "
-          f"{profiler.summary and profiler.summary.get('step_ms_median')} ms/step", flush=True)
+    print(
+        f"{name}: report in {folder} ({time.perf_counter() - t0:.0f} s), kept {kept}; profiler "
+        f"{profiler.summary and profiler.summary.get('step_ms_median')} ms/step",
+        flush=True,
+    )
     release()
 
 
@@ -89,10 +104,17 @@ def overhead(name: str, rounds: int, res: Results) -> None:
         timer = StepTimer(warmup=10, window=20)
         profiler = SpeedProfiler(log_every_n_steps=10) if variant == "with" else None
         module, loader = entry.build("full", **entry.switches)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=10 + 20 * 5,
-                             logger=CSVLogger(Path(os.environ.get("TMPDIR", "/tmp")) / "sp-overhead"),
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[timer, *([profiler] if profiler else [])])
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            precision="bf16-mixed",
+            max_steps=10 + 20 * 5,
+            logger=CSVLogger(Path(os.environ.get("TMPDIR", "/tmp")) / "sp-overhead"),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer, *([profiler] if profiler else [])],
+        )
         with tf32_matmuls():
             trainer.fit(compile_as_a_user_would(channels_last_as_a_user_would(module), "inductor"), train_dataloaders=loader)
         m = timer.measurement
@@ -104,9 +126,15 @@ def overhead(name: str, rounds: int, res: Results) -> None:
             extra["overhead_fraction"] = profiler.summary["overhead_fraction"]
             extra["profiler_step_ms"] = profiler.summary["step_ms_median"]
         res.add(variant, "step_ms", m.step_ms, "ms", **extra)
-        print(f"{name} {variant:8s} {m.step_ms:8.3f} ms ±{m.spread:.1%}" +
-              (f"  profiler's own reading {extra['profiler_step_ms']:.3f} ms, overhead {extra['overhead_fraction']:.4%}"
-               if "overhead_fraction" in extra else ""), flush=True)
+        print(
+            f"{name} {variant:8s} {m.step_ms:8.3f} ms ±{m.spread:.1%}"
+            + (
+                f"  profiler's own reading {extra['profiler_step_ms']:.3f} ms, overhead {extra['overhead_fraction']:.4%}"
+                if "overhead_fraction" in extra
+                else ""
+            ),
+            flush=True,
+        )
         release()
         return Window(ms=m.step_ms, data_wait_ms=m.data_wait_ms or 0.0, host_ms=m.host_ms or 0.0, steps=m.steps)
 
@@ -114,20 +142,35 @@ def overhead(name: str, rounds: int, res: Results) -> None:
     rule = SimpleNamespace(min_gain=0.0, confidence=0.95, min_blocks=blocks, max_blocks=blocks)
     paired = compare(switch, fit, rule, budget_s=math.inf, clock=time.perf_counter).comparison
     ratio = statistics.median(times["with"]) / statistics.median(times["without"])
-    res.add("with", "ratio", ratio, "x", model=name, rounds=rounds,
-            overhead_fraction_median=statistics.median(fractions) if fractions else None,
-            paired_speed={"speedup": paired.speedup, "ci": [paired.low, paired.high], "blocks": paired.blocks,
-                          "verdict": paired.verdict})
-    print(f"{name}: with / without SpeedProfiler = {ratio:.4f}x (medians of {rounds} fits each); "
-          f"paired speed with it: {describe(paired)}", flush=True)
+    res.add(
+        "with",
+        "ratio",
+        ratio,
+        "x",
+        model=name,
+        rounds=rounds,
+        overhead_fraction_median=statistics.median(fractions) if fractions else None,
+        paired_speed={
+            "speedup": paired.speedup,
+            "ci": [paired.low, paired.high],
+            "blocks": paired.blocks,
+            "verdict": paired.verdict,
+        },
+    )
+    print(
+        f"{name}: with / without SpeedProfiler = {ratio:.4f}x (medians of {rounds} fits each); "
+        f"paired speed with it: {describe(paired)}",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="lightning-transformer", help=f"comma-separated, of: {', '.join(ZOO)}")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the reports")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="fits of each variant in the overhead comparison (two per A B B A block)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="fits of each variant in the overhead comparison (two per A B B A block)"
+    )
     parser.add_argument("--skip", default="", help="report or overhead, to leave one out")
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     args = parser.parse_args()

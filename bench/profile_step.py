@@ -33,7 +33,10 @@ from speedkit.measure.session import MeasureSession
 DEV = torch.device("cuda")
 BATCH, SEQ, VOCAB = 16, 1024, 50304
 BASE = ["tf32", "autocast", "fused_optimizer", "sdpa"]
-CE_ONLY = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False, "gelu_mlp": False}}
+CE_ONLY = {
+    "name": "triton_layers",
+    "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False, "gelu_mlp": False},
+}
 # the recipe's triton_layers: the fused loss and the MLP's GELU in cuBLASLt's epilogues
 CE_MLP = {"name": "triton_layers", "options": {"norms": False, "rms_like": False, "gelu": False, "swiglu": False}}
 
@@ -49,7 +52,7 @@ CONFIGS = {
     "compile": BASE + ["compile"],
     "compile+ce": BASE + [CE_ONLY, "compile"],
     "compile+graph": BASE + ["compile", "cuda_graph"],
-    "cudnn": BASE + ["compile"],                 # SDPA restricted to cuDNN's attention
+    "cudnn": BASE + ["compile"],  # SDPA restricted to cuDNN's attention
     "cudnn+ce+graph": BASE + [CE_ONLY, "compile", "cuda_graph"],
     "compile/cdt": BASE + [CDT],
     "compile+ce/cdt": BASE + [CE_ONLY, CDT],
@@ -57,9 +60,9 @@ CONFIGS = {
     "compile+ce/ma": BASE + [CE_ONLY, MA],
     "compile+graph/ma": BASE + [MA, "cuda_graph"],
     "compile+ce+graph/ma": BASE + [CE_ONLY, MA, "cuda_graph"],
-    "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],          # the model rungs of recipes/gpt2-small-naive.yaml
-    "recipe/cudnn": BASE + [CE_ONLY, CDT, "cuda_graph"],    # the same, SDPA restricted to cuDNN's attention
-    "recipe/ma": BASE + [CE_ONLY, MA, "cuda_graph"],        # the recipe with max-autotune instead of coordinate descent
+    "recipe": BASE + [CE_ONLY, CDT, "cuda_graph"],  # the model rungs of recipes/gpt2-small-naive.yaml
+    "recipe/cudnn": BASE + [CE_ONLY, CDT, "cuda_graph"],  # the same, SDPA restricted to cuDNN's attention
+    "recipe/ma": BASE + [CE_ONLY, MA, "cuda_graph"],  # the recipe with max-autotune instead of coordinate descent
     # Programmatic dependent launch: each Inductor kernel may start while the one before drains
     "recipe/pdl": BASE + [CE_ONLY, cdt(**{"triton.enable_pdl": True}), "cuda_graph"],
     # Horizontal fusion of independent Inductor kernels (fewer launches)
@@ -70,7 +73,8 @@ CONFIGS = {
     # The same Inductor settings without coordinate-descent tuning (a compile in seconds, not minutes),
     # to compare them with one another quickly against "graph": the recipe untuned
     "graph": BASE + [CE_ONLY, "compile", "cuda_graph"],
-    "graph/nomix": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction": False}}}, "cuda_graph"],
+    "graph/nomix": BASE
+    + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction": False}}}, "cuda_graph"],
     "graph/pdl": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"triton.enable_pdl": True}}}, "cuda_graph"],
     "graph/combo": BASE + [CE_ONLY, {"name": "compile", "options": {"inductor": {"combo_kernels": True}}}, "cuda_graph"],
     "graph/mlp": BASE + [CE_MLP, "compile", "cuda_graph"],  # + the MLP on cuBLASLt's epilogues
@@ -78,11 +82,19 @@ CONFIGS = {
     # Inductor's mix-order LayerNorm backward with fewer, longer splits: its partial weight/bias sums
     # (one fp32 row per split) are summed by an aten.sum after the kernel, 2 per norm. H200, alternated
     # with graph/mlp (31.54, 31.59 ms): split32 31.69, split64 31.51/31.62, split128 31.48/31.63 ms: no gain
-    **{f"graph/mlp/split{n}": BASE + [CE_MLP, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction_split_size": n}}}, "cuda_graph"]
-       for n in (32, 64, 128)},
+    **{
+        f"graph/mlp/split{n}": BASE
+        + [CE_MLP, {"name": "compile", "options": {"inductor": {"triton.mix_order_reduction_split_size": n}}}, "cuda_graph"]
+        for n in (32, 64, 128)
+    },
 }
-KINDS = [("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")), ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
-         ("optimizer", ("adam",)), ("copy", ("memcpy", "memset", "copy")), ("triton", ("triton", "speedkit"))]
+KINDS = [
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "cublas")),
+    ("optimizer", ("adam",)),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("triton", ("triton", "speedkit")),
+]
 
 
 def kind(name: str) -> str:
@@ -100,8 +112,9 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, op
     model = NaiveGPT("small").to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     applied = speedkit.apply(model, opt, rungs=rungs, device=DEV, loss_fn=lambda m, b, i: m(*b))
-    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV), torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV))
-               for _ in range(4)]
+    batches = [
+        (torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV), torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV)) for _ in range(4)
+    ]
     n = [0]
 
     def step() -> None:
@@ -116,8 +129,11 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, op
     session = MeasureSession(DEV)
     m = session.measure(step, warmup=5, steps=20, repeats=5)
     if not profile_steps:
-        print(f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}\n   step {m.step_ms:.2f} ms "
-              f"({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), window spread {m.spread:.1%}; first 3 steps {first_s:.0f} s", flush=True)
+        print(
+            f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}\n   step {m.step_ms:.2f} ms "
+            f"({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), window spread {m.spread:.1%}; first 3 steps {first_s:.0f} s",
+            flush=True,
+        )
         applied.undo()
         return
     by_kind: dict[str, float] = defaultdict(float)
@@ -132,8 +148,10 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, op
         print(f"\n== {name}: host ops by their own device time per step (calls per step, input shapes)")
         rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == torch.autograd.DeviceType.CPU]
         for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
-            print(f"     {e.self_device_time_total / profile_steps / 1e3:6.2f} ms {e.count / profile_steps:5.0f}x  "
-                  f"{e.key[:60]}  {str(e.input_shapes)[:90]}")
+            print(
+                f"     {e.self_device_time_total / profile_steps / 1e3:6.2f} ms {e.count / profile_steps:5.0f}x  "
+                f"{e.key[:60]}  {str(e.input_shapes)[:90]}"
+            )
     for e in prof.key_averages():
         t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if t <= 0 or e.key.startswith("ProfilerStep"):
@@ -145,8 +163,10 @@ def run_config(name: str, rungs: list, profile_steps: int = 5, top: int = 14, op
         calls[e.key] += e.count / profile_steps
     busy = sum(by_kind.values())
     print(f"\n== {name}: applied {applied.applied}; skipped {applied.skipped}", flush=True)
-    print(f"   step {m.step_ms:.2f} ms ({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), kernels {busy:.2f} ms/step "
-          f"({busy / m.step_ms:.0%} busy); first 3 steps (compile, tuning, capture) {first_s:.0f} s")
+    print(
+        f"   step {m.step_ms:.2f} ms ({BATCH * SEQ / m.step_ms * 1e3:,.0f} tok/s), kernels {busy:.2f} ms/step "
+        f"({busy / m.step_ms:.0%} busy); first 3 steps (compile, tuning, capture) {first_s:.0f} s"
+    )
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"   {k:10s} {v:7.2f} ms")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
@@ -161,10 +181,12 @@ def sdpa_backends() -> None:
     g = torch.randn_like(q)
     print("\n== SDPA alone, 16x12x1024x64 bf16 causal, forward + backward")
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+
         def fb() -> None:
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(g)
+
         try:
             ms = MeasureSession(DEV).window_times(fb, warmup=5, steps=20, repeats=5)
             print(f"   {backend.name:22s} {sorted(ms)[2]:.3f} ms  (x12 layers: {12 * sorted(ms)[2]:.2f} ms)")

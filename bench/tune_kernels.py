@@ -69,8 +69,10 @@ def tune_norm(rms: bool) -> None:
                         programs = min(-(-M // block_m), sms * per_sm)
                         norms._bwd_config = lambda n, m, d, bm=block_m, wp=warps, p=programs: (bm, block_n, wp, p)
                         try:
-                            ms = _time(lambda dy, x, mean, rstd: norms.norm_backward(dy, x, w, mean, rstd, rms, b is not None),
-                                       [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, saved)])
+                            ms = _time(
+                                lambda dy, x, mean, rstd: norms.norm_backward(dy, x, w, mean, rstd, rms, b is not None),
+                                [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, saved)],
+                            )
                         except Exception as exc:
                             print(f"  bwd bm={block_m} warps={warps} per_sm={per_sm}: {type(exc).__name__}")
                             continue
@@ -81,16 +83,21 @@ def tune_norm(rms: bool) -> None:
         bwd_results.sort()
         default_f = _time(lambda x: norms.norm_forward(x, w, b, 1e-5, rms), [(x,) for x in xs])
         saved = [norms.norm_forward(x, w, b, 1e-5, rms) for x in xs]
-        default_b = _time(lambda dy, x, mean, rstd: norms.norm_backward(dy, x, w, mean, rstd, rms, b is not None),
-                          [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, saved)])
+        default_b = _time(
+            lambda dy, x, mean, rstd: norms.norm_backward(dy, x, w, mean, rstd, rms, b is not None),
+            [(dy, x, s[1], s[2]) for dy, x, s in zip(dys, xs, saved)],
+        )
         f, bw = fwd_results[0], bwd_results[0]
         tb = lambda bytes_, ms: bytes_ / (ms / 1e3) / 1e12  # noqa: E731
-        print(f"{name} {M}x{N}: fwd best {f[0]*1e3:.1f} us (bm={f[1]} warps={f[2]}) {tb(2*M*N*2, f[0]):.2f} TB/s, "
-              f"default {default_f*1e3:.1f} us | bwd best {bw[0]*1e3:.1f} us (bm={bw[1]} warps={bw[2]} per_sm={bw[3]}) "
-              f"{tb(3*M*N*2, bw[0]):.2f} TB/s, default {default_b*1e3:.1f} us | fwd+bwd best {tb(5*M*N*2, f[0]+bw[0]):.2f} TB/s, "
-              f"default {tb(5*M*N*2, default_f+default_b):.2f} TB/s", flush=True)
-        print("   fwd top:", [(round(r[0]*1e3, 1),) + r[1:] for r in fwd_results[:4]])
-        print("   bwd top:", [(round(r[0]*1e3, 1),) + r[1:] for r in bwd_results[:4]])
+        print(
+            f"{name} {M}x{N}: fwd best {f[0] * 1e3:.1f} us (bm={f[1]} warps={f[2]}) {tb(2 * M * N * 2, f[0]):.2f} TB/s, "
+            f"default {default_f * 1e3:.1f} us | bwd best {bw[0] * 1e3:.1f} us (bm={bw[1]} warps={bw[2]} per_sm={bw[3]}) "
+            f"{tb(3 * M * N * 2, bw[0]):.2f} TB/s, default {default_b * 1e3:.1f} us | fwd+bwd best {tb(5 * M * N * 2, f[0] + bw[0]):.2f} TB/s, "
+            f"default {tb(5 * M * N * 2, default_f + default_b):.2f} TB/s",
+            flush=True,
+        )
+        print("   fwd top:", [(round(r[0] * 1e3, 1),) + r[1:] for r in fwd_results[:4]])
+        print("   bwd top:", [(round(r[0] * 1e3, 1),) + r[1:] for r in bwd_results[:4]])
 
 
 def tune_ce() -> None:
@@ -114,8 +121,11 @@ def tune_ce() -> None:
         results.sort()
         default = _time(lambda x: ce_mod.cross_entropy_forward(x, target, "mean", -100, 0.0), [(x,) for x in logits])
         floor = 2 * M * V * 2
-        print(f"ce {M}x{V}: best {results[0][0]:.3f} ms (block={results[0][1]} warps={results[0][2]}) "
-              f"{floor / (results[0][0] / 1e3) / 1e12:.2f} TB/s of the read-once-write-once floor; default {default:.3f} ms", flush=True)
+        print(
+            f"ce {M}x{V}: best {results[0][0]:.3f} ms (block={results[0][1]} warps={results[0][2]}) "
+            f"{floor / (results[0][0] / 1e3) / 1e12:.2f} TB/s of the read-once-write-once floor; default {default:.3f} ms",
+            flush=True,
+        )
         print("   top:", [(round(r[0], 3),) + r[1:] for r in results[:5]])
 
 

@@ -82,14 +82,14 @@ class Plan:
     """How much to run: the CPU smoke test's or the GPU benchmark's."""
 
     tiny: bool
-    steps: int                 # optimizer steps per timed window
-    warmup: int                # steps before the first timed window (compilation, autotuning, loader start)
-    windows: dict[str, int]    # timed windows per variant
-    measure: dict[str, Any]    # SpeedLadder's measure settings
-    time_guard_s: float        # wall time one variant's fit may take from its train start (after speedkit's trials)
+    steps: int  # optimizer steps per timed window
+    warmup: int  # steps before the first timed window (compilation, autotuning, loader start)
+    windows: dict[str, int]  # timed windows per variant
+    measure: dict[str, Any]  # SpeedLadder's measure settings
+    time_guard_s: float  # wall time one variant's fit may take from its train start (after speedkit's trials)
     switch_rungs: tuple[str, ...] = SWITCH_RUNGS  # the ``rungs`` variant's
     ladder_rungs: tuple[str, ...] | None = None  # the speedkit variant's (None: the default ladder)
-    accumulate: int = 1        # the user's accumulate_grad_batches, in every variant (steps count optimizer steps)
+    accumulate: int = 1  # the user's accumulate_grad_batches, in every variant (steps count optimizer steps)
 
     @property
     def size(self) -> Size:
@@ -106,21 +106,54 @@ class Plan:
 
     def ladder(self) -> list[Any]:
         """The default ladder, its compile rung on :attr:`compile_backend`."""
-        return [{"name": "compile", "options": {"backend": self.compile_backend}} if r == "compile" else r
-                for r in (self.ladder_rungs or config.default_ladder())]
+        return [
+            {"name": "compile", "options": {"backend": self.compile_backend}} if r == "compile" else r
+            for r in (self.ladder_rungs or config.default_ladder())
+        ]
 
 
 def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan:
     if tiny:
-        return Plan(True, steps or 2, 1, {"fp32": 2, "switches": 2, "speedkit": 2, "rungs": 2},
-                    {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-                     "settle": 0, "budget_s": 10.0, "holds_windows": 1, "telemetry": False}, time_guard_s or 120.0)
+        return Plan(
+            True,
+            steps or 2,
+            1,
+            {"fp32": 2, "switches": 2, "speedkit": 2, "rungs": 2},
+            {
+                "warmup": 1,
+                "steps": 1,
+                "repeats": 2,
+                "parity_steps": 2,
+                "min_blocks": 2,
+                "max_blocks": 2,
+                "settle": 0,
+                "budget_s": 10.0,
+                "holds_windows": 1,
+                "telemetry": False,
+            },
+            time_guard_s or 120.0,
+        )
     # the trials bounded at 150 s a model (the bench's fits are a few dozen steps, so the default rule,
     # a share of the planned fit, would give them only its floor)
-    return Plan(False, steps or 10, 5, {"fp32": 2, "switches": 3, "speedkit": 3, "rungs": 3},
-                {"warmup": 3, "steps": 5, "repeats": 3, "parity_steps": 2, "min_blocks": 2, "max_blocks": 8,
-                 "budget_s": 20.0, "holds_windows": 2, "trials_budget_s": 150.0, "trials_min_s": 150.0},
-                time_guard_s or 240.0)
+    return Plan(
+        False,
+        steps or 10,
+        5,
+        {"fp32": 2, "switches": 3, "speedkit": 3, "rungs": 3},
+        {
+            "warmup": 3,
+            "steps": 5,
+            "repeats": 3,
+            "parity_steps": 2,
+            "min_blocks": 2,
+            "max_blocks": 8,
+            "budget_s": 20.0,
+            "holds_windows": 2,
+            "trials_budget_s": 150.0,
+            "trials_min_s": 150.0,
+        },
+        time_guard_s or 240.0,
+    )
 
 
 class Deadline(pl.Callback):
@@ -134,8 +167,9 @@ class Deadline(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.deadline = time.monotonic() + self.guard_s
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if time.monotonic() > self.deadline:
             trainer.should_stop = True
 
@@ -152,8 +186,13 @@ def channels_last_as_a_user_would(module: pl.LightningModule) -> pl.LightningMod
     def on_after_batch_transfer(batch: Any, dataloader_idx: int) -> Any:
         batch = own(batch, dataloader_idx)
         return torch.utils._pytree.tree_map(
-            lambda t: t.contiguous(memory_format=torch.channels_last)
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() else t, batch)
+            lambda t: (
+                t.contiguous(memory_format=torch.channels_last)
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+                else t
+            ),
+            batch,
+        )
 
     module.on_after_batch_transfer = on_after_batch_transfer  # type: ignore[method-assign]
     return module
@@ -193,22 +232,39 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, res: Results) -> tupl
     timer = StepTimer(warmup=plan.warmup, window=plan.steps, unit=entry.unit)
     ladder = None
     if variant == "speedkit":
-        ladder = SpeedLadder(plan.ladder(), trials=True, measure=plan.measure,
-                             on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True))
+        ladder = SpeedLadder(
+            plan.ladder(), trials=True, measure=plan.measure, on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True)
+        )
     elif variant == "rungs":
-        ladder = SpeedLadder([{"name": "compile", "options": {"backend": plan.compile_backend}} if r == "compile" else r
-                              for r in plan.switch_rungs], trials=False)
+        ladder = SpeedLadder(
+            [
+                {"name": "compile", "options": {"backend": plan.compile_backend}} if r == "compile" else r
+                for r in plan.switch_rungs
+            ],
+            trials=False,
+        )
     module, loader = entry.build(plan.size, **(entry.switches if variant == "switches" else {}))
     precision = "bf16-mixed" if variant == "switches" else "32-true"
-    trainer = pl.Trainer(accelerator=plan.accelerator, devices=1, precision=precision,
-                         accumulate_grad_batches=plan.accumulate, max_steps=plan.warmup + plan.steps * windows, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*([ladder] if ladder else []), timer, Deadline(plan.time_guard_s)])
+    trainer = pl.Trainer(
+        accelerator=plan.accelerator,
+        devices=1,
+        precision=precision,
+        accumulate_grad_batches=plan.accumulate,
+        max_steps=plan.warmup + plan.steps * windows,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*([ladder] if ladder else []), timer, Deadline(plan.time_guard_s)],
+    )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with tf32_matmuls() if variant == "switches" else contextlib.nullcontext():
-        fitted = (compile_as_a_user_would(channels_last_as_a_user_would(module), plan.compile_backend)
-                  if variant == "switches" else module)
+        fitted = (
+            compile_as_a_user_would(channels_last_as_a_user_would(module), plan.compile_backend)
+            if variant == "switches"
+            else module
+        )
         trainer.fit(fitted, train_dataloaders=loader)
     if variant == "rungs" and ladder is not None:
         return timer.measurement, trainer.global_step, {"kept": list(ladder.applied_changes), "skipped": dict(ladder.skipped)}
@@ -236,7 +292,7 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
     entry = ZOO[name]
     throughput: dict[str, list[float]] = {}
     for r in range(rounds):
-        for variant in (variants if r % 2 == 0 else variants[::-1]):
+        for variant in variants if r % 2 == 0 else variants[::-1]:
             extra: dict[str, Any] = {"model": name, "library": entry.library, "batch_size": entry.batch_size[plan.size]}
             if plan.accumulate > 1:
                 extra["accumulate"] = plan.accumulate
@@ -254,28 +310,56 @@ def run_model(name: str, plan: Plan, res: Results, variants: tuple[str, ...] = V
             # graphs Dynamo compiled in the fit (trials included): a figure under fp32 from recompiles shows here
             extra.update(wall_s=time.perf_counter() - t0, graphs_compiled=compat.graph_count() - graphs_before, **fields)
             if m is None:
-                res.add(variant, "status", None, "not measured", **extra,
-                        reason=f"the fit ended after {steps} steps (time guard: {plan.time_guard_s:.0f} s from its train start), "
-                               "before a timed window")
+                res.add(
+                    variant,
+                    "status",
+                    None,
+                    "not measured",
+                    **extra,
+                    reason=f"the fit ended after {steps} steps (time guard: {plan.time_guard_s:.0f} s from its train start), "
+                    "before a timed window",
+                )
                 print(f"{name:22s} {variant:9s} not measured ({steps} steps before the time guard)", flush=True)
             else:
                 throughput.setdefault(variant, []).append(m.throughput)
-                res.add(variant, "throughput", m.throughput, m.throughput_unit, **extra, step_ms=m.step_ms, noise=m.spread,
-                        windows=len(m.window_ms), data_wait_ms=m.data_wait_ms, host_ms=m.host_ms)
+                res.add(
+                    variant,
+                    "throughput",
+                    m.throughput,
+                    m.throughput_unit,
+                    **extra,
+                    step_ms=m.step_ms,
+                    noise=m.spread,
+                    windows=len(m.window_ms),
+                    data_wait_ms=m.data_wait_ms,
+                    host_ms=m.host_ms,
+                )
                 peak = f"{m.peak_memory_bytes / 1e9:.2f} GB" if m.peak_memory_bytes is not None else "-"
                 if m.peak_memory_bytes is not None:
                     res.add(variant, "peak_memory_gb", m.peak_memory_bytes / 1e9, "GB", model=name)
-                print(f"{name:22s} {variant:9s} {m.throughput:>14,.0f} {m.throughput_unit:9s} {m.step_ms:9.2f} ms ±{m.spread:5.1%}  "
-                      f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
-                      f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""), flush=True)
+                print(
+                    f"{name:22s} {variant:9s} {m.throughput:>14,.0f} {m.throughput_unit:9s} {m.step_ms:9.2f} ms ±{m.spread:5.1%}  "
+                    f"between steps {m.data_wait_ms:6.2f} ms  peak {peak:>9s}  "
+                    f"({extra['wall_s']:.0f} s)" + (f"  kept {', '.join(fields['kept']) or 'none'}" if fields else ""),
+                    flush=True,
+                )
             release()
     for variant in ("speedkit", "rungs"):
         if throughput.get(variant) and throughput.get("switches"):
             ratio = statistics.median(throughput[variant]) / statistics.median(throughput["switches"])
-            res.add(variant, "ratio_vs_switches", ratio, "x", model=name, rounds=rounds,
-                    **({"per_round": {v: throughput[v] for v in (variant, "switches")}} if rounds > 1 else {}))
-            print(f"{name:22s} {variant} / switches = {ratio:.3f}x" + (f" (medians of {rounds} rounds)" if rounds > 1 else ""),
-                  flush=True)
+            res.add(
+                variant,
+                "ratio_vs_switches",
+                ratio,
+                "x",
+                model=name,
+                rounds=rounds,
+                **({"per_round": {v: throughput[v] for v in (variant, "switches")}} if rounds > 1 else {}),
+            )
+            print(
+                f"{name:22s} {variant} / switches = {ratio:.3f}x" + (f" (medians of {rounds} rounds)" if rounds > 1 else ""),
+                flush=True,
+            )
 
 
 def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) -> dict[str, Any]:
@@ -293,43 +377,79 @@ def speedkit_fields(ladder: SpeedLadder, res: Results, name: str, plan: Plan) ->
         print(f"{name:22s} speedkit  rung {f['rung']} FAILED: {f['reason']}", flush=True)
     summary = result.to_dict()["summary"]
     noise = result.run.get("noise") or {}
-    return {"kept": summary["kept"], "failed_rungs": failed, "ladder_speedup": summary["speedup"],
-            "ladder_vs_switches": (summary.get("vs_switches") or [None])[0],
-            "trials_s": result.run.get("trials_s"), "baseline_noise": noise.get("baseline_spread"),
-            "noise_source": noise.get("source"), "trial_order": result.run.get("trial_order"),
-            "interrupted": result.interrupted, "ladder_measure": "quick" if plan.measure else "defaults",
-            "ladder": list(plan.ladder_rungs) if plan.ladder_rungs else "default"}
+    return {
+        "kept": summary["kept"],
+        "failed_rungs": failed,
+        "ladder_speedup": summary["speedup"],
+        "ladder_vs_switches": (summary.get("vs_switches") or [None])[0],
+        "trials_s": result.run.get("trials_s"),
+        "baseline_noise": noise.get("baseline_spread"),
+        "noise_source": noise.get("source"),
+        "trial_order": result.run.get("trial_order"),
+        "interrupted": result.interrupted,
+        "ladder_measure": "quick" if plan.measure else "defaults",
+        "ladder": list(plan.ladder_rungs) if plan.ladder_rungs else "default",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(ZOO), help=f"comma-separated, of: {', '.join(ZOO)}")
-    parser.add_argument("--tiny", action="store_true",
-                        help="tiny models on the CPU, a smoke test; rows go to a temporary directory")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny models on the CPU, a smoke test; rows go to a temporary directory"
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed window (default 10; --tiny 2)")
-    parser.add_argument("--time-guard-s", type=float, default=None,
-                        help="wall seconds one variant's fit may take from its train start (after the speedkit variant's trials) "
-                             "(default 240; 600 with --ladder-measure defaults; --tiny 120)")
+    parser.add_argument(
+        "--time-guard-s",
+        type=float,
+        default=None,
+        help="wall seconds one variant's fit may take from its train start (after the speedkit variant's trials) "
+        "(default 240; 600 with --ladder-measure defaults; --tiny 120)",
+    )
     parser.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})")
-    parser.add_argument("--rungs", default=",".join(SWITCH_RUNGS),
-                        help=f"the rungs variant's rungs, comma-separated (default: {','.join(SWITCH_RUNGS)})")
-    parser.add_argument("--ladder", default=None,
-                        help="the speedkit variant's rungs, comma-separated (default: the default ladder of "
-                             "configs/defaults.yaml); a diagnostic: which rungs' trials leave the fit where it is")
-    parser.add_argument("--accumulate", type=int, default=1,
-                        help="the user's accumulate_grad_batches in every variant (default 1): the effective batch is "
-                             "batch size x accumulate, and speedkit's micro_batch rung may merge micro-batches")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="fit every variant this many times, the order reversed every other round; the ratios "
-                             "take the medians (separate fits of a host-bound step differ by 10-20%%)")
-    parser.add_argument("--lane", default=None,
-                        help="where this process ran on a host shared with other zoo processes (bench/zoo_lanes.py: "
-                             "'GPU 2 of 4, cores 32-47, 4 lanes'), recorded in every row as lane")
-    parser.add_argument("--ladder-measure", choices=("quick", "defaults"), default="quick",
-                        help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
-                             "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of: {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {','.join(VARIANTS)})",
+    )
+    parser.add_argument(
+        "--rungs",
+        default=",".join(SWITCH_RUNGS),
+        help=f"the rungs variant's rungs, comma-separated (default: {','.join(SWITCH_RUNGS)})",
+    )
+    parser.add_argument(
+        "--ladder",
+        default=None,
+        help="the speedkit variant's rungs, comma-separated (default: the default ladder of "
+        "configs/defaults.yaml); a diagnostic: which rungs' trials leave the fit where it is",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="the user's accumulate_grad_batches in every variant (default 1): the effective batch is "
+        "batch size x accumulate, and speedkit's micro_batch rung may merge micro-batches",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fit every variant this many times, the order reversed every other round; the ratios "
+        "take the medians (separate fits of a host-bound step differ by 10-20%%)",
+    )
+    parser.add_argument(
+        "--lane",
+        default=None,
+        help="where this process ran on a host shared with other zoo processes (bench/zoo_lanes.py: "
+        "'GPU 2 of 4, cores 32-47, 4 lanes'), recorded in every row as lane",
+    )
+    parser.add_argument(
+        "--ladder-measure",
+        choices=("quick", "defaults"),
+        default="quick",
+        help="SpeedLadder's measure settings: the bench's quick ones (short windows, at most 8 blocks "
+        "of 20 s) or speedkit's own defaults (configs/defaults.yaml: SpeedLadder() as a user gets it)",
+    )
     args = parser.parse_args()
     names = args.models.split(",")
     unknown = [n for n in names if n not in ZOO]
@@ -347,9 +467,12 @@ def main() -> None:
     if out is None and args.tiny:
         out = Path(tempfile.mkdtemp(prefix="zoo-tiny-")) / "zoo.jsonl"
     res = Results("zoo", out=out, **({"lane": args.lane} if args.lane else {}))
-    plan = dataclasses.replace(plan, switch_rungs=tuple(r for r in args.rungs.split(",") if r),
-                               ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None,
-                               accumulate=args.accumulate)
+    plan = dataclasses.replace(
+        plan,
+        switch_rungs=tuple(r for r in args.rungs.split(",") if r),
+        ladder_rungs=tuple(r for r in args.ladder.split(",") if r) if args.ladder else None,
+        accumulate=args.accumulate,
+    )
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate must be 1 or more, found {args.accumulate}")
     variants = tuple(args.variants.split(","))
@@ -363,12 +486,27 @@ def main() -> None:
     for name in names:
         cells = []
         for variant in variants:
-            row = next((r for r in res.rows if r["model"] == name and r["variant"] == variant
-                        and r["metric"] in ("throughput", "status")), None)
-            cells.append(f"{variant} {row['value']:,.0f}" if row and row["metric"] == "throughput"
-                         else f"{variant} {row['unit'] if row else '-'}")
-        ratio = next((r["value"] for r in res.rows if r["model"] == name and r["variant"] == "speedkit"
-                      and r["metric"] == "ratio_vs_switches"), None)
+            row = next(
+                (
+                    r
+                    for r in res.rows
+                    if r["model"] == name and r["variant"] == variant and r["metric"] in ("throughput", "status")
+                ),
+                None,
+            )
+            cells.append(
+                f"{variant} {row['value']:,.0f}"
+                if row and row["metric"] == "throughput"
+                else f"{variant} {row['unit'] if row else '-'}"
+            )
+        ratio = next(
+            (
+                r["value"]
+                for r in res.rows
+                if r["model"] == name and r["variant"] == "speedkit" and r["metric"] == "ratio_vs_switches"
+            ),
+            None,
+        )
         print(f"  {name:22s} " + "  ".join(f"{c:24s}" for c in cells) + (f"  speedkit/switches {ratio:.3f}x" if ratio else ""))
     print(f"results appended to {res.path}")
 

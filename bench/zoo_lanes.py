@@ -49,9 +49,20 @@ REPO = Path(__file__).resolve().parents[1]
 #: a model's whole process on the H200 (trials and the three fits, seconds), from its last runs there;
 #: one not listed is given DEFAULT_EXPECTED_S
 #: (the three variants' wall times at c5f4f53 on an nvidia-h200-x4 lane, and 20 s to start the process)
-EXPECTED_S = {"lstm-lm": 75, "lightning-transformer": 225, "timm-vit": 145, "timm-convnext": 235,
-              "hf-bert-mlm": 320, "hf-gpt2": 310, "hf-llama": 410, "nanogpt": 275, "tv-resnet50": 270,
-              "hf-t5": 780, "timm-mobilenetv3": 310, "hf-bert-cls": 510}
+EXPECTED_S = {
+    "lstm-lm": 75,
+    "lightning-transformer": 225,
+    "timm-vit": 145,
+    "timm-convnext": 235,
+    "hf-bert-mlm": 320,
+    "hf-gpt2": 310,
+    "hf-llama": 410,
+    "nanogpt": 275,
+    "tv-resnet50": 270,
+    "hf-t5": 780,
+    "timm-mobilenetv3": 310,
+    "hf-bert-cls": 510,
+}
 DEFAULT_EXPECTED_S = 300
 
 
@@ -69,7 +80,7 @@ class Lane:
 def core_blocks(cores: list[int], n: int) -> list[list[int]]:
     """``cores`` split into ``n`` contiguous blocks of equal size (the remainder left unused)."""
     size = max(1, len(cores) // n)
-    return [cores[i * size:(i + 1) * size] or cores for i in range(n)]
+    return [cores[i * size : (i + 1) * size] or cores for i in range(n)]
 
 
 def span(cores: list[int]) -> str:
@@ -91,8 +102,10 @@ def parse_job(spec: str) -> tuple[str, float, str]:
     except ValueError:
         expected = -1.0
     if not name.replace("-", "").replace("_", "").isalnum() or expected <= 0 or not command.strip():
-        raise SystemExit(f"--job {spec!r}: expected NAME:SECONDS:COMMAND (a name of letters, digits, - and _; "
-                         "the expected wall seconds; a shell command)")
+        raise SystemExit(
+            f"--job {spec!r}: expected NAME:SECONDS:COMMAND (a name of letters, digits, - and _; "
+            "the expected wall seconds; a shell command)"
+        )
     return name, expected, command
 
 
@@ -106,21 +119,37 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=None, help="zoo models (default: all, or none where --job is given)")
     parser.add_argument("--commit", default=None, help="the commit measured (the device's tree has no history)")
     parser.add_argument("--budget-s", type=float, default=590.0, help="wall seconds for the whole call")
-    parser.add_argument("--gpus", default=None,
-                        help="the GPUs used, one lane each, comma-separated (default: all); the host's cores are split "
-                             "among all the host's GPUs, so that two launchers on one host keep apart")
+    parser.add_argument(
+        "--gpus",
+        default=None,
+        help="the GPUs used, one lane each, comma-separated (default: all); the host's cores are split "
+        "among all the host's GPUs, so that two launchers on one host keep apart",
+    )
     parser.add_argument("--tiny", action="store_true", help="zoo.py --tiny on the CPU: a smoke test of the lanes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for rows, logs and reports")
-    parser.add_argument("--detach", action="store_true",
-                        help="start the run in a session of its own and return at once (it outlives the device "
-                             "call, up to the machine's return); --out must be a folder that stays, e.g. /tmp/zoo; "
-                             "it writes <out>/done at the end")
-    parser.add_argument("--job", action="append", default=[], metavar="NAME:SECONDS:COMMAND",
-                        help="another job for the lanes beside the models (repeatable): a shell command run in the "
-                             "repository with the lane's GPU and cores, $OUT set to <out's pack>/NAME, its log NAME.log; "
-                             "SECONDS is its expected wall time, for the lanes' choice")
-    parser.add_argument("--collect", type=float, default=None, metavar="SECONDS",
-                        help="wait up to SECONDS for a detached run's <out>/done, then pack <out> into $OUT/zoo_run.tgz")
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="start the run in a session of its own and return at once (it outlives the device "
+        "call, up to the machine's return); --out must be a folder that stays, e.g. /tmp/zoo; "
+        "it writes <out>/done at the end",
+    )
+    parser.add_argument(
+        "--job",
+        action="append",
+        default=[],
+        metavar="NAME:SECONDS:COMMAND",
+        help="another job for the lanes beside the models (repeatable): a shell command run in the "
+        "repository with the lane's GPU and cores, $OUT set to <out's pack>/NAME, its log NAME.log; "
+        "SECONDS is its expected wall time, for the lanes' choice",
+    )
+    parser.add_argument(
+        "--collect",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wait up to SECONDS for a detached run's <out>/done, then pack <out> into $OUT/zoo_run.tgz",
+    )
     args = parser.parse_args()
     if args.collect is not None:
         collect(Path(args.out), args.collect)
@@ -131,8 +160,14 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         argv = [a for a in sys.argv[1:] if a != "--detach"]
         with open(Path(args.out) / "launcher.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=REPO,
+            )
         print(f"detached: pid {proc.pid}, output in {args.out} (done when {args.out}/done exists)", flush=True)
         return
     if args.models is None:
@@ -158,30 +193,60 @@ def main() -> None:
         log = open(work / f"{model}.log", "w")
         if model in jobs:
             (work / model).mkdir(exist_ok=True)
-            lane.proc = subprocess.Popen(["timeout", str(int(left - 3)), "bash", "-c", jobs[model][1]], stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=REPO,
-                                         env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu), "OUT": str(work / model)},
-                                         preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores))
+            lane.proc = subprocess.Popen(
+                ["timeout", str(int(left - 3)), "bash", "-c", jobs[model][1]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu), "OUT": str(work / model)},
+                preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores),
+            )
             lane.model, lane.started = model, time.monotonic()
-            print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: job {model} (expected {jobs[model][0]:.0f} s, "
-                  f"{left:.0f} s left)", flush=True)
+            print(
+                f"[{time.monotonic() - start:5.0f} s] {lane.label}: job {model} (expected {jobs[model][0]:.0f} s, "
+                f"{left:.0f} s left)",
+                flush=True,
+            )
             return
-        cmd = ["timeout", str(int(left - 3)), sys.executable, str(REPO / "bench/zoo.py"), "--models", model,
-               "--time-guard-s", "180", "--results", str(work / f"rows_{model}.jsonl"), "--lane", lane.label,
-               *(["--tiny"] if args.tiny else [])]
-        lane.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu)},
-                                     preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores))
+        cmd = [
+            "timeout",
+            str(int(left - 3)),
+            sys.executable,
+            str(REPO / "bench/zoo.py"),
+            "--models",
+            model,
+            "--time-guard-s",
+            "180",
+            "--results",
+            str(work / f"rows_{model}.jsonl"),
+            "--lane",
+            lane.label,
+            *(["--tiny"] if args.tiny else []),
+        ]
+        lane.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**env, "CUDA_VISIBLE_DEVICES": str(lane.gpu)},
+            preexec_fn=lambda cores=lane.cores: os.sched_setaffinity(0, cores),
+        )
         lane.model, lane.started = model, time.monotonic()
-        print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: {model} (expected "
-              f"{EXPECTED_S.get(model, DEFAULT_EXPECTED_S)} s, {left:.0f} s left)", flush=True)
+        print(
+            f"[{time.monotonic() - start:5.0f} s] {lane.label}: {model} (expected "
+            f"{EXPECTED_S.get(model, DEFAULT_EXPECTED_S)} s, {left:.0f} s left)",
+            flush=True,
+        )
 
     while True:
         for lane in lanes:
             if lane.proc is not None and lane.proc.poll() is not None:
                 lane.done.append((lane.model, lane.proc.returncode, time.monotonic() - lane.started))
-                print(f"[{time.monotonic() - start:5.0f} s] {lane.label}: {lane.model} rc {lane.proc.returncode} "
-                      f"after {lane.done[-1][2]:.0f} s", flush=True)
+                print(
+                    f"[{time.monotonic() - start:5.0f} s] {lane.label}: {lane.model} rc {lane.proc.returncode} "
+                    f"after {lane.done[-1][2]:.0f} s",
+                    flush=True,
+                )
                 lane.proc = lane.model = None
             if lane.proc is None and waiting:
                 model = pick(waiting, args.budget_s - (time.monotonic() - start), expected)
@@ -206,8 +271,9 @@ def main() -> None:
     lines = [f"{lane.label}: " + ", ".join(f"{m} rc {rc} {s:.0f} s" for m, rc, s in lane.done) for lane in lanes]
     lines += [f"NOT RUN {m} (expected {expected.get(m, DEFAULT_EXPECTED_S):.0f} s)" for m in not_run]
     for path in sorted(work.glob("*.log")):
-        lines += [line for line in path.read_text().splitlines()
-                  if "/ switches =" in line or " FAILED" in line or "Traceback" in line]
+        lines += [
+            line for line in path.read_text().splitlines() if "/ switches =" in line or " FAILED" in line or "Traceback" in line
+        ]
     (out / "zoo_lanes.txt").write_text("\n".join(lines) + "\n")
     (out / "done").write_text(f"{time.monotonic() - start:.0f} s\n")
     print("\n".join(lines))

@@ -74,8 +74,9 @@ class ProfileSteps(pl.Callback):
             self.prof.__enter__()
             self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.prof is not None and not self.wall_s and trainer.global_step >= self.start + self.steps:
             if self.cuda:
                 torch.cuda.synchronize()
@@ -105,28 +106,46 @@ def analyse(prof: torch.profiler.profile, steps: int, wall_s: float, top: int) -
     events = prof.events()
     # the device's own work: kernels, copies and sets; not the GPU-side user annotations (ranges such as
     # ``Optimizer.step#SGD.step`` that span a whole step and would count it busy), each interval once
-    kernels = sorted({(e.name, e.time_range.start, e.time_range.end) for e in events
-                      if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)})
+    kernels = sorted(
+        {
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)
+        }
+    )
     kernels = [(start, end) for _, start, end in kernels]
     kernel_us = sum(e - s for s, e in kernels)
     syncs = [e for e in events if e.name in SYNC_CALLS]
     sync_us = sum(e.cpu_time_total for e in syncs)
-    summary = {"profiled_steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
-               "kernels_per_step": len(kernels) / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps,
-               "gpu_busy_share": busy_share(kernels, wall_s * 1e6),
-               "sync_calls_per_step": len(syncs) / steps, "sync_ms_per_step": sync_us / 1e3 / steps}
+    summary = {
+        "profiled_steps": steps,
+        "wall_ms_per_step": 1e3 * wall_s / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms_per_step": kernel_us / 1e3 / steps,
+        "gpu_busy_share": busy_share(kernels, wall_s * 1e6),
+        "sync_calls_per_step": len(syncs) / steps,
+        "sync_ms_per_step": sync_us / 1e3 / steps,
+    }
     averages = prof.key_averages()
-    tables = ["CPU operators by self CPU time:",
-              averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70)]
+    tables = [
+        "CPU operators by self CPU time:",
+        averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70),
+    ]
     if kernels:
-        tables += ["Kernels by device time:",
-                   averages.table(sort_by="self_cuda_time_total" if hasattr(averages[0], "self_cuda_time_total")
-                                  else "self_device_time_total", row_limit=top, max_name_column_width=70)]
+        tables += [
+            "Kernels by device time:",
+            averages.table(
+                sort_by="self_cuda_time_total" if hasattr(averages[0], "self_cuda_time_total") else "self_device_time_total",
+                row_limit=top,
+                max_name_column_width=70,
+            ),
+        ]
     return summary, "\n".join(tables)
 
 
-def profile_variant(name: str, variant: str, size: str, warmup: int, steps: int, windows: int,
-                    top: int) -> tuple[dict[str, Any], str]:
+def profile_variant(
+    name: str, variant: str, size: str, warmup: int, steps: int, windows: int, top: int
+) -> tuple[dict[str, Any], str]:
     precision, channels_last, compiled, tf32 = VARIANTS[variant]
     entry = ZOO[name]
     cuda = torch.cuda.is_available()
@@ -134,9 +153,17 @@ def profile_variant(name: str, variant: str, size: str, warmup: int, steps: int,
     module, loader = entry.build(size, **switches)
     timer = StepTimer(warmup=warmup, window=steps, unit=entry.unit)
     profiler = ProfileSteps(warmup + steps * windows, steps, cuda)
-    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=precision if cuda else "32-true",
-                         max_steps=warmup + steps * (windows + 1) + 1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, profiler])
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        precision=precision if cuda else "32-true",
+        max_steps=warmup + steps * (windows + 1) + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, profiler],
+    )
     t0 = time.perf_counter()
     with tf32_matmuls() if tf32 else contextlib.nullcontext():
         if channels_last:
@@ -148,10 +175,16 @@ def profile_variant(name: str, variant: str, size: str, warmup: int, steps: int,
     if profiler.prof is None or not profiler.wall_s:
         return {"variant": variant, "error": "the fit ended before the profiled steps"}, ""
     summary, tables = analyse(profiler.prof, steps, profiler.wall_s, top)
-    summary.update(variant=variant, step_ms=m.step_ms if m else None, spread=m.spread if m else None,
-                   throughput=m.throughput if m else None, unit=m.throughput_unit if m else None,
-                   host_ms=m.host_ms if m else None, data_wait_ms=m.data_wait_ms if m else None,
-                   wall_s=time.perf_counter() - t0)
+    summary.update(
+        variant=variant,
+        step_ms=m.step_ms if m else None,
+        spread=m.spread if m else None,
+        throughput=m.throughput if m else None,
+        unit=m.throughput_unit if m else None,
+        host_ms=m.host_ms if m else None,
+        data_wait_ms=m.data_wait_ms if m else None,
+        wall_s=time.perf_counter() - t0,
+    )
     return summary, tables
 
 
@@ -173,16 +206,21 @@ def main() -> None:
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench/zoo_profile.py needs a CUDA GPU (or --tiny)")
     size = "tiny" if args.tiny else "full"
-    head = (f"zoo profile: {args.model} ({size}), {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
-            f"commit {commit()}, torch {torch.__version__}, {datetime.date.today().isoformat()}")
+    head = (
+        f"zoo profile: {args.model} ({size}), {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+        f"commit {commit()}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
+    )
     parts, lines = [head], [head]
     for variant in variants:
         summary, tables = profile_variant(args.model, variant, size, args.warmup, args.steps, args.windows, args.top)
-        line = (f"{variant:13s} " + (summary["error"] if "error" in summary else
-                f"step {summary['step_ms']:.2f} ms (±{summary['spread']:.1%})  profiled {summary['wall_ms_per_step']:.2f} ms/step  "
-                f"GPU busy {summary['gpu_busy_share']:.0%}, kernels {summary['kernel_ms_per_step']:.2f} ms/step "
-                f"({summary['kernels_per_step']:.0f})  host waits {summary['sync_calls_per_step']:.1f}/step "
-                f"{summary['sync_ms_per_step']:.2f} ms  between steps {summary['data_wait_ms']:.2f} ms"))
+        line = f"{variant:13s} " + (
+            summary["error"]
+            if "error" in summary
+            else f"step {summary['step_ms']:.2f} ms (±{summary['spread']:.1%})  profiled {summary['wall_ms_per_step']:.2f} ms/step  "
+            f"GPU busy {summary['gpu_busy_share']:.0%}, kernels {summary['kernel_ms_per_step']:.2f} ms/step "
+            f"({summary['kernels_per_step']:.0f})  host waits {summary['sync_calls_per_step']:.1f}/step "
+            f"{summary['sync_ms_per_step']:.2f} ms  between steps {summary['data_wait_ms']:.2f} ms"
+        )
         print(line, flush=True)
         lines.append(line)
         parts += [f"\n===== {variant} =====", repr(summary), tables]

@@ -59,8 +59,11 @@ class RungDoc:
 
 def markdown(text: str) -> str:
     """reST inline markup of the docstrings as Markdown: ``x`` → `x`, :mod:`a.b` → `a.b`, :class:`~a.B` → `B`."""
-    text = re.sub(r":(?:mod|class|func|meth|attr|data):`~?([^`]+)`",
-                  lambda m: "`" + (m.group(1).rsplit(".", 1)[-1] if m.group(0).count("~") else m.group(1)) + "`", text)
+    text = re.sub(
+        r":(?:mod|class|func|meth|attr|data):`~?([^`]+)`",
+        lambda m: "`" + (m.group(1).rsplit(".", 1)[-1] if m.group(0).count("~") else m.group(1)) + "`",
+        text,
+    )
     return text.replace("``", "`")
 
 
@@ -80,18 +83,19 @@ def parse(name: str, doc: str) -> tuple[str, dict[str, str]]:
         found = list(_LABEL.finditer(paragraph))
         if not found or found[0].start() != 0:
             if found:
-                raise DocstringError(f"rung {name}: {found[0].group(1)!r} inside a paragraph that does not start "
-                                     f"with a label: {paragraph[:60]!r}")
+                raise DocstringError(
+                    f"rung {name}: {found[0].group(1)!r} inside a paragraph that does not start with a label: {paragraph[:60]!r}"
+                )
             continue
         for match, following in zip(found, [*found[1:], None]):
             label = match.group(1)
             if label in sections:
                 raise DocstringError(f"rung {name}: the section {label!r} appears twice")
-            sections[label] = paragraph[match.end():following.start() if following else None].strip()
+            sections[label] = paragraph[match.end() : following.start() if following else None].strip()
     missing = [label for label in REQUIRED if not sections.get(label)]
     if missing:
         raise DocstringError(f"rung {name}: the docstring has no {', '.join(repr(m + ':') for m in missing)} section")
-    return title[len(prefix):], sections
+    return title[len(prefix) :], sections
 
 
 def options_line(cls: type) -> str:
@@ -102,8 +106,7 @@ def options_line(cls: type) -> str:
     def default(field: dataclasses.Field) -> object:
         return field.default_factory() if field.default is dataclasses.MISSING else field.default  # type: ignore[misc]
 
-    return (f"**Options** (`{cls.Options.__name__}`): "
-            + ", ".join(f"`{f.name}={default(f)!r}`" for f in fields) + ".")
+    return f"**Options** (`{cls.Options.__name__}`): " + ", ".join(f"`{f.name}={default(f)!r}`" for f in fields) + "."
 
 
 def read_rungs() -> list[RungDoc]:
@@ -122,7 +125,7 @@ def first_sentence(text: str) -> str:
 
 def readme_anchor(readme: str) -> str:
     """GitHub's anchor of the README heading the table sits under."""
-    heading = [line for line in readme[:readme.index(START)].splitlines() if line.startswith("#")][-1]
+    heading = [line for line in readme[: readme.index(START)].splitlines() if line.startswith("#")][-1]
     slug = heading.lstrip("#").strip().lower()
     return "#" + re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", slug))
 
@@ -133,9 +136,13 @@ def card(doc: RungDoc, anchor: str) -> str:
     for label in LABELS:
         if label in doc.sections:
             lines += [f"**{label}:** {markdown(doc.sections[label])}", ""]
-    lines += [doc.options, "",
-              f"Generated from the docstring of [`{path}`](../../{path}) by `docs/rung_cards.py`; "
-              f"back to [the rung table](../../README.md{anchor}).", ""]
+    lines += [
+        doc.options,
+        "",
+        f"Generated from the docstring of [`{path}`](../../{path}) by `docs/rung_cards.py`; "
+        f"back to [the rung table](../../README.md{anchor}).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -184,8 +191,7 @@ def stale() -> list[str]:
             problems.append(f"{shown(path)} is missing")
         elif path.read_text(encoding="utf-8") != text:
             problems.append(f"{shown(path)} is stale")
-    problems += [f"{shown(path)} is no registered rung's card" for path in sorted(CARDS.glob("*.md"))
-                 if path not in cards]
+    problems += [f"{shown(path)} is no registered rung's card" for path in sorted(CARDS.glob("*.md")) if path not in cards]
     _, have, _ = split_readme(README.read_text(encoding="utf-8"))
     _, want, _ = split_readme(readme)
     if have != want:

@@ -112,8 +112,10 @@ def frames_given_up() -> tuple[int, dict[str, int]]:
     (``counters["unimplemented"]``, by reason)."""
     counters = dynamo_counters()
     frames = counters.get("frames", {})
-    return (int(frames.get("total", 0)) - int(frames.get("ok", 0)),
-            {str(reason): int(n) for reason, n in counters.get("unimplemented", {}).items()})
+    return (
+        int(frames.get("total", 0)) - int(frames.get("ok", 0)),
+        {str(reason): int(n) for reason, n in counters.get("unimplemented", {}).items()},
+    )
 
 
 def graph_breaks() -> dict[str, int]:
@@ -301,7 +303,9 @@ def place_step_counters(optimizer: torch.optim.Optimizer, group: dict[str, Any],
         step = state.get("step") if state else None
         if isinstance(step, torch.Tensor):
             device = step_counter_device(group, p)
-            state["step"] = step.to(device, device_dtype) if device_dtype is not None and device.type != "cpu" else step.to(device)
+            state["step"] = (
+                step.to(device, device_dtype) if device_dtype is not None and device.type != "cpu" else step.to(device)
+            )
 
 
 # -- CPU capabilities ----------------------------------------------------------------------------
@@ -511,8 +515,10 @@ def lightning_count_optimizer_step(trainer: Any) -> None:
     progress = lightning_optimizer_progress(trainer)
     if progress is None:
         return
-    for tracker, names in ((progress.optimizer.step, ("increment_ready", "increment_completed")),
-                           (progress.optimizer.zero_grad, ("increment_ready", "increment_started", "increment_completed"))):
+    for tracker, names in (
+        (progress.optimizer.step, ("increment_ready", "increment_completed")),
+        (progress.optimizer.zero_grad, ("increment_ready", "increment_started", "increment_completed")),
+    ):
         for name in names:
             fn = getattr(tracker, name, None)
             if fn is not None:
@@ -534,7 +540,9 @@ def lightning_automatic_optimization(trainer: Any) -> Any:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     auto = getattr(loop, "automatic_optimization", None)
     if auto is None or not callable(getattr(auto, "run", None)):
-        raise RuntimeError(f"this Lightning version ({_lightning_version()}) has no fit_loop.epoch_loop.automatic_optimization.run")
+        raise RuntimeError(
+            f"this Lightning version ({_lightning_version()}) has no fit_loop.epoch_loop.automatic_optimization.run"
+        )
     return auto
 
 
@@ -675,8 +683,9 @@ def hf_attention_switchable(model: nn.Module) -> str | None:
 
 def timm_attention_modules(model: nn.Module) -> list[nn.Module]:
     """timm attention modules with a fused (SDPA) path, switched by their ``fused_attn`` flag."""
-    return [m for m in model.modules()
-            if type(m).__module__.startswith("timm.") and isinstance(getattr(m, "fused_attn", None), bool)]
+    return [
+        m for m in model.modules() if type(m).__module__.startswith("timm.") and isinstance(getattr(m, "fused_attn", None), bool)
+    ]
 
 
 # -- transformers --------------------------------------------------------------------------------
@@ -709,8 +718,9 @@ def _fit_loop_module() -> Any:
     return fit_loop if callable(getattr(fit_loop, "_select_data_fetcher", None)) else None
 
 
-def watch_train_iterator_start(trainer: Any, before: Callable[[list[Any]], None],
-                               after: Callable[[list[Any]], None]) -> Callable[[], None] | None:
+def watch_train_iterator_start(
+    trainer: Any, before: Callable[[list[Any]], None], after: Callable[[list[Any]], None]
+) -> Callable[[], None] | None:
     """Call ``before(loaders)`` right before ``trainer``'s fit loop creates its train iterator (in
     ``setup_data``, before ``on_train_start``) and ``after(loaders)`` right after; returns the
     function that removes the watch, or None where Lightning's internals moved (nothing watched).
@@ -793,8 +803,9 @@ def lightning_set_train_loaders(trainer: Any, loaders: list[Any]) -> None:
     trainer.fit_loop._combined_loader.flattened = list(loaders)
 
 
-def lightning_group_train_batches(trainer: Any, factor: int, group: Callable[[Iterator[Any]], Iterator[Any]],
-                                  loader: Callable[[Any], Any]) -> Callable[[], None]:
+def lightning_group_train_batches(
+    trainer: Any, factor: int, group: Callable[[Iterator[Any]], Iterator[Any]], loader: Callable[[Any], Any]
+) -> Callable[[], None]:
     """Make the fit loop take its train batches ``factor`` loader batches at a time, merged: its live
     iterator wrapped in place (``group(iterator)``: the epoch goes on from where it is), its loader
     replaced by ``loader(user_loader)`` for the next epochs, and the counts it keeps in batches
@@ -813,9 +824,14 @@ def lightning_group_train_batches(trainer: Any, factor: int, group: Callable[[It
         raise RuntimeError(f"accumulate_grad_batches={accumulate} is not a multiple of {factor}")
     live = getattr(combined, "_iterator", None)
     iterators = getattr(live, "iterators", None)
-    saved = {"flattened": list(combined.flattened), "limits": combined.limits, "max_batches": loop.max_batches,
-             "val_check_batch": trainer.val_check_batch, "accumulate": trainer.accumulate_grad_batches,
-             "iterators": list(iterators) if iterators else None}
+    saved = {
+        "flattened": list(combined.flattened),
+        "limits": combined.limits,
+        "max_batches": loop.max_batches,
+        "val_check_batch": trainer.val_check_batch,
+        "accumulate": trainer.accumulate_grad_batches,
+        "iterators": list(iterators) if iterators else None,
+    }
 
     def divided(n: Any) -> Any:
         return n if n is None or n == float("inf") else max(1, -(-int(n) // factor))
@@ -869,8 +885,12 @@ def lightning_first_epoch_pending(trainer: Any) -> bool:
     loop = getattr(trainer, "fit_loop", None)
     progress = getattr(getattr(loop, "epoch_loop", None), "batch_progress", None)
     ready = getattr(getattr(progress, "total", None), "ready", None)
-    return (getattr(loop, "_data_fetcher", None) is not None and ready == 0 and trainer.current_epoch == 0
-            and not getattr(loop, "restarting", True))
+    return (
+        getattr(loop, "_data_fetcher", None) is not None
+        and ready == 0
+        and trainer.current_epoch == 0
+        and not getattr(loop, "restarting", True)
+    )
 
 
 def lightning_action_label(action: str) -> tuple[str, str]:
@@ -885,7 +905,7 @@ def lightning_action_label(action: str) -> tuple[str, str]:
         return "fetch", "fetching the next batch"
     for prefix, kind in _ACTION_OWNERS.items():
         if action.startswith(prefix):
-            owner, _, hook = action[len(prefix):].rpartition(".")
+            owner, _, hook = action[len(prefix) :].rpartition(".")
             name = owner.split("{")[0].rsplit(".", 1)[-1]  # a state_key is a qualname and may carry its arguments: {...}
             if hook in _BATCH_TRANSFER_HOOKS:
                 kind = "transfer"
@@ -898,7 +918,11 @@ def lightning_action_label(action: str) -> tuple[str, str]:
 
 
 #: the prefixes of Lightning's hook actions, by whose hook it runs
-_ACTION_OWNERS = {"[Callback]": "callback", "[LightningModule]": "module", "[Strategy]": "strategy",
-                  "[LightningDataModule]": "datamodule"}
+_ACTION_OWNERS = {
+    "[Callback]": "callback",
+    "[LightningModule]": "module",
+    "[Strategy]": "strategy",
+    "[LightningDataModule]": "datamodule",
+}
 #: the hooks that move a batch to the device (the strategy's, and the module's and datamodule's own)
 _BATCH_TRANSFER_HOOKS = {"batch_to_device", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}

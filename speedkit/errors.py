@@ -67,8 +67,21 @@ class UserCodeError(SpeedkitError):
 
 
 #: top-level packages whose frames are not the user's code in a traceback
-_NOT_USER = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "speedkit",
-                       "triton", "numpy", "yaml", "rich", "fsspec"})
+_NOT_USER = frozenset(
+    {
+        "torch",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "lightning_utilities",
+        "speedkit",
+        "triton",
+        "numpy",
+        "yaml",
+        "rich",
+        "fsspec",
+    }
+)
 #: speedkit's reference models and data modules: in a recipe they stand in for the user's own, and fail only
 #: on the recipe's arguments (a sequence longer than the model's block_size, float vectors for a GPT)
 _DEMOS = "speedkit.demos"
@@ -110,8 +123,11 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
         hook = getattr(hooks[-1], "co_qualname", hooks[-1].co_name)
         return ConfigError("data", f"{hook}() raised {what} ({where})")
     if _in_demos(frame):
-        return ConfigError("model", f"{name} raised {what} ({where}): the recipe's model and data do not fit together; "
-                                    "check that data gives what the model takes (synthetic: tokens for a language model, vectors for an MLP) and "
-                                    "model.init_args against it (e.g. block_size >= seq_len, vocab_size >= the data's)")
+        return ConfigError(
+            "model",
+            f"{name} raised {what} ({where}): the recipe's model and data do not fit together; "
+            "check that data gives what the model takes (synthetic: tokens for a language model, vectors for an MLP) and "
+            "model.init_args against it (e.g. block_size >= seq_len, vocab_size >= the data's)",
+        )
     frames = traceback.format_list([traceback.FrameSummary(f.f_code.co_filename, n, f.f_code.co_name) for f, n in user])
     return UserCodeError(f"{during}: your code raised {what} ({where}); speedkit's changes were undone", frames)

@@ -85,8 +85,14 @@ class Handle:
         self.settle_steps = 0
         self.rewrite: Any = None
 
-    def record(self, change: str, undo: Callable[[], None] | None = None, redo: Callable[[], None] | None = None, *,
-               persistent: bool = False) -> None:
+    def record(
+        self,
+        change: str,
+        undo: Callable[[], None] | None = None,
+        redo: Callable[[], None] | None = None,
+        *,
+        persistent: bool = False,
+    ) -> None:
         """Note ``change`` for the report; ``undo`` reverts it, ``redo`` makes it again after an undo.
 
         ``persistent``: the change does not alter what a step computes (e.g. a flag that lets the

@@ -26,21 +26,23 @@ Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "cl
 class Measurement:
     """Timing of one configuration: windows of ``steps`` optimizer steps after ``warmup`` steps."""
 
-    step_ms: float                     # median over windows of the mean step time in a window
-    spread: float                      # noise: 1.4826 * MAD / median of the window means (robust relative std)
-    window_ms: list[float]             # each window's mean step time
+    step_ms: float  # median over windows of the mean step time in a window
+    spread: float  # noise: 1.4826 * MAD / median of the window means (robust relative std)
+    window_ms: list[float]  # each window's mean step time
     warmup: int
     steps: int
-    throughput: float                  # units per second at the median step time
-    throughput_unit: str               # "tokens/s" or "samples/s"
-    items_per_step: int                # tokens or samples per optimizer step
-    mfu: float | None = None           # model FLOPs utilization, 0..1 (None without a known peak)
-    tflops: float | None = None        # achieved model TFLOP/s
+    throughput: float  # units per second at the median step time
+    throughput_unit: str  # "tokens/s" or "samples/s"
+    items_per_step: int  # tokens or samples per optimizer step
+    mfu: float | None = None  # model FLOPs utilization, 0..1 (None without a known peak)
+    tflops: float | None = None  # achieved model TFLOP/s
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated over the timed steps
     telemetry: dict[str, Any] | None = None  # NVML summary over the timed windows (None without a GPU)
-    clock: str = "perf_counter"        # "cuda_events" or "perf_counter"
-    data_wait_ms: float | None = None  # median per-step host time between steps: the next batch (fetch, collate, copy) and, in Lightning's loop, its per-batch bookkeeping
-    host_ms: float | None = None       # median per-step host time issuing the step
+    clock: str = "perf_counter"  # "cuda_events" or "perf_counter"
+    data_wait_ms: float | None = (
+        None  # median per-step host time between steps: the next batch (fetch, collate, copy) and, in Lightning's loop, its per-batch bookkeeping
+    )
+    host_ms: float | None = None  # median per-step host time issuing the step
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Parity:
 
     steps: int
     tolerance: float
-    precision: str                     # the numerics class whose tolerance was used
+    precision: str  # the numerics class whose tolerance was used
     reference_losses: list[float]
     losses: list[float]
     max_rel_diff: float
@@ -62,15 +64,15 @@ class Parity:
 class PairedResult:
     """Candidate (B) against the configuration before it (A), timed in interleaved A B B A blocks."""
 
-    speedup: float                     # B over A, exp of the mean per-block log ratio
-    low: float                         # confidence interval of the speedup
+    speedup: float  # B over A, exp of the mean per-block log ratio
+    low: float  # confidence interval of the speedup
     high: float
     confidence: float
     blocks: int
-    verdict: str                       # "faster", "not_faster" or "undecided"
+    verdict: str  # "faster", "not_faster" or "undecided"
     min_gain: float
-    a: Measurement | None = None       # A's windows in this comparison
-    b: Measurement | None = None       # B's windows in this comparison
+    a: Measurement | None = None  # A's windows in this comparison
+    b: Measurement | None = None  # B's windows in this comparison
     seconds: float = 0.0
 
 
@@ -79,15 +81,15 @@ class RungResult:
     name: str
     status: Status
     options: dict[str, Any] = field(default_factory=dict)
-    reason: str | None = None          # why not applicable / reverted / failed; why kept
+    reason: str | None = None  # why not applicable / reverted / failed; why kept
     changes: list[str] = field(default_factory=list)
-    precision: str = "fp32"            # effective numerics with this rung applied
+    precision: str = "fp32"  # effective numerics with this rung applied
     measurement: Measurement | None = None  # this configuration (B's windows of its comparison)
     parity: Parity | None = None
     comparison: PairedResult | None = None
     gain_vs_previous: float | None = None  # paired speedup over the configuration before it
     gain_vs_baseline: float | None = None  # product of the paired speedups of the kept rungs up to here
-    seconds: float = 0.0               # wall time spent trying this rung (compile included)
+    seconds: float = 0.0  # wall time spent trying this rung (compile included)
     #: what a source-rewriting rung rewrote and left alone (``RewriteReport.as_dict``); None for other rungs
     rewrite: dict[str, Any] | None = None
 
@@ -99,11 +101,11 @@ class Holds:
 
     ladder: Measurement | None
     fit: Measurement | None
-    gap: float | None                  # fit step time / ladder step time - 1
-    flagged: bool                      # gap above the threshold
+    gap: float | None  # fit step time / ladder step time - 1
+    flagged: bool  # gap above the threshold
     threshold: float
-    cause: str | None                  # the likely cause of a flagged gap
-    note: str | None = None            # why it was not measured, where it was not
+    cause: str | None  # the likely cause of a flagged gap
+    note: str | None = None  # why it was not measured, where it was not
     between_ms: dict[str, float] = field(default_factory=dict)  # ms/step of each Lightning action between the fit's steps
 
 
@@ -113,14 +115,14 @@ class LadderResult:
     recipe: str | None
     environment: dict[str, Any]
     device: str
-    flops: dict[str, Any]              # {"per_step": int|None, "convention": str, "peak_tflops": float|None, "peak_source": str}
-    measure: dict[str, Any]            # the measurement settings used
-    rungs: list[RungResult]            # the baseline first, then one entry per ladder rung, in order
-    title: str | None = None           # the report's heading (recipe report.title)
+    flops: dict[str, Any]  # {"per_step": int|None, "convention": str, "peak_tflops": float|None, "peak_source": str}
+    measure: dict[str, Any]  # the measurement settings used
+    rungs: list[RungResult]  # the baseline first, then one entry per ladder rung, in order
+    title: str | None = None  # the report's heading (recipe report.title)
     run: dict[str, Any] = field(default_factory=dict)  # the run's settings: precision, accumulation, clipping...
     final_check: PairedResult | None = None  # the final configuration against the baseline, interleaved
     holds: Holds | None = None
-    interrupted: str | None = None     # None, or what was interrupted ("KeyboardInterrupt during sdpa")
+    interrupted: str | None = None  # None, or what was interrupted ("KeyboardInterrupt during sdpa")
     #: per precision: epsilon, seeds, envelope (per step, the worst relative loss move so far under that
     #: rounding), sensitivity (its worst), safety, floor, tolerance, per_step (tolerance per step), kernels
     parity_calibration: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -191,17 +193,22 @@ class LadderResult:
         else:
             base, final = self.baseline.measurement, self.final_measurement
             speedup = self.final.gain_vs_baseline or 1.0
-            source = ("the baseline timed alone and the kept rungs' comparisons (no final check)" if self.kept
-                      else "the baseline timed alone")
+            source = (
+                "the baseline timed alone and the kept rungs' comparisons (no final check)"
+                if self.kept
+                else "the baseline timed alone"
+            )
             if not self.kept:
                 final = base
         note = None
         if base is not None and final is not None and final.step_ms > 0 and speedup > 0:
             ratio = base.step_ms / final.step_ms
             if abs(math.log(ratio / speedup)) > math.log1p(HEADLINE_AGREEMENT):
-                note = (f"the paired speedup ({speedup:.2f}x, per block) and the ratio of the median step times "
-                        f"({ratio:.2f}x) differ by more than {HEADLINE_AGREEMENT:.0%}: the step time varied or drifted "
-                        "while they were timed; the paired figure is the one decisions use")
+                note = (
+                    f"the paired speedup ({speedup:.2f}x, per block) and the ratio of the median step times "
+                    f"({ratio:.2f}x) differ by more than {HEADLINE_AGREEMENT:.0%}: the step time varied or drifted "
+                    "while they were timed; the paired figure is the one decisions use"
+                )
         return base, final, speedup, source, note
 
     def to_dict(self) -> dict[str, Any]:

@@ -68,8 +68,12 @@ def tiny_gpt_state(batch_size: int = 4, seq_len: int = 32, device: str = "cpu", 
     torch.manual_seed(0)
     model = NaiveGPT("tiny", **model_kwargs).to(device)
     dm = SyntheticTokens(batch_size=batch_size, seq_len=seq_len, vocab_size=512, length=batch_size * 64)
-    return TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device(device),
-                      data=BatchSource(dm.train_dataloader(), torch.device(device)))
+    return TrainState(
+        model=model,
+        optimizer=model.configure_optimizers(),
+        device=torch.device(device),
+        data=BatchSource(dm.train_dataloader(), torch.device(device)),
+    )
 
 
 def mlp_state(device: str = "cpu", **kwargs):
@@ -80,8 +84,12 @@ def mlp_state(device: str = "cpu", **kwargs):
     torch.manual_seed(0)
     model = LaunchBoundMLP(depth=2, hidden=32, features=16, **kwargs).to(device)
     dm = SyntheticVectors(batch_size=8, features=16, classes=10, length=8 * 64)
-    return TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device(device),
-                      data=BatchSource(dm.train_dataloader(), torch.device(device)))
+    return TrainState(
+        model=model,
+        optimizer=model.configure_optimizers(),
+        device=torch.device(device),
+        data=BatchSource(dm.train_dataloader(), torch.device(device)),
+    )
 
 
 def assert_rel_close(actual, expected, tol: float = 1e-5, msg: str = "") -> None:

@@ -90,8 +90,13 @@ class SpeedRung(Rung):
     def apply(self, state: Any) -> Handle:
         self.applied += 1
         handle = Handle(self.name)
-        set_attr(handle, state, "step", CostStep(state.step, self.time, self.base * self.change, counts=False),
-                 f"step cost {self.change:+.0%}")
+        set_attr(
+            handle,
+            state,
+            "step",
+            CostStep(state.step, self.time, self.base * self.change, counts=False),
+            f"step cost {self.change:+.0%}",
+        )
         return handle
 
 

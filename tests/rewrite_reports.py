@@ -25,8 +25,20 @@ HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "fixtures" / "rewrite_reports.json"
 REWRITE_RUNGS = ("sdpa", "batched", "triton_layers")
 #: every rung's check is recorded (its applicability decision); rewrite rungs are also applied
-CHECKED_RUNGS = ("tf32", "autocast", "fused_optimizer", "sdpa", "batched", "triton_layers", "channels_last",
-                 "cudnn_benchmark", "explicit_mask", "aligned_linear", "compile", "cuda_graph")
+CHECKED_RUNGS = (
+    "tf32",
+    "autocast",
+    "fused_optimizer",
+    "sdpa",
+    "batched",
+    "triton_layers",
+    "channels_last",
+    "cudnn_benchmark",
+    "explicit_mask",
+    "aligned_linear",
+    "compile",
+    "cuda_graph",
+)
 
 
 def _models() -> list[tuple[str, nn.Module, Any]]:
@@ -86,8 +98,11 @@ def _rebound(model: nn.Module) -> dict[str, list[str]]:
             if bound is not None:
                 out[f"{path or '<root>'}.{attr}"] = _names_reached(bound)
         for attr, value in vars(m).items():
-            if attr not in ("forward", "_attn", "mlp_forward") and isinstance(value, types.MethodType) \
-                    and getattr(value, "__self__", None) is m:
+            if (
+                attr not in ("forward", "_attn", "mlp_forward")
+                and isinstance(value, types.MethodType)
+                and getattr(value, "__self__", None) is m
+            ):
                 out[f"{path or '<root>'}.{attr}"] = _names_reached(value)
     return out
 
@@ -129,8 +144,7 @@ def capture() -> dict[str, Any]:
                 continue
             rung = rungs.make(name)
             handle = rung.apply(state)
-            entry["rewrites"][name] = {"changes": list(handle.changes), "sites": _site_report(handle),
-                                       "rebound": _rebound(model)}
+            entry["rewrites"][name] = {"changes": list(handle.changes), "sites": _site_report(handle), "rebound": _rebound(model)}
             handle.undo()
             assert not _rebound(model), f"{label}: {name}'s undo left bound methods"
         out[label] = entry

@@ -41,7 +41,8 @@ def _state(model: nn.Module, device: str = "cuda") -> TrainState:
 
 def test_on_the_cpu_it_says_why():
     assert AlignedLinearRung().check(_state(TiedLM(), "cpu")) == (
-        "misaligned GEMM rows are slow in cuBLAS; the run is on cpu, where no gain is known")
+        "misaligned GEMM rows are slow in cuBLAS; the run is on cpu, where no gain is known"
+    )
 
 
 def test_applies_to_a_misaligned_head_only():
@@ -50,13 +51,21 @@ def test_applies_to_a_misaligned_head_only():
     assert [name for name, _ in found] == ["lm_head"] and notes == []
 
 
-@pytest.mark.parametrize("model, reason", [
-    (nn.Sequential(nn.Linear(16, 2048), nn.Linear(2048, 1000)),
-     "no nn.Linear with 1024 or more output features that are not a multiple of 8"),
-    (nn.Sequential(nn.Linear(16, 1001)), "no nn.Linear with 1024 or more output features that are not a multiple of 8"),
-    (nn.Sequential(MyLinear(16, 1031)), "no nn.Linear with 1024 or more output features that are not a multiple of 8; "
-                                        "left alone: 0 (1031 outputs) is a MyLinear, not an nn.Linear"),
-])
+@pytest.mark.parametrize(
+    "model, reason",
+    [
+        (
+            nn.Sequential(nn.Linear(16, 2048), nn.Linear(2048, 1000)),
+            "no nn.Linear with 1024 or more output features that are not a multiple of 8",
+        ),
+        (nn.Sequential(nn.Linear(16, 1001)), "no nn.Linear with 1024 or more output features that are not a multiple of 8"),
+        (
+            nn.Sequential(MyLinear(16, 1031)),
+            "no nn.Linear with 1024 or more output features that are not a multiple of 8; "
+            "left alone: 0 (1031 outputs) is a MyLinear, not an nn.Linear",
+        ),
+    ],
+)
 def test_not_applicable_says_why(model, reason):
     assert AlignedLinearRung().check(_state(model)) == reason
 
@@ -80,8 +89,9 @@ def test_apply_swaps_the_class_and_undo_puts_it_back_exactly():
     params = [id(p) for p in model.parameters()]
     handle = AlignedLinearRung().apply(_state(model))
     assert type(model.lm_head) is layers.AlignedLinear and type(model.mix) is nn.Linear
-    assert handle.changes == ["linear layers computed on weights padded to a multiple of 64 output features: "
-                              "lm_head (1031 → 1088)"]
+    assert handle.changes == [
+        "linear layers computed on weights padded to a multiple of 64 output features: lm_head (1031 → 1088)"
+    ]
     assert handle.sites == {"padded": ["lm_head"], "left_alone": []}
     assert model.lm_head.weight is model.wte.weight and "multiple" not in model.lm_head.__dict__
     assert repr(model.lm_head).startswith("speedkit.AlignedLinear(in_features=24, out_features=1031")
@@ -102,8 +112,9 @@ def test_another_multiple_gets_its_own_class():
     assert layers.aligned_linear_class(128) is type(model.lm_head)
 
 
-@pytest.mark.parametrize("shape, out_features, bias", [((7, 13), 1031, True), ((3, 5, 13), 1031, False), ((2, 13), 64, True),
-                                                        ((4, 1, 13), 9, True)])
+@pytest.mark.parametrize(
+    "shape, out_features, bias", [((7, 13), 1031, True), ((3, 5, 13), 1031, False), ((2, 13), 64, True), ((4, 1, 13), 9, True)]
+)
 def test_padded_linear_computes_the_same_function(shape, out_features, bias):
     torch.manual_seed(0)
     lin = nn.Linear(13, out_features, bias=bias)

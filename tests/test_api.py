@@ -19,8 +19,13 @@ def _plain():
 
 def test_apply_trains_and_undo_restores():
     model, opt, loader = _plain()
-    sk = speedkit.apply(model, opt, loader, rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}],
-                        loss_fn=lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    sk = speedkit.apply(
+        model,
+        opt,
+        loader,
+        rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}],
+        loss_fn=lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+    )
     assert sk.model is model and sk.optimizer is opt
     assert sk.applied == ["fused_optimizer", "compile"]
     batches = sk.batches()
@@ -56,12 +61,20 @@ def test_arguments_that_cannot_work_are_one_line_errors_before_anything_changes(
     model, opt, loader = _plain()
     other = torch.optim.AdamW(LaunchBoundMLP(features=16, hidden=32, depth=2).parameters())
     loss = lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
-    cases = [(dict(rungs="compile"), "rungs: expected a list of rungs"), (dict(rungs=None), "rungs: expected a list"),
-             (dict(optimizer=other), "optimizer: holds none of the model's parameters"),
-             (dict(accumulate=1.5), "accumulate:"), (dict(accumulate="2"), "accumulate:"),
-             (dict(clip_grad_norm=-1.0), "clip_grad_norm:"), (dict(clip_grad_norm="x"), "clip_grad_norm:"),
-             (dict(loader=42), "loader:"), (dict(loss_fn=3), "loss_fn:"), (dict(scheduler=5), "scheduler:"),
-             (dict(model="resnet"), "model:"), (dict(device="nonsense"), "device:")]
+    cases = [
+        (dict(rungs="compile"), "rungs: expected a list of rungs"),
+        (dict(rungs=None), "rungs: expected a list"),
+        (dict(optimizer=other), "optimizer: holds none of the model's parameters"),
+        (dict(accumulate=1.5), "accumulate:"),
+        (dict(accumulate="2"), "accumulate:"),
+        (dict(clip_grad_norm=-1.0), "clip_grad_norm:"),
+        (dict(clip_grad_norm="x"), "clip_grad_norm:"),
+        (dict(loader=42), "loader:"),
+        (dict(loss_fn=3), "loss_fn:"),
+        (dict(scheduler=5), "scheduler:"),
+        (dict(model="resnet"), "model:"),
+        (dict(device="nonsense"), "device:"),
+    ]
     if not torch.cuda.is_available():
         cases.append((dict(device="cuda"), "device: cuda was asked for"))
     for change, words in cases:
@@ -81,9 +94,13 @@ def test_speedladder_arguments_that_cannot_work_are_one_line_errors():
     from speedkit.errors import ConfigError
     from speedkit.lightning import SpeedLadder
 
-    for kwargs, words in ((dict(rungs="compile"), "rungs: expected a list of rungs"), (dict(trials="no"), "trials:"),
-                          (dict(on_event=3), "on_event:"), (dict(report_dir=5), "report_dir:"),
-                          (dict(trials=False), "trials: False applies the rungs given, without measuring them, and none were given")):
+    for kwargs, words in (
+        (dict(rungs="compile"), "rungs: expected a list of rungs"),
+        (dict(trials="no"), "trials:"),
+        (dict(on_event=3), "on_event:"),
+        (dict(report_dir=5), "report_dir:"),
+        (dict(trials=False), "trials: False applies the rungs given, without measuring them, and none were given"),
+    ):
         with pytest.raises(ConfigError, match=words) as raised:
             SpeedLadder(**kwargs)
         assert "\n" not in str(raised.value)
@@ -96,8 +113,12 @@ def test_batches_end_with_the_epoch_and_group_micro_batches():
     from speedkit.frontend.api import MicroBatches
 
     model, opt, _ = _plain()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randint(0, 10, (40,))),
-                                         batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(40, 16), torch.randint(0, 10, (40,))),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     loss = lambda m, b, i: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
     with speedkit.apply(model, opt, loader, rungs=["fused_optimizer"], loss_fn=loss) as sk:
         firsts = []

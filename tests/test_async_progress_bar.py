@@ -108,8 +108,14 @@ class Logs(pl.LightningModule):
 
 
 def _trainer(callbacks, **kwargs):
-    settings = dict(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False)
+    settings = dict(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**settings, **kwargs}, callbacks=callbacks)
 
 
@@ -140,8 +146,10 @@ def test_lightning_hands_the_training_steps_progress_bar_tensors_to_the_converte
     assert seen and all(set(s) == {"loss", "twice_step"} for s in seen)  # step values of the prog_bar logs only
     assert all(isinstance(v, torch.Tensor) for s in seen for v in s.values())  # no .item() before the converter
     assert watch.last["loss"][0] == "shown" and watch.last["twice_step"][0] == "shown"
-    assert lightning_result.convert_tensors_to_scalars is not None and lightning_result.convert_tensors_to_scalars(
-        torch.tensor(1.5)) == 1.5  # Lightning's own conversion is back in place
+    assert (
+        lightning_result.convert_tensors_to_scalars is not None
+        and lightning_result.convert_tensors_to_scalars(torch.tensor(1.5)) == 1.5
+    )  # Lightning's own conversion is back in place
 
     # restored: a fit converts as Lightning does
     trainer = _trainer([])
@@ -162,8 +170,11 @@ def test_epoch_and_validation_values_keep_lightnings_conversion():
 
 
 def _state(model, device="cuda", trainer=True):
-    step = types.SimpleNamespace(trainer=types.SimpleNamespace(_logger_connector=types.SimpleNamespace(
-        _progress_bar_metrics={}))) if trainer else types.SimpleNamespace(trainer=None)  # Step.trainer: None outside Lightning
+    step = (
+        types.SimpleNamespace(trainer=types.SimpleNamespace(_logger_connector=types.SimpleNamespace(_progress_bar_metrics={})))
+        if trainer
+        else types.SimpleNamespace(trainer=None)
+    )  # Step.trainer: None outside Lightning
     return TrainState(model=model, optimizer=None, device=torch.device(device), step=step, precision="fp32")
 
 
@@ -188,16 +199,22 @@ def test_the_rung_says_why_it_does_not_apply():
 def test_in_a_fit_the_rung_shows_lagged_values_switches_off_and_on_and_leaves_exact_values_after_undo(monkeypatch):
     """The CPU's values copied by fake copies that finish when the test says (none here: only lag-bound waits)."""
     copies = FakeCopies()
-    monkeypatch.setattr("speedkit.rungs.async_progress_bar.LaggedScalars",
-                        lambda lag: LaggedScalars(lag, start_copy=copies, devices=("cpu",)))
+    monkeypatch.setattr(
+        "speedkit.rungs.async_progress_bar.LaggedScalars", lambda lag: LaggedScalars(lag, start_copy=copies, devices=("cpu",))
+    )
     original = lightning_result._ResultCollection.__dict__["metrics"]
     shown: list[dict] = []
     handles = []
 
     class Apply(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            state = TrainState(model=pl_module, optimizer=None, device=torch.device("cuda"),
-                               step=types.SimpleNamespace(trainer=trainer), precision="fp32")
+            state = TrainState(
+                model=pl_module,
+                optimizer=None,
+                device=torch.device("cuda"),
+                step=types.SimpleNamespace(trainer=trainer),
+                precision="fp32",
+            )
             handles.append(AsyncProgressBarRung().apply(state))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -221,7 +238,6 @@ def test_in_a_fit_the_rung_shows_lagged_values_switches_off_and_on_and_leaves_ex
     exact = [float(c["host"]) for c in copies.started[-2:]]
     assert trainer.progress_bar_metrics["loss"] == exact[0] and trainer.progress_bar_metrics["twice_step"] == exact[1]
     assert handles[0].changes and "up to 2 steps late" in handles[0].changes[0]
-
 
 
 def test_the_trials_scratch_collection_in_the_fit_loops_place_is_converted_too():

@@ -71,8 +71,15 @@ def _fit(callbacks):
     pl.seed_everything(0, verbose=False)
     model = Logs()
     check = SyncCheck()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, callbacks=[check, *callbacks])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=30,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[check, *callbacks],
+    )
     trainer.fit(model)
     return model, trainer, check
 

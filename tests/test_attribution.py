@@ -20,9 +20,9 @@ def _window(step_ms: float, peak: int, **breakdown: float) -> dict:
 
 
 WINDOWS = [
-    _window(60.0, 30_000_000_000, gemm=30.0, attention=19.1, elementwise=10.0),   # baseline
-    _window(42.6, 16_400_000_000, gemm=30.0, attention=1.9, elementwise=10.0),    # + sdpa
-    _window(30.0, 16_400_000_000, gemm=17.4, attention=1.9, elementwise=10.0),    # + autocast (final)
+    _window(60.0, 30_000_000_000, gemm=30.0, attention=19.1, elementwise=10.0),  # baseline
+    _window(42.6, 16_400_000_000, gemm=30.0, attention=1.9, elementwise=10.0),  # + sdpa
+    _window(30.0, 16_400_000_000, gemm=17.4, attention=1.9, elementwise=10.0),  # + autocast (final)
 ]
 
 

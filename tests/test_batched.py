@@ -154,8 +154,7 @@ def _run(model: nn.Module, inputs: list[torch.Tensor]) -> tuple[list[torch.Tenso
     g = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
     loss.backward()
-    return ([o.detach() for o in outs], [t.grad for t in inputs],
-            {n: p.grad for n, p in model.named_parameters()})
+    return ([o.detach() for o in outs], [t.grad for t in inputs], {n: p.grad for n, p in model.named_parameters()})
 
 
 def _assert_same_math(model: nn.Module, reference: nn.Module, inputs: list[torch.Tensor]) -> None:
@@ -220,8 +219,10 @@ def test_siblings_and_heads_become_one_gemm_each():
     assert _gemms(model, x) == 7  # q, k, v, o, gate, up, down (attention itself runs in SDPA)
     handle = BatchedRung().apply(_state(model))
     assert _gemms(model, x) == 4
-    assert handle.changes[0] == ("batched: rewrote 2 sites in 1 modules (SiblingProjections: fused q_proj,k_proj,v_proj Linear ×1, "
-                                 "fused gate_proj,up_proj Linear ×1)")
+    assert handle.changes[0] == (
+        "batched: rewrote 2 sites in 1 modules (SiblingProjections: fused q_proj,k_proj,v_proj Linear ×1, "
+        "fused gate_proj,up_proj Linear ×1)"
+    )
     handle.undo()
     heads = HeadsList(dim=7, head_dim=3, n_heads=5)
     BatchedRung().apply(_state(heads))
@@ -333,8 +334,9 @@ class ConfigDiffersEnsemble(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.members = nn.ModuleList([nn.Sequential(nn.Linear(7, 5), nn.GELU()),
-                                      nn.Sequential(nn.Linear(7, 5), nn.GELU(approximate="tanh"))])
+        self.members = nn.ModuleList(
+            [nn.Sequential(nn.Linear(7, 5), nn.GELU()), nn.Sequential(nn.Linear(7, 5), nn.GELU(approximate="tanh"))]
+        )
 
     def forward(self, x):
         return torch.stack([m(x) for m in self.members]).sum(0)
@@ -398,10 +400,24 @@ NEGATIVE = {
     "loop_zip": (ZipAndRangeStartLoops, (3, 4, 4), 0, "loop over zip(x, self.w): only `for i in range(N)`"),
     "loop_range_start": (ZipAndRangeStartLoops, (3, 4, 4), 0, "only range with one argument"),
     "linear_with_forward_hook": (_hooked_k, (2, 7), 1, "self.k has forward hook"),
-    "bias_all_or_none": (lambda: QKV(k_bias=False), (2, 7), 1, "self.k not fused with its siblings on x: no bias where the others have one"),
-    "different_in_features": (lambda: QKV(v_in=6), None, 1, "self.v not fused with its siblings on x: in_features 6 where the others have 7"),
-    "linear_subclass": (lambda: _swap(QKV(), "v", type("MyLinear", (nn.Linear,), {})(7, 4)), (2, 7), 1,
-                        "self.v is a MyLinear, not an nn.Linear"),
+    "bias_all_or_none": (
+        lambda: QKV(k_bias=False),
+        (2, 7),
+        1,
+        "self.k not fused with its siblings on x: no bias where the others have one",
+    ),
+    "different_in_features": (
+        lambda: QKV(v_in=6),
+        None,
+        1,
+        "self.v not fused with its siblings on x: in_features 6 where the others have 7",
+    ),
+    "linear_subclass": (
+        lambda: _swap(QKV(), "v", type("MyLinear", (nn.Linear,), {})(7, 4)),
+        (2, 7),
+        1,
+        "self.v is a MyLinear, not an nn.Linear",
+    ),
     "outputs_modified_in_place": (InPlaceSiblings, (2, 7), 0, "q modified in place"),
     "ensemble_members_of_different_shapes": (MixedEnsemble, (3, 7), 0, "member 1 differs from member 0"),
     "ensemble_members_configured_differently": (ConfigDiffersEnsemble, (3, 7), 0, "member 1.1.approximate differs"),
@@ -497,7 +513,9 @@ def test_options_switch_forms_off():
     assert rung.check(_state(model)) == NOTHING_FOUND
     loop = LoopOfGEMMs(n=3, dim=4)
     assert BatchedRung(BatchedOptions(loops=False)).check(_state(loop)) == NOTHING_FOUND
-    assert BatchedRung(BatchedOptions(ensembles=False)).check(_state(Ensemble(dim=7, hidden=9, out=5, members=3))) == NOTHING_FOUND
+    assert (
+        BatchedRung(BatchedOptions(ensembles=False)).check(_state(Ensemble(dim=7, hidden=9, out=5, members=3))) == NOTHING_FOUND
+    )
 
 
 def test_hook_added_after_apply_is_still_honoured():
@@ -586,8 +604,12 @@ def test_training_steps_after_apply_match_the_original():
         torch.manual_seed(0)
         model = LoopGEMMModel(n=5, dim=6)
         dm = SyntheticGEMMs(n=5, dim=6, batches=4)
-        state = TrainState(model=model, optimizer=model.configure_optimizers(), device=torch.device("cpu"),
-                           data=BatchSource(dm.train_dataloader(), torch.device("cpu")))
+        state = TrainState(
+            model=model,
+            optimizer=model.configure_optimizers(),
+            device=torch.device("cpu"),
+            data=BatchSource(dm.train_dataloader(), torch.device("cpu")),
+        )
         if rewrite:
             handle = BatchedRung().apply(state)
             assert handle.rewrite.counts["rewritten"] == 1 and "LoopOfGEMMs" in handle.changes[0]
@@ -619,18 +641,21 @@ def test_torch_compile_of_a_rewritten_module_gives_the_same_outputs(name):
 # -- the runtime on its own: every shape either batches exactly or replays the loop --------------------
 
 
-@pytest.mark.parametrize("a_shape, b_shape, a_indexed, b_indexed", [
-    ((5, 3, 4), (5, 4, 2), True, True),
-    ((5, 3, 4), (4, 2), True, False),
-    ((3, 4), (5, 4, 2), False, True),
-    ((5, 2, 3, 4), (5, 4, 2), True, True),   # 3-D slices against 2-D slices
-    ((5, 3, 4), (5, 2, 4, 6), True, True),
-    ((5, 3, 4), (2, 4, 6), True, False),     # shared operand with its own batch dim
-    ((2, 3, 4), (5, 4, 6), False, True),
-    ((7, 3, 4), (5, 4, 2), True, True),      # longer than the loop: only the first n slices
-    ((5, 4), (5, 4, 2), True, True),         # 1-D slices: the loop is replayed
-    ((5, 4), (4,), True, False),
-])
+@pytest.mark.parametrize(
+    "a_shape, b_shape, a_indexed, b_indexed",
+    [
+        ((5, 3, 4), (5, 4, 2), True, True),
+        ((5, 3, 4), (4, 2), True, False),
+        ((3, 4), (5, 4, 2), False, True),
+        ((5, 2, 3, 4), (5, 4, 2), True, True),  # 3-D slices against 2-D slices
+        ((5, 3, 4), (5, 2, 4, 6), True, True),
+        ((5, 3, 4), (2, 4, 6), True, False),  # shared operand with its own batch dim
+        ((2, 3, 4), (5, 4, 6), False, True),
+        ((7, 3, 4), (5, 4, 2), True, True),  # longer than the loop: only the first n slices
+        ((5, 4), (5, 4, 2), True, True),  # 1-D slices: the loop is replayed
+        ((5, 4), (4,), True, False),
+    ],
+)
 def test_loop_matmul_equals_the_loop(a_shape, b_shape, a_indexed, b_indexed):
     a, b, n = torch.randn(*a_shape), torch.randn(*b_shape), 5
     expected = torch.stack([(a[i] if a_indexed else a) @ (b[i] if b_indexed else b) for i in range(n)])
@@ -642,10 +667,19 @@ def test_loop_matmul_equals_the_loop(a_shape, b_shape, a_indexed, b_indexed):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("x_shape, x_indexed", [
-    ((5, 7), True), ((5, 2, 7), True), ((5, 2, 3, 7), True), ((6, 2, 7), True), ((5, 0, 7), True),
-    ((7,), False), ((2, 7), False), ((2, 3, 7), False),
-])
+@pytest.mark.parametrize(
+    "x_shape, x_indexed",
+    [
+        ((5, 7), True),
+        ((5, 2, 7), True),
+        ((5, 2, 3, 7), True),
+        ((6, 2, 7), True),
+        ((5, 0, 7), True),
+        ((7,), False),
+        ((2, 7), False),
+        ((2, 3, 7), False),
+    ],
+)
 def test_loop_linear_broadcasts_like_the_loop(bias, x_shape, x_indexed):
     layers = nn.ModuleList(nn.Linear(7, 3, bias=bias) for _ in range(5))
     x = torch.randn(*x_shape)

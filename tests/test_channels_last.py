@@ -26,8 +26,18 @@ from speedkit.training.state import TrainState
 
 CL = torch.channels_last
 #: small and quick (as in test_lightning.py): the decisions are not what these tests are about
-QUICK = {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-         "budget_s": 60.0, "holds_windows": 1, "telemetry": False, "final_check": False}
+QUICK = {
+    "warmup": 1,
+    "steps": 2,
+    "repeats": 2,
+    "parity_steps": 2,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "budget_s": 60.0,
+    "holds_windows": 1,
+    "telemetry": False,
+    "final_check": False,
+}
 IMPLEMENTATIONS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
 
@@ -238,8 +248,12 @@ def test_batches_convert_only_4d_floating_tensors():
 
 
 def test_the_source_wrapper_delegates_all_but_the_layout():
-    inner = BatchSource(DataLoader(TensorDataset(torch.randn(8, 3, 4, 4)), batch_size=2, shuffle=True,
-                                   generator=torch.Generator().manual_seed(0)), "cpu")
+    inner = BatchSource(
+        DataLoader(
+            TensorDataset(torch.randn(8, 3, 4, 4)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+        ),
+        "cpu",
+    )
     source = ChannelsLastSource(inner)
     assert source.generators() == inner.generators() and source.state_dict()["generators"].generators
     host = source.parity_batches(2)
@@ -322,8 +336,15 @@ class Probe(pl.Callback):
 def _fit(callbacks, datamodule: str | None = None, max_steps: int = 4):
     pl.seed_everything(0, verbose=False)
     model = LitConvNet()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     data = {None: None, "plain": ConvData, "overrides": TransformingData}[datamodule]
     data = data(model) if data else None
     trainer.fit(model, datamodule=data)

@@ -40,7 +40,9 @@ def test_missing_file_one_line_exit_2(tmp_path, capsys):
 
 def test_console_script_exit_code_and_no_traceback(tmp_path):
     path = tmp_path / "recipe.yaml"
-    path.write_text("model: {class_path: speedkit.demos.NaiveGPT}\ndata: {synthetic: tokens}\nladder: [tf32]\nmeasure: {steps: -3}\n")
+    path.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT}\ndata: {synthetic: tokens}\nladder: [tf32]\nmeasure: {steps: -3}\n"
+    )
     proc = subprocess.run([sys.executable, "-m", "speedkit", "optimize", str(path)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "measure.steps" in proc.stderr and "Traceback" not in proc.stderr
@@ -67,7 +69,9 @@ def test_a_recipe_without_a_ladder_climbs_the_default_one_and_fit_refuses_it(tmp
     path = tmp_path / "recipe.yaml"
     path.write_text(recipe_text(ladder=None))
     recipe = load_recipe(path)
-    assert not recipe.ladder_given and [r.name for r in recipe.ladder] == [n if isinstance(n, str) else n["name"] for n in default_ladder()]
+    assert not recipe.ladder_given and [r.name for r in recipe.ladder] == [
+        n if isinstance(n, str) else n["name"] for n in default_ladder()
+    ]
     assert main(["validate", str(path)]) == 0
     assert "rungs of the default ladder, as the recipe lists none" in capsys.readouterr().out
     assert main(["fit", str(path)]) == 2
@@ -89,8 +93,10 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     assert report["schema_version"] == 3 and report["interrupted"] is None
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
     rungs = report["rungs"]
-    assert [r["name"] for r in rungs if r["status"] not in ("closing", "switches")] == ["baseline", *[
-        x if isinstance(x, str) else x["name"] for x in recipe["ladder"]]]
+    assert [r["name"] for r in rungs if r["status"] not in ("closing", "switches")] == [
+        "baseline",
+        *[x if isinstance(x, str) else x["name"] for x in recipe["ladder"]],
+    ]
     for r in rungs:
         assert r["status"] in ("baseline", "kept", "reverted", "not_applicable", "closing", "switches"), (r["name"], r["reason"])
         if r["status"] in ("kept", "reverted") and r["parity"]["passed"] and not r["reason"].startswith("no effect here"):
@@ -163,7 +169,8 @@ def interrupting_recipe(tmp_path_factory):
             "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\n"
             "trainer: {accelerator: cpu}\n"
             "ladder: [fused_optimizer, {name: compile, options: {backend: eager}}]\n"
-            "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, telemetry: false}\n" % how)
+            "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, telemetry: false}\n" % how
+        )
         return path
 
     return make
@@ -232,12 +239,19 @@ def test_optimize_never_replaces_the_recipe_it_reads_or_files_it_did_not_write(t
 
 
 @pytest.mark.parametrize("command", ["validate", "optimize", "fit"])
-@pytest.mark.parametrize("args, words", [(["--trainer.max_steps=-5"], "`max_steps` must be"),
-                                         (["--trainer.devices", "0"], "devices=0"),
-                                         (["--trainer.gradient_clip_algorithm", "bogus"], "gradient_clip_algorithm")])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--trainer.max_steps=-5"], "`max_steps` must be"),
+        (["--trainer.devices", "0"], "devices=0"),
+        (["--trainer.gradient_clip_algorithm", "bogus"], "gradient_clip_algorithm"),
+    ],
+)
 def test_trainer_values_lightning_refuses_are_one_line_before_any_work(tmp_path, capsys, command, args, words):
     out = tmp_path / "out"
-    code = main([command, str(REPO / "recipes" / "tiny-cpu.yaml"), *args, *(["--out", str(out)] if command == "optimize" else [])])
+    code = main(
+        [command, str(REPO / "recipes" / "tiny-cpu.yaml"), *args, *(["--out", str(out)] if command == "optimize" else [])]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "trainer: Lightning refuses" in err[0] and words in err[0], err
     assert not out.exists()
@@ -291,9 +305,11 @@ def user_recipe(tmp_path, monkeypatch):
 
     def make(fail: str = "raise", data: str = "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}") -> Path:
         path = tmp_path / f"{fail}.yaml"
-        path.write_text("model: {class_path: speedkit_test_user_code.BrokenGPT, init_args: {size: tiny, fail: %s}}\n"
-                        "data: %s\ntrainer: {accelerator: cpu, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
-                        "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (fail, data))
+        path.write_text(
+            "model: {class_path: speedkit_test_user_code.BrokenGPT, init_args: {size: tiny, fail: %s}}\n"
+            "data: %s\ntrainer: {accelerator: cpu, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
+            "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (fail, data)
+        )
         return path
 
     return make
@@ -301,12 +317,14 @@ def user_recipe(tmp_path, monkeypatch):
 
 def test_an_exception_in_the_users_step_shows_their_frames_and_one_line(user_recipe, tmp_path, capsys):
     for command in ("optimize", "fit"):
-        assert main([command, str(user_recipe("raise")), *(["--out", str(tmp_path / "out")] if command == "optimize" else [])]) == 1
+        assert (
+            main([command, str(user_recipe("raise")), *(["--out", str(tmp_path / "out")] if command == "optimize" else [])]) == 1
+        )
         err = capsys.readouterr().err
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"speedkit: error: speedkit {command}: your code raised RuntimeError: boom in the user's step")
         assert "speedkit_test_user_code.py" in last and "BrokenGPT.training_step" in last
-        frames = err[err.index("Traceback of your code"):]
+        frames = err[err.index("Traceback of your code") :]
         assert "speedkit_test_user_code.py" in frames and "/speedkit/" not in frames and "lightning" not in frames
     assert not (tmp_path / "out").exists()
 
@@ -337,8 +355,10 @@ def test_each_message_is_printed_once_and_lightnings_notes_stay_out_of_the_way(u
     validate silent on stderr for a recipe that leaves Lightning's logger on (the Trainer built to check
     the recipe's arguments would make one; the run says it where it matters)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_recipe("nan").parent), str(REPO)])}
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "speedkit", *argv], capture_output=True, text=True,  # noqa: E731
-                                       cwd=tmp_path, env=env)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "speedkit", *argv], capture_output=True, text=True, cwd=tmp_path, env=env)
+
     nan = user_recipe("nan")
     nan.write_text(nan.read_text().replace("logger: false, ", ""))
     proc = run("optimize", str(nan), "--out", str(tmp_path / "out"))
@@ -359,11 +379,14 @@ def test_optimize_on_a_model_the_trials_cannot_run_is_one_line(tmp_path, capsys)
         "from speedkit.demos import NaiveGPT\n\n\nclass ManualGPT(NaiveGPT):\n"
         "    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self.automatic_optimization = False\n\n"
         "    def training_step(self, batch, batch_idx):\n        opt = self.optimizers()\n"
-        "        self.manual_backward(self(*batch))\n        opt.step()\n        opt.zero_grad()\n")
+        "        self.manual_backward(self(*batch))\n        opt.step()\n        opt.zero_grad()\n"
+    )
     recipe = tmp_path / "manual.yaml"
-    recipe.write_text("model: {class_path: speedkit_test_manual.ManualGPT, init_args: {size: tiny}}\n"
-                      "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
-                      "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1}\n")
+    recipe.write_text(
+        "model: {class_path: speedkit_test_manual.ManualGPT, init_args: {size: tiny}}\n"
+        "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+        "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1}\n"
+    )
     assert main(["optimize", str(recipe), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "could not run its trials" in err[0] and "automatic_optimization" in err[0]
@@ -375,9 +398,14 @@ def test_version_and_overrides(tmp_path, capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("speedkit ")
     recipe = REPO / "recipes" / "tiny-cpu.yaml"
     assert main(["validate", str(recipe), "--trainer.max_steps", "7", "--measure.steps=3"]) == 0
-    for args, words in ((["--trainer.max_stepz", "7"], "trainer.max_stepz"), (["--measure.steps", "0"], "measure.steps"),
-                        (["--trainer.max_steps"], "needs a value"), (["stray"], "unexpected argument"),
-                        (["--seed.x", "1"], "not a mapping"), (["--measure.steps", "[1"], "cannot read")):
+    for args, words in (
+        (["--trainer.max_stepz", "7"], "trainer.max_stepz"),
+        (["--measure.steps", "0"], "measure.steps"),
+        (["--trainer.max_steps"], "needs a value"),
+        (["stray"], "unexpected argument"),
+        (["--seed.x", "1"], "not a mapping"),
+        (["--measure.steps", "[1"], "cannot read"),
+    ):
         assert main(["validate", str(recipe), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
@@ -390,19 +418,35 @@ def test_rungs_lists_every_rung(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("model_args, data, words", [
-    ("block_size: 8", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}", "model: NaiveGPT.forward raised IndexError"),
-    ("vocab_size: 16", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}", "model: NaiveGPT.forward raised IndexError"),
-    ("block_size: 16", "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64, num_workers: -1}",
-     "data: SyntheticTokens.train_dataloader() raised ValueError: num_workers"),
-])
+@pytest.mark.parametrize(
+    "model_args, data, words",
+    [
+        (
+            "block_size: 8",
+            "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}",
+            "model: NaiveGPT.forward raised IndexError",
+        ),
+        (
+            "vocab_size: 16",
+            "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}",
+            "model: NaiveGPT.forward raised IndexError",
+        ),
+        (
+            "block_size: 16",
+            "{synthetic: tokens, batch_size: 2, seq_len: 16, length: 64, num_workers: -1}",
+            "data: SyntheticTokens.train_dataloader() raised ValueError: num_workers",
+        ),
+    ],
+)
 @pytest.mark.parametrize("command", ["optimize", "fit"])
 def test_a_demo_model_and_data_that_do_not_fit_together_are_one_line(tmp_path, capsys, command, model_args, data, words):
     """speedkit's demo models stand in for the user's: failing on the recipe's arguments is bad input (exit 2), not a traceback."""
     path = tmp_path / "recipe.yaml"
-    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny, %s}}\ndata: %s\n"
-                    "trainer: {accelerator: cpu, max_steps: 2, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
-                    "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (model_args, data))
+    path.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny, %s}}\ndata: %s\n"
+        "trainer: {accelerator: cpu, max_steps: 2, logger: false, enable_checkpointing: false}\nladder: [fused_optimizer]\n"
+        "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2}\n" % (model_args, data)
+    )
     out = tmp_path / "out"
     assert main([command, str(path), *(["--out", str(out)] if command == "optimize" else [])]) == 2
     err = capsys.readouterr().err
@@ -417,8 +461,10 @@ def test_synthetic_data_a_model_cannot_take_is_one_line_before_any_work(tmp_path
     """vectors for a language model passed validate and failed once optimize ran; now every command
     says so in one line, exit 2, before any work (one forward on one synthetic sample, on the CPU)."""
     path = tmp_path / "recipe.yaml"
-    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\ndata: {synthetic: vectors}\n"
-                    "trainer: {accelerator: cpu, max_steps: 2}\nladder: [fused_optimizer]\n")
+    path.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\ndata: {synthetic: vectors}\n"
+        "trainer: {accelerator: cpu, max_steps: 2}\nladder: [fused_optimizer]\n"
+    )
     out = tmp_path / "out"
     assert main([command, str(path), *(["--out", str(out)] if command == "optimize" else [])]) == 2
     captured = capsys.readouterr()
@@ -432,10 +478,12 @@ def test_synthetic_data_a_model_cannot_take_is_one_line_before_any_work(tmp_path
 def test_a_speedladder_callback_told_to_apply_nothing_unmeasured_is_one_line(tmp_path, capsys, command):
     """SpeedLadder(trials=False) without rungs would apply the whole default ladder unmeasured."""
     path = tmp_path / "recipe.yaml"
-    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
-                    "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\n"
-                    "trainer: {accelerator: cpu, max_steps: 2, logger: false,\n"
-                    "          callbacks: [{class_path: speedkit.lightning.SpeedLadder, init_args: {trials: false}}]}\nladder: []\n")
+    path.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+        "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\n"
+        "trainer: {accelerator: cpu, max_steps: 2, logger: false,\n"
+        "          callbacks: [{class_path: speedkit.lightning.SpeedLadder, init_args: {trials: false}}]}\nladder: []\n"
+    )
     assert main([command, str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trainer.callbacks[0].init_args" in err[0] and "trials: False applies the rungs given" in err[0], err
@@ -474,10 +522,13 @@ def test_the_data_check_refuses_what_torch_refuses_and_leaves_other_failures_to_
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / "recipe.yaml"
     for model, data, code in (("TokenModel", "vectors", 2), ("TokenModel", "tokens", 0), ("ReadsItsTrainer", "tokens", 0)):
-        path.write_text(f"model: {{class_path: speedkit_test_tokens.{model}}}\n"
-                        f"data: {{synthetic: {data}, batch_size: 2, seq_len: 8, vocab_size: 512}}\n"
-                        "trainer: {accelerator: cpu, logger: false}\nladder: [fused_optimizer]\n"
-                        .replace(", seq_len: 8, vocab_size: 512" if data == "vectors" else "@", ""))
+        path.write_text(
+            f"model: {{class_path: speedkit_test_tokens.{model}}}\n"
+            f"data: {{synthetic: {data}, batch_size: 2, seq_len: 8, vocab_size: 512}}\n"
+            "trainer: {accelerator: cpu, logger: false}\nladder: [fused_optimizer]\n".replace(
+                ", seq_len: 8, vocab_size: 512" if data == "vectors" else "@", ""
+            )
+        )
         assert main(["validate", str(path)]) == code, (model, data)
         err = capsys.readouterr().err.strip().splitlines()
         if code:
@@ -487,10 +538,15 @@ def test_the_data_check_refuses_what_torch_refuses_and_leaves_other_failures_to_
             assert err == [], err
 
 
-@pytest.mark.parametrize("argv, words", [([], "no command given; give one of optimize, fit, validate, rungs"),
-                                         (["fit"], "fit: the following arguments are required: recipe"),
-                                         (["optimize", "--out"], "optimize: argument --out: expected one argument"),
-                                         (["optimise"], "invalid choice: 'optimise'")])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "no command given; give one of optimize, fit, validate, rungs"),
+        (["fit"], "fit: the following arguments are required: recipe"),
+        (["optimize", "--out"], "optimize: argument --out: expected one argument"),
+        (["optimise"], "invalid choice: 'optimise'"),
+    ],
+)
 def test_argument_errors_are_one_line_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -503,9 +559,11 @@ def test_optimize_says_it_replaces_its_own_earlier_output(tmp_path, capsys):
     out.mkdir()
     (out / "report.json").write_text('{\n  "schema_version": 2}\n')  # speedkit's own earlier report
     path = tmp_path / "recipe.yaml"
-    path.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
-                    "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
-                    "ladder: [fused_optimizer]\nreport: {formats: [json]}\n"
-                    "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, holds_windows: 1}\n")
+    path.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+        "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+        "ladder: [fused_optimizer]\nreport: {formats: [json]}\n"
+        "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, holds_windows: 1}\n"
+    )
     assert main(["optimize", str(path), "--out", str(out)]) == 0
     assert "(replacing the earlier report.json there)" in capsys.readouterr().out

@@ -106,8 +106,15 @@ def test_lightning_entries_inside_a_fit():
                 seen["scratch"] = set(log.results.keys())
             seen["restored"] = trainer.fit_loop.epoch_loop._results is results
 
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Probe()],
+    )
     trainer.fit(_LoggingModel(8))
     assert seen["batch"] == (4, 2)
     assert seen["scratch"] == {"training_step.loss"} and seen["restored"]
@@ -139,15 +146,25 @@ def test_lightning_profiler_action_names_are_labelled():
             pass
 
     profiler = SimpleProfiler()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Hooked()], profiler=profiler)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Hooked()],
+        profiler=profiler,
+    )
     trainer.fit(_LoggingModel(8))
     labels = {compat.lightning_action_label(a) for a in profiler.recorded_durations}
     assert ("fetch", "fetching the next batch") in labels
     assert ("callback", "Hooked.on_train_batch_end") in labels
     assert ("module", "_LoggingModel.on_train_batch_end") in labels
-    assert compat.lightning_action_label("[Callback]ModelCheckpoint{'monitor': 'val/loss', 'x': 0.5}.on_train_batch_end") == \
-        ("callback", "ModelCheckpoint.on_train_batch_end")
+    assert compat.lightning_action_label("[Callback]ModelCheckpoint{'monitor': 'val/loss', 'x': 0.5}.on_train_batch_end") == (
+        "callback",
+        "ModelCheckpoint.on_train_batch_end",
+    )
     assert compat.lightning_action_label("run_training_batch") == ("other", "run_training_batch")
     assert compat.lightning_action_label("[Strategy]SingleDeviceStrategy.batch_to_device")[0] == "transfer"
     assert compat.lightning_action_label("[Callback]ModelCheckpoint{}.on_validation_end")[0] == "validation"
@@ -180,8 +197,15 @@ def test_lightning_entries_a_replayed_step_uses():
                 module.log("replayed", torch.tensor(3.0))
             seen["log_is_back"] = "log" not in module.__dict__
 
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Probe()],
+    )
     trainer.fit(_LoggingModel(16))
     assert seen["counted"] == 1 and seen["restored"]
     assert seen["recorded"] == [("loss", {"prog_bar": True})] and "test_compat.py" in seen["where"]

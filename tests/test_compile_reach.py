@@ -127,12 +127,27 @@ def test_in_the_ladder_compile_counts_frames_of_the_inner_model():
     wrapped.model = FreshBackbone()
     optimizer = torch.optim.AdamW(wrapped.parameters())
     data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(64)]
-    state = TrainState(model=wrapped, optimizer=optimizer, device=torch.device("cpu"),
-                       step=PlainStep(wrapped, optimizer, "cpu", loss_fn=lambda m, b, i: m.training_step(b, i)),
-                       data=BatchSource(data, torch.device("cpu")))
-    result = Ladder(state, [CompileRung(CompileOptions(backend="eager"))],
-                    {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-                     "telemetry": False, "final_check": False}).run()
+    state = TrainState(
+        model=wrapped,
+        optimizer=optimizer,
+        device=torch.device("cpu"),
+        step=PlainStep(wrapped, optimizer, "cpu", loss_fn=lambda m, b, i: m.training_step(b, i)),
+        data=BatchSource(data, torch.device("cpu")),
+    )
+    result = Ladder(
+        state,
+        [CompileRung(CompileOptions(backend="eager"))],
+        {
+            "warmup": 1,
+            "steps": 2,
+            "repeats": 2,
+            "parity_steps": 2,
+            "min_blocks": 2,
+            "max_blocks": 2,
+            "telemetry": False,
+            "final_check": False,
+        },
+    ).run()
     entry = result.rungs[1]
     assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason
     ran = next(line for line in entry.changes if line.startswith("ran model (FreshBackbone).forward"))
@@ -147,8 +162,11 @@ def test_inductor_settings_go_to_torch_compile_with_the_modes_own(monkeypatch):
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
-    options = parse_options(CompileOptions, {"mode": "max-autotune-no-cudagraphs",
-                                             "inductor": {"coordinate_descent_tuning": False}}, "ladder[0].options")
+    options = parse_options(
+        CompileOptions,
+        {"mode": "max-autotune-no-cudagraphs", "inductor": {"coordinate_descent_tuning": False}},
+        "ladder[0].options",
+    )
     wrapped = Wrapped()
     handle = CompileRung(options).apply(_state(wrapped))
     assert "mode" not in seen[0]
@@ -207,8 +225,9 @@ def test_logging_inside_a_hugging_face_forward_does_not_break_the_graph():
     from speedkit import compat
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=63,
-                                       eos_token_id=63))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=63, eos_token_id=63)
+    )
     skipped = compat.dynamo_ignored_logging()
     assert skipped is not None and logging.Logger.warning_once not in skipped
     handle = CompileRung(CompileOptions(backend="eager")).apply(_state(model))
@@ -217,7 +236,9 @@ def test_logging_inside_a_hugging_face_forward_does_not_break_the_graph():
     # torch 2.11 writes this set, sorted, as JSON with every compilation's metrics (a function there
     # failed it, an error traceback after each compilation); copies and pickles keep the function
     assert json.loads(json.dumps(sorted(skipped))) == ["transformers.utils.logging.warning_once"]
-    assert logging.Logger.warning_once in copy.deepcopy(skipped) and logging.Logger.warning_once in pickle.loads(pickle.dumps(skipped))
+    assert logging.Logger.warning_once in copy.deepcopy(skipped) and logging.Logger.warning_once in pickle.loads(
+        pickle.dumps(skipped)
+    )
     x = torch.randint(0, 64, (2, 16))
     for _ in range(2):
         model(input_ids=x, labels=x).loss.backward()

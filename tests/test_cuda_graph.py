@@ -434,8 +434,15 @@ class CallsTheStandardLibrary(_Base):
         return self.net(batch).sum() * (len(tags) + len(kept))
 
 
-SAFE = [TensorProperties, BatchKeys, LoopsOverTheBatch, MaskedFillByIndexing, NumberRepeats, IndexPassedToHelper,
-        CallsTheStandardLibrary]
+SAFE = [
+    TensorProperties,
+    BatchKeys,
+    LoopsOverTheBatch,
+    MaskedFillByIndexing,
+    NumberRepeats,
+    IndexPassedToHelper,
+    CallsTheStandardLibrary,
+]
 
 
 @pytest.mark.parametrize("cls", SAFE, ids=[c.__name__ for c in SAFE])
@@ -496,9 +503,15 @@ def test_training_across_processes_is_refused_on_every_rank_alike():
 
     model = Module()
     opt = torch.optim.AdamW(model.parameters())
-    trainer = SimpleNamespace(world_size=2, lr_scheduler_configs=[], callbacks=[], accumulate_grad_batches=1,
-                              optimizers=[opt], strategy=SimpleNamespace(root_device=torch.device("cpu")),
-                              precision_plugin=SimpleNamespace(precision="32-true"))
+    trainer = SimpleNamespace(
+        world_size=2,
+        lr_scheduler_configs=[],
+        callbacks=[],
+        accumulate_grad_batches=1,
+        optimizers=[opt],
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        precision_plugin=SimpleNamespace(precision="32-true"),
+    )
     state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=LightningStep(trainer, model))
     reason = rungs.make("cuda_graph").check(state)
     assert reason is not None and "across 2 processes" in reason and "all-reduce" in reason, reason
@@ -571,8 +584,11 @@ class Sample:
 
 def _batch(seed: int, n: int = 4):
     g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, 3, generator=g), "pair": (torch.randint(0, 9, (n,), generator=g), "tag"),
-            "sample": Sample(torch.rand(n, 2, generator=g), torch.arange(n) + seed, "disk")}
+    return {
+        "x": torch.randn(n, 3, generator=g),
+        "pair": (torch.randint(0, 9, (n,), generator=g), "tag"),
+        "sample": Sample(torch.rand(n, 2, generator=g), torch.arange(n) + seed, "disk"),
+    }
 
 
 def _flat(batch):
@@ -638,11 +654,18 @@ def test_persistent_changes_survive_suspend_and_go_with_undo():
 
 def test_the_report_says_how_the_learning_rate_reaches_the_graph():
     """AdamW (capturable) reads it from a device tensor; SGD keeps a number baked into the graph."""
-    for opt_cls, says in ((torch.optim.AdamW, "read by the graph from a device tensor"), (torch.optim.SGD, "baked into the graph")):
+    for opt_cls, says in (
+        (torch.optim.AdamW, "read by the graph from a device tensor"),
+        (torch.optim.SGD, "baked into the graph"),
+    ):
         model = nn.Linear(4, 2)
         opt = opt_cls(model.parameters(), lr=0.1)
-        state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"),
-                           step=PlainStep(model, opt, "cpu", loss_fn=lambda m, b, i: m(b[0]).sum()))
+        state = TrainState(
+            model=model,
+            optimizer=opt,
+            device=torch.device("cpu"),
+            step=PlainStep(model, opt, "cpu", loss_fn=lambda m, b, i: m(b[0]).sum()),
+        )
         handle = rungs.make("cuda_graph").apply(state)
         assert any(line.startswith(f"{opt_cls.__name__}: learning rate {says}") for line in handle.changes), handle.changes
         handle.undo()
@@ -705,11 +728,18 @@ def test_a_sync_made_while_torch_compile_compiles_is_not_the_steps():
         return [traceback.FrameSummary(f, 1, "f") for f in files]
 
     site = "/venv/lib/python3.12/site-packages"
-    assert while_compiling(frames("/work/train.py", f"{site}/torch/_dynamo/convert_frame.py",
-                                  f"{site}/torch/_inductor/fx_passes/joint_graph.py"))
+    assert while_compiling(
+        frames("/work/train.py", f"{site}/torch/_dynamo/convert_frame.py", f"{site}/torch/_inductor/fx_passes/joint_graph.py")
+    )
     assert while_compiling(frames(f"{site}/torch/_inductor/compile_fx.py"))
-    assert not while_compiling(frames("/work/train.py", f"{site}/torch/_dynamo/eval_frame.py",
-                                      "/tmp/torchinductor_root/ab/cabc.py", f"{site}/torch/nn/modules/transformer.py"))
+    assert not while_compiling(
+        frames(
+            "/work/train.py",
+            f"{site}/torch/_dynamo/eval_frame.py",
+            "/tmp/torchinductor_root/ab/cabc.py",
+            f"{site}/torch/nn/modules/transformer.py",
+        )
+    )
 
 
 def test_a_graph_captured_before_a_change_in_place_is_captured_again_and_switched_handles_keep_it():

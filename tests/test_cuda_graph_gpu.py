@@ -77,8 +77,10 @@ def test_twenty_graphed_steps_match_eager_with_schedule_and_clipping():
     assert worst <= 1e-5, worst
     assert abs(lr - eager_lr) <= 1e-6 * eager_lr
     user_losses, user_params, _, _, _ = _plain_run(False, capturable=False)
-    print(f"graphed vs eager (same optimizer): params rel {worst:.2e}; vs the user's non-capturable AdamW: "
-          f"{max(_rel(p, q) for p, q in zip(params, user_params)):.2e}")
+    print(
+        f"graphed vs eager (same optimizer): params rel {worst:.2e}; vs the user's non-capturable AdamW: "
+        f"{max(_rel(p, q) for p, q in zip(params, user_params)):.2e}"
+    )
     for a, b in zip(losses, user_losses):
         assert abs(a - b) <= 1e-5 * abs(b)
     handle.undo()
@@ -90,8 +92,7 @@ def test_graph_recaptures_after_the_optimizer_state_is_replaced():
 
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"),
-                       step=PlainStep(model, opt, "cuda", loss_fn=_loss))
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=PlainStep(model, opt, "cuda", loss_fn=_loss))
     snap = Snapshot(model, opt, state.step)
     rungs.make("cuda_graph").apply(state)
     batches = _batches(8)
@@ -146,8 +147,16 @@ def _fit(callbacks: list, steps: int = 25, capturable: bool = False, ckpt_path=N
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _Logged(capturable)
     record = _Record()
-    args = dict(max_steps=steps, accelerator="gpu", devices=1, gradient_clip_val=1.0, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    args = dict(
+        max_steps=steps,
+        accelerator="gpu",
+        devices=1,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer = pl.Trainer(**{**args, **trainer_args}, callbacks=[*callbacks, record])
     trainer.fit(model, ckpt_path=ckpt_path)
     lr = float(trainer.optimizers[0].param_groups[0]["lr"])
@@ -209,9 +218,16 @@ def test_a_step_drawing_random_numbers_on_the_host_is_not_captured_and_the_line_
     the dropout drawn on the device in the other test's fit is no such draw."""
     torch.manual_seed(0)
     record = _Record()
-    trainer = pl.Trainer(max_steps=6, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[SpeedLadder(rungs=["cuda_graph"]), record])
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SpeedLadder(rungs=["cuda_graph"]), record],
+    )
     trainer.fit(_Mixed())
     graph = record.graph
     assert isinstance(graph, GraphedStep) and graph.captures == 0 and graph.replays == 0
@@ -246,9 +262,16 @@ def test_lightning_demo_transformer_is_captured_or_the_sync_is_named():
     entry = ZOO["lightning-transformer"]
     module, loader = entry.build("tiny")
     record = _Record()
-    trainer = pl.Trainer(max_steps=8, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[SpeedLadder(rungs=["cuda_graph"]), record])
+    trainer = pl.Trainer(
+        max_steps=8,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SpeedLadder(rungs=["cuda_graph"]), record],
+    )
     trainer.fit(module, train_dataloaders=loader)
     graph = record.graph
     assert isinstance(graph, GraphedStep)
@@ -270,9 +293,16 @@ def test_lightning_demo_transformer_is_captured_with_its_mask_applied_as_given(b
     module, loader = ZOO["lightning-transformer"].build("tiny")
     record = _Record()
     ladder = [r if r != "compile" else {"name": "compile", "options": {"backend": "inductor"}} for r in below]
-    trainer = pl.Trainer(max_steps=10, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[SpeedLadder(rungs=[*ladder, "cuda_graph"]), record])
+    trainer = pl.Trainer(
+        max_steps=10,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SpeedLadder(rungs=[*ladder, "cuda_graph"]), record],
+    )
     trainer.fit(module, train_dataloaders=loader)
     graph = record.graph
     assert isinstance(graph, GraphedStep)
@@ -294,8 +324,7 @@ def test_graphed_peak_memory_counts_the_graph_pool():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(4)]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [(torch.randn(2048, 1024, device="cuda"), torch.randint(0, 1024, (2048,), device="cuda")) for _ in range(4)]
-    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"),
-                       step=PlainStep(model, opt, "cuda", loss_fn=_loss))
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cuda"), step=PlainStep(model, opt, "cuda", loss_fn=_loss))
     session = MeasureSession("cuda")
     session.memory_outside_peak = lambda: int(getattr(state.step, "memory_outside_peak", lambda: 0)())
     counter = iter(range(1000))
@@ -314,8 +343,10 @@ def test_graphed_peak_memory_counts_the_graph_pool():
     session.warm(one, 1)
     allocator_only = torch.cuda.max_memory_allocated()
     graphed = session.window(one, 4).peak_memory_bytes
-    print(f"peak: eager {eager / 2**20:.0f} MiB; graphed {graphed / 2**20:.0f} MiB (allocator alone "
-          f"{allocator_only / 2**20:.0f} MiB, graph {graphed_step.graph_bytes / 2**20:.0f} MiB)")
+    print(
+        f"peak: eager {eager / 2**20:.0f} MiB; graphed {graphed / 2**20:.0f} MiB (allocator alone "
+        f"{allocator_only / 2**20:.0f} MiB, graph {graphed_step.graph_bytes / 2**20:.0f} MiB)"
+    )
     assert graphed_step.graph_bytes > 0
     assert graphed >= graphed_step.graph_bytes
     assert graphed >= 0.8 * eager > allocator_only
@@ -383,7 +414,7 @@ def test_a_failed_capture_leaves_the_devices_random_generator_usable():
 # -- fp16 loss scaling ----------------------------------------------------------------------------
 #: a loss scale so large that the first steps' fp16 gradients overflow: the scaler skips those
 #: steps and halves the scale until they fit, which a graph must do exactly as the eager step does
-_OVERFLOWING_SCALE = 2.0 ** 30
+_OVERFLOWING_SCALE = 2.0**30
 
 
 def _fp16_plain_run(graphed: bool, steps: int = 20):
@@ -431,9 +462,17 @@ def _fp16_fit(callbacks: list, capturable: bool = False, steps: int = 25):
     model = _Fp16Logged(capturable)
     record = _Record()
     plugin = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", init_scale=_OVERFLOWING_SCALE))
-    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, plugins=[plugin], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*callbacks, record])
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="gpu",
+        devices=1,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, record],
+    )
     trainer.fit(model)
     return record, [p.detach().clone() for p in model.parameters()], trainer, plugin.scaler.get_scale()
 
@@ -489,6 +528,7 @@ def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_gr
     (not capturable, not fused), a learning rate as a number and step counters on the CPU, as a plain
     fit writes them. A fit resumed from it with the rungs given captures again and computes what a
     plain resumed fit computes; one resumed without speedkit runs the user's own optimizer."""
+
     def fit(callbacks: list, steps: int, ckpt_path=None, checkpoint_every: int | None = None):
         saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every)] if checkpoint_every else []
         record, _, trainer, _ = _fit([*callbacks, *saving], steps, ckpt_path=ckpt_path, enable_checkpointing=bool(saving))
@@ -501,8 +541,10 @@ def test_a_checkpoint_written_while_graphed_is_the_users_and_a_resumed_fit_is_gr
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     groups, state = checkpoint["optimizer_states"][0]["param_groups"], checkpoint["optimizer_states"][0]["state"]
     user = torch.optim.AdamW(_Logged().parameters(), lr=1e-2).param_groups[0]
-    assert all({k: g[k] for k in ("capturable", "fused", "foreach")} == {k: user[k] for k in ("capturable", "fused", "foreach")}
-               for g in groups), groups
+    assert all(
+        {k: g[k] for k in ("capturable", "fused", "foreach")} == {k: user[k] for k in ("capturable", "fused", "foreach")}
+        for g in groups
+    ), groups
     assert all(isinstance(g["lr"], float) for g in groups)
     assert all(isinstance(lr, float) for lr in checkpoint["lr_schedulers"][0]["_last_lr"])  # StepLR's copies of it
     assert all(s["step"].device.type == "cpu" for s in state.values())
@@ -548,9 +590,11 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
     opt = state.optimizer
     # in the given order (a host-bound step, as this MLP's is on an H200, would try cuda_graph first and
     # judge fused_optimizer beneath it at once: no second look then)
-    ladder = Ladder(state, rungs.make_all(["fused_optimizer", "cuda_graph"]),
-                    {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 6, "telemetry": False,
-                     "host_bound_share": 2.0})
+    ladder = Ladder(
+        state,
+        rungs.make_all(["fused_optimizer", "cuda_graph"]),
+        {"warmup": 2, "steps": 5, "repeats": 3, "parity_steps": 3, "max_blocks": 6, "telemetry": False, "host_bound_share": 2.0},
+    )
     result = ladder.run()
     by_name = {r.name: r for r in result.rungs}
     fused, graph = by_name["fused_optimizer"], by_name["cuda_graph"]

@@ -12,8 +12,12 @@ from speedkit.training.state import TrainState
 
 @pytest.fixture(autouse=True)
 def _cudnn_flags_back():
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled,
-             torch.are_deterministic_algorithms_enabled())
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+    )
     try:
         yield
     finally:

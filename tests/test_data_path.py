@@ -82,13 +82,29 @@ class MyLoader(DataLoader):
 
 @pytest.mark.parametrize("cls", [DataLoader, MyLoader])
 def test_rebuild_keeps_every_object_and_changes_only_the_settings(cls):
-    loader = _loader("generator", cls=cls, collate_fn=torch.utils.data.default_collate, drop_last=True, timeout=0,
-                     worker_init_fn=lambda i: None)
+    loader = _loader(
+        "generator",
+        cls=cls,
+        collate_fn=torch.utils.data.default_collate,
+        drop_last=True,
+        timeout=0,
+        worker_init_fn=lambda i: None,
+    )
     live = iter(loader)
     clone = rebuild_loader(loader, num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4)
     assert type(clone) is cls and clone is not loader
-    for name in ("dataset", "sampler", "batch_sampler", "collate_fn", "worker_init_fn", "generator", "drop_last", "timeout",
-                 "multiprocessing_context", "batch_size"):
+    for name in (
+        "dataset",
+        "sampler",
+        "batch_sampler",
+        "collate_fn",
+        "worker_init_fn",
+        "generator",
+        "drop_last",
+        "timeout",
+        "multiprocessing_context",
+        "batch_size",
+    ):
         assert getattr(clone, name) is getattr(loader, name), name
     assert (clone.num_workers, clone.pin_memory, clone.persistent_workers, clone.prefetch_factor) == (2, True, True, 4)
     assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (0, False, False, None)
@@ -103,8 +119,9 @@ def test_rebuild_keeps_every_object_and_changes_only_the_settings(cls):
 @pytest.mark.parametrize("workers", [(0, 2), (2, 0), (0, 0)], ids=["0->2", "2->0", "0->0"])
 def test_the_rebuilt_loader_yields_the_same_samples_in_the_same_order_over_two_epochs(shuffle, workers):
     original = _loader(shuffle, workers[0])
-    clone = rebuild_loader(original, num_workers=workers[1], pin_memory=False, persistent_workers=False,
-                           prefetch_factor=2 if workers[1] else None)
+    clone = rebuild_loader(
+        original, num_workers=workers[1], pin_memory=False, persistent_workers=False, prefetch_factor=2 if workers[1] else None
+    )
     if shuffle == "generator":
         original.generator.manual_seed(7)
     expected, rng_after = _two_epochs(original)
@@ -118,9 +135,11 @@ def test_the_rebuilt_loader_yields_the_same_samples_in_the_same_order_over_two_e
 
 def test_bad_settings_are_one_line_errors():
     loader = _loader("global_rng")
-    for kwargs, where in [(dict(num_workers=-1, pin_memory=False, persistent_workers=False, prefetch_factor=None), "data.num_workers"),
-                          (dict(num_workers=0, pin_memory=False, persistent_workers=True, prefetch_factor=None), "data.num_workers"),
-                          (dict(num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=0), "data.prefetch_factor")]:
+    for kwargs, where in [
+        (dict(num_workers=-1, pin_memory=False, persistent_workers=False, prefetch_factor=None), "data.num_workers"),
+        (dict(num_workers=0, pin_memory=False, persistent_workers=True, prefetch_factor=None), "data.num_workers"),
+        (dict(num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=0), "data.prefetch_factor"),
+    ]:
         with pytest.raises(ConfigError) as err:
             rebuild_loader(loader, **kwargs)
         assert str(err.value).startswith(where) and "\n" not in str(err.value)
@@ -186,7 +205,9 @@ def test_the_cheapest_settings_within_three_percent_of_the_best_are_chosen():
         asked.append(s)
         return table[(s.num_workers, s.prefetch_factor)]
 
-    choice = choose_settings(_loader("global_rng"), CPU, cpus=10, measure=measure)  # two cores stay for the step: 8 workers at most
+    choice = choose_settings(
+        _loader("global_rng"), CPU, cpus=10, measure=measure
+    )  # two cores stay for the step: 8 workers at most
     assert [s.num_workers for s in asked] == [0, 2, 4, 8, 4] and asked[-1].prefetch_factor == 4  # 4 for the best count only
     assert choice.settings == LoaderSettings(4, False, False, 2)  # 195 >= 0.97 * 196; 190 is not
     assert choice.changed and choice.rate(choice.current) == 100.0
@@ -237,8 +258,10 @@ class Item:
 
 
 def _nested_batches():
-    return [{"pair": Pair(torch.ones(2) * i, [torch.arange(3), "tag", i]), "item": Item(torch.zeros(1, 2), f"n{i}"), "none": None}
-            for i in range(3)]
+    return [
+        {"pair": Pair(torch.ones(2) * i, [torch.arange(3), "tag", i]), "item": Item(torch.zeros(1, 2), f"n{i}"), "none": None}
+        for i in range(3)
+    ]
 
 
 def test_on_cpu_the_prefetcher_is_a_passthrough_of_the_same_batches():
@@ -248,7 +271,9 @@ def test_on_cpu_the_prefetcher_is_a_passthrough_of_the_same_batches():
         assert len(got) == 3 and all(a is b for a, b in zip(got, batches))
     wrapped = PrefetchingLoader(_loader("generator"), CPU)
     assert len(wrapped) == 12 and wrapped.sampler is wrapped.loader.sampler and wrapped.dataset is wrapped.loader.dataset
-    assert [b[0].tolist() for b in wrapped] == [b[0].tolist() for b in (wrapped.loader.generator.manual_seed(7) and wrapped.loader)]
+    assert [b[0].tolist() for b in wrapped] == [
+        b[0].tolist() for b in (wrapped.loader.generator.manual_seed(7) and wrapped.loader)
+    ]
     with pytest.raises(ValueError):
         DevicePrefetcher(iter([]), CPU, lookahead=2)
 
@@ -318,10 +343,16 @@ def test_prefetching_reads_into_the_next_epoch_only_when_the_loop_asks_for_it():
 def _state(dataset=None, workers: int = 0, generator: bool = True) -> TrainState:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4))
-    loader = DataLoader(dataset if dataset is not None else Indexed(), batch_size=4, shuffle=True,
-                        generator=torch.Generator().manual_seed(3) if generator else None, num_workers=workers)
-    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=CPU,
-                      data=BatchSource(loader, CPU))
+    loader = DataLoader(
+        dataset if dataset is not None else Indexed(),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3) if generator else None,
+        num_workers=workers,
+    )
+    return TrainState(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device=CPU, data=BatchSource(loader, CPU)
+    )
 
 
 def test_apply_serves_the_same_batches_from_the_rebuilt_loader_and_undo_is_exact():
@@ -395,8 +426,13 @@ def test_a_distributed_samplers_stream_moves_between_worker_counts_exactly(worke
 
     original = loader(workers[0])
     expected = epochs(original)
-    clone = rebuild_loader(loader(workers[0]), num_workers=workers[1], pin_memory=False, persistent_workers=False,
-                           prefetch_factor=2 if workers[1] else None)
+    clone = rebuild_loader(
+        loader(workers[0]),
+        num_workers=workers[1],
+        pin_memory=False,
+        persistent_workers=False,
+        prefetch_factor=2 if workers[1] else None,
+    )
     assert epochs(clone) == expected and len(expected) == 12 and expected[:6] != expected[6:]
     state = _state()
     state.data = BatchSource(loader(workers[0]), CPU)
@@ -417,8 +453,9 @@ def test_the_worker_count_is_kept_where_the_collate_fn_draws_random_numbers(work
     state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
     reason = rungs.make({"name": "data_path", "options": {"workers": workers[1]}}).check(state)
     assert reason.startswith("nothing to change"), reason
-    assert (f"num_workers kept at {workers[0]}: its collate_fn draws random numbers (calling it draws from the torch RNG)"
-            in reason), reason
+    assert (
+        f"num_workers kept at {workers[0]}: its collate_fn draws random numbers (calling it draws from the torch RNG)" in reason
+    ), reason
     assert worker_dependence(Indexed(), torch.utils.data.default_collate) is None
 
 
@@ -449,8 +486,10 @@ def test_generators_a_dataset_keeps_of_its_own_are_where_they_were_after_probing
     state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
     reason = rungs.make({"name": "data_path", "options": {"workers": 2}}).check(state)  # probed
     assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
-    assert "num_workers kept at 0: its samples draw random numbers (reading one draws from its own torch.Generator and " \
-           "its own numpy.Generator)" in reason, reason
+    assert (
+        "num_workers kept at 0: its samples draw random numbers (reading one draws from its own torch.Generator and "
+        "its own numpy.Generator)" in reason
+    ), reason
     choose_settings(loader, CPU, workers=0, pin_memory=False, max_s=0.05)  # measured, here without workers
     assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
     source = BatchSource(loader, CPU)
@@ -461,13 +500,23 @@ def test_generators_a_dataset_keeps_of_its_own_are_where_they_were_after_probing
     assert torch.equal(states()[0], before[0]) and states()[1] == before[1]
 
 
-@pytest.mark.parametrize("loader, options, why", [
-    (dict(dataset=Indexed(3), drop_last=True), {}, "the loader is left as it is: data: the train loader yielded no batch"),
-    (dict(dataset=Indexed(), num_workers=1, timeout=30), {"workers": 0},
-     "num_workers kept at 1: the loader sets timeout=30, which needs num_workers > 0"),
-    (dict(dataset=Indexed(), num_workers=1, multiprocessing_context="spawn"), {"workers": 0},
-     "num_workers kept at 1: the loader names a multiprocessing context, which needs num_workers > 0")],
-    ids=["no-batch", "timeout", "multiprocessing-context"])
+@pytest.mark.parametrize(
+    "loader, options, why",
+    [
+        (dict(dataset=Indexed(3), drop_last=True), {}, "the loader is left as it is: data: the train loader yielded no batch"),
+        (
+            dict(dataset=Indexed(), num_workers=1, timeout=30),
+            {"workers": 0},
+            "num_workers kept at 1: the loader sets timeout=30, which needs num_workers > 0",
+        ),
+        (
+            dict(dataset=Indexed(), num_workers=1, multiprocessing_context="spawn"),
+            {"workers": 0},
+            "num_workers kept at 1: the loader names a multiprocessing context, which needs num_workers > 0",
+        ),
+    ],
+    ids=["no-batch", "timeout", "multiprocessing-context"],
+)
 def test_a_loader_that_cannot_take_the_settings_is_left_as_it_is_with_the_reason(loader, options, why, monkeypatch):
     """A loader whose drop_last leaves no batch, or whose timeout or multiprocessing context a loader
     without workers refuses: check says why, where before it raised (the timeout: torch's AssertionError)."""
@@ -492,14 +541,27 @@ def test_overridden_transfer_hooks_are_found_on_the_module_and_the_datamodule():
             return batch
 
     assert overridden_transfer_hooks(SimpleNamespace(datamodule=Moving()), Hooked()) == [
-        "LightningModule.on_before_batch_transfer", "datamodule.transfer_batch_to_device"]
+        "LightningModule.on_before_batch_transfer",
+        "datamodule.transfer_batch_to_device",
+    ]
     assert overridden_transfer_hooks(SimpleNamespace(datamodule=None), pl.LightningModule()) == []
 
 
 # -- a Lightning fit --------------------------------------------------------------------------------
 
-QUICK = {"warmup": 1, "steps": 2, "repeats": 1, "parity_steps": 1, "min_blocks": 2, "max_blocks": 2, "settle": 0,
-         "budget_s": 60.0, "holds_windows": 0, "final_check": False, "telemetry": False}
+QUICK = {
+    "warmup": 1,
+    "steps": 2,
+    "repeats": 1,
+    "parity_steps": 1,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "settle": 0,
+    "budget_s": 60.0,
+    "holds_windows": 0,
+    "final_check": False,
+    "telemetry": False,
+}
 
 
 class Model(pl.LightningModule):
@@ -520,8 +582,15 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
-        return DataLoader(Indexed(), batch_size=self.batch_size, shuffle=True, generator=self.generator,
-                          num_workers=self.workers, persistent_workers=self.persistent, drop_last=self.drop_last)
+        return DataLoader(
+            Indexed(),
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=self.generator,
+            num_workers=self.workers,
+            persistent_workers=self.persistent,
+            drop_last=self.drop_last,
+        )
 
 
 class Seen(pl.Callback):
@@ -557,8 +626,15 @@ def fit_and_see(make_model: Callable[[], pl.LightningModule], callbacks: list, *
     pl.seed_everything(0, verbose=False)
     seen = Seen()
     options = {"accelerator": "cpu", "max_epochs": 2, **trainer_options}
-    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[*callbacks, seen], **options)
+    trainer = pl.Trainer(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[*callbacks, seen],
+        **options,
+    )
     trainer.fit(make_model())
     return seen
 
@@ -566,8 +642,11 @@ def fit_and_see(make_model: Callable[[], pl.LightningModule], callbacks: list, *
 def force_prefetch(monkeypatch) -> None:
     """Prefetch one batch ahead on the CPU too (the same pull schedule as on CUDA, nothing copied)."""
     make_plan = DataPathRung._make_plan
-    monkeypatch.setattr(DataPathRung, "_make_plan",
-                        lambda self, *a, **k: dataclasses.replace(make_plan(self, *a, **k), prefetch=True, lookahead=1))
+    monkeypatch.setattr(
+        DataPathRung,
+        "_make_plan",
+        lambda self, *a, **k: dataclasses.replace(make_plan(self, *a, **k), prefetch=True, lookahead=1),
+    )
 
 
 def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
@@ -586,11 +665,25 @@ def _fit(shuffle: str, workers: int, callbacks, persistent: bool = False, **load
     return seen
 
 
-@pytest.mark.parametrize("mode, shuffle, workers, persistent", [
-    ("given", "global_rng", (0, 2), False), ("trials", "global_rng", (0, 2), False), ("given", "global_rng", (2, 0), False),
-    ("given", "generator", (1, 2), False), ("trials", "generator", (1, 2), True), ("trials", "global_rng", (1, 2), True)],
-    ids=["given-global-0->2", "trials-global-0->2", "given-global-2->0", "given-generator-1->2",
-         "trials-generator-persistent-1->2", "trials-global-persistent-1->2"])
+@pytest.mark.parametrize(
+    "mode, shuffle, workers, persistent",
+    [
+        ("given", "global_rng", (0, 2), False),
+        ("trials", "global_rng", (0, 2), False),
+        ("given", "global_rng", (2, 0), False),
+        ("given", "generator", (1, 2), False),
+        ("trials", "generator", (1, 2), True),
+        ("trials", "global_rng", (1, 2), True),
+    ],
+    ids=[
+        "given-global-0->2",
+        "trials-global-0->2",
+        "given-global-2->0",
+        "given-generator-1->2",
+        "trials-generator-persistent-1->2",
+        "trials-global-persistent-1->2",
+    ],
+)
 def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuffle, workers, persistent, monkeypatch):
     plain = _fit(shuffle, workers[0], [], persistent)
     ladder = data_path_ladder(mode, workers[1], monkeypatch)
@@ -607,10 +700,16 @@ def test_a_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode, shuf
     assert ladder.handles == []  # undone at teardown
 
 
-@pytest.mark.parametrize("mode, loader, stops", [
-    ("given", {}, True), ("trials", {}, True), ("given", {"batch_size": 5, "drop_last": True}, True),
-    ("given", {"batch_size": 5}, False)],
-    ids=["given-divides", "trials-divides", "given-drop-last", "given-partial-last-batch"])
+@pytest.mark.parametrize(
+    "mode, loader, stops",
+    [
+        ("given", {}, True),
+        ("trials", {}, True),
+        ("given", {"batch_size": 5, "drop_last": True}, True),
+        ("given", {"batch_size": 5}, False),
+    ],
+    ids=["given-divides", "trials-divides", "given-drop-last", "given-partial-last-batch"],
+)
 def test_a_seeded_shuffle_moves_from_no_workers_to_workers_exactly(mode, loader, stops, monkeypatch):
     """``shuffle=True, generator=g`` at 0 workers -> 2 workers: the same samples in the same order over
     two epochs and the generator left where the fit without workers leaves it (its next shuffle)."""
@@ -701,6 +800,7 @@ def test_an_epoch_the_module_ends_at_batch_start_leaves_the_persistent_workers_w
 
 def _measured_factor_4_fastest(monkeypatch) -> None:
     """Loader measurements in which prefetch_factor 4 is clearly fastest (the rung's choice made certain)."""
+
     def measure(s: LoaderSettings) -> float:
         return 100.0 + (20.0 if s.prefetch_factor == 4 else 0.0) + (1.0 if s.pin_memory else 0.0)
 
@@ -716,8 +816,11 @@ def test_persistent_workers_keep_their_prefetch_factor_where_samples_draw_random
     loader = DataLoader(dataset(), batch_size=4, num_workers=2, persistent_workers=True)
     plan = DataPathRung(data_path.DataPathOptions(workers="keep", pin_memory=True))._make_plan(BatchSource(loader, CPU), CPU)
     assert plan.rebuild is not None and plan.rebuild.pin_memory and plan.rebuild.prefetch_factor == factor
-    kept = [n for n in plan.notes if n.startswith("prefetch_factor kept at 2: the loader's workers are persistent and its "
-                                                 "samples draw random numbers")]
+    kept = [
+        n
+        for n in plan.notes
+        if n.startswith("prefetch_factor kept at 2: the loader's workers are persistent and its samples draw random numbers")
+    ]
     assert len(kept) == (factor == 2), plan.notes
     assert {s.prefetch_factor for s, _ in plan.choice.rates} == ({2} if factor == 2 else {2, 4})
 
@@ -725,9 +828,15 @@ def test_persistent_workers_keep_their_prefetch_factor_where_samples_draw_random
 def test_a_cut_epoch_of_persistent_augmenting_workers_moves_later_draws_with_another_prefetch_factor():
     """Why the factor is kept: an epoch broken off after 3 batches leaves prefetch_factor batches per
     worker made ahead and dropped; the next epoch's augmentations are the same only with the same factor."""
+
     def epochs(factor: int) -> list[list[float]]:
-        loader = rebuild_loader(DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
-                                num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=factor)
+        loader = rebuild_loader(
+            DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True),
+            num_workers=2,
+            pin_memory=False,
+            persistent_workers=True,
+            prefetch_factor=factor,
+        )
         torch.manual_seed(3)
         values = []
         for cut in (3, None):
@@ -781,10 +890,16 @@ class _Pulls:
         return sum(p.pulled for p in self.made)
 
 
-@pytest.mark.parametrize("every, workers, model", [
-    (1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers"), (1, 2, "persistent-1-worker")],
-    ids=["every-epoch-prefetched-persistent", "every-2-epochs-0->2-workers", "every-epoch-0->2-workers",
-         "every-epoch-persistent-1->2-workers"])
+@pytest.mark.parametrize(
+    "every, workers, model",
+    [(1, "keep", "persistent-augmented"), (2, 2, "no-workers"), (1, 2, "no-workers"), (1, 2, "persistent-1-worker")],
+    ids=[
+        "every-epoch-prefetched-persistent",
+        "every-2-epochs-0->2-workers",
+        "every-epoch-0->2-workers",
+        "every-epoch-persistent-1->2-workers",
+    ],
+)
 def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, workers, model, monkeypatch):
     """``reload_dataloaders_every_n_epochs``: Lightning makes a new train loader at those epochs'
     start. Each is served like the first (rebuilt, prefetched), every batch of every epoch
@@ -794,8 +909,11 @@ def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, 
     force_prefetch(monkeypatch)
     pulls = _Pulls(monkeypatch)
     epochs = 5
-    make_model = {"persistent-augmented": lambda: AugmentedModel("global_rng", 2, True),
-                  "no-workers": lambda: Model("global_rng", 0, False), "persistent-1-worker": lambda: Model("global_rng", 1, True)}[model]
+    make_model = {
+        "persistent-augmented": lambda: AugmentedModel("global_rng", 2, True),
+        "no-workers": lambda: Model("global_rng", 0, False),
+        "persistent-1-worker": lambda: Model("global_rng", 1, True),
+    }[model]
 
     def fit(callbacks) -> Seen:
         return fit_and_see(make_model, callbacks, max_epochs=epochs, reload_dataloaders_every_n_epochs=every)
@@ -809,11 +927,12 @@ def test_a_fit_that_reloads_its_train_loader_is_served_after_each_reload(every, 
     assert fast.seen == plain.seen and fast.draws == plain.draws and fast.values == plain.values
     assert pulls.pulled == len(plain.seen)  # every batch of every epoch prefetched, none beyond
     changes = ladder.applied_changes["data_path"]
-    assert any("each train loader the fit reloads (reload_dataloaders_every_n_epochs) is served the same way" in c
-               for c in changes), changes
+    assert any(
+        "each train loader the fit reloads (reload_dataloaders_every_n_epochs) is served the same way" in c for c in changes
+    ), changes
     if workers == 2:  # every epoch made by the rebuilt copy's workers, reloads included
         for e in range(epochs):
-            made_by = set().union(*map(set, fast.workers[e * per_epoch:(e + 1) * per_epoch]))
+            made_by = set().union(*map(set, fast.workers[e * per_epoch : (e + 1) * per_epoch]))
             assert made_by == {0, 1}, (e, made_by)
     assert ladder.handles == []
 
@@ -839,7 +958,9 @@ def test_a_reloaded_train_loader_that_cannot_be_served_is_iterated_as_lightning_
     with pytest.warns(UserWarning, match="serving the reloaded train loader failed"):
         fast = fit([ladder])
     assert fast.seen == plain.seen and fast.draws == plain.draws and len(plain.seen) == 36
-    assert any("serving the reloaded train loader failed (RuntimeError: no room)" in c for c in ladder.applied_changes["data_path"])
+    assert any(
+        "serving the reloaded train loader failed (RuntimeError: no room)" in c for c in ladder.applied_changes["data_path"]
+    )
     assert fast.made_by == {-1, 0, 1} and ladder.handles == []
 
 
@@ -859,8 +980,9 @@ def test_stop_at_length_reads_no_further_than_the_sampler_length():
     assert not reads_sampler_to_its_end(seeded) and needs_stop_at_length(seeded, 2) and not needs_stop_at_length(seeded, 0)
     partial = DataLoader(Indexed(), batch_size=5, shuffle=True, generator=torch.Generator())
     assert reads_sampler_to_its_end(partial) and not needs_stop_at_length(partial, 2)
-    rebuilt = rebuild_loader(seeded, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2,
-                             stop_at_length=True)
+    rebuilt = rebuild_loader(
+        seeded, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2, stop_at_length=True
+    )
     assert isinstance(rebuilt.sampler, StopAtLength) and rebuilt.sampler.sampler is seeded.sampler
     assert rebuilt.batch_sampler.batch_size == 4 and len(rebuilt) == len(seeded) == 12
     assert seeded.sampler is not rebuilt.sampler and seeded.batch_sampler.sampler is seeded.sampler  # the user's untouched
@@ -907,8 +1029,9 @@ def test_ddp_ranks_on_one_machine_each_keep_their_own_share_and_no_worker_runs_o
     assert physical_cores(allowed, ht)[:2] == [{0, 8}, {1, 9}]
     shares = [host_share(allowed, r, 3, ht) for r in range(3)]  # 8 cores for 3 ranks: 3, 3, 2
     assert shares == [{0, 8, 1, 9, 2, 10}, {3, 11, 4, 12, 5, 13}, {6, 14, 7, 15}]
-    splits = [training_cpus(allowed=allowed, here=h, siblings=ht, processes=(r, 2), machine=allowed)
-              for r, h in ((0, 9), (1, 3))]  # rank 1's thread happens to run in rank 0's share
+    splits = [
+        training_cpus(allowed=allowed, here=h, siblings=ht, processes=(r, 2), machine=allowed) for r, h in ((0, 9), (1, 3))
+    ]  # rank 1's thread happens to run in rank 0's share
     (kept0, rest0), (kept1, rest1) = splits
     assert kept0 == {1, 9, 0, 8} and rest0 == {2, 10, 3, 11}
     assert kept1 == {4, 12, 5, 13} and rest1 == {6, 14, 7, 15}
@@ -918,8 +1041,9 @@ def test_ddp_ranks_on_one_machine_each_keep_their_own_share_and_no_worker_runs_o
     assert kept == {4, 5} and rest == {6, 7}
     # more ranks than cores: every rank shares them all
     assert host_share({0, 1}, 1, 4, lambda c: {c}) == {0, 1}
-    assert training_cpus(allowed=allowed, here=0, siblings=ht, processes=(0, 1)) == training_cpus(allowed=allowed, here=0,
-                                                                                                  siblings=ht)
+    assert training_cpus(allowed=allowed, here=0, siblings=ht, processes=(0, 1)) == training_cpus(
+        allowed=allowed, here=0, siblings=ht
+    )
 
 
 def test_the_steps_say_how_many_training_processes_share_the_machine(monkeypatch):
@@ -963,16 +1087,21 @@ def test_rebuilt_workers_run_on_the_cpus_given_and_still_call_the_loaders_worker
 
     one = (min(os.sched_getaffinity(0)),)
     loader = DataLoader(Affinities(), batch_size=None, num_workers=0, worker_init_fn=_note_worker)
-    rebuilt = rebuild_loader(loader, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2,
-                             worker_cpus=one)
+    rebuilt = rebuild_loader(
+        loader, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2, worker_cpus=one
+    )
     assert isinstance(rebuilt.worker_init_fn, WorkerAffinity) and rebuilt.worker_init_fn.then is _note_worker
     assert loader.worker_init_fn is _note_worker  # the user's loader untouched
     assert LoaderSettings.of(rebuilt) == LoaderSettings(2, False, False, 2, one)
     assert [(i, cpus) for i, cpus in rebuilt] == [(i, list(one)) for i in range(8)]
     again = rebuild_loader(rebuilt, num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=2)
     assert again.worker_init_fn is _note_worker  # rebuilt without CPUs: the loader's own function, unwrapped
-    assert rebuild_loader(rebuilt, num_workers=0, pin_memory=False, persistent_workers=False,
-                          prefetch_factor=None, worker_cpus=one).worker_init_fn is _note_worker  # no workers to keep
+    assert (
+        rebuild_loader(
+            rebuilt, num_workers=0, pin_memory=False, persistent_workers=False, prefetch_factor=None, worker_cpus=one
+        ).worker_init_fn
+        is _note_worker
+    )  # no workers to keep
     restored = pickle.loads(pickle.dumps(rebuilt.worker_init_fn))  # a spawn context pickles it
     assert restored.cpus == one and restored.then is _note_worker
     seen = []
@@ -1007,8 +1136,9 @@ def test_the_threads_a_loader_iterator_starts_here_go_to_the_cpus_its_workers_we
     other = DataLoader(list(range(40)), batch_size=4, num_workers=1)
     other_it = iter(other)  # another loader's feeder thread, started before: left where it is
     loader = DataLoader(list(range(40)), batch_size=4, num_workers=1)
-    rebuilt = rebuild_loader(loader, num_workers=1, pin_memory=False, persistent_workers=False, prefetch_factor=2,
-                             worker_cpus=(cpus[-1],))
+    rebuilt = rebuild_loader(
+        loader, num_workers=1, pin_memory=False, persistent_workers=False, prefetch_factor=2, worker_cpus=(cpus[-1],)
+    )
     before = {t.native_id for t in threading.enumerate()}
     it = iterate_with_threads_kept(rebuilt)
     new = [t for t in threading.enumerate() if t.native_id not in before and t.name == "QueueFeederThread"]

@@ -27,8 +27,11 @@ class Item:
 
 
 def _batch(i: int):
-    return {"pair": Pair(torch.full((256, 256), float(i)), [torch.arange(4) + i, "tag", i]),
-            "item": Item(torch.full((3, 8, 8), -float(i)), f"n{i}"), "none": None}
+    return {
+        "pair": Pair(torch.full((256, 256), float(i)), [torch.arange(4) + i, "tag", i]),
+        "item": Item(torch.full((3, 8, 8), -float(i)), f"n{i}"),
+        "none": None,
+    }
 
 
 @pytest.mark.parametrize("lookahead", [0, 1])
@@ -71,8 +74,9 @@ def test_every_tensor_is_recorded_on_the_consumers_stream(monkeypatch):
 
 
 def test_the_prefetching_loader_serves_each_epoch_on_the_device():
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(32.0)), batch_size=4, num_workers=2,
-                                         pin_memory=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(32.0)), batch_size=4, num_workers=2, pin_memory=True
+    )
     wrapped = PrefetchingLoader(loader, "cuda", lookahead=1)
     for _ in range(2):
         got = [b[0] for b in wrapped]
@@ -87,7 +91,9 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
 
     def fit(callbacks):
         original = pl.Trainer.__init__
-        monkeypatch.setattr(pl.Trainer, "__init__", lambda self, *a, **k: original(self, *a, **{**k, "accelerator": "gpu", "devices": 1}))
+        monkeypatch.setattr(
+            pl.Trainer, "__init__", lambda self, *a, **k: original(self, *a, **{**k, "accelerator": "gpu", "devices": 1})
+        )
         try:
             return _fit("global_rng", 0, callbacks)
         finally:
@@ -112,8 +118,14 @@ def _augmented_fits(pin: bool, model: str = "AugmentedModel", **trainer_options)
     from speedkit.lightning import SpeedLadder
 
     def fit(callbacks):
-        return fit_and_see(lambda: getattr(test_data_path, model)("global_rng", 2, True), callbacks, accelerator="gpu",
-                           devices=1, max_epochs=3, **trainer_options)
+        return fit_and_see(
+            lambda: getattr(test_data_path, model)("global_rng", 2, True),
+            callbacks,
+            accelerator="gpu",
+            devices=1,
+            max_epochs=3,
+            **trainer_options,
+        )
 
     plain = fit([])
     ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
@@ -121,7 +133,9 @@ def _augmented_fits(pin: bool, model: str = "AugmentedModel", **trainer_options)
 
 
 @pytest.mark.parametrize("limit", [3, 1.0], ids=["cut", "whole"])
-@pytest.mark.parametrize("pin, first", [(False, "prefetched as it is"), (True, "made again")], ids=["users-loader", "pinned-copy"])
+@pytest.mark.parametrize(
+    "pin, first", [(False, "prefetched as it is"), (True, "made again")], ids=["users-loader", "pinned-copy"]
+)
 def test_a_cuda_fit_of_a_persistent_loader_prefetched_makes_and_draws_what_it_would(limit, pin, first):
     """Persistent workers whose samples draw random numbers, the worker count kept: the user's own
     loader only prefetched (its first-epoch iterator, which Lightning made, prefetched as it is), or a
@@ -167,8 +181,14 @@ def test_batches_through_the_ring_reach_the_device_unchanged_over_epochs(persist
     from speedkit.data.ring import BatchRing, handoff_loader, slot_bytes_for
 
     def loader_with(seed: int) -> DataLoader:
-        return DataLoader(_Images(), batch_size=4, shuffle=True, num_workers=3, persistent_workers=persistent,
-                          generator=torch.Generator().manual_seed(seed))
+        return DataLoader(
+            _Images(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=3,
+            persistent_workers=persistent,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     ring = BatchRing(workers=3, slots_per_worker=4, slot_bytes=slot_bytes_for(4 * 3 * 64 * 64 * 4 + 64), wait_s=30.0)
     assert ring.register()

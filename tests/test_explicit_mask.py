@@ -25,8 +25,9 @@ class DemoLike(nn.Module):
     def __init__(self, vocab: int = 61, width: int = 24) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, width)
-        self.transformer = nn.Transformer(d_model=width, nhead=2, num_encoder_layers=1, num_decoder_layers=2,
-                                          dim_feedforward=40, dropout=0.0, batch_first=True)
+        self.transformer = nn.Transformer(
+            d_model=width, nhead=2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=40, dropout=0.0, batch_first=True
+        )
         self.decoder = nn.Linear(width, vocab)
 
     def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -102,15 +103,18 @@ def test_a_hint_given_positional_args_and_no_mask_pass_unchanged(monkeypatch):
     stack = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     seen: list[object] = []
     original = torch_transformer._detect_is_causal_mask
-    monkeypatch.setattr(torch_transformer, "_detect_is_causal_mask",
-                        lambda mask, is_causal=None, size=None: seen.append(is_causal) or original(mask, is_causal, size))
+    monkeypatch.setattr(
+        torch_transformer,
+        "_detect_is_causal_mask",
+        lambda mask, is_causal=None, size=None: seen.append(is_causal) or original(mask, is_causal, size),
+    )
     handle = rungs.make("explicit_mask").apply(_state(stack))
     x = torch.randn(2, 5, 16)
     mask = nn.Transformer.generate_square_subsequent_mask(5)
-    stack(x, mask)                       # positional mask, no hint
-    stack(x, mask, None, True)           # positional hint: the caller's
+    stack(x, mask)  # positional mask, no hint
+    stack(x, mask, None, True)  # positional hint: the caller's
     stack(x, mask=mask, is_causal=True)  # keyword hint: the caller's
-    stack(x)                             # no mask: nothing to read
+    stack(x)  # no mask: nothing to read
     assert seen == [False, True, True, None]
     handle.undo()
 

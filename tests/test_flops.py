@@ -19,7 +19,7 @@ def test_mlp_flops_match_hand_count():
     weight_grads = forward
     # the input needs no gradient, so the first layer's input-gradient GEMM is never run
     input_grads = forward - 2 * B * F * H
-    assert count_step_flops(PlainStep(model, None, 'cpu'), batch) == forward + weight_grads + input_grads
+    assert count_step_flops(PlainStep(model, None, "cpu"), batch) == forward + weight_grads + input_grads
 
 
 def test_gpt_flops_match_6N_plus_attention():
@@ -30,12 +30,12 @@ def test_gpt_flops_match_6N_plus_attention():
     idx = torch.randint(0, V, (B, T))
     matmul_weights = L * 12 * d * d + d * V  # qkv 3d², proj d², fc 4d², proj 4d²; tied lm_head d·V
     expected = 6 * matmul_weights * B * T + 12 * L * B * T * T * d
-    assert count_step_flops(PlainStep(model, None, 'cpu'), (idx, idx)) == expected
+    assert count_step_flops(PlainStep(model, None, "cpu"), (idx, idx)) == expected
 
 
 def test_counting_leaves_no_gradients_behind():
     model = LaunchBoundMLP(features=8, hidden=8, depth=1)
-    count_step_flops(PlainStep(model, None, 'cpu'), (torch.randn(4, 8), torch.randint(0, 10, (4,))))
+    count_step_flops(PlainStep(model, None, "cpu"), (torch.randn(4, 8), torch.randint(0, 10, (4,))))
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -32,7 +32,7 @@ def test_a_forked_child_leaves_inherited_garbage_to_the_parent():
     assert protect_forked_children() and protect_forked_children()  # idempotent
     gc.disable()  # the garbage must still be there when the child is forked
     try:
-        _Cycle(lambda: (os.write(write, b"x") if os.getpid() != parent else freed_in.append(parent)))
+        _Cycle(lambda: os.write(write, b"x") if os.getpid() != parent else freed_in.append(parent))
         parent = os.getpid()
         child = os.fork()
         if child == 0:  # the child collects everything it can, then reports whether the finalizer ran
@@ -76,8 +76,7 @@ def test_loader_workers_survive_cuda_events_left_in_garbage():
         event.synchronize()
         _Cycle(lambda: None).event = event
         del event
-        loader = torch.utils.data.DataLoader(_CollectsInWorkers(), batch_size=2, num_workers=2,
-                                             multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(_CollectsInWorkers(), batch_size=2, num_workers=2, multiprocessing_context="fork")
         assert torch.cat(list(loader)).tolist() == [float(i) for i in range(8)]
     finally:
         gc.enable()

@@ -21,9 +21,14 @@ from speedkit.training.state import TrainState
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5  # fp32: the implementations round in another order, nothing more
 
-OPTIMIZERS = sorted((c for c in vars(torch.optim).values()
-                     if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer),
-                    key=lambda c: c.__name__)
+OPTIMIZERS = sorted(
+    (
+        c
+        for c in vars(torch.optim).values()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    ),
+    key=lambda c: c.__name__,
+)
 
 #: settings that select other code paths of a class (each class also runs with its defaults, and
 #: with maximize=True where it takes it)
@@ -48,9 +53,11 @@ def _takes(cls: type, flag: str) -> bool:
 
 APPLICABLE = [c for c in OPTIMIZERS if _takes(c, "fused") or _takes(c, "foreach")]
 NOT_APPLICABLE = [c for c in OPTIMIZERS if c not in APPLICABLE]
-CASES = [pytest.param(cls, {"lr": LR.get(cls.__name__, 1e-2), **kw}, id=f"{cls.__name__}-{'-'.join(kw) or 'defaults'}")
-         for cls in APPLICABLE
-         for kw in [{}, *([{"maximize": True}] if _takes(cls, "maximize") else []), *EXTRA.get(cls.__name__, [])]]
+CASES = [
+    pytest.param(cls, {"lr": LR.get(cls.__name__, 1e-2), **kw}, id=f"{cls.__name__}-{'-'.join(kw) or 'defaults'}")
+    for cls in APPLICABLE
+    for kw in [{}, *([{"maximize": True}] if _takes(cls, "maximize") else []), *EXTRA.get(cls.__name__, [])]
+]
 
 
 def test_discovery_finds_the_known_classes():

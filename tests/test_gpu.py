@@ -86,8 +86,15 @@ def test_lightning_callback_uses_mixed_precision_plugin_on_cuda():
             seen["precision"] = trainer.precision
 
     ladder, timer = SpeedLadder(rungs=["tf32", "autocast", "fused_optimizer"]), StepTimer(warmup=2, window=3)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[ladder, Probe(), timer])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[ladder, Probe(), timer],
+    )
     trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=4, seq_len=64, length=256))
     assert seen == {"plugin": "ClippingMixedPrecision", "precision": "bf16-mixed"}
     assert set(ladder.applied_changes) == {"tf32", "autocast", "fused_optimizer"}
@@ -162,8 +169,16 @@ def test_trials_in_a_trainer_on_cuda_restore_everything_and_time_the_fit():
     model = NaiveGPT("mini")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ladder = SpeedLadder(measure={**FAST, "holds_windows": 2, "telemetry": True})
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=20,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder],
+    )
     first = {}
 
     class FirstStep(pl.Callback):

@@ -35,29 +35,55 @@ TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def gpt2() -> torch.nn.Module:
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOKENS)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOKENS
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=V, max_position_embeddings=64, **TOKENS)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        max_position_embeddings=64,
+        **TOKENS,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def modernbert() -> torch.nn.Module:
     """A masked LM whose forward calls ``self.loss_function`` (BERT's does not: see the left-alone test)."""
-    cfg = transformers.ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                                        vocab_size=V, max_position_embeddings=64, cls_token_id=1, sep_token_id=2,
-                                        mask_token_id=3, **TOKENS)
+    cfg = transformers.ModernBertConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        cls_token_id=1,
+        sep_token_id=2,
+        mask_token_id=3,
+        **TOKENS,
+    )
     return transformers.ModernBertForMaskedLM(cfg)
 
 
 def bert(cls: type | None = None, **config) -> torch.nn.Module:
-    cfg = transformers.BertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                                  vocab_size=V, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, **config)
+    cfg = transformers.BertConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **config,
+    )
     return (cls or transformers.BertForMaskedLM)(cfg)
 
 
@@ -115,8 +141,10 @@ def test_loss_and_gradients_equal_transformers(name, case, kernel_calls):
     model, reference = _make(name)
     handle = TritonLayersRung(LOSS_ONLY).apply(_state(model))
     assert handle.rewrite.counts["hf_loss"] == 1
-    assert f"{type(model).__name__}.loss_function: transformers' {MODELS[name][1].__name__} → speedkit fused cross-entropy" \
-        in handle.changes, handle.changes
+    assert (
+        f"{type(model).__name__}.loss_function: transformers' {MODELS[name][1].__name__} → speedkit fused cross-entropy"
+        in handle.changes
+    ), handle.changes
     ids, labels = _batch()
     kwargs = CASES[case](labels)
     loss = model(input_ids=ids, labels=labels, **kwargs).loss
@@ -136,7 +164,9 @@ def test_another_ignore_index_and_all_ignored():
     logits = torch.randn(2, 6, V, device=DEVICE, requires_grad=True)
     labels = torch.randint(0, V, (2, 6), device=DEVICE)
     ignore = labels[0, 2].item()
-    assert_rel_close(fused(logits, labels, V, ignore_index=ignore), ForCausalLMLoss(logits, labels, V, ignore_index=ignore), TOL, "loss")
+    assert_rel_close(
+        fused(logits, labels, V, ignore_index=ignore), ForCausalLMLoss(logits, labels, V, ignore_index=ignore), TOL, "loss"
+    )
     ignored = torch.full_like(labels, -100)  # nothing to predict: NaN, as transformers gives
     assert torch.isnan(fused(logits, ignored, V)) and torch.isnan(ForCausalLMLoss(logits, ignored, V))
 
@@ -215,24 +245,30 @@ def test_bert_masked_lm_computes_its_loss_without_loss_function():
 
 def test_other_losses_are_left_alone():
     classifier = bert(transformers.BertForSequenceClassification, num_labels=3)
-    assert "BertForSequenceClassification: its loss_function is ForSequenceClassificationLoss, not a causal- or " \
-           "masked-LM cross-entropy" in _left_alone(classifier)
+    assert (
+        "BertForSequenceClassification: its loss_function is ForSequenceClassificationLoss, not a causal- or "
+        "masked-LM cross-entropy" in _left_alone(classifier)
+    )
 
     def my_loss(logits, labels, vocab_size, **kwargs):
         return ForCausalLMLoss(logits, labels, vocab_size, **kwargs) * 2
 
     model = gpt2()
     model.loss_function = my_loss
-    assert "GPT2LMHeadModel: its loss_function is my_loss, not a causal- or masked-LM cross-entropy" in \
-        TritonLayersRung().apply(_state(model)).rewrite.left_alone
+    assert (
+        "GPT2LMHeadModel: its loss_function is my_loss, not a causal- or masked-LM cross-entropy"
+        in TritonLayersRung().apply(_state(model)).rewrite.left_alone
+    )
     assert model.loss_function is my_loss
 
 
 def test_a_transformers_loss_that_computes_something_else_is_left_alone(monkeypatch):
     """The guard against a release changing the loss: here ForCausalLMLoss taken for an unshifted loss."""
     monkeypatch.setattr(hf_loss, "_lm_losses", lambda: {ForCausalLMLoss: False})
-    assert "LlamaForCausalLM: ForCausalLMLoss of this transformers computes something else than speedkit's version " \
-           "(with defaults)" in _left_alone(llama())
+    assert (
+        "LlamaForCausalLM: ForCausalLMLoss of this transformers computes something else than speedkit's version "
+        "(with defaults)" in _left_alone(llama())
+    )
 
 
 def test_options_cross_entropy_off_leaves_the_loss():
@@ -265,8 +301,10 @@ def test_lightning_module_wrapping_a_hugging_face_model(kernel_calls):
     assert TritonLayersRung().check(state) is None
     handle = TritonLayersRung().apply(state)
     assert handle.rewrite.counts["hf_loss"] == 1
-    assert "GPT2LMHeadModel (self.model).loss_function: transformers' ForCausalLMLoss → speedkit fused cross-entropy" \
-        in handle.changes, handle.changes
+    assert (
+        "GPT2LMHeadModel (self.model).loss_function: transformers' ForCausalLMLoss → speedkit fused cross-entropy"
+        in handle.changes
+    ), handle.changes
     batch = _batch()
     loss, expected = default_loss_fn(lit, batch, 0), default_loss_fn(reference, batch, 0)
     loss.backward()

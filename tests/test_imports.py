@@ -27,7 +27,8 @@ def _modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str, int]]:
@@ -112,9 +113,11 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 #: private names of torch / Lightning, reached only through speedkit/compat.py
-PRIVATE = re.compile(r"\btorch\._(?!_)|torch\.utils\._|torch\.ops\.\w+\._|\blightning\.\S*\._|\._(compiler_ctx|results|current_fx_name|"
-                     r"iterator|step_supports_amp_scaling|forward_hooks|forward_pre_hooks|backward_hooks|backward_pre_hooks|"
-                     r"on_before_batch_transfer|lightning_optimizers)\b|_torchdynamo_orig_callable")
+PRIVATE = re.compile(
+    r"\btorch\._(?!_)|torch\.utils\._|torch\.ops\.\w+\._|\blightning\.\S*\._|\._(compiler_ctx|results|current_fx_name|"
+    r"iterator|step_supports_amp_scaling|forward_hooks|forward_pre_hooks|backward_hooks|backward_pre_hooks|"
+    r"on_before_batch_transfer|lightning_optimizers)\b|_torchdynamo_orig_callable"
+)
 
 
 def test_private_torch_and_lightning_apis_only_in_compat():

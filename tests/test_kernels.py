@@ -21,8 +21,10 @@ from speedkit.kernels.activations import bias_gelu_backward, bias_gelu_forward, 
 from speedkit.kernels.cross_entropy import cross_entropy_forward
 from speedkit.kernels.norms import MAX_FUSED, norm_backward, norm_forward
 
-pytestmark = pytest.mark.skipif(kernels_available(torch.device("cpu")) is not None and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 (set by conftest) or a GPU")
+pytestmark = pytest.mark.skipif(
+    kernels_available(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (set by conftest) or a GPU",
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -103,8 +105,10 @@ def test_norm_functions_on_3d_inputs_with_autograd(dtype):
     w = _rand(123, dtype=dtype).requires_grad_()
     b = _rand(123, dtype=dtype).requires_grad_()
     g = _rand(3, 5, 123, dtype=dtype)
-    for fn, ref_fn, params in ((lambda *a: layer_norm(*a, 1e-5), lambda x_, w_, b_: F.layer_norm(x_, (123,), w_, b_, 1e-5), (w, b)),
-                               (lambda x_, w_: rms_norm(x_, w_, 1e-6), lambda x_, w_: F.rms_norm(x_, (123,), w_, 1e-6), (w,))):
+    for fn, ref_fn, params in (
+        (lambda *a: layer_norm(*a, 1e-5), lambda x_, w_, b_: F.layer_norm(x_, (123,), w_, b_, 1e-5), (w, b)),
+        (lambda x_, w_: rms_norm(x_, w_, 1e-6), lambda x_, w_: F.rms_norm(x_, (123,), w_, 1e-6), (w,)),
+    ):
         out = fn(x, *params)
         assert out.shape == x.shape and out.dtype == dtype
         grads = torch.autograd.grad(out, (x, *params), g)
@@ -181,8 +185,15 @@ def test_cross_entropy_all_reductions_with_ignored_rows(dtype, reduction, smooth
     logits = _rand(N, V, dtype=dtype, scale=4.0)
     target = torch.randint(0, V, (N,)).to(DEVICE)
     target[[1, 4]] = -100  # ignored rows: zero loss and zero gradient, not counted by the mean
-    losses, grad = cross_entropy_forward(logits, target, reduction, -100, smoothing,
-                                         grad_out=_nan_like(logits), losses_out=torch.full((N,), float("nan"), device=DEVICE))
+    losses, grad = cross_entropy_forward(
+        logits,
+        target,
+        reduction,
+        -100,
+        smoothing,
+        grad_out=_nan_like(logits),
+        losses_out=torch.full((N,), float("nan"), device=DEVICE),
+    )
     leaf = logits.double().requires_grad_()
     ref = F.cross_entropy(leaf, target, reduction=reduction, ignore_index=-100, label_smoothing=smoothing)
     (ref_grad,) = torch.autograd.grad(ref.sum() if reduction == "none" else ref, leaf)

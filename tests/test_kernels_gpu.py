@@ -95,8 +95,7 @@ def norm_reference(kind: str, x, dy, w, b):
         rstd = torch.rsqrt(x.double().square().mean(-1, keepdim=True) + RMS_EPS)
     y.backward(dy.double())
     g = dy.double() * (w.double() if w is not None else 1.0)
-    return (y.detach(), xd.grad, None if wd is None else wd.grad, None if bd is None else bd.grad,
-            (g * rstd).norm().item())
+    return (y.detach(), xd.grad, None if wd is None else wd.grad, None if bd is None else bd.grad, (g * rstd).norm().item())
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -280,12 +279,12 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d, vocab)
 
     def forward(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.inp(features)                                                          # (B, T, d)
+        x = self.inp(features)  # (B, T, d)
         h = layer_norm(x, self.ln1.weight, self.ln1.bias)
-        x = x + self.proj(bias_gelu(self.fc(h), self.fc_bias, approximate="tanh"))     # (B, T, d)
+        x = x + self.proj(bias_gelu(self.fc(h), self.fc_bias, approximate="tanh"))  # (B, T, d)
         h = rms_norm(x, self.rms_weight)
-        x = x + self.down(swiglu(self.gate(h), self.up(h)))                             # (B, T, d)
-        logits = self.head(layer_norm(x, self.ln_f.weight, self.ln_f.bias))            # (B, T, vocab)
+        x = x + self.down(swiglu(self.gate(h), self.up(h)))  # (B, T, d)
+        logits = self.head(layer_norm(x, self.ln_f.weight, self.ln_f.bias))  # (B, T, vocab)
         return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -403,7 +402,7 @@ def test_layer_norm_past_2_31_elements():
     rdw = torch.zeros(N, device="cuda", dtype=torch.float64)
     rdb = torch.zeros_like(rdw)
     for i in range(0, M, 1024):
-        xc, dyc = x[i:i + 1024].double(), dy[i:i + 1024].double()
+        xc, dyc = x[i : i + 1024].double(), dy[i : i + 1024].double()
         xc = xc - xc.mean(-1, keepdim=True)
         xhat = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + LN_EPS)
         rdw += (dyc * xhat).sum(0)

@@ -24,10 +24,18 @@ from speedkit.measure.stats import block_log_gain, decide, looks
 from speedkit.rungs.base import Rung
 from speedkit.training.step import StepWrapper
 
-FAST = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
-        "max_blocks": 12, "budget_s": 1e9,
-        "noise_target": 0,  # the virtual clock's noise is per window: longer ones would not help
-        "profile": False}  # the profile windows are tested on their own (below), not in every decision's test
+FAST = {
+    "warmup": 1,
+    "steps": 3,
+    "repeats": 3,
+    "parity_steps": 3,
+    "telemetry": False,
+    "min_blocks": 3,
+    "max_blocks": 12,
+    "budget_s": 1e9,
+    "noise_target": 0,  # the virtual clock's noise is per window: longer ones would not help
+    "profile": False,
+}  # the profile windows are tested on their own (below), not in every decision's test
 
 
 def _run(state, rungs, time: VirtualTime, **measure):
@@ -48,8 +56,13 @@ class LossScaleRung(Rung):
     def apply(self, state):
         handle = Handle(self.name)
         inner = state.step.loss_fn
-        set_attr(handle, state.step.inner if isinstance(state.step, StepWrapper) else state.step, "loss_fn",
-                 lambda m, b, i: inner(m, b, i) * (1 + self.delta), f"loss scaled by {1 + self.delta}")
+        set_attr(
+            handle,
+            state.step.inner if isinstance(state.step, StepWrapper) else state.step,
+            "loss_fn",
+            lambda m, b, i: inner(m, b, i) * (1 + self.delta),
+            f"loss scaled by {1 + self.delta}",
+        )
         return handle
 
 
@@ -211,8 +224,14 @@ def test_comparisons_interleave_a_b_b_a():
         real_start()
 
     clock.start = start
-    Ladder(state, [WrappingRung("wraps_step", "step", CountingStep)], {**FAST, "max_blocks": 3, "final_check": False}, clock=clock, host_clock=time).run()
-    compared = "".join(seen[FAST["repeats"]:])  # after the baseline's own windows
+    Ladder(
+        state,
+        [WrappingRung("wraps_step", "step", CountingStep)],
+        {**FAST, "max_blocks": 3, "final_check": False},
+        clock=clock,
+        host_clock=time,
+    ).run()
+    compared = "".join(seen[FAST["repeats"] :])  # after the baseline's own windows
     assert compared.startswith("ABBAABBAABBA"), compared
 
 
@@ -252,8 +271,10 @@ def test_raising_rungs_are_reverted_and_the_ladder_goes_on():
     ladder, result = _run(state, [RaisingRung(), RaisingInTrialRung(), NotApplicableRung(), faster], time)
     statuses = {r.name: (r.status, r.reason) for r in result.rungs}
     # tried again beneath the rung kept after it failed (a failure may depend on the configuration), failed again
-    assert statuses["raising"] == ("failed", "RuntimeError: boom while applying; second look beneath faster: "
-                                             "RuntimeError: boom while applying, reverted")
+    assert statuses["raising"] == (
+        "failed",
+        "RuntimeError: boom while applying; second look beneath faster: RuntimeError: boom while applying, reverted",
+    )
     assert statuses["raising_in_trial"][0] == "failed" and "broken step" in statuses["raising_in_trial"][1]
     assert statuses["never"] == ("not_applicable", "never applies, on purpose")
     assert statuses["faster"][0] == "kept"  # the ladder went on after the failures
@@ -289,7 +310,8 @@ def test_same_snapshot_same_batches_give_identical_trajectories():
     time = VirtualTime()
     ladder, _ = _run(timed_state(time), [], time)
     ladder.parity.snapshot = __import__("speedkit.training.snapshot", fromlist=["Snapshot"]).Snapshot(
-        ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data)
+        ladder.state.model, ladder.state.optimizer, ladder.state.step, ladder.state.data
+    )
     ladder.parity.batches = ladder.state.data.parity_batches(ladder.cfg.parity_steps)  # released when it ran
     assert ladder.parity.trajectory() == ladder.parity.trajectory()
 
@@ -300,8 +322,12 @@ def test_same_snapshot_same_batches_give_identical_trajectories():
 def _decisions(*, drift: float, noise: float, seed: int, **measure) -> dict[str, str]:
     time = VirtualTime(drift=drift, noise=noise, seed=seed, horizon=2000)
     base = 0.01
-    rungs = [SpeedRung("faster20", time, base, -0.2), SpeedRung("slower10", time, base, 0.1),
-             SpeedRung("neutral", time, base, 0.0), SpeedRung("faster30", time, base, -0.3)]
+    rungs = [
+        SpeedRung("faster20", time, base, -0.2),
+        SpeedRung("slower10", time, base, 0.1),
+        SpeedRung("neutral", time, base, 0.0),
+        SpeedRung("faster30", time, base, -0.3),
+    ]
     _, result = _run(timed_state(time, base), rungs, time, **measure)
     return {r.name: r.status for r in result.rungs[1:]}
 
@@ -383,8 +409,12 @@ def test_a_comparison_budget_counts_the_timed_blocks_not_the_warm_up_that_compil
 
 def test_decide_on_blocks():
     # 4 blocks of a clean 20% speed-up: decided faster; a clean 0.5% one: not faster than 1%
-    assert decide([block_log_gain((10, 10), (8, 8))] * 2 + [block_log_gain((10, 10.2), (8, 8.1))] * 2,
-                  min_gain=0.01, confidence=0.95).verdict == "faster"
+    assert (
+        decide(
+            [block_log_gain((10, 10), (8, 8))] * 2 + [block_log_gain((10, 10.2), (8, 8.1))] * 2, min_gain=0.01, confidence=0.95
+        ).verdict
+        == "faster"
+    )
     assert decide([0.005, 0.0049, 0.0051, 0.005], min_gain=0.01, confidence=0.95).verdict == "not_faster"
     assert decide([0.2], min_gain=0.01, confidence=0.95).verdict == "undecided"  # one block: no interval
     assert looks(3, 12) == [3, 4, 6, 8, 11, 12] and looks(3, 3) == [3]
@@ -645,8 +675,11 @@ def test_second_looks_stop_after_a_pass_that_keeps_nothing_and_never_judge_a_con
     from speedkit.engine import second_look
 
     real = second_look.look_again
-    monkeypatch.setattr(second_look, "look_again", lambda ladder, group, ref, **kw: (
-        looks.append([r.name for r in group]), real(ladder, group, ref, **kw))[1])
+    monkeypatch.setattr(
+        second_look,
+        "look_again",
+        lambda ladder, group, ref, **kw: (looks.append([r.name for r in group]), real(ladder, group, ref, **kw))[1],
+    )
     _, result = _run(state, [PartnerRung("a", ("b",)), PartnerRung("b", ("a",))], time, together_passes=5)
     assert looks == [["a", "b"]]  # alone each was judged on the baseline in the climb; one pass keeps nothing: no second
     assert [r.status for r in result.rungs[1:]] == ["reverted", "reverted"]
@@ -770,8 +803,11 @@ class RoundOutputsRung(Rung):
         hooks = []
 
         def on():
-            hooks[:] = [m.register_forward_hook(lambda mod, a, out: out.bfloat16().float())
-                        for m in state.model.modules() if isinstance(m, torch.nn.Linear)]
+            hooks[:] = [
+                m.register_forward_hook(lambda mod, a, out: out.bfloat16().float())
+                for m in state.model.modules()
+                if isinstance(m, torch.nn.Linear)
+            ]
 
         def off():
             for h in hooks:
@@ -850,8 +886,15 @@ def test_the_ladder_holds_no_copy_of_the_training_state_after_it_ran():
     assert ladder.snapshot is None and ladder.parity.snapshot is None and ladder.timing is None and ladder.parity.batches == []
     gc.collect()
     # plain tensors only: a tracing subclass left by another test (a FakeTensor of torch.compile) cannot be compared
-    copies = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and o is not param and o.shape == param.shape
-              and o.dtype == param.dtype and torch.equal(o, param.detach())]
+    copies = [
+        o
+        for o in gc.get_objects()
+        if type(o) in (torch.Tensor, torch.nn.Parameter)
+        and o is not param
+        and o.shape == param.shape
+        and o.dtype == param.dtype
+        and torch.equal(o, param.detach())
+    ]
     assert copies == [], f"{len(copies)} copies of a weight still alive"
 
 
@@ -886,8 +929,13 @@ class RowsFaster(Rung):
 
     def apply(self, state):
         handle = Handle(self.name)
-        set_attr(handle, state, "step", RowsCost(state.step, self.time, self.base * self.change, counts=False),
-                 f"cost per row {self.change:+.0%}")
+        set_attr(
+            handle,
+            state,
+            "step",
+            RowsCost(state.step, self.time, self.base * self.change, counts=False),
+            f"cost per row {self.change:+.0%}",
+        )
         return handle
 
 
@@ -903,8 +951,9 @@ def _varying_rows_state(time: VirtualTime):
     starts = [sum(sizes[:i]) % 400 for i in range(len(sizes))]
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(432, 16, generator=g), torch.randint(0, 10, (432,), generator=g))
-    state.data = BatchSource(DataLoader(data, batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, sizes)]),
-                             torch.device("cpu"))
+    state.data = BatchSource(
+        DataLoader(data, batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, sizes)]), torch.device("cpu")
+    )
     state.step = RowsCost(state.step, time, 0.01)
     return state
 
@@ -932,6 +981,7 @@ def test_rungs_whose_cost_grows_with_new_shapes_are_timed_on_batches_drawn_anew(
     """compile, cudnn_benchmark, cuda_graph do work per new input shape: timed on shared batches they
     would look as fast as they are once every shape has been seen, which a fit with varying shapes
     is not (a Hugging Face GPT-2 on padded batches: compile 1.10x in the trials, 5.9 s a step in the fit)."""
+
     class NewShapeRowsFaster(RowsFaster):
         name = "new_shape_rows_faster"
         new_shape_cost = True
@@ -957,8 +1007,13 @@ def _switch_state(costs, names=("x", "autocast", "compile")):
     time = VirtualTime(noise=0.005, seed=0)
     state = mlp_state()
     flags = state.notes["flags"] = SetFlags(names)
-    state.step = FlagCost(state.step, time, {frozenset(k): v for k, v in costs.items()}, flags,
-                          key=lambda flags: frozenset(k for k, v in vars(flags).items() if v))
+    state.step = FlagCost(
+        state.step,
+        time,
+        {frozenset(k): v for k, v in costs.items()},
+        flags,
+        key=lambda flags: frozenset(k for k, v in vars(flags).items() if v),
+    )
     return state, time, flags
 
 
@@ -970,9 +1025,16 @@ def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on
     """bf16 alone slower in eager NCHW, compile alone a little slower (host-bound, its own guards):
     the greedy climb keeps only x; the switches together (autocast + compile) are 1.8x. The ladder
     starts from them and judges x again on top, where it still pays."""
-    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
-             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
-             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.020}
+    costs = {
+        _on(): 0.040,
+        _on("x"): 0.036,
+        _on("autocast"): 0.042,
+        _on("compile"): 0.041,
+        _on("x", "autocast"): 0.038,
+        _on("x", "compile"): 0.037,
+        _on("autocast", "compile"): 0.022,
+        _on("x", "autocast", "compile"): 0.020,
+    }
     state, time, flags = _switch_state(costs)
     rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
     ladder, result = _run(state, rungs, time)
@@ -995,9 +1057,16 @@ def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on
 
 def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
     """Nothing pays on top of the switches: the result is the switches (x is reverted, said why)."""
-    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
-             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
-             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.023}
+    costs = {
+        _on(): 0.040,
+        _on("x"): 0.036,
+        _on("autocast"): 0.042,
+        _on("compile"): 0.041,
+        _on("x", "autocast"): 0.038,
+        _on("x", "compile"): 0.037,
+        _on("autocast", "compile"): 0.022,
+        _on("x", "autocast", "compile"): 0.023,
+    }
     state, time, flags = _switch_state(costs)
     rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
     ladder, result = _run(state, rungs, time)
@@ -1010,9 +1079,16 @@ def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
 
 
 def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_much():
-    costs = {_on(): 0.040, _on("x"): 0.020, _on("autocast"): 0.036, _on("compile"): 0.030,
-             _on("x", "autocast"): 0.0205, _on("x", "compile"): 0.015,
-             _on("autocast", "compile"): 0.028, _on("x", "autocast", "compile"): 0.016}
+    costs = {
+        _on(): 0.040,
+        _on("x"): 0.020,
+        _on("autocast"): 0.036,
+        _on("compile"): 0.030,
+        _on("x", "autocast"): 0.0205,
+        _on("x", "compile"): 0.015,
+        _on("autocast", "compile"): 0.028,
+        _on("x", "autocast", "compile"): 0.016,
+    }
     state, time, flags = _switch_state(costs)
     rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
     ladder, result = _run(state, rungs, time)
@@ -1073,12 +1149,15 @@ def test_on_a_host_bound_step_compile_goes_first_of_the_host_cutters():
     assert [s.rung.name for s in ladder.slots] == ["mask", "compile"]
 
 
-@pytest.mark.parametrize("host_share, util, host_bound", [
-    (0.1, None, False),     # the host issues the step in a tenth of its time: the ladder's order
-    (0.998, 99.3, False),   # a step that syncs on a busy GPU
-    (0.998, 32.0, True),
-    (0.998, None, True),
-])
+@pytest.mark.parametrize(
+    "host_share, util, host_bound",
+    [
+        (0.1, None, False),  # the host issues the step in a tenth of its time: the ladder's order
+        (0.998, 99.3, False),  # a step that syncs on a busy GPU
+        (0.998, 32.0, True),
+        (0.998, None, True),
+    ],
+)
 def test_host_bound_is_host_time_on_a_gpu_not_kept_busy(monkeypatch, host_share, util, host_bound):
     """A step whose host issues it in a fraction of its time is device-bound: the ladder's order, the
     host-side rungs last. Lightning's
@@ -1149,8 +1228,9 @@ def test_a_rung_rejected_on_fp32_numerics_is_judged_again_under_the_precision_ke
 
 def test_a_noisy_baseline_lengthens_the_comparison_windows_and_the_report_names_the_noise():
     time = VirtualTime(noise=0.2, seed=3)
-    ladder, result = _run(timed_state(time, 0.02), [SpeedRung("x", time, 0.02, -0.2)], time, noise_target=0.03,
-                          max_window_factor=4, repeats=5)
+    ladder, result = _run(
+        timed_state(time, 0.02), [SpeedRung("x", time, 0.02, -0.2)], time, noise_target=0.03, max_window_factor=4, repeats=5
+    )
     noise = result.run["noise"]
     factor = min(4, math.ceil((noise["baseline_spread"] / 0.03) ** 2))  # the noise of a mean falls with sqrt(steps)
     assert noise["baseline_spread"] > 0.03 and factor > 1 and noise["window_steps"] == factor * FAST["steps"]
@@ -1208,12 +1288,20 @@ def test_the_report_names_the_noise_the_budget_and_the_switches():
     text = render_markdown(result.to_dict())
     assert "- Noise: the baseline's windows vary by" in text and "likely source: the host" in text
     assert "- Trials: " in text and "against a budget of" in text
-    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041,
-             _on("x", "autocast"): 0.038, _on("x", "compile"): 0.037,
-             _on("autocast", "compile"): 0.022, _on("x", "autocast", "compile"): 0.020}
+    costs = {
+        _on(): 0.040,
+        _on("x"): 0.036,
+        _on("autocast"): 0.042,
+        _on("compile"): 0.041,
+        _on("x", "autocast"): 0.038,
+        _on("x", "compile"): 0.037,
+        _on("autocast", "compile"): 0.022,
+        _on("x", "autocast", "compile"): 0.020,
+    }
     state, time, _ = _switch_state(costs)
-    _, result = _run(state, [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False),
-                             FlagRung("compile", recheck=False)], time)
+    _, result = _run(
+        state, [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)], time
+    )
     d = result.to_dict()
     assert "the switches" in summary_line(d) and "| switches | switches (vs final) |" in render_markdown(d)
 
@@ -1260,8 +1348,10 @@ def test_a_precision_rung_with_a_bit_identical_trajectory_is_reverted_untimed(ac
 def test_the_precision_rungs_act_through_numerics():
     from speedkit import rungs
 
-    assert {r.name for r in rungs.make_all(["tf32", "autocast", "compile", "channels_last"]) if r.acts_through_numerics} \
-        == {"tf32", "autocast"}
+    assert {r.name for r in rungs.make_all(["tf32", "autocast", "compile", "channels_last"]) if r.acts_through_numerics} == {
+        "tf32",
+        "autocast",
+    }
 
 
 def test_a_rung_that_failed_beneath_other_kept_rungs_is_tried_again_on_the_final_configuration():
@@ -1342,8 +1432,9 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
     ladder = Ladder(timed_state(time), rungs, FAST, clock=time.clock(), host_clock=time)
     ladder.result = LadderResult(1, None, {}, "cpu", {}, {}, [RungResult(n, "reverted", comparison=object()) for n in names])
     estimates = {"bf16": 0.93, "layout": 0.97, "fused": 1.03, "compile": 1.13, "quiet": 0.99}
-    ladder.last_comparison = {n: SimpleNamespace(verdict="slower" if n == "bf16" else "undecided", speedup=e)
-                               for n, e in estimates.items()}
+    ladder.last_comparison = {
+        n: SimpleNamespace(verdict="slower" if n == "bf16" else "undecided", speedup=e) for n, e in estimates.items()
+    }
     order = [[r.name for r in g] for g in second_look_groups(ladder)]
     assert order == [["bf16", "layout"], ["compile"], ["fused"], ["quiet"], ["layout"], ["bf16"], ["fused", "compile"]]
 
@@ -1354,8 +1445,14 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
 def test_the_profile_windows_the_baseline_each_kept_rung_and_the_final_configuration_and_attributes_them(tmp_path):
     time = VirtualTime()
     rungs = [SpeedRung("faster30", time, 0.01, -0.3), SpeedRung("faster20", time, 0.01, -0.2)]
-    ladder = Ladder(timed_state(time), rungs, {**FAST, "profile": True, "profile_steps": 2}, clock=time.clock(),
-                    host_clock=time, trace_dir=tmp_path / "traces")
+    ladder = Ladder(
+        timed_state(time),
+        rungs,
+        {**FAST, "profile": True, "profile_steps": 2},
+        clock=time.clock(),
+        host_clock=time,
+        trace_dir=tmp_path / "traces",
+    )
     result = ladder.run()
     assert [r.name for r in result.kept] == ["faster30", "faster20"]
     profile = result.profile
@@ -1405,7 +1502,13 @@ def test_the_ladder_reports_its_progress_rung_by_rung_then_its_closing_phases():
     time = VirtualTime()
     seen = []
     rungs = [SpeedRung("faster30", time, 0.01, -0.3), SpeedRung("slower", time, 0.01, 0.2)]
-    Ladder(timed_state(time), rungs, {**FAST, "profile": False}, clock=time.clock(), host_clock=time,
-           on_progress=lambda done, total, label: seen.append((done, total, label))).run()
+    Ladder(
+        timed_state(time),
+        rungs,
+        {**FAST, "profile": False},
+        clock=time.clock(),
+        host_clock=time,
+        on_progress=lambda done, total, label: seen.append((done, total, label)),
+    ).run()
     assert seen[:2] == [(0, 2, "faster30"), (1, 2, "slower")]
     assert seen[-1][:2] == (2, 2) and "final check" in seen[-1][2]

@@ -50,8 +50,11 @@ def _part(module: str) -> str:
 
 def test_every_package_and_module_has_a_layer():
     layers = _layer_of()
-    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").exists()}
+    parts = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").exists()
+    }
     assert sorted(parts - set(layers)) == [], "place these in LAYERS"
     assert sorted(set(layers) - parts) == [], "LAYERS names parts that do not exist"
 
@@ -80,10 +83,15 @@ def test_imports_go_down_the_layers():
 
 
 def test_the_layering_check_finds_an_upward_import():
-    graph = {"speedkit.data.source": {"speedkit.engine.ladder"}, "speedkit.report.html": {"speedkit.profile.window"},
-             "speedkit.rungs.tf32": {"speedkit.training.state", "speedkit.compat"}}
-    assert violations(graph) == ["speedkit.data.source imports speedkit.engine.ladder, a layer above it",
-                                 "speedkit.report.html imports speedkit.profile.window, an independent part of its layer"]
+    graph = {
+        "speedkit.data.source": {"speedkit.engine.ladder"},
+        "speedkit.report.html": {"speedkit.profile.window"},
+        "speedkit.rungs.tf32": {"speedkit.training.state", "speedkit.compat"},
+    }
+    assert violations(graph) == [
+        "speedkit.data.source imports speedkit.engine.ladder, a layer above it",
+        "speedkit.report.html imports speedkit.profile.window, an independent part of its layer",
+    ]
 
 
 def test_readme_layout_names_every_package():
@@ -91,7 +99,10 @@ def test_readme_layout_names_every_package():
     text = (PACKAGE.parent / "README.md").read_text()
     layout = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"^  - `([a-z_]+)(?:/|\.py)`", layout, flags=re.M))  # the items under `speedkit/`
-    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" and p.stem not in ("__init__",)) or (p / "__init__.py").exists()}
+    parts = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.stem not in ("__init__",)) or (p / "__init__.py").exists()
+    }
     assert sorted(parts - named) == [], "README's Layout does not name these"
     assert sorted(named - parts) == [], "README's Layout names what does not exist"

@@ -14,9 +14,19 @@ timm = pytest.importorskip("timm")
 
 
 def _gpt2(attn: str):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
-                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation=attn,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=97,
+        n_positions=32,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_implementation=attn,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 

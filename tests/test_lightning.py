@@ -26,8 +26,18 @@ from speedkit.lightning import SpeedLadder, StepTimer
 from speedkit.rungs.compile import GuardedForward
 
 #: small and quick: the decisions are not what these tests are about
-QUICK = {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-         "budget_s": 60.0, "holds_windows": 1, "telemetry": False, "profile": False}
+QUICK = {
+    "warmup": 1,
+    "steps": 2,
+    "repeats": 2,
+    "parity_steps": 2,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "budget_s": 60.0,
+    "holds_windows": 1,
+    "telemetry": False,
+    "profile": False,
+}
 
 
 class UserModel(pl.LightningModule):
@@ -61,8 +71,9 @@ class UserModel(pl.LightningModule):
         return {"optimizer": self.opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self):
-        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, num_workers=self.workers,
-                          persistent_workers=self.workers > 0)
+        return DataLoader(
+            self.data, batch_size=self.batch_size, shuffle=True, num_workers=self.workers, persistent_workers=self.workers > 0
+        )
 
 
 class Recorder(pl.Callback):
@@ -80,8 +91,14 @@ class Recorder(pl.Callback):
 
 
 def _trainer(callbacks, **kwargs):
-    defaults = dict(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**defaults, **kwargs}, callbacks=callbacks)
 
 
@@ -106,7 +123,7 @@ def no_interpreter(monkeypatch):
 def _fit_user_model(ladder, recorder=None, seed=0, **kwargs):
     pl.seed_everything(seed, verbose=False)
     model = UserModel(workers=kwargs.pop("workers", 0))
-    trainer = _trainer([ladder, *( [recorder] if recorder else [])], **{**USER_RUN, **kwargs})
+    trainer = _trainer([ladder, *([recorder] if recorder else [])], **{**USER_RUN, **kwargs})
     trainer.fit(model)
     return model, trainer
 
@@ -172,19 +189,28 @@ class _TwoShuffledLoaders(pl.LightningModule):
             g = torch.Generator().manual_seed(seed)
             data = TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
             return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed + 1))
+
         return {"a": loader(64, 0), "b": loader(40, 5)}
 
 
 def test_trials_put_back_the_generators_of_every_combined_loader():
     """Trials iterate copies of each combined loader, which share its generator: each one's state is
     put back, so the fit after them draws what the plain fit draws (the losses are equal)."""
+
     def fit(callbacks: list) -> list[float]:
         pl.seed_everything(0, verbose=False)
         model = _TwoShuffledLoaders()
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+        trainer = pl.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
         trainer.fit(model)
-        return model.losses[-trainer.global_step:]
+        return model.losses[-trainer.global_step :]
 
     plain = fit([])
     with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)])
@@ -213,6 +239,7 @@ class _PaddedSequences(pl.LightningModule):
         def pad(rows):
             ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
             return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
         return DataLoader(self.rows, batch_size=4, collate_fn=pad)
 
 
@@ -220,13 +247,16 @@ def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(n
     from speedkit.lightning import SpeedProfiler
     from speedkit.report import write_report
 
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True},
-                         report_dir=tmp_path / "report")
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True}, report_dir=tmp_path / "report"
+    )
     _trainer([ladder, SpeedProfiler()], max_steps=4).fit(_PaddedSequences())
     assert ladder.result is not None and "same batches" in ladder.result.run["batch_shapes"]
     # the report SpeedLadder wrote beside the fit: its profile, its traces, and the fit so far by SpeedProfiler's clock
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["profile"]["windows"][0]["label"] == "baseline" and (tmp_path / "report" / "traces" / "baseline.json.gz").is_file()
+    assert (
+        report["profile"]["windows"][0]["label"] == "baseline" and (tmp_path / "report" / "traces" / "baseline.json.gz").is_file()
+    )
     assert report["fit_monitor"]["steps"] >= 1 and "SpeedProfiler" in report["fit_monitor"]["note"]
     assert (tmp_path / "report" / "report.html").is_file()
     written = write_report(ladder.result, tmp_path, formats=("md",))
@@ -237,8 +267,10 @@ def _model_fingerprint(model):
     return {
         "values": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "ids": [id(p) for p in model.parameters()],
-        "instance": {n: sorted(k for k in m.__dict__ if k in ("forward", "log", "log_dict", "training_step"))
-                     for n, m in model.named_modules()},
+        "instance": {
+            n: sorted(k for k in m.__dict__ if k in ("forward", "log", "log_dict", "training_step"))
+            for n, m in model.named_modules()
+        },
         "classes": [type(m) for m in model.modules()],
     }
 
@@ -255,20 +287,25 @@ def _assert_untouched(model, before, values=True):
     torch.save(model, io.BytesIO())
 
 
-@pytest.mark.parametrize("when, error, raised", [
-    ("trial", RuntimeError("user bug in training_step"), RuntimeError),
-    ("trial", KeyboardInterrupt(), SystemExit),       # Lightning turns Ctrl-C into sys.exit(1)
-    ("trial", signal.SIGTERM, SIGTERMException),      # a real SIGTERM, during the trials
-    ("training", RuntimeError("user bug in training_step"), RuntimeError),
-], ids=["exception-in-trial", "ctrl-c-in-trial", "sigterm-in-trial", "exception-in-training"])
+@pytest.mark.parametrize(
+    "when, error, raised",
+    [
+        ("trial", RuntimeError("user bug in training_step"), RuntimeError),
+        ("trial", KeyboardInterrupt(), SystemExit),  # Lightning turns Ctrl-C into sys.exit(1)
+        ("trial", signal.SIGTERM, SIGTERMException),  # a real SIGTERM, during the trials
+        ("training", RuntimeError("user bug in training_step"), RuntimeError),
+    ],
+    ids=["exception-in-trial", "ctrl-c-in-trial", "sigterm-in-trial", "exception-in-training"],
+)
 def test_nothing_is_left_behind(when, error, raised, no_interpreter, monkeypatch):
     monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
     pl.seed_everything(0, verbose=False)
     model = UserModel()
     before = _model_fingerprint(model)
     sigterm_before = signal.getsignal(signal.SIGTERM)
-    ladder = SpeedLadder(rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}], trials=True,
-                         measure=QUICK)
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}], trials=True, measure=QUICK
+    )
 
     class RaiseInTraining(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -294,8 +331,12 @@ def test_given_rungs_apply_during_fit_without_trials_and_are_undone_after():
     class Probe(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 0:
-                seen.update(plugin=type(trainer.strategy.precision_plugin).__name__, precision=trainer.precision,
-                            forward=pl_module.__dict__.get("forward"), fused=trainer.optimizers[0].param_groups[0].get("fused"))
+                seen.update(
+                    plugin=type(trainer.strategy.precision_plugin).__name__,
+                    precision=trainer.precision,
+                    forward=pl_module.__dict__.get("forward"),
+                    fused=trainer.optimizers[0].param_groups[0].get("fused"),
+                )
 
     torch.manual_seed(0)
     model = NaiveGPT("tiny")
@@ -338,7 +379,9 @@ def test_the_fit_check_times_the_real_steps_after_the_trials(no_interpreter):
     _fit_user_model(ladder, max_steps=8)
     holds = ladder.result.holds
     assert holds is not None and holds.fit is not None and len(holds.fit.window_ms) == 2
-    assert holds.ladder is ladder.result.final_measurement and holds.gap == pytest.approx(holds.fit.step_ms / holds.ladder.step_ms - 1)
+    assert holds.ladder is ladder.result.final_measurement and holds.gap == pytest.approx(
+        holds.fit.step_ms / holds.ladder.step_ms - 1
+    )
     assert holds.fit.data_wait_ms is not None and holds.fit.host_ms is not None
 
 
@@ -552,8 +595,10 @@ def test_optimizer_rungs_say_why_a_fit_has_no_single_optimizer(no_interpreter):
         def configure_optimizers(self):
             return None
 
-    for module, reason in ((TwoOptimizers(), "the Trainer has 2 optimizers"),
-                           (NoOptimizer(), "configure_optimizers returned None")):
+    for module, reason in (
+        (TwoOptimizers(), "the Trainer has 2 optimizers"),
+        (NoOptimizer(), "configure_optimizers returned None"),
+    ):
         ladder = SpeedLadder(rungs=["fused_optimizer"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's warning that the fit has no optimizer
@@ -630,12 +675,16 @@ class CopiesMidFit(pl.Callback):
             return
         import copy
 
-        self.set_by_speedkit = {name: type(vars(pl_module)[name]).__name__ for name in
-                                ("forward", "on_train_batch_start", "on_after_batch_transfer") if name in vars(pl_module)}
+        self.set_by_speedkit = {
+            name: type(vars(pl_module)[name]).__name__
+            for name in ("forward", "on_train_batch_start", "on_after_batch_transfer")
+            if name in vars(pl_module)
+        }
         x = batch[0][:3].contiguous()
         copied = copy.deepcopy(pl_module)
-        self.copied_attrs_bound_to_the_copy = all(getattr(vars(copied)[name], "__self__", None) is copied
-                                                  for name in self.set_by_speedkit)
+        self.copied_attrs_bound_to_the_copy = all(
+            getattr(vars(copied)[name], "__self__", None) is copied for name in self.set_by_speedkit
+        )
         restored = pickle.loads(pickle.dumps(pl_module))
         with torch.no_grad():
             self.original = pl_module(x)
@@ -654,13 +703,29 @@ def test_the_module_copied_or_pickled_mid_fit_computes_with_its_own_weights(monk
 
     force_prefetch(monkeypatch)
     copies = CopiesMidFit()
-    ladder = SpeedLadder(rungs=["channels_last", {"name": "compile", "options": {"backend": "eager"}},
-                                {"name": "data_path", "options": {"workers": "keep"}}])
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[ladder, copies])
+    ladder = SpeedLadder(
+        rungs=[
+            "channels_last",
+            {"name": "compile", "options": {"backend": "eager"}},
+            {"name": "data_path", "options": {"workers": "keep"}},
+        ]
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ladder, copies],
+    )
     trainer.fit(ConvModel())
-    assert copies.set_by_speedkit == {"forward": "GuardedForward", "on_train_batch_start": "PullAheadAfter",
-                                      "on_after_batch_transfer": "ChannelsLastAfterTransfer"}
+    assert copies.set_by_speedkit == {
+        "forward": "GuardedForward",
+        "on_train_batch_start": "PullAheadAfter",
+        "on_after_batch_transfer": "ChannelsLastAfterTransfer",
+    }
     assert copies.copied_attrs_bound_to_the_copy
     assert torch.equal(copies.zeroed_copy, torch.zeros_like(copies.original)) and copies.original.abs().sum() > 0
     torch.testing.assert_close(copies.restored, copies.original)
@@ -800,7 +865,9 @@ def test_trials_put_back_the_plain_attributes_the_users_step_changes(no_interpre
         runs[trials] = (model.calls, list(model.seen), dict(model.tally), ladder)
     assert runs[True][:3] == runs[False][:3] and runs[False][0] == 24  # 6 steps x 4 accumulated batches
     result = runs[True][3].result
-    assert {"_KeepsTrackOnSelf.calls", "_KeepsTrackOnSelf.seen", "_KeepsTrackOnSelf.tally"} <= set(result.run["attributes_restored"])
+    assert {"_KeepsTrackOnSelf.calls", "_KeepsTrackOnSelf.seen", "_KeepsTrackOnSelf.tally"} <= set(
+        result.run["attributes_restored"]
+    )
     assert result.run["attributes_not_restored"] == ["_KeepsTrackOnSelf.last_loss (Tensor)"]
 
 

@@ -41,8 +41,9 @@ def test_an_even_pair_is_not_faster_and_settle_runs_after_each_switch():
     state, switch, window = _pair(10.0, 10.0, noise=0.001)
     settled = []
     looks = []
-    paired = compare(switch, window, RULE, budget_s=1e9, clock=lambda: 0.0, settle=lambda: settled.append(state["on"]),
-                     on_look=looks.append)
+    paired = compare(
+        switch, window, RULE, budget_s=1e9, clock=lambda: 0.0, settle=lambda: settled.append(state["on"]), on_look=looks.append
+    )
     assert paired.comparison.verdict == "not_faster" and looks[-1] is paired.comparison
     assert settled[:2] == [True, False]  # after A -> B and B -> A, within each block
 

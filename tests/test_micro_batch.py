@@ -30,8 +30,9 @@ def _data(g: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]
 class Net(nn.Module):
     def __init__(self, norm: bool = False) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(FEATURES, 32), nn.BatchNorm1d(32) if norm else nn.LayerNorm(32), nn.GELU(),
-                                  nn.Linear(32, CLASSES))
+        self.body = nn.Sequential(
+            nn.Linear(FEATURES, 32), nn.BatchNorm1d(32) if norm else nn.LayerNorm(32), nn.GELU(), nn.Linear(32, CLASSES)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -53,11 +54,14 @@ def test_merge_is_the_inverse_of_split_and_keeps_shared_leaves_once():
     assert merged["mask"] is parts[0]["mask"] and merged["name"] == "wiki"
 
 
-@pytest.mark.parametrize("other, words", [
-    ({"x": torch.randn(2, 7), "y": torch.arange(2)}, "apart from the batch dimension"),
-    ({"x": torch.randn(2, 5), "y": torch.arange(2), "z": torch.ones(2)}, "structure"),
-    ({"x": torch.randn(2, 5), "y": torch.arange(2.0)}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "other, words",
+    [
+        ({"x": torch.randn(2, 7), "y": torch.arange(2)}, "apart from the batch dimension"),
+        ({"x": torch.randn(2, 5), "y": torch.arange(2), "z": torch.ones(2)}, "structure"),
+        ({"x": torch.randn(2, 5), "y": torch.arange(2.0)}, "dtype"),
+    ],
+)
 def test_batches_that_do_not_concatenate_do_not_merge(other, words):
     merged, why = merge_batches([{"x": torch.randn(2, 5), "y": torch.arange(2)}, other])
     assert merged is None and words in why
@@ -80,7 +84,7 @@ def _plain_steps(factor: int | None, accumulate: int = 4, steps: int = 12) -> tu
     losses = []
     for i in range(steps):
         lo = i * accumulate * BATCH
-        micro = [(x[lo + k * BATCH: lo + (k + 1) * BATCH], y[lo + k * BATCH: lo + (k + 1) * BATCH]) for k in range(accumulate)]
+        micro = [(x[lo + k * BATCH : lo + (k + 1) * BATCH], y[lo + k * BATCH : lo + (k + 1) * BATCH]) for k in range(accumulate)]
         losses.append(float(step(micro, i)))
     return [p.detach().clone() for p in model.parameters()], losses
 
@@ -99,8 +103,9 @@ def test_a_step_whose_batches_do_not_merge_runs_them_as_they_are():
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = []
-    step = PlainStep(model, opt, torch.device("cpu"), loss_fn=lambda m, b, i: (calls.append(b[0].shape[0]), m(b[0]).mean())[1],
-                     accumulate=2)
+    step = PlainStep(
+        model, opt, torch.device("cpu"), loss_fn=lambda m, b, i: (calls.append(b[0].shape[0]), m(b[0]).mean())[1], accumulate=2
+    )
     merged = MergedStep(step, 2)
     merged([(torch.ones(2, 3), "a"), (torch.ones(2, 3), "b")], 0)
     merged([(torch.ones(2, 3), "a"), (torch.ones(2, 3), "a")], 1)
@@ -113,10 +118,11 @@ def _state(accumulate: int = 4, norm: bool = False, batches=None) -> TrainState:
     model = Net(norm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _data()
-    batches = batches or [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, 64, BATCH)]
+    batches = batches or [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 64, BATCH)]
     step = PlainStep(model, opt, torch.device("cpu"), loss_fn=_loss, accumulate=accumulate)
-    return TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=step,
-                      data=BatchSource(batches, torch.device("cpu")))
+    return TrainState(
+        model=model, optimizer=opt, device=torch.device("cpu"), step=step, data=BatchSource(batches, torch.device("cpu"))
+    )
 
 
 def test_it_applies_only_where_merging_keeps_what_the_run_computes():
@@ -183,11 +189,19 @@ class LitNet(pl.LightningModule):
 
 def _fit(callbacks: list, accumulate: int = 4) -> tuple[LitNet, pl.Trainer]:
     module = LitNet()
-    loader = torch.utils.data.DataLoader(IndexedSet(), batch_size=BATCH, shuffle=True,
-                                         generator=torch.Generator().manual_seed(1))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=accumulate,
-                         gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+    loader = torch.utils.data.DataLoader(IndexedSet(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=loader)
     return module, trainer
 
@@ -215,14 +229,26 @@ def test_a_fit_that_does_not_accumulate_is_left_as_it_is():
 
 def test_the_ladder_judges_merged_micro_batches_and_the_fit_keeps_its_samples():
     ref, _ = _fit([])
-    measure = {"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2, "settle": 0,
-               "budget_s": 10.0, "holds_windows": 1, "telemetry": False, "final_check": False, "switches_floor": False}
+    measure = {
+        "warmup": 1,
+        "steps": 2,
+        "repeats": 2,
+        "parity_steps": 2,
+        "min_blocks": 2,
+        "max_blocks": 2,
+        "settle": 0,
+        "budget_s": 10.0,
+        "holds_windows": 1,
+        "telemetry": False,
+        "final_check": False,
+        "switches_floor": False,
+    }
     ladder = SpeedLadder(rungs=["micro_batch"], trials=True, measure=measure)
     got, trainer = _fit([ladder])
     entry = next(r for r in ladder.result.rungs if r.name == "micro_batch")
     assert entry.status in ("kept", "reverted"), entry.reason  # it passed parity: a decision on speed
     assert entry.parity is not None and entry.parity.passed
-    assert got.seen[-2 * SAMPLES:] == ref.seen  # the fit after the trials: the same samples in the same order
+    assert got.seen[-2 * SAMPLES :] == ref.seen  # the fit after the trials: the same samples in the same order
     if entry.status == "kept":
         assert set(got.batch_sizes[-4:]) == {4 * BATCH}
     assert trainer.accumulate_grad_batches == 4
@@ -245,7 +271,7 @@ def _agree_worker(rank: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    micro_batch.MicroBatchRung.factor = lambda self, state: ((4, "rank 0's") if rank == 0 else (2, "rank 1's"))
+    micro_batch.MicroBatchRung.factor = lambda self, state: (4, "rank 0's") if rank == 0 else (2, "rank 1's")
     state = _state(accumulate=8)
     MicroBatchRung().apply(state)
     torch.save({"factor": state.step.factor}, f"{out}/rank{rank}.pt")

@@ -30,7 +30,7 @@ class LitMLP(pl.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):  # a hook the loop runs after replays too (no host
-        self.sizes.append(len(batch[0]))                       # work in training_step: a graph would refuse it)
+        self.sizes.append(len(batch[0]))  # work in training_step: a graph would refuse it)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, capturable=True)
@@ -40,9 +40,17 @@ def _fit(callbacks) -> LitMLP:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, WIDTH, generator=g), torch.randint(0, 8, (SAMPLES,), generator=g))
     module = LitMLP()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=12, accumulate_grad_batches=4, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=12,
+        accumulate_grad_batches=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=BATCH))
     assert trainer.global_step == 12 and trainer.accumulate_grad_batches == 4
     return module

@@ -17,7 +17,7 @@ GPU_IDLE, SW_POWER_CAP, HW_SLOWDOWN = 0x1, 0x4, 0x8
 
 
 def _util(k: int) -> int:
-    return (k % 5) * 20           # 0, 20, 40, 60, 80, 0, ...
+    return (k % 5) * 20  # 0, 20, 40, 60, 80, 0, ...
 
 
 def _mem(k: int) -> int:
@@ -25,7 +25,7 @@ def _mem(k: int) -> int:
 
 
 def _power_mw(k: int) -> int:
-    return 300_000 + 1500 * k     # NVML reports milliwatts
+    return 300_000 + 1500 * k  # NVML reports milliwatts
 
 
 def _sm_clock(k: int) -> int:
@@ -51,8 +51,15 @@ class FakeNvml(types.ModuleType):
             super().__init__(f"NVML error {value}")
             self.value = value
 
-    def __init__(self, *, count: int = 4, enough: int = 6, fail_power_at: int | None = None,
-                 power_not_supported: bool = False, init_error: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        count: int = 4,
+        enough: int = 6,
+        fail_power_at: int | None = None,
+        power_not_supported: bool = False,
+        init_error: bool = False,
+    ) -> None:
         super().__init__("pynvml")
         self.count, self.enough = count, enough
         self.fail_power_at, self.power_not_supported, self.init_error = fail_power_at, power_not_supported, init_error
@@ -164,8 +171,13 @@ def test_decode_clock_event_reasons():
     assert decode_clock_event_reasons(0) == []
     assert decode_clock_event_reasons(0x1 | 0x4 | 0x40) == ["gpu_idle", "sw_power_cap", "hw_thermal_slowdown"]
     assert decode_clock_event_reasons(0x80 | 0x100 | 0x2 | 0x10 | 0x8 | 0x20) == [
-        "applications_clocks_setting", "hw_slowdown", "sync_boost", "sw_thermal_slowdown",
-        "hw_power_brake", "display_clocks_setting"]
+        "applications_clocks_setting",
+        "hw_slowdown",
+        "sync_boost",
+        "sw_thermal_slowdown",
+        "hw_power_brake",
+        "display_clocks_setting",
+    ]
     assert decode_clock_event_reasons(0x4 | 0x10000) == ["sw_power_cap", "0x10000"]
 
 
@@ -255,13 +267,20 @@ def test_real_gpu():
 def test_the_timeline_places_each_sample_at_the_time_it_was_taken_and_marks_the_windows():
     from speedkit.measure.nvml import timeline
 
-    samples = [{"t": 0.0, "util": 10.0, "power_w": 100.0, "power_limit_w": 700.0, "sm_clock": 1980.0, "reasons": []},
-               {"t": 0.37, "util": 95.0, "power_w": 600.0, "power_limit_w": 700.0, "sm_clock": 1755.0,
-                "reasons": ["sw_power_cap"]},
-               {"util": 90.0}]  # a sample without a time: placed by the interval
+    samples = [
+        {"t": 0.0, "util": 10.0, "power_w": 100.0, "power_limit_w": 700.0, "sm_clock": 1980.0, "reasons": []},
+        {"t": 0.37, "util": 95.0, "power_w": 600.0, "power_limit_w": 700.0, "sm_clock": 1755.0, "reasons": ["sw_power_cap"]},
+        {"util": 90.0},
+    ]  # a sample without a time: placed by the interval
     out = timeline(samples, 0.1, [(0.0, "baseline"), (0.3, "final")])
     assert [s["t_s"] for s in out["samples"]] == [0.0, 0.37, 0.2]
-    assert out["samples"][1] == {"t_s": 0.37, "util": 95.0, "power_w": 600.0, "power_limit_w": 700.0,
-                                 "sm_clock_mhz": 1755.0, "reasons": ["sw_power_cap"]}
+    assert out["samples"][1] == {
+        "t_s": 0.37,
+        "util": 95.0,
+        "power_w": 600.0,
+        "power_limit_w": 700.0,
+        "sm_clock_mhz": 1755.0,
+        "reasons": ["sw_power_cap"],
+    }
     assert out["marks"] == [{"t_s": 0.0, "label": "baseline"}, {"t_s": 0.3, "label": "final"}]
     assert timeline([], 0.1) is None

@@ -75,8 +75,9 @@ class Net(nn.Module):
 
 def data() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g),
-                                          torch.randint(0, CLASSES, (SAMPLES,), generator=g), torch.arange(SAMPLES))
+    return torch.utils.data.TensorDataset(
+        torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g), torch.arange(SAMPLES)
+    )
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -195,8 +196,17 @@ def _plain_run(injector: Injector | None, steps: int = 200) -> tuple[list[list[t
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
     seen: list[torch.Tensor] = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append(model.seen.grad.clone()))
-    sk = speedkit.apply(model, opt, loader(), rungs=[], accumulate=2, clip_grad_norm=1.0, scheduler=sched,
-                        loss_fn=lambda m, b, i: m.loss(b), oom_fallback=injector is not None)
+    sk = speedkit.apply(
+        model,
+        opt,
+        loader(),
+        rungs=[],
+        accumulate=2,
+        clip_grad_norm=1.0,
+        scheduler=sched,
+        loss_fn=lambda m, b, i: m.loss(b),
+        oom_fallback=injector is not None,
+    )
     params = []
     for group in sk.batches(steps=steps, epochs=None):
         sk.step(group)
@@ -272,9 +282,17 @@ class LitNet(pl.LightningModule):
 def _lightning_run(injector: Injector | None, callbacks: list, steps: int = 200) -> LitNet:
     torch.manual_seed(0)
     module = LitNet(injector)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=0.5,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=loader())
     assert trainer.global_step == steps
     return module
@@ -365,9 +383,15 @@ def _ddp_worker(rank: int, port: int, world: int, fallback: bool, out: str) -> N
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps += 1
-    torch.save({"params": [p.detach() for p in net.parameters()], "steps": steps,
-                "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in batcher.events],
-                "raised": net.injector.raised if net.injector else None}, f"{out}/rank{rank}.pt")
+    torch.save(
+        {
+            "params": [p.detach() for p in net.parameters()],
+            "steps": steps,
+            "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in batcher.events],
+            "raised": net.injector.raised if net.injector else None,
+        },
+        f"{out}/rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -382,8 +406,10 @@ def test_ddp_where_only_rank_1_runs_out_of_memory_both_ranks_split_together_and_
     reference = _run_ranks(False, tmp_path / "ref")
     ranks = _run_ranks(True, tmp_path / "oom")
     assert ranks[1]["raised"]["budget"] > 0 and ranks[1]["raised"]["forward"] + ranks[1]["raised"]["backward"] > 0
-    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [(0, 16, 8, "out of memory"),
-                                                                                   (0, 8, 4, "out of memory")]
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [
+        (0, 16, 8, "out of memory"),
+        (0, 8, 4, "out of memory"),
+    ]
     assert ranks[0]["steps"] == reference[0]["steps"] == 32
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))  # the ranks agree exactly
     assert _close(ranks[0]["params"], reference[0]["params"])  # and train as DDP does without any error
@@ -403,9 +429,15 @@ class RankLitNet(LitNet):
 
     def on_train_end(self):
         fallback = next((c for c in self.trainer.callbacks if isinstance(c, OOMFallback)), None)
-        torch.save({"params": [p.detach() for p in self.parameters()], "steps": self.trainer.global_step,
-                    "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in fallback.events] if fallback else [],
-                    "raised": self.net.injector.raised if self.net.injector else None}, f"{self.out}/rank{self.global_rank}.pt")
+        torch.save(
+            {
+                "params": [p.detach() for p in self.parameters()],
+                "steps": self.trainer.global_step,
+                "events": [(e.step, e.old_micro_batch, e.new_micro_batch, e.kind) for e in fallback.events] if fallback else [],
+                "raised": self.net.injector.raised if self.net.injector else None,
+            },
+            f"{self.out}/rank{self.global_rank}.pt",
+        )
 
 
 def lightning_ddp_fit(out: str, oom: bool) -> None:
@@ -413,9 +445,19 @@ def lightning_ddp_fit(out: str, oom: bool) -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")  # the spawned ranks' tensors: not through /dev/shm fds
     torch.manual_seed(0)
     module = RankLitNet(out, oom)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=40, accumulate_grad_batches=2,
-                         gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[OOMFallback()] if oom else [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=40,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[OOMFallback()] if oom else [],
+    )
     trainer.fit(module, train_dataloaders=loader())
 
 
@@ -431,16 +473,24 @@ def test_lightning_ddp_where_only_rank_1_runs_out_of_memory_matches_the_fit_with
         out.mkdir()
         code = f"import test_oom_fallback as t; t.lightning_ddp_fit({str(out)!r}, {oom})"
         try:
-            done = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True, timeout=240,
-                                  env={**__import__("os").environ, "PYTHONPATH": f"{here}:{here.parent}"})
+            done = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=240,
+                env={**__import__("os").environ, "PYTHONPATH": f"{here}:{here.parent}"},
+            )
         except subprocess.TimeoutExpired:
             pytest.fail("the 2-process fit did not finish within 240 s: a hang")
         assert done.returncode == 0, done.stderr[-3000:]
         runs[oom] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     ref, ranks = runs[False], runs[True]
     assert ranks[1]["raised"]["budget"] > 0
-    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [(0, 16, 8, "out of memory"),
-                                                                                   (0, 8, 4, "out of memory")]
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"][:2] == [
+        (0, 16, 8, "out of memory"),
+        (0, 8, 4, "out of memory"),
+    ]
     assert ranks[0]["steps"] == ranks[1]["steps"] == ref[0]["steps"] == 40
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
     assert _close(ranks[0]["params"], ref[0]["params"])
@@ -481,15 +531,29 @@ def test_a_checkpoint_keeps_the_split_and_a_resumed_fit_starts_with_it(tmp_path)
     torch.manual_seed(0)
     module = LitNet(Injector(budget=4))
     first = OOMFallback()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[first])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[first],
+    )
     trainer.fit(module, train_dataloaders=loader())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     assert first.fallback.parts == 4
     resumed = OOMFallback()
     module.net.injector = Injector(budget=4)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=10, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[resumed])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[resumed],
+    )
     trainer.fit(module, train_dataloaders=loader(), ckpt_path=tmp_path / "c.ckpt")
     assert trainer.global_step == 10 and resumed.fallback.parts == 4
     assert module.net.injector.raised["budget"] == 0  # it started at micro-batches of 4: nothing ran out of memory
@@ -507,15 +571,30 @@ def test_with_merged_micro_batches_the_fallback_splits_them_and_trains_like_the_
     fallback = OOMFallback()
     module = _lightning_run(injector, [ladder, fallback], steps=60)
     assert "micro_batch" in ladder.applied_changes, ladder.skipped
-    assert injector.raised["budget"] > 0 and (0, 32, 16) in [(e.step, e.old_micro_batch, e.new_micro_batch) for e in fallback.events]
+    assert injector.raised["budget"] > 0 and (0, 32, 16) in [
+        (e.step, e.old_micro_batch, e.new_micro_batch) for e in fallback.events
+    ]
     assert len(module.seen_grads) == len(reference.seen_grads) == 60
     for step, (a, b) in enumerate(zip(module.seen_grads, reference.seen_grads, strict=True)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), step
     for step, (a, b) in enumerate(zip(module.params_after, reference.params_after, strict=True)):
         assert _close(a, b), step
-    trials = SpeedLadder(rungs=["micro_batch"], trials=True,
-                         measure={"warmup": 1, "steps": 2, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2,
-                                  "settle": 0, "budget_s": 10.0, "holds_windows": 1, "telemetry": False})
+    trials = SpeedLadder(
+        rungs=["micro_batch"],
+        trials=True,
+        measure={
+            "warmup": 1,
+            "steps": 2,
+            "repeats": 2,
+            "parity_steps": 2,
+            "min_blocks": 2,
+            "max_blocks": 2,
+            "settle": 0,
+            "budget_s": 10.0,
+            "holds_windows": 1,
+            "telemetry": False,
+        },
+    )
     _lightning_run(Injector(budget=4), [trials, OOMFallback()], steps=10)
     entry = next(r for r in trials.result.rungs if r.name == "micro_batch")
     assert entry.status in ("kept", "reverted"), entry.reason

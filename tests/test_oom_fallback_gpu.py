@@ -41,16 +41,25 @@ class WideMLP(pl.LightningModule):
 
 def _loader():
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(BATCH * STEPS, WIDTH, generator=g),
-                                          torch.randint(0, 10, (BATCH * STEPS,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(BATCH * STEPS, WIDTH, generator=g), torch.randint(0, 10, (BATCH * STEPS,), generator=g)
+    )
     return torch.utils.data.DataLoader(data, batch_size=BATCH)
 
 
 def _fit(callbacks) -> WideMLP:
     torch.manual_seed(0)
     module = WideMLP()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=_loader())
     assert trainer.global_step == STEPS
     return module
@@ -105,8 +114,7 @@ def _graph_run(limit: int | None, only_while_capturing: bool, graphed: bool = Tr
     if graphed:
         rungs.make("cuda_graph").apply(state)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda())
-               for _ in range(steps)]
+    batches = [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda()) for _ in range(steps)]
     losses = [float(state.step([b], i)) for i, b in enumerate(batches)]
     return losses, [p.detach().clone() for p in model.parameters()], state.step, batcher
 

@@ -17,10 +17,12 @@ from speedkit.errors import OutputError
 from speedkit.files import write_text_atomic
 from speedkit.frontend.cli import OUTPUT_ERROR_EXIT, main
 
-FAST_RECIPE = ("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
-               "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
-               "ladder: [fused_optimizer]\n"
-               "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, holds_windows: 1}\n")
+FAST_RECIPE = (
+    "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+    "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+    "ladder: [fused_optimizer]\n"
+    "measure: {warmup: 1, steps: 2, repeats: 2, parity_steps: 2, min_blocks: 2, max_blocks: 2, holds_windows: 1}\n"
+)
 
 
 def _full_disk_at(monkeypatch, name: str) -> None:
@@ -79,8 +81,9 @@ def _files(out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("fills_at", ["report.json", "report.md", "report.html", "optimized.yaml"])
-def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_half_written(tmp_path, capsys, monkeypatch,
-                                                                                             fills_at):
+def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_half_written(
+    tmp_path, capsys, monkeypatch, fills_at
+):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(FAST_RECIPE)
     out = tmp_path / "out"
@@ -91,8 +94,12 @@ def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_
     assert len(err) == 1 and "Traceback" not in captured.err, err
     assert f"cannot write {out / fills_at}: No space left on device" in err[0] and "printed above" in err[0]
     assert "baseline" in captured.out and "fused_optimizer" in captured.out  # the ladder's table: nothing lost
-    before = {"report.json": [], "report.md": ["report.json"], "report.html": ["report.json", "report.md"],
-              "optimized.yaml": ["report.html", "report.json", "report.md"]}[fills_at]
+    before = {
+        "report.json": [],
+        "report.md": ["report.json"],
+        "report.html": ["report.json", "report.md"],
+        "optimized.yaml": ["report.html", "report.json", "report.md"],
+    }[fills_at]
     assert _files(out) == before  # the files before it whole, nothing of it, no temporary file
     for name in before:
         assert (out / name).stat().st_size > 0
@@ -118,8 +125,13 @@ def _tmpfs(size: str):
     where = Path(f"/tmp/speedkit-full-{uuid.uuid4().hex[:8]}")
     where.mkdir()
     try:
-        mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                                                       capture_output=True).returncode == 0
+        mounted = (
+            os.geteuid() == 0
+            and subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+            ).returncode
+            == 0
+        )
         if not mounted:
             pytest.skip("cannot mount a small tmpfs here (needs root); the injected-error tests cover the logic")
         try:

@@ -27,8 +27,20 @@ from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState
 
 #: judge parity; spend as little as possible on timing
-QUICK = {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 4, "min_blocks": 2, "max_blocks": 2, "settle": 0,
-         "budget_s": 60.0, "telemetry": False, "final_check": False, "together_passes": 0, "switches_floor": False}
+QUICK = {
+    "warmup": 1,
+    "steps": 1,
+    "repeats": 2,
+    "parity_steps": 4,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "settle": 0,
+    "budget_s": 60.0,
+    "telemetry": False,
+    "final_check": False,
+    "together_passes": 0,
+    "switches_floor": False,
+}
 
 
 def _ladder(model, optimizer, batches, rungs, scheduler=None, autocast=None, device="cpu"):
@@ -62,9 +74,15 @@ class DepthwiseConvNet(nn.Module):
         def block(c_in, c_out, stride):
             hidden = c_in * 4
             return nn.Sequential(
-                nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish(),
-                nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish(),
-                nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+                nn.Conv2d(c_in, hidden, 1, bias=False),
+                nn.BatchNorm2d(hidden),
+                nn.Hardswish(),
+                nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                nn.BatchNorm2d(hidden),
+                nn.Hardswish(),
+                nn.Conv2d(hidden, c_out, 1, bias=False),
+                nn.BatchNorm2d(c_out),
+            )
 
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 2, 1, bias=False), nn.BatchNorm2d(width), nn.Hardswish())
         self.blocks = nn.Sequential(block(width, width, 1), block(width, 2 * width, 2), block(2 * width, 2 * width, 1))
@@ -89,8 +107,16 @@ def _bert_classifier(device="cpu"):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                        max_position_embeddings=128, num_labels=2, attn_implementation="eager")
+    config = BertConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        num_labels=2,
+        attn_implementation="eager",
+    )
     bert = BertForSequenceClassification(config).to(device)
 
     class Classifier(nn.Module):
@@ -133,10 +159,17 @@ class TinyTransformer(nn.Module):
     def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(nn.ModuleDict({"ln1": nn.LayerNorm(dim), "att": Attention(dim, heads),
-                                                   "ln2": nn.LayerNorm(dim), "mlp": nn.Sequential(
-                                                       nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))})
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(dim),
+                    "att": Attention(dim, heads),
+                    "ln2": nn.LayerNorm(dim),
+                    "mlp": nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)),
+                }
+            )
+            for _ in range(layers)
+        )
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, targets):
@@ -288,12 +321,17 @@ def test_planted_defects_are_rejected(defect, under, device, monkeypatch, reques
         # measured on the H200 (0b83d0c): over the 4 parity steps it moves this model's loss by at most
         # 2.9e-5 (fp32), under the 1e-4 floor of fp32 on CUDA (configs/tolerances.yaml); telling it from
         # rounding there takes more steps or a tighter floor: a known gap, kept visible
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a wrong LayerNorm gradient moves the loss less "
-                                              "than fp32's CUDA floor within 4 parity steps"))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, reason="a wrong LayerNorm gradient moves the loss less than fp32's CUDA floor within 4 parity steps"
+            )
+        )
     _keep_every_rung(monkeypatch)
-    kind, make = {"dropped_attention_scale": (Attention, _attention_without_scale),
-                  "wrong_layernorm_gradient": (nn.LayerNorm, _layernorm_wrong_gradient),
-                  "linear_bias_dropped": (nn.Linear, _linear_without_bias)}[defect]
+    kind, make = {
+        "dropped_attention_scale": (Attention, _attention_without_scale),
+        "wrong_layernorm_gradient": (nn.LayerNorm, _layernorm_wrong_gradient),
+        "linear_bias_dropped": (nn.Linear, _linear_without_bias),
+    }[defect]
     model, optimizer, batches = _transformer(device)
     _, result = _ladder(model, optimizer, batches, _rungs_under(under, RewriteRung(defect, kind, make)), device=device)
     if under == "bf16":
@@ -301,7 +339,10 @@ def test_planted_defects_are_rejected(defect, under, device, monkeypatch, reques
     entry = _entry(result, defect)
     parity = entry.parity
     assert entry.status == "reverted" and "numerics changed" in entry.reason, (
-        entry.reason, parity and _moves(parity), parity and parity.envelope)
+        entry.reason,
+        parity and _moves(parity),
+        parity and parity.envelope,
+    )
     assert parity.precision == "fp32" and "for fp32" in entry.reason
     # rejected at a step where the envelope is narrow: not by a hair
     assert any(m > 2 * t for m, t in zip(_moves(parity), parity.envelope)), (_moves(parity), parity.envelope)
@@ -363,8 +404,17 @@ def test_dropout_off_reaches_the_rates_models_pass_to_kernels_themselves():
     from speedkit.engine.parity import dropout_off as _dropout_off
     from speedkit.rungs.base import active_dropouts
 
-    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.1,
-                      decoder_start_token_id=0, pad_token_id=0)
+    config = T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = T5ForConditionalGeneration(config)
     found = active_dropouts(model)
     floats = {(type(m).__name__, name) for m, name in found if name != "p"}

@@ -25,26 +25,47 @@ from speedkit.profile import (
 
 NAMES = [
     # GEMM: cuBLAS/cuBLASLt/CUTLASS/nvjet, Inductor templates, convolutions, the CPU ops
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm"),
+    (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+        "gemm",
+    ),
     ("ampere_sgemm_128x64_tn", "gemm"),
     ("nvjet_tst_192x192_64x4_1x2_h_bz_coopA_TNT", "gemm"),
     ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8", "gemm"),
-    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8::Params)", "gemm"),
+    (
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8::Params)",
+        "gemm",
+    ),
     ("triton_tem_fused_addmm_0", "gemm"),
     ("triton_tem_fused_mm_1", "gemm"),
     ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "gemm"),
-    ("void cudnn::cnn::conv2d_grouped_direct_kernel<false, true, false, false, 0, 0, float, float>(cudnn::cnn::convolve_params)", "gemm"),
+    (
+        "void cudnn::cnn::conv2d_grouped_direct_kernel<false, true, false, false, 0, 0, float, float>(cudnn::cnn::convolve_params)",
+        "gemm",
+    ),
     ("void implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(int, int, int)", "gemm"),
     ("sm80_xmma_dgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nchw", "gemm"),
     ("sm80_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "gemm"),
-    ("aten::mm", "gemm"), ("aten::addmm", "gemm"), ("aten::bmm", "gemm"), ("aten::matmul", "gemm"),
-    ("aten::linear", "gemm"), ("aten::baddbmm", "gemm"), ("aten::convolution", "gemm"),
-    ("aten::mkldnn_convolution", "gemm"), ("aten::_convolution", "gemm"),
+    ("aten::mm", "gemm"),
+    ("aten::addmm", "gemm"),
+    ("aten::bmm", "gemm"),
+    ("aten::matmul", "gemm"),
+    ("aten::linear", "gemm"),
+    ("aten::baddbmm", "gemm"),
+    ("aten::convolution", "gemm"),
+    ("aten::mkldnn_convolution", "gemm"),
+    ("aten::_convolution", "gemm"),
     # attention
     ("flash_fwd_kernel", "attention"),
     ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>, false, true>(pytorch_flash::Flash_fwd_params)", "attention"),
-    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)", "attention"),
+    (
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>, false, true>(pytorch_flash::Flash_fwd_params)",
+        "attention",
+    ),
+    (
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>::Params)",
+        "attention",
+    ),
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel::Params)", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64_4x1x1_kernel0_0", "attention"),
     ("aten::_scaled_dot_product_flash_attention", "attention"),
@@ -54,68 +75,165 @@ NAMES = [
     ("triton_tem_fused__scaled_dot_product_flash_attention_0", "attention"),
     ("triton_tem_fused_flex_attention_0", "attention"),
     # normalization
-    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int, float, float const*)", "normalization"),
-    ("void at::native::(anonymous namespace)::layer_norm_grad_input_kernel<float, float>(float const*, float const*)", "normalization"),
-    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float, 32u, 32u, 256u, false>(long, long)", "normalization"),
+    (
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int, float, float const*)",
+        "normalization",
+    ),
+    (
+        "void at::native::(anonymous namespace)::layer_norm_grad_input_kernel<float, float>(float const*, float const*)",
+        "normalization",
+    ),
+    (
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float, 32u, 32u, 256u, false>(long, long)",
+        "normalization",
+    ),
     ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1, true>(cudnnTensorStruct)", "normalization"),
     ("void at::native::batch_norm_collect_statistics_kernel<at::native::Var, float, float, float, int>(float)", "normalization"),
     ("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 512, true, 1>(float, float)", "normalization"),
-    ("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*, float*, float*)", "normalization"),
-    ("void at::native::(anonymous namespace)::vectorized_rms_norm_kernel<float, float>(int, float, float const*)", "normalization"),
+    (
+        "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*, float*, float*)",
+        "normalization",
+    ),
+    (
+        "void at::native::(anonymous namespace)::vectorized_rms_norm_kernel<float, float>(int, float, float const*)",
+        "normalization",
+    ),
     ("triton_red_fused_native_layer_norm_0", "normalization"),
     ("triton_per_fused_native_layer_norm_native_layer_norm_backward_3", "normalization"),
     ("triton_red_fused__native_batch_norm_legit_functional_1", "normalization"),
     ("triton_per_fused_add_mean_mul_pow_rsqrt_2", "normalization"),
     ("triton_red_fused_native_group_norm_0", "normalization"),
     ("_norm_fwd_kernel", "normalization"),
-    ("aten::layer_norm", "normalization"), ("aten::native_layer_norm", "normalization"),
-    ("aten::native_layer_norm_backward", "normalization"), ("aten::batch_norm", "normalization"),
-    ("aten::native_batch_norm", "normalization"), ("aten::native_batch_norm_backward", "normalization"),
-    ("aten::group_norm", "normalization"), ("aten::rms_norm", "normalization"),
+    ("aten::layer_norm", "normalization"),
+    ("aten::native_layer_norm", "normalization"),
+    ("aten::native_layer_norm_backward", "normalization"),
+    ("aten::batch_norm", "normalization"),
+    ("aten::native_batch_norm", "normalization"),
+    ("aten::native_batch_norm_backward", "normalization"),
+    ("aten::group_norm", "normalization"),
+    ("aten::rms_norm", "normalization"),
     # loss
-    ("void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>(float*, float*)", "loss"),
-    ("void at::native::(anonymous namespace)::nll_loss_backward_reduce_cuda_kernel_2d<float, long>(float*, float const*)", "loss"),
-    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", "loss"),
-    ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxBackwardEpilogue>(float*, float const*, float const*, long)", "loss"),
+    (
+        "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>(float*, float*)",
+        "loss",
+    ),
+    (
+        "void at::native::(anonymous namespace)::nll_loss_backward_reduce_cuda_kernel_2d<float, long>(float*, float const*)",
+        "loss",
+    ),
+    (
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+        "loss",
+    ),
+    (
+        "void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxBackwardEpilogue>(float*, float const*, float const*, long)",
+        "loss",
+    ),
     ("triton_red_fused__log_softmax_nll_loss_forward_0", "loss"),
-    ("_liger_cross_entropy_kernel", "loss"), ("fused_linear_cross_entropy_fwd", "loss"), ("_ce_fwd_kernel", "loss"),
-    ("aten::cross_entropy_loss", "loss"), ("aten::nll_loss", "loss"), ("aten::nll_loss_forward", "loss"),
-    ("aten::nll_loss_backward", "loss"), ("aten::_log_softmax", "loss"), ("aten::_log_softmax_backward_data", "loss"),
-    ("aten::mse_loss", "loss"), ("aten::binary_cross_entropy_with_logits", "loss"),
+    ("_liger_cross_entropy_kernel", "loss"),
+    ("fused_linear_cross_entropy_fwd", "loss"),
+    ("_ce_fwd_kernel", "loss"),
+    ("aten::cross_entropy_loss", "loss"),
+    ("aten::nll_loss", "loss"),
+    ("aten::nll_loss_forward", "loss"),
+    ("aten::nll_loss_backward", "loss"),
+    ("aten::_log_softmax", "loss"),
+    ("aten::_log_softmax_backward_data", "loss"),
+    ("aten::mse_loss", "loss"),
+    ("aten::binary_cross_entropy_with_logits", "loss"),
     # optimizer
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::PointwiseOpScalarFunctor<float, 4, 3, 3>, std::multiplies<float>, float>(at::native::(anonymous namespace)::TensorListMetadata<4>)", "optimizer"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, float*, double, double>(at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>)", "optimizer"),
-    ("fused_adam_kernel", "optimizer"), ("lamb_stage1_kernel", "optimizer"),
-    ("triton_poi_fused__foreach_addcdiv__foreach_sqrt_0", "optimizer"), ("triton_for_fused_0", "optimizer"),
-    ("aten::_foreach_mul_", "optimizer"), ("aten::_fused_adamw_", "optimizer"), ("aten::_fused_adam_", "optimizer"),
-    ("aten::_fused_sgd_", "optimizer"), ("Optimizer.step#AdamW.step", "optimizer"),
+    (
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::PointwiseOpScalarFunctor<float, 4, 3, 3>, std::multiplies<float>, float>(at::native::(anonymous namespace)::TensorListMetadata<4>)",
+        "optimizer",
+    ),
+    (
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, float*, double, double>(at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>)",
+        "optimizer",
+    ),
+    ("fused_adam_kernel", "optimizer"),
+    ("lamb_stage1_kernel", "optimizer"),
+    ("triton_poi_fused__foreach_addcdiv__foreach_sqrt_0", "optimizer"),
+    ("triton_for_fused_0", "optimizer"),
+    ("aten::_foreach_mul_", "optimizer"),
+    ("aten::_fused_adamw_", "optimizer"),
+    ("aten::_fused_adam_", "optimizer"),
+    ("aten::_fused_sgd_", "optimizer"),
+    ("Optimizer.step#AdamW.step", "optimizer"),
     # memcpy
-    ("Memcpy HtoD (Pageable -> Device)", "memcpy"), ("Memcpy DtoH (Device -> Pinned)", "memcpy"),
-    ("Memcpy DtoD (Device -> Device)", "memcpy"), ("Memset (Device)", "memcpy"),
-    ("aten::copy_", "memcpy"), ("aten::to", "memcpy"), ("aten::_to_copy", "memcpy"),
+    ("Memcpy HtoD (Pageable -> Device)", "memcpy"),
+    ("Memcpy DtoH (Device -> Pinned)", "memcpy"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy"),
+    ("Memset (Device)", "memcpy"),
+    ("aten::copy_", "memcpy"),
+    ("aten::to", "memcpy"),
+    ("aten::_to_copy", "memcpy"),
     # communication
     ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "communication"),
     ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
-    ("nccl:all_reduce", "communication"), ("gloo:all_reduce", "communication"), ("c10d::allreduce_", "communication"),
+    ("nccl:all_reduce", "communication"),
+    ("gloo:all_reduce", "communication"),
+    ("c10d::allreduce_", "communication"),
     # elementwise: pointwise, reductions, indexing, embeddings, softmax outside attention, dropout
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul> >(int, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>)", "elementwise"),
-    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>>(int)", "elementwise"),
-    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast::{lambda(int)#1})", "elementwise"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4>)", "elementwise"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormTwoOps<float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::NormTwoOps<float, float, float>, unsigned int, float, 4, 4>)", "elementwise"),
-    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(cuda::detail::TensorInfo<float, unsigned int>)", "elementwise"),
-    ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>(long const*, float const*)", "elementwise"),
-    ("triton_poi_fused_add_gelu_0", "elementwise"), ("triton_red_fused_sum_1", "elementwise"), ("triton_per_fused_mul_sum_2", "elementwise"),
-    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)", "elementwise"),
-    ("void at::native::(anonymous namespace)::fused_dropout_kernel_vec<float, float, unsigned int, 1, 4, bool>(at::cuda::detail::TensorInfo<float const, unsigned int>)", "elementwise"),
-    ("aten::add", "elementwise"), ("aten::add_", "elementwise"), ("aten::mul", "elementwise"), ("aten::gelu", "elementwise"),
-    ("aten::gelu_backward", "elementwise"), ("aten::relu", "elementwise"), ("aten::threshold_backward", "elementwise"),
-    ("aten::softmax", "elementwise"), ("aten::_softmax", "elementwise"), ("aten::dropout", "elementwise"),
-    ("aten::embedding", "elementwise"), ("aten::embedding_dense_backward", "elementwise"), ("aten::sum", "elementwise"),
+    (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul> >(int, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>)",
+        "elementwise",
+    ),
+    (
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>>(int)",
+        "elementwise",
+    ),
+    (
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast::{lambda(int)#1})",
+        "elementwise",
+    ),
+    (
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4>)",
+        "elementwise",
+    ),
+    (
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormTwoOps<float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::NormTwoOps<float, float, float>, unsigned int, float, 4, 4>)",
+        "elementwise",
+    ),
+    (
+        "void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(cuda::detail::TensorInfo<float, unsigned int>)",
+        "elementwise",
+    ),
+    (
+        "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<float, float, long>(long const*, float const*)",
+        "elementwise",
+    ),
+    ("triton_poi_fused_add_gelu_0", "elementwise"),
+    ("triton_red_fused_sum_1", "elementwise"),
+    ("triton_per_fused_mul_sum_2", "elementwise"),
+    (
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)",
+        "elementwise",
+    ),
+    (
+        "void at::native::(anonymous namespace)::fused_dropout_kernel_vec<float, float, unsigned int, 1, 4, bool>(at::cuda::detail::TensorInfo<float const, unsigned int>)",
+        "elementwise",
+    ),
+    ("aten::add", "elementwise"),
+    ("aten::add_", "elementwise"),
+    ("aten::mul", "elementwise"),
+    ("aten::gelu", "elementwise"),
+    ("aten::gelu_backward", "elementwise"),
+    ("aten::relu", "elementwise"),
+    ("aten::threshold_backward", "elementwise"),
+    ("aten::softmax", "elementwise"),
+    ("aten::_softmax", "elementwise"),
+    ("aten::dropout", "elementwise"),
+    ("aten::embedding", "elementwise"),
+    ("aten::embedding_dense_backward", "elementwise"),
+    ("aten::sum", "elementwise"),
     ("aten::mean", "elementwise"),
     # other: anything the table does not know
-    ("aten::empty", "other"), ("aten::view", "other"), ("aten::t", "other"), ("aten::new_empty", "other"),
-    ("cudaLaunchKernel", "other"), ("some_custom_kernel", "other"),
+    ("aten::empty", "other"),
+    ("aten::view", "other"),
+    ("aten::t", "other"),
+    ("aten::new_empty", "other"),
+    ("cudaLaunchKernel", "other"),
+    ("some_custom_kernel", "other"),
 ]
 
 
@@ -125,8 +243,19 @@ def test_categorize_real_names(name, expected):
 
 
 def test_categories_are_ordered_and_labelled():
-    assert CATEGORIES == ("data_wait", "host_idle", "gemm", "attention", "normalization", "elementwise", "loss",
-                          "optimizer", "memcpy", "communication", "other")
+    assert CATEGORIES == (
+        "data_wait",
+        "host_idle",
+        "gemm",
+        "attention",
+        "normalization",
+        "elementwise",
+        "loss",
+        "optimizer",
+        "memcpy",
+        "communication",
+        "other",
+    )
     assert list(CATEGORY_LABELS) == list(CATEGORIES)
     assert CATEGORY_LABELS["host_idle"] == "host-bound idle GPU" and CATEGORY_LABELS["gemm"] == "GEMM"
 
@@ -136,14 +265,19 @@ def test_categorize_never_answers_a_host_category():
 
 
 def test_specific_rules_beat_generic_ones():
-    assert categorize("triton_red_fused_native_layer_norm_0") == "normalization"   # not elementwise
-    assert categorize("triton_tem_fused_mm_1") == "gemm"                           # not "other"
-    assert categorize("fmha_cutlassF_f32_aligned_64x64_rf_sm80") == "attention"     # not a CUTLASS GEMM
-    assert categorize("fused_linear_cross_entropy_bwd") == "loss"                   # not a linear's GEMM
-    assert categorize("triton_red_fused__log_softmax_mean_0") == "loss"             # not elementwise
+    assert categorize("triton_red_fused_native_layer_norm_0") == "normalization"  # not elementwise
+    assert categorize("triton_tem_fused_mm_1") == "gemm"  # not "other"
+    assert categorize("fmha_cutlassF_f32_aligned_64x64_rf_sm80") == "attention"  # not a CUTLASS GEMM
+    assert categorize("fused_linear_cross_entropy_bwd") == "loss"  # not a linear's GEMM
+    assert categorize("triton_red_fused__log_softmax_mean_0") == "loss"  # not elementwise
     # a kernel's lambda is not the LAMB optimizer
-    assert categorize("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
-                      "std::array<char*, 1ul> >({lambda()#1})") == "elementwise"
+    assert (
+        categorize(
+            "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+            "std::array<char*, 1ul> >({lambda()#1})"
+        )
+        == "elementwise"
+    )
 
 
 # -- profile_window on CPU --------------------------------------------------------------------------------
@@ -227,12 +361,12 @@ def cpu_window(tmp_path_factory):
 
 def test_cpu_window_breaks_the_step_down(cpu_window):
     window, step, _ = cpu_window
-    assert step.calls == 2 + 3                       # warm-up steps run, then the profiled ones
+    assert step.calls == 2 + 3  # warm-up steps run, then the profiled ones
     assert window.steps == 3 and window.label == "baseline" and window.device == "cpu"
     assert set(window.breakdown_ms) == set(CATEGORIES)
     breakdown = window.breakdown_ms
     assert breakdown["gemm"] > 0 and breakdown["optimizer"] > 0 and breakdown["loss"] > 0
-    assert breakdown["data_wait"] > 0                # the loader computes its samples
+    assert breakdown["data_wait"] > 0  # the loader computes its samples
     assert breakdown["host_idle"] == 0.0 and window.device_busy_fraction is None and window.peak_memory_bytes is None
     assert sum(breakdown.values()) <= window.step_ms * 1.1
     assert all(value >= 0 for value in breakdown.values())
@@ -260,7 +394,7 @@ def test_nested_data_wait_scopes_count_once():
 
     window = profile_window(fetch_only, steps=2, warmup=1, label="x", device="cpu")
     assert 0.5 * window.step_ms < window.breakdown_ms["data_wait"] <= window.step_ms
-    assert window.breakdown_ms["gemm"] == 0.0       # the products ran inside the fetch
+    assert window.breakdown_ms["gemm"] == 0.0  # the products ran inside the fetch
 
 
 def test_cpu_window_top_ops(cpu_window):
@@ -275,13 +409,12 @@ def test_cpu_window_writes_a_gzipped_chrome_trace(cpu_window):
     assert window.trace == str(trace) and window.trace_note is None
     with gzip.open(trace) as handle:
         assert "traceEvents" in json.loads(handle.read())
-    assert list(trace.parent.iterdir()) == [trace]   # the plain export was removed
+    assert list(trace.parent.iterdir()) == [trace]  # the plain export was removed
 
 
 def test_a_trace_over_the_bound_is_not_kept(tmp_path):
     trace = tmp_path / "big.json.gz"
-    window = profile_window(MLPStep(), steps=1, warmup=0, label="final", device="cpu", trace_path=trace,
-                            max_trace_bytes=1000)
+    window = profile_window(MLPStep(), steps=1, warmup=0, label="final", device="cpu", trace_path=trace, max_trace_bytes=1000)
     assert window.trace is None and not trace.exists()
     assert "over the" in window.trace_note and "not kept" in window.trace_note
     assert list(tmp_path.iterdir()) == []
@@ -299,8 +432,8 @@ def test_an_error_in_the_step_propagates_unchanged(tmp_path):
     trace = tmp_path / "failed.json.gz"
     with pytest.raises(RuntimeError, match="the step itself failed"):
         profile_window(MLPStep(fail_at=3), steps=2, warmup=1, label="x", device="cpu", trace_path=trace)
-    assert not torch.autograd._profiler_enabled()    # the profiler was stopped on the way out
-    assert list(tmp_path.iterdir()) == []            # and no trace of the failed window was written
+    assert not torch.autograd._profiler_enabled()  # the profiler was stopped on the way out
+    assert list(tmp_path.iterdir()) == []  # and no trace of the failed window was written
 
 
 def test_a_profiler_already_running_is_profile_unavailable():
@@ -329,13 +462,31 @@ def test_a_window_needs_a_step():
 
 
 def test_window_round_trips_through_json():
-    window = ProfileWindow(label="rung", steps=3, step_ms=12.5, breakdown_ms={**dict.fromkeys(CATEGORIES, 0.0), "gemm": 4.0},
-                           device="cuda", device_busy_fraction=0.75,
-                           top_ops=[{"name": "ampere_sgemm_128x64_tn", "category": "gemm", "ms": 4.0}],
-                           trace="runs/p/rung.json.gz", trace_note=None, peak_memory_bytes=1 << 30)
+    window = ProfileWindow(
+        label="rung",
+        steps=3,
+        step_ms=12.5,
+        breakdown_ms={**dict.fromkeys(CATEGORIES, 0.0), "gemm": 4.0},
+        device="cuda",
+        device_busy_fraction=0.75,
+        top_ops=[{"name": "ampere_sgemm_128x64_tn", "category": "gemm", "ms": 4.0}],
+        trace="runs/p/rung.json.gz",
+        trace_note=None,
+        peak_memory_bytes=1 << 30,
+    )
     data = json.loads(json.dumps(window.to_dict()))
-    assert set(data) == {"label", "steps", "step_ms", "breakdown_ms", "device", "device_busy_fraction", "top_ops",
-                         "trace", "trace_note", "peak_memory_bytes"}
+    assert set(data) == {
+        "label",
+        "steps",
+        "step_ms",
+        "breakdown_ms",
+        "device",
+        "device_busy_fraction",
+        "top_ops",
+        "trace",
+        "trace_note",
+        "peak_memory_bytes",
+    }
     assert ProfileWindow.from_dict(data) == window
 
 
@@ -399,8 +550,11 @@ def test_cuda_item_is_named_as_one_host_sync():
     step()  # the optimizer's state exists: the step checked is a steady one
     torch.cuda.synchronize()
     syncs = find_host_syncs(step, torch.device("cuda"))
-    line = next(number for number, text in enumerate(open(__file__).read().splitlines(), 1)
-                if "the sync find_host_syncs must name" in text and "loss.item()" in text)
+    line = next(
+        number
+        for number, text in enumerate(open(__file__).read().splitlines(), 1)
+        if "the sync find_host_syncs must name" in text and "loss.item()" in text
+    )
     ours = [sync for sync in syncs if f"test_profile_window.py:{line}" in sync["where"]]
     assert len(ours) == 1 and ours[0]["count"] == 1 and "loss.item()" in ours[0]["code"]
 

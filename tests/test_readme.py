@@ -95,10 +95,32 @@ _NEEDS = {"optimizer": ["model"], "scheduler": ["optimizer"], "loader": ["model"
 
 #: overrides that make a recipe small (appended after the README's own arguments: the last wins); on a
 #: machine without CUDA also ``--trainer.accelerator cpu --trainer.precision 32-true``
-CPU_SIZE = ["--model.init_args.size", "tiny",
-            "--data.batch_size", "2", "--data.seq_len", "32", "--data.vocab_size", "512", "--data.length", "256",
-            "--measure.warmup", "1", "--measure.steps", "3", "--measure.repeats", "2", "--measure.parity_steps", "2",
-            "--measure.min_blocks", "2", "--measure.max_blocks", "2", "--measure.holds_windows", "1"]
+CPU_SIZE = [
+    "--model.init_args.size",
+    "tiny",
+    "--data.batch_size",
+    "2",
+    "--data.seq_len",
+    "32",
+    "--data.vocab_size",
+    "512",
+    "--data.length",
+    "256",
+    "--measure.warmup",
+    "1",
+    "--measure.steps",
+    "3",
+    "--measure.repeats",
+    "2",
+    "--measure.parity_steps",
+    "2",
+    "--measure.min_blocks",
+    "2",
+    "--measure.max_blocks",
+    "2",
+    "--measure.holds_windows",
+    "1",
+]
 #: steps a ``speedkit fit`` from the README trains here
 FIT_STEPS = "3"
 #: the test run by the README's ``make test`` here (the whole suite is what runs this file)
@@ -158,8 +180,10 @@ def _free_names(code: str) -> list[str]:
 def _prelude(names: list[str]) -> str:
     """The user's objects ``names`` (and what they are made from), defined tiny, in a fixed order."""
     unknown = [n for n in names if n not in USERS_OBJECTS]
-    assert not unknown, (f"the block uses {unknown} without defining them, and they are not the user's objects this "
-                         f"test provides ({sorted(USERS_OBJECTS)})")
+    assert not unknown, (
+        f"the block uses {unknown} without defining them, and they are not the user's objects this "
+        f"test provides ({sorted(USERS_OBJECTS)})"
+    )
     needed = set(names)
     while True:
         more = {need for n in needed for need in _NEEDS.get(n, [])} - needed
@@ -171,14 +195,26 @@ def _prelude(names: list[str]) -> str:
 
 def _env() -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(REPO),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _run(argv: list[str] | str, cwd: Path, what: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(argv, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=LIMIT_S,
-                              shell=isinstance(argv, str), stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            argv,
+            cwd=cwd,
+            env=env or _env(),
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S,
+            shell=isinstance(argv, str),
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{what} did not finish within {LIMIT_S} s")
     assert proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

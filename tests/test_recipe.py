@@ -51,46 +51,105 @@ BAD_RECIPES = [
     # ladder
     ("unknown_rung", recipe_text(ladder="ladder: [tf32, warp_drive]\n"), "ladder[1]"),
     ("bad_rung_option_value", recipe_text(ladder="ladder: [{name: compile, options: {mode: fast}}]\n"), "ladder[0].options.mode"),
-    ("unknown_rung_option", recipe_text(ladder="ladder: [{name: compile, options: {modee: default}}]\n"), "ladder[0].options.modee"),
+    (
+        "unknown_rung_option",
+        recipe_text(ladder="ladder: [{name: compile, options: {modee: default}}]\n"),
+        "ladder[0].options.modee",
+    ),
     ("rung_listed_twice", recipe_text(ladder="ladder: [tf32, autocast, tf32]\n"), "ladder[2]"),
     ("ladder_not_a_list", recipe_text(ladder="ladder: tf32\n"), "ladder"),
-    ("compile_backend_unknown", recipe_text(ladder="ladder: [{name: compile, options: {backend: nope}}]\n"), "ladder[0].options.backend"),
+    (
+        "compile_backend_unknown",
+        recipe_text(ladder="ladder: [{name: compile, options: {backend: nope}}]\n"),
+        "ladder[0].options.backend",
+    ),
     ("null_ladder", recipe_text(ladder="ladder:\n"), "ladder"),
     # model
     ("class_path_no_dot", recipe_text(model="model: {class_path: NaiveGPT}\n"), "model.class_path"),
     ("class_path_module_missing", recipe_text(model="model: {class_path: no_such_speedkit_module.Model}\n"), "model.class_path"),
     ("class_path_attribute_missing", recipe_text(model="model: {class_path: speedkit.demos.NaiveGTP}\n"), "model.class_path"),
-    ("class_path_not_lightning_module", recipe_text(model="model: {class_path: speedkit.demos.SyntheticTokens}\n"), "model.class_path"),
-    ("init_args_not_mapping", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: [tiny]}\n"), "model.init_args"),
-    ("unknown_init_arg", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {sise: tiny}}\n"), "model.init_args.sise"),
-    ("wrong_init_arg_type", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {n_layer: two}}\n"), "model.init_args.n_layer"),
-    ("init_arg_not_in_literal", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: huge}}\n"), "model.init_args.size"),
+    (
+        "class_path_not_lightning_module",
+        recipe_text(model="model: {class_path: speedkit.demos.SyntheticTokens}\n"),
+        "model.class_path",
+    ),
+    (
+        "init_args_not_mapping",
+        recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: [tiny]}\n"),
+        "model.init_args",
+    ),
+    (
+        "unknown_init_arg",
+        recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {sise: tiny}}\n"),
+        "model.init_args.sise",
+    ),
+    (
+        "wrong_init_arg_type",
+        recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {n_layer: two}}\n"),
+        "model.init_args.n_layer",
+    ),
+    (
+        "init_arg_not_in_literal",
+        recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: huge}}\n"),
+        "model.init_args.size",
+    ),
     ("unknown_model_key", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_arg: {}}\n"), "model.init_arg"),
     ("missing_model", recipe_text(model=None), "model"),
     ("missing_model_class_path", recipe_text(model="model: {init_args: {size: tiny}}\n"), "model.class_path"),
-    ("model_without_training_step", recipe_text(model="model: {class_path: lightning.pytorch.LightningModule}\n"), "model.class_path"),
-    ("init_arg_nan", recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {lr: .nan}}\n"), "model.init_args.lr"),
+    (
+        "model_without_training_step",
+        recipe_text(model="model: {class_path: lightning.pytorch.LightningModule}\n"),
+        "model.class_path",
+    ),
+    (
+        "init_arg_nan",
+        recipe_text(model="model: {class_path: speedkit.demos.NaiveGPT, init_args: {lr: .nan}}\n"),
+        "model.init_args.lr",
+    ),
     # data
     ("data_synthetic_unknown_kind", recipe_text(data="data: {synthetic: images, batch_size: 2}\n"), "data.synthetic"),
     ("data_synthetic_unknown_arg", recipe_text(data="data: {synthetic: tokens, batch_sise: 2}\n"), "data.batch_sise"),
     ("data_not_a_datamodule", recipe_text(data="data: {class_path: speedkit.demos.LaunchBoundMLP}\n"), "data.class_path"),
-    ("data_init_arg_wrong_type", recipe_text(data="data:\n  class_path: speedkit.demos.SyntheticTokens\n  init_args: {batch_size: '8'}\n"), "data.init_args.batch_size"),
+    (
+        "data_init_arg_wrong_type",
+        recipe_text(data="data:\n  class_path: speedkit.demos.SyntheticTokens\n  init_args: {batch_size: '8'}\n"),
+        "data.init_args.batch_size",
+    ),
     ("data_missing_model_has_no_loader", recipe_text(data=None), "data"),
     # trainer
     ("unknown_trainer_key", recipe_text(trainer="trainer: {max_stepz: 5}\n"), "trainer.max_stepz"),
     ("wrong_trainer_type", recipe_text(trainer="trainer: {max_steps: ten}\n"), "trainer.max_steps"),
     ("trainer_callback_not_a_spec", recipe_text(trainer="trainer: {callbacks: [EarlyStopping]}\n"), "trainer.callbacks[0]"),
-    ("trainer_callback_not_a_callback", recipe_text(trainer="trainer: {callbacks: [{class_path: speedkit.demos.SyntheticTokens}]}\n"), "trainer.callbacks[0].class_path"),
+    (
+        "trainer_callback_not_a_callback",
+        recipe_text(trainer="trainer: {callbacks: [{class_path: speedkit.demos.SyntheticTokens}]}\n"),
+        "trainer.callbacks[0].class_path",
+    ),
     ("trainer_not_a_mapping", recipe_text(trainer="trainer: [max_steps]\n"), "trainer"),
-    ("accumulate_zero_batches", recipe_text(trainer="trainer: {accumulate_grad_batches: 0}\n"), "trainer.accumulate_grad_batches"),
+    (
+        "accumulate_zero_batches",
+        recipe_text(trainer="trainer: {accumulate_grad_batches: 0}\n"),
+        "trainer.accumulate_grad_batches",
+    ),
     # values Lightning's Trainer takes and fails on later (or, validating, blames on this machine)
-    ("trainer_accelerator_unknown", recipe_text(trainer="trainer: {accelerator: tpuu}\n"), "trainer.accelerator: unknown accelerator 'tpuu'"),
+    (
+        "trainer_accelerator_unknown",
+        recipe_text(trainer="trainer: {accelerator: tpuu}\n"),
+        "trainer.accelerator: unknown accelerator 'tpuu'",
+    ),
     ("trainer_logger_string", recipe_text(trainer="trainer: {logger: tensorboard}\n"), "trainer.logger"),
     ("trainer_clip_nan", recipe_text(trainer="trainer: {gradient_clip_val: .nan}\n"), "trainer.gradient_clip_val"),
     ("trainer_clip_negative", recipe_text(trainer="trainer: {gradient_clip_val: -1.0}\n"), "trainer.gradient_clip_val"),
-    ("trainer_root_dir_under_a_file", recipe_text(trainer="trainer: {default_root_dir: /dev/null/runs}\n"), "trainer.default_root_dir"),
-    ("trainer_callback_without_required_arg", recipe_text(trainer="trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.EarlyStopping}]}\n"),
-     "trainer.callbacks[0].init_args: EarlyStopping: missing a required argument: 'monitor'"),
+    (
+        "trainer_root_dir_under_a_file",
+        recipe_text(trainer="trainer: {default_root_dir: /dev/null/runs}\n"),
+        "trainer.default_root_dir",
+    ),
+    (
+        "trainer_callback_without_required_arg",
+        recipe_text(trainer="trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.EarlyStopping}]}\n"),
+        "trainer.callbacks[0].init_args: EarlyStopping: missing a required argument: 'monitor'",
+    ),
     # measure
     ("negative_measure_steps", recipe_text(measure="measure: {steps: -3}\n"), "measure.steps"),
     ("measure_warmup_string", recipe_text(measure="measure: {warmup: three}\n"), "measure.warmup"),
@@ -138,13 +197,16 @@ def test_file_not_found(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize(("class_path", "expected"), [
-    ("no_such_speedkit_module.Model", "module 'no_such_speedkit_module' not found"),
-    ("speedkit.demoz.NaiveGPT", "module 'speedkit.demoz' not found"),
-    ("speedkit.demos.NaiveGTP", "module 'speedkit.demos' has no attribute 'NaiveGTP'; did you mean 'NaiveGPT'?"),
-    ("NaiveGPT", "class_path must be 'package.module.ClassName'"),
-    ("speedkit.demos.gpt2.SIZES", "expected a class"),
-])
+@pytest.mark.parametrize(
+    ("class_path", "expected"),
+    [
+        ("no_such_speedkit_module.Model", "module 'no_such_speedkit_module' not found"),
+        ("speedkit.demoz.NaiveGPT", "module 'speedkit.demoz' not found"),
+        ("speedkit.demos.NaiveGTP", "module 'speedkit.demos' has no attribute 'NaiveGTP'; did you mean 'NaiveGPT'?"),
+        ("NaiveGPT", "class_path must be 'package.module.ClassName'"),
+        ("speedkit.demos.gpt2.SIZES", "expected a class"),
+    ],
+)
 def test_import_errors_say_what_is_missing(class_path: str, expected: str) -> None:
     with pytest.raises(ConfigError, match="^model.class_path: ") as info:
         load_recipe_text(recipe_text(model=f"model: {{class_path: {class_path}}}\n"))
@@ -203,17 +265,21 @@ def test_measure_defaults_are_merged() -> None:
 
 
 def test_synthetic_vectors_and_class_path_data() -> None:
-    recipe = load_recipe_text(recipe_text(
-        model="model: {class_path: speedkit.demos.LaunchBoundMLP, init_args: {features: 8, hidden: 8, depth: 1, lr: 1e-3}}\n",
-        data="data: {synthetic: vectors, batch_size: 4, features: 8}\n",
-    ))
+    recipe = load_recipe_text(
+        recipe_text(
+            model="model: {class_path: speedkit.demos.LaunchBoundMLP, init_args: {features: 8, hidden: 8, depth: 1, lr: 1e-3}}\n",
+            data="data: {synthetic: vectors, batch_size: 4, features: 8}\n",
+        )
+    )
     assert recipe.model.init_args["lr"] == 0.001  # YAML 1.1 would read 1e-3 as a string
     assert recipe.data.class_path == "speedkit.demos.SyntheticVectors"
     assert recipe.data.init_args == {"batch_size": 4, "features": 8}
     x, y = next(iter(recipe.build_datamodule().train_dataloader()))
     assert x.shape == (4, 8) and y.shape == (4,)
 
-    recipe = load_recipe_text(recipe_text(data="data:\n  class_path: speedkit.demos.SyntheticTokens\n  init_args: {batch_size: 3}\n"))
+    recipe = load_recipe_text(
+        recipe_text(data="data:\n  class_path: speedkit.demos.SyntheticTokens\n  init_args: {batch_size: 3}\n")
+    )
     assert recipe.build_datamodule().batch_size == 3
 
 
@@ -230,14 +296,18 @@ def test_constructor_errors_become_config_errors() -> None:
 def test_trainer_callbacks_are_built() -> None:
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    recipe = load_recipe_text(recipe_text(trainer=textwrap.dedent("""\
+    recipe = load_recipe_text(
+        recipe_text(
+            trainer=textwrap.dedent("""\
         trainer:
           max_steps: 3
           limit_train_batches: 0.5
           callbacks:
             - class_path: lightning.pytorch.callbacks.LearningRateMonitor
               init_args: {logging_interval: step}
-        """)))
+        """)
+        )
+    )
     kwargs = recipe.build_trainer_kwargs()
     assert kwargs["max_steps"] == 3 and kwargs["limit_train_batches"] == 0.5
     (callback,) = kwargs["callbacks"]
@@ -245,7 +315,7 @@ def test_trainer_callbacks_are_built() -> None:
     assert kwargs["callbacks"][0] is not recipe.build_trainer_kwargs()["callbacks"][0]  # fresh each time
 
 
-USER_MODULE = '''
+USER_MODULE = """
 from __future__ import annotations
 
 import lightning.pytorch as pl
@@ -269,9 +339,7 @@ class UserModel(pl.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(8, self.width), torch.randn(8, 1)), batch_size=4)
-'''
-
-
+"""
 
 
 def test_user_module_next_to_the_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,7 +364,9 @@ def test_user_module_next_to_the_recipe(tmp_path: Path, monkeypatch: pytest.Monk
 def test_user_module_in_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "speedkit_test_user_model_b.py").write_text(USER_MODULE)
     monkeypatch.chdir(tmp_path)
-    recipe = load_recipe({"model": {"class_path": "speedkit_test_user_model_b.UserModel", "init_args": {"name": None}}, "ladder": ["tf32"]})
+    recipe = load_recipe(
+        {"model": {"class_path": "speedkit_test_user_model_b.UserModel", "init_args": {"name": None}}, "ladder": ["tf32"]}
+    )
     assert recipe.model.cls.__name__ == "UserModel"
 
 
@@ -304,7 +374,9 @@ def test_user_module_that_fails_to_import(tmp_path: Path) -> None:
     (tmp_path / "speedkit_test_user_model_c.py").write_text("import speedkit_no_such_dependency\n")
     path = tmp_path / "recipe.yaml"
     path.write_text("model: {class_path: speedkit_test_user_model_c.UserModel}\nladder: [tf32]\n")
-    with pytest.raises(ConfigError, match="importing module 'speedkit_test_user_model_c' failed: No module named 'speedkit_no_such_dependency'"):
+    with pytest.raises(
+        ConfigError, match="importing module 'speedkit_test_user_model_c' failed: No module named 'speedkit_no_such_dependency'"
+    ):
         load_recipe(path)
 
 

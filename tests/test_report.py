@@ -19,51 +19,112 @@ from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, Parity, 
 CONVENTION = "FLOPs per step = what torch.utils.flop_counter counts; MFU against the bf16 peak."
 
 
-def _measurement(step_ms: float, *, mfu: float | None = 0.1, memory: int | None = 2_000_000_000,
-                 telemetry: dict | None = None) -> Measurement:
+def _measurement(
+    step_ms: float, *, mfu: float | None = 0.1, memory: int | None = 2_000_000_000, telemetry: dict | None = None
+) -> Measurement:
     tokens = 16 * 1024
     return Measurement(
-        step_ms=step_ms, spread=0.012, window_ms=[step_ms * 0.99, step_ms, step_ms * 1.002],
-        warmup=3, steps=10, throughput=tokens / (step_ms / 1000), throughput_unit="tokens/s",
-        items_per_step=tokens, mfu=mfu, tflops=None if mfu is None else mfu * 784,
-        peak_memory_bytes=memory, telemetry=telemetry, clock="cuda_events",
+        step_ms=step_ms,
+        spread=0.012,
+        window_ms=[step_ms * 0.99, step_ms, step_ms * 1.002],
+        warmup=3,
+        steps=10,
+        throughput=tokens / (step_ms / 1000),
+        throughput_unit="tokens/s",
+        items_per_step=tokens,
+        mfu=mfu,
+        tflops=None if mfu is None else mfu * 784,
+        peak_memory_bytes=memory,
+        telemetry=telemetry,
+        clock="cuda_events",
     )
 
 
 def _parity(passed: bool, max_rel: float) -> Parity:
-    return Parity(steps=3, tolerance=1e-2, precision="bf16", reference_losses=[10.9, 10.5, 10.1],
-                  losses=[10.9, 10.5 * (1 + max_rel), 10.1], max_rel_diff=max_rel, passed=passed)
+    return Parity(
+        steps=3,
+        tolerance=1e-2,
+        precision="bf16",
+        reference_losses=[10.9, 10.5, 10.1],
+        losses=[10.9, 10.5 * (1 + max_rel), 10.1],
+        max_rel_diff=max_rel,
+        passed=passed,
+    )
 
 
 @pytest.fixture
 def result() -> LadderResult:
     telemetry = {
-        "samples": 20, "util_mean": 97.5, "util_max": 100.0, "mem_used_max_bytes": 31_000_000_000,
-        "power_mean_w": 650.0, "power_max_w": 700.0, "sm_clock_mean_mhz": 1950.0,
-        "sm_clock_min_mhz": 1755.0, "clock_event_reasons": ["gpu_idle", "sw_power_cap"],
-        "slowdown_reasons": ["sw_power_cap"], "slowdown_fraction": 0.25, "duration_s": 2.0, "error": None,
+        "samples": 20,
+        "util_mean": 97.5,
+        "util_max": 100.0,
+        "mem_used_max_bytes": 31_000_000_000,
+        "power_mean_w": 650.0,
+        "power_max_w": 700.0,
+        "sm_clock_mean_mhz": 1950.0,
+        "sm_clock_min_mhz": 1755.0,
+        "clock_event_reasons": ["gpu_idle", "sw_power_cap"],
+        "slowdown_reasons": ["sw_power_cap"],
+        "slowdown_fraction": 0.25,
+        "duration_s": 2.0,
+        "error": None,
     }
-    baseline = RungResult("baseline", "baseline", measurement=_measurement(365.9, telemetry=telemetry),
-                          gain_vs_previous=None, gain_vs_baseline=1.0, seconds=12.0)
-    tf32 = RungResult("tf32", "kept", reason="2.62x faster, parity within tolerance",
-                      changes=["torch.set_float32_matmul_precision('high') (was 'highest')"],
-                      precision="tf32", measurement=_measurement(139.7, mfu=None),
-                      parity=_parity(True, 1.2e-3), gain_vs_previous=2.62, gain_vs_baseline=2.62, seconds=5.0)
-    fused = RungResult("fused_optimizer", "reverted", options={"foreach": False},
-                       reason="not faster beyond noise (1.004x, spread 1.2%)", precision="tf32",
-                       measurement=_measurement(139.2, memory=None), parity=_parity(True, 0.0),
-                       gain_vs_previous=1.004, gain_vs_baseline=2.63, seconds=4.0)
-    autocast = RungResult("autocast", "not_applicable", options={"dtype": "bf16"},
-                          reason="the model already runs in bf16 | nothing to do")
-    compile_ = RungResult("compile", "failed", options={"mode": "default", "fullgraph": False},
-                          reason="torch._dynamo.exc.Unsupported: [graph break]\nsecond line",
-                          changes=["torch.compile(model)"], precision="tf32", seconds=30.5,
-                          parity=_parity(False, float("nan")))
+    baseline = RungResult(
+        "baseline",
+        "baseline",
+        measurement=_measurement(365.9, telemetry=telemetry),
+        gain_vs_previous=None,
+        gain_vs_baseline=1.0,
+        seconds=12.0,
+    )
+    tf32 = RungResult(
+        "tf32",
+        "kept",
+        reason="2.62x faster, parity within tolerance",
+        changes=["torch.set_float32_matmul_precision('high') (was 'highest')"],
+        precision="tf32",
+        measurement=_measurement(139.7, mfu=None),
+        parity=_parity(True, 1.2e-3),
+        gain_vs_previous=2.62,
+        gain_vs_baseline=2.62,
+        seconds=5.0,
+    )
+    fused = RungResult(
+        "fused_optimizer",
+        "reverted",
+        options={"foreach": False},
+        reason="not faster beyond noise (1.004x, spread 1.2%)",
+        precision="tf32",
+        measurement=_measurement(139.2, memory=None),
+        parity=_parity(True, 0.0),
+        gain_vs_previous=1.004,
+        gain_vs_baseline=2.63,
+        seconds=4.0,
+    )
+    autocast = RungResult(
+        "autocast", "not_applicable", options={"dtype": "bf16"}, reason="the model already runs in bf16 | nothing to do"
+    )
+    compile_ = RungResult(
+        "compile",
+        "failed",
+        options={"mode": "default", "fullgraph": False},
+        reason="torch._dynamo.exc.Unsupported: [graph break]\nsecond line",
+        changes=["torch.compile(model)"],
+        precision="tf32",
+        seconds=30.5,
+        parity=_parity(False, float("nan")),
+    )
     return LadderResult(
-        schema_version=SCHEMA_VERSION, recipe="gpt2-naive",
-        environment=collect_environment(torch.device("cpu")), device="cpu",
-        flops={"per_step": 1_745_000_000_000, "convention": CONVENTION, "peak_tflops": 784.0,
-               "peak_source": "measured bf16 GEMM ceiling"},
+        schema_version=SCHEMA_VERSION,
+        recipe="gpt2-naive",
+        environment=collect_environment(torch.device("cpu")),
+        device="cpu",
+        flops={
+            "per_step": 1_745_000_000_000,
+            "convention": CONVENTION,
+            "peak_tflops": 784.0,
+            "peak_source": "measured bf16 GEMM ceiling",
+        },
         measure={"warmup": 3, "steps": 10, "repeats": 3, "peak_tflops": None},
         rungs=[baseline, tf32, fused, autocast, compile_],
     )
@@ -158,8 +219,12 @@ def test_load_report_rejects_other_schema_versions(result, tmp_path):
 
 
 def test_to_json_safe():
-    assert to_json_safe({"a": (1, float("inf")), 2: {float("nan")}, "t": torch.tensor(1.5),
-                         "d": torch.float32}) == {"a": [1, None], "2": [None], "t": 1.5, "d": "torch.float32"}
+    assert to_json_safe({"a": (1, float("inf")), 2: {float("nan")}, "t": torch.tensor(1.5), "d": torch.float32}) == {
+        "a": [1, None],
+        "2": [None],
+        "t": 1.5,
+        "d": "torch.float32",
+    }
     assert not math.isnan(to_json_safe(0.5))
 
 
@@ -198,40 +263,72 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
     assert cpu.flagged and cpu.cause.startswith("on a CPU")
     shapes = judge_holds(m(30.0, 0.2, 25.0), m(40.0, 0.3, 34.0), 0.05, shapes_vary=True)
     assert shapes.flagged and "the fit meets shapes this process has not run" in shapes.cause
-    compiled = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(900.0, 0.5, 899.0, "perf_counter"), 0.05, None, "torch.compile compiled")
+    compiled = judge_holds(
+        m(50.0, 0.3, 49.0, "perf_counter"), m(900.0, 0.5, 899.0, "perf_counter"), 0.05, None, "torch.compile compiled"
+    )
     assert compiled.flagged and compiled.cause.startswith("torch.compile compiled (")  # before the CPU's own noise
     compiled_held = judge_holds(m(30.0, 0.2, 5.0), m(30.9, 0.3, 5.1), 0.05, "1 of 3 windows", "torch.compile compiled")
     assert not compiled_held.flagged and compiled_held.note == "torch.compile compiled; 1 of 3 windows"
     # flagged for another cause (the fit faster on a CPU): what compiled is still said, in the note
-    compiled_faster = judge_holds(m(50.0, 0.3, 49.0, "perf_counter"), m(40.0, 0.5, 39.0, "perf_counter"), 0.05,
-                                  "1 of 3 windows", "torch.compile compiled")
+    compiled_faster = judge_holds(
+        m(50.0, 0.3, 49.0, "perf_counter"), m(40.0, 0.5, 39.0, "perf_counter"), 0.05, "1 of 3 windows", "torch.compile compiled"
+    )
     assert compiled_faster.flagged and compiled_faster.cause.startswith("on a CPU")
     assert compiled_faster.note == "torch.compile compiled; 1 of 3 windows"
-    ema = judge_holds(m(40.7, 0.8, 39.9), m(47.6, 6.9, 40.1), 0.05,
-                      between_ms={"[Callback]WeightAveraging.on_train_batch_end": 5.9, "[_TrainingEpochLoop].train_dataloader_next": 0.4,
-                                  "[LightningModule]Net.on_train_batch_end": 0.01})
+    ema = judge_holds(
+        m(40.7, 0.8, 39.9),
+        m(47.6, 6.9, 40.1),
+        0.05,
+        between_ms={
+            "[Callback]WeightAveraging.on_train_batch_end": 5.9,
+            "[_TrainingEpochLoop].train_dataloader_next": 0.4,
+            "[LightningModule]Net.on_train_batch_end": 0.01,
+        },
+    )
     assert ema.flagged and ema.between_ms["[Callback]WeightAveraging.on_train_batch_end"] == 5.9
-    assert ema.cause.startswith("time between steps: 6.90 ms/step between steps (of it, ms/step: WeightAveraging.on_train_batch_end "
-                                "5.90, fetching the next batch 0.40) and 40.10 ms/step in them")
+    assert ema.cause.startswith(
+        "time between steps: 6.90 ms/step between steps (of it, ms/step: WeightAveraging.on_train_batch_end "
+        "5.90, fetching the next batch 0.40) and 40.10 ms/step in them"
+    )
     assert "per-batch hooks of the fit that the trials do not run" in ema.cause
-    slow_loader = judge_holds(m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05,
-                              between_ms={"[_TrainingEpochLoop].train_dataloader_next": 9.1})
+    slow_loader = judge_holds(
+        m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05, between_ms={"[_TrainingEpochLoop].train_dataloader_next": 9.1}
+    )
     assert "(of it, ms/step: fetching the next batch 9.10)" in slow_loader.cause
     assert slow_loader.cause.endswith("the next batch: the loader does not keep up (workers, pinned memory, prefetch)")
     # the move to the device runs in the trials too: the hook the trials lack is named as the cause (H100, ConvNeXt-T)
-    convnext = judge_holds(m(46.8, 11.8, 34.9), m(61.3, 19.4, 42.1), 0.05,
-                           between_ms={"[Strategy]SingleDeviceStrategy.batch_to_device": 7.25,
-                                       "[Callback]WeightAveraging.on_train_batch_end": 4.74,
-                                       "[_TrainingEpochLoop].train_dataloader_next": 0.89})
+    convnext = judge_holds(
+        m(46.8, 11.8, 34.9),
+        m(61.3, 19.4, 42.1),
+        0.05,
+        between_ms={
+            "[Strategy]SingleDeviceStrategy.batch_to_device": 7.25,
+            "[Callback]WeightAveraging.on_train_batch_end": 4.74,
+            "[_TrainingEpochLoop].train_dataloader_next": 0.89,
+        },
+    )
     assert "per-batch hooks of the fit that the trials do not run" in convnext.cause
-    bookkeeping = judge_holds(m(30.0, 0.2, 5.0), m(40.0, 9.5, 5.1), 0.05,
-                              between_ms={"[_TrainingEpochLoop].train_dataloader_next": 0.3, "[Callback]Bar.on_train_batch_end": 0.2})
+    bookkeeping = judge_holds(
+        m(30.0, 0.2, 5.0),
+        m(40.0, 9.5, 5.1),
+        0.05,
+        between_ms={"[_TrainingEpochLoop].train_dataloader_next": 0.3, "[Callback]Bar.on_train_batch_end": 0.2},
+    )
     assert "no Lightning hook (the loop's own bookkeeping) 9.00" in bookkeeping.cause
-    assert bookkeeping.cause.endswith("the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)")
-    validating = judge_holds(m(51.4, 15.5, 36.0), m(330.0, 289.4, 39.6), 0.05,  # H100: ResNet-50 validated every 4 steps
-                             between_ms={"[Callback]ModelCheckpoint{'monitor': 'val_loss'}.on_validation_end": 187.1,
-                                         "[_EvaluationLoop].val_next": 25.3, "[Strategy]SingleDeviceStrategy.validation_step": 11.7,
-                                         "[Strategy]SingleDeviceStrategy.batch_to_device": 14.6})
+    assert bookkeeping.cause.endswith(
+        "the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)"
+    )
+    validating = judge_holds(
+        m(51.4, 15.5, 36.0),
+        m(330.0, 289.4, 39.6),
+        0.05,  # H100: ResNet-50 validated every 4 steps
+        between_ms={
+            "[Callback]ModelCheckpoint{'monitor': 'val_loss'}.on_validation_end": 187.1,
+            "[_EvaluationLoop].val_next": 25.3,
+            "[Strategy]SingleDeviceStrategy.validation_step": 11.7,
+            "[Strategy]SingleDeviceStrategy.batch_to_device": 14.6,
+        },
+    )
     assert "(of it, ms/step: ModelCheckpoint.on_validation_end 187.10, no Lightning hook" in validating.cause
     assert "validation and checkpoints ran between the timed steps" in validating.cause
     missing = judge_holds(m(30.0, 0.2, 5.0), None, 0.05, "the fit ran 2 steps")
@@ -241,8 +338,15 @@ def test_the_fit_check_names_the_likely_cause_of_a_gap():
 def test_the_in_training_line_keeps_its_note_when_flagged():
     from speedkit.report.markdown import holds_line
 
-    h = {"ladder": {"step_ms": 30.0}, "fit": {"step_ms": 40.0, "spread": 0.01}, "gap": 0.333, "flagged": True,
-         "threshold": 0.05, "cause": "host time in the steps", "note": "1 window left out: torch.compile compiled"}
+    h = {
+        "ladder": {"step_ms": 30.0},
+        "fit": {"step_ms": 40.0, "spread": 0.01},
+        "gap": 0.333,
+        "flagged": True,
+        "threshold": 0.05,
+        "cause": "host time in the steps",
+        "note": "1 window left out: torch.compile compiled",
+    }
     line = holds_line({"holds": h})
     assert "Likely cause: host time in the steps." in line and line.endswith("(1 window left out: torch.compile compiled)")
 
@@ -258,10 +362,17 @@ def test_the_headline_is_one_measurement_under_drift_and_noise(seed):
     from speedkit.report.markdown import summary_line
 
     time = VirtualTime(drift=0.6, noise=0.05, seed=seed, horizon=400)
-    measure = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "min_blocks": 3,
-               "max_blocks": 12, "budget_s": 1e9}
-    result = Ladder(timed_state(time), [SpeedRung("x", time, 0.01, -1 / 3)], measure, clock=time.clock(),
-                    host_clock=time).run()
+    measure = {
+        "warmup": 1,
+        "steps": 3,
+        "repeats": 3,
+        "parity_steps": 3,
+        "telemetry": False,
+        "min_blocks": 3,
+        "max_blocks": 12,
+        "budget_s": 1e9,
+    }
+    result = Ladder(timed_state(time), [SpeedRung("x", time, 0.01, -1 / 3)], measure, clock=time.clock(), host_clock=time).run()
     s = result.to_dict()["summary"]
     assert s["kept"] == ["x"] and s["figures_from"].startswith("the final check")
     assert s["baseline_step_ms"] / s["final_step_ms"] == pytest.approx(s["speedup"], rel=0.03)

@@ -100,11 +100,13 @@ def test_compare_result_api_on_a_schema_2_and_a_schema_3_report():
 @pytest.mark.parametrize("command", ["report", "compare"])
 def test_bad_inputs_one_line_exit_2(tmp_path, capsys, command, case):
     good = _run_dir(tmp_path, "good")
-    bad = {"missing": tmp_path / "nope",
-           "folder without report": tmp_path,
-           "not json": tmp_path / "x.txt",
-           "json not a report": tmp_path / "x.json",
-           "old schema": tmp_path / "old.json"}[case]
+    bad = {
+        "missing": tmp_path / "nope",
+        "folder without report": tmp_path,
+        "not json": tmp_path / "x.txt",
+        "json not a report": tmp_path / "x.json",
+        "old schema": tmp_path / "old.json",
+    }[case]
     (tmp_path / "x.txt").write_text("hello")
     (tmp_path / "x.json").write_text("[1, 2]")
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1, "rungs": []}))

@@ -70,13 +70,31 @@ def test_v3_page_is_one_file_with_every_section(v3_page):
         assert f'<section id="{sid}"><h2>{html.escape(heading)}</h2>' in v3_page, heading
     # every section has its content: nothing says "not measured" on a v3 report with every key
     assert NOT_MEASURED not in v3_page
-    for text in ("10.11×", "7.70–13.29×", "174.3 ms", "188.0k", "44.3%",  # headline
-                 "GEMM", "host-bound idle GPU", "1,290.0 ms", "−1,197.0 ms",  # breakdown table
-                 "8.41×", "do not agree", "Interaction:",  # attribution check
-                 "modeling_llama.py:612", "self._result.loss.item()",  # host syncs
-                 'href="traces/baseline.json.gz"', "https://ui.perfetto.dev", "chrome://tracing",  # traces, as text
-                 "sw_power_cap", "Confounders:",  # telemetry
-                 "allocator retries", "NVIDIA H200", "triton_layers", "not shown to pay"):
+    for text in (
+        "10.11×",
+        "7.70–13.29×",
+        "174.3 ms",
+        "188.0k",
+        "44.3%",  # headline
+        "GEMM",
+        "host-bound idle GPU",
+        "1,290.0 ms",
+        "−1,197.0 ms",  # breakdown table
+        "8.41×",
+        "do not agree",
+        "Interaction:",  # attribution check
+        "modeling_llama.py:612",
+        "self._result.loss.item()",  # host syncs
+        'href="traces/baseline.json.gz"',
+        "https://ui.perfetto.dev",
+        "chrome://tracing",  # traces, as text
+        "sw_power_cap",
+        "Confounders:",  # telemetry
+        "allocator retries",
+        "NVIDIA H200",
+        "triton_layers",
+        "not shown to pay",
+    ):
         assert text in v3_page, text
     assert "https://ui.perfetto.dev" not in re.findall(r'href="([^"]*)"', v3_page)
 
@@ -150,7 +168,7 @@ def test_trace_links_are_relative_and_marked_when_missing(no_matplotlib, tmp_pat
     d = _v3()
     d["profile"]["windows"][-1]["trace"] = "/abs/final.json.gz"  # an absolute path is shown, not linked
     page = render_html(d, tmp_path)
-    row = page[page.index('href="traces/baseline.json.gz"'):][:200]
+    row = page[page.index('href="traces/baseline.json.gz"') :][:200]
     assert "not found" not in row.split("</tr>")[0]
     assert 'href="/abs' not in page and "<code>/abs/final.json.gz</code>" in page
     # the windows without a trace share one row per reason

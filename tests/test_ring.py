@@ -29,9 +29,12 @@ from speedkit.rungs.data_path import DataPathOptions, plan_ring
 
 def _batch(i: int):
     g = torch.Generator().manual_seed(i)
-    return {"pair": Pair(torch.randn(3, 7, 5, generator=g), [torch.arange(11) + i, "tag", i]),
-            "item": Item(torch.randint(0, 255, (2, 9), generator=g, dtype=torch.uint8), f"n{i}"), "none": None,
-            "half": torch.randn(13, generator=g).to(torch.bfloat16)}
+    return {
+        "pair": Pair(torch.randn(3, 7, 5, generator=g), [torch.arange(11) + i, "tag", i]),
+        "item": Item(torch.randint(0, 255, (2, 9), generator=g, dtype=torch.uint8), f"n{i}"),
+        "none": None,
+        "half": torch.randn(13, generator=g).to(torch.bfloat16),
+    }
 
 
 def _same(a, b) -> bool:
@@ -65,8 +68,9 @@ def test_a_worker_fills_its_slots_in_turn_and_waits_for_a_freed_one_then_sends_t
     def sleep(s: float) -> None:
         now[0] += s
 
-    ring = BatchRing(workers=2, slots_per_worker=2, slot_bytes=slot_bytes_for(4096), wait_s=0.01,
-                     clock=lambda: now[0], sleep=sleep)
+    ring = BatchRing(
+        workers=2, slots_per_worker=2, slot_bytes=slot_bytes_for(4096), wait_s=0.01, clock=lambda: now[0], sleep=sleep
+    )
     first, second = ring.pack(_batch(1), 0), ring.pack(_batch(2), 0)
     assert (first.slot, second.slot) == (0, 1) and ring.free.tolist() == [0, 0, 1, 1]
     third = ring.pack(_batch(3), 0)  # slot 0 still being copied: waits 10 ms on the clock, then as it is
@@ -217,8 +221,9 @@ def _fake_clock_ring(workers: int, slots: int) -> BatchRing:
     def sleep(s: float) -> None:
         now[0] += s
 
-    return BatchRing(workers=workers, slots_per_worker=slots, slot_bytes=slot_bytes_for(4096), wait_s=0.01,
-                     clock=lambda: now[0], sleep=sleep)
+    return BatchRing(
+        workers=workers, slots_per_worker=slots, slot_bytes=slot_bytes_for(4096), wait_s=0.01, clock=lambda: now[0], sleep=sleep
+    )
 
 
 def _arrive(packed: Packed) -> Packed:
@@ -320,8 +325,15 @@ def test_persistent_workers_keep_the_ring_over_an_epoch_cut_short_and_two_whole_
     def loader_with(seed: int) -> DataLoader:
         if kind == "iterable":
             return DataLoader(Streamed(), batch_size=4, num_workers=2, persistent_workers=True, prefetch_factor=2)
-        return DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, prefetch_factor=2,
-                          generator=torch.Generator().manual_seed(seed))
+        return DataLoader(
+            Samples(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            prefetch_factor=2,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     def read(epoch, ring, limit=None):
         got = []

@@ -321,16 +321,19 @@ def test_tf32_reverts_global_flags():
     assert torch.get_float32_matmul_precision() == before and state.precision == "fp32"
 
 
-@pytest.mark.parametrize("spec, where", [
-    ("warp_drive", "ladder[0]"),
-    ({"name": "compile", "options": {"mode": "ludicrous"}}, "ladder[0].options.mode"),
-    ({"name": "compile", "options": {"fullgraph": "yes"}}, "ladder[0].options.fullgraph"),
-    ({"name": "compile", "options": {"max_recompiles": -1}}, "ladder[0].options"),
-    ({"name": "autocast", "options": {"dtype": "fp8"}}, "ladder[0].options.dtype"),
-    ({"name": "tf32", "options": {"speed": 11}}, "ladder[0].options.speed"),
-    ({"options": {}}, "ladder[0]"),
-    (42, "ladder[0]"),
-])
+@pytest.mark.parametrize(
+    "spec, where",
+    [
+        ("warp_drive", "ladder[0]"),
+        ({"name": "compile", "options": {"mode": "ludicrous"}}, "ladder[0].options.mode"),
+        ({"name": "compile", "options": {"fullgraph": "yes"}}, "ladder[0].options.fullgraph"),
+        ({"name": "compile", "options": {"max_recompiles": -1}}, "ladder[0].options"),
+        ({"name": "autocast", "options": {"dtype": "fp8"}}, "ladder[0].options.dtype"),
+        ({"name": "tf32", "options": {"speed": 11}}, "ladder[0].options.speed"),
+        ({"options": {}}, "ladder[0]"),
+        (42, "ladder[0]"),
+    ],
+)
 def test_bad_rung_specs_name_the_field(spec, where):
     with pytest.raises(ConfigError) as err:
         rungs.make_all([spec])

@@ -45,7 +45,7 @@ def _hf_mask(left_padding: bool) -> torch.Tensor:
     if left_padding:  # rows 0..3 of sequence 1 then see only padded keys: "fully masked" rows
         mask[1, :, :, :4] = torch.finfo(torch.float32).min
     else:
-        mask[1, :, :, T - 4:T] = torch.finfo(torch.float32).min
+        mask[1, :, :, T - 4 : T] = torch.finfo(torch.float32).min
     return mask
 
 

@@ -94,9 +94,17 @@ def _fit(callbacks, tmp_path, accumulate: int = 1, steps: int = 12):
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(512, 16, generator=g), torch.randint(0, 4, (512,), generator=g))
     module = Net()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, log_every_n_steps=2,
-                         logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=8))
     return module, trainer
 
@@ -109,8 +117,7 @@ def test_a_fit_logs_speedkit_figures_and_trains_as_the_fit_without(tmp_path):
         assert torch.equal(a, b)
     rows = (tmp_path / "profiled" / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    for key in ("speedkit/step_ms", "speedkit/throughput", "speedkit/data_wait_ms", "speedkit/mfu",
-                "speedkit/overhead_fraction"):
+    for key in ("speedkit/step_ms", "speedkit/throughput", "speedkit/data_wait_ms", "speedkit/mfu", "speedkit/overhead_fraction"):
         assert key in header, header
     summary = profiler.summary
     assert summary is not None and summary["steps"] == 12 and summary["throughput_unit"] == "samples/s"
@@ -130,10 +137,15 @@ def test_given_flops_are_used_and_a_cpu_fit_needs_no_peak_to_run(tmp_path):
     assert profiler.summary["mfu"] is None and "no peak table for cpu" in profiler.summary["mfu_note"]
 
 
-@pytest.mark.parametrize("kwargs, key", [({"log_every_n_steps": 0}, "log_every_n_steps"),
-                                         ({"flops_per_step": -1}, "flops_per_step"),
-                                         ({"throughput_unit": "images"}, "throughput_unit"),
-                                         ({"report_dir": 3}, "report_dir")])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"flops_per_step": -1}, "flops_per_step"),
+        ({"throughput_unit": "images"}, "throughput_unit"),
+        ({"report_dir": 3}, "report_dir"),
+    ],
+)
 def test_bad_arguments_are_one_line_naming_the_argument(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         SpeedProfiler(**kwargs)
@@ -175,8 +187,16 @@ def test_on_a_gpu_the_clock_never_synchronizes_and_costs_under_one_percent(tmp_p
     profiler = SpeedProfiler(log_every_n_steps=5)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8192 * 8, 4096), torch.randint(0, 4, (8192 * 8,)))
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=80, logger=CSVLogger(tmp_path), enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[profiler])
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=80,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler],
+    )
     trainer.fit(WideNet(), train_dataloaders=DataLoader(data, batch_size=8192, pin_memory=True))
     summary = profiler.summary
     assert summary["timed_steps"] >= 70 and summary["step_ms_median"] > 0

@@ -105,11 +105,20 @@ def test_bad_arguments_are_one_line_config_errors():
 
 # -- speedkit sweep on a recipe ----------------------------------------------------------------------
 def _tiny_recipe(batch_size: int, accumulate: int) -> dict:
-    return {"model": {"class_path": "test_sweep.TinyGPTWithBudget", "init_args": {"budget": 4}},
-            "data": {"synthetic": "tokens", "batch_size": batch_size, "seq_len": 32, "vocab_size": 512},
-            "trainer": {"accelerator": "cpu", "max_steps": 10, "accumulate_grad_batches": accumulate,
-                        "logger": False, "enable_checkpointing": False},
-            "ladder": [], "measure": {"warmup": 1, "steps": 2}, "seed": 0}
+    return {
+        "model": {"class_path": "test_sweep.TinyGPTWithBudget", "init_args": {"budget": 4}},
+        "data": {"synthetic": "tokens", "batch_size": batch_size, "seq_len": 32, "vocab_size": 512},
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 10,
+            "accumulate_grad_batches": accumulate,
+            "logger": False,
+            "enable_checkpointing": False,
+        },
+        "ladder": [],
+        "measure": {"warmup": 1, "steps": 2},
+        "seed": 0,
+    }
 
 
 def _budgeted_gpt():
@@ -156,8 +165,10 @@ def test_speedkit_sweep_cli_names_a_recipe_without_a_batch_size(tmp_path, capsys
     from speedkit.frontend.cli import main
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
-                      "data: {synthetic: tokens}\ntrainer: {accelerator: cpu, max_steps: 2}\n")
+    recipe.write_text(
+        "model: {class_path: speedkit.demos.NaiveGPT, init_args: {size: tiny}}\n"
+        "data: {synthetic: tokens}\ntrainer: {accelerator: cpu, max_steps: 2}\n"
+    )
     assert main(["sweep", str(recipe), "--out", str(tmp_path / "o")]) == 2
     assert "batch_size" in capsys.readouterr().err
 
@@ -227,14 +238,29 @@ def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     g = torch.Generator().manual_seed(0)
-    batches = torch.utils.data.DataLoader([torch.randint(0, 50, (4, n), generator=g) for n in (5, 17, 9, 30, 12, 8, 21, 6)],
-                                          batch_size=None)  # padded per batch
+    batches = torch.utils.data.DataLoader(
+        [torch.randint(0, 50, (4, n), generator=g) for n in (5, 17, 9, 30, 12, 8, 21, 6)], batch_size=None
+    )  # padded per batch
     module = PaddedLM()
-    trial = timed_fit_trial(4, 1, lambda: (module, {"train_dataloaders": batches}),
-                            {"accelerator": "cpu", "devices": 1}, warmup=1, window=2, windows=2)
+    trial = timed_fit_trial(
+        4,
+        1,
+        lambda: (module, {"train_dataloaders": batches}),
+        {"accelerator": "cpu", "devices": 1},
+        warmup=1,
+        window=2,
+        windows=2,
+    )
     assert trial.fits and set(module.lengths) == {30}  # every step on the longest batch
     assert "worst-case input" in trial.input and "8 shapes seen" in trial.input
     fixed = torch.utils.data.DataLoader([torch.randint(0, 50, (4, 7), generator=g) for _ in range(8)], batch_size=None)
-    same = timed_fit_trial(4, 1, lambda: (PaddedLM(), {"train_dataloaders": fixed}), {"accelerator": "cpu", "devices": 1},
-                           warmup=1, window=2, windows=2)
+    same = timed_fit_trial(
+        4,
+        1,
+        lambda: (PaddedLM(), {"train_dataloaders": fixed}),
+        {"accelerator": "cpu", "devices": 1},
+        warmup=1,
+        window=2,
+        windows=2,
+    )
     assert "one shape" in same.input

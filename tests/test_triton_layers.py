@@ -92,8 +92,9 @@ class TinyLM(nn.Module):
         V = logits.size(-1)
         a = F.cross_entropy(logits.float().view(-1, V), targets.view(-1))
         b = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), reduction="sum", ignore_index=3)
-        c = nn.functional.cross_entropy(input=logits.flatten(0, -2), target=targets.flatten(), label_smoothing=0.1,
-                                        reduction="none")
+        c = nn.functional.cross_entropy(
+            input=logits.flatten(0, -2), target=targets.flatten(), label_smoothing=0.1, reduction="none"
+        )
         d = F.cross_entropy(logits.transpose(1, 2), targets)
         return a + b / 100 + c.mean() + d + self.loss(logits.view(-1, V), targets.view(-1))
 
@@ -165,9 +166,11 @@ def kernel_calls(monkeypatch):
     """Counts the kernel calls the swapped layers make (the point: not a fallback to PyTorch)."""
     calls = Counter()
     for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu"):
+
         def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):  # noqa: B008 (binds the kernel now, by design)
             calls[_name] += 1
             return _fn(*args, **kwargs)
+
         monkeypatch.setattr(layers.kernels, name, spy)
     return calls
 
@@ -203,13 +206,16 @@ def _x(*shape):
 # -- swaps: the same function, through the kernels ------------------------------------------------------
 
 
-@pytest.mark.parametrize("make, kind", [
-    (lambda: nn.LayerNorm(D), "layer_norm"),
-    (lambda: nn.LayerNorm(D, elementwise_affine=False), "layer_norm"),
-    (lambda: nn.LayerNorm(D, bias=False), "layer_norm"),
-    (lambda: nn.RMSNorm(D), "rms_norm"),
-    (lambda: nn.RMSNorm(D, eps=1e-4), "rms_norm"),
-])
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda: nn.LayerNorm(D), "layer_norm"),
+        (lambda: nn.LayerNorm(D, elementwise_affine=False), "layer_norm"),
+        (lambda: nn.LayerNorm(D, bias=False), "layer_norm"),
+        (lambda: nn.RMSNorm(D), "rms_norm"),
+        (lambda: nn.RMSNorm(D, eps=1e-4), "rms_norm"),
+    ],
+)
 def test_torch_norms_are_swapped_in_place(make, kind, kernel_calls):
     model = nn.Sequential(make())
     norm = model[0]
@@ -281,8 +287,12 @@ def test_naive_gpt_tiny(kernel_calls):
     idx, targets = torch.randint(0, 61, (2, 9), device=DEVICE), torch.randint(0, 61, (2, 9), device=DEVICE)
     handle = _compare(model, [idx, targets])
     # the MLP is a gelu_mlp site; in fp32 it runs as linear_gelu (the bias + GELU kernel), then c_proj
-    assert {k: handle.rewrite.counts[k] for k in ("layer_norm", "cross_entropy", "gelu", "gelu_mlp")} == \
-        {"layer_norm": 3, "cross_entropy": 1, "gelu": 0, "gelu_mlp": 1}
+    assert {k: handle.rewrite.counts[k] for k in ("layer_norm", "cross_entropy", "gelu", "gelu_mlp")} == {
+        "layer_norm": 3,
+        "cross_entropy": 1,
+        "gelu": 0,
+        "gelu_mlp": 1,
+    }
     assert kernel_calls == Counter(layer_norm=3, cross_entropy=1, bias_gelu=1)
 
 
@@ -329,9 +339,14 @@ def test_near_misses_are_left_alone_with_reasons():
     gemma_weight = model.gemma.weight.detach().clone()
     reason = TritonLayersRung().check(_state(model))
     assert reason.startswith(NOTHING_FOUND)
-    for expected in ("normalizes over 2 dims", "MyLayerNorm subclasses nn.LayerNorm",
-                     "GemmaRMSNorm: computes something other than", "weight=", "hooks on the Linear",
-                     "inside nn.Sequential"):
+    for expected in (
+        "normalizes over 2 dims",
+        "MyLayerNorm subclasses nn.LayerNorm",
+        "GemmaRMSNorm: computes something other than",
+        "weight=",
+        "hooks on the Linear",
+        "inside nn.Sequential",
+    ):
         assert expected in reason, (expected, reason)
     assert torch.equal(model.gemma.weight, gemma_weight)  # the probe put the weight back bit for bit
     handle = TritonLayersRung().apply(_state(model))
@@ -390,8 +405,10 @@ def test_state_dict_and_optimizer_references():
     saved = model.state_dict()
     assert list(saved) == list(original.state_dict())
     original.load_state_dict(saved, strict=True)
-    assert torch.equal(original(idx, targets), model(idx, targets)) or \
-        abs(original(idx, targets).item() - model(idx, targets).item()) < 1e-5
+    assert (
+        torch.equal(original(idx, targets), model(idx, targets))
+        or abs(original(idx, targets).item() - model(idx, targets).item()) < 1e-5
+    )
 
 
 def test_check_says_why_without_kernels(monkeypatch):
@@ -442,6 +459,7 @@ def mlp_calls(monkeypatch):
     def spy(*args, _fn=cublaslt.gelu_mlp, **kwargs):
         calls["gelu_mlp"] += 1
         return _fn(*args, **kwargs)
+
     monkeypatch.setattr(layers.cublaslt, "gelu_mlp", spy)
     return calls
 
@@ -569,6 +587,7 @@ def test_gelu_mlp_on_cublaslt_under_autocast_compile_and_graph():
     def step():
         with torch.autocast("cuda", torch.bfloat16):
             return compiled(static_x).float().square().mean()
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

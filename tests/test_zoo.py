@@ -32,11 +32,29 @@ from speedkit.rungs.compile import GuardedForward
 
 #: the ladder tried on every model: the default one, cheap on a CPU (no triton_layers, which runs in Triton's
 #: interpreter here; compile traces with Dynamo without generating code)
-LADDER: list[Any] = ["tf32", "autocast", "fused_optimizer", "sdpa", "batched", "channels_last", "cudnn_benchmark",
-                     {"name": "compile", "options": {"backend": "eager"}}]
+LADDER: list[Any] = [
+    "tf32",
+    "autocast",
+    "fused_optimizer",
+    "sdpa",
+    "batched",
+    "channels_last",
+    "cudnn_benchmark",
+    {"name": "compile", "options": {"backend": "eager"}},
+]
 #: small and quick: the decisions are not what these tests are about
-QUICK = {"warmup": 1, "steps": 1, "repeats": 2, "parity_steps": 2, "min_blocks": 2, "max_blocks": 2, "settle": 0,
-         "budget_s": 60.0, "holds_windows": 1, "telemetry": False}
+QUICK = {
+    "warmup": 1,
+    "steps": 1,
+    "repeats": 2,
+    "parity_steps": 2,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "settle": 0,
+    "budget_s": 60.0,
+    "holds_windows": 1,
+    "telemetry": False,
+}
 MAX_STEPS = 3
 #: what any rung may end as
 DECIDED = {"kept", "reverted", "not_applicable"}
@@ -116,14 +134,25 @@ def both(*checks: Callable[[Fit], None]) -> Callable[[Fit], None]:
 #: Lightning refuses gradient clipping under mixed precision with an optimizer that unscales its own gradients (a fused
 #: one, bf16 too); speedkit's fused_optimizer rung looks only at the Trainer's gradient_clip_val, not at clipping in the
 #: module's own configure_gradient_clipping: where autocast was kept before it, the rung fails (see the test below)
-_EAGER = {"attn_implementation": "eager"}  # as transformers < 5 built models from configs, and code reading attention weights does
+_EAGER = {
+    "attn_implementation": "eager"
+}  # as transformers < 5 built models from configs, and code reading attention weights does
 EXPECT: dict[str, Expect] = {
-    "hf-gpt2": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
-                      check=both(hf_switched("GPT2LMHeadModel"), compiled("model (GPT2LMHeadModel)"))),
-    "hf-llama": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
-                       check=both(hf_switched("LlamaForCausalLM"), compiled("model (LlamaForCausalLM)"))),
-    "hf-bert-mlm": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
-                          check=both(hf_switched("BertForMaskedLM"), compiled("model (BertForMaskedLM)"))),
+    "hf-gpt2": Expect(
+        options=_EAGER,
+        statuses={"sdpa": {"kept", "reverted"}},
+        check=both(hf_switched("GPT2LMHeadModel"), compiled("model (GPT2LMHeadModel)")),
+    ),
+    "hf-llama": Expect(
+        options=_EAGER,
+        statuses={"sdpa": {"kept", "reverted"}},
+        check=both(hf_switched("LlamaForCausalLM"), compiled("model (LlamaForCausalLM)")),
+    ),
+    "hf-bert-mlm": Expect(
+        options=_EAGER,
+        statuses={"sdpa": {"kept", "reverted"}},
+        check=both(hf_switched("BertForMaskedLM"), compiled("model (BertForMaskedLM)")),
+    ),
     "timm-vit": Expect(check=compiled("model (VisionTransformer)")),
     "timm-convnext": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ConvNeXt)")),
     "tv-resnet50": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ResNet)")),
@@ -132,12 +161,17 @@ EXPECT: dict[str, Expect] = {
     "nanogpt": Expect(statuses={"sdpa": {"kept", "reverted"}}, check=compiled("NaiveGPT")),
     # timm's own scheduler (stepped through lr_scheduler_step), SGD in two parameter groups, depthwise convolutions
     "timm-mobilenetv3": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (MobileNetV3)")),
-    "hf-t5": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
-                    check=both(hf_switched("T5ForConditionalGeneration"), compiled("model (T5ForConditionalGeneration)"))),
+    "hf-t5": Expect(
+        options=_EAGER,
+        statuses={"sdpa": {"kept", "reverted"}},
+        check=both(hf_switched("T5ForConditionalGeneration"), compiled("model (T5ForConditionalGeneration)")),
+    ),
     # batches padded per batch by DataCollatorWithPadding: a BatchEncoding of a new length every batch
-    "hf-bert-cls": Expect(options=_EAGER, statuses={"sdpa": {"kept", "reverted"}},
-                          check=both(hf_switched("BertForSequenceClassification"),
-                                     compiled("model (BertForSequenceClassification)"))),
+    "hf-bert-cls": Expect(
+        options=_EAGER,
+        statuses={"sdpa": {"kept", "reverted"}},
+        check=both(hf_switched("BertForSequenceClassification"), compiled("model (BertForSequenceClassification)")),
+    ),
     # tied embedding and decoder, clipping in configure_gradient_clipping, a plateau schedule the trials do not step
     "lstm-lm": Expect(check=compiled("model (RNNModel)")),
 }
@@ -145,9 +179,12 @@ EXPECT: dict[str, Expect] = {
 
 def _models(test: str) -> list[Any]:
     """Every zoo model, as the parameters of ``test``; a known bug (:attr:`Expect.bugs`) marks its model's xfail."""
-    return [pytest.param(name, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=EXPECT[name].bugs[test]))
-            if test in EXPECT[name].bugs else name
-            for name in ZOO]
+    return [
+        pytest.param(name, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=EXPECT[name].bugs[test]))
+        if test in EXPECT[name].bugs
+        else name
+        for name in ZOO
+    ]
 
 
 class Probe(pl.Callback):
@@ -232,8 +269,15 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
     module, loader = entry.build("tiny", **expect.options)
     before, attrs_before, flags_before = _model_fingerprint(module), _library_attrs(module), _global_flags()
     ladder, probe = SpeedLadder(LADDER, trials=True, measure=QUICK), Probe()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=MAX_STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder, probe])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder, probe],
+    )
     trainer.fit(module, train_dataloaders=loader)
 
     # the ladder ran in the user's Trainer, one entry per rung, each decided
@@ -271,8 +315,11 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
         expect.check(Fit(module, trainer, ladder, result, probe))
 
 
-@pytest.mark.skipif(not compat.cpu_has_bf16(), reason="oneDNN runs no bf16 LSTM on a CPU without bf16 instructions "
-                    "(\"could not create a primitive descriptor for the LSTM forward\"); on CUDA the zoo runs it")
+@pytest.mark.skipif(
+    not compat.cpu_has_bf16(),
+    reason="oneDNN runs no bf16 LSTM on a CPU without bf16 instructions "
+    '("could not create a primitive descriptor for the LSTM forward"); on CUDA the zoo runs it',
+)
 def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working():
     """The word-language LSTM clips in ``configure_gradient_clipping``. Under the autocast rung's bf16
     plugin a fused optimizer clips and trains (nothing is scaled). Under Lightning's own mixed
@@ -281,8 +328,16 @@ def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working()
     for precision, rungs in (("32-true", ["autocast", "fused_optimizer"]), ("bf16-mixed", ["fused_optimizer"])):
         module, loader = ZOO["lstm-lm"].build("tiny")
         ladder = SpeedLadder(rungs, trials=False)
-        trainer = pl.Trainer(accelerator="cpu", max_steps=2, precision=precision, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[ladder])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ladder],
+        )
         trainer.fit(module, train_dataloaders=loader)
         assert trainer.global_step == 2
         changes = " ".join(ladder.applied_changes.get("fused_optimizer", [])) + ladder.skipped.get("fused_optimizer", "")
@@ -293,11 +348,13 @@ def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working()
 
 
 def test_the_zoo_imports_without_the_model_libraries():
-    code = ("import sys\n"
-            "import lightning.pytorch  # which imports some of them where installed, for its own integrations\n"
-            "sys.modules.update(dict.fromkeys(('transformers', 'timm', 'torchvision')))  # now they fail to import\n"
-            "from speedkit.demos.zoo import ZOO\n"
-            "ZOO['nanogpt'].build('tiny')\n"
-            "try:\n    ZOO['timm-vit'].build('tiny')\nexcept ImportError:\n    print('ok')\n")
+    code = (
+        "import sys\n"
+        "import lightning.pytorch  # which imports some of them where installed, for its own integrations\n"
+        "sys.modules.update(dict.fromkeys(('transformers', 'timm', 'torchvision')))  # now they fail to import\n"
+        "from speedkit.demos.zoo import ZOO\n"
+        "ZOO['nanogpt'].build('tiny')\n"
+        "try:\n    ZOO['timm-vit'].build('tiny')\nexcept ImportError:\n    print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -137,14 +137,14 @@ class GraphedStep(StepWrapper):
         self.eager_steps += 1
         return self.inner(batches, batch_idx)
 
-    def _warm(self, batches: Sequence[Any], batch_idx: int,
-              run: Callable[[], Any] | None = None) -> Any:
+    def _warm(self, batches: Sequence[Any], batch_idx: int, run: Callable[[], Any] | None = None) -> Any:
         """One eager warm-up step on a side stream; the last before the first capture checks syncs.
 
         ``run``: the step as the caller's loop runs it (Lightning's own, in a fit). By default the
         wrapped step, its logging done after its device work, as a loop does it (Lightning computes
         the logged metrics, a host sync for progress-bar values, after the step, not inside it)."""
         if run is None:
+
             def run() -> torch.Tensor:
                 with self.inner.capture() as logs:
                     loss = self.inner.compute(batches, batch_idx)
@@ -213,12 +213,17 @@ class GraphedStep(StepWrapper):
             return None
         finally:  # also when interrupted: the user's groups hold numbers
             self._rates_back(numbers)
-        frozen = [(args, where) for args, kwargs, where in logs
-                  if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)]
+        frozen = [
+            (args, where)
+            for args, kwargs, where in logs
+            if len(args) > 1 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)
+        ]
         if frozen:
             self._clear_grads()
-            self.stop(f"the step logs a host value ({frozen[0][0][0]!r} at {frozen[0][1]}), computed once at capture; "
-                      "log a tensor instead")
+            self.stop(
+                f"the step logs a host value ({frozen[0][0][0]!r} at {frozen[0][1]}), computed once at capture; "
+                "log a tensor instead"
+            )
             return None
         self.graph, self.static_loss, self.logs = graph, loss, list(logs)
         self._captured_at = in_place_changes()
@@ -226,8 +231,9 @@ class GraphedStep(StepWrapper):
         self.captures += 1
         fallback = self.inner.oom_fallback()
         if fallback is not None and fallback.parts > 1:
-            self.capture_notes.append(f"capture {self.captures} took the out-of-memory fallback's split: "
-                                      f"{fallback.micro_batch_note}")
+            self.capture_notes.append(
+                f"capture {self.captures} took the out-of-memory fallback's split: {fallback.micro_batch_note}"
+            )
         return static
 
     def _capture_out_of_memory(self, fallback: Any, exc: BaseException) -> None:
@@ -238,13 +244,17 @@ class GraphedStep(StepWrapper):
         free_device_memory()
         at = fallback.micro_batch_note
         if self._oom_capture_parts == fallback.parts:
-            self.stop(f"out of memory while capturing at {at}, twice (the graph's private pool needs memory the "
-                      "eager step does not): the step runs eagerly, the out-of-memory fallback splitting it where it "
-                      f"runs out ({first_line(exc)[:120]})")
+            self.stop(
+                f"out of memory while capturing at {at}, twice (the graph's private pool needs memory the "
+                "eager step does not): the step runs eagerly, the out-of-memory fallback splitting it where it "
+                f"runs out ({first_line(exc)[:120]})"
+            )
             return
         self._oom_capture_parts = fallback.parts
-        self.capture_notes.append(f"out of memory while capturing at {at}: that step ran eagerly (split by the "
-                                  "fallback where it ran out) and the next was captured again")
+        self.capture_notes.append(
+            f"out of memory while capturing at {at}: that step ran eagerly (split by the "
+            "fallback where it ran out) and the next was captured again"
+        )
 
     def _replay_graph(self) -> None:
         assert self.graph is not None
@@ -321,8 +331,10 @@ class GraphedStep(StepWrapper):
         if changed:
             self._hparam_drops += 1
             if self._hparam_drops >= 2:
-                self.stop(f"the optimizer's {changed[0]!r} changes from step to step (a schedule of it, e.g. "
-                          "OneCycleLR's cycle_momentum); a graph bakes it in")
+                self.stop(
+                    f"the optimizer's {changed[0]!r} changes from step to step (a schedule of it, e.g. "
+                    "OneCycleLR's cycle_momentum); a graph bakes it in"
+                )
             return False
         self._hparam_drops = 0
         return True
@@ -375,8 +387,10 @@ class GraphedStep(StepWrapper):
     def report(self) -> list[str]:
         lines = [f"CUDA graph: {self.captures} captures, {self.replays} replayed steps, {self.eager_steps} eager steps"]
         if self.graph_bytes:
-            lines.append(f"graph memory: {self.graph_bytes / 2**30:.2f} GiB in its pool at capture's peak, counted in the "
-                         "peak memory reported")
+            lines.append(
+                f"graph memory: {self.graph_bytes / 2**30:.2f} GiB in its pool at capture's peak, counted in the "
+                "peak memory reported"
+            )
         if self.static is not None:
             lines.append(self.static.report())
         if self.logs:
@@ -402,9 +416,12 @@ class GraphedStep(StepWrapper):
         if inner is not None:
             handle.record("", inner.undo)
         auto.run = run
-        handle.record("the fit's automatic optimization runs each batch's step from one CUDA graph (Lightning's own step "
-                      "for warm-up and for batches the graph cannot take)",
-                      lambda: auto.__dict__.pop("run", None), lambda: setattr(auto, "run", run))
+        handle.record(
+            "the fit's automatic optimization runs each batch's step from one CUDA graph (Lightning's own step "
+            "for warm-up and for batches the graph cannot take)",
+            lambda: auto.__dict__.pop("run", None),
+            lambda: setattr(auto, "run", run),
+        )
         return handle
 
     def _fit_step(self, trainer: Any, original: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
@@ -425,10 +442,12 @@ class GraphedStep(StepWrapper):
 
 #: what a capture's error means, where torch's own message does not say it: (words of the error, why)
 _CAPTURE_FAILURES = (
-    ("generator not in capture mode",
-     "the step sets the CUDA random generator's state while it is captured (activation checkpointing can: "
-     "torch.utils.checkpoint's preserve_rng_state, a library's gradient_checkpointing, sets it back to draw the same "
-     "dropout when it recomputes)"),
+    (
+        "generator not in capture mode",
+        "the step sets the CUDA random generator's state while it is captured (activation checkpointing can: "
+        "torch.utils.checkpoint's preserve_rng_state, a library's gradient_checkpointing, sets it back to draw the same "
+        "dropout when it recomputes)",
+    ),
 )
 
 

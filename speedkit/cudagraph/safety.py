@@ -34,23 +34,68 @@ from torch import nn
 
 from speedkit.rewrite.source import is_user_function, is_users_own_file, parse_function
 
-_SYNC_METHODS = {"item": "reads a tensor's value on the host", "tolist": "copies a tensor to a Python list",
-                 "cpu": "copies a tensor to the host", "numpy": "copies a tensor to a NumPy array",
-                 "synchronize": "waits for the device"}
+_SYNC_METHODS = {
+    "item": "reads a tensor's value on the host",
+    "tolist": "copies a tensor to a Python list",
+    "cpu": "copies a tensor to the host",
+    "numpy": "copies a tensor to a NumPy array",
+    "synchronize": "waits for the device",
+}
 _DYNAMIC = {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere", "nonzero_static"}
 _CONVERSIONS = {"bool", "float", "int"}
 _CLOCKS = {("time", "time"), ("time", "perf_counter"), ("time", "monotonic"), ("time", "process_time")}
 #: attributes of a tensor that are fixed for a captured step (a shape is the same every replay)
-_STATIC_ATTRS = {"shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "training", "dim", "size", "numel",
-                 "nelement", "element_size", "itemsize", "stride", "layout", "is_floating_point", "is_complex",
-                 "is_contiguous", "is_sparse", "is_leaf", "is_quantized", "is_meta", "get_device"}
+_STATIC_ATTRS = {
+    "shape",
+    "ndim",
+    "dtype",
+    "device",
+    "requires_grad",
+    "is_cuda",
+    "training",
+    "dim",
+    "size",
+    "numel",
+    "nelement",
+    "element_size",
+    "itemsize",
+    "stride",
+    "layout",
+    "is_floating_point",
+    "is_complex",
+    "is_contiguous",
+    "is_sparse",
+    "is_leaf",
+    "is_quantized",
+    "is_meta",
+    "get_device",
+}
 #: a LightningModule's counters of the fit's progress: host numbers that change as it trains
 _PROGRESS_ATTRS = {"global_step", "current_epoch"}
 #: parameter names that carry the step's index (a host number that changes every step)
 _INDEX_ARGS = {"batch_idx", "batch_nb", "batch_index", "dataloader_idx", "global_step", "current_epoch"}
 #: calls that return a boolean tensor (a mask), as methods or ``torch.`` functions
-_MASK_CALLS = {"bool", "eq", "ne", "gt", "ge", "lt", "le", "isfinite", "isnan", "isinf", "isposinf", "isneginf",
-               "logical_and", "logical_or", "logical_not", "logical_xor", "isin", "isclose", "signbit"}
+_MASK_CALLS = {
+    "bool",
+    "eq",
+    "ne",
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "isfinite",
+    "isnan",
+    "isinf",
+    "isposinf",
+    "isneginf",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "isin",
+    "isclose",
+    "signbit",
+}
 _MAX_DEPTH = 3  # helper methods followed from training_step
 
 
@@ -58,10 +103,10 @@ _MAX_DEPTH = 3  # helper methods followed from training_step
 class Blocker:
     """One thing that would make a captured step replay wrong."""
 
-    kind: str      # "host sync" | "dynamic shape" | "data-dependent control flow" | "host work"
-    reason: str    # what it does, in words
-    where: str     # "path/to/file.py:123 in training_step"
-    code: str      # the source line
+    kind: str  # "host sync" | "dynamic shape" | "data-dependent control flow" | "host work"
+    reason: str  # what it does, in words
+    where: str  # "path/to/file.py:123 in training_step"
+    code: str  # the source line
 
     def __str__(self) -> str:
         return f"{self.kind} at {self.where}: {self.reason}" + (f" (`{self.code}`)" if self.code else "")
@@ -126,11 +171,10 @@ def _takes_self(cls: type, name: str) -> bool:
 def _super_function(cls: type, fn: Any, name: str) -> Any:
     """What ``super().name`` resolves to inside ``fn``, a method of ``cls`` or of one of its bases."""
     mro = cls.__mro__
-    owner = next((i for i, klass in enumerate(mro) if any(getattr(v, "__func__", v) is fn for v in vars(klass).values())),
-                 None)
+    owner = next((i for i, klass in enumerate(mro) if any(getattr(v, "__func__", v) is fn for v in vars(klass).values())), None)
     if owner is None:
         return None
-    for klass in mro[owner + 1:]:
+    for klass in mro[owner + 1 :]:
         if name in vars(klass):
             found = getattr(vars(klass)[name], "__func__", vars(klass)[name])
             return found if is_user_function(found) else None
@@ -143,8 +187,11 @@ def _global_function(fn: Any, call: ast.expr) -> Any:
     scope = getattr(fn, "__globals__", {})
     if isinstance(call, ast.Name):
         found = scope.get(call.id)
-    elif (isinstance(call, ast.Attribute) and isinstance(call.value, ast.Name)
-          and (inspect.ismodule(scope.get(call.value.id)) or inspect.isclass(scope.get(call.value.id)))):
+    elif (
+        isinstance(call, ast.Attribute)
+        and isinstance(call.value, ast.Name)
+        and (inspect.ismodule(scope.get(call.value.id)) or inspect.isclass(scope.get(call.value.id)))
+    ):
         found = getattr(scope[call.value.id], call.attr, None)  # losses.focal(...), Base.training_step(self, ...)
         found = found.__func__ if inspect.ismethod(found) else found
     else:
@@ -159,11 +206,18 @@ def _global_function(fn: Any, call: ast.expr) -> Any:
     return found if is_users_own_file(path) else None
 
 
-def _scan_method(obj: Any, fn: Any, blockers: list[Blocker], seen: set[Any], depth: int, per_step_args: bool,
-                 step_index: bool = False, takes_self: bool = True) -> None:
+def _scan_method(
+    obj: Any,
+    fn: Any,
+    blockers: list[Blocker],
+    seen: set[Any],
+    depth: int,
+    per_step_args: bool,
+    step_index: bool = False,
+    takes_self: bool = True,
+) -> None:
     seen.add(fn)
-    calls = _scan(fn, blockers, self_name="self" if takes_self else None, per_step_args=per_step_args,
-                  step_index=step_index)
+    calls = _scan(fn, blockers, self_name="self" if takes_self else None, per_step_args=per_step_args, step_index=step_index)
     if depth >= _MAX_DEPTH:
         return
     for kind, name, node in calls:
@@ -177,8 +231,9 @@ def _scan_method(obj: Any, fn: Any, blockers: list[Blocker], seen: set[Any], dep
             _scan_method(obj, helper, blockers, seen, depth + 1, per_step_args, takes_self=method)
 
 
-def _scan(fn: Any, blockers: list[Blocker], self_name: str | None, per_step_args: bool,
-          step_index: bool = False) -> list[tuple[str, str, ast.expr]]:
+def _scan(
+    fn: Any, blockers: list[Blocker], self_name: str | None, per_step_args: bool, step_index: bool = False
+) -> list[tuple[str, str, ast.expr]]:
     """Scan ``fn``'s source into ``blockers``; returns the calls it makes that may be the user's own
     code: ``("self", name, _)`` for ``self.<name>(...)``, ``("super", name, _)`` for
     ``super().<name>(...)``, ``("function" | "unbound", name, func)`` for a plain function (or a
@@ -202,8 +257,16 @@ class _Visitor:
     """One pass over a function body, tracking which local names hold per-step values (tensors
     from the batch or the model, the batch index) to tell data-dependent branches from static ones."""
 
-    def __init__(self, func: ast.FunctionDef | ast.AsyncFunctionDef, self_name: str | None, per_step_args: bool,
-                 path: str, start: int, lines: list[str], step_index: bool = False) -> None:
+    def __init__(
+        self,
+        func: ast.FunctionDef | ast.AsyncFunctionDef,
+        self_name: str | None,
+        per_step_args: bool,
+        path: str,
+        start: int,
+        lines: list[str],
+        step_index: bool = False,
+    ) -> None:
         self.func, self.self_name, self.path, self.start, self.lines = func, self_name, path, start, lines
         self.blockers: list[Blocker] = []
         self.helpers: list[tuple[str, str, ast.expr]] = []
@@ -214,12 +277,12 @@ class _Visitor:
         # arguments after the batch): a graph bakes the capture's value into its kernels
         positional = [a.arg for a in func.args.posonlyargs + func.args.args if a.arg != self_name]
         self.host: set[str] = ({a.arg for a in args if a.arg in _INDEX_ARGS} if per_step_args else set()) | (
-            set(positional[1:]) if step_index else set())
+            set(positional[1:]) if step_index else set()
+        )
         defaults = dict(zip([a.arg for a in (func.args.posonlyargs + func.args.args)][::-1], func.args.defaults[::-1]))
         defaults.update({a.arg: d for a, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None})
         # arguments with a constant default are options (flags, sizes); the others carry the step's data
-        self.dynamic: set[str] = {a.arg for a in args
-                                  if per_step_args or not isinstance(defaults.get(a.arg), ast.Constant)}
+        self.dynamic: set[str] = {a.arg for a in args if per_step_args or not isinstance(defaults.get(a.arg), ast.Constant)}
         if func.args.vararg is not None:
             self.dynamic.add(func.args.vararg.arg)
 
@@ -257,11 +320,16 @@ class _Visitor:
         if isinstance(stmt, (ast.For, ast.AsyncFor)):
             # a loop over a tensor or the batch's structure runs as many times as its shape or
             # structure says, both the same every replay; a range of per-step numbers does not
-            counts = [a for n in ast.walk(stmt.iter) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                      and n.func.id == "range" for a in n.args]
+            counts = [
+                a
+                for n in ast.walk(stmt.iter)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "range"
+                for a in n.args
+            ]
             if any(self._is_dynamic(a) for a in counts) or self._is_host(stmt.iter):
-                self._add(stmt, "data-dependent control flow",
-                          "loops over a per-step value: the iterations of the capture are replayed")
+                self._add(
+                    stmt, "data-dependent control flow", "loops over a per-step value: the iterations of the capture are replayed"
+                )
             self.visit_expr(stmt.iter)
             self.visit_body(stmt.body)
             self.visit_body(stmt.orelse)
@@ -294,7 +362,9 @@ class _Visitor:
         value = stmt.value
         for target in targets:
             if self._on_self(target):
-                self._add(stmt, "host work", f"changes `{ast.unparse(target)}` on the host: done once, at capture, not every step")
+                self._add(
+                    stmt, "host work", f"changes `{ast.unparse(target)}` on the host: done once, at capture, not every step"
+                )
         if value is None:
             return
         value = _value_read(stmt)
@@ -330,10 +400,18 @@ class _Visitor:
         """Where ``expr`` reads a host number that changes every step (the batch index, the global step),
         not counting one passed on as it is to a call (``self.shared_step(batch, batch_idx)``: the
         callee's own code is read for what it does with it)."""
-        passed = {id(a) for n in ast.walk(expr) if isinstance(n, ast.Call)
-                  for a in [*n.args, *(k.value for k in n.keywords)] if isinstance(a, ast.Name)}
-        return [n for n in _walk_skipping_static(expr) if id(n) not in passed
-                and ((isinstance(n, ast.Name) and n.id in self.host) or self._is_progress(n))]
+        passed = {
+            id(a)
+            for n in ast.walk(expr)
+            if isinstance(n, ast.Call)
+            for a in [*n.args, *(k.value for k in n.keywords)]
+            if isinstance(a, ast.Name)
+        }
+        return [
+            n
+            for n in _walk_skipping_static(expr)
+            if id(n) not in passed and ((isinstance(n, ast.Name) and n.id in self.host) or self._is_progress(n))
+        ]
 
     def _is_host(self, expr: ast.expr) -> bool:
         return bool(self._host_reads(expr))
@@ -346,9 +424,12 @@ class _Visitor:
     def _check_host_number(self, stmt: ast.stmt, value: ast.expr) -> None:
         if self._is_host(value) and not self._only_host(value):
             names = sorted({ast.unparse(n) for n in self._host_reads(value)})
-            self._add(stmt, "data-dependent control flow",
-                      f"computes with a host number that changes every step ({', '.join(names)}): the capture's value "
-                      "is baked into the graph and replayed every step")
+            self._add(
+                stmt,
+                "data-dependent control flow",
+                f"computes with a host number that changes every step ({', '.join(names)}): the capture's value "
+                "is baked into the graph and replayed every step",
+            )
 
     def _host_scalar(self, expr: ast.expr) -> bool:
         """A Python number: a constant, ``float('-inf')``, ``-1``, a name or attribute not holding a per-step value."""
@@ -358,8 +439,12 @@ class _Visitor:
             return self._host_scalar(expr.operand)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("float", "int"):
             return all(isinstance(a, ast.Constant) for a in expr.args)
-        if isinstance(expr, ast.Attribute) and expr.attr in ("min", "max", "eps", "tiny") and \
-                isinstance(expr.value, ast.Call) and ast.unparse(expr.value.func).endswith(("finfo", "iinfo")):
+        if (
+            isinstance(expr, ast.Attribute)
+            and expr.attr in ("min", "max", "eps", "tiny")
+            and isinstance(expr.value, ast.Call)
+            and ast.unparse(expr.value.func).endswith(("finfo", "iinfo"))
+        ):
             return True
         if isinstance(expr, (ast.Name, ast.Attribute)):
             return not self._is_dynamic(expr)
@@ -377,8 +462,12 @@ class _Visitor:
 
     def _on_self(self, target: ast.expr) -> bool:
         node = target.value if isinstance(target, ast.Subscript) else target
-        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id == self.self_name and self.self_name is not None)
+        return (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == self.self_name
+            and self.self_name is not None
+        )
 
     def _is_mask(self, index: ast.expr) -> bool:
         """Whether ``index`` is a boolean tensor (or a tuple of indices holding one)."""
@@ -405,10 +494,18 @@ class _Visitor:
     # -- patterns ---------------------------------------------------------------------------------
     def _check_branch(self, test: ast.expr, what: str) -> None:
         if self._is_dynamic(test):
-            names = sorted({ast.unparse(n) for n in _walk_skipping_static(test)
-                            if (isinstance(n, ast.Name) and n.id in self.dynamic) or self._is_progress(n)})
-            self._add(test, "data-dependent control flow",
-                      f"{what} on a per-step value ({', '.join(names)}): the branch taken at capture is replayed every step")
+            names = sorted(
+                {
+                    ast.unparse(n)
+                    for n in _walk_skipping_static(test)
+                    if (isinstance(n, ast.Name) and n.id in self.dynamic) or self._is_progress(n)
+                }
+            )
+            self._add(
+                test,
+                "data-dependent control flow",
+                f"{what} on a per-step value ({', '.join(names)}): the branch taken at capture is replayed every step",
+            )
 
     def _call(self, node: ast.Call) -> None:
         func = node.func
@@ -425,8 +522,12 @@ class _Visitor:
         elif name == "where" and len(node.args) == 1 and not node.keywords:
             self._add(node, "dynamic shape", "`torch.where(condition)` returns indices whose count depends on the data")
         elif name == "repeat_interleave" and self._tensor_repeats(node, owner):
-            self._add(node, "dynamic shape", "`repeat_interleave` with a tensor of repeats returns a tensor whose size "
-                      "depends on the data (read on the host, unless `output_size=` is given)")
+            self._add(
+                node,
+                "dynamic shape",
+                "`repeat_interleave` with a tensor of repeats returns a tensor whose size "
+                "depends on the data (read on the host, unless `output_size=` is given)",
+            )
         elif isinstance(func, ast.Name) and name in _CONVERSIONS and node.args and self._is_dynamic(node.args[0]):
             self._add(node, "host sync", f"`{name}(...)` of a tensor reads its value on the host")
         elif name == "print" and (isinstance(func, ast.Name) or owner == self.self_name):
@@ -437,15 +538,29 @@ class _Visitor:
             self._add(node, "host work", f"`{owner}.{name}` draws a host random number once, at capture; the replays reuse it")
         elif name in ("append", "extend", "add", "update") and isinstance(func, ast.Attribute) and self._on_self(func.value):
             self._add(node, "host work", f"`{ast.unparse(func)}` changes host state once, at capture, not every step")
-        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == self.self_name
-              and self.self_name is not None and name not in ("log", "log_dict")):
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == self.self_name
+            and self.self_name is not None
+            and name not in ("log", "log_dict")
+        ):
             self.helpers.append(("self", name, func))
-        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call) and isinstance(func.value.func, ast.Name)
-              and func.value.func.id == "super"):
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Call)
+            and isinstance(func.value.func, ast.Name)
+            and func.value.func.id == "super"
+        ):
             self.helpers.append(("super", name, func))
         elif isinstance(func, (ast.Name, ast.Attribute)):
-            unbound = (isinstance(func, ast.Attribute) and node.args and isinstance(node.args[0], ast.Name)
-                       and node.args[0].id == self.self_name and self.self_name is not None)
+            unbound = (
+                isinstance(func, ast.Attribute)
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id == self.self_name
+                and self.self_name is not None
+            )
             self.helpers.append(("unbound" if unbound else "function", name, func))
 
     def _tensor_repeats(self, node: ast.Call, owner: str) -> bool:
@@ -494,13 +609,20 @@ def _walk_skipping_static(expr: ast.expr) -> Iterator[ast.AST]:
             continue
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STATIC_ATTRS:
             continue
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                "isinstance", "len", "hasattr", "getattr", "type", "callable"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "len", "hasattr", "getattr", "type", "callable")
+        ):
             continue
         if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
             continue
-        if (isinstance(node, ast.Compare) and all(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
-                and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)):
+        if (
+            isinstance(node, ast.Compare)
+            and all(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+            and isinstance(node.left, ast.Constant)
+            and isinstance(node.left.value, str)
+        ):
             continue  # `"labels" in batch`: the batch's keys are the same every replay
         yield node
         stack.extend(ast.iter_child_nodes(node))

@@ -42,8 +42,9 @@ def find_syncs(run_step: Callable[[], Any], unique: bool = True) -> tuple[Any, l
         frame = stack[-1] if stack else None
         where = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else f"{filename}:{lineno}"
         user = next((f for f in reversed(stack) if is_callers_file(f.filename)), None)
-        reason = "a synchronizing CUDA call" + (f" (reached from {user.filename}:{user.lineno} in {user.name})"
-                                                 if user is not None and user is not frame else "")
+        reason = "a synchronizing CUDA call" + (
+            f" (reached from {user.filename}:{user.lineno} in {user.name})" if user is not None and user is not frame else ""
+        )
         found.append(Blocker("host sync", reason, where, (frame.line or "").strip() if frame else ""))
 
     with warnings.catch_warnings():
@@ -60,9 +61,27 @@ def find_syncs(run_step: Callable[[], Any], unique: bool = True) -> tuple[Any, l
 # -- dynamic: random numbers drawn on the host during one real step --------------------------------
 
 #: torch functions that draw from a generator; one of them advancing the CPU generator draws on the host
-_TORCH_DRAWS = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
-                "normal", "poisson", "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_",
-                "cauchy_", "log_normal_"}
+_TORCH_DRAWS = {
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "bernoulli",
+    "multinomial",
+    "normal",
+    "poisson",
+    "uniform_",
+    "normal_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+}
 _STATE_CALLS = {"getstate", "setstate", "get_state", "set_state", "__getstate__", "__setstate__"}
 
 
@@ -137,9 +156,14 @@ def find_host_draws(run_step: Callable[[], Any], *, locate: bool = True) -> tupl
         return result, []
     if calls:
         return result, list(dict.fromkeys(calls))
-    return result, [Blocker("host work", f"{' and '.join(moved)} drew during the step (a random number decided on the host, "
-                            "drawn once at capture)", "a call not located (where torch.compile runs the step the call is not "
-                            "traced: tracing would make it compile again)", "")]
+    return result, [
+        Blocker(
+            "host work",
+            f"{' and '.join(moved)} drew during the step (a random number decided on the host, drawn once at capture)",
+            "a call not located (where torch.compile runs the step the call is not traced: tracing would make it compile again)",
+            "",
+        )
+    ]
 
 
 @contextlib.contextmanager
@@ -161,6 +185,7 @@ def _numpy_draws_named(calls: list[Blocker]) -> Iterator[None]:
         def draw(*args: Any, **kwargs: Any) -> Any:
             calls.append(_draw_blocker(sys._getframe(1), f"numpy.random.{name}"))
             return fn(*args, **kwargs)
+
         return draw
 
     for name, fn in saved.items():
@@ -195,10 +220,17 @@ def _draw_blocker(frame: Any, call: str) -> Blocker:
     user = frame.f_back
     while user is not None and not is_users_own_file(user.f_code.co_filename):
         user = user.f_back
-    reached = (f" (reached from {user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name})"
-               if user is not None and not is_users_own_file(frame.f_code.co_filename) else "")
-    return Blocker("host work", f"draws a random number on the host ({call}), drawn once at capture and replayed every "
-                   f"step{reached}", where, linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip())
+    reached = (
+        f" (reached from {user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name})"
+        if user is not None and not is_users_own_file(frame.f_code.co_filename)
+        else ""
+    )
+    return Blocker(
+        "host work",
+        f"draws a random number on the host ({call}), drawn once at capture and replayed every step{reached}",
+        where,
+        linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip(),
+    )
 
 
 #: frames on the stack only while torch.compile compiles (Dynamo's frame conversion on a cache miss,
@@ -214,5 +246,7 @@ def while_compiling(stack: list[traceback.FrameSummary]) -> bool:
 
 def _is_machinery(filename: str) -> bool:
     """Frames of the warning machinery and of speedkit's own step driver, skipped when naming a sync."""
-    return any(part in filename for part in ("/warnings.py", "/speedkit/graph", "/speedkit/step_watch", "/torch/_tensor.py",
-                                             "/torch/cuda/"))
+    return any(
+        part in filename
+        for part in ("/warnings.py", "/speedkit/graph", "/speedkit/step_watch", "/torch/_tensor.py", "/torch/cuda/")
+    )

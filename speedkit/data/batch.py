@@ -24,6 +24,7 @@ def batch_parts(batch: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]]
     if isinstance(batch, dict):
         return list(batch.items()), lambda new: type(batch)(zip(list(batch), new))
     if isinstance(batch, MutableMapping):  # a mapping that is no dict (transformers' BatchEncoding, a UserDict):
+
         def rebuild(new: list[Any]) -> Any:
             mapped = copy.copy(batch)  # a copy of it, with what else it carries (a BatchEncoding's encodings)
             for k, v in zip(list(batch), new):

@@ -39,8 +39,16 @@ def worker_counts(current: int, cpus: int, *, limit: int | None = None) -> list[
     return counts
 
 
-def loader_rate(loader: Iterable[Any], device: torch.device, *, clock: Clock = time.perf_counter, warmup: int = 2,
-                batches: int = 16, max_s: float = 2.0, sizes: list[int] | None = None) -> float:
+def loader_rate(
+    loader: Iterable[Any],
+    device: torch.device,
+    *,
+    clock: Clock = time.perf_counter,
+    warmup: int = 2,
+    batches: int = 16,
+    max_s: float = 2.0,
+    sizes: list[int] | None = None,
+) -> float:
     """Batches per second ``loader`` delivers once warmed up: ``warmup`` batches untimed (worker start,
     the prefetched queue), then ``batches`` timed (fewer, at least 2, past ``max_s`` seconds on
     ``clock``), each copied to ``device`` from pinned memory when it is a CUDA device (one wait at
@@ -111,15 +119,30 @@ class Choice:
 
     def lines(self) -> list[str]:
         measured = "; ".join(f"{s.describe()}: {r:.1f}" for s, r in self.rates)
-        return [f"loader settings measured (batches/s over a warmed-up window of host batches"
-                f"{', with the pinned copy to the device' if self.settings.pin_memory else ''}): {measured}", *self.notes]
+        return [
+            f"loader settings measured (batches/s over a warmed-up window of host batches"
+            f"{', with the pinned copy to the device' if self.settings.pin_memory else ''}): {measured}",
+            *self.notes,
+        ]
 
 
-def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: bool = True, exact: bool = True,
-                    same_side: bool = False, worker_cpus: tuple[int, ...] | None = None,
-                    pin_memory: bool | None = None, workers: int | None = None, tolerance: float | None = None,
-                    cpus: int | None = None, measure: Callable[[LoaderSettings], float] | None = None,
-                    clock: Clock = time.perf_counter, max_s: float = 2.0, factors: tuple[int, ...] = (2, 4)) -> Choice:
+def choose_settings(
+    loader: DataLoader,
+    device: torch.device,
+    *,
+    vary_workers: bool = True,
+    exact: bool = True,
+    same_side: bool = False,
+    worker_cpus: tuple[int, ...] | None = None,
+    pin_memory: bool | None = None,
+    workers: int | None = None,
+    tolerance: float | None = None,
+    cpus: int | None = None,
+    measure: Callable[[LoaderSettings], float] | None = None,
+    clock: Clock = time.perf_counter,
+    max_s: float = 2.0,
+    factors: tuple[int, ...] = (2, 4),
+) -> Choice:
     """Choose ``loader``'s loading settings by measuring candidates.
 
     Candidates: the current settings; the same pinned on CUDA (``pin_memory`` forces it either way);
@@ -143,17 +166,32 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     pin = (device.type == "cuda") if pin_memory is None else pin_memory
 
     def settings(n: int, factor: int | None) -> LoaderSettings:
-        return LoaderSettings(n, pin, (current.persistent_workers if exact else True) and n > 0,
-                              (factor or 2) if n > 0 else None, worker_cpus if n > 0 else None)
+        return LoaderSettings(
+            n,
+            pin,
+            (current.persistent_workers if exact else True) and n > 0,
+            (factor or 2) if n > 0 else None,
+            worker_cpus if n > 0 else None,
+        )
 
     def allowed(s: LoaderSettings) -> bool:
-        return (workers is None or s.num_workers == workers) and (pin_memory is None or s.pin_memory == pin_memory) \
+        return (
+            (workers is None or s.num_workers == workers)
+            and (pin_memory is None or s.pin_memory == pin_memory)
             and (vary_workers or workers is not None or s.num_workers == current.num_workers)
+        )
 
     def rate_of(s: LoaderSettings) -> float:
         buffered = s.num_workers * (s.prefetch_factor or 0)
-        return loader_rate(rebuild_loader(loader, **dataclasses.asdict(s)), device, clock=clock, warmup=buffered + 2,
-                           batches=max(16, 2 * buffered), max_s=max_s, sizes=sizes)
+        return loader_rate(
+            rebuild_loader(loader, **dataclasses.asdict(s)),
+            device,
+            clock=clock,
+            warmup=buffered + 2,
+            batches=max(16, 2 * buffered),
+            max_s=max_s,
+            sizes=sizes,
+        )
 
     sizes: list[int] = []
 
@@ -161,16 +199,20 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     if workers is not None:
         counts = [workers]
     elif vary_workers:
-        counts = worker_counts(current.num_workers, cpus if cpus is not None else available_cpus(),
-                               limit=len(worker_cpus) if worker_cpus else None)
+        counts = worker_counts(
+            current.num_workers, cpus if cpus is not None else available_cpus(), limit=len(worker_cpus) if worker_cpus else None
+        )
     else:
         counts = [current.num_workers]
     if same_side:
         counts = [n for n in counts if (n > 0) == (current.num_workers > 0)] or [current.num_workers]
     if exact and current.persistent_workers and 0 in counts:
         if counts == [0]:
-            raise ConfigError("data.num_workers", "the loader has persistent workers: going to num_workers=0 would draw a "
-                              "new base seed every epoch and change the shuffle (exact mode)")
+            raise ConfigError(
+                "data.num_workers",
+                "the loader has persistent workers: going to num_workers=0 would draw a "
+                "new base seed every epoch and change the shuffle (exact mode)",
+            )
         counts.remove(0)
     # the process RNGs, the loader's generators and those its dataset (read here without workers), samplers and
     # collate_fn keep of their own
@@ -192,6 +234,8 @@ def choose_settings(loader: DataLoader, device: torch.device, *, vary_workers: b
     chosen = min((s for s in eligible if rates[s] >= best * (1 - tolerance)), key=lambda s: (s.cost, -rates[s]))
     notes = []
     if chosen.persistent_workers and not current.persistent_workers:
-        notes.append("persistent_workers on: the workers start once, not at every epoch (not measured: a window inside "
-                     "one epoch does not see it)")
+        notes.append(
+            "persistent_workers on: the workers start once, not at every epoch (not measured: a window inside "
+            "one epoch does not see it)"
+        )
     return Choice(current, chosen, list(rates.items()), notes, max(sizes) if sizes else None)

@@ -61,8 +61,9 @@ class TransferTimes:
 
 def pin_batch(batch: Any) -> Any:
     """``batch`` with its CPU tensors in pinned memory (tensors already pinned are kept as they are)."""
-    return map_batch(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                     and not t.is_pinned() else t, batch)
+    return map_batch(
+        lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_pinned() else t, batch
+    )
 
 
 def all_pinned(batch: Any) -> bool:
@@ -92,9 +93,17 @@ class DevicePrefetcher(Iterator[Any]):
             handed out (never told: nothing is pulled early).
     """
 
-    def __init__(self, batches: Iterator[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None,
-                 ahead_when_told: bool = False) -> None:
+    def __init__(
+        self,
+        batches: Iterator[Any],
+        device: torch.device | str,
+        *,
+        lookahead: int = 1,
+        times: TransferTimes | None = None,
+        ring: BatchRing | None = None,
+        limit: int | None = None,
+        ahead_when_told: bool = False,
+    ) -> None:
         if lookahead not in (0, 1):
             raise ValueError(f"lookahead must be 0 or 1, found {lookahead!r}")
         if limit is not None and (not isinstance(limit, int) or limit < 0):
@@ -237,9 +246,17 @@ class PrefetchingLoader:
     ``ahead_when_told``, pulling the batch ahead when :meth:`pull_ahead` says the step runs); anything else
     (``len``, ``sampler``, ``batch_sampler``, ``dataset``, ...) is the loader's."""
 
-    def __init__(self, loader: Iterable[Any], device: torch.device | str, *, lookahead: int = 1,
-                 times: TransferTimes | None = None, ring: BatchRing | None = None, limit: int | None = None,
-                 ahead_when_told: bool = False) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        device: torch.device | str,
+        *,
+        lookahead: int = 1,
+        times: TransferTimes | None = None,
+        ring: BatchRing | None = None,
+        limit: int | None = None,
+        ahead_when_told: bool = False,
+    ) -> None:
         self.loader = loader
         self.device = resolve_device(device)
         self.lookahead = lookahead
@@ -262,8 +279,15 @@ class PrefetchingLoader:
     def prefetch(self, batches: Iterator[Any]) -> DevicePrefetcher:
         """One epoch's ``batches`` (an iterator of the loader made elsewhere: the first epoch's, which
         Lightning made before speedkit bound this loader), prefetched as every epoch is here."""
-        self._live = DevicePrefetcher(batches, self.device, lookahead=self.lookahead, times=self.times, ring=self.ring,
-                                      limit=self.limit, ahead_when_told=self.ahead_when_told)
+        self._live = DevicePrefetcher(
+            batches,
+            self.device,
+            lookahead=self.lookahead,
+            times=self.times,
+            ring=self.ring,
+            limit=self.limit,
+            ahead_when_told=self.ahead_when_told,
+        )
         return self._live
 
     def pull_ahead(self) -> None:

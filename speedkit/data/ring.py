@@ -96,8 +96,9 @@ def _aligned(n: int) -> int:
 def packable(batch: Any) -> list[torch.Tensor] | None:
     """The tensors of ``batch`` when every one is a plain contiguous CPU tensor (and there is one), else None."""
     tensors = [leaf for leaf in batch_leaves(batch) if isinstance(leaf, torch.Tensor)]
-    if not tensors or any(type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad
-                          or not t.is_contiguous() for t in tensors):
+    if not tensors or any(
+        type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad or not t.is_contiguous() for t in tensors
+    ):
         return None
     return tensors
 
@@ -119,11 +120,21 @@ class BatchRing:
         clock, sleep: the waiting worker's (injectable for tests).
     """
 
-    def __init__(self, workers: int, slots_per_worker: int, slot_bytes: int, *, wait_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        workers: int,
+        slots_per_worker: int,
+        slot_bytes: int,
+        *,
+        wait_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if workers < 1 or slots_per_worker < 1 or slot_bytes < ALIGN:
-            raise ValueError(f"a ring needs workers >= 1, slots_per_worker >= 1 and slot_bytes >= {ALIGN}, found "
-                             f"{workers}, {slots_per_worker}, {slot_bytes}")
+            raise ValueError(
+                f"a ring needs workers >= 1, slots_per_worker >= 1 and slot_bytes >= {ALIGN}, found "
+                f"{workers}, {slots_per_worker}, {slot_bytes}"
+            )
         self.workers, self.slots_per_worker, self.slot_bytes = workers, slots_per_worker, _aligned(slot_bytes)
         self.wait_s, self.clock, self.sleep = wait_s, clock, sleep
         self.memory = torch.empty(workers * slots_per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
@@ -213,7 +224,7 @@ class BatchRing:
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The ring's bytes at ``offset`` as a tensor of ``shape`` and ``dtype``."""
         size = torch.Size(shape).numel() * dtype.itemsize
-        return self.memory[offset:offset + size].view(dtype).view(shape)
+        return self.memory[offset : offset + size].view(dtype).view(shape)
 
     def take(self, packed: Packed) -> Any:
         """The training process takes ``packed`` (see :meth:`host_batch`; :meth:`release` its slot once read)."""
@@ -236,8 +247,10 @@ class BatchRing:
     def host_batch(self, packed: Packed) -> Any:
         """The packed batch as views of its slot (valid until :meth:`release`)."""
         base = packed.slot * self.slot_bytes
-        return map_batch(lambda leaf: self.view(base + leaf.offset, leaf.shape, leaf.dtype)
-                         if isinstance(leaf, RingLeaf) else leaf, packed.batch)
+        return map_batch(
+            lambda leaf: self.view(base + leaf.offset, leaf.shape, leaf.dtype) if isinstance(leaf, RingLeaf) else leaf,
+            packed.batch,
+        )
 
     def release(self, slot: int) -> None:
         """The batch in ``slot`` was read (its copy is done): its worker may write the slot again."""
@@ -342,9 +355,25 @@ def make_ring(spec: tuple[int, int, int]) -> BatchRing | None:
 
 
 def describe_ring(ring: BatchRing) -> str:
-    return (f"a ring of shared pinned memory ({ring.nbytes / 2**20:,.0f} MiB: {ring.slots_per_worker} slots of "
-            f"{ring.slot_bytes / 2**20:.1f} MiB per worker), copied to the device from there")
+    return (
+        f"a ring of shared pinned memory ({ring.nbytes / 2**20:,.0f} MiB: {ring.slots_per_worker} slots of "
+        f"{ring.slot_bytes / 2**20:.1f} MiB per worker), copied to the device from there"
+    )
 
 
-__all__ = ["ALIGN", "BatchRing", "Packed", "RingCollate", "RingEpoch", "RingLeaf", "describe_ring", "handoff_loader",
-           "make_ring", "packable", "persistent", "ring_epoch", "slot_bytes_for", "stop_ring_workers"]
+__all__ = [
+    "ALIGN",
+    "BatchRing",
+    "Packed",
+    "RingCollate",
+    "RingEpoch",
+    "RingLeaf",
+    "describe_ring",
+    "handoff_loader",
+    "make_ring",
+    "packable",
+    "persistent",
+    "ring_epoch",
+    "slot_bytes_for",
+    "stop_ring_workers",
+]

@@ -81,8 +81,12 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
         loader = list(loader.values())
     owners: list[Any] = []
     for one in loader if isinstance(loader, (list, tuple)) else [loader]:
-        owners += [one, getattr(one, "sampler", None), getattr(one, "batch_sampler", None),
-                   getattr(getattr(one, "batch_sampler", None), "sampler", None)]
+        owners += [
+            one,
+            getattr(one, "sampler", None),
+            getattr(one, "batch_sampler", None),
+            getattr(getattr(one, "batch_sampler", None), "sampler", None),
+        ]
     found: list[torch.Generator] = []
     for owner in owners:
         g = getattr(owner, "generator", None)
@@ -135,8 +139,11 @@ def private_rngs(*roots: Any, depth: int = 4, visit_limit: int = 512, width: int
         if rng_object_state(obj) is not None:
             found.append(obj)
             return
-        if level >= depth or obj is None or isinstance(obj, (str, bytes, int, float, complex, torch.Tensor, type,
-                                                             types.ModuleType, types.BuiltinFunctionType)):
+        if (
+            level >= depth
+            or obj is None
+            or isinstance(obj, (str, bytes, int, float, complex, torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType))
+        ):
             return
         children: Iterable[Any]
         if isinstance(obj, dict):
@@ -183,7 +190,6 @@ def loader_rng_owners(loader: Any) -> list[Any]:
     return [o for o in owners if o is not None]
 
 
-
 @dataclasses.dataclass
 class RngState:
     """The random state at one moment: the process RNGs' (``process``: those captured, None: none) and
@@ -193,8 +199,9 @@ class RngState:
     generators: list[tuple[Any, Any]]
 
     @classmethod
-    def capture(cls, generators: Iterable[Any] = (), *, owners: Iterable[Any] = (),
-                process: bool | Iterable[str] = True) -> RngState:
+    def capture(
+        cls, generators: Iterable[Any] = (), *, owners: Iterable[Any] = (), process: bool | Iterable[str] = True
+    ) -> RngState:
         """The states now of ``generators``, of those :func:`private_rngs` finds in ``owners`` (each
         object once), and of the process RNGs (``process``: all, none, or those named)."""
         found = list(generators)
@@ -217,4 +224,3 @@ class RngState:
             return False
         mine, theirs = self.process or {}, other.process or {}
         return all(same_batch(mine.get(k), theirs.get(k)) for k in PROCESS_RNGS)
-

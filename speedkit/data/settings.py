@@ -61,8 +61,13 @@ class LoaderSettings:
     def of(cls, loader: DataLoader) -> LoaderSettings:
         keeper = loader.worker_init_fn
         cpus = keeper.cpus if isinstance(keeper, WorkerAffinity) and loader.num_workers > 0 else None
-        return cls(int(loader.num_workers), bool(loader.pin_memory), bool(loader.persistent_workers),
-                   loader.prefetch_factor if loader.num_workers > 0 else None, cpus)
+        return cls(
+            int(loader.num_workers),
+            bool(loader.pin_memory),
+            bool(loader.persistent_workers),
+            loader.prefetch_factor if loader.num_workers > 0 else None,
+            cpus,
+        )
 
     @property
     def cost(self) -> tuple[int, int, bool, bool]:
@@ -95,9 +100,16 @@ def needs_workers(loader: DataLoader) -> str | None:
     return None
 
 
-def rebuild_loader(loader: DataLoader, *, num_workers: int, pin_memory: bool, persistent_workers: bool,
-                   prefetch_factor: int | None, worker_cpus: tuple[int, ...] | None = None,
-                   stop_at_length: bool = False) -> DataLoader:
+def rebuild_loader(
+    loader: DataLoader,
+    *,
+    num_workers: int,
+    pin_memory: bool,
+    persistent_workers: bool,
+    prefetch_factor: int | None,
+    worker_cpus: tuple[int, ...] | None = None,
+    stop_at_length: bool = False,
+) -> DataLoader:
     """A copy of ``loader`` (same class, the same dataset, sampler, batch sampler, collate_fn,
     worker_init_fn, generator, drop_last, timeout and multiprocessing context objects) with these
     loading settings and no live iterator. ``worker_cpus``: each worker first keeps itself on those
@@ -168,11 +180,15 @@ def in_process_change_blocker(loader: DataLoader) -> str | None:
     if _shuffles_from_own_generator(sampler):
         if loader.num_workers == 0 or reads_sampler_to_its_end(loader):
             return None
-        return ("its RandomSampler draws from a generator of its own, once more when workers read it to its end, which "
-                "a fit without workers does not: the next epoch's shuffle would differ")
+        return (
+            "its RandomSampler draws from a generator of its own, once more when workers read it to its end, which "
+            "a fit without workers does not: the next epoch's shuffle would differ"
+        )
     if type(sampler) is RandomSampler:  # with replacement
-        return ("its RandomSampler draws with replacement from a generator of its own, in chunks as it is read: "
-                "workers reading ahead would draw at other moments")
+        return (
+            "its RandomSampler draws with replacement from a generator of its own, in chunks as it is read: "
+            "workers reading ahead would draw at other moments"
+        )
     return f"its sampler is a {type(sampler).__name__}, whose draws speedkit cannot see"
 
 

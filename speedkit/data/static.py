@@ -21,8 +21,9 @@ def signature(batch: Any) -> Any:
     """What a batch must match to be copied into buffers made for another: the structure, each
     tensor's shape, dtype and device, and each other leaf's value."""
     structure = map_batch(lambda leaf: None, batch)
-    return repr(structure), tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else ("leaf", repr(t))
-                                  for t in batch_leaves(batch))
+    return repr(structure), tuple(
+        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else ("leaf", repr(t)) for t in batch_leaves(batch)
+    )
 
 
 class StaticBatch:

@@ -127,8 +127,7 @@ def physical_cores(cpus: set[int], siblings: Callable[[int], set[int]] = core_si
     return cores
 
 
-def host_share(cpus: set[int], rank: int, processes: int,
-               siblings: Callable[[int], set[int]] = core_siblings) -> set[int]:
+def host_share(cpus: set[int], rank: int, processes: int, siblings: Callable[[int], set[int]] = core_siblings) -> set[int]:
     """Process ``rank``'s share of ``cpus`` when ``processes`` training processes (DDP ranks on one
     machine) run on them: the physical cores, in order, cut into ``processes`` runs as even as can be
     (hyperthreads of one core never split). With fewer cores than processes, each has all of them."""
@@ -139,14 +138,17 @@ def host_share(cpus: set[int], rank: int, processes: int,
         return set(cpus)
     per, extra = divmod(len(cores), processes)
     start = rank * per + min(rank, extra)
-    return set().union(*cores[start:start + per + (1 if rank < extra else 0)])
+    return set().union(*cores[start : start + per + (1 if rank < extra else 0)])
 
 
 def machine_cpus() -> set[int] | None:
     """The CPUs every process here may use unless a launcher narrowed its own: the container's cpuset
     (cgroup v2, then v1), else the CPUs online; None where none of them can be read."""
-    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
-                 "/sys/devices/system/cpu/online"):
+    for path in (
+        "/sys/fs/cgroup/cpuset.cpus.effective",
+        "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+        "/sys/devices/system/cpu/online",
+    ):
         try:
             with open(path) as f:
                 cpus = parse_cpu_list(f.read())
@@ -157,9 +159,15 @@ def machine_cpus() -> set[int] | None:
     return None
 
 
-def training_cpus(cores: int = 2, *, allowed: set[int] | None = None, here: int | None = None,
-                  siblings: Callable[[int], set[int]] = core_siblings, processes: tuple[int, int] = (0, 1),
-                  machine: set[int] | None = None) -> tuple[set[int], set[int]]:
+def training_cpus(
+    cores: int = 2,
+    *,
+    allowed: set[int] | None = None,
+    here: int | None = None,
+    siblings: Callable[[int], set[int]] = core_siblings,
+    processes: tuple[int, int] = (0, 1),
+    machine: set[int] | None = None,
+) -> tuple[set[int], set[int]]:
     """Split the CPUs this process may use into those left to the training process and those for
     loader workers. The training process keeps ``cores`` physical cores, each with its hyperthread
     siblings: the one its calling thread runs on (``here``), then the lowest-numbered others. A worker

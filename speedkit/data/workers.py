@@ -25,8 +25,9 @@ class WorkerDependence:
         return self.what if self.effect is None else f"{self.what}: {self.effect}"
 
 
-def worker_dependence(dataset: Any, collate_fn: Callable[[Any], Any] | None = None, *,
-                      batched: bool = True) -> WorkerDependence | None:
+def worker_dependence(
+    dataset: Any, collate_fn: Callable[[Any], Any] | None = None, *, batched: bool = True
+) -> WorkerDependence | None:
     """None when changing the number of workers leaves every sample as it is; else why it would not.
 
     A map-style dataset's first, middle and last items are each read twice, under two different seeds
@@ -62,8 +63,11 @@ def worker_dependence(dataset: Any, collate_fn: Callable[[Any], Any] | None = No
             results.append(read())
             now = process_rng_state()
             drew += [name for name, state in seeded.items() if not same_batch(now.get(name), state)]
-            drew += [f"its own {type(g).__module__.split('.')[0]}.{type(g).__name__}"
-                     for (g, _), state in zip(saved.generators, before) if not same_batch(rng_object_state(g), state)]
+            drew += [
+                f"its own {type(g).__module__.split('.')[0]}.{type(g).__name__}"
+                for (g, _), state in zip(saved.generators, before)
+                if not same_batch(rng_object_state(g), state)
+            ]
         was = found.get(what, ([], False))
         found[what] = (was[0] + drew, was[1] or not same_batch(results[0], results[1]))
         return results[0]
@@ -82,13 +86,21 @@ def worker_dependence(dataset: Any, collate_fn: Callable[[Any], Any] | None = No
         process = [name for name in dict.fromkeys(drew) if not name.startswith("its own")]
         own = [name for name in dict.fromkeys(drew) if name.startswith("its own")]
         sources = ([f"the {' and '.join(process)} RNG"] if process else []) + own
-        why = (f"{'reading one' if what == 'samples' else 'calling it'} draws from {' and '.join(sources)}" if drew
-               else "the same index read under two seeds differs" if differs and what == "samples"
-               else "the same samples collated under two seeds differ" if differs else None)
+        why = (
+            f"{'reading one' if what == 'samples' else 'calling it'} draws from {' and '.join(sources)}"
+            if drew
+            else "the same index read under two seeds differs"
+            if differs and what == "samples"
+            else "the same samples collated under two seeds differ"
+            if differs
+            else None
+        )
         if why is not None:
             owner = "its samples draw" if what == "samples" else "its collate_fn draws"
-            return WorkerDependence(f"{owner} random numbers ({why})",
-                                    "each worker seeds its own RNGs, so another worker count would draw other numbers")
+            return WorkerDependence(
+                f"{owner} random numbers ({why})",
+                "each worker seeds its own RNGs, so another worker count would draw other numbers",
+            )
     return None
 
 

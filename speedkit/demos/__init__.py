@@ -6,4 +6,15 @@ from speedkit.demos.gpt2 import NaiveGPT
 from speedkit.demos.mlp import LaunchBoundMLP
 from speedkit.demos.vision import SmallResNet
 
-__all__ = ["DecodedImages", "LaunchBoundMLP", "LoopGEMMModel", "LoopOfGEMMs", "NaiveGPT", "SmallResNet", "SyntheticGEMMs", "SyntheticImages", "SyntheticTokens", "SyntheticVectors"]
+__all__ = [
+    "DecodedImages",
+    "LaunchBoundMLP",
+    "LoopGEMMModel",
+    "LoopOfGEMMs",
+    "NaiveGPT",
+    "SmallResNet",
+    "SyntheticGEMMs",
+    "SyntheticImages",
+    "SyntheticTokens",
+    "SyntheticVectors",
+]

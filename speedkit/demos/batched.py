@@ -153,7 +153,8 @@ class Ensemble(nn.Module):
     def __init__(self, dim: int = 64, hidden: int = 128, out: int = 10, members: int = 4) -> None:
         super().__init__()
         self.members = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out)) for _ in range(members))
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out)) for _ in range(members)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, dim)
         return torch.stack([m(x) for m in self.members]).mean(0)  # (B, out)

@@ -37,7 +37,9 @@ class _VectorBatches(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return torch.randn(self.batch_size, self.features, generator=g), torch.randint(0, self.classes, (self.batch_size,), generator=g)
+        return torch.randn(self.batch_size, self.features, generator=g), torch.randint(
+            0, self.classes, (self.batch_size,), generator=g
+        )
 
 
 class _ImageSamples(Dataset):
@@ -68,8 +70,16 @@ class SyntheticTokens(pl.LightningDataModule):
         seed: base seed of the per-index generators.
     """
 
-    def __init__(self, batch_size: int = 8, seq_len: int = 64, vocab_size: int = 512, length: int = 4096,
-                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 8,
+        seq_len: int = 64,
+        vocab_size: int = 512,
+        length: int = 4096,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size), ("length", length)):
             if value < 1:
@@ -88,8 +98,16 @@ class SyntheticTokens(pl.LightningDataModule):
 class SyntheticVectors(pl.LightningDataModule):
     """Random feature vectors with class labels: batches of ``(x (B, F), y (B,))``."""
 
-    def __init__(self, batch_size: int = 64, features: int = 256, classes: int = 10, length: int = 65536,
-                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 64,
+        features: int = 256,
+        classes: int = 10,
+        length: int = 65536,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("features", features), ("classes", classes), ("length", length)):
             if value < 1:
@@ -117,8 +135,17 @@ class SyntheticImages(pl.LightningDataModule):
         seed: base seed of the per-sample generators.
     """
 
-    def __init__(self, batch_size: int = 64, size: int = 224, classes: int = 1000, length: int = 16384, num_workers: int = 4,
-                 pin_memory: bool = False, persistent_workers: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 64,
+        size: int = 224,
+        classes: int = 1000,
+        length: int = 16384,
+        num_workers: int = 4,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("size", size), ("classes", classes), ("length", length)):
             if value < 1:
@@ -127,9 +154,15 @@ class SyntheticImages(pl.LightningDataModule):
         self.num_workers, self.pin_memory, self.persistent_workers, self.seed = num_workers, pin_memory, persistent_workers, seed
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_ImageSamples(self.length, self.size, self.classes, self.seed), batch_size=self.batch_size,
-                          shuffle=True, drop_last=True, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                          persistent_workers=self.persistent_workers and self.num_workers > 0)
+        return DataLoader(
+            _ImageSamples(self.length, self.size, self.classes, self.seed),
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
+        )
 
 
 class _JpegSamples(Dataset):
@@ -169,7 +202,7 @@ class _JpegSamples(Dataset):
         image = Image.open(io.BytesIO(self.jpegs[index % len(self.jpegs)])).convert("RGB")
         pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # (3, H, W) uint8
         top, left = (int(v) for v in torch.randint(0, self.size - self.crop + 1, (2,), generator=g))
-        pixels = pixels[:, top:top + self.crop, left:left + self.crop]
+        pixels = pixels[:, top : top + self.crop, left : left + self.crop]
         if torch.rand((), generator=g) < 0.5:
             pixels = pixels.flip(-1)
         x = (pixels.float() / 255 - self.mean) / self.std
@@ -188,9 +221,20 @@ class DecodedImages(pl.LightningDataModule):
         seed: of the images, the labels and the augmentation (the shuffle draws from the global RNG).
     """
 
-    def __init__(self, batch_size: int = 128, size: int = 144, crop: int = 128, classes: int = 100, length: int = 16384,
-                 num_workers: int = 0, pin_memory: bool = False, resident: bool = False, batches: int = 16,
-                 device: str = "cuda", seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 128,
+        size: int = 144,
+        crop: int = 128,
+        classes: int = 100,
+        length: int = 16384,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        resident: bool = False,
+        batches: int = 16,
+        device: str = "cuda",
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("crop", crop), ("classes", classes), ("length", length)):
             if value < 1:
@@ -214,8 +258,14 @@ class DecodedImages(pl.LightningDataModule):
                     break
             return _Resident(made, self.length // self.batch_size)
         # shuffled from the global RNG (seed_everything), as a naive script does
-        return DataLoader(self.dataset(), batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, pin_memory=self.pin_memory)
+        return DataLoader(
+            self.dataset(),
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
 
 
 class _Resident:

@@ -33,8 +33,11 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.attention = n_head, attention
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
-        self.register_buffer("mask", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
-                             .view(1, 1, block_size, block_size), persistent=False)
+        self.register_buffer(
+            "mask",
+            torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)).view(1, 1, block_size, block_size),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -87,16 +90,30 @@ class NaiveGPT(pl.LightningModule):
         lr: AdamW learning rate.
     """
 
-    def __init__(self, size: Literal["tiny", "mini", "small", "medium"] = "tiny", n_layer: int | None = None,
-                 n_head: int | None = None, n_embd: int | None = None, block_size: int | None = None,
-                 vocab_size: int | None = None, attention: Literal["naive", "sdpa"] = "naive", lr: float = 3e-4) -> None:
+    def __init__(
+        self,
+        size: Literal["tiny", "mini", "small", "medium"] = "tiny",
+        n_layer: int | None = None,
+        n_head: int | None = None,
+        n_embd: int | None = None,
+        block_size: int | None = None,
+        vocab_size: int | None = None,
+        attention: Literal["naive", "sdpa"] = "naive",
+        lr: float = 3e-4,
+    ) -> None:
         super().__init__()
         if size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, found {size!r}")
         if attention not in ("naive", "sdpa"):
             raise ValueError(f"attention must be 'naive' or 'sdpa', found {attention!r}")
         d = dict(zip(("n_layer", "n_head", "n_embd", "block_size", "vocab_size"), SIZES[size]))
-        for k, v in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size), ("vocab_size", vocab_size)):
+        for k, v in (
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+            ("block_size", block_size),
+            ("vocab_size", vocab_size),
+        ):
             if v is not None:
                 d[k] = v
         if d["n_embd"] % d["n_head"]:

@@ -88,8 +88,7 @@ class _MaskedTokenSamples(Dataset):
         how = torch.rand(T, generator=g)
         inputs = torch.where(chosen & (how < 0.8), self.mask_id, ids)
         inputs = torch.where(chosen & (how >= 0.8) & (how < 0.9), torch.randint(0, self.vocab_size, (T,), generator=g), inputs)
-        return {"input_ids": inputs, "attention_mask": torch.ones(T, dtype=torch.long),
-                "labels": torch.where(chosen, ids, -100)}
+        return {"input_ids": inputs, "attention_mask": torch.ones(T, dtype=torch.long), "labels": torch.where(chosen, ids, -100)}
 
 
 class _ImageSamples(Dataset):
@@ -151,7 +150,13 @@ class _TextClassificationSamples(Dataset):
 
     def __init__(self, length: int, min_len: int, max_len: int, vocab_size: int, classes: int, seed: int) -> None:
         self.length, self.min_len, self.max_len, self.vocab_size, self.classes, self.seed = (
-            length, min_len, max_len, vocab_size, classes, seed)
+            length,
+            min_len,
+            max_len,
+            vocab_size,
+            classes,
+            seed,
+        )
 
     def __len__(self) -> int:
         return self.length
@@ -160,16 +165,27 @@ class _TextClassificationSamples(Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         n = int(torch.randint(self.min_len, self.max_len + 1, (), generator=g))
         words = torch.randint(self.SEP + 2, self.vocab_size, (n - 2,), generator=g).tolist()  # past [MASK]
-        return {"input_ids": [self.CLS, *words, self.SEP], "token_type_ids": [0] * n, "attention_mask": [1] * n,
-                "labels": int(torch.randint(0, self.classes, (), generator=g))}
+        return {
+            "input_ids": [self.CLS, *words, self.SEP],
+            "token_type_ids": [0] * n,
+            "attention_mask": [1] * n,
+            "labels": int(torch.randint(0, self.classes, (), generator=g)),
+        }
 
 
-def _loader(dataset: Dataset, batch_size: int, workers: int,
-            collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+def _loader(dataset: Dataset, batch_size: int, workers: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """Shuffled, whole batches, ``workers`` persistent worker processes and pinned memory when any;
     ``collate_fn`` None: the DataLoader's default collation."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                      pin_memory=workers > 0, persistent_workers=workers > 0, collate_fn=collate_fn)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=workers > 0,
+        persistent_workers=workers > 0,
+        collate_fn=collate_fn,
+    )
 
 
 def token_loader(batch_size: int, seq_len: int, vocab_size: int, workers: int = 0, seed: int = 0) -> DataLoader:
@@ -182,8 +198,9 @@ def mlm_loader(batch_size: int, seq_len: int, vocab_size: int, mask_id: int, wor
     return _loader(_MaskedTokenSamples(batch_size * EPOCH_BATCHES, seq_len, vocab_size, mask_id, seed), batch_size, workers)
 
 
-def seq2seq_loader(batch_size: int, source_len: int, target_len: int, vocab_size: int, workers: int = 0,
-                   seed: int = 0) -> DataLoader:
+def seq2seq_loader(
+    batch_size: int, source_len: int, target_len: int, vocab_size: int, workers: int = 0, seed: int = 0
+) -> DataLoader:
     """Batches of ``{"input_ids", "attention_mask"}`` (B, S) and ``{"labels"}`` (B, L) for encoder-decoder training."""
     return _loader(_Seq2SeqSamples(batch_size * EPOCH_BATCHES, source_len, target_len, vocab_size, seed), batch_size, workers)
 
@@ -197,21 +214,32 @@ def padding_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     special = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(special, unk_token="[UNK]")), pad_token="[PAD]",
-                                   unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(special, unk_token="[UNK]")),
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
 
 
-def text_classification_loader(batch_size: int, min_len: int, max_len: int, vocab_size: int, classes: int,
-                               workers: int = 0, seed: int = 0) -> DataLoader:
+def text_classification_loader(
+    batch_size: int, min_len: int, max_len: int, vocab_size: int, classes: int, workers: int = 0, seed: int = 0
+) -> DataLoader:
     """Batches of tokenized texts of ``min_len..max_len`` tokens, padded to the batch's longest by
     transformers' ``DataCollatorWithPadding`` (as the library's text-classification example batches
     them): a ``BatchEncoding`` of ``input_ids``, ``token_type_ids``, ``attention_mask`` (B, longest)
     and ``labels`` (B,)."""
     from transformers import DataCollatorWithPadding
 
-    return _loader(_TextClassificationSamples(batch_size * EPOCH_BATCHES, min_len, max_len, vocab_size, classes, seed),
-                   batch_size, workers, DataCollatorWithPadding(padding_tokenizer()))
+    return _loader(
+        _TextClassificationSamples(batch_size * EPOCH_BATCHES, min_len, max_len, vocab_size, classes, seed),
+        batch_size,
+        workers,
+        DataCollatorWithPadding(padding_tokenizer()),
+    )
 
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -249,33 +277,56 @@ class HFGPT2(_HFCausalLM):
     """transformers' ``GPT2LMHeadModel``: GPT-2 small (124M) at ``size="full"``; 2 layers of width 64
     at ``"tiny"``. ``attn_implementation``: the library's switch (None: its default)."""
 
-    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
-                 lr: float = 3e-4) -> None:
+    def __init__(
+        self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None, lr: float = 3e-4
+    ) -> None:
         _check_size(size)
         super().__init__(vocab_size or (50257 if size == "full" else 512), lr)
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        dims = (dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024) if size == "full"
-                else dict(n_layer=2, n_embd=64, n_head=2, n_positions=64))
+        dims = (
+            dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
+            if size == "full"
+            else dict(n_layer=2, n_embd=64, n_head=2, n_positions=64)
+        )
         last = self.vocab_size - 1  # GPT-2's <|endoftext|>, inside a smaller vocabulary too
-        self.model = GPT2LMHeadModel(GPT2Config(**dims, vocab_size=self.vocab_size, bos_token_id=last, eos_token_id=last,
-                                                attn_implementation=attn_implementation))
+        self.model = GPT2LMHeadModel(
+            GPT2Config(
+                **dims, vocab_size=self.vocab_size, bos_token_id=last, eos_token_id=last, attn_implementation=attn_implementation
+            )
+        )
 
 
 class HFLlama(_HFCausalLM):
     """transformers' ``LlamaForCausalLM``: 400M parameters at ``size="full"`` (12 layers of width 1536,
     12 heads over 4 key-value heads, SwiGLU 4096, vocabulary 32000); 2 layers of width 64 at ``"tiny"``."""
 
-    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
-                 lr: float = 3e-4) -> None:
+    def __init__(
+        self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None, lr: float = 3e-4
+    ) -> None:
         _check_size(size)
         super().__init__(vocab_size or (32000 if size == "full" else 512), lr)
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        dims = (dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=12,
-                     num_key_value_heads=4, max_position_embeddings=2048) if size == "full"
-                else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=64))
+        dims = (
+            dict(
+                hidden_size=1536,
+                intermediate_size=4096,
+                num_hidden_layers=12,
+                num_attention_heads=12,
+                num_key_value_heads=4,
+                max_position_embeddings=2048,
+            )
+            if size == "full"
+            else dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )
+        )
         self.model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=self.vocab_size, attn_implementation=attn_implementation))
 
 
@@ -301,8 +352,12 @@ def _adamw_linear_warmup(module: pl.LightningModule, lr: float, weight_decay: fl
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
-         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0}], lr=lr)
+        [
+            {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+        ],
+        lr=lr,
+    )
     total = int(module.trainer.estimated_stepping_batches)
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=int(warmup * total), num_training_steps=total)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -310,10 +365,11 @@ def _adamw_linear_warmup(module: pl.LightningModule, lr: float, weight_decay: fl
 
 #: BERT's dimensions per size: BERT-base at "full", 2 layers of width 64 at "tiny"; and its vocabulary
 _BERT_DIMS: dict[Size, dict[str, int]] = {
-    "full": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                 max_position_embeddings=512),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                 max_position_embeddings=64)}
+    "full": dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512
+    ),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, max_position_embeddings=64),
+}
 _BERT_VOCAB: dict[Size, int] = {"full": 30522, "tiny": 512}
 
 
@@ -324,15 +380,17 @@ class HFBertMLM(_HFDictBatches):
     #: BERT's [MASK] token id
     MASK_ID = 103
 
-    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
-                 lr: float = 1e-4) -> None:
+    def __init__(
+        self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None, lr: float = 1e-4
+    ) -> None:
         super().__init__()
         from transformers import BertConfig, BertForMaskedLM
 
         _check_size(size)
         self.vocab_size, self.lr = vocab_size or _BERT_VOCAB[size], lr
-        self.model = BertForMaskedLM(BertConfig(**_BERT_DIMS[size], vocab_size=self.vocab_size,
-                                                attn_implementation=attn_implementation))
+        self.model = BertForMaskedLM(
+            BertConfig(**_BERT_DIMS[size], vocab_size=self.vocab_size, attn_implementation=attn_implementation)
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
@@ -345,16 +403,27 @@ class HFBertClassifier(_HFDictBatches):
     text-classification example trains it: AdamW at 2e-5 and a linear schedule with warmup, stepped
     every optimizer step."""
 
-    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
-                 num_labels: int = 2, lr: float = 2e-5, weight_decay: float = 0.01, warmup: float = 0.1) -> None:
+    def __init__(
+        self,
+        size: Size = "full",
+        vocab_size: int | None = None,
+        attn_implementation: str | None = None,
+        num_labels: int = 2,
+        lr: float = 2e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+    ) -> None:
         super().__init__()
         from transformers import BertConfig, BertForSequenceClassification
 
         _check_size(size)
         self.vocab_size, self.num_labels = vocab_size or _BERT_VOCAB[size], num_labels
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
-        self.model = BertForSequenceClassification(BertConfig(**_BERT_DIMS[size], vocab_size=self.vocab_size,
-                                                              num_labels=num_labels, attn_implementation=attn_implementation))
+        self.model = BertForSequenceClassification(
+            BertConfig(
+                **_BERT_DIMS[size], vocab_size=self.vocab_size, num_labels=num_labels, attn_implementation=attn_implementation
+            )
+        )
 
     def configure_optimizers(self) -> dict[str, Any]:
         return _adamw_linear_warmup(self, self.lr, self.weight_decay, self.warmup)
@@ -368,19 +437,36 @@ class HFT5(_HFDictBatches):
     translation examples train it: AdamW (their default learning rate, 5e-5) and a linear schedule with
     warmup, stepped every optimizer step."""
 
-    def __init__(self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None,
-                 lr: float = 5e-5, weight_decay: float = 0.01, warmup: float = 0.1) -> None:
+    def __init__(
+        self,
+        size: Size = "full",
+        vocab_size: int | None = None,
+        attn_implementation: str | None = None,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+    ) -> None:
         super().__init__()
         from transformers import T5Config, T5ForConditionalGeneration
 
         _check_size(size)
-        dims = (dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8) if size == "full"
-                else dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=2))
+        dims = (
+            dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8)
+            if size == "full"
+            else dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=2)
+        )
         self.vocab_size = vocab_size or (32128 if size == "full" else 512)
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
-        self.model = T5ForConditionalGeneration(T5Config(
-            **dims, vocab_size=self.vocab_size, pad_token_id=_Seq2SeqSamples.PAD, eos_token_id=_Seq2SeqSamples.EOS,
-            decoder_start_token_id=_Seq2SeqSamples.PAD, attn_implementation=attn_implementation))
+        self.model = T5ForConditionalGeneration(
+            T5Config(
+                **dims,
+                vocab_size=self.vocab_size,
+                pad_token_id=_Seq2SeqSamples.PAD,
+                eos_token_id=_Seq2SeqSamples.EOS,
+                decoder_start_token_id=_Seq2SeqSamples.PAD,
+                attn_implementation=attn_implementation,
+            )
+        )
 
     def configure_optimizers(self) -> dict[str, Any]:
         return _adamw_linear_warmup(self, self.lr, self.weight_decay, self.warmup)
@@ -436,8 +522,9 @@ class RNNModel(nn.Module):
         nn.init.zeros_(self.decoder.bias)
         nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
-    def forward(self, input: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, input: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         emb = self.drop(self.encoder(input))  # (B, T, ninp)
         output, hidden = self.rnn(emb, hidden)  # (B, T, nhid); hidden None: zeros
         decoded = self.decoder(self.drop(output)).view(-1, self.ntoken)  # (B*T, ntoken)
@@ -470,15 +557,15 @@ class LSTMLanguageModel(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
         self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.25, patience=0)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": plateau, "interval": "epoch", "monitor": "train_loss"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch", "monitor": "train_loss"}}
 
 
 # -- vision models ----------------------------------------------------------------------------------
@@ -566,8 +653,15 @@ class TimmMobileNetV3(_TimmClassifier):
     arch = "mobilenetv3_large_100"
     tiny = dict(depth_multiplier=0.3)
 
-    def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1, weight_decay: float = 1e-5,
-                 smoothing: float = 0.1, warmup: float = 5 / 300) -> None:
+    def __init__(
+        self,
+        size: Size = "full",
+        classes: int = 1000,
+        lr: float = 0.1,
+        weight_decay: float = 1e-5,
+        smoothing: float = 0.1,
+        warmup: float = 5 / 300,
+    ) -> None:
         super().__init__(size, classes, lr)
         from timm.loss import LabelSmoothingCrossEntropy
 
@@ -583,8 +677,9 @@ class TimmMobileNetV3(_TimmClassifier):
 
         optimizer = create_optimizer_v2(self.model, opt="sgd", lr=self.lr, weight_decay=self.weight_decay, momentum=0.9)
         total = int(self.trainer.estimated_stepping_batches)
-        scheduler = CosineLRScheduler(optimizer, t_initial=total, warmup_t=int(self.warmup * total), warmup_lr_init=1e-5,
-                                      t_in_epochs=False)
+        scheduler = CosineLRScheduler(
+            optimizer, t_initial=total, warmup_t=int(self.warmup * total), warmup_lr_init=1e-5, t_in_epochs=False
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
@@ -601,8 +696,11 @@ class TorchvisionResNet50(_ImageClassifier):
         from torchvision.models.resnet import Bottleneck, ResNet
 
         _check_size(size)
-        self.model = (torchvision.models.resnet50(weights=None, num_classes=classes) if size == "full"
-                      else ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes))
+        self.model = (
+            torchvision.models.resnet50(weights=None, num_classes=classes)
+            if size == "full"
+            else ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes)
+        )
         self.lr = lr
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -634,8 +732,9 @@ class ZooModel:
     make: Builder
     switches: Mapping[str, Any] = field(default_factory=dict)
 
-    def build(self, size: Size = "full", *, batch_size: int | None = None, seed: int = 0,
-              **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    def build(
+        self, size: Size = "full", *, batch_size: int | None = None, seed: int = 0, **options: Any
+    ) -> tuple[pl.LightningModule, DataLoader]:
         """The LightningModule (weights drawn after ``torch.manual_seed(seed)``) and its train loader."""
         _check_size(size)
         torch.manual_seed(seed)
@@ -698,24 +797,30 @@ def _mobilenet(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[
 
 _HF_SDPA = {"attn_implementation": "sdpa"}
 
-ZOO: dict[str, ZooModel] = {m.name: m for m in (
-    ZooModel("hf-gpt2", "transformers", "tokens", {"full": 16, "tiny": 4}, _causal_lm(HFGPT2), _HF_SDPA),
-    ZooModel("hf-llama", "transformers", "tokens", {"full": 8, "tiny": 4}, _causal_lm(HFLlama), _HF_SDPA),
-    ZooModel("hf-bert-mlm", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert, _HF_SDPA),
-    ZooModel("timm-vit", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmViT)),
-    ZooModel("timm-convnext", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmConvNeXt)),
-    ZooModel("tv-resnet50", "torchvision", "samples", {"full": 64, "tiny": 4}, _vision(TorchvisionResNet50)),
-    # the demo's own sequence length (WikiText2's block_size=35); its batch of one is no benchmark
-    ZooModel("lightning-transformer", "lightning", "tokens", {"full": 64, "tiny": 4},
-             _causal_lm(LightningDemoTransformer, {"full": 35, "tiny": 32})),
-    ZooModel("nanogpt", "speedkit", "tokens", {"full": 16, "tiny": 4}, _nanogpt),
-    # timm's per-GPU batch for these nets (its recipes: 512 over two GPUs)
-    ZooModel("timm-mobilenetv3", "timm", "samples", {"full": 256, "tiny": 4}, _mobilenet),
-    # T5 has the library's SDPA switch (T5PreTrainedModel._supports_sdpa: True in transformers 5.17 and 5.24)
-    ZooModel("hf-t5", "transformers", "tokens", {"full": 16, "tiny": 4}, _t5, _HF_SDPA),
-    ZooModel("hf-bert-cls", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert_classifier, _HF_SDPA),
-    # the example's bptt, 35 tokens, at both sizes
-    ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4},
-             _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
-)}
-
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel("hf-gpt2", "transformers", "tokens", {"full": 16, "tiny": 4}, _causal_lm(HFGPT2), _HF_SDPA),
+        ZooModel("hf-llama", "transformers", "tokens", {"full": 8, "tiny": 4}, _causal_lm(HFLlama), _HF_SDPA),
+        ZooModel("hf-bert-mlm", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert, _HF_SDPA),
+        ZooModel("timm-vit", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmViT)),
+        ZooModel("timm-convnext", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmConvNeXt)),
+        ZooModel("tv-resnet50", "torchvision", "samples", {"full": 64, "tiny": 4}, _vision(TorchvisionResNet50)),
+        # the demo's own sequence length (WikiText2's block_size=35); its batch of one is no benchmark
+        ZooModel(
+            "lightning-transformer",
+            "lightning",
+            "tokens",
+            {"full": 64, "tiny": 4},
+            _causal_lm(LightningDemoTransformer, {"full": 35, "tiny": 32}),
+        ),
+        ZooModel("nanogpt", "speedkit", "tokens", {"full": 16, "tiny": 4}, _nanogpt),
+        # timm's per-GPU batch for these nets (its recipes: 512 over two GPUs)
+        ZooModel("timm-mobilenetv3", "timm", "samples", {"full": 256, "tiny": 4}, _mobilenet),
+        # T5 has the library's SDPA switch (T5PreTrainedModel._supports_sdpa: True in transformers 5.17 and 5.24)
+        ZooModel("hf-t5", "transformers", "tokens", {"full": 16, "tiny": 4}, _t5, _HF_SDPA),
+        ZooModel("hf-bert-cls", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert_classifier, _HF_SDPA),
+        # the example's bptt, 35 tokens, at both sizes
+        ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4}, _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
+    )
+}

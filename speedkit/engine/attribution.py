@@ -33,9 +33,13 @@ MOVED_MS = 0.05
 MOVED_MAX = 3
 
 
-def attribute(order: Sequence[str], decisions: Mapping[str, tuple[Sequence[str], float | None]],
-              windows: Sequence[Mapping[str, Any]], measured: float | None,
-              labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+def attribute(
+    order: Sequence[str],
+    decisions: Mapping[str, tuple[Sequence[str], float | None]],
+    windows: Sequence[Mapping[str, Any]],
+    measured: float | None,
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """The attribution (module docstring). ``windows`` has ``len(order) + 1`` entries (baseline,
     then one per prefix of ``order``), each with ``step_ms``, ``breakdown_ms`` and
     ``peak_memory_bytes``; ``decisions[name]`` is (the names kept together, their paired speedup)."""
@@ -53,11 +57,16 @@ def attribute(order: Sequence[str], decisions: Mapping[str, tuple[Sequence[str],
         delta_ms = _delta(after.get("step_ms"), before.get("step_ms"))
         memory = _delta(after.get("peak_memory_bytes"), before.get("peak_memory_bytes"))
         moved = moved_categories(before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}, before.get("step_ms"))
-        entry = {"name": name, "group": list(group) if len(group) > 1 else None,
-                 "speedup": speedup if first_of_group else None,
-                 "window_ratio": _ratio(before.get("step_ms"), after.get("step_ms")),
-                 "ms_per_step": delta_ms, "share": None, "moved": moved,
-                 "peak_memory_delta_bytes": int(memory) if memory is not None else None}
+        entry = {
+            "name": name,
+            "group": list(group) if len(group) > 1 else None,
+            "speedup": speedup if first_of_group else None,
+            "window_ratio": _ratio(before.get("step_ms"), after.get("step_ms")),
+            "ms_per_step": delta_ms,
+            "share": None,
+            "moved": moved,
+            "peak_memory_delta_bytes": int(memory) if memory is not None else None,
+        }
         entry["line"] = rung_line(entry, labels)
         rungs.append(entry)
     decided = [r["speedup"] for r in rungs if r["speedup"]]
@@ -69,17 +78,23 @@ def attribute(order: Sequence[str], decisions: Mapping[str, tuple[Sequence[str],
     agrees = None
     if product and measured:
         agrees = abs(math.log(product / measured)) <= math.log1p(AGREEMENT)
-    return {"rungs": rungs, "product": product, "measured": measured, "agrees": agrees,
-            "interaction": None if agrees in (True, None) else interaction(rungs, product, measured),
-            "agreement": AGREEMENT}
+    return {
+        "rungs": rungs,
+        "product": product,
+        "measured": measured,
+        "agrees": agrees,
+        "interaction": None if agrees in (True, None) else interaction(rungs, product, measured),
+        "agreement": AGREEMENT,
+    }
 
 
 def moved_categories(before: Mapping[str, float], after: Mapping[str, float], step_ms: float | None) -> list[dict[str, Any]]:
     """The categories whose time per step changed most (at least :data:`MOVED_SHARE` of the step
     before and :data:`MOVED_MS`), largest change first, at most :data:`MOVED_MAX`."""
     floor = max(MOVED_MS, MOVED_SHARE * step_ms) if step_ms else MOVED_MS
-    changes = [(cat, float(before.get(cat, 0.0) or 0.0), float(after.get(cat, 0.0) or 0.0))
-               for cat in dict.fromkeys([*before, *after])]
+    changes = [
+        (cat, float(before.get(cat, 0.0) or 0.0), float(after.get(cat, 0.0) or 0.0)) for cat in dict.fromkeys([*before, *after])
+    ]
     big = [c for c in changes if abs(c[2] - c[1]) >= floor]
     big.sort(key=lambda c: -abs(c[2] - c[1]))
     return [{"category": cat, "before_ms": b, "after_ms": a} for cat, b, a in big[:MOVED_MAX]]
@@ -115,18 +130,28 @@ def interaction(rungs: Sequence[Mapping[str, Any]], product: float, measured: fl
             g["ratio"] *= r["window_ratio"]
         else:
             g["known"] = False
-    scored = [(abs(math.log(g["speedup"] / g["ratio"])), key, g) for key, g in groups.items()
-              if g["speedup"] and g["known"] and g["ratio"] > 0]
-    head = (f"the kept rungs' gains, each measured when it was kept, multiply to {product:.2f}x against "
-            f"{measured:.2f}x measured for the final configuration: they are not independent")
+    scored = [
+        (abs(math.log(g["speedup"] / g["ratio"])), key, g)
+        for key, g in groups.items()
+        if g["speedup"] and g["known"] and g["ratio"] > 0
+    ]
+    head = (
+        f"the kept rungs' gains, each measured when it was kept, multiply to {product:.2f}x against "
+        f"{measured:.2f}x measured for the final configuration: they are not independent"
+    )
     if not scored:
         return head
     _, key, g = max(scored, key=lambda t: t[0])
     name = " + ".join(key)
-    how = ("rungs kept after it cut part of the same time" if g["speedup"] > g["ratio"]
-           else "it pays more with the rungs kept after it")
-    return (f"{head}; most in {name}: {g['speedup']:.2f}x when it was kept, {g['ratio']:.2f}x in the final "
-            f"order's profile windows ({how})")
+    how = (
+        "rungs kept after it cut part of the same time"
+        if g["speedup"] > g["ratio"]
+        else "it pays more with the rungs kept after it"
+    )
+    return (
+        f"{head}; most in {name}: {g['speedup']:.2f}x when it was kept, {g['ratio']:.2f}x in the final "
+        f"order's profile windows ({how})"
+    )
 
 
 def _delta(after: Any, before: Any) -> float | None:

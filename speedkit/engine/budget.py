@@ -44,8 +44,10 @@ class TrialBudget:
             self.budget_s, rule = cfg.trials_budget_s, f"the cap ({cfg.trials_budget_s:.0f} s): the fit's length is not known"
         else:
             self.budget_s = min(cfg.trials_budget_s, max(cfg.trials_min_s, cfg.trials_share * planned_s))
-            rule = (f"{cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned} steps at the baseline's "
-                    f"{baseline.step_ms:.1f} ms), within [{cfg.trials_min_s:.0f}, {cfg.trials_budget_s:.0f}] s")
+            rule = (
+                f"{cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned} steps at the baseline's "
+                f"{baseline.step_ms:.1f} ms), within [{cfg.trials_min_s:.0f}, {cfg.trials_budget_s:.0f}] s"
+            )
         return {"budget_s": round(self.budget_s, 1), "rule": rule, "skipped": []}
 
     def remaining(self) -> float:
@@ -73,5 +75,8 @@ def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> 
     # frequency, which come in spells longer than a window: longer windows would cost without helping
     if spread > cfg.noise_target > 0 and clock_name != "perf_counter":
         factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
-    return {"baseline_spread": spread, "window_steps": cfg.steps * max(1, factor),
-            "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util)}
+    return {
+        "baseline_spread": spread,
+        "window_steps": cfg.steps * max(1, factor),
+        "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util),
+    }

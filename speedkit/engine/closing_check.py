@@ -26,7 +26,7 @@ def closing_check(ladder: Ladder, reference: list[float]) -> list[float]:
             j += 1
             continue
         entry = next(r for r in result.rungs if r.name == slot.rung.name)
-        names = ", ".join(s.rung.name for s in ladder.slots[j + 1:])
+        names = ", ".join(s.rung.name for s in ladder.slots[j + 1 :])
         ladder.on_event(f"closing check: {slot.rung.name} with {names} on top")
         t0 = ladder.host_clock()
         without = [i != j for i in range(len(ladder.slots))]
@@ -36,8 +36,11 @@ def closing_check(ladder: Ladder, reference: list[float]) -> list[float]:
             closing.precision = ladder.state.precision
             if not closing.parity.passed:  # the configuration without it must be the same function
                 raise RuntimeError("the configuration without it changes numerics")
-            paired = ladder.compare(lambda on: ladder.stack.configure([True] * len(ladder.slots) if on else without),
-                                  slot.rung.name, shared_batches=ladder.stack.shares_batches())
+            paired = ladder.compare(
+                lambda on: ladder.stack.configure([True] * len(ladder.slots) if on else without),
+                slot.rung.name,
+                shared_batches=ladder.stack.shares_batches(),
+            )
             status, why = ladder.decide(paired)
         except Exception as exc:  # put the configuration back and say why the check failed
             paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"

@@ -110,11 +110,21 @@ class Ladder:
     :meth:`revert` undoes them. ``result`` holds the report so far, also after an interruption.
     """
 
-    def __init__(self, state: TrainState, rungs: list[Rung], measure: MeasureConfig | dict[str, Any] | None = None, *,
-                 recipe: str | None = None, on_event: Callable[[str], None] | None = None, clock: StepClock | None = None,
-                 host_clock: Callable[[], float] = time.perf_counter, run_info: dict[str, Any] | None = None,
-                 planned_steps: int | None = None, trace_dir: Path | str | None = None,
-                 on_progress: Callable[[int, int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        state: TrainState,
+        rungs: list[Rung],
+        measure: MeasureConfig | dict[str, Any] | None = None,
+        *,
+        recipe: str | None = None,
+        on_event: Callable[[str], None] | None = None,
+        clock: StepClock | None = None,
+        host_clock: Callable[[], float] = time.perf_counter,
+        run_info: dict[str, Any] | None = None,
+        planned_steps: int | None = None,
+        trace_dir: Path | str | None = None,
+        on_progress: Callable[[int, int, str], None] | None = None,
+    ) -> None:
         self.state = state
         #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)
         self.on_progress = on_progress or (lambda done, total, label: None)
@@ -147,7 +157,7 @@ class Ladder:
         self.phase = "the setup"  # what the ladder is doing, for an interruption's report
         #: optimizer steps the fit plans (None: not known): the trials' time budget is a share of them
         self.planned_steps = planned_steps
-        self._left = 0                      # rungs not yet tried in the climb
+        self._left = 0  # rungs not yet tried in the climb
         #: each rung's latest comparison alone (its climb's, or a second look's)
         self.last_comparison: dict[str, PairedResult] = {}
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
@@ -175,9 +185,16 @@ class Ladder:
 
         state, cfg = self.state, self.cfg
         self.result = LadderResult(
-            schema_version=SCHEMA_VERSION, recipe=self.recipe, environment=collect_environment(state.device),
-            device=str(state.device), flops={}, measure=asdict(cfg), rungs=[], run=self.run_info,
-            parity_calibration=self.parity.calibration)  # filled as tolerances are calibrated
+            schema_version=SCHEMA_VERSION,
+            recipe=self.recipe,
+            environment=collect_environment(state.device),
+            device=str(state.device),
+            flops={},
+            measure=asdict(cfg),
+            rungs=[],
+            run=self.run_info,
+            parity_calibration=self.parity.calibration,
+        )  # filled as tolerances are calibrated
         state.model.train()
         self.budget.start()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
@@ -269,24 +286,45 @@ class Ladder:
         snapshot.restore()
         peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
         items, unit = count_items(self.parity.batches[0], cfg.throughput_unit)
-        result.flops = {"per_step": flops * accumulate if flops else flops,
-                        "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
-                        "peak_tflops": peak, "peak_source": peak_source, "precision": cfg.mfu_precision}
-        self.session = MeasureSession(state.device, clock=self.clock, host_clock=self.host_clock,
-                                      flops_per_step=result.flops["per_step"], peak_tflops=peak,
-                                      items_per_step=items * accumulate, unit=unit, telemetry=cfg.telemetry)
+        result.flops = {
+            "per_step": flops * accumulate if flops else flops,
+            "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
+            "peak_tflops": peak,
+            "peak_source": peak_source,
+            "precision": cfg.mfu_precision,
+        }
+        self.session = MeasureSession(
+            state.device,
+            clock=self.clock,
+            host_clock=self.host_clock,
+            flops_per_step=result.flops["per_step"],
+            peak_tflops=peak,
+            items_per_step=items * accumulate,
+            unit=unit,
+            telemetry=cfg.telemetry,
+        )
         # what the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's pool)
         self.session.memory_outside_peak = lambda: int(state.step.memory_outside_peak())
-        self.timing = Timing(state, cfg, self.session, self.stack, snapshot, host_clock=self.host_clock,
-                             on_event=self.on_event, shapes_vary=shapes_vary)
+        self.timing = Timing(
+            state,
+            cfg,
+            self.session,
+            self.stack,
+            snapshot,
+            host_clock=self.host_clock,
+            on_event=self.on_event,
+            shapes_vary=shapes_vary,
+        )
 
         self.on_event("baseline: parity reference")
         t0 = self.host_clock()
         reference = self.parity.reference = self.parity.trajectory()
         broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
         if broken is not None:
-            raise TrialsNotRun(f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
-                               "rung: no rung's numerics can be checked against it; fix the model's loss first")
+            raise TrialsNotRun(
+                f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
+                "rung: no rung's numerics can be checked against it; fix the model's loss first"
+            )
         in_play = {"fp32", state.precision, *(r.precision for r in self.rungs if r.precision)}
         self.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
         for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
@@ -296,13 +334,23 @@ class Ladder:
         noise = result.run["noise"] = window_steps(base_m, cfg, self.clock.name)
         self.timing.window_steps = noise["window_steps"]
         if noise["window_steps"] > cfg.steps:
-            self.on_event(f"baseline: windows vary by {noise['baseline_spread']:.1%} ({noise['source']}): comparisons time "
-                          f"windows of {noise['window_steps']} steps")
+            self.on_event(
+                f"baseline: windows vary by {noise['baseline_spread']:.1%} ({noise['source']}): comparisons time "
+                f"windows of {noise['window_steps']} steps"
+            )
         result.run["budget"] = self.budget.plan(base_m, self.planned_steps)
-        result.rungs.append(RungResult(
-            "baseline", "baseline", precision=state.precision, measurement=base_m,
-            parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
-            gain_vs_previous=1.0, gain_vs_baseline=1.0, seconds=self.host_clock() - t0))
+        result.rungs.append(
+            RungResult(
+                "baseline",
+                "baseline",
+                precision=state.precision,
+                measurement=base_m,
+                parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
+                gain_vs_previous=1.0,
+                gain_vs_baseline=1.0,
+                seconds=self.host_clock() - t0,
+            )
+        )
         return reference, base_m
 
     def _close(self, reference: list[float]) -> None:
@@ -323,8 +371,10 @@ class Ladder:
             try:
                 self._final_check()
             except Exception as exc:  # the rungs were judged already; only the headline figure is missing
-                self.on_event(f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
-                              "the speedup is the product of the kept rungs' paired speedups")
+                self.on_event(
+                    f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
+                    "the speedup is the product of the kept rungs' paired speedups"
+                )
         if floor is not None and floor.comparison is not None and result.final_check is not None:
             floor.gain_vs_baseline = result.final_check.speedup * floor.comparison.speedup
         if cfg.profile:
@@ -361,8 +411,11 @@ class Ladder:
             order = [r for r in self.rungs if not r.host_side] + later
             if order != list(self.rungs):
                 util = (baseline.telemetry or {}).get("util_mean")
-                pace = (f"GPU busy {util:.0f}% of the time" if host >= self.cfg.host_bound_share * step and util is not None
-                        else f"host {host:.1f} of {step:.1f} ms per step")
+                pace = (
+                    f"GPU busy {util:.0f}% of the time"
+                    if host >= self.cfg.host_bound_share * step and util is not None
+                    else f"host {host:.1f} of {step:.1f} ms per step"
+                )
                 moved = ", ".join(r.name for r in later)
                 self.result.run["trial_order"] = f"device-bound baseline ({pace}): {moved} tried last"
                 self.on_event(f"device-bound baseline ({pace}): trying {moved} last, on the step the others made fast")
@@ -374,10 +427,13 @@ class Ladder:
         if not first:
             return list(self.rungs)
         order = first + [r for r in self.rungs if not r.cuts_host_work]
-        self.result.run["trial_order"] = (f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): "
-                                          f"{', '.join(r.name for r in first)} tried first")
-        self.on_event(f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
-                      f"{', '.join(r.name for r in first)} first, the others beneath them")
+        self.result.run["trial_order"] = (
+            f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): {', '.join(r.name for r in first)} tried first"
+        )
+        self.on_event(
+            f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
+            f"{', '.join(r.name for r in first)} first, the others beneath them"
+        )
         return order
 
     # -- one rung --------------------------------------------------------------------------
@@ -422,12 +478,16 @@ class Ladder:
                 raise RungProblem(slot.handle.problem())
             if not entry.parity.passed:
                 entry.status = "reverted"
-                entry.reason = (f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
-                                f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}")
+                entry.reason = (
+                    f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
+                    f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}"
+                )
             elif inert:
                 entry.status = "reverted"
-                entry.reason = ("no effect here: the loss trajectory is bit-identical with it, so no op ran at its "
-                                "precision and it cannot change the step's speed; not timed")
+                entry.reason = (
+                    "no effect here: the loss trajectory is bit-identical with it, so no op ran at its "
+                    "precision and it cannot change the step's speed; not timed"
+                )
             else:
                 shared = not rung.new_shape_cost and (not above or self.stack.shares_batches())
                 paired = self.compare(toggle, rung.name, shared_batches=shared)
@@ -465,8 +525,15 @@ class Ladder:
         entry.seconds = self.host_clock() - t0
         return entry, losses if entry.status == "kept" else reference
 
-    def _judge_parity(self, entry: RungResult, slot: Slot, place: int, reference: list[float],
-                      toggle: Callable[[bool], None], precision_before: str) -> list[float]:
+    def _judge_parity(
+        self,
+        entry: RungResult,
+        slot: Slot,
+        place: int,
+        reference: list[float],
+        toggle: Callable[[bool], None],
+        precision_before: str,
+    ) -> list[float]:
         """The candidate ``slot`` at ``place`` judged on its loss trajectory against ``reference`` (with
         dropout off where it draws its masks from another stream; also with the precision rungs off
         for a rewrite of the model's code): sets ``entry.parity`` and its notes; returns the trajectory."""
@@ -485,13 +552,17 @@ class Ladder:
                 finally:
                     toggle(True)
             entry.parity = self.parity.judge(candidate, before)
-            entry.changes.append("note: parity judged with dropout off (the change draws dropout masks from "
-                                 "another random stream, so trajectories with dropout on differ by design)")
+            entry.changes.append(
+                "note: parity judged with dropout off (the change draws dropout masks from "
+                "another random stream, so trajectories with dropout on differ by design)"
+            )
         if entry.parity.passed and rung.judged_at_full_precision:
             precise = self.parity.at_full_precision(place)
             if precise is not None:
-                entry.changes.append(f"note: also judged with the precision rungs off ({precise.precision}): "
-                                     f"max rel diff {precise.max_rel_diff:.2e} against {precise.tolerance:.0e}")
+                entry.changes.append(
+                    f"note: also judged with the precision rungs off ({precise.precision}): "
+                    f"max rel diff {precise.max_rel_diff:.2e} against {precise.tolerance:.0e}"
+                )
                 if not precise.passed:
                     entry.parity = precise
         bit_identical = entry.parity.max_rel_diff == 0.0
@@ -523,8 +594,9 @@ class Ladder:
         if paired.verdict == "faster":
             return "kept", describe(paired)
         if not memory_comparable:  # its peak memory is not what the allocator's peak shows
-            return "reverted", (f"not shown to pay within the budget: {describe(paired)}" if paired.verdict == "undecided"
-                                else describe(paired))
+            return "reverted", (
+                f"not shown to pay within the budget: {describe(paired)}" if paired.verdict == "undecided" else describe(paired)
+            )
         a_mem = paired.a.peak_memory_bytes if paired.a else None
         b_mem = paired.b.peak_memory_bytes if paired.b else None
         if a_mem and b_mem is not None and b_mem < a_mem * (1 - cfg.memory_gain) and not_slower(paired, cfg.min_gain):
@@ -533,8 +605,9 @@ class Ladder:
             return "reverted", f"not shown to pay within the budget: {describe(paired)}"
         return "reverted", describe(paired)
 
-    def compare(self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True,
-                whole_budget: bool = False) -> PairedResult:
+    def compare(
+        self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True, whole_budget: bool = False
+    ) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) (:meth:`Timing.compare`; leaves A
         on) within the comparison's budget: its share of what the trials' budget has left
         (:meth:`TrialBudget.for_comparison`), ``budget_s`` for the switches' and the final check's own
@@ -559,8 +632,9 @@ class Ladder:
         n = len(self.slots)
         self.on_event(f"final check: {', '.join(s.rung.name for s in self.slots)} against the baseline")
         try:
-            self.result.final_check = self.compare(lambda on: self.stack.configure([on] * n), "final",
-                                                    shared_batches=self.stack.shares_batches())
+            self.result.final_check = self.compare(
+                lambda on: self.stack.configure([on] * n), "final", shared_batches=self.stack.shares_batches()
+            )
         finally:
             self.stack.configure([True] * n)
             self.snapshot.restore()

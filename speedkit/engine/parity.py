@@ -55,8 +55,16 @@ class ParityCheck:
         moves = [rel_diff(a, b) for a, b in zip(losses, reference)]
         worst = max(moves, default=0.0)
         passed = all(m <= t for m, t in zip(moves, per_step))
-        return Parity(len(losses), max(per_step, default=0.0), state.precision, reference, losses, worst, passed,
-                      envelope=per_step[:len(losses)])
+        return Parity(
+            len(losses),
+            max(per_step, default=0.0),
+            state.precision,
+            reference,
+            losses,
+            worst,
+            passed,
+            envelope=per_step[: len(losses)],
+        )
 
     def tolerance(self, precision: str) -> list[float]:
         """The parity tolerance of ``precision`` on this model, per parity step: ``safety`` times how
@@ -85,9 +93,16 @@ class ParityCheck:
             envelope = list(itertools.accumulate(envelope, max))
             sensitivity = max(envelope, default=0.0)
             self.calibration[precision] = {
-                "epsilon": epsilon, "sensitivity": sensitivity, "safety": safety, "floor": floor, "seeds": seeds,
-                "envelope": envelope, "tolerance": max(floor, safety * sensitivity),
-                "per_step": [max(floor, safety * e) for e in envelope], "kernels": kernels}
+                "epsilon": epsilon,
+                "sensitivity": sensitivity,
+                "safety": safety,
+                "floor": floor,
+                "seeds": seeds,
+                "envelope": envelope,
+                "tolerance": max(floor, safety * sensitivity),
+                "per_step": [max(floor, safety * e) for e in envelope],
+                "kernels": kernels,
+            }
         return list(self.calibration[precision]["per_step"])
 
     def trajectory(self, noise: RoundingNoise | None = None) -> list[float]:
@@ -101,7 +116,7 @@ class ParityCheck:
         losses = []
         with noise if noise is not None else contextlib.nullcontext():
             for i in range(self.steps):
-                micro = [data.to_device(b) for b in self.batches[i * n:(i + 1) * n]]
+                micro = [data.to_device(b) for b in self.batches[i * n : (i + 1) * n]]
                 losses.append(state.step(micro, i))
         return [float(x) for x in torch.stack(losses).float().cpu()]
 
@@ -132,7 +147,8 @@ class ParityCheck:
         in fp32 with dropout on, by rounding with it off). ``on``: the slots on (default: all)."""
         on = on if on is not None else [True] * len(self.stack.slots)
         drawing = self.stack.slots[place].handle.draws_differently or any(
-            on[i] and self.stack.slots[i].handle.draws_differently for i in range(place + 1, len(self.stack.slots)))
+            on[i] and self.stack.slots[i].handle.draws_differently for i in range(place + 1, len(self.stack.slots))
+        )
         return bool(drawing and active_dropouts(self.state.model))
 
     def at_full_precision(self, place: int) -> Parity | None:
@@ -168,8 +184,7 @@ class RoundingNoise:
     (channels_last, compile) moves the loss by their rounding, not by fp32's. ``kernels`` names them.
     """
 
-    def __init__(self, model: torch.nn.Module, relative: float, seed: int = 0,
-                 epsilons: dict[str, float] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, relative: float, seed: int = 0, epsilons: dict[str, float] | None = None) -> None:
         self.model, self.relative, self.seed = model, relative, seed
         self.epsilons = {k: float(v) for k, v in (epsilons or {}).items()}
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -223,7 +238,8 @@ class RoundingNoise:
 
     def _output_hook(self, module: torch.nn.Module, args: Any, output: Any, *, relative: float) -> Any:
         return compat.tree_map(
-            lambda t: self._noisy(t, relative) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+            lambda t: self._noisy(t, relative) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
+        )
 
     def __exit__(self, *exc: Any) -> None:
         for hook in self._hooks:

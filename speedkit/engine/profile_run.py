@@ -28,10 +28,17 @@ def profile_configurations(ladder: Ladder) -> None:
     result, state, n = ladder.result, ladder.state, len(ladder.slots)
     assert result is not None
     names = [s.rung.name for s in ladder.slots]
-    profile: dict[str, Any] = {"steps": ladder.cfg.profile_steps, "categories": list(CATEGORIES),
-                               "labels": dict(CATEGORY_LABELS), "windows": [], "host_syncs": {}, "note": None,
-                               "host_syncs_note": None if state.device.type == "cuda" else
-                               "found on CUDA only (its sync debug mode): a CPU step has no device to wait for"}
+    profile: dict[str, Any] = {
+        "steps": ladder.cfg.profile_steps,
+        "categories": list(CATEGORIES),
+        "labels": dict(CATEGORY_LABELS),
+        "windows": [],
+        "host_syncs": {},
+        "note": None,
+        "host_syncs_note": None
+        if state.device.type == "cuda"
+        else "found on CUDA only (its sync debug mode): a CPU step has no device to wait for",
+    }
     result.profile = profile
     sampler = NvmlSampler.create(state.device) if ladder.cfg.telemetry else None
     marks: list[tuple[float, str]] = []
@@ -49,8 +56,9 @@ def profile_configurations(ladder: Ladder) -> None:
             edge = k in (0, n)
             trace = ladder.trace_dir / f"{label}.json.gz" if edge and ladder.trace_dir is not None else None
             marks.append((time.monotonic() - started, label))
-            window = profile_window(run_one, steps=ladder.cfg.profile_steps, label=label, device=state.device,
-                                    trace_path=trace).to_dict()
+            window = profile_window(
+                run_one, steps=ladder.cfg.profile_steps, label=label, device=state.device, trace_path=trace
+            ).to_dict()
             window["rungs"] = names[:k]
             if trace is not None and window.get("trace"):
                 window["trace"] = f"{ladder.trace_dir.name}/{trace.name}"  # beside the report
@@ -62,8 +70,9 @@ def profile_configurations(ladder: Ladder) -> None:
     except ProfileUnavailable as exc:
         profile["note"] = f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {first_line(exc)}"
     except Exception as exc:  # the decisions stand; only the picture of where the time goes is missing
-        profile["note"] = (f"profile stopped at {len(profile['windows'])} of {n + 1} windows: "
-                           f"{type(exc).__name__}: {first_line(exc)}")
+        profile["note"] = (
+            f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {type(exc).__name__}: {first_line(exc)}"
+        )
     finally:
         if sampler is not None:
             sampler.stop()

@@ -52,6 +52,7 @@ def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
             break
     return reference
 
+
 def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
     """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
     on numerics under another precision than the final configuration's (channels_last against an
@@ -69,8 +70,13 @@ def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
     if entry.comparison is not None:
         return True
     parity = entry.parity  # a rewrite is judged at full precision anyway: its function differs
-    return (parity is not None and not parity.passed and parity.precision != ladder.state.precision
-            and not rung.judged_at_full_precision)
+    return (
+        parity is not None
+        and not parity.passed
+        and parity.precision != ladder.state.precision
+        and not rung.judged_at_full_precision
+    )
+
 
 def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
     """Each rung reverted on speed with the partners it names that were reverted too; then, while
@@ -100,13 +106,14 @@ def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
         groups.append(leaning)
     return groups
 
+
 def leans_faster(ladder: Ladder, rung: Rung) -> bool:
     """Undecided in its last comparison, with a point estimate above 1."""
     paired = ladder.last_comparison.get(rung.name)
     return paired is not None and paired.verdict == "undecided" and paired.speedup > 1.0
 
-def look_again(ladder: Ladder, group: list[Rung], reference: list[float],
-                whole_budget: bool = False) -> tuple[bool, list[float]]:
+
+def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_budget: bool = False) -> tuple[bool, list[float]]:
     """Apply ``group`` at its places in the final configuration and judge it against that
     configuration without it (``whole_budget``: see :meth:`Ladder.compare`); keep it if it pays. Returns
     whether it was kept, and the reference trajectory from then on."""
@@ -116,8 +123,13 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float],
     entries = [ladder.entry(r.name) for r in group]
     first = min(order[r.name] for r in group)
     above = [s.rung.name for s in ladder.slots if order[s.rung.name] > first]
-    where = f"beneath {', '.join(above)}" if above else \
-        f"on top of {', '.join(s.rung.name for s in ladder.slots)}" if ladder.slots else "on the baseline"
+    where = (
+        f"beneath {', '.join(above)}"
+        if above
+        else f"on top of {', '.join(s.rung.name for s in ladder.slots)}"
+        if ladder.slots
+        else "on the baseline"
+    )
     label = " + ".join(r.name for r in group)
     ladder.on_event(f"second look: {label} {where}")
     t0, inserted = ladder.host_clock(), []
@@ -141,11 +153,17 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float],
             if ladder.slots[i].rung.judged_at_full_precision:
                 precise = ladder.parity.at_full_precision(i)
                 if precise is not None and not precise.passed:
-                    raise RuntimeError(f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
-                                       f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off")
+                    raise RuntimeError(
+                        f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
+                        f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off"
+                    )
         without = [i not in inserted for i in range(n)]
-        paired = ladder.compare(lambda on: ladder.stack.configure([True] * n if on else without), label,
-                               shared_batches=ladder.stack.shares_batches(), whole_budget=whole_budget)
+        paired = ladder.compare(
+            lambda on: ladder.stack.configure([True] * n if on else without),
+            label,
+            shared_batches=ladder.stack.shares_batches(),
+            whole_budget=whole_budget,
+        )
         status, why = ladder.decide(paired, all(r.memory_comparable for r in group))
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired
@@ -164,13 +182,25 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float],
             entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
             entry.rewrite = slot.rewrite_report()
             partners = [r.name for r in group if r is not rung]
-            entry.reason = (f"kept on a second look {where}" + (f", with {', '.join(partners)}" if partners else "")
-                            + f": {why}; before them: {entry.reason}")
-        result.rungs.append(RungResult(
-            f"second look: {label} {where}", "closing", precision=ladder.state.precision,
-            changes=[f"applied {label} {where}"], parity=parity, comparison=paired, measurement=paired.b,
-            gain_vs_previous=paired.speedup, reason=f"final configuration with {label}",
-            seconds=ladder.host_clock() - t0))
+            entry.reason = (
+                f"kept on a second look {where}"
+                + (f", with {', '.join(partners)}" if partners else "")
+                + f": {why}; before them: {entry.reason}"
+            )
+        result.rungs.append(
+            RungResult(
+                f"second look: {label} {where}",
+                "closing",
+                precision=ladder.state.precision,
+                changes=[f"applied {label} {where}"],
+                parity=parity,
+                comparison=paired,
+                measurement=paired.b,
+                gain_vs_previous=paired.speedup,
+                reason=f"final configuration with {label}",
+                seconds=ladder.host_clock() - t0,
+            )
+        )
         kept = True
     else:
         for i in sorted(inserted, reverse=True):

@@ -122,7 +122,7 @@ class Stack:
         self.configure([i != j for i in range(len(self.slots))])
         self.slots.pop(j).undo()
         for above in self.slots[j:]:  # what they were applied on no longer has slot j
-            above.below = above.below[:j] + above.below[j + 1:]
+            above.below = above.below[:j] + above.below[j + 1 :]
 
     def drop(self, added: list[Slot]) -> None:
         """Undo candidate slots appended above the kept ones (they were applied with those off)."""

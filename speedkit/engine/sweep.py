@@ -45,23 +45,23 @@ MAX_SIZE = 4096
 class SweepTrial:
     """One size measured."""
 
-    size: int                      # samples per micro-batch
-    accumulate: int                # micro-batches per optimizer step
-    throughput: float | None       # items per second (None: it did not run)
-    unit: str                      # "tokens/s" or "samples/s"
+    size: int  # samples per micro-batch
+    accumulate: int  # micro-batches per optimizer step
+    throughput: float | None  # items per second (None: it did not run)
+    unit: str  # "tokens/s" or "samples/s"
     peak_memory_bytes: int | None  # the device's peak in the timed steps (None on a CPU)
-    fits: bool                     # ran, with the memory margin left free
-    reason: str = ""               # why it does not fit ("out of memory: ...", "leaves 4% free, under the 10% margin")
-    seconds: float = 0.0           # wall time of the trial
-    optimizer: str = ""            # the optimizer's class, as the trial's fit built it (for the learning-rate rule)
-    input: str = ""                # what the trial was fed (the loader's batches, or the worst-case input)
+    fits: bool  # ran, with the memory margin left free
+    reason: str = ""  # why it does not fit ("out of memory: ...", "leaves 4% free, under the 10% margin")
+    seconds: float = 0.0  # wall time of the trial
+    optimizer: str = ""  # the optimizer's class, as the trial's fit built it (for the learning-rate rule)
+    input: str = ""  # what the trial was fed (the loader's batches, or the worst-case input)
 
 
 @dataclass
 class SweepResult:
-    start: int                     # the user's micro-batch
-    effective: int | None          # the effective batch kept (None: the effective batch changes with the size)
-    chosen: int                    # the fastest size that fit
+    start: int  # the user's micro-batch
+    effective: int | None  # the effective batch kept (None: the effective batch changes with the size)
+    chosen: int  # the fastest size that fit
     trials: list[SweepTrial] = field(default_factory=list)
     memory_bytes: int | None = None
     margin: float = MARGIN
@@ -81,9 +81,12 @@ class SweepResult:
     def series(self) -> dict[str, list[Any]]:
         """Plot-ready columns, sorted by size."""
         rows = sorted(self.trials, key=lambda t: t.size)
-        return {"size": [t.size for t in rows], "throughput": [t.throughput for t in rows],
-                "peak_memory_gb": [t.peak_memory_bytes / 1e9 if t.peak_memory_bytes is not None else None for t in rows],
-                "fits": [t.fits for t in rows]}
+        return {
+            "size": [t.size for t in rows],
+            "throughput": [t.throughput for t in rows],
+            "peak_memory_gb": [t.peak_memory_bytes / 1e9 if t.peak_memory_bytes is not None else None for t in rows],
+            "fits": [t.fits for t in rows],
+        }
 
     def table(self) -> list[str]:
         """The trials as Markdown table lines, in the order they ran."""
@@ -106,10 +109,18 @@ class SweepResult:
         return lr_scaling(optimizer, self.chosen / (self.start * accumulate))
 
     def to_dict(self, accumulate: int = 1) -> dict[str, Any]:
-        return {"start": self.start, "effective": self.effective, "chosen": self.chosen, "gain": self.gain,
-                "memory_bytes": self.memory_bytes, "margin": self.margin, "rule": self.rule,
-                "lr_scaling": self.lr_scaling(accumulate), "trials": [asdict(t) for t in self.trials],
-                "series": self.series()}
+        return {
+            "start": self.start,
+            "effective": self.effective,
+            "chosen": self.chosen,
+            "gain": self.gain,
+            "memory_bytes": self.memory_bytes,
+            "margin": self.margin,
+            "rule": self.rule,
+            "lr_scaling": self.lr_scaling(accumulate),
+            "trials": [asdict(t) for t in self.trials],
+            "series": self.series(),
+        }
 
 
 #: optimizers whose step is normalised per coordinate (Adam's family): the square-root rule
@@ -125,11 +136,23 @@ def lr_scaling(optimizer: str, ratio: float) -> dict[str, Any]:
     linear = optimizer.startswith("SGD")
     adaptive = optimizer.startswith(ADAPTIVE)
     factor = ratio if linear else math.sqrt(ratio)
-    rule = "linear (SGD: Goyal et al. 2017)" if linear else "square root (Adam family: Malladi et al. 2022)" if adaptive \
+    rule = (
+        "linear (SGD: Goyal et al. 2017)"
+        if linear
+        else "square root (Adam family: Malladi et al. 2022)"
+        if adaptive
         else "square root (optimizer not known to the rule table; the more cautious of the two)"
-    return {"optimizer": optimizer or "unknown", "effective_batch_ratio": ratio, "rule": rule, "factor": factor,
-            "line": (f"effective batch x{ratio:g}: scale the learning rate by x{factor:.3g} ({rule}) and keep a warm-up; "
-                     "the sweep applies it to no recipe")}
+    )
+    return {
+        "optimizer": optimizer or "unknown",
+        "effective_batch_ratio": ratio,
+        "rule": rule,
+        "factor": factor,
+        "line": (
+            f"effective batch x{ratio:g}: scale the learning rate by x{factor:.3g} ({rule}) and keep a warm-up; "
+            "the sweep applies it to no recipe"
+        ),
+    }
 
 
 def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_SIZE) -> list[int]:
@@ -149,10 +172,19 @@ def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_
     return sorted(s for s in sizes if 1 <= s <= max_size)
 
 
-def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | None = None, max_size: int = MAX_SIZE,
-          memory_bytes: int | None = None, margin: float = MARGIN, min_gain: float = MIN_GAIN,
-          max_trials: int = MAX_TRIALS, on_event: Callable[[str], None] = lambda line: None,
-          on_progress: Callable[[int, int, str], None] = lambda done, total, label: None) -> SweepResult:
+def sweep(
+    measure: Callable[[int], SweepTrial],
+    start: int,
+    *,
+    effective: int | None = None,
+    max_size: int = MAX_SIZE,
+    memory_bytes: int | None = None,
+    margin: float = MARGIN,
+    min_gain: float = MIN_GAIN,
+    max_trials: int = MAX_TRIALS,
+    on_event: Callable[[str], None] = lambda line: None,
+    on_progress: Callable[[int, int, str], None] = lambda done, total, label: None,
+) -> SweepResult:
     """Find the micro-batch of highest throughput (module docstring). ``measure(size)`` runs a trial;
     its ``fits`` is re-judged here against ``margin`` of ``memory_bytes`` where both are known.
     ``on_progress(done, total, label)``: sizes measured of at most ``max_trials`` (a progress bar)."""
@@ -163,12 +195,23 @@ def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | 
     if not 0 <= margin < 1:
         raise ConfigError("margin", f"expected a share of device memory in [0, 1), found {margin!r}")
     grid = candidates(start, effective=effective, max_size=max_size)
-    result = SweepResult(start, effective, start, memory_bytes=memory_bytes, margin=margin,
-                         rule=(f"grow x4 (x2 once a step gains under 50%) from {start} while it fits with {margin:.0%} of device memory free and "
-                               f"throughput rises by {min_gain:.0%}; refine between the best and its neighbours; "
-                               f"at most {max_trials} trials; "
-                               + (f"the effective batch {effective} kept (micro-batch x accumulation)" if effective
-                                  else "the effective batch changes with the micro-batch")))
+    result = SweepResult(
+        start,
+        effective,
+        start,
+        memory_bytes=memory_bytes,
+        margin=margin,
+        rule=(
+            f"grow x4 (x2 once a step gains under 50%) from {start} while it fits with {margin:.0%} of device memory free and "
+            f"throughput rises by {min_gain:.0%}; refine between the best and its neighbours; "
+            f"at most {max_trials} trials; "
+            + (
+                f"the effective batch {effective} kept (micro-batch x accumulation)"
+                if effective
+                else "the effective batch changes with the micro-batch"
+            )
+        ),
+    )
 
     def run(size: int) -> SweepTrial:
         on_progress(len(result.trials), max_trials, f"micro-batch {size}")
@@ -176,12 +219,19 @@ def sweep(measure: Callable[[int], SweepTrial], start: int, *, effective: int | 
         if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
             free = 1 - trial.peak_memory_bytes / memory_bytes
             if free < margin:
-                trial = SweepTrial(**{**asdict(trial), "fits": False,
-                                      "reason": f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin"})
+                trial = SweepTrial(
+                    **{
+                        **asdict(trial),
+                        "fits": False,
+                        "reason": f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin",
+                    }
+                )
         result.trials.append(trial)
         on_progress(len(result.trials), max_trials, f"micro-batch {size} measured")
-        on_event(f"sweep: micro-batch {size}: " + (f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput
-                                                     else f"does not fit ({trial.reason})"))
+        on_event(
+            f"sweep: micro-batch {size}: "
+            + (f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput else f"does not fit ({trial.reason})")
+        )
         return trial
 
     def rate(size: int) -> float:

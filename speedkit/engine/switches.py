@@ -55,7 +55,7 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
         ladder.stack.configure([True] * n)
         if switches:
             row.gain_vs_previous = 1.0
-        row.reason += ("; none applies" if not switches else "; the same as the final configuration")
+        row.reason += "; none applies" if not switches else "; the same as the final configuration"
         row.seconds = ladder.host_clock() - t0
         return row, reference
     ladder.on_event(f"switches: {label} against the final configuration")
@@ -76,13 +76,18 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
         row.parity, row.precision = parity, ladder.state.precision
         problems = [s.handle.problem() for s in ladder.slots if s.on and s.handle.problem()]
         if not parity.passed:
-            raise RungProblem(f"numerics changed: loss differs from the baseline's by {parity.max_rel_diff:.2e} > "
-                               f"{parity.tolerance:.0e} ({ladder.state.precision})")
+            raise RungProblem(
+                f"numerics changed: loss differs from the baseline's by {parity.max_rel_diff:.2e} > "
+                f"{parity.tolerance:.0e} ({ladder.state.precision})"
+            )
         if problems:
             raise RungProblem(problems[0])
         ladder.stack.configure(mask_final)
-        paired = ladder.compare(lambda on: ladder.stack.configure(mask_switches if on else mask_final), "switches",
-                               shared_batches=not any(s.rung.new_shape_cost for s in ladder.slots))
+        paired = ladder.compare(
+            lambda on: ladder.stack.configure(mask_switches if on else mask_final),
+            "switches",
+            shared_batches=not any(s.rung.new_shape_cost for s in ladder.slots),
+        )
     except Exception as exc:  # not a candidate: the final configuration stays, said why
         ladder.stack.drop(added)
         ladder.stack.configure([True] * n)
@@ -98,7 +103,8 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
     # configurations that both paid against the baseline, also when undecided but ahead by more
     # than the minimum gain (neither is then shown faster; the one ahead is the better bet)
     switches_win = paired.verdict == "faster" or (
-        paired.verdict == "undecided" and n > 0 and paired.speedup > 1 + ladder.cfg.min_gain)
+        paired.verdict == "undecided" and n > 0 and paired.speedup > 1 + ladder.cfg.min_gain
+    )
     if not switches_win:
         ladder.stack.drop(added)
         ladder.stack.configure([True] * n)
@@ -123,14 +129,15 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
     # their gain over the baseline: the climb's (its decisions, each group once) times theirs over it
     climb = decided_product(ladder, kept_names)
     for rung in switches:
-        ladder.decisions[rung.name] = (tuple(r.name for r in switches),
-                                      climb * paired.speedup if climb is not None else None)
+        ladder.decisions[rung.name] = (tuple(r.name for r in switches), climb * paired.speedup if climb is not None else None)
     for name in kept_names:
         entry = ladder.entry(name)
         if entry is not None and name not in switch_names:
             entry.status = "reverted"
-            entry.reason = (f"{entry.reason}; the switches were faster than the climb's final configuration "
-                            f"({paired.speedup:.3f}x): judged again on top of them")
+            entry.reason = (
+                f"{entry.reason}; the switches were faster than the climb's final configuration "
+                f"({paired.speedup:.3f}x): judged again on top of them"
+            )
     for rung in switches:
         entry = ladder.entry(rung.name)
         if entry is not None and entry.status != "kept":
@@ -157,6 +164,7 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
         row.reason += "; nothing paid on top of them: the final configuration is the switches"
     row.seconds = ladder.host_clock() - t0
     return row, reference
+
 
 def decided_product(ladder: Ladder, names: list[str]) -> float | None:
     """The product of the decisions that kept ``names`` (a group once); None where one is unknown."""

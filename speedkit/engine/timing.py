@@ -32,8 +32,18 @@ class Timing:
     same batches, whose work would otherwise differ more between windows than most rungs change it.
     """
 
-    def __init__(self, state: TrainState, cfg: MeasureConfig, session: MeasureSession, stack: Stack, snapshot: Snapshot,
-                 *, host_clock: Callable[[], float], on_event: Callable[[str], None], shapes_vary: bool) -> None:
+    def __init__(
+        self,
+        state: TrainState,
+        cfg: MeasureConfig,
+        session: MeasureSession,
+        stack: Stack,
+        snapshot: Snapshot,
+        *,
+        host_clock: Callable[[], float],
+        on_event: Callable[[str], None],
+        shapes_vary: bool,
+    ) -> None:
         self.state, self.cfg, self.session, self.stack, self.snapshot = state, cfg, session, stack, snapshot
         self.host_clock, self.on_event = host_clock, on_event
         self.shapes_vary = shapes_vary
@@ -86,8 +96,9 @@ class Timing:
         self.snapshot.restore(rng=False)
         return self.session.measure(self.runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
 
-    def compare(self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float],
-                shared_batches: bool = True) -> PairedResult:
+    def compare(
+        self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float], shared_batches: bool = True
+    ) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) in A B B A blocks until the
         paired decision is made, ``max_blocks`` are spent or its budget is out (``budget_s()``, asked after
         the warm-ups). Leaves A on.
@@ -117,14 +128,27 @@ class Timing:
                     session.warm(self.runner(shared), self.window_steps)
 
         def look(verdict: Comparison) -> None:
-            self.on_event(f"  {label}: {verdict.blocks} blocks: {verdict.speedup:.3f}x "
-                          f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}")
+            self.on_event(
+                f"  {label}: {verdict.blocks} blocks: {verdict.speedup:.3f}x "
+                f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}"
+            )
 
-        paired = compare(set_candidate, lambda: session.window(self.runner(shared), self.window_steps), cfg,
-                         budget_s=budget, clock=self.host_clock, settle=lambda: session.warm(self.runner(), self.settle()),
-                         start_block=start_block, on_look=look)
-        return PairedResult(**asdict(paired.comparison), a=session.measurement(paired.a, warmup=cfg.warmup),
-                            b=session.measurement(paired.b, warmup=cfg.warmup), seconds=self.host_clock() - start)
+        paired = compare(
+            set_candidate,
+            lambda: session.window(self.runner(shared), self.window_steps),
+            cfg,
+            budget_s=budget,
+            clock=self.host_clock,
+            settle=lambda: session.warm(self.runner(), self.settle()),
+            start_block=start_block,
+            on_look=look,
+        )
+        return PairedResult(
+            **asdict(paired.comparison),
+            a=session.measurement(paired.a, warmup=cfg.warmup),
+            b=session.measurement(paired.b, warmup=cfg.warmup),
+            seconds=self.host_clock() - start,
+        )
 
 
 @contextlib.contextmanager

@@ -87,9 +87,12 @@ class Applied:
         accumulate = self.state.step.accumulate
         grouped = isinstance(batch, MicroBatches) and 1 <= len(batch) <= accumulate
         if accumulate > 1 and not grouped and not (isinstance(batch, list) and len(batch) == accumulate):
-            raise ConfigError("batch", f"with accumulate={accumulate}, step() takes a list of {accumulate} micro-batches "
-                              f"(one optimizer step, as batches() groups them), found {type(batch).__name__}"
-                              + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
+            raise ConfigError(
+                "batch",
+                f"with accumulate={accumulate}, step() takes a list of {accumulate} micro-batches "
+                f"(one optimizer step, as batches() groups them), found {type(batch).__name__}"
+                + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""),
+            )
         batches = list(batch) if accumulate > 1 or grouped else [batch]
         return self.state.step(batches, batch_idx)
 
@@ -148,10 +151,19 @@ class Applied:
         self.undo()
 
 
-def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[Any] | None = None, *,
-          rungs: Sequence[str | dict | Rung], device: torch.device | str | None = None,
-          loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
-          scheduler: Any = None, oom_fallback: bool | dict[str, Any] = False) -> Applied:
+def apply(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Iterable[Any] | None = None,
+    *,
+    rungs: Sequence[str | dict | Rung],
+    device: torch.device | str | None = None,
+    loss_fn: LossFn = default_loss_fn,
+    accumulate: int = 1,
+    clip_grad_norm: float | None = None,
+    scheduler: Any = None,
+    oom_fallback: bool | dict[str, Any] = False,
+) -> Applied:
     """Apply rungs to plain PyTorch objects, without trials (``speedkit optimize`` measures).
 
     Rungs that do not apply are skipped with a warning naming the reason; a rung that raises is
@@ -182,10 +194,23 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable[A
         raise ConfigError("device", f"{first_line(exc)}; give e.g. 'cuda', 'cuda:0' or 'cpu'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", f"{device} was asked for, but this machine has no usable CUDA GPU")
-    step = PlainStep(model, optimizer, device, loss_fn=loss_fn, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-                     scheduler=scheduler, micro_batcher=_micro_batcher(oom_fallback, model, optimizer))
-    state = TrainState(model=model, optimizer=optimizer, device=device, step=step,
-                       data=BatchSource(loader, device) if loader is not None else None)
+    step = PlainStep(
+        model,
+        optimizer,
+        device,
+        loss_fn=loss_fn,
+        accumulate=accumulate,
+        clip_grad_norm=clip_grad_norm,
+        scheduler=scheduler,
+        micro_batcher=_micro_batcher(oom_fallback, model, optimizer),
+    )
+    state = TrainState(
+        model=model,
+        optimizer=optimizer,
+        device=device,
+        step=step,
+        data=BatchSource(loader, device) if loader is not None else None,
+    )
     handles: list[Handle] = []
     skipped: dict[str, str] = {}
     for rung in built:
@@ -213,8 +238,9 @@ def _micro_batcher(option: Any, model: nn.Module, optimizer: torch.optim.Optimiz
     if not isinstance(options, dict) or set(options) - {"probe_after"}:
         raise ConfigError("oom_fallback", f"expected True, False or {{'probe_after': steps}}, found {option!r}")
     check_probe_after(options.get("probe_after"), "oom_fallback.probe_after")
-    return MicroBatcher(lambda: (p for g in optimizer.param_groups for p in g["params"]), model=model,
-                        probe_after=options.get("probe_after"))
+    return MicroBatcher(
+        lambda: (p for g in optimizer.param_groups for p in g["params"]), model=model, probe_after=options.get("probe_after")
+    )
 
 
 def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:
@@ -226,7 +252,8 @@ def _check_arguments(model: Any, optimizer: Any, loader: Any) -> None:
         raise ConfigError("optimizer", f"expected a torch.optim.Optimizer, found {type(optimizer).__name__}")
     mine = {id(p) for p in model.parameters()}
     if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
-        raise ConfigError("optimizer", "holds none of the model's parameters: the model would never train; build it "
-                          "from model.parameters()")
+        raise ConfigError(
+            "optimizer", "holds none of the model's parameters: the model would never train; build it from model.parameters()"
+        )
     if loader is not None and not isinstance(loader, Iterable):
         raise ConfigError("loader", f"expected an iterable of batches (a DataLoader), found {type(loader).__name__}")

@@ -57,8 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     swp = sub.add_parser("sweep", help="find the micro-batch of highest throughput for a recipe (short timed fits)")
     swp.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny CPU recipe)")
     swp.add_argument("--out", default=None, help="output folder for sweep.json and sweep.md (default: runs/<recipe name>)")
-    swp.add_argument("--change-effective-batch", action="store_true",
-                     help="let the effective batch grow with the micro-batch (default: keep it through accumulation)")
+    swp.add_argument(
+        "--change-effective-batch",
+        action="store_true",
+        help="let the effective batch grow with the micro-batch (default: keep it through accumulation)",
+    )
     swp.add_argument("--margin", type=float, default=None, help="share of device memory left free (default 0.10)")
     swp.add_argument("--max-trials", type=int, default=None, help="sizes measured at most (default 8)")
     val = sub.add_parser("validate", help="check a recipe and build its model and data, without training")
@@ -129,8 +132,9 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     console = Console(width=None if sys.stdout.isatty() else 160)
     # optimize's checks refuse files in `out` it did not write; its own earlier ones it replaces, and says so
     earlier = [name for name in ("report.json", "report.md", "report.html", "optimized.yaml") if (out / name).is_file()]
-    header: str | None = (f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}"
-                          + (f"  (replacing the earlier {', '.join(earlier)} there)" if earlier else ""))
+    header: str | None = f"[bold]speedkit optimize[/bold] {recipe.path}  ->  {out}" + (
+        f"  (replacing the earlier {', '.join(earlier)} there)" if earlier else ""
+    )
 
     def on_event(line: str) -> None:
         nonlocal header
@@ -162,8 +166,10 @@ def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
     recipe = _load(args.recipe, overrides)
     trainer, ladder = fit(recipe)
-    print(f"speedkit fit: applied {', '.join(ladder.applied_changes) or 'no rungs'}"
-          + "".join(f"; skipped {name}: {reason}" for name, reason in ladder.skipped.items()))
+    print(
+        f"speedkit fit: applied {', '.join(ladder.applied_changes) or 'no rungs'}"
+        + "".join(f"; skipped {name}: {reason}" for name, reason in ladder.skipped.items())
+    )
     from speedkit.lightning import SpeedProfiler
 
     profiler = next((c for c in trainer.callbacks if isinstance(c, SpeedProfiler)), None)
@@ -200,9 +206,15 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
     console = Console(width=None if sys.stdout.isatty() else 160)
     with ProgressBar(console, "sweep") as bar:
-        result = sweep_recipe(recipe, out, keep_effective=not args.change_effective_batch, margin=args.margin,
-                              max_trials=args.max_trials, on_event=lambda line: console.print(line, highlight=False),
-                              on_progress=bar)
+        result = sweep_recipe(
+            recipe,
+            out,
+            keep_effective=not args.change_effective_batch,
+            margin=args.margin,
+            max_trials=args.max_trials,
+            on_event=lambda line: console.print(line, highlight=False),
+            on_progress=bar,
+        )
     print("\n".join(result.table()))
     gain = f" ({result.gain:.2f}x yours)" if result.gain else ""
     acc = result.trial(result.chosen).accumulate if result.trial(result.chosen) else 1
@@ -220,8 +232,10 @@ def _validate(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     note = check_trainer(recipe, here=False)
     check_model_takes_data(recipe, recipe.build_model(), recipe.build_datamodule())
     which = "rungs" if recipe.ladder_given else "rungs of the default ladder, as the recipe lists none"
-    print(f"{recipe.path}: ok ({len(recipe.ladder)} {which}: {', '.join(r.name for r in recipe.ladder)})"
-          + (f"; note: {note}" if note else ""))
+    print(
+        f"{recipe.path}: ok ({len(recipe.ladder)} {which}: {', '.join(r.name for r in recipe.ladder)})"
+        + (f"; note: {note}" if note else "")
+    )
     return 0
 
 
@@ -279,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     args, extra = _parser().parse_known_args(argv)
-    handler = {"optimize": _optimize, "fit": _fit, "sweep": _sweep, "validate": _validate, "rungs": _rungs,
-               "report": _report, "compare": _compare}[args.command]
+    handler = {
+        "optimize": _optimize,
+        "fit": _fit,
+        "sweep": _sweep,
+        "validate": _validate,
+        "rungs": _rungs,
+        "report": _report,
+        "compare": _compare,
+    }[args.command]
     try:
         if extra:
             raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")

@@ -28,16 +28,21 @@ class ProgressBar:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=self.console, transient=True)
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
             self._progress.start()
             self._task = self._progress.add_task(self.title, total=None)
         return self
 
     def __call__(self, done: int, total: int, label: str) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=done, total=max(total, done, 1),
-                                  description=f"{self.title}: {label}")
+            self._progress.update(self._task, completed=done, total=max(total, done, 1), description=f"{self.title}: {label}")
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

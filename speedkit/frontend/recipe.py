@@ -182,7 +182,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                where = ".".join(parts[:depth + 1])
+                where = ".".join(parts[: depth + 1])
                 raise ConfigError(f"--{key}", f"{where} is {_describe(child)}, not a mapping; cannot set {key}")
             node = child
         node[parts[-1]] = value
@@ -229,7 +229,9 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, typing.Hashable) and key in seen:
                 mark = key_node.start_mark
-                raise ConfigError("recipe", f"duplicate key {key!r} at line {mark.line + 1}, column {mark.column + 1}; give each key once")
+                raise ConfigError(
+                    "recipe", f"duplicate key {key!r} at line {mark.line + 1}, column {mark.column + 1}; give each key once"
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -277,8 +279,11 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     data = _data_spec(raw.get("data"), model)
     trainer = _trainer(raw.get("trainer"))
     if "ladder" in raw and raw["ladder"] is None:
-        raise ConfigError("ladder", f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none), "
-                                    "or leave the key out for the default ladder")
+        raise ConfigError(
+            "ladder",
+            f"is empty; list the rungs, e.g. ladder: [{', '.join(rungs.names())}] ([] for none), "
+            "or leave the key out for the default ladder",
+        )
     # an empty list is valid: `speedkit fit` on an optimized.yaml where no rung paid off
     ladder = rungs.make_all(raw["ladder"] if "ladder" in raw else default_ladder(), "ladder")
     _check_compile_backend(ladder)
@@ -287,8 +292,18 @@ def _validate(raw: dict[str, Any], path: Path | None) -> Recipe:
     seed = raw.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ConfigError("seed", f"expected an integer in [0, 2**32), found {_describe(seed)}")
-    return Recipe(path=path, raw=raw, model=model, data=data, trainer=trainer, ladder=ladder,
-                  measure=measure, report=report, seed=seed, ladder_given="ladder" in raw)
+    return Recipe(
+        path=path,
+        raw=raw,
+        model=model,
+        data=data,
+        trainer=trainer,
+        ladder=ladder,
+        measure=measure,
+        report=report,
+        seed=seed,
+        ladder_given="ladder" in raw,
+    )
 
 
 def _check_compile_backend(ladder: list[Rung]) -> None:
@@ -318,7 +333,9 @@ def _extend_import_path(path: Path | None) -> None:
 def _class_spec(value: Any, where: str, base: str | None, required: bool = False) -> ClassSpec:
     """Validate ``{class_path, init_args}`` (or a bare class path string) at ``where``."""
     if value is None:
-        raise ConfigError(where, f"missing; {_EXAMPLE}" if where == "model" else "missing; expected {class_path: ..., init_args: {...}}")
+        raise ConfigError(
+            where, f"missing; {_EXAMPLE}" if where == "model" else "missing; expected {class_path: ..., init_args: {...}}"
+        )
     if isinstance(value, str):
         value = {"class_path": value}
     if not isinstance(value, dict):
@@ -337,8 +354,11 @@ def _check_training_step(model: ClassSpec) -> None:
     import lightning.pytorch as pl
 
     if getattr(model.cls, "training_step", None) is pl.LightningModule.training_step:
-        raise ConfigError("model.class_path", f"{model.class_path} defines no training_step; Lightning trains a "
-                                              "LightningModule through its training_step: name a class that defines one")
+        raise ConfigError(
+            "model.class_path",
+            f"{model.class_path} defines no training_step; Lightning trains a "
+            "LightningModule through its training_step: name a class that defines one",
+        )
 
 
 def _data_spec(value: Any, model: ClassSpec) -> ClassSpec | None:
@@ -346,16 +366,24 @@ def _data_spec(value: Any, model: ClassSpec) -> ClassSpec | None:
 
     if value is None:
         if getattr(model.cls, "train_dataloader", None) is pl.LightningModule.train_dataloader:
-            raise ConfigError("data", f"missing, and {model.cls.__name__} defines no train_dataloader; give "
-                              "data: {class_path: ..., init_args: {...}} or data: {synthetic: tokens|vectors, ...}")
+            raise ConfigError(
+                "data",
+                f"missing, and {model.cls.__name__} defines no train_dataloader; give "
+                "data: {class_path: ..., init_args: {...}} or data: {synthetic: tokens|vectors, ...}",
+            )
         return None
     if not isinstance(value, dict):
-        raise ConfigError("data", f"expected {{class_path: ..., init_args: ...}} or {{synthetic: tokens|vectors, ...}}, found {_describe(value)}")
+        raise ConfigError(
+            "data",
+            f"expected {{class_path: ..., init_args: ...}} or {{synthetic: tokens|vectors, ...}}, found {_describe(value)}",
+        )
     if "synthetic" not in value:
         return _class_spec(value, "data", "lightning.pytorch.LightningDataModule")
     kind = value["synthetic"]
     if "class_path" in value or "init_args" in value:
-        raise ConfigError("data.synthetic", "give either synthetic: ... with its arguments beside it, or class_path/init_args, not both")
+        raise ConfigError(
+            "data.synthetic", "give either synthetic: ... with its arguments beside it, or class_path/init_args, not both"
+        )
     if not isinstance(kind, str) or kind not in SYNTHETIC_DATA:
         raise ConfigError("data.synthetic", f"expected one of {', '.join(SYNTHETIC_DATA)}, found {_describe(kind)}")
     class_path = SYNTHETIC_DATA[kind]
@@ -406,8 +434,11 @@ def _check_trainer_value(key: str, item: Any, where: str) -> None:
         if item not in names:
             raise ConfigError(where, _unknown("accelerator", item, names))
     elif key == "logger" and not (item is None or isinstance(item, bool)):
-        raise ConfigError(where, f"expected true, false or {{class_path: ..., init_args: {{...}}}} of a Logger (or a list of "
-                                 f"them), found {_describe(item)}")
+        raise ConfigError(
+            where,
+            f"expected true, false or {{class_path: ..., init_args: {{...}}}} of a Logger (or a list of "
+            f"them), found {_describe(item)}",
+        )
     elif key == "gradient_clip_val" and isinstance(item, (int, float)) and not isinstance(item, bool) and item < 0:
         raise ConfigError(where, f"expected a gradient norm or value >= 0 (null or 0: no clipping), found {_describe(item)}")
     elif key == "default_root_dir" and isinstance(item, str) and item:
@@ -439,7 +470,9 @@ def _report(value: Any) -> dict[str, Any]:
     if "formats" in value:
         formats = value["formats"]
         if not isinstance(formats, list):
-            raise ConfigError("report.formats", f"expected a list of formats ({', '.join(REPORT_FORMATS)}), found {_describe(formats)}")
+            raise ConfigError(
+                "report.formats", f"expected a list of formats ({', '.join(REPORT_FORMATS)}), found {_describe(formats)}"
+            )
         for i, fmt in enumerate(formats):
             if fmt not in REPORT_FORMATS:
                 raise ConfigError(f"report.formats[{i}]", f"expected one of {', '.join(REPORT_FORMATS)}, found {_describe(fmt)}")
@@ -466,7 +499,9 @@ def _import_class(class_path: Any, where: str, base: str | None) -> type:
             if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
                 missing = missing or module_name
                 continue
-            raise ConfigError(where, f"importing module '{module_name}' failed: No module named '{exc.name}' (a dependency is not installed)") from None
+            raise ConfigError(
+                where, f"importing module '{module_name}' failed: No module named '{exc.name}' (a dependency is not installed)"
+            ) from None
         except Exception as exc:  # the user's module raised while importing
             raise ConfigError(where, f"importing module '{module_name}' failed: {type(exc).__name__}: {_one_line(exc)}") from None
         owner = module_name
@@ -482,7 +517,9 @@ def _import_class(class_path: Any, where: str, base: str | None) -> type:
         else:
             return _check_class(obj, class_path, where, base)
         break
-    raise ConfigError(where, f"module '{missing}' not found; install it, or put it next to the recipe or in the current directory")
+    raise ConfigError(
+        where, f"module '{missing}' not found; install it, or put it next to the recipe or in the current directory"
+    )
 
 
 def _check_class(obj: Any, class_path: str, where: str, base: str | None) -> type:
@@ -540,8 +577,11 @@ def _signature(cls: type) -> tuple[tuple[str, ...] | None, dict[str, Any], inspe
     try:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # unresolvable forward references: judge only the annotations that are real types
-        hints = {n: p.annotation for n, p in sig.parameters.items()
-                 if p.annotation is not inspect.Parameter.empty and not isinstance(p.annotation, str)}
+        hints = {
+            n: p.annotation
+            for n, p in sig.parameters.items()
+            if p.annotation is not inspect.Parameter.empty and not isinstance(p.annotation, str)
+        }
     hints.pop("return", None)
     return names, hints, sig
 
@@ -576,5 +616,3 @@ def _rung_spec(spec: Any) -> Any:
         options = spec.options_dict()
         return spec.name if options == type(spec)().options_dict() else {"name": spec.name, "options": options}
     return copy.deepcopy(spec)
-
-

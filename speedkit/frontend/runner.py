@@ -26,8 +26,15 @@ from speedkit.frontend.recipe import Recipe, dump_recipe
 from speedkit.results import LadderResult
 
 #: Trainer arguments ``optimize`` sets for its short run, whatever the recipe says
-_OPTIMIZE_TRAINER = {"max_epochs": -1, "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False,
-                     "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+_OPTIMIZE_TRAINER = {
+    "max_epochs": -1,
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "enable_checkpointing": False,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
 #: callbacks of the real run that have no place in optimize's short one (they watch validation or write files)
 _REAL_RUN_CALLBACKS = ("ModelCheckpoint", "EarlyStopping")
 
@@ -43,13 +50,20 @@ class Interrupted(SpeedkitError):
         self.exit_code = 130 if signal_name == "SIGINT" else 143
         self.written = written
         where = written.get("json") or written.get("md")
-        super().__init__(f"interrupted ({signal_name}) during {phase}; partial report: {where}" if where
-                         else f"interrupted ({signal_name}) during {phase}; nothing was measured yet")
+        super().__init__(
+            f"interrupted ({signal_name}) during {phase}; partial report: {where}"
+            if where
+            else f"interrupted ({signal_name}) during {phase}; nothing was measured yet"
+        )
 
 
 #: the files ``optimize`` writes into its output folder, and how each begins when speedkit wrote it
-_OUTPUTS = {"report.json": '{\n  "schema_version"', "report.md": "# ", "report.html": "<!DOCTYPE html>\n<!-- Written by speedkit",
-            "optimized.yaml": "# Written by `speedkit optimize`"}
+_OUTPUTS = {
+    "report.json": '{\n  "schema_version"',
+    "report.md": "# ",
+    "report.html": "<!DOCTYPE html>\n<!-- Written by speedkit",
+    "optimized.yaml": "# Written by `speedkit optimize`",
+}
 
 
 def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
@@ -66,17 +80,22 @@ def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
     try:  # permissions alone do not tell (a read-only mount, /proc): make something there and remove it
         os.rmdir(tempfile.mkdtemp(prefix=".speedkit-", dir=existing))
     except OSError as exc:
-        raise ConfigError("--out", f"cannot write in {existing} ({exc.strerror or exc}); give a folder you can write to") from None
+        raise ConfigError(
+            "--out", f"cannot write in {existing} ({exc.strerror or exc}); give a folder you can write to"
+        ) from None
     for name, start in _OUTPUTS.items():
         path = out / name
         if not path.exists():
             continue
         if recipe_path is not None and recipe_path.exists() and path.samefile(recipe_path):
-            raise ConfigError("--out", f"{path} is the recipe being optimized, and optimize writes {name} there; "
-                              "give another --out folder")
+            raise ConfigError(
+                "--out", f"{path} is the recipe being optimized, and optimize writes {name} there; give another --out folder"
+            )
         if not _written_by_speedkit(path, start):
-            raise ConfigError("--out", f"{path} exists and speedkit did not write it; optimize would replace it: "
-                              "move it or give another --out folder")
+            raise ConfigError(
+                "--out",
+                f"{path} exists and speedkit did not write it; optimize would replace it: move it or give another --out folder",
+            )
 
 
 def _written_by_speedkit(path: Path, start: str) -> bool:
@@ -149,8 +168,13 @@ def check_trainer(recipe: Recipe, here: bool = True) -> str | None:
             raise ConfigError("trainer", reason)
         devices = recipe.trainer.get("devices", "auto")
         try:  # the same on CPUs: does it fail for want of this machine's accelerator, or for a wrong value?
-            build_trainer(recipe, [], accelerator="cpu", strategy="auto",
-                          devices=len(devices) if isinstance(devices, (list, tuple)) else devices)
+            build_trainer(
+                recipe,
+                [],
+                accelerator="cpu",
+                strategy="auto",
+                devices=len(devices) if isinstance(devices, (list, tuple)) else devices,
+            )
         except refused as exc:  # wrong on any machine: that is what to fix
             raise ConfigError("trainer", f"Lightning refuses these Trainer arguments: {first_line(exc)}") from None
     return f"this machine cannot run it as it is: {reason}"
@@ -188,8 +212,7 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
                     raise failure from None
                 raise
             rows = next((t.shape[0] for t in batch_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-            one = map_batch(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows else t,
-                            batch)
+            one = map_batch(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows else t, batch)
             logs: list[Any] = []
             try:
                 with torch.no_grad(), compat.recording_logs(model, logs):
@@ -200,9 +223,12 @@ def check_model_takes_data(recipe: Recipe, model: Any = None, datamodule: Any = 
                     raise failure from None
                 if not _raised_in_torch(exc):  # the step needs more than a batch (its Trainer, its
                     return  # optimizers) or checks something of its own: the run will show it
-                raise ConfigError("data.synthetic", f"{model.__class__.__name__}.training_step cannot take {kind} batches "
-                                  f"({first_line(exc, type(exc).__name__)}); give the data your model takes: "
-                                  f"{', '.join(k for k in SYNTHETIC_DATA if k != kind)} or a data module of your own") from None
+                raise ConfigError(
+                    "data.synthetic",
+                    f"{model.__class__.__name__}.training_step cannot take {kind} batches "
+                    f"({first_line(exc, type(exc).__name__)}); give the data your model takes: "
+                    f"{', '.join(k for k in SYNTHETIC_DATA if k != kind)} or a data module of your own",
+                ) from None
     finally:
         saved.restore()
 
@@ -216,8 +242,12 @@ def _raised_in_torch(exc: BaseException) -> bool:
     return tb is not None and f"{os.sep}torch{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
-def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | None = None,
-             on_progress: Callable[[int, int, str], None] | None = None) -> tuple[LadderResult, dict[str, Path]]:
+def optimize(
+    recipe: Recipe,
+    out_dir: Path,
+    on_event: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[LadderResult, dict[str, Path]]:
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
     Raises:
@@ -237,7 +267,9 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
     from speedkit.report import write_report
 
     if not recipe.ladder:
-        raise ConfigError("ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]")
+        raise ConfigError(
+            "ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]"
+        )
     check_output_dir(out_dir, recipe.path)
     check_trainer(recipe)
     check_model_takes_data(recipe)
@@ -294,10 +326,12 @@ def optimize(recipe: Recipe, out_dir: Path, on_event: Callable[[str], None] | No
         optimized = out_dir / "optimized.yaml"
         final = result.final_measurement
         base = result.baseline.measurement
-        header = (f"Written by `speedkit optimize` on {time.strftime('%Y-%m-%d %H:%M')} from {recipe.path or 'a recipe'}.\n"
-                  f"Kept rungs: {', '.join(r.name for r in result.kept) or 'none'}"
-                  + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {base.throughput:,.0f}" if final and base else "")
-                  + f" on {result.device}.\nTrain with: speedkit fit {optimized}")
+        header = (
+            f"Written by `speedkit optimize` on {time.strftime('%Y-%m-%d %H:%M')} from {recipe.path or 'a recipe'}.\n"
+            f"Kept rungs: {', '.join(r.name for r in result.kept) or 'none'}"
+            + (f"; {final.throughput:,.0f} {final.throughput_unit} vs baseline {base.throughput:,.0f}" if final and base else "")
+            + f" on {result.device}.\nTrain with: speedkit fit {optimized}"
+        )
         dump_recipe(recipe.raw, kept, optimized, header)
         written["optimized"] = optimized
     except OutputError as exc:  # the results are not lost: the caller shows them
@@ -325,8 +359,11 @@ def fit(recipe: Recipe, extra_callbacks: list[Any] | None = None) -> tuple[Any, 
     from speedkit.lightning import SpeedLadder, SpeedProfiler
 
     if not recipe.ladder_given:
-        raise ConfigError("ladder", "missing: `speedkit fit` applies the rungs a recipe lists, without trials; run `speedkit "
-                                    "optimize` on it and fit the optimized.yaml it writes, or list the rungs (ladder: [] for none)")
+        raise ConfigError(
+            "ladder",
+            "missing: `speedkit fit` applies the rungs a recipe lists, without trials; run `speedkit "
+            "optimize` on it and fit the optimized.yaml it writes, or list the rungs (ladder: [] for none)",
+        )
     check_trainer(recipe)
     check_model_takes_data(recipe)
     seed_everything(recipe.seed, verbose=False)
@@ -362,8 +399,10 @@ def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
         value = node.get("batch_size") if isinstance(node, dict) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return key, value
-    raise ConfigError("data", "no batch_size to sweep: give the data (or its init_args) a batch_size, e.g. "
-                              "data: {synthetic: tokens, batch_size: 8}")
+    raise ConfigError(
+        "data",
+        "no batch_size to sweep: give the data (or its init_args) a batch_size, e.g. data: {synthetic: tokens, batch_size: 8}",
+    )
 
 
 def _on_cuda(trainer_kwargs: dict[str, Any]) -> bool:
@@ -422,18 +461,26 @@ def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, An
     except TypeError:
         length = seen
     repeated = _RepeatBatch(worst, length)
-    note = (f"the worst-case input: the largest of the first {seen} batches ({most:,} bytes; {len(shapes)} shapes seen), "
-            "repeated")
+    note = f"the worst-case input: the largest of the first {seen} batches ({most:,} bytes; {len(shapes)} shapes seen), repeated"
     if dm is not None:
         dm.train_dataloader = lambda: repeated  # the datamodule's own hooks stay
         return data, note
     return {**data, "train_dataloaders": repeated}, note
 
 
-def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, dict[str, Any]]],
-                    trainer_kwargs: dict[str, Any], *, warmup: int, window: int, windows: int | None = None,
-                    callbacks: Callable[[], list[Any]] = list, quiet_notes: bool = False,
-                    worst_case: bool = True) -> Any:
+def timed_fit_trial(
+    size: int,
+    accumulate: int,
+    build: Callable[[], tuple[Any, dict[str, Any]]],
+    trainer_kwargs: dict[str, Any],
+    *,
+    warmup: int,
+    window: int,
+    windows: int | None = None,
+    callbacks: Callable[[], list[Any]] = list,
+    quiet_notes: bool = False,
+    worst_case: bool = True,
+) -> Any:
     """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
     windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
     module and ``fit``'s data keyword arguments; a :class:`~speedkit.engine.sweep.SweepTrial`. Out of device
@@ -455,8 +502,12 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
     cuda = _on_cuda(trainer_kwargs)
     timer = StepTimer(warmup=warmup, window=window)
     windows = int(config.defaults("sweep")["windows"]) if windows is None else windows
-    kwargs = {**trainer_kwargs, **_OPTIMIZE_TRAINER, "max_steps": warmup + window * windows,
-              "accumulate_grad_batches": accumulate}
+    kwargs = {
+        **trainer_kwargs,
+        **_OPTIMIZE_TRAINER,
+        "max_steps": warmup + window * windows,
+        "accumulate_grad_batches": accumulate,
+    }
     kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
     t0 = time.perf_counter()
     failed: str | None = None
@@ -482,10 +533,21 @@ def timed_fit_trial(size: int, accumulate: int, build: Callable[[], tuple[Any, d
         torch.cuda.empty_cache()
     m = timer.measurement
     if failed is not None or m is None:
-        return SweepTrial(size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0,
-                          optimizer, input_note)
-    return SweepTrial(size, accumulate, m.throughput, m.throughput_unit, m.peak_memory_bytes, True, "",
-                      time.perf_counter() - t0, optimizer, input_note)
+        return SweepTrial(
+            size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0, optimizer, input_note
+        )
+    return SweepTrial(
+        size,
+        accumulate,
+        m.throughput,
+        m.throughput_unit,
+        m.peak_memory_bytes,
+        True,
+        "",
+        time.perf_counter() - t0,
+        optimizer,
+        input_note,
+    )
 
 
 def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
@@ -502,28 +564,42 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
     key, start = _batch_size_key(recipe)
     measured: list[int] = []
 
-    def trial(size: int, accumulate: int, *, windows: int | None = None, warmup: int | None = None,
-              window: int | None = None) -> Any:
+    def trial(
+        size: int, accumulate: int, *, windows: int | None = None, warmup: int | None = None, window: int | None = None
+    ) -> Any:
         sized = load_recipe(recipe.raw, overrides=[(key, size)])
 
         def build() -> tuple[Any, dict[str, Any]]:
             seed_everything(recipe.seed, verbose=False)
             return sized.build_model(), {"datamodule": sized.build_datamodule()}
 
-        result = timed_fit_trial(size, accumulate, build, sized.build_trainer_kwargs(),
-                                 warmup=recipe.measure.warmup if warmup is None else warmup,
-                                 window=recipe.measure.steps if window is None else window, windows=windows,
-                                 quiet_notes=bool(measured),
-                                 callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [])
+        result = timed_fit_trial(
+            size,
+            accumulate,
+            build,
+            sized.build_trainer_kwargs(),
+            warmup=recipe.measure.warmup if warmup is None else warmup,
+            window=recipe.measure.steps if window is None else window,
+            windows=windows,
+            quiet_notes=bool(measured),
+            callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [],
+        )
         measured.append(size)
         return result
 
     return key, start, trial
 
 
-def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective: bool = True, margin: float | None = None,
-                 max_trials: int | None = None, on_event: Callable[[str], None] | None = None,
-                 on_progress: Callable[[int, int, str], None] | None = None) -> Any:
+def sweep_recipe(
+    recipe: Recipe,
+    out_dir: Path | None = None,
+    *,
+    keep_effective: bool = True,
+    margin: float | None = None,
+    max_trials: int | None = None,
+    on_event: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> Any:
     """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.engine.sweep`).
 
     Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
@@ -541,8 +617,10 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
     key, start, trial = recipe_trials(recipe)
     devices = recipe.trainer.get("devices")
     if devices not in (None, 1, "1", "auto") or recipe.trainer.get("num_nodes", 1) != 1:
-        raise UnsupportedError(f"speedkit sweep runs on one device (the recipe asks for devices: {devices!r}); sweep with "
-                               "--trainer.devices 1 and give each rank the chosen micro-batch")
+        raise UnsupportedError(
+            f"speedkit sweep runs on one device (the recipe asks for devices: {devices!r}); sweep with "
+            "--trainer.devices 1 and give each rank the chosen micro-batch"
+        )
     accumulate = int(recipe.trainer.get("accumulate_grad_batches") or 1)
     effective = start * accumulate if keep_effective else None
     events = on_event or (lambda line: None)
@@ -565,13 +643,22 @@ def sweep_recipe(recipe: Recipe, out_dir: Path | None = None, *, keep_effective:
         import json
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        doc = {"schema_version": 1, "recipe": str(recipe.path) if recipe.path else None, "batch_size_key": key,
-               **result.to_dict(accumulate)}
+        doc = {
+            "schema_version": 1,
+            "recipe": str(recipe.path) if recipe.path else None,
+            "batch_size_key": key,
+            **result.to_dict(accumulate),
+        }
         write_text_atomic(out_dir / "sweep.json", json.dumps(doc, indent=2) + "\n")
         gain = f"{result.gain:.2f}x" if result.gain else "-"
-        md = [f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}", "",
-              f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.", "",
-              *result.table(), ""]
+        md = [
+            f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}",
+            "",
+            f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.",
+            "",
+            *result.table(),
+            "",
+        ]
         fed = next((t.input for t in result.trials if t.input), "")
         if fed:
             md += [f"Each size was fed {fed}.", ""]

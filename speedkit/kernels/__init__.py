@@ -27,6 +27,7 @@ if triton_installed():
     from speedkit.kernels.cross_entropy import cross_entropy
     from speedkit.kernels.norms import layer_norm, rms_norm
 else:  # torch's CPU builds come without Triton (its CUDA builds bring their own): nothing here can run
+
     def _no_triton(*args: object, **kwargs: object) -> None:
         raise RuntimeError(kernels_available())
 

@@ -67,8 +67,9 @@ def _bias_gelu_fwd_kernel(X, B, Y, stride_x, stride_y, M, N, TANH: tl.constexpr,
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, B, DX, DB_PART, stride_dy, stride_x, stride_dx, M, N,
-                          TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bias_gelu_bwd_kernel(
+    DY, X, B, DX, DB_PART, stride_dy, stride_x, stride_dx, M, N, TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Persistent over row blocks of one column block: dz = dy·gelu'(x + b); db partials in registers."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -126,8 +127,9 @@ def bias_gelu_forward(x: Tensor, bias: Tensor, tanh: bool, out: Tensor | None = 
     y = out if out is not None else torch.empty_like(x)
     if M:
         bm, bn, warps = _tiles(N)
-        _bias_gelu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](x, bias, y, x.stride(0), y.stride(0), M, N,
-                                                                        TANH=tanh, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        _bias_gelu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x, bias, y, x.stride(0), y.stride(0), M, N, TANH=tanh, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps
+        )
     return y
 
 
@@ -141,8 +143,22 @@ def bias_gelu_backward(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool, dx_out: 
     col_blocks = triton.cdiv(N, bn)
     programs = max(1, min(triton.cdiv(M, bm), num_sms(x.device) * 4 // col_blocks))
     db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    _bias_gelu_bwd_kernel[(programs, col_blocks)](dy, x, bias, dx, db_part, dy.stride(0), x.stride(0), dx.stride(0), M, N,
-                                                  TANH=tanh, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    _bias_gelu_bwd_kernel[(programs, col_blocks)](
+        dy,
+        x,
+        bias,
+        dx,
+        db_part,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0),
+        M,
+        N,
+        TANH=tanh,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=warps,
+    )
     return dx, db_part.sum(0).to(bias.dtype)
 
 
@@ -154,8 +170,9 @@ def swiglu_forward(g: Tensor, u: Tensor, out: Tensor | None = None) -> Tensor:
     return y
 
 
-def swiglu_backward(dy: Tensor, g: Tensor, u: Tensor, dg_out: Tensor | None = None, du_out: Tensor | None = None
-                    ) -> tuple[Tensor, Tensor]:
+def swiglu_backward(
+    dy: Tensor, g: Tensor, u: Tensor, dg_out: Tensor | None = None, du_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous()
     dg = dg_out if dg_out is not None else torch.empty_like(g)
     du = du_out if du_out is not None else torch.empty_like(u)

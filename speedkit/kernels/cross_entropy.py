@@ -56,8 +56,23 @@ def _grad_chunk(x_row, g_row, cols, V, lse, target, smoothing, scale, SMOOTH: tl
 
 
 @triton.jit
-def _ce_fwd_kernel(LOGITS, TARGET, GRAD, LOSS, LSE, NVALID, stride_l, stride_g, V, ignore_index, smoothing,
-                   MEAN: tl.constexpr, SMOOTH: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_fwd_kernel(
+    LOGITS,
+    TARGET,
+    GRAD,
+    LOSS,
+    LSE,
+    NVALID,
+    stride_l,
+    stride_g,
+    V,
+    ignore_index,
+    smoothing,
+    MEAN: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Per row: the loss and, with WRITE_GRAD, the gradient (pass 2); without it, the row's
     log-sum-exp for :func:`_ce_grad_kernel` (one read of the row, nothing written but scalars)."""
     row = tl.program_id(0).to(tl.int64)
@@ -128,8 +143,23 @@ def _ce_bwd_kernel(GRAD, GOUT, stride_g, V, PER_ROW: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _ce_grad_kernel(LOGITS, TARGET, LSE, GOUT, NVALID, GRAD, stride_l, stride_g, V, ignore_index, smoothing,
-                    MEAN: tl.constexpr, SMOOTH: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_grad_kernel(
+    LOGITS,
+    TARGET,
+    LSE,
+    GOUT,
+    NVALID,
+    GRAD,
+    stride_l,
+    stride_g,
+    V,
+    ignore_index,
+    smoothing,
+    MEAN: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The gradient from the saved log-sum-exp, scaled by the incoming gradient: one read of the
     logits, one write of the gradient (the backward of the op that torch.compile traces)."""
     row = tl.program_id(0).to(tl.int64)
@@ -166,8 +196,15 @@ def _block(V: int) -> tuple[int, int]:
     return block, (4 if block <= 2048 else 8)
 
 
-def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float,
-                          grad_out: Tensor | None = None, losses_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def cross_entropy_forward(
+    logits: Tensor,
+    target: Tensor,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    grad_out: Tensor | None = None,
+    losses_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """``(per-row losses (N,) fp32, gradient (N, V) in the logits' dtype)`` for ``dL/dloss = 1``."""
     N, V = logits.shape
     grad = grad_out if grad_out is not None else torch.empty_like(logits)
@@ -177,9 +214,24 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, reduction: str, ignore
     # counted on the device: the kernel reads it, the host never does
     n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
     block, warps = _block(V)
-    _ce_fwd_kernel[(N,)](logits, target, grad, losses, losses, n_valid, logits.stride(0), grad.stride(0), V, ignore_index,
-                         float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0, WRITE_GRAD=True,
-                         BLOCK=block, num_warps=warps)
+    _ce_fwd_kernel[(N,)](
+        logits,
+        target,
+        grad,
+        losses,
+        losses,
+        n_valid,
+        logits.stride(0),
+        grad.stride(0),
+        V,
+        ignore_index,
+        float(label_smoothing),
+        MEAN=reduction == "mean",
+        SMOOTH=label_smoothing > 0,
+        WRITE_GRAD=True,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return losses, grad
 
 
@@ -191,14 +243,37 @@ def cross_entropy_lse(logits: Tensor, target: Tensor, ignore_index: int, label_s
     if N == 0:
         return losses, lse
     block, warps = _block(V)
-    _ce_fwd_kernel[(N,)](logits, target, logits, losses, lse, losses, logits.stride(0), 0, V, ignore_index,
-                         float(label_smoothing), MEAN=False, SMOOTH=label_smoothing > 0, WRITE_GRAD=False,
-                         BLOCK=block, num_warps=warps)
+    _ce_fwd_kernel[(N,)](
+        logits,
+        target,
+        logits,
+        losses,
+        lse,
+        losses,
+        logits.stride(0),
+        0,
+        V,
+        ignore_index,
+        float(label_smoothing),
+        MEAN=False,
+        SMOOTH=label_smoothing > 0,
+        WRITE_GRAD=False,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return losses, lse
 
 
-def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, reduction: str, ignore_index: int,
-                       label_smoothing: float, grad_out: Tensor | None = None) -> Tensor:
+def cross_entropy_grad(
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    grad_loss: Tensor,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    grad_out: Tensor | None = None,
+) -> Tensor:
     """dL/dlogits from the saved log-sum-exp, scaled by ``grad_loss`` (a scalar, or (N,) for "none")."""
     N, V = logits.shape
     grad = grad_out if grad_out is not None else torch.empty_like(logits)
@@ -207,9 +282,24 @@ def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: T
     n_valid = (target != ignore_index).sum() if reduction == "mean" else lse
     gout = grad_loss.reshape(-1)
     block, warps = _block(V)
-    _ce_grad_kernel[(N,)](logits, target, lse, gout, n_valid, grad, logits.stride(0), grad.stride(0), V, ignore_index,
-                          float(label_smoothing), MEAN=reduction == "mean", SMOOTH=label_smoothing > 0,
-                          PER_ROW=gout.numel() > 1, BLOCK=block, num_warps=warps)
+    _ce_grad_kernel[(N,)](
+        logits,
+        target,
+        lse,
+        gout,
+        n_valid,
+        grad,
+        logits.stride(0),
+        grad.stride(0),
+        V,
+        ignore_index,
+        float(label_smoothing),
+        MEAN=reduction == "mean",
+        SMOOTH=label_smoothing > 0,
+        PER_ROW=gout.numel() > 1,
+        BLOCK=block,
+        num_warps=warps,
+    )
     return grad
 
 
@@ -226,7 +316,9 @@ def _reduce(losses: Tensor, target: Tensor, reduction: str, ignore_index: int) -
 
 
 @torch.library.custom_op("speedkit::cross_entropy_fwd", mutates_args=())
-def _ce_fwd_op(logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
+def _ce_fwd_op(
+    logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float
+) -> tuple[Tensor, Tensor]:
     losses, lse = cross_entropy_lse(logits, target, ignore_index, label_smoothing)
     return _reduce(losses, target, reduction, ignore_index), lse
 
@@ -239,8 +331,9 @@ def _(logits, target, reduction, ignore_index, label_smoothing):
 
 
 @torch.library.custom_op("speedkit::cross_entropy_bwd", mutates_args=())
-def _ce_bwd_op(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, reduction: str, ignore_index: int,
-               label_smoothing: float) -> Tensor:
+def _ce_bwd_op(
+    logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, reduction: str, ignore_index: int, label_smoothing: float
+) -> Tensor:
     return cross_entropy_grad(logits, target, lse, grad_loss, reduction, ignore_index, label_smoothing)
 
 
@@ -291,8 +384,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.consumed:
-            raise RuntimeError("speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
-                               "its gradient buffer is scaled in place, so recompute the loss for a second backward")
+            raise RuntimeError(
+                "speedkit cross_entropy: backward ran twice through the same loss (retain_graph=True); "
+                "its gradient buffer is scaled in place, so recompute the loss for a second backward"
+            )
         ctx.consumed = True
         (grad,) = ctx.saved_tensors
         scale_gradient_(grad, grad_loss)  # in place on the op's own buffer; rows scaled by 1 are skipped
@@ -302,8 +397,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
 # -- public function ------------------------------------------------------------------------------------
 
 
-def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100,
-                  label_smoothing: float = 0.0) -> Tensor:
+def cross_entropy(
+    logits: Tensor, target: Tensor, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0
+) -> Tensor:
     """``F.cross_entropy(logits.float(), target, …)`` for 2-D logits, fused (see the module doc)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, found {reduction!r}")
@@ -312,8 +408,9 @@ def cross_entropy(logits: Tensor, target: Tensor, reduction: str = "mean", ignor
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
         raise ValueError(f"expected logits (N, V) and target (N,), found {tuple(logits.shape)} and {tuple(target.shape)}")
     if not runs_triton(logits):
-        return torch.nn.functional.cross_entropy(logits.float(), target, reduction=reduction, ignore_index=ignore_index,
-                                                 label_smoothing=label_smoothing)
+        return torch.nn.functional.cross_entropy(
+            logits.float(), target, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing
+        )
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if torch.compiler.is_compiling():  # traced: the custom op, with its fake implementation

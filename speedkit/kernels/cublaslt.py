@@ -30,8 +30,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # cublasLt.h ----------------------------------------------------------------------------------------------
-DESC = {"TRANSA": 3, "TRANSB": 4, "EPILOGUE": 7, "BIAS_POINTER": 8, "EPILOGUE_AUX_POINTER": 11,
-        "EPILOGUE_AUX_LD": 12, "BIAS_DATA_TYPE": 26}
+DESC = {
+    "TRANSA": 3,
+    "TRANSB": 4,
+    "EPILOGUE": 7,
+    "BIAS_POINTER": 8,
+    "EPILOGUE_AUX_POINTER": 11,
+    "EPILOGUE_AUX_LD": 12,
+    "BIAS_DATA_TYPE": 26,
+}
 EPILOGUE = {"DEFAULT": 1, "BIAS": 4, "GELU_AUX_BIAS": 164, "DGELU": 192, "DGELU_BGRAD": 208, "BGRADB": 512}
 PREF_MAX_WORKSPACE_BYTES = 1
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
@@ -48,8 +55,13 @@ class _Algo(ctypes.Structure):
 
 
 class _Heuristic(ctypes.Structure):
-    _fields_ = [("algo", _Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspaceSize", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("wavesCount", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 def _loaded_path(stem: str) -> str | None:
@@ -132,8 +144,12 @@ class Lt:
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), ctypes.c_int(dtype), ctypes.c_uint64(rows),
-                                                        ctypes.c_uint64(cols), ctypes.c_int64(ld)), "layout")
+        self._check(
+            self.lib.cublasLtMatrixLayoutCreate(
+                ctypes.byref(layout), ctypes.c_int(dtype), ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)
+            ),
+            "layout",
+        )
         return layout
 
     def _plan(self, key: tuple) -> tuple:
@@ -156,17 +172,39 @@ class Lt:
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         size = ctypes.c_uint64(_WORKSPACE_BYTES)
-        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size),
-                                                                  ctypes.sizeof(size)), "workspace preference")
+        self._check(
+            self.lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)
+            ),
+            "workspace preference",
+        )
         found, count = (_Heuristic * 1)(), ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, 1, found, ctypes.byref(count)),
-                    f"algorithm search ({epilogue}, {m}x{n}x{k})")
+        self._check(
+            self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, 1, found, ctypes.byref(count)),
+            f"algorithm search ({epilogue}, {m}x{n}x{k})",
+        )
         if count.value == 0:
             raise RuntimeError(f"cuBLASLt has no algorithm for epilogue {epilogue} at {m}x{n}x{k}")
         return desc, a, b, d, found[0]
 
-    def gemm(self, a: Tensor, ta: bool, b: Tensor, tb: bool, d: Tensor, m: int, n: int, k: int, lda: int, ldb: int,
-             ldd: int, epilogue: str = "DEFAULT", bias: Tensor | None = None, aux: Tensor | None = None, aux_ld: int = 0) -> None:
+    def gemm(
+        self,
+        a: Tensor,
+        ta: bool,
+        b: Tensor,
+        tb: bool,
+        d: Tensor,
+        m: int,
+        n: int,
+        k: int,
+        lda: int,
+        ldb: int,
+        ldd: int,
+        epilogue: str = "DEFAULT",
+        bias: Tensor | None = None,
+        aux: Tensor | None = None,
+        aux_ld: int = 0,
+    ) -> None:
         """Column-major ``D (m×n) = op(A) (m×k) · op(B) (k×n)`` with an epilogue, on the current stream."""
         key = (ta, tb, m, n, k, lda, ldb, ldd, epilogue, aux_ld, d.dtype, None if bias is None else bias.dtype, aux is not None)
         plan = self.plans.get(key)
@@ -179,19 +217,45 @@ class Lt:
             self._set(desc, "EPILOGUE_AUX_POINTER", ctypes.c_void_p(aux.data_ptr()))
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         stream = ctypes.c_void_p(torch.cuda.current_stream(d.device).cuda_stream)
-        self._check(self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(alpha), ctypes.c_void_p(a.data_ptr()), la, ctypes.c_void_p(b.data_ptr()), lb,
-            ctypes.byref(beta), ctypes.c_void_p(d.data_ptr()), ld_, ctypes.c_void_p(d.data_ptr()), ld_,
-            ctypes.byref(found.algo), ctypes.c_void_p(self.workspace.data_ptr()), ctypes.c_size_t(_WORKSPACE_BYTES), stream),
-            f"matmul ({epilogue}, {m}x{n}x{k})")
+        self._check(
+            self.lib.cublasLtMatmul(
+                self.handle,
+                desc,
+                ctypes.byref(alpha),
+                ctypes.c_void_p(a.data_ptr()),
+                la,
+                ctypes.c_void_p(b.data_ptr()),
+                lb,
+                ctypes.byref(beta),
+                ctypes.c_void_p(d.data_ptr()),
+                ld_,
+                ctypes.c_void_p(d.data_ptr()),
+                ld_,
+                ctypes.byref(found.algo),
+                ctypes.c_void_p(self.workspace.data_ptr()),
+                ctypes.c_size_t(_WORKSPACE_BYTES),
+                stream,
+            ),
+            f"matmul ({epilogue}, {m}x{n}x{k})",
+        )
 
 
 def takes(*tensors: Tensor) -> bool:
     """cuBLASLt is given these operands here: CUDA, one half dtype, contiguous, 16-byte aligned rows."""
     t0 = tensors[0]
-    return (t0.is_cuda and t0.dtype in DTYPES and unavailable() is None
-            and all(t.device == t0.device and t.dtype == t0.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-                    and t.shape[-1] % 8 == 0 for t in tensors))
+    return (
+        t0.is_cuda
+        and t0.dtype in DTYPES
+        and unavailable() is None
+        and all(
+            t.device == t0.device
+            and t.dtype == t0.dtype
+            and t.is_contiguous()
+            and t.data_ptr() % 16 == 0
+            and t.shape[-1] % 8 == 0
+            for t in tensors
+        )
+    )
 
 
 # row-major operations ------------------------------------------------------------------------------------

@@ -49,8 +49,12 @@ def runs_kernels(t: Any, *, under_compile: bool = False) -> bool:
     fuses them with their neighbours (residual adds, casts) better than an opaque kernel can;
     ``under_compile=True`` (cross-entropy: nothing to fuse it with, and the fp32 upcast it saves
     is a whole copy of the logits) keeps the kernel there too."""
-    return isinstance(t, Tensor) and t.dtype in _KERNEL_DTYPES and (t.is_cuda or (_INTERPRETING and t.device.type == "cpu")) \
+    return (
+        isinstance(t, Tensor)
+        and t.dtype in _KERNEL_DTYPES
+        and (t.is_cuda or (_INTERPRETING and t.device.type == "cpu"))
         and (under_compile or not torch.compiler.is_compiling())
+    )
 
 
 def hooked(module: nn.Module) -> bool:
@@ -94,8 +98,12 @@ class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` through :func:`speedkit.kernels.layer_norm` (over one last dim; else PyTorch's)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if len(self.normalized_shape) != 1 or not runs_kernels(input) or input.dim() == 0 \
-                or input.shape[-1] != self.normalized_shape[0]:
+        if (
+            len(self.normalized_shape) != 1
+            or not runs_kernels(input)
+            or input.dim() == 0
+            or input.shape[-1] != self.normalized_shape[0]
+        ):
             return super().forward(input)
         x, upcast = _norm_input(input, "layer_norm")
         if not _params_match(x, upcast, self.weight, self.bias):
@@ -129,22 +137,35 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if self.weight is not None:
             return super().forward(input, target)
-        return cross_entropy(input, target, reduction=self.reduction, ignore_index=self.ignore_index,
-                             label_smoothing=self.label_smoothing)
+        return cross_entropy(
+            input, target, reduction=self.reduction, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing
+        )
 
     def _get_name(self) -> str:
         return "speedkit.CrossEntropyLoss"
 
 
 #: the speedkit module that stands in for each exact PyTorch class
-SWAPS: dict[type[nn.Module], type[nn.Module]] = {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.CrossEntropyLoss: CrossEntropyLoss}
+SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.LayerNorm: LayerNorm,
+    nn.RMSNorm: RMSNorm,
+    nn.CrossEntropyLoss: CrossEntropyLoss,
+}
 
 
 # -- functions the rewritten code calls ------------------------------------------------------------------
 
 
-def cross_entropy(input: Any, target: Any, *, upcast: bool = False, reduction: str = "mean", ignore_index: int = -100,
-                  label_smoothing: float = 0.0, **other: Any) -> Tensor:
+def cross_entropy(
+    input: Any,
+    target: Any,
+    *,
+    upcast: bool = False,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    **other: Any,
+) -> Tensor:
     """``F.cross_entropy(input.float() if upcast else input, target, …)``, fused where the kernel applies.
 
     ``upcast`` stands for a ``.float()`` the rewriter removed from the user's logits: the kernel
@@ -152,12 +173,21 @@ def cross_entropy(input: Any, target: Any, *, upcast: bool = False, reduction: s
     loss equals the upcast version's up to fp32 rounding). Class-index targets over the last dim
     of 2-D logits only; probability targets, class weights, other layouts and devices run PyTorch.
     """
-    if other or reduction not in ("mean", "sum", "none") or not runs_kernels(input, under_compile=True) or input.dim() != 2 \
-            or not isinstance(target, Tensor) or target.dtype != torch.int64 or target.dim() != 1 \
-            or target.shape[0] != input.shape[0] or target.device != input.device:
+    if (
+        other
+        or reduction not in ("mean", "sum", "none")
+        or not runs_kernels(input, under_compile=True)
+        or input.dim() != 2
+        or not isinstance(target, Tensor)
+        or target.dtype != torch.int64
+        or target.dim() != 1
+        or target.shape[0] != input.shape[0]
+        or target.device != input.device
+    ):
         logits = input.float() if upcast else input
-        return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index,
-                               label_smoothing=label_smoothing, **other)
+        return F.cross_entropy(
+            logits, target, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, **other
+        )
     # the kernel reads targets with stride 1 (a strided view, e.g. target[::2], would be misread)
     loss = kernels.cross_entropy(input, target.contiguous(), reduction, ignore_index, label_smoothing)  # fp32
     if upcast or input.dtype == torch.float32 or torch.is_autocast_enabled(input.device.type):
@@ -176,8 +206,14 @@ def linear_gelu(linear: nn.Module, act: nn.Module | None, x: Any, approximate: s
         if type(act) is not nn.GELU or hooked(act):
             return act(linear(x))
         approximate = act.approximate
-    if type(linear) is not nn.Linear or linear.bias is None or hooked(linear) or not runs_kernels(x) \
-            or approximate not in ("none", "tanh") or linear.bias.dtype != linear.weight.dtype:
+    if (
+        type(linear) is not nn.Linear
+        or linear.bias is None
+        or hooked(linear)
+        or not runs_kernels(x)
+        or approximate not in ("none", "tanh")
+        or linear.bias.dtype != linear.weight.dtype
+    ):
         h = linear(x)
         return act(h) if act is not None else F.gelu(h, approximate=approximate)
     h = F.linear(x, linear.weight)  # (…, out): the bias is added inside the GELU kernel
@@ -207,11 +243,20 @@ def gelu_mlp(proj: nn.Module, act: nn.Module | None, fc: nn.Module, x: Any, appr
 
 def _mlp_dtype(proj: nn.Module, fc: nn.Module, x: Any) -> torch.dtype | None:
     """The dtype :func:`gelu_mlp` computes in, or None where it does not apply."""
-    if not (type(fc) is nn.Linear and type(proj) is nn.Linear and fc.bias is not None and proj.bias is not None
-            and not hooked(fc) and not hooked(proj) and isinstance(x, Tensor) and x.dim() >= 2
-            and x.shape[-1] == fc.in_features and proj.in_features == fc.out_features
-            and len({fc.weight.dtype, fc.bias.dtype, proj.weight.dtype, proj.bias.dtype}) == 1
-            and x.device == fc.weight.device):
+    if not (
+        type(fc) is nn.Linear
+        and type(proj) is nn.Linear
+        and fc.bias is not None
+        and proj.bias is not None
+        and not hooked(fc)
+        and not hooked(proj)
+        and isinstance(x, Tensor)
+        and x.dim() >= 2
+        and x.shape[-1] == fc.in_features
+        and proj.in_features == fc.out_features
+        and len({fc.weight.dtype, fc.bias.dtype, proj.weight.dtype, proj.bias.dtype}) == 1
+        and x.device == fc.weight.device
+    ):
         return None
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -232,8 +277,13 @@ def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     """
     if act is not None and (type(act) is not nn.SiLU or act.inplace or hooked(act)):
         return act(gate) * up
-    if not (runs_kernels(gate) and isinstance(up, Tensor) and gate.shape == up.shape and gate.dtype == up.dtype
-            and gate.device == up.device):
+    if not (
+        runs_kernels(gate)
+        and isinstance(up, Tensor)
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.device == up.device
+    ):
         return F.silu(gate) * up
     return kernels.swiglu(gate, up)
 

@@ -39,9 +39,24 @@ CHUNK = 4096
 
 
 @triton.jit
-def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps,
-                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_fwd_kernel(
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    stride_x,
+    stride_y,
+    M,
+    N,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Rows that fit in one block: BLOCK_M rows × BLOCK_N (>= N) columns per program."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,8 +87,22 @@ def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps,
 
 
 @triton.jit
-def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
-                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_fwd_looped_kernel(
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """One wide row per program: statistics in one pass, then y.
 
     Each lane keeps a running (count, mean, M2) over the elements it sees (Welford), and the lanes
@@ -119,9 +148,26 @@ def _norm_fwd_looped_kernel(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
 
 
 @triton.jit
-def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, stride_x, stride_dx, M, N,
-                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PART,
+    DB_PART,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Persistent: program p takes row blocks p, p+P, …; dw/db partials stay in registers."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -165,8 +211,25 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, stri
 
 
 @triton.jit
-def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, stride_dy, stride_x, stride_dx, M, N,
-                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr):
+def _norm_bwd_looped_kernel(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PART,
+    DB_PART,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Persistent over wide rows: per row one pass for the two means, one for dx; the program's own
     row of the partial buffers accumulates dw/db (no other program touches it)."""
     pid = tl.program_id(0)
@@ -265,8 +328,9 @@ def _partials_block(N: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_partials_kernel(
+    PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """dw = Σ_p part[0, p], db = Σ_p part[-1, p] for one column block, BLOCK_P partial rows at a
     time, written in the parameters' dtype: one launch for both, many programs (narrow blocks)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,8 +352,15 @@ def _sum_partials_kernel(PART, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.cons
         tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=ok)
 
 
-def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool,
-                 out: Tensor | None = None, separate_stats: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def norm_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    out: Tensor | None = None,
+    separate_stats: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)`` for ``x`` of shape (M, N) with a contiguous last dim.
 
     ``mean`` and ``rstd`` are two views of one allocation (small problems are host-bound: every
@@ -310,18 +381,57 @@ def norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: flo
     if N <= MAX_FUSED:
         block_m, block_n, warps = _fwd_config(N)
         grid = (triton.cdiv(M, block_m),)
-        _norm_fwd_kernel[grid](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
-                               IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
-                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _norm_fwd_kernel[grid](
+            x,
+            w,
+            b,
+            y,
+            mean,
+            rstd,
+            x.stride(0),
+            y.stride(0),
+            M,
+            N,
+            eps,
+            IS_RMS=rms,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+        )
     else:
-        _norm_fwd_looped_kernel[(M,)](x, w, b, y, mean, rstd, x.stride(0), y.stride(0), N, eps,
-                                      IS_RMS=rms, HAS_W=weight is not None, HAS_B=bias is not None,
-                                      BLOCK_N=CHUNK, num_warps=16)
+        _norm_fwd_looped_kernel[(M,)](
+            x,
+            w,
+            b,
+            y,
+            mean,
+            rstd,
+            x.stride(0),
+            y.stride(0),
+            N,
+            eps,
+            IS_RMS=rms,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            BLOCK_N=CHUNK,
+            num_warps=16,
+        )
     return y, mean, rstd
 
 
-def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool, has_bias: bool,
-                  dx_out: Tensor | None = None, separate_grads: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def norm_backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    rms: bool,
+    has_bias: bool,
+    dx_out: Tensor | None = None,
+    separate_grads: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``(dx, dw, db)``; dw/db are None when there is no weight/bias.
 
     dw and db are two views of one allocation unless ``separate_grads`` (custom-op outputs may
@@ -332,7 +442,11 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     has_w = weight is not None
     if M == 0:
         zero = lambda: torch.zeros(N, dtype=torch.float32, device=x.device)  # noqa: E731
-        return dx, (zero().to(weight.dtype) if has_w else None), (zero().to(weight.dtype if has_w else x.dtype) if has_bias else None)
+        return (
+            dx,
+            (zero().to(weight.dtype) if has_w else None),
+            (zero().to(weight.dtype if has_w else x.dtype) if has_bias else None),
+        )
     w = weight if has_w else x
     wide = N > MAX_FUSED
     if wide:
@@ -346,12 +460,48 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
     dw_part = part[0] if has_w else x
     db_part = part[planes - 1] if has_bias else x
     if wide:
-        _norm_bwd_looped_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
-                                             M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias, BLOCK_N=CHUNK, num_warps=16)
+        _norm_bwd_looped_kernel[(programs,)](
+            dy,
+            x,
+            w,
+            mean,
+            rstd,
+            dx,
+            dw_part,
+            db_part,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            M,
+            N,
+            IS_RMS=rms,
+            HAS_W=has_w,
+            HAS_B=has_bias,
+            BLOCK_N=CHUNK,
+            num_warps=16,
+        )
     else:
-        _norm_bwd_kernel[(programs,)](dy, x, w, mean, rstd, dx, dw_part, db_part, dy.stride(0), x.stride(0), dx.stride(0),
-                                      M, N, IS_RMS=rms, HAS_W=has_w, HAS_B=has_bias,
-                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _norm_bwd_kernel[(programs,)](
+            dy,
+            x,
+            w,
+            mean,
+            rstd,
+            dx,
+            dw_part,
+            db_part,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            M,
+            N,
+            IS_RMS=rms,
+            HAS_W=has_w,
+            HAS_B=has_bias,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+        )
     if not planes:
         return dx, None, None
     param_dtype = weight.dtype if has_w else x.dtype
@@ -364,8 +514,18 @@ def norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rs
         dw = grads[0] if has_w else None
         db = grads[planes - 1] if has_bias else None
     block = _partials_block(N, x.device)
-    _sum_partials_kernel[(triton.cdiv(N, block),)](part, dw if has_w else grads, db if has_bias else grads, programs, N,
-                                                   HAS_W=has_w, HAS_B=has_bias, BLOCK_P=32, BLOCK_N=block, num_warps=4)
+    _sum_partials_kernel[(triton.cdiv(N, block),)](
+        part,
+        dw if has_w else grads,
+        db if has_bias else grads,
+        programs,
+        N,
+        HAS_W=has_w,
+        HAS_B=has_bias,
+        BLOCK_P=32,
+        BLOCK_N=block,
+        num_warps=4,
+    )
     return dx, dw, db
 
 
@@ -384,8 +544,9 @@ def _(x, weight, bias, eps, rms):
 
 
 @torch.library.custom_op("speedkit::norm_bwd", mutates_args=())
-def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool,
-                 has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _norm_bwd_op(
+    dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor, rms: bool, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = norm_backward(dy, x, weight, mean, rstd, rms, has_bias, separate_grads=True)
     # custom ops return tensors: absent gradients travel as empty ones (distinct: outputs may not alias)
     return dx, dw if dw is not None else x.new_empty(0), db if db is not None else x.new_empty(0)
@@ -395,8 +556,11 @@ def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rst
 def _(dy, x, weight, mean, rstd, rms, has_bias):
     N = x.shape[1]
     pdt = weight.dtype if weight is not None else x.dtype
-    return (torch.empty_like(x), x.new_empty(N if weight is not None else 0, dtype=pdt),
-            x.new_empty(N if has_bias else 0, dtype=pdt))
+    return (
+        torch.empty_like(x),
+        x.new_empty(N if weight is not None else 0, dtype=pdt),
+        x.new_empty(N if has_bias else 0, dtype=pdt),
+    )
 
 
 def _setup(ctx, inputs, output):

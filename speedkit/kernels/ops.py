@@ -85,8 +85,9 @@ def _finish(probs: Tensor, v: Tensor, final_eq: str | None) -> Tensor:
     return probs @ v if final_eq is None else torch.einsum(final_eq, probs, v)
 
 
-def attention(pattern: Pattern, v: Tensor, *, final_eq: str | None = None, is_causal: bool = False,
-              exact_float_masks: bool = False) -> Tensor:
+def attention(
+    pattern: Pattern, v: Tensor, *, final_eq: str | None = None, is_causal: bool = False, exact_float_masks: bool = False
+) -> Tensor:
     """``softmax(scale * q kᵀ + mask) @ v`` as one ``F.scaled_dot_product_attention`` call.
 
     ``is_causal`` is set by the rewriter only where the sole mask is a verified causal buffer
@@ -101,8 +102,12 @@ def attention(pattern: Pattern, v: Tensor, *, final_eq: str | None = None, is_ca
     head = pattern[0]
     q = head[1] if head[0] == "mm" else head[2]
     k = head[2].mT if head[0] == "mm" else head[3]
-    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)) or q.dim() < 3 \
-            or not (q.dtype == k.dtype == v.dtype) or q.shape[:-2] != v.shape[:-2]:
+    if (
+        not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor))
+        or q.dim() < 3
+        or not (q.dtype == k.dtype == v.dtype)
+        or q.shape[:-2] != v.shape[:-2]
+    ):
         return _finish(replay(pattern), v, final_eq)
     scale: Any = 1.0
     adds: list[Tensor] = []
@@ -146,8 +151,9 @@ def attention(pattern: Pattern, v: Tensor, *, final_eq: str | None = None, is_ca
 
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=float(dropout_p), scale=float(scale))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=float(dropout_p),
-                                          is_causal=is_causal and mask is None, scale=float(scale))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=float(dropout_p), is_causal=is_causal and mask is None, scale=float(scale)
+    )
 
 
 # -- batched ops ----------------------------------------------------------------------------------
@@ -163,10 +169,15 @@ def _same_linears(linears: Sequence[Any], same_out: bool) -> bool:
     if type(first) is not nn.Linear:
         return False
     for lin in linears:
-        if type(lin) is not nn.Linear or compat.has_hooks(lin) or lin.in_features != first.in_features \
-                or (same_out and lin.out_features != first.out_features) \
-                or lin.weight.dtype != first.weight.dtype or lin.weight.device != first.weight.device \
-                or (lin.bias is None) != (first.bias is None):
+        if (
+            type(lin) is not nn.Linear
+            or compat.has_hooks(lin)
+            or lin.in_features != first.in_features
+            or (same_out and lin.out_features != first.out_features)
+            or lin.weight.dtype != first.weight.dtype
+            or lin.weight.device != first.weight.device
+            or (lin.bias is None) != (first.bias is None)
+        ):
             return False
     return True
 
@@ -213,8 +224,11 @@ def _batch_operand(t: Any, n: int, indexed: bool) -> Tensor | None:
     if indexed:
         if isinstance(t, (list, tuple)):
             items = t[:n]
-            if len(items) < n or not all(isinstance(s, Tensor) for s in items) \
-                    or len({(s.shape, s.dtype, s.device) for s in items}) != 1:
+            if (
+                len(items) < n
+                or not all(isinstance(s, Tensor) for s in items)
+                or len({(s.shape, s.dtype, s.device) for s in items}) != 1
+            ):
                 return None
             t = torch.stack(list(items))
         if not isinstance(t, Tensor) or t.dim() < 3 or t.shape[0] < n:  # 1-D slices: matmul is a dot/mv
@@ -261,8 +275,12 @@ def loop_linear(linears: Sequence[nn.Linear], x: Any, n: int, x_indexed: bool) -
     if n <= 0 or len(linears) < n or not isinstance(x, Tensor):
         return loop()
     mods = [linears[i] for i in range(n)]
-    if not _same_linears(mods, same_out=True) or x.dim() < (2 if x_indexed else 1) \
-            or (x_indexed and x.shape[0] < n) or x.shape[-1] != mods[0].in_features:
+    if (
+        not _same_linears(mods, same_out=True)
+        or x.dim() < (2 if x_indexed else 1)
+        or (x_indexed and x.shape[0] < n)
+        or x.shape[-1] != mods[0].in_features
+    ):
         return loop()
     d_in, d_out = mods[0].in_features, mods[0].out_features
     weight = torch.stack([m.weight for m in mods]).transpose(1, 2)  # (n, in, out)
@@ -292,8 +310,13 @@ def store_slices(target: Any, n: int, value: Tensor | list[Any]) -> None:
     """``for i in range(n): target[i] = value[i]``, as one slice assignment where that is the same."""
     if n <= 0:
         return
-    if isinstance(target, Tensor) and isinstance(value, Tensor) and value.dim() == target.dim() \
-            and value.shape[0] == n and target.shape[0] >= n:
+    if (
+        isinstance(target, Tensor)
+        and isinstance(value, Tensor)
+        and value.dim() == target.dim()
+        and value.shape[0] == n
+        and target.shape[0] >= n
+    ):
         target[:n] = value
         return
     for i in range(n):

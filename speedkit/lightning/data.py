@@ -141,18 +141,25 @@ class _Serving:
     reloads: int = 0
 
     def describe(self) -> str:
-        what = (f"a copy of the user's DataLoader with {self.settings.describe()}" if self.settings is not None
-                else "the user's DataLoader")
+        what = (
+            f"a copy of the user's DataLoader with {self.settings.describe()}"
+            if self.settings is not None
+            else "the user's DataLoader"
+        )
         if self.stop_at_length:
-            what += (" (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
-                     "so its generator draws the same shuffles)")
+            what += (
+                " (its sampler read through StopAtLength: the workers read it no further than the fit without them, "
+                "so its generator draws the same shuffles)"
+            )
         if self.ring is not None:
             what += f", its workers writing each batch into {describe_ring(self.ring)}"
         if isinstance(self.served, PrefetchingLoader):
             what += f", each batch copied to {self.served.device} on a side stream while the step before runs"
             if self.served.ahead_when_told:
-                what += (" (the batch ahead pulled once the module's on_train_batch_start lets the step run: an epoch it "
-                         "ends with -1 leaves the loader where the fit without speedkit leaves it)")
+                what += (
+                    " (the batch ahead pulled once the module's on_train_batch_start lets the step run: an epoch it "
+                    "ends with -1 leaves the loader where the fit without speedkit leaves it)"
+                )
         return what
 
     def replace(self, other: _Serving) -> None:
@@ -213,16 +220,23 @@ class DataPathFit:
 
         handle.record(f"fit: the train loop iterates {serving.describe()}", put_back)
         if isinstance(serving.served, PrefetchingLoader) and serving.served.ahead_when_told:
-            set_attr(handle, module, "on_train_batch_start", PullAheadAfter(module.on_train_batch_start, serving),
-                     "fit: the module's on_train_batch_start is followed by the pull of the batch ahead")
+            set_attr(
+                handle,
+                module,
+                "on_train_batch_start",
+                PullAheadAfter(module.on_train_batch_start, serving),
+                "fit: the module's on_train_batch_start is followed by the pull of the batch ahead",
+            )
         handle.record(f"fit: {self._first_epoch(trainer, serving.original, serving.fit_loader, serving.served)}")
         reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         if reload_every:
             unwatch = compat.lightning_watch_train_reload(trainer, lambda: self._reloaded(trainer, serving, handle))
             if unwatch is None:
-                handle.record(f"fit: reload_dataloaders_every_n_epochs={reload_every}, but its reloads cannot be watched "
-                              "(Lightning's internals moved?): from the first reload on, the fit iterates the new loader "
-                              "as Lightning makes it")
+                handle.record(
+                    f"fit: reload_dataloaders_every_n_epochs={reload_every}, but its reloads cannot be watched "
+                    "(Lightning's internals moved?): from the first reload on, the fit iterates the new loader "
+                    "as Lightning makes it"
+                )
             else:  # and the states each reload's iterator is made from (see _reloaded)
                 watches += [unwatch, watch_fit_iterator_start(trainer)]
         handle.report = lambda: [line for line in self.source.report_lines() if line.startswith("fit:")]
@@ -233,16 +247,23 @@ class DataPathFit:
         (each from its next ``iter()`` on)."""
         settings = self.source.plan.rebuild
         stop = settings is not None and needs_stop_at_length(original, settings.num_workers)
-        fit_loader = rebuild_loader(original, **dataclasses.asdict(settings), stop_at_length=stop) if settings is not None \
-            else original
+        fit_loader = (
+            rebuild_loader(original, **dataclasses.asdict(settings), stop_at_length=stop) if settings is not None else original
+        )
         served: Any = fit_loader
         ring = None
         if self.source.plan.prefetch:
             if self.source.plan.ring is not None and settings is not None and settings.num_workers > 0:
                 ring = make_ring(self.source.plan.ring)
-            served = PrefetchingLoader(handoff_loader(fit_loader, ring) if ring is not None else fit_loader, self.source.device,
-                                       lookahead=self.source.plan.lookahead, times=self.source.fit_times, ring=ring,
-                                       limit=epoch_batches(trainer), ahead_when_told=may_end_epoch_at_batch_start(trainer))
+            served = PrefetchingLoader(
+                handoff_loader(fit_loader, ring) if ring is not None else fit_loader,
+                self.source.device,
+                lookahead=self.source.plan.lookahead,
+                times=self.source.fit_times,
+                ring=ring,
+                limit=epoch_batches(trainer),
+                ahead_when_told=may_end_epoch_at_batch_start(trainer),
+            )
         compat.lightning_set_train_loaders(trainer, [served])
         return _Serving(original, fit_loader, served, ring, settings, stop)
 
@@ -276,8 +297,10 @@ class DataPathFit:
             # a first iterator of the copy would draw its workers' base seed too: make it now instead
             problem = self._make_again(trainer, serving.original, serving.fit_loader)
             if problem is not None and serving.reloads == 1:
-                handle.record(f"fit: a reloaded loader's persistent workers were not made again ({problem}): its copy "
-                              "draws its workers' seeds where the fit without speedkit does not")
+                handle.record(
+                    f"fit: a reloaded loader's persistent workers were not made again ({problem}): its copy "
+                    "draws its workers' seeds where the fit without speedkit does not"
+                )
 
     def _first_epoch(self, trainer: Any, original: Any, fit_loader: Any, served: Any) -> str:
         """Lightning created the first epoch's iterator from ``original`` before the trials; make it
@@ -314,8 +337,10 @@ class DataPathFit:
         now = RngState.capture([g for g, _ in start.before.generators])
         same_moments = (getattr(original, "num_workers", 0) > 0) == (getattr(fit_loader, "num_workers", 0) > 0)
         if not same_moments and not now.same_as(start.after):
-            return ("the RNGs were drawn from between its creation and the trials, and the new worker count "
-                    "draws the shuffle at another moment")
+            return (
+                "the RNGs were drawn from between its creation and the trials, and the new worker count "
+                "draws the shuffle at another moment"
+            )
         start.before.restore()
         try:
             replaced = compat.lightning_restart_train_iterator(trainer)

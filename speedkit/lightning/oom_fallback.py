@@ -67,7 +67,7 @@ class OOMFallback(Callback):
         self.fallback: MicroBatcher | None = None
         self.not_applied: str | None = None
         self._handle: Handle | None = None
-        self._zeroed = False        # the batch's gradients were zeroed before its forward: Lightning's zero_grad is spent
+        self._zeroed = False  # the batch's gradients were zeroed before its forward: Lightning's zero_grad is spent
         self._backward_done = False  # the batch's backward ran: Lightning's backward of the returned loss does nothing
         self._sync_saved = True
 
@@ -81,11 +81,14 @@ class OOMFallback(Callback):
         if not pl_module.automatic_optimization:
             self.not_applied = "manual optimization: the module runs its own backward and optimizer step"
         elif trainer.world_size > 1 and not isinstance(trainer.strategy.model, DistributedDataParallel):
-            self.not_applied = (f"{type(trainer.strategy).__name__} over several processes: only DDP is supported "
-                                "(every rank must take the same split in the same step)")
+            self.not_applied = (
+                f"{type(trainer.strategy).__name__} over several processes: only DDP is supported "
+                "(every rank must take the same split in the same step)"
+            )
         if self.not_applied is not None:
-            rank_zero_warn(f"speedkit OOMFallback: not applied ({self.not_applied}); the fit runs as it is.",
-                           category=UserWarning)
+            rank_zero_warn(
+                f"speedkit OOMFallback: not applied ({self.not_applied}); the fit runs as it is.", category=UserWarning
+            )
             return
         params = lambda: (p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])  # noqa: E731
         if self.fallback is None:
@@ -176,8 +179,7 @@ class OOMFallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.report_dir is not None and self.fallback is not None and trainer.is_global_zero:
-            doc = {"schema_version": 1, **self.fallback.report(),
-                   "events_text": [e.describe() for e in self.fallback.events]}
+            doc = {"schema_version": 1, **self.fallback.report(), "events_text": [e.describe() for e in self.fallback.events]}
             write_text_atomic(self.report_dir / "oom_fallback.json", json.dumps(doc, indent=2) + "\n")
 
     @override

@@ -82,9 +82,16 @@ class SpeedLadder(Callback):
         trainer = Trainer(callbacks=[SpeedLadder(rungs=["tf32", "compile"])])  # given rungs, no trials
     """
 
-    def __init__(self, rungs: Sequence[str | dict | Rung] | None = None, *, trials: bool | None = None,
-                 measure: dict[str, Any] | MeasureConfig | None = None, report_dir: str | Path | None = None,
-                 stop_after_holds: bool = False, on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        rungs: Sequence[str | dict | Rung] | None = None,
+        *,
+        trials: bool | None = None,
+        measure: dict[str, Any] | MeasureConfig | None = None,
+        report_dir: str | Path | None = None,
+        stop_after_holds: bool = False,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         if trials is not None and not isinstance(trials, bool):
             raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
@@ -93,8 +100,11 @@ class SpeedLadder(Callback):
         if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
             raise ConfigError("report_dir", f"expected a folder path, found {type(report_dir).__name__} {report_dir!r}")
         if trials is False and rungs is None:
-            raise ConfigError("trials", "False applies the rungs given, without measuring them, and none were given; pass "
-                              "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder")
+            raise ConfigError(
+                "trials",
+                "False applies the rungs given, without measuring them, and none were given; pass "
+                "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder",
+            )
         self.trials = rungs is None if trials is None else trials
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
         self.measure = MeasureConfig.from_dict(measure)
@@ -162,8 +172,10 @@ class SpeedLadder(Callback):
             return
         self.result, self.not_run = None, None
         if trainer.world_size > 1:
-            self.not_run = ("trials across several processes are not supported yet (each rank would decide alone); run "
-                            "`speedkit optimize` on one device and pass its kept rungs: SpeedLadder(rungs=[...])")
+            self.not_run = (
+                "trials across several processes are not supported yet (each rank would decide alone); run "
+                "`speedkit optimize` on one device and pass its kept rungs: SpeedLadder(rungs=[...])"
+            )
         elif not pl_module.automatic_optimization:
             self.not_run = "trials run automatic-optimization steps; this LightningModule sets automatic_optimization = False"
         if self.not_run is not None:
@@ -178,8 +190,9 @@ class SpeedLadder(Callback):
             self._probe.batch_started()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._probe is None:
             return
         if self._probe.batch_ended(self._steps.batch_ended(trainer)):
@@ -206,11 +219,12 @@ class SpeedLadder(Callback):
         self._stop_watch()
         self._undo_all()
         self._state = None
-        if stage == "fit" and self.trials and self.result is None and self.not_run is None \
-                and trainer.num_training_batches == 0:
-            self.not_run = ("the fit has no training batches (limit_train_batches is 0)" if trainer.limit_train_batches == 0
-                            else "the train loader yields no batches: its dataset is smaller than one batch with "
-                                 "drop_last=True, or empty")
+        if stage == "fit" and self.trials and self.result is None and self.not_run is None and trainer.num_training_batches == 0:
+            self.not_run = (
+                "the fit has no training batches (limit_train_batches is 0)"
+                if trainer.limit_train_batches == 0
+                else "the train loader yields no batches: its dataset is smaller than one batch with drop_last=True, or empty"
+            )
             self._warn_not_run()
 
     def _warn_not_run(self) -> None:
@@ -219,8 +233,12 @@ class SpeedLadder(Callback):
     # -- state -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rungs": [r.name for r in self.rungs], "trials": self.trials, "applied": dict(self.applied_changes),
-                "skipped": dict(self.skipped)}
+        return {
+            "rungs": [r.name for r in self.rungs],
+            "trials": self.trials,
+            "applied": dict(self.applied_changes),
+            "skipped": dict(self.skipped),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -234,17 +252,26 @@ class SpeedLadder(Callback):
         source = LightningSource(trainer, pl_module)
         state = TrainState(model=pl_module, optimizer=step.optimizer, device=step.device, step=step, data=source)
         run_info = {
-            "precision": str(trainer.precision), "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
-            "strategy": type(trainer.strategy).__name__, "optimizer": type(step.optimizer).__name__ if step.optimizer else None,
+            "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val,
+            "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "strategy": type(trainer.strategy).__name__,
+            "optimizer": type(step.optimizer).__name__ if step.optimizer else None,
             "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
         }
         self._state = state
         trace_dir = self.trace_dir or (self.report_dir / "traces" if self.report_dir is not None else None)
-        self._ladder = Ladder(state, self.rungs, self.measure, on_event=self.on_event, run_info=run_info,
-                              planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
-                              trace_dir=trace_dir if trainer.is_global_zero else None,
-                              on_progress=self.on_progress if trainer.is_global_zero else None)
+        self._ladder = Ladder(
+            state,
+            self.rungs,
+            self.measure,
+            on_event=self.on_event,
+            run_info=run_info,
+            planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
+            trace_dir=trace_dir if trainer.is_global_zero else None,
+            on_progress=self.on_progress if trainer.is_global_zero else None,
+        )
         try:
             with _sigterm_raises():
                 self.result = self._ladder.run()
@@ -266,14 +293,14 @@ class SpeedLadder(Callback):
         self._bind_fit(trainer, pl_module, state, step, source)  # after: its lines add to the kept rungs' changes
         # the fit starts the kept rungs afresh (a graph warms up and captures again in its first steps)
         settle = max((h.settle_steps for h in self.handles), default=0)
-        self._probe = _HoldsProbe(self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle),
-                                  trainer=trainer)
+        self._probe = _HoldsProbe(
+            self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle), trainer=trainer
+        )
         self._steps = OptimizerSteps()
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
 
-    def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: Any,
-                  source: Any) -> None:
+    def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: Any, source: Any) -> None:
         """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
         own loop runs the fit, so each wrapper binds itself into it (a graphed step, a prefetching
         loader). A binding that fails leaves the fit as Lightning runs it, and says why."""
@@ -282,10 +309,13 @@ class SpeedLadder(Callback):
             if wrapper is original or wrapper is None:
                 continue
             try:
-                handle = (bind_source(wrapper, trainer, pl_module) if what == "batch source"
-                          else wrapper.bind_fit(trainer, pl_module))
+                handle = (
+                    bind_source(wrapper, trainer, pl_module) if what == "batch source" else wrapper.bind_fit(trainer, pl_module)
+                )
             except Exception as exc:  # the fit goes on as Lightning runs it
-                line = f"the kept {what} wrapper {type(wrapper).__name__} could not bind into the fit: {type(exc).__name__}: {exc}"
+                line = (
+                    f"the kept {what} wrapper {type(wrapper).__name__} could not bind into the fit: {type(exc).__name__}: {exc}"
+                )
                 self.skipped[f"bind_{what.replace(' ', '_')}"] = line
                 rank_zero_warn(f"speedkit: {line}", category=UserWarning)
                 continue
@@ -305,15 +335,17 @@ class SpeedLadder(Callback):
         self.result.holds = probe.judge()
         profiler = next((c for c in trainer.callbacks if type(c).__name__ == "SpeedProfiler"), None)
         if profiler is not None and getattr(profiler, "monitor", None) is not None:  # the fit so far, by its own clock
-            self.result.fit_monitor = {**profiler.monitor.summary(),
-                                       "note": f"the fit's first {trainer.global_step} optimizer steps (SpeedProfiler), "
-                                               "when this report was written"}
+            self.result.fit_monitor = {
+                **profiler.monitor.summary(),
+                "note": f"the fit's first {trainer.global_step} optimizer steps (SpeedProfiler), when this report was written",
+            }
         holds = self.result.holds
         if holds.gap is not None:
             verdict = f"flagged: {holds.cause}" if holds.flagged else "holds"
-            self.on_event(f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
-                          f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}"  # type: ignore[union-attr]
-                          + (f" ({holds.note})" if holds.note else ""))
+            self.on_event(
+                f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
+                f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}" + (f" ({holds.note})" if holds.note else "")  # type: ignore[union-attr]
+            )
         if self.report_dir is not None:
             from speedkit.errors import OutputError
             from speedkit.report import write_report
@@ -321,11 +353,17 @@ class SpeedLadder(Callback):
             try:
                 write_report(self.result, self.report_dir)
             except OutputError as exc:  # the user's fit goes on; the results stay in ladder.result
-                rank_zero_warn(f"speedkit: {exc}; the report was not written (nothing half-written is left), "
-                               "its results are in SpeedLadder.result", category=UserWarning)
+                rank_zero_warn(
+                    f"speedkit: {exc}; the report was not written (nothing half-written is left), "
+                    "its results are in SpeedLadder.result",
+                    category=UserWarning,
+                )
             except Exception as exc:  # a report that cannot be rendered never stops the user's fit
-                rank_zero_warn(f"speedkit: the report could not be written ({type(exc).__name__}: {exc}); its results "
-                               "are in SpeedLadder.result", category=UserWarning)
+                rank_zero_warn(
+                    f"speedkit: the report could not be written ({type(exc).__name__}: {exc}); its results "
+                    "are in SpeedLadder.result",
+                    category=UserWarning,
+                )
         if self.stop_after_holds:
             trainer.should_stop = True
 
@@ -416,14 +454,17 @@ class _HoldsProbe:
 
     host_clock: Callable[[], float] = staticmethod(time.perf_counter)  # tests put a fake clock here
 
-    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int,
-                 trainer: pl.Trainer) -> None:
+    def __init__(self, cfg: MeasureConfig, result: LadderResult, device: torch.device, warmup: int, trainer: pl.Trainer) -> None:
         base = result.baseline.measurement
         self.cfg, self.result, self.warmup = cfg, result, warmup
-        self.session = MeasureSession(device, flops_per_step=result.flops.get("per_step"),
-                                      peak_tflops=result.flops.get("peak_tflops"),
-                                      items_per_step=base.items_per_step if base else 1,
-                                      unit=base.throughput_unit if base else "samples/s", host_clock=self.host_clock)
+        self.session = MeasureSession(
+            device,
+            flops_per_step=result.flops.get("per_step"),
+            peak_tflops=result.flops.get("peak_tflops"),
+            items_per_step=base.items_per_step if base else 1,
+            unit=base.throughput_unit if base else "samples/s",
+            host_clock=self.host_clock,
+        )
         self.windows: list[Window] = []
         self.compiling: list[Window] = []  # windows left out: they compiled
         self.between: dict[int, dict[str, float]] = {}  # id(window): seconds of Lightning's actions between its steps
@@ -472,27 +513,41 @@ class _HoldsProbe:
         if not windows and not self.compiling:
             needed = self.warmup + cfg.steps
             untimed = "measure.warmup" if self.warmup == cfg.warmup else "the kept rungs' warm-up"
-            return judge_holds(ladder, None, cfg.holds_threshold,
-                               f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
-                               f"one window needs {needed} ({untimed} + measure.steps)")
+            return judge_holds(
+                ladder,
+                None,
+                cfg.holds_threshold,
+                f"not measured: the fit ran {self.session.steps_seen} optimizer steps after the trials; timing "
+                f"one window needs {needed} ({untimed} + measure.steps)",
+            )
         notes = []
         if len(self.windows) < cfg.holds_windows and len(self.compiling) < left_out_at_most(cfg.holds_windows):
-            notes.append(f"{len(self.windows)} of {cfg.holds_windows} windows{' without compiling' if self.compiling else ''} "
-                         "(the fit ended)")
+            notes.append(
+                f"{len(self.windows)} of {cfg.holds_windows} windows{' without compiling' if self.compiling else ''} "
+                "(the fit ended)"
+            )
         if self.compiling:
             graphs = sum(w.compiled_graphs for w in self.compiling)
-            what = (f"torch.compile compiled {graphs} new graph{'s' if graphs > 1 else ''} in {len(self.compiling)} of the fit's "
-                    f"timed windows: the fit met inputs its guards had not seen in the trials (TORCH_LOGS=recompiles names "
-                    f"the guard)")
+            what = (
+                f"torch.compile compiled {graphs} new graph{'s' if graphs > 1 else ''} in {len(self.compiling)} of the fit's "
+                f"timed windows: the fit met inputs its guards had not seen in the trials (TORCH_LOGS=recompiles names "
+                f"the guard)"
+            )
             if windows:
                 notes.insert(0, f"{what}; those windows are left out, as a compilation is paid once per new guard, not per step")
             elif notes:  # the fit ended
                 windows, compiled = self.compiling, what
             else:
                 windows, compiled = self.compiling, f"{what}, in every window timed: it compiles again as the inputs change"
-        return judge_holds(ladder, self.session.measurement(windows, warmup=self.warmup), cfg.holds_threshold,
-                           "; ".join(notes) or None, compiled, shapes_vary="batch_shapes" in self.result.run,
-                           between_ms=self.between_ms(windows))
+        return judge_holds(
+            ladder,
+            self.session.measurement(windows, warmup=self.warmup),
+            cfg.holds_threshold,
+            "; ".join(notes) or None,
+            compiled,
+            shapes_vary="batch_shapes" in self.result.run,
+            between_ms=self.between_ms(windows),
+        )
 
 
 @contextlib.contextmanager

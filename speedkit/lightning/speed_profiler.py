@@ -57,9 +57,16 @@ class SpeedProfiler(Callback):
         report_dir: write ``speed_profile.json`` (the summary) there at the end of the fit (rank 0).
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, flops_per_step: int | None = None,
-                 mfu_precision: str | None = None, peak_tflops: float | None = None, nvml: bool = True,
-                 throughput_unit: str | None = None, report_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        flops_per_step: int | None = None,
+        mfu_precision: str | None = None,
+        peak_tflops: float | None = None,
+        nvml: bool = True,
+        throughput_unit: str | None = None,
+        report_dir: str | os.PathLike | None = None,
+    ) -> None:
         defaults = config.measure_defaults()
         mfu_precision = defaults["mfu_precision"] if mfu_precision is None else mfu_precision
         throughput_unit = defaults["throughput_unit"] if throughput_unit is None else throughput_unit
@@ -95,7 +102,9 @@ class SpeedProfiler(Callback):
         peak, source = peak_tflops(device, self.mfu_precision, self.peak_tflops)
         if peak is None:
             self.mfu_note = source
-        self._sampler = NvmlSampler.create(device, interval_s=float(config.defaults("nvml")["fit_interval_s"])) if self.nvml else None
+        self._sampler = (
+            NvmlSampler.create(device, interval_s=float(config.defaults("nvml")["fit_interval_s"])) if self.nvml else None
+        )
         if self._sampler is not None:
             self._sampler.start()
         self.monitor = StepMonitor(device, flops_per_step=self.flops_per_step, peak_tflops=peak, nvml=self._sampler)
@@ -114,8 +123,9 @@ class SpeedProfiler(Callback):
         self._stop_counting()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         monitor = self.monitor
         if monitor is None:
             return
@@ -147,11 +157,16 @@ class SpeedProfiler(Callback):
             self._sampler.stop()
         if self.monitor is None:
             return
-        self.summary = {**self.monitor.summary(), "mfu_note": self.mfu_note if self.monitor.peak_tflops is None else None,
-                        "flops_per_step": self.monitor.flops_per_step}
+        self.summary = {
+            **self.monitor.summary(),
+            "mfu_note": self.mfu_note if self.monitor.peak_tflops is None else None,
+            "flops_per_step": self.monitor.flops_per_step,
+        }
         if self.report_dir is not None and trainer.is_global_zero:
-            write_text_atomic(self.report_dir / "speed_profile.json",
-                              json.dumps({"schema_version": 1, **self.summary}, indent=2, default=str) + "\n")
+            write_text_atomic(
+                self.report_dir / "speed_profile.json",
+                json.dumps({"schema_version": 1, **self.summary}, indent=2, default=str) + "\n",
+            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -184,4 +199,3 @@ class SpeedProfiler(Callback):
             self.monitor.flops_per_step = total
         elif not total:
             self.mfu_note = "torch.utils.flop_counter counted no FLOPs in the first step"
-

@@ -47,8 +47,9 @@ class ClippingMixedPrecision(MixedPrecision):
     before a fused step is exact; this plugin then clips as Lightning's fp32 plugin does. With a
     scaler (fp16) it refuses as Lightning does."""
 
-    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
-                       gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM
+    ) -> None:
         if self.scaler is None:
             Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
         else:
@@ -71,8 +72,10 @@ class LightningStep(Step):
         self._schedule = ScheduleGuard()
         self._log: compat.TrialLog | None = None
         sig = inspect.signature(module.training_step)
-        self._takes_batch_idx = len([p for p in sig.parameters.values()
-                                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]) >= 2
+        self._takes_batch_idx = (
+            len([p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)])
+            >= 2
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:  # type: ignore[override]
@@ -209,8 +212,10 @@ class LightningStep(Step):
     def why_no_optimizer(self) -> str | None:
         optimizers = self.trainer.optimizers
         if len(optimizers) > 1:
-            return (f"the Trainer has {len(optimizers)} optimizers (configure_optimizers returned several); "
-                    "this rung changes the optimizer of a single-optimizer fit")
+            return (
+                f"the Trainer has {len(optimizers)} optimizers (configure_optimizers returned several); "
+                "this rung changes the optimizer of a single-optimizer fit"
+            )
         if not optimizers:
             return "the Trainer has no optimizer yet (Lightning builds it as the fit starts)"
         if compat.lightning_no_optimizer(optimizers[0]):
@@ -225,11 +230,15 @@ class LightningStep(Step):
             return None
         clip = self.trainer.gradient_clip_val
         if clip:
-            return (f"Lightning's mixed precision refuses gradient clipping (gradient_clip_val={clip}) with an optimizer "
-                    "that unscales its own gradients, as a fused one does")
+            return (
+                f"Lightning's mixed precision refuses gradient clipping (gradient_clip_val={clip}) with an optimizer "
+                "that unscales its own gradients, as a fused one does"
+            )
         if is_overridden("configure_gradient_clipping", self.model, pl.LightningModule):
-            return ("the LightningModule clips in its own configure_gradient_clipping, which Lightning's mixed precision "
-                    "refuses with an optimizer that unscales its own gradients, as a fused one does")
+            return (
+                "the LightningModule clips in its own configure_gradient_clipping, which Lightning's mixed precision "
+                "refuses with an optimizer that unscales its own gradients, as a fused one does"
+            )
         return None
 
     def set_autocast(self, dtype_name: str) -> Handle:
@@ -244,8 +253,12 @@ class LightningStep(Step):
             strategy.precision_plugin = p
 
         set_plugin(plugin)
-        handle.record(f"Trainer precision plugin: {type(previous).__name__}({previous.precision}) -> "
-                      f"MixedPrecision({_MIXED[dtype_name]!r})", lambda: set_plugin(previous), lambda: set_plugin(plugin))
+        handle.record(
+            f"Trainer precision plugin: {type(previous).__name__}({previous.precision}) -> "
+            f"MixedPrecision({_MIXED[dtype_name]!r})",
+            lambda: set_plugin(previous),
+            lambda: set_plugin(plugin),
+        )
         return handle
 
     # -- state -----------------------------------------------------------------------------
@@ -256,8 +269,10 @@ class LightningStep(Step):
 
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaler
-        return {"scaler": (scaler, scaler.state_dict()) if scaler is not None else None,
-                "schedulers": [(c.scheduler, c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
+        return {
+            "scaler": (scaler, scaler.state_dict()) if scaler is not None else None,
+            "schedulers": [(c.scheduler, c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         restore_scaler(self.scaler, state.get("scaler"), self._scaler_initial)
@@ -318,8 +333,11 @@ class LightningSource(BatchSource):
         if self._combined:
             from lightning.pytorch.utilities import CombinedLoader
 
-            copies = (type(loaders)((k, compat.trial_loader(v)) for k, v in loaders.items()) if isinstance(loaders, dict)
-                      else type(loaders)(compat.trial_loader(v) for v in loaders))
+            copies = (
+                type(loaders)((k, compat.trial_loader(v)) for k, v in loaders.items())
+                if isinstance(loaders, dict)
+                else type(loaders)(compat.trial_loader(v) for v in loaders)
+            )
             self._copies = list(copies.values()) if isinstance(copies, dict) else list(copies)
             self.iterable = CombinedLoader(copies, "max_size_cycle")
         self.trainer = trainer

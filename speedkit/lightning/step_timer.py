@@ -59,7 +59,9 @@ class StepTimer(Callback):
         self.session.batch_started()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         assert self.session is not None
         if not self.items_per_step:
             items, self.throughput_unit = count_items(batch, self.unit)

@@ -17,7 +17,7 @@ class OptimizerSteps:
     """Tells a fit's timer where its optimizer steps start and end (module docstring)."""
 
     def __init__(self) -> None:
-        self.in_step = False   # a batch of the current optimizer step has started
+        self.in_step = False  # a batch of the current optimizer step has started
         self._step_at_start = 0  # the Trainer's global_step when the current optimizer step started
 
     def batch_started(self, trainer: Any) -> bool:

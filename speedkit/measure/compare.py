@@ -38,14 +38,21 @@ class Paired(Generic[W]):
     """A comparison's decision and the windows behind it."""
 
     comparison: Comparison
-    a: list[W] = field(default_factory=list)   # the windows of A (B off), in the order timed
-    b: list[W] = field(default_factory=list)   # those of B
+    a: list[W] = field(default_factory=list)  # the windows of A (B off), in the order timed
+    b: list[W] = field(default_factory=list)  # those of B
 
 
-def compare(switch: Callable[[bool], None], time_window: Callable[[], W], rule: Rule, *, budget_s: float,
-            clock: Callable[[], float], settle: Callable[[], Any] = lambda: None,
-            start_block: Callable[[Callable[[bool], bool]], Any] | None = None,
-            on_look: Callable[[Comparison], Any] = lambda c: None) -> Paired[W]:
+def compare(
+    switch: Callable[[bool], None],
+    time_window: Callable[[], W],
+    rule: Rule,
+    *,
+    budget_s: float,
+    clock: Callable[[], float],
+    settle: Callable[[], Any] = lambda: None,
+    start_block: Callable[[Callable[[bool], bool]], Any] | None = None,
+    on_look: Callable[[Comparison], Any] = lambda c: None,
+) -> Paired[W]:
     """Time A (the configuration in effect, B off) against B in A B B A blocks; decide at the looks
     of :func:`~speedkit.measure.stats.looks` (``min_blocks`` to ``max_blocks``), and stop at the
     first decision, at ``max_blocks``, or at the first look after ``budget_s`` seconds of ``clock``

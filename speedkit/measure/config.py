@@ -112,11 +112,13 @@ class MeasureConfig:
                 raise ConfigError(f"measure.{key}", unknown_name("key", key, allowed))
         merged = {**defaults, **(values or {})}
         hints = typing.get_type_hints(cls)
-        checked = {f.name: _check(merged[f.name], hints[f.name], f.metadata, f"measure.{f.name}")
-                   for f in dataclasses.fields(cls)}
+        checked = {
+            f.name: _check(merged[f.name], hints[f.name], f.metadata, f"measure.{f.name}") for f in dataclasses.fields(cls)
+        }
         if checked["max_blocks"] < checked["min_blocks"]:
-            raise ConfigError("measure.max_blocks", f"must be >= measure.min_blocks ({checked['min_blocks']}), "
-                                                    f"found {checked['max_blocks']}")
+            raise ConfigError(
+                "measure.max_blocks", f"must be >= measure.min_blocks ({checked['min_blocks']}), found {checked['max_blocks']}"
+            )
         return cls(**checked)
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,10 +34,10 @@ IN_TRIALS = {"fetch", "transfer"}
 class Between(NamedTuple):
     """What took the host time between the fit's steps, by Lightning's actions there (ms/step)."""
 
-    hooks_ms: float       # in actions the trials do not run: callbacks' and the module's hooks, validation, checkpoints
+    hooks_ms: float  # in actions the trials do not run: callbacks' and the module's hooks, validation, checkpoints
     validation_ms: float  # of it, in validation and checkpoints
-    in_trials_ms: float   # in the fetch of the next batch and its move to the device, which the trials run too
-    wording: str          # " (of it, ms/step: ...)": the actions that count, the fetch, what no action explains
+    in_trials_ms: float  # in the fetch of the next batch and its move to the device, which the trials run too
+    wording: str  # " (of it, ms/step: ...)": the actions that count, the fetch, what no action explains
 
 
 def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -> Between:
@@ -62,21 +62,34 @@ def _what_ran_between(between: Between, wait: float, timed: bool) -> str:
     """The cause of a gap in the time between steps (``wait``: the fit's above the trials'), from
     Lightning's actions there where they were ``timed``."""
     if between.validation_ms >= 0.5 * wait:
-        return ("validation and checkpoints ran between the timed steps (the trials time training steps only): their "
-                "cost over the run is the fit's, at the validation interval it has")
+        return (
+            "validation and checkpoints ran between the timed steps (the trials time training steps only): their "
+            "cost over the run is the fit's, at the validation interval it has"
+        )
     if between.hooks_ms >= 0.5 * wait:
-        return ("per-batch hooks of the fit that the trials do not run (they time the training step, the fetch of the "
-                "batch and its move to the device, not the callbacks' and the module's batch hooks)")
+        return (
+            "per-batch hooks of the fit that the trials do not run (they time the training step, the fetch of the "
+            "batch and its move to the device, not the callbacks' and the module's batch hooks)"
+        )
     if not timed:
-        return ("the next batch (the loader does not keep up: workers, pinned memory, prefetch) or the loop's own "
-                "per-batch work (callbacks, logging)")
+        return (
+            "the next batch (the loader does not keep up: workers, pinned memory, prefetch) or the loop's own "
+            "per-batch work (callbacks, logging)"
+        )
     if between.in_trials_ms >= 0.5 * wait:
         return "the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
     return "the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)"
 
 
-def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: float, note: str | None = None,
-                compiled: str | None = None, shapes_vary: bool = False, between_ms: dict[str, float] | None = None) -> Holds:
+def judge_holds(
+    ladder: Measurement | None,
+    fit: Measurement | None,
+    threshold: float,
+    note: str | None = None,
+    compiled: str | None = None,
+    shapes_vary: bool = False,
+    between_ms: dict[str, float] | None = None,
+) -> Holds:
     """Compare the two figures; flag a gap over ``threshold`` with what explains most of it.
     ``compiled``: what ``torch.compile`` compiled during the fit's timed steps, where it did;
     ``shapes_vary``: the batches differ in shape (the trials timed shapes their warm pass had run);
@@ -92,25 +105,33 @@ def judge_holds(ladder: Measurement | None, fit: Measurement | None, threshold: 
     wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
     between = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
-    per_step = (f"{fit.data_wait_ms or 0:.2f} ms/step between steps{between.wording} and {fit.host_ms or 0:.2f} ms/step "
-                f"in them on the host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials")
+    per_step = (
+        f"{fit.data_wait_ms or 0:.2f} ms/step between steps{between.wording} and {fit.host_ms or 0:.2f} ms/step "
+        f"in them on the host in the fit, {ladder.data_wait_ms or 0:.2f} and {ladder.host_ms or 0:.2f} in the trials"
+    )
     if compiled is not None and gap_ms > 0:
         cause = f"{compiled} ({per_step})"
     elif fit.clock == "perf_counter":  # a CPU: the step is host time through and through
-        cause = (f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
-                 f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
-                 f"own per-batch work ({per_step})")
+        cause = (
+            f"on a CPU a step is all host time, so this is mostly the machine running at another speed in the trials "
+            f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
+            f"own per-batch work ({per_step})"
+        )
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
         cause = f"time between steps: {per_step}; {_what_ran_between(between, wait, timed=bool(between_ms))}"
     elif gap_ms > 0 and host >= 0.5 * gap_ms and shapes_vary:
-        cause = (f"host time in the steps: {per_step}; the batches differ in shape, and the trials timed shapes their "
-                 "untimed warm pass had run, while the fit meets shapes this process has not run: work libraries do once "
-                 "per shape (cuDNN attention plans, GEMM heuristics) is paid in its steps and fades as shapes repeat")
+        cause = (
+            f"host time in the steps: {per_step}; the batches differ in shape, and the trials timed shapes their "
+            "untimed warm pass had run, while the fit meets shapes this process has not run: work libraries do once "
+            "per shape (cuDNN attention plans, GEMM heuristics) is paid in its steps and fades as shapes repeat"
+        )
     elif gap_ms > 0 and host >= 0.5 * gap_ms:
         cause = f"host time in the steps: {per_step}; the host issues the steps more slowly than in the trials"
     elif gap_ms > 0:
-        cause = (f"not data wait or host time ({per_step}): other work between steps (validation, checkpoints, "
-                 "a synchronizing callback) or a different clock or memory state")
+        cause = (
+            f"not data wait or host time ({per_step}): other work between steps (validation, checkpoints, "
+            "a synchronizing callback) or a different clock or memory state"
+        )
     else:
         cause = f"the fit ran faster than the trials measured ({per_step})"
     if compiled is not None and not cause.startswith(compiled):  # what compiled is said, cause or not

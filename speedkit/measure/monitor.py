@@ -90,9 +90,16 @@ class StepMonitor:
     with :meth:`charge` (a callback's whole hooks: the batch counted, the figures logged).
     """
 
-    def __init__(self, device: torch.device | str, *, marks: Marks | None = None,
-                 host_clock: Callable[[], float] = time.perf_counter, flops_per_step: int | None = None,
-                 peak_tflops: float | None = None, nvml: Any = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        marks: Marks | None = None,
+        host_clock: Callable[[], float] = time.perf_counter,
+        flops_per_step: int | None = None,
+        peak_tflops: float | None = None,
+        nvml: Any = None,
+    ) -> None:
         self.device = torch.device(device)
         self.marks = marks or (CudaMarks() if self.device.type == "cuda" else HostMarks(host_clock))
         self.host_clock = host_clock
@@ -101,15 +108,15 @@ class StepMonitor:
         self.nvml = nvml
         self.items_per_step: int | None = None
         self.unit = ""
-        self.steps = 0                         # optimizer steps ended
+        self.steps = 0  # optimizer steps ended
         self.step_ms: deque[float] = deque(maxlen=ROLLING)
         self.data_wait_ms: deque[float] = deque(maxlen=ROLLING)
-        self.all_step_ms: list[float] = []     # every completed step (the summary's median)
+        self.all_step_ms: list[float] = []  # every completed step (the summary's median)
         self.all_data_wait_ms: list[float] = []
         self._pending: deque[Any] = deque()
         self._last_done: Any = None
-        self._ended_at: float | None = None    # host time of the last step's end
-        self._own_s = 0.0                      # the monitor's own host time
+        self._ended_at: float | None = None  # host time of the last step's end
+        self._own_s = 0.0  # the monitor's own host time
 
     # -- the loop's hooks --------------------------------------------------------------------
     def step_started(self) -> None:
@@ -172,10 +179,12 @@ class StepMonitor:
         if self.device.type != "cuda":
             return {}
         stats = torch.cuda.memory_stats(self.device)
-        return {"memory_allocated_bytes": float(stats.get("allocated_bytes.all.current", 0)),
-                "memory_reserved_bytes": float(stats.get("reserved_bytes.all.current", 0)),
-                "memory_peak_bytes": float(stats.get("allocated_bytes.all.peak", 0)),
-                "alloc_retries": float(stats.get("num_alloc_retries", 0))}
+        return {
+            "memory_allocated_bytes": float(stats.get("allocated_bytes.all.current", 0)),
+            "memory_reserved_bytes": float(stats.get("reserved_bytes.all.current", 0)),
+            "memory_peak_bytes": float(stats.get("allocated_bytes.all.peak", 0)),
+            "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        }
 
     def telemetry(self) -> dict[str, float]:
         """The newest NVML sample: utilization, power and its limit, SM clock, and 1.0 under
@@ -185,9 +194,16 @@ class StepMonitor:
         sample = self.nvml.latest() if self.nvml is not None else None
         if not sample:
             return {}
-        out = {key: float(sample[src]) for key, src in (("gpu_util", "util"), ("power_w", "power_w"),
-                                                         ("power_limit_w", "power_limit_w"), ("sm_clock_mhz", "sm_clock"))
-               if sample.get(src) is not None}
+        out = {
+            key: float(sample[src])
+            for key, src in (
+                ("gpu_util", "util"),
+                ("power_w", "power_w"),
+                ("power_limit_w", "power_limit_w"),
+                ("sm_clock_mhz", "sm_clock"),
+            )
+            if sample.get(src) is not None
+        }
         if "reasons" in sample:
             out["clock_slowdown"] = 1.0 if SLOWDOWN_REASONS.intersection(sample["reasons"]) else 0.0
         return out
@@ -217,16 +233,23 @@ class StepMonitor:
         memory = self.memory()
         telemetry = self.nvml.summary if self.nvml is not None else None
         return {
-            "steps": self.steps, "timed_steps": len(self.all_step_ms), "step_ms_median": step_ms,
+            "steps": self.steps,
+            "timed_steps": len(self.all_step_ms),
+            "step_ms_median": step_ms,
             "step_ms_p90": _quantile(self.all_step_ms, 0.9),
             "throughput": self.items_per_step / (step_ms / 1e3) if step_ms and self.items_per_step else None,
-            "throughput_unit": self.unit or None, "mfu": util, "tflops": achieved,
+            "throughput_unit": self.unit or None,
+            "mfu": util,
+            "tflops": achieved,
             "data_wait_ms": statistics.median(self.all_data_wait_ms) if self.all_data_wait_ms else None,
-            "peak_memory_bytes": memory.get("memory_peak_bytes"), "reserved_bytes": memory.get("memory_reserved_bytes"),
-            "alloc_retries": memory.get("alloc_retries"), "telemetry": telemetry,
-            "overhead_fraction": self.overhead_fraction(), "clock": type(self.marks).__name__,
+            "peak_memory_bytes": memory.get("memory_peak_bytes"),
+            "reserved_bytes": memory.get("memory_reserved_bytes"),
+            "alloc_retries": memory.get("alloc_retries"),
+            "telemetry": telemetry,
+            "overhead_fraction": self.overhead_fraction(),
+            "clock": type(self.marks).__name__,
             "overhead_note": "the monitor's own host time per step over the median step time; step ends are "
-                             "marked on the device's stream and read once passed: no per-step sync",
+            "marked on the device's stream and read once passed: no per-step sync",
         }
 
 

@@ -29,6 +29,8 @@ def noise_source(m: Measurement, host_bound_share: float, busy_util: float) -> s
     if m.clock == "perf_counter":
         return "the host (a CPU step is all host time: other processes, frequency scaling)"
     if host_bound(m, host_bound_share, busy_util):
-        return (f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
-                "the CPU's jitter (scheduling, frequency, other threads) is the step's")
+        return (
+            f"the host: the step is host-bound ({m.host_ms:.1f} of {m.step_ms:.1f} ms issuing it), so Python's and "
+            "the CPU's jitter (scheduling, frequency, other threads) is the step's"
+        )
     return "the device (no host, loader or clock cause seen)"

@@ -38,27 +38,25 @@ from speedkit import config
 # version lacks both names.
 _REASONS: tuple[tuple[str, str, str, int], ...] = (
     ("gpu_idle", "nvmlClocksEventReasonGpuIdle", "nvmlClocksThrottleReasonGpuIdle", 0x1),
-    ("applications_clocks_setting", "nvmlClocksEventReasonApplicationsClocksSetting",
-     "nvmlClocksThrottleReasonApplicationsClocksSetting", 0x2),
+    (
+        "applications_clocks_setting",
+        "nvmlClocksEventReasonApplicationsClocksSetting",
+        "nvmlClocksThrottleReasonApplicationsClocksSetting",
+        0x2,
+    ),
     ("sw_power_cap", "nvmlClocksEventReasonSwPowerCap", "nvmlClocksThrottleReasonSwPowerCap", 0x4),
     ("hw_slowdown", "nvmlClocksEventReasonHwSlowdown", "nvmlClocksThrottleReasonHwSlowdown", 0x8),
     ("sync_boost", "nvmlClocksEventReasonSyncBoost", "nvmlClocksThrottleReasonSyncBoost", 0x10),
-    ("sw_thermal_slowdown", "nvmlClocksEventReasonSwThermalSlowdown",
-     "nvmlClocksThrottleReasonSwThermalSlowdown", 0x20),
-    ("hw_thermal_slowdown", "nvmlClocksEventReasonHwThermalSlowdown",
-     "nvmlClocksThrottleReasonHwThermalSlowdown", 0x40),
-    ("hw_power_brake", "nvmlClocksEventReasonHwPowerBrakeSlowdown",
-     "nvmlClocksThrottleReasonHwPowerBrakeSlowdown", 0x80),
-    ("display_clocks_setting", "nvmlClocksEventReasonDisplayClockSetting",
-     "nvmlClocksThrottleReasonDisplayClockSetting", 0x100),
+    ("sw_thermal_slowdown", "nvmlClocksEventReasonSwThermalSlowdown", "nvmlClocksThrottleReasonSwThermalSlowdown", 0x20),
+    ("hw_thermal_slowdown", "nvmlClocksEventReasonHwThermalSlowdown", "nvmlClocksThrottleReasonHwThermalSlowdown", 0x40),
+    ("hw_power_brake", "nvmlClocksEventReasonHwPowerBrakeSlowdown", "nvmlClocksThrottleReasonHwPowerBrakeSlowdown", 0x80),
+    ("display_clocks_setting", "nvmlClocksEventReasonDisplayClockSetting", "nvmlClocksThrottleReasonDisplayClockSetting", 0x100),
 )
 
 #: reasons that mean the GPU ran slower than it could have (the others are idle or a setting)
-SLOWDOWN_REASONS = frozenset(
-    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake"}
-)
+SLOWDOWN_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake"})
 
-_NVML_CLOCK_SM = 1          # nvmlClockType_t NVML_CLOCK_SM
+_NVML_CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
 _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
 
@@ -93,8 +91,7 @@ def decode_clock_event_reasons(mask: int, pynvml: Any = None) -> list[str]:
     return names
 
 
-def nvml_index(cuda_index: int, pynvml: Any, visible: str | None = None,
-               uuid: str | None = None) -> int | None:
+def nvml_index(cuda_index: int, pynvml: Any, visible: str | None = None, uuid: str | None = None) -> int | None:
     """The NVML index of the GPU that CUDA calls ``cuda_index`` in this process, or ``None``.
 
     NVML enumerates every GPU of the machine; CUDA only those in ``CUDA_VISIBLE_DEVICES``, in that
@@ -148,8 +145,9 @@ class NvmlSampler:
         ValueError: ``interval_s`` is not positive or ``device_index`` is negative.
     """
 
-    def __init__(self, device_index: int = 0, interval_s: float | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, device_index: int = 0, interval_s: float | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if interval_s is None:
             interval_s = float(config.defaults("nvml")["interval_s"])
         if interval_s <= 0:
@@ -210,8 +208,7 @@ class NvmlSampler:
         self._stop_event.set()
         self._thread.join()
         self._thread = None
-        self.summary = summarize_samples(self._samples, duration_s=self._clock() - self._started_at,
-                                         error=self._error)
+        self.summary = summarize_samples(self._samples, duration_s=self._clock() - self._started_at, error=self._error)
         return self.summary
 
     @property
@@ -253,8 +250,7 @@ class NvmlSampler:
                     try:
                         sample[key] = read()
                     except pynvml.NVMLError as exc:
-                        if getattr(exc, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_SUPPORTED",
-                                                                  _NVML_ERROR_NOT_SUPPORTED):
+                        if getattr(exc, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_SUPPORTED", _NVML_ERROR_NOT_SUPPORTED):
                             raise
                         del reads[key]  # this GPU does not report it: stop asking
                 sample["t"] = time.monotonic() - self._started_mono  # when, from start(): reads take time
@@ -272,9 +268,11 @@ def _reads(pynvml: Any, handle: Any) -> dict[str, Callable[[], Any]]:
     sm = getattr(pynvml, "NVML_CLOCK_SM", _NVML_CLOCK_SM)
     # Renamed in NVML 12.2 ("throttle" -> "clocks event"); a driver older than that lacks the
     # new symbol, so fall back to the old name once and keep it.
-    getters = [getattr(pynvml, name) for name in ("nvmlDeviceGetCurrentClocksEventReasons",
-                                                  "nvmlDeviceGetCurrentClocksThrottleReasons")
-               if hasattr(pynvml, name)]
+    getters = [
+        getattr(pynvml, name)
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+        if hasattr(pynvml, name)
+    ]
 
     def reasons(handle: Any) -> int:
         while True:
@@ -299,23 +297,34 @@ def _reads(pynvml: Any, handle: Any) -> dict[str, Callable[[], Any]]:
     return reads
 
 
-def timeline(samples: list[dict[str, Any]], interval_s: float,
-             marks: list[tuple[float, str]] | None = None) -> dict[str, Any] | None:
+def timeline(
+    samples: list[dict[str, Any]], interval_s: float, marks: list[tuple[float, str]] | None = None
+) -> dict[str, Any] | None:
     """The samples as a plot-ready series for the report: ``t_s`` (seconds from the sampler's start,
     as each sample was taken; by the interval for samples without a time), ``util`` (%), ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons``
     (clock-event reasons: confounders of a comparison), and ``marks`` (seconds, label: where each
     configuration's window began); None without samples."""
     if not samples:
         return None
-    series = [{"t_s": round(s.get("t", i * interval_s), 3), "util": s.get("util"), "power_w": s.get("power_w"),
-               "power_limit_w": s.get("power_limit_w"), "sm_clock_mhz": s.get("sm_clock"),
-               "reasons": list(s.get("reasons") or [])} for i, s in enumerate(samples)]
-    return {"interval_s": interval_s, "samples": series,
-            "marks": [{"t_s": round(t, 3), "label": label} for t, label in (marks or [])]}
+    series = [
+        {
+            "t_s": round(s.get("t", i * interval_s), 3),
+            "util": s.get("util"),
+            "power_w": s.get("power_w"),
+            "power_limit_w": s.get("power_limit_w"),
+            "sm_clock_mhz": s.get("sm_clock"),
+            "reasons": list(s.get("reasons") or []),
+        }
+        for i, s in enumerate(samples)
+    ]
+    return {
+        "interval_s": interval_s,
+        "samples": series,
+        "marks": [{"t_s": round(t, 3), "label": label} for t, label in (marks or [])],
+    }
 
 
-def summarize_samples(samples: list[dict[str, Any]], *, duration_s: float,
-                      error: str | None = None) -> dict[str, Any]:
+def summarize_samples(samples: list[dict[str, Any]], *, duration_s: float, error: str | None = None) -> dict[str, Any]:
     """The summary dict of a list of samples; a quantity never read is ``None``.
 
     ``clock_event_reasons`` lists every reason seen (``gpu_idle`` and settings included);

@@ -42,12 +42,12 @@ HostClock = Callable[[], float]
 class Window:
     """One timed window: per-step means over its steps."""
 
-    ms: float                          # step time on the step clock
-    data_wait_ms: float                # host time waiting for the batch (fetch, collate, copy)
-    host_ms: float                     # host time issuing the step
-    steps: int                         # steps in the window
+    ms: float  # step time on the step clock
+    data_wait_ms: float  # host time waiting for the batch (fetch, collate, copy)
+    host_ms: float  # host time issuing the step
+    steps: int  # steps in the window
     peak_memory_bytes: int | None = None
-    compiled_graphs: int = 0           # graphs torch.compile compiled during it (its time is in the window's)
+    compiled_graphs: int = 0  # graphs torch.compile compiled during it (its time is in the window's)
 
 
 #: the profiler scope around a step's batch fetch: :mod:`speedkit.profile` counts it as data wait
@@ -66,9 +66,18 @@ class MeasureSession:
         telemetry: sample NVML while :meth:`measure` runs (GPU only).
     """
 
-    def __init__(self, device: torch.device | str, *, clock: StepClock | None = None, host_clock: HostClock = time.perf_counter,
-                 flops_per_step: int | None = None, peak_tflops: float | None = None, items_per_step: int = 1,
-                 unit: str = "samples/s", telemetry: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        clock: StepClock | None = None,
+        host_clock: HostClock = time.perf_counter,
+        flops_per_step: int | None = None,
+        peak_tflops: float | None = None,
+        items_per_step: int = 1,
+        unit: str = "samples/s",
+        telemetry: bool = False,
+    ) -> None:
         self.device = torch.device(device)
         self.clock = clock or StepClock(self.device)
         self.host_clock = host_clock
@@ -94,7 +103,9 @@ class MeasureSession:
         self._graphs_at_start = 0
 
     # -- the session runs the steps ----------------------------------------------------------
-    def runner(self, step: Callable[[Sequence[Any], int], Any], batches: Iterator[Any], accumulate: int = 1) -> Callable[[], None]:
+    def runner(
+        self, step: Callable[[Sequence[Any], int], Any], batches: Iterator[Any], accumulate: int = 1
+    ) -> Callable[[], None]:
         """A function running one optimizer step from ``batches``, accounting its data wait and host time."""
         counter = iter(range(1 << 62))
 
@@ -130,8 +141,14 @@ class MeasureSession:
             run_one()
             self.clock.step()
         times = self.clock.stop()
-        return Window(ms=sum(times) / len(times), data_wait_ms=self._data_wait / steps * 1e3, host_ms=self._host / steps * 1e3,
-                      steps=steps, peak_memory_bytes=self._peak_memory(), compiled_graphs=compat.graph_count() - graphs)
+        return Window(
+            ms=sum(times) / len(times),
+            data_wait_ms=self._data_wait / steps * 1e3,
+            host_ms=self._host / steps * 1e3,
+            steps=steps,
+            peak_memory_bytes=self._peak_memory(),
+            compiled_graphs=compat.graph_count() - graphs,
+        )
 
     def _peak_memory(self) -> int | None:
         """The window's peak device memory: the allocator's, plus what it does not show."""
@@ -204,8 +221,14 @@ class MeasureSession:
             return None
         times = self.clock.stop()
         n = len(times)
-        window = Window(ms=sum(times) / n, data_wait_ms=self._data_wait / n * 1e3, host_ms=self._host / n * 1e3, steps=n,
-                        peak_memory_bytes=self._peak_memory(), compiled_graphs=compat.graph_count() - self._graphs_at_start)
+        window = Window(
+            ms=sum(times) / n,
+            data_wait_ms=self._data_wait / n * 1e3,
+            host_ms=self._host / n * 1e3,
+            steps=n,
+            peak_memory_bytes=self._peak_memory(),
+            compiled_graphs=compat.graph_count() - self._graphs_at_start,
+        )
         self._open_window(now)
         return window
 
@@ -232,9 +255,19 @@ class MeasureSession:
         util, achieved = mfu(self.flops_per_step, median / 1e3, self.peak_tflops)
         peaks = [w.peak_memory_bytes for w in windows if w.peak_memory_bytes is not None]
         return Measurement(
-            step_ms=median, spread=spread, window_ms=[w.ms for w in windows], warmup=warmup,
-            steps=windows[0].steps, throughput=self.items_per_step / (median / 1e3), throughput_unit=self.unit,
-            items_per_step=self.items_per_step, mfu=util, tflops=achieved, peak_memory_bytes=max(peaks) if peaks else None,
-            telemetry=telemetry, clock=self.clock.name,
+            step_ms=median,
+            spread=spread,
+            window_ms=[w.ms for w in windows],
+            warmup=warmup,
+            steps=windows[0].steps,
+            throughput=self.items_per_step / (median / 1e3),
+            throughput_unit=self.unit,
+            items_per_step=self.items_per_step,
+            mfu=util,
+            tflops=achieved,
+            peak_memory_bytes=max(peaks) if peaks else None,
+            telemetry=telemetry,
+            clock=self.clock.name,
             data_wait_ms=statistics.median(w.data_wait_ms for w in windows),
-            host_ms=statistics.median(w.host_ms for w in windows))
+            host_ms=statistics.median(w.host_ms for w in windows),
+        )

@@ -84,11 +84,11 @@ def block_log_gain(a_ms: tuple[float, float], b_ms: tuple[float, float]) -> floa
 class Comparison:
     """The paired estimate of B's speedup over A, with its confidence interval."""
 
-    speedup: float        # exp(mean log gain): > 1 means B is faster
-    low: float            # lower end of the confidence interval of the speedup
-    high: float           # upper end
-    confidence: float     # e.g. 0.95
-    blocks: int           # A B B A blocks measured
+    speedup: float  # exp(mean log gain): > 1 means B is faster
+    low: float  # lower end of the confidence interval of the speedup
+    high: float  # upper end
+    confidence: float  # e.g. 0.95
+    blocks: int  # A B B A blocks measured
     verdict: Verdict
     min_gain: float
 

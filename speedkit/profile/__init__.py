@@ -16,5 +16,12 @@ from speedkit.profile.categories import CATEGORIES, CATEGORY_LABELS, categorize
 from speedkit.profile.syncs import find_host_syncs
 from speedkit.profile.window import ProfileUnavailable, ProfileWindow, profile_window
 
-__all__ = ["CATEGORIES", "CATEGORY_LABELS", "ProfileUnavailable", "ProfileWindow", "categorize", "find_host_syncs",
-           "profile_window"]
+__all__ = [
+    "CATEGORIES",
+    "CATEGORY_LABELS",
+    "ProfileUnavailable",
+    "ProfileWindow",
+    "categorize",
+    "find_host_syncs",
+    "profile_window",
+]

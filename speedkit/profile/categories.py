@@ -25,8 +25,19 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-CATEGORIES: tuple[str, ...] = ("data_wait", "host_idle", "gemm", "attention", "normalization", "elementwise", "loss",
-                               "optimizer", "memcpy", "communication", "other")
+CATEGORIES: tuple[str, ...] = (
+    "data_wait",
+    "host_idle",
+    "gemm",
+    "attention",
+    "normalization",
+    "elementwise",
+    "loss",
+    "optimizer",
+    "memcpy",
+    "communication",
+    "other",
+)
 
 CATEGORY_LABELS: dict[str, str] = {
     "data_wait": "data wait",
@@ -63,28 +74,46 @@ _RULES: tuple[tuple[str, str], ...] = (
     # copies and sets between or within memories; on CPU the copy ops themselves
     ("memcpy", r"^memcpy|^memset|\bmemcpy\b|^aten::(copy_|to|_to_copy|_copy_from|_copy_from_and_resize|contiguous|clone)$"),
     # attention: flash / memory-efficient / cuDNN SDPA kernels, Inductor's flex attention, the SDPA ops
-    ("attention", r"flash_(fwd|bwd|attn|attention)|flash::|fmha|sdpa|scaled_dot_product|efficient_attention|"
-                  r"flex_attention|flash_attention|attention_(forward|backward)"),
+    (
+        "attention",
+        r"flash_(fwd|bwd|attn|attention)|flash::|fmha|sdpa|scaled_dot_product|efficient_attention|"
+        r"flex_attention|flash_attention|attention_(forward|backward)",
+    ),
     # optimizer: foreach/fused multi-tensor kernels, Inductor's foreach (combo) kernels, the ops
-    ("optimizer", r"multi_tensor_apply|fused_?adam|fused_?sgd|fused_?lamb|lamb(?!da)|_foreach_|^triton_for_|"
-                  r"^optimizer\.(step|zero_grad)|^triton_\w*(addcdiv\w*sqrt|sqrt\w*addcdiv)"),
+    (
+        "optimizer",
+        r"multi_tensor_apply|fused_?adam|fused_?sgd|fused_?lamb|lamb(?!da)|_foreach_|^triton_for_|"
+        r"^optimizer\.(step|zero_grad)|^triton_\w*(addcdiv\w*sqrt|sqrt\w*addcdiv)",
+    ),
     # loss: (log-)softmax + NLL, cross-entropy kernels (Liger, speedkit's _ce_*), the other losses
-    ("loss", r"nll_?loss|cross_?entropy|log_?softmax|^_?ce_(fwd|bwd|grad)_kernel|mse_loss|l1_loss|huber_loss|"
-             r"kl_div|ctc_loss|margin_ranking|soft_margin|cosine_embedding_loss|poisson_nll"),
+    (
+        "loss",
+        r"nll_?loss|cross_?entropy|log_?softmax|^_?ce_(fwd|bwd|grad)_kernel|mse_loss|l1_loss|huber_loss|"
+        r"kl_div|ctc_loss|margin_ranking|soft_margin|cosine_embedding_loss|poisson_nll",
+    ),
     # normalization: layer/batch/group/instance/RMS norm kernels and ops; Inductor's fused norms
-    ("normalization", r"layer_?norm|batch_?norm|group_?norm|instance_?norm|rms_?norm|gammabetabackward|"
-                      r"rowwisemoments|computefusedparams|bn_fw|bn_bw|^_norm_(fwd|bwd)|^_sum_partials_kernel|"
-                      r"^triton_\w*(rsqrt\w*(mean|var_mean)|(mean|var_mean)\w*rsqrt)"),
+    (
+        "normalization",
+        r"layer_?norm|batch_?norm|group_?norm|instance_?norm|rms_?norm|gammabetabackward|"
+        r"rowwisemoments|computefusedparams|bn_fw|bn_bw|^_norm_(fwd|bwd)|^_sum_partials_kernel|"
+        r"^triton_\w*(rsqrt\w*(mean|var_mean)|(mean|var_mean)\w*rsqrt)",
+    ),
     # GEMM: cuBLAS(Lt)/CUTLASS/nvjet kernels, Inductor templates, convolutions (implicit GEMMs), the ops
-    ("gemm", r"gemm|gemv|xmma|cublas|cutlass|nvjet|splitkreduce|matmul|^triton_tem_|extern_kernels\.|"
-             r"convol|dgrad|wgrad|fprop|winograd|cudnn|"
-             r"^aten::_?(mm|addmm|bmm|baddbmm|addbmm|addmv|mv|dot|linear|matmul|_addmm_activation|scaled_mm|int_mm|"
-             r"convolution|convolution_backward|_convolution|mkldnn_convolution|conv\d?d|cudnn_convolution|"
-             r"mkldnn_linear)$"),
+    (
+        "gemm",
+        r"gemm|gemv|xmma|cublas|cutlass|nvjet|splitkreduce|matmul|^triton_tem_|extern_kernels\.|"
+        r"convol|dgrad|wgrad|fprop|winograd|cudnn|"
+        r"^aten::_?(mm|addmm|bmm|baddbmm|addbmm|addmv|mv|dot|linear|matmul|_addmm_activation|scaled_mm|int_mm|"
+        r"convolution|convolution_backward|_convolution|mkldnn_convolution|conv\d?d|cudnn_convolution|"
+        r"mkldnn_linear)$",
+    ),
     # elementwise: pointwise, reduction and indexing kernels and ops, softmax outside attention, dropout
-    ("elementwise", r"elementwise|reduce_kernel|^triton_(poi|red|per)_|softmax|dropout|index|embedding|"
-                    r"catarray|scatter|gather|distribution_|fill|pointwise|"
-                    rf"^aten::_?({_ELEMENTWISE_ATEN})(_backward(_data)?|_)?$"),
+    (
+        "elementwise",
+        r"elementwise|reduce_kernel|^triton_(poi|red|per)_|softmax|dropout|index|embedding|"
+        r"catarray|scatter|gather|distribution_|fill|pointwise|"
+        rf"^aten::_?({_ELEMENTWISE_ATEN})(_backward(_data)?|_)?$",
+    ),
 )
 
 _COMPILED: tuple[tuple[str, re.Pattern[str]], ...] = tuple((category, re.compile(pattern)) for category, pattern in _RULES)

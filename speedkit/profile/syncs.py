@@ -36,8 +36,10 @@ def find_host_syncs(run_one: Callable[[], Any], device: torch.device | str) -> l
     first = {}
     for blocker in blockers:
         first.setdefault(blocker.where, blocker)
-    return [{"where": short_path(where), "file": where, "code": first[where].code, "reason": first[where].reason,
-             "count": count} for where, count in sorted(counts.items(), key=lambda item: -item[1])]
+    return [
+        {"where": short_path(where), "file": where, "code": first[where].code, "reason": first[where].reason, "count": count}
+        for where, count in sorted(counts.items(), key=lambda item: -item[1])
+    ]
 
 
 def short_path(where: str) -> str:

@@ -74,34 +74,42 @@ class ProfileUnavailable(SpeedkitError):
 class ProfileWindow:
     """Where a profiled window's step time went (ms per optimizer step)."""
 
-    label: str                                  # "baseline", a rung's name, "final"
-    steps: int                                  # optimizer steps profiled
-    step_ms: float                              # wall ms per step (host clock, device synchronized at the ends)
-    breakdown_ms: dict[str, float]              # category -> ms per step; every CATEGORIES key
-    device: str                                 # "cuda" | "cpu"
-    device_busy_fraction: float | None = None   # union of device busy intervals / window (None on CPU)
+    label: str  # "baseline", a rung's name, "final"
+    steps: int  # optimizer steps profiled
+    step_ms: float  # wall ms per step (host clock, device synchronized at the ends)
+    breakdown_ms: dict[str, float]  # category -> ms per step; every CATEGORIES key
+    device: str  # "cuda" | "cpu"
+    device_busy_fraction: float | None = None  # union of device busy intervals / window (None on CPU)
     top_ops: list[dict[str, Any]] = field(default_factory=list)  # {"name", "category", "ms"}, largest first
-    trace: str | None = None                    # the gzipped Chrome/Perfetto trace written, or None
-    trace_note: str | None = None               # why there is no trace, or None
-    peak_memory_bytes: int | None = None        # torch.cuda.max_memory_allocated in the window (None on CPU)
+    trace: str | None = None  # the gzipped Chrome/Perfetto trace written, or None
+    trace_note: str | None = None  # why there is no trace, or None
+    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated in the window (None on CPU)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of the fields."""
         data = asdict(self)
         data["breakdown_ms"] = {name: float(data["breakdown_ms"].get(name, 0.0)) for name in CATEGORIES}
-        data["top_ops"] = [{"name": str(op["name"]), "category": str(op["category"]), "ms": float(op["ms"])}
-                           for op in self.top_ops]
+        data["top_ops"] = [
+            {"name": str(op["name"]), "category": str(op["category"]), "ms": float(op["ms"])} for op in self.top_ops
+        ]
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileWindow:
         """The window :meth:`to_dict` wrote (categories it lacks read as 0.0)."""
         breakdown = {name: float(data.get("breakdown_ms", {}).get(name, 0.0)) for name in CATEGORIES}
-        return cls(label=str(data["label"]), steps=int(data["steps"]), step_ms=float(data["step_ms"]),
-                   breakdown_ms=breakdown, device=str(data["device"]),
-                   device_busy_fraction=_optional_float(data.get("device_busy_fraction")),
-                   top_ops=[dict(op) for op in data.get("top_ops", [])], trace=data.get("trace"),
-                   trace_note=data.get("trace_note"), peak_memory_bytes=_optional_int(data.get("peak_memory_bytes")))
+        return cls(
+            label=str(data["label"]),
+            steps=int(data["steps"]),
+            step_ms=float(data["step_ms"]),
+            breakdown_ms=breakdown,
+            device=str(data["device"]),
+            device_busy_fraction=_optional_float(data.get("device_busy_fraction")),
+            top_ops=[dict(op) for op in data.get("top_ops", [])],
+            trace=data.get("trace"),
+            trace_note=data.get("trace_note"),
+            peak_memory_bytes=_optional_int(data.get("peak_memory_bytes")),
+        )
 
 
 def _optional_float(value: Any) -> float | None:
@@ -123,12 +131,19 @@ class _Recorded:
     trace: str | None = None
     trace_note: str | None = None
     error: BaseException | None = None
-    abandoned: bool = False             # the window failed (run_one raised): write nothing
+    abandoned: bool = False  # the window failed (run_one raised): write nothing
 
 
-def profile_window(run_one: Callable[[], Any], *, steps: int = 3, warmup: int = 1, label: str,
-                   device: torch.device | str, trace_path: Path | str | None = None,
-                   max_trace_bytes: int = DEFAULT_MAX_TRACE_BYTES) -> ProfileWindow:
+def profile_window(
+    run_one: Callable[[], Any],
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    label: str,
+    device: torch.device | str,
+    trace_path: Path | str | None = None,
+    max_trace_bytes: int = DEFAULT_MAX_TRACE_BYTES,
+) -> ProfileWindow:
     """Profile ``steps`` calls of ``run_one`` (one optimizer step each) after ``warmup`` unrecorded
     ones, and break the recorded steps' time down by category.
 
@@ -160,11 +175,21 @@ def profile_window(run_one: Callable[[], Any], *, steps: int = 3, warmup: int = 
     if recorded.events is None:
         raise ProfileUnavailable("the profiler recorded no window (its schedule never reached the recorded steps)")
     step_ms = (ended - started) * 1e3 / steps
-    breakdown, busy_fraction, top = (_device_breakdown(recorded.events, steps, step_ms) if cuda
-                                     else _host_breakdown(recorded.events, steps))
-    return ProfileWindow(label=label, steps=steps, step_ms=step_ms, breakdown_ms=breakdown, device=device.type,
-                         device_busy_fraction=busy_fraction, top_ops=top, trace=recorded.trace,
-                         trace_note=recorded.trace_note, peak_memory_bytes=peak)
+    breakdown, busy_fraction, top = (
+        _device_breakdown(recorded.events, steps, step_ms) if cuda else _host_breakdown(recorded.events, steps)
+    )
+    return ProfileWindow(
+        label=label,
+        steps=steps,
+        step_ms=step_ms,
+        breakdown_ms=breakdown,
+        device=device.type,
+        device_busy_fraction=busy_fraction,
+        top_ops=top,
+        trace=recorded.trace,
+        trace_note=recorded.trace_note,
+        peak_memory_bytes=peak,
+    )
 
 
 def _new_profiler(cuda: bool, steps: int, warmup: int, on_trace_ready: Callable[[Any], None]) -> torch.profiler.profile:
@@ -178,8 +203,15 @@ def _new_profiler(cuda: bool, steps: int, warmup: int, on_trace_ready: Callable[
         # one cycle (repeat=1): keeping its events across cycles changes nothing and silences the
         # profiler's warning that it clears them at each cycle's end
         quiet = {"acc_events": True} if "acc_events" in inspect.signature(torch.profiler.profile).parameters else {}
-        return torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=False, with_stack=False,
-                                      profile_memory=False, on_trace_ready=on_trace_ready, **quiet)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            record_shapes=False,
+            with_stack=False,
+            profile_memory=False,
+            on_trace_ready=on_trace_ready,
+            **quiet,
+        )
     except Exception as error:
         raise ProfileUnavailable(f"torch.profiler cannot be set up: {first_line(error, type(error).__name__)}") from error
 
@@ -200,8 +232,9 @@ def _stop(profiler: torch.profiler.profile) -> None:
         raise ProfileUnavailable(f"torch.profiler did not stop cleanly: {first_line(error, type(error).__name__)}") from error
 
 
-def _run_steps(run_one: Callable[[], Any], profiler: torch.profiler.profile, *, steps: int, warmup: int,
-               device: torch.device) -> tuple[float, float]:
+def _run_steps(
+    run_one: Callable[[], Any], profiler: torch.profiler.profile, *, steps: int, warmup: int, device: torch.device
+) -> tuple[float, float]:
     """Run the window's steps; the host clock's reading at the recorded steps' start and end (the
     device waited for at both, and nowhere else)."""
     total = warmup + steps
@@ -331,7 +364,9 @@ def _host_breakdown(events: list[Any], steps: int) -> tuple[dict[str, float], No
     return breakdown, None, _top_ops(charges, steps)
 
 
-def _device_breakdown(events: list[Any], steps: int, step_ms: float) -> tuple[dict[str, float], float | None, list[dict[str, Any]]]:
+def _device_breakdown(
+    events: list[Any], steps: int, step_ms: float
+) -> tuple[dict[str, float], float | None, list[dict[str, Any]]]:
     """CUDA: kernels, copies and sets by category; the device's idle time the host's."""
     launches_in_optimizer = _optimizer_launches(events)
     charges: dict[tuple[str, str], float] = defaultdict(float)
@@ -379,8 +414,11 @@ class _ScopeFinder:
 
     def __init__(self, events: list[Any] | None = None) -> None:
         self._known: dict[int, tuple[str, Any]] = {}
-        self._backward_ends = sorted((float(e.time_range.start), float(e.time_range.end)) for e in events or ()
-                                     if e.device_type == DeviceType.CPU and "backward" in e.name.lower())
+        self._backward_ends = sorted(
+            (float(e.time_range.start), float(e.time_range.end))
+            for e in events or ()
+            if e.device_type == DeviceType.CPU and "backward" in e.name.lower()
+        )
         self._closure_end: dict[int, float] = {}
 
     def of(self, event: Any, start: float | None = None) -> str:
@@ -442,15 +480,19 @@ def _optimizer_launches(events: list[Any]) -> set[int]:
 
 def _data_wait_us(events: Iterable[Any]) -> float:
     """Host time inside the loader's fetch scopes (their union: nested scopes count once)."""
-    intervals = [(float(event.time_range.start), float(event.time_range.end)) for event in events
-                 if event.device_type == DeviceType.CPU and _DATA_WAIT.search(event.name.lower())]
+    intervals = [
+        (float(event.time_range.start), float(event.time_range.end))
+        for event in events
+        if event.device_type == DeviceType.CPU and _DATA_WAIT.search(event.name.lower())
+    ]
     return _union_length(intervals, None)
 
 
 def _window_span(events: Iterable[Any]) -> tuple[float, float] | None:
     """The recorded steps' span on the profiler's clock: from the first ``ProfilerStep#`` to the last's end."""
-    marks = [event.time_range for event in events
-             if event.device_type == DeviceType.CPU and _PROFILER_STEP.match(event.name.lower())]
+    marks = [
+        event.time_range for event in events if event.device_type == DeviceType.CPU and _PROFILER_STEP.match(event.name.lower())
+    ]
     if not marks:
         return None
     return min(float(mark.start) for mark in marks), max(float(mark.end) for mark in marks)
@@ -483,13 +525,16 @@ def _per_step_by_category(charges: dict[tuple[str, str], float], steps: int) -> 
 
 def _top_ops(charges: dict[tuple[str, str], float], steps: int) -> list[dict[str, Any]]:
     largest = sorted(charges.items(), key=lambda item: item[1], reverse=True)[:TOP_OPS]
-    return [{"name": short_name(name), "category": category, "ms": micros / steps / 1e3}
-            for (name, category), micros in largest if micros > 0]
+    return [
+        {"name": short_name(name), "category": category, "ms": micros / steps / 1e3}
+        for (name, category), micros in largest
+        if micros > 0
+    ]
 
 
 def short_name(name: str) -> str:
     """A kernel's or op's name cut to at most 80 characters (no ``void `` prefix, an ellipsis where cut)."""
     name = " ".join(name.split())
     if name.startswith("void "):
-        name = name[len("void "):]
-    return name if len(name) <= SHORT_NAME_CHARS else name[:SHORT_NAME_CHARS - 1] + "…"
+        name = name[len("void ") :]
+    return name if len(name) <= SHORT_NAME_CHARS else name[: SHORT_NAME_CHARS - 1] + "…"

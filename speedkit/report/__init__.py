@@ -161,8 +161,7 @@ from speedkit.report.html import render_html
 from speedkit.report.markdown import render_markdown
 from speedkit.results import SCHEMA_VERSION, LadderResult
 
-__all__ = ["FORMATS", "READS_SCHEMA_VERSIONS", "load_report", "render_html", "render_markdown", "to_json_safe",
-           "write_report"]
+__all__ = ["FORMATS", "READS_SCHEMA_VERSIONS", "load_report", "render_html", "render_markdown", "to_json_safe", "write_report"]
 
 #: what :func:`write_report` can write, and the file name of each
 FORMATS = {"json": "report.json", "md": "report.md", "html": "report.html"}
@@ -171,8 +170,9 @@ FORMATS = {"json": "report.json", "md": "report.md", "html": "report.html"}
 READS_SCHEMA_VERSIONS = tuple(sorted({2, 3, SCHEMA_VERSION}))
 
 
-def write_report(result: LadderResult | Mapping[str, Any], out_dir: Path | str,
-                 formats: Iterable[str] = ("json", "md", "html")) -> dict[str, Path]:
+def write_report(
+    result: LadderResult | Mapping[str, Any], out_dir: Path | str, formats: Iterable[str] = ("json", "md", "html")
+) -> dict[str, Path]:
     """Write ``report.json``, ``report.md`` and/or ``report.html`` into ``out_dir`` (created if missing).
 
     ``report.html`` is written without its plots when matplotlib is missing (the page says so); that
@@ -225,22 +225,27 @@ def load_report(path: Path | str) -> dict[str, Any]:
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError("report", f"{path} does not exist; pass a report.json or the directory "
-                                    "speedkit wrote it to") from None
+        raise ConfigError("report", f"{path} does not exist; pass a report.json or the directory speedkit wrote it to") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("report", f"{path} is not a JSON report ({exc})") from None
     except OSError as exc:
-        raise ConfigError("report", f"cannot read {path} ({exc.strerror or exc}); pass a report.json or the "
-                                    "directory speedkit wrote it to") from None
+        raise ConfigError(
+            "report", f"cannot read {path} ({exc.strerror or exc}); pass a report.json or the directory speedkit wrote it to"
+        ) from None
     found = d.get("schema_version") if isinstance(d, dict) else None
     if type(found) is not int or found not in READS_SCHEMA_VERSIONS:
         if not isinstance(d, dict) or "rungs" not in d:
-            raise ConfigError("report", f"{path} is JSON but not a speedkit report (no schema_version and rungs); "
-                                        "pass the report.json speedkit wrote")
+            raise ConfigError(
+                "report",
+                f"{path} is JSON but not a speedkit report (no schema_version and rungs); pass the report.json speedkit wrote",
+            )
         versions = " or ".join(str(v) for v in READS_SCHEMA_VERSIONS)
-        raise ConfigError("report", f"{path} has schema_version {found!r}; this speedkit reads "
-                                    f"schema_version {versions}. Re-run the ladder, or read it "
-                                    "with the speedkit version that wrote it")
+        raise ConfigError(
+            "report",
+            f"{path} has schema_version {found!r}; this speedkit reads "
+            f"schema_version {versions}. Re-run the ladder, or read it "
+            "with the speedkit version that wrote it",
+        )
     return d
 
 

@@ -57,7 +57,7 @@ class MetricRow:
 
     @property
     def verdict(self) -> str:
-        """"B better", "A better" or "same" (within 1%); "—" where it cannot be told."""
+        """ "B better", "A better" or "same" (within 1%); "—" where it cannot be told."""
         r = self.ratio
         if r is None:
             return MISSING
@@ -124,23 +124,40 @@ class CompareResult:
         return [r for r in self.rungs if r.change in ("kept in A only", "kept in B only")]
 
     def to_markdown(self) -> str:
-        lines = ["# speedkit compare", "", f"- **A:** {_md(self.a_label)}", f"- **B:** {_md(self.b_label)}", "",
-                 "## Headline", "", "| figure | A | B | B/A | |", "|---|---:|---:|---:|---|"]
+        lines = [
+            "# speedkit compare",
+            "",
+            f"- **A:** {_md(self.a_label)}",
+            f"- **B:** {_md(self.b_label)}",
+            "",
+            "## Headline",
+            "",
+            "| figure | A | B | B/A | |",
+            "|---|---:|---:|---:|---|",
+        ]
         lines += [f"| {m.name} | {m.a_text} | {m.b_text} | {m.ratio_text} | {m.verdict} |" for m in self.metrics]
         lines += ["", "## Rungs", "", "| rung | A | B | gain A | gain B | change |", "|---|---|---|---:|---:|---|"]
         for r in self.rungs:
             change = f"**{r.change}**" if r in self.kept_in_one_only else r.change
-            lines.append(f"| {_md(r.name)} | {_status(r.a_status)} | {_status(r.b_status)} | {format_gain(r.a_gain)} | "
-                         f"{format_gain(r.b_gain)} | {change} |")
+            lines.append(
+                f"| {_md(r.name)} | {_status(r.a_status)} | {_status(r.b_status)} | {format_gain(r.a_gain)} | "
+                f"{format_gain(r.b_gain)} | {change} |"
+            )
         for r in self.kept_in_one_only:
             lines.append(f"\n**{_md(r.name)}** was {r.change} (A: {_status(r.a_status)}, B: {_status(r.b_status)}).")
         lines += ["", "## Where the time goes", ""]
         if self.breakdown:
-            lines += ["ms per optimizer step, baseline → final.", "",
-                      "| category | A | B | final B − A |", "|---|---:|---:|---:|"]
+            lines += [
+                "ms per optimizer step, baseline → final.",
+                "",
+                "| category | A | B | final B − A |",
+                "|---|---:|---:|---:|",
+            ]
             for row in self.breakdown:
-                lines.append(f"| {_md(row.label)} | {_arrow(row.a_before, row.a_after)} | {_arrow(row.b_before, row.b_after)} | "
-                             f"{_signed(row.after_delta)} |")
+                lines.append(
+                    f"| {_md(row.label)} | {_arrow(row.a_before, row.a_after)} | {_arrow(row.b_before, row.b_after)} | "
+                    f"{_signed(row.after_delta)} |"
+                )
         else:
             lines.append(f"Not compared: {self.breakdown_note or 'no profiles'}.")
         if self.notes:
@@ -168,8 +185,15 @@ class CompareResult:
             t.add_column(col, justify="right" if i in (3, 4) else "left")
         for r in self.rungs:
             flagged = r in self.kept_in_one_only
-            t.add_row(Text(r.name), Text(_status(r.a_status)), Text(_status(r.b_status)), Text(format_gain(r.a_gain)),
-                      Text(format_gain(r.b_gain)), Text(r.change), style="bold yellow" if flagged else "")
+            t.add_row(
+                Text(r.name),
+                Text(_status(r.a_status)),
+                Text(_status(r.b_status)),
+                Text(format_gain(r.a_gain)),
+                Text(format_gain(r.b_gain)),
+                Text(r.change),
+                style="bold yellow" if flagged else "",
+            )
         console.print(t)
         for r in self.kept_in_one_only:
             console.print(Text(f"{r.name}: {r.change} (A: {_status(r.a_status)}, B: {_status(r.b_status)})", style="bold yellow"))
@@ -178,8 +202,12 @@ class CompareResult:
             for i, col in enumerate(("category", "A", "B", "final B − A")):
                 t.add_column(col, justify="left" if i == 0 else "right")
             for row in self.breakdown:
-                t.add_row(Text(row.label), Text(_arrow(row.a_before, row.a_after)), Text(_arrow(row.b_before, row.b_after)),
-                          Text(_signed(row.after_delta)))
+                t.add_row(
+                    Text(row.label),
+                    Text(_arrow(row.a_before, row.a_after)),
+                    Text(_arrow(row.b_before, row.b_after)),
+                    Text(_signed(row.after_delta)),
+                )
             console.print(t)
         elif self.breakdown_note:
             console.print(Text(f"time breakdown not compared: {self.breakdown_note}", style="dim"))
@@ -218,10 +246,15 @@ def _figures(d: dict[str, Any]) -> dict[str, Any]:
     s = d.get("summary") or {}
     confs = configurations(d)
     final = confs[-1]["measurement"] if confs else {}
-    return {"speedup": s.get("speedup"), "baseline_step_ms": s.get("baseline_step_ms"),
-            "final_step_ms": s.get("final_step_ms"), "throughput": s.get("final_throughput"),
-            "unit": s.get("throughput_unit") or final.get("throughput_unit"), "mfu": final.get("mfu"),
-            "peak": final.get("peak_memory_bytes")}
+    return {
+        "speedup": s.get("speedup"),
+        "baseline_step_ms": s.get("baseline_step_ms"),
+        "final_step_ms": s.get("final_step_ms"),
+        "throughput": s.get("final_throughput"),
+        "unit": s.get("throughput_unit") or final.get("throughput_unit"),
+        "mfu": final.get("mfu"),
+        "peak": final.get("peak_memory_bytes"),
+    }
 
 
 def _profile_after(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], list[str]] | None:
@@ -250,14 +283,28 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any], a_name: str = "", b_na
         return f"{v:,.1f} ms" if _known(v) else MISSING
 
     metrics = [
-        MetricRow("speedup vs own baseline", fa["speedup"], fb["speedup"], format_gain(fa["speedup"]),
-                  format_gain(fb["speedup"]), True),
-        MetricRow("baseline step time", fa["baseline_step_ms"], fb["baseline_step_ms"], ms(fa["baseline_step_ms"]),
-                  ms(fb["baseline_step_ms"]), False),
-        MetricRow("final step time", fa["final_step_ms"], fb["final_step_ms"], ms(fa["final_step_ms"]),
-                  ms(fb["final_step_ms"]), False),
-        MetricRow("final throughput", fa["throughput"], fb["throughput"], format_throughput(fa["throughput"], ua),
-                  format_throughput(fb["throughput"], ub), True),
+        MetricRow(
+            "speedup vs own baseline", fa["speedup"], fb["speedup"], format_gain(fa["speedup"]), format_gain(fb["speedup"]), True
+        ),
+        MetricRow(
+            "baseline step time",
+            fa["baseline_step_ms"],
+            fb["baseline_step_ms"],
+            ms(fa["baseline_step_ms"]),
+            ms(fb["baseline_step_ms"]),
+            False,
+        ),
+        MetricRow(
+            "final step time", fa["final_step_ms"], fb["final_step_ms"], ms(fa["final_step_ms"]), ms(fb["final_step_ms"]), False
+        ),
+        MetricRow(
+            "final throughput",
+            fa["throughput"],
+            fb["throughput"],
+            format_throughput(fa["throughput"], ua),
+            format_throughput(fb["throughput"], ub),
+            True,
+        ),
         MetricRow("final MFU", fa["mfu"], fb["mfu"], format_percent(fa["mfu"]), format_percent(fb["mfu"]), True),
         MetricRow("final peak memory", fa["peak"], fb["peak"], format_bytes(fa["peak"]), format_bytes(fb["peak"]), False),
     ]
@@ -267,16 +314,27 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any], a_name: str = "", b_na
 
     ra, rb = rungs(a), rungs(b)
     names = list(ra) + [n for n in rb if n not in ra]
-    rows = [RungRow(n, (ra.get(n) or {}).get("status"), (rb.get(n) or {}).get("status"),
-                    (ra.get(n) or {}).get("gain_vs_previous"), (rb.get(n) or {}).get("gain_vs_previous")) for n in names]
+    rows = [
+        RungRow(
+            n,
+            (ra.get(n) or {}).get("status"),
+            (rb.get(n) or {}).get("status"),
+            (ra.get(n) or {}).get("gain_vs_previous"),
+            (rb.get(n) or {}).get("gain_vs_previous"),
+        )
+        for n in names
+    ]
 
     pa, pb = _profile_after(a), _profile_after(b)
     breakdown, breakdown_note = None, None
     if pa and pb:
         cats = pa[3] + [c for c in pb[3] if c not in pa[3]]
         labels = {**pb[2], **pa[2]}
-        breakdown = [BreakdownRow(c, labels.get(c, c), pa[0].get(c), pa[1].get(c), pb[0].get(c), pb[1].get(c))
-                     for c in cats if any(_known(v) and v for v in (pa[0].get(c), pa[1].get(c), pb[0].get(c), pb[1].get(c)))]
+        breakdown = [
+            BreakdownRow(c, labels.get(c, c), pa[0].get(c), pa[1].get(c), pb[0].get(c), pb[1].get(c))
+            for c in cats
+            if any(_known(v) and v for v in (pa[0].get(c), pa[1].get(c), pb[0].get(c), pb[1].get(c)))
+        ]
     else:
         missing = [n for n, p in (("A", pa), ("B", pb)) if not p]
         breakdown_note = f"no profile in {' and '.join(missing)}"

@@ -50,5 +50,4 @@ def render_console(d: dict[str, Any], console: Console | None = None) -> None:
         if rung.get("status") in ("failed", "reverted") and rung.get("reason"):
             label = STATUS_LABELS.get(rung["status"], rung["status"])
             reason = " ".join(str(rung["reason"]).split())  # one line per rung
-            console.print(Text(f"  {rung.get('name')} ({label}): {reason}",
-                               style=STATUS_STYLES.get(rung["status"], "")))
+            console.print(Text(f"  {rung.get('name')} ({label}): {reason}", style=STATUS_STYLES.get(rung["status"], "")))

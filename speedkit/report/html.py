@@ -53,8 +53,8 @@ NOT_MEASURED = "not measured in this run"
 _NOT_APPLIED = ("not_applicable", "reverted", "failed", "interrupted")
 
 
-
 # -- small helpers ----------------------------------------------------------------------------
+
 
 def _e(value: Any) -> str:
     """Escaped text of anything from the report; "—" for a missing value."""
@@ -81,18 +81,26 @@ def _num(value: Any, spec: str, unit: str = "") -> str:
     return f"{format(value, spec)}{unit}" if known(value) else MISSING
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (),
-           row_classes: Sequence[str] | None = None, cls: str = "") -> str:
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numeric: Sequence[int] = (),
+    row_classes: Sequence[str] | None = None,
+    cls: str = "",
+) -> str:
     """A table of already-escaped cells; columns in ``numeric`` right-aligned."""
     num = set(numeric)
-    head = "".join(f'<th{" class=num" if i in num else ""}>{h}</th>' for i, h in enumerate(headers))
+    head = "".join(f"<th{' class=num' if i in num else ''}>{h}</th>" for i, h in enumerate(headers))
     body = []
     for r, row in enumerate(rows):
         klass = f' class="{row_classes[r]}"' if row_classes and row_classes[r] else ""
-        body.append(f"<tr{klass}>" + "".join(
-            f'<td{" class=num" if i in num else ""}>{c}</td>' for i, c in enumerate(row)) + "</tr>")
-    return (f'<div class="scroll"><table{f" class={cls}" if cls else ""}><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
+        body.append(
+            f"<tr{klass}>" + "".join(f"<td{' class=num' if i in num else ''}>{c}</td>" for i, c in enumerate(row)) + "</tr>"
+        )
+    return (
+        f'<div class="scroll"><table{f" class={cls}" if cls else ""}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _note(text: str) -> str:
@@ -101,7 +109,6 @@ def _note(text: str) -> str:
 
 def _section(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{html.escape(title)}</h2>\n{body}\n</section>'
-
 
 
 def _final_measurement(d: dict[str, Any]) -> dict[str, Any]:
@@ -125,8 +132,10 @@ def _baseline_measurement(d: dict[str, Any]) -> dict[str, Any]:
 
 
 #: what a profile window's times are
-PROFILED_CAVEAT = ("the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU "
-                   "most): their categories say where the time goes; the speedups are the paired measurements'")
+PROFILED_CAVEAT = (
+    "the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU "
+    "most): their categories say where the time goes; the speedups are the paired measurements'"
+)
 
 
 def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
@@ -175,35 +184,49 @@ class _Plots:
 
 # -- the sections ---------------------------------------------------------------------------------
 
+
 def _headline(d: dict[str, Any]) -> str:
     s = d.get("summary") or {}
     fc = d.get("final_check") or {}
     unit = s.get("throughput_unit")
     ci = s.get("speedup_ci")
     conf = fc.get("confidence") if known(fc.get("confidence")) else (d.get("measure") or {}).get("confidence")
-    ci_text = (f"{_num(conf * 100 if known(conf) else None, '.0f', '%')} interval {ci[0]:.2f}–{ci[1]:.2f}×"
-               if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci) else "no interval")
+    ci_text = (
+        f"{_num(conf * 100 if known(conf) else None, '.0f', '%')} interval {ci[0]:.2f}–{ci[1]:.2f}×"
+        if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci)
+        else "no interval"
+    )
     base, final = _baseline_measurement(d), _final_measurement(d)
     speed = s.get("speedup")
     cards = [
         ("speedup vs baseline", format_gain(speed), f"{ci_text}; {_e(s.get('figures_from'))}"),
         ("step time", f"{ms_text(s.get('final_step_ms'))}", f"from {ms_text(s.get('baseline_step_ms'))}"),
-        ("throughput" + (f" ({unit})" if unit else ""), format_throughput(s.get("final_throughput")),
-         f"from {format_throughput(s.get('baseline_throughput'), unit)}"),
+        (
+            "throughput" + (f" ({unit})" if unit else ""),
+            format_throughput(s.get("final_throughput")),
+            f"from {format_throughput(s.get('baseline_throughput'), unit)}",
+        ),
         ("MFU", format_percent(final.get("mfu")), f"from {format_percent(base.get('mfu'))}"),
         ("peak memory", format_bytes(final.get("peak_memory_bytes")), f"from {format_bytes(base.get('peak_memory_bytes'))}"),
     ]
     out = ['<div class="cards">']
     for label, value, sub in cards:
-        out.append(f'<div class="card"><div class="label">{_e(label)}</div><div class="value">{_e(value)}</div>'
-                   f'<div class="sub">{sub}</div></div>')
+        out.append(
+            f'<div class="card"><div class="label">{_e(label)}</div><div class="value">{_e(value)}</div>'
+            f'<div class="sub">{sub}</div></div>'
+        )
     out.append("</div>")
     kept = s.get("kept") or []
-    out.append(f"<p><b>Kept rungs</b> ({len(kept)}, in the order tried): "
-               + (", ".join(f"<code>{_e(k)}</code>" for k in kept) or "none") + "</p>")
+    out.append(
+        f"<p><b>Kept rungs</b> ({len(kept)}, in the order tried): "
+        + (", ".join(f"<code>{_e(k)}</code>" for k in kept) or "none")
+        + "</p>"
+    )
     if s.get("interrupted") or d.get("interrupted"):
-        out.append(f'<p class="warn"><b>Interrupted:</b> {_e(s.get("interrupted") or d.get("interrupted"))}; '
-                   "the rungs are those finished before it.</p>")
+        out.append(
+            f'<p class="warn"><b>Interrupted:</b> {_e(s.get("interrupted") or d.get("interrupted"))}; '
+            "the rungs are those finished before it.</p>"
+        )
     if s.get("note"):
         out.append(f'<p class="warn"><b>Note:</b> {_e(s["note"])}</p>')
     holds = holds_line(d)
@@ -212,8 +235,10 @@ def _headline(d: dict[str, Any]) -> str:
         out.append(f'<p class="{klass}"><b>In training:</b> {_e(holds)}</p>')
     vs = s.get("vs_switches")
     if isinstance(vs, (list, tuple)) and len(vs) == 3 and all(known(v) for v in vs):
-        out.append(f'<p class="note">Against the switches a user would flip by hand: {vs[0]:.2f}× '
-                   f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).</p>")
+        out.append(
+            f'<p class="note">Against the switches a user would flip by hand: {vs[0]:.2f}× '
+            f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).</p>"
+        )
     return "\n".join(out)
 
 
@@ -223,41 +248,73 @@ def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
     if len(rows) < 2:
         return _note(f"Step time per configuration: {NOT_MEASURED} (no rung was kept).")
     base = rows[0][1]
-    table = _table(["configuration", "step time", "change vs previous", "× baseline"],
-                   [[_e(label), ms_text(ms), MISSING if i == 0 else _signed_ms(ms - rows[i - 1][1]), f"{base / ms:.2f}×"]
-                    for i, (label, ms) in enumerate(rows)], numeric=(1, 2, 3))
+    table = _table(
+        ["configuration", "step time", "change vs previous", "× baseline"],
+        [
+            [_e(label), ms_text(ms), MISSING if i == 0 else _signed_ms(ms - rows[i - 1][1]), f"{base / ms:.2f}×"]
+            for i, (label, ms) in enumerate(rows)
+        ],
+        numeric=(1, 2, 3),
+    )
     final, kept = rows[-1][1], [ms for label, ms in rows[1:-1]]
     spread = _final_measurement(d).get("spread")
     odd = ""
     if rows[-1][0] == "final" and kept and final > min(kept) * 1.03:
-        odd = _note(f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their own paired "
-                    f"comparisons, the final one from the final check, in which the step time varied by "
-                    f"{format_percent(spread)} (window to window). The speedup uses paired blocks, not these bars.")
-    return (plots("step time per configuration", plot_waterfall, rows) + odd
-            + _note("Each kept rung's bar is the step time with it (and the rungs kept before it), from its own "
-                    "paired comparison; the light segment is what it removed (green) or added (red, hatched). "
-                    "× is the baseline's step time over this one. Baseline and final are the final check's "
-                    "interleaved measurements.")
-            + "<details><summary>as a table</summary>" + table + "</details>")
+        odd = _note(
+            f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their own paired "
+            f"comparisons, the final one from the final check, in which the step time varied by "
+            f"{format_percent(spread)} (window to window). The speedup uses paired blocks, not these bars."
+        )
+    return (
+        plots("step time per configuration", plot_waterfall, rows)
+        + odd
+        + _note(
+            "Each kept rung's bar is the step time with it (and the rungs kept before it), from its own "
+            "paired comparison; the light segment is what it removed (green) or added (red, hatched). "
+            "× is the baseline's step time over this one. Baseline and final are the final check's "
+            "interleaved measurements."
+        )
+        + "<details><summary>as a table</summary>"
+        + table
+        + "</details>"
+    )
 
 
 def _throughput(d: dict[str, Any], plots: _Plots) -> str:
     confs = configurations(d)
     unit = (d.get("summary") or {}).get("throughput_unit") or next(
-        (c["measurement"].get("throughput_unit") for c in confs if c["measurement"].get("throughput_unit")), "items/s")
+        (c["measurement"].get("throughput_unit") for c in confs if c["measurement"].get("throughput_unit")), "items/s"
+    )
     rows = [(c["label"], c["measurement"].get("throughput"), c["measurement"].get("mfu")) for c in confs]
     if not any(known(r[1]) for r in rows):
         return _note(f"Throughput: {NOT_MEASURED}.")
     flops = d.get("flops") or {}
     peak = flops.get("peak_tflops")
-    table = _table(["configuration", "throughput", "MFU", "achieved"],
-                   [[_e(c["label"]), _e(format_throughput(c["measurement"].get("throughput"), unit)),
-                     format_percent(c["measurement"].get("mfu")), _num(c["measurement"].get("tflops"), ".1f", " TFLOP/s")]
-                    for c in confs], numeric=(1, 2, 3))
-    peak_text = (f"MFU against a peak of {peak:g} TFLOP/s ({_e(flops.get('peak_source'))})" if known(peak)
-                 else "no MFU: no peak is known for this device")
-    return (plots("throughput and MFU per configuration", plot_throughput_mfu, rows, unit) + _note(peak_text + ".")
-            + "<details><summary>as a table (with achieved TFLOP/s)</summary>" + table + "</details>")
+    table = _table(
+        ["configuration", "throughput", "MFU", "achieved"],
+        [
+            [
+                _e(c["label"]),
+                _e(format_throughput(c["measurement"].get("throughput"), unit)),
+                format_percent(c["measurement"].get("mfu")),
+                _num(c["measurement"].get("tflops"), ".1f", " TFLOP/s"),
+            ]
+            for c in confs
+        ],
+        numeric=(1, 2, 3),
+    )
+    peak_text = (
+        f"MFU against a peak of {peak:g} TFLOP/s ({_e(flops.get('peak_source'))})"
+        if known(peak)
+        else "no MFU: no peak is known for this device"
+    )
+    return (
+        plots("throughput and MFU per configuration", plot_throughput_mfu, rows, unit)
+        + _note(peak_text + ".")
+        + "<details><summary>as a table (with achieved TFLOP/s)</summary>"
+        + table
+        + "</details>"
+    )
 
 
 def _memory(d: dict[str, Any], plots: _Plots) -> str:
@@ -266,10 +323,20 @@ def _memory(d: dict[str, Any], plots: _Plots) -> str:
     if not any(known(r[1]) for r in rows):
         return _note(f"Peak memory: {NOT_MEASURED} (measured on CUDA only).")
     base = rows[0][1]
-    table = _table(["configuration", "peak memory", "vs baseline"],
-                   [[_e(label), format_bytes(b), _signed_bytes(b - base) if known(b) and known(base) and i else MISSING]
-                    for i, (label, b) in enumerate(rows)], numeric=(1, 2))
-    return plots("peak memory per configuration", plot_memory, rows) + "<details><summary>as a table</summary>" + table + "</details>"
+    table = _table(
+        ["configuration", "peak memory", "vs baseline"],
+        [
+            [_e(label), format_bytes(b), _signed_bytes(b - base) if known(b) and known(base) and i else MISSING]
+            for i, (label, b) in enumerate(rows)
+        ],
+        numeric=(1, 2),
+    )
+    return (
+        plots("peak memory per configuration", plot_memory, rows)
+        + "<details><summary>as a table</summary>"
+        + table
+        + "</details>"
+    )
 
 
 def _profile_parts(d: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], list[str], dict[str, str]]:
@@ -301,29 +368,87 @@ def _breakdown(d: dict[str, Any], plots: _Plots) -> str:
         if not (known(b) and b) and not (known(a) and a):
             continue
         swatch = f'<span class="swatch" style="background:{category_color(c, cats)}"></span>'
-        share = lambda v, w: format_percent(v / w["step_ms"]) if known(v) and known(w.get("step_ms")) and w["step_ms"] else MISSING  # noqa: E731
-        rows.append([swatch + _e(labels[c]), ms_text(b), ms_text(a), _signed_ms(a - b) if known(a) and known(b) else MISSING,
-                     share(b, before), share(a, after)])
-    rows.append(["<b>step</b>", f"<b>{ms_text(before.get('step_ms'))}</b>", f"<b>{ms_text(after.get('step_ms'))}</b>",
-                 _signed_ms(after["step_ms"] - before["step_ms"]) if known(after.get("step_ms")) and known(before.get("step_ms")) else MISSING,
-                 "", ""])
-    rows.append(["device busy", format_percent(before.get("device_busy_fraction")),
-                 format_percent(after.get("device_busy_fraction")), "", "", ""])
-    out.append(_table(["category", f"before ({_e(before.get('label'))})", f"after ({_e(after.get('label'))})", "Δ",
-                       "share before", "share after"], rows, numeric=(1, 2, 3, 4, 5)))
+
+        def share(v: Any, w: dict[str, Any]) -> str:
+            return format_percent(v / w["step_ms"]) if known(v) and known(w.get("step_ms")) and w["step_ms"] else MISSING
+
+        rows.append(
+            [
+                swatch + _e(labels[c]),
+                ms_text(b),
+                ms_text(a),
+                _signed_ms(a - b) if known(a) and known(b) else MISSING,
+                share(b, before),
+                share(a, after),
+            ]
+        )
+    rows.append(
+        [
+            "<b>step</b>",
+            f"<b>{ms_text(before.get('step_ms'))}</b>",
+            f"<b>{ms_text(after.get('step_ms'))}</b>",
+            _signed_ms(after["step_ms"] - before["step_ms"])
+            if known(after.get("step_ms")) and known(before.get("step_ms"))
+            else MISSING,
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "device busy",
+            format_percent(before.get("device_busy_fraction")),
+            format_percent(after.get("device_busy_fraction")),
+            "",
+            "",
+            "",
+        ]
+    )
+    out.append(
+        _table(
+            [
+                "category",
+                f"before ({_e(before.get('label'))})",
+                f"after ({_e(after.get('label'))})",
+                "Δ",
+                "share before",
+                "share after",
+            ],
+            rows,
+            numeric=(1, 2, 3, 4, 5),
+        )
+    )
     steps = p.get("steps") or before.get("steps")
-    out.append(_note(f"ms per optimizer step, averaged over {_e(steps)} profiled steps per window; "
-                     "“host-bound idle GPU” is time the GPU waited for the host to issue work; " + PROFILED_CAVEAT + "."))
+    out.append(
+        _note(
+            f"ms per optimizer step, averaged over {_e(steps)} profiled steps per window; "
+            "“host-bound idle GPU” is time the GPU waited for the host to issue work; " + PROFILED_CAVEAT + "."
+        )
+    )
     if len(windows) > 2:
-        out.append("<details><summary>every profiled window (one per kept rung)</summary>"
-                   + plots("time breakdown of every profiled window", plot_breakdown, windows, cats, labels) + "</details>")
+        out.append(
+            "<details><summary>every profiled window (one per kept rung)</summary>"
+            + plots("time breakdown of every profiled window", plot_breakdown, windows, cats, labels)
+            + "</details>"
+        )
     for w in shown:
         ops = [o for o in w.get("top_ops") or [] if isinstance(o, dict)]
         if ops:
-            out.append(f"<h3>Top kernels: {_e(w.get('label'))}</h3>" + _table(
-                ["kernel / op", "category", "ms per step"],
-                [[f'<code class="op" title="{_e(o.get("name"))}">{_e(_shorten(str(o.get("name") or ""), 90))}</code>',
-                  _e(labels.get(o.get("category"), o.get("category"))), ms_text(o.get("ms"))] for o in ops], numeric=(2,)))
+            out.append(
+                f"<h3>Top kernels: {_e(w.get('label'))}</h3>"
+                + _table(
+                    ["kernel / op", "category", "ms per step"],
+                    [
+                        [
+                            f'<code class="op" title="{_e(o.get("name"))}">{_e(_shorten(str(o.get("name") or ""), 90))}</code>',
+                            _e(labels.get(o.get("category"), o.get("category"))),
+                            ms_text(o.get("ms")),
+                        ]
+                        for o in ops
+                    ],
+                    numeric=(2,),
+                )
+            )
     return "\n".join(out)
 
 
@@ -339,20 +464,39 @@ def _attribution(d: dict[str, Any]) -> str:
     labels = _profile_parts(d)[3]
     rows = []
     for r in rows_in:
-        moved = "<br>".join(
-            f"{_e(labels.get(m.get('category'), m.get('category')))} {_num(m.get('before_ms'), ',.1f')} → "
-            f"{_num(m.get('after_ms'), ',.1f')} ms" for m in r.get("moved") or [] if isinstance(m, dict)) or MISSING
+        moved = (
+            "<br>".join(
+                f"{_e(labels.get(m.get('category'), m.get('category')))} {_num(m.get('before_ms'), ',.1f')} → "
+                f"{_num(m.get('after_ms'), ',.1f')} ms"
+                for m in r.get("moved") or []
+                if isinstance(m, dict)
+            )
+            or MISSING
+        )
         group = [g for g in r.get("group") or [] if g != r.get("name")]
         together = f'<br><span class="note">kept with {_e(", ".join(map(str, group)))}</span>' if group else ""
-        rows.append([f"<code>{_e(r.get('name'))}</code>{together}", format_gain(r.get("speedup")), _signed_ms(r.get("ms_per_step")),
-                     format_percent(r.get("share")), moved, _signed_bytes(r.get("peak_memory_delta_bytes"))])
-    out = [_table(["rung", "speedup", "ms per step", "share of the gain", "categories moved", "peak memory"],
-                  rows, numeric=(1, 2, 3, 5))]
+        rows.append(
+            [
+                f"<code>{_e(r.get('name'))}</code>{together}",
+                format_gain(r.get("speedup")),
+                _signed_ms(r.get("ms_per_step")),
+                format_percent(r.get("share")),
+                moved,
+                _signed_bytes(r.get("peak_memory_delta_bytes")),
+            ]
+        )
+    out = [
+        _table(
+            ["rung", "speedup", "ms per step", "share of the gain", "categories moved", "peak memory"], rows, numeric=(1, 2, 3, 5)
+        )
+    ]
     product, measured = a.get("product"), a.get("measured")
     agrees = a.get("agrees")
     verdict = "agree" if agrees else ("do not agree" if agrees is False else "—")
-    out.append(f'<p class="{"note" if agrees else "warn"}"><b>Check:</b> the kept rungs\' speedups multiply to '
-               f"{format_gain(product)}; the final check measured {format_gain(measured)}: they {verdict}.</p>")
+    out.append(
+        f'<p class="{"note" if agrees else "warn"}"><b>Check:</b> the kept rungs\' speedups multiply to '
+        f"{format_gain(product)}; the final check measured {format_gain(measured)}: they {verdict}.</p>"
+    )
     if a.get("interaction"):
         out.append(f'<p class="warn"><b>Interaction:</b> {_e(a["interaction"])}</p>')
     return "\n".join(out)
@@ -370,12 +514,28 @@ def _host_syncs(d: dict[str, Any]) -> str:
         if not items:
             out.append(f"<h3>{_e(title)}</h3>" + _note("none found"))
             continue
-        out.append(f"<h3>{_e(title)}</h3>" + _table(
-            ["where", "code", "why it syncs", "found in one step"],
-            [[f'<code class="path">{_e(s.get("where"))}</code>', f"<code>{_e(s.get('code'))}</code>", _e(s.get("reason")),
-              _e(s.get("count"))] for s in items], numeric=(3,)))
-    out.append(_note("A host sync makes the CPU wait for the GPU to finish (<code>.item()</code>, printing a tensor, "
-                     "a branch on a CUDA value), so the GPU then waits for the next step's work."))
+        out.append(
+            f"<h3>{_e(title)}</h3>"
+            + _table(
+                ["where", "code", "why it syncs", "found in one step"],
+                [
+                    [
+                        f'<code class="path">{_e(s.get("where"))}</code>',
+                        f"<code>{_e(s.get('code'))}</code>",
+                        _e(s.get("reason")),
+                        _e(s.get("count")),
+                    ]
+                    for s in items
+                ],
+                numeric=(3,),
+            )
+        )
+    out.append(
+        _note(
+            "A host sync makes the CPU wait for the GPU to finish (<code>.item()</code>, printing a tensor, "
+            "a branch on a CUDA value), so the GPU then waits for the next step's work."
+        )
+    )
     return "\n".join(out)
 
 
@@ -389,9 +549,17 @@ def _traces(d: dict[str, Any], out_dir: Path | None) -> str:
         if not trace:  # one line per reason, not one per window
             without.setdefault(str(w.get("trace_note") or "no trace written"), []).append(str(w.get("label")))
             continue
-        if isinstance(trace, str) and trace and "://" not in trace and not trace.startswith(("/", "\\")) and ".." not in Path(trace).parts:
+        if (
+            isinstance(trace, str)
+            and trace
+            and "://" not in trace
+            and not trace.startswith(("/", "\\"))
+            and ".." not in Path(trace).parts
+        ):
             found = out_dir is None or (Path(out_dir) / trace).exists()
-            cell = f'<a href="{_e(trace)}">{_e(trace)}</a>' + ("" if found else ' <span class="note">(not found next to this report)</span>')
+            cell = f'<a href="{_e(trace)}">{_e(trace)}</a>' + (
+                "" if found else ' <span class="note">(not found next to this report)</span>'
+            )
         elif isinstance(trace, str) and trace:
             cell = f"<code>{_e(trace)}</code>"
         else:
@@ -399,9 +567,10 @@ def _traces(d: dict[str, Any], out_dir: Path | None) -> str:
         rows.append([_e(w.get("label")), cell, _e(w.get("trace_note")) if w.get("trace_note") else ""])
     for note, labels in without.items():
         rows.append([_e(", ".join(labels)), MISSING, _e(note)])
-    return (_table(["window", "trace (relative to this file)", "note"], rows)
-            + _note("Open a trace in https://ui.perfetto.dev or chrome://tracing (drag the file in; "
-                    "this page itself loads nothing from the network)."))
+    return _table(["window", "trace (relative to this file)", "note"], rows) + _note(
+        "Open a trace in https://ui.perfetto.dev or chrome://tracing (drag the file in; "
+        "this page itself loads nothing from the network)."
+    )
 
 
 def _telemetry(d: dict[str, Any], plots: _Plots) -> str:
@@ -410,15 +579,21 @@ def _telemetry(d: dict[str, Any], plots: _Plots) -> str:
     if isinstance(tl, dict) and tl.get("samples"):
         samples = [s for s in tl["samples"] if isinstance(s, dict)]
         marks = [str(m.get("label")) for m in tl.get("marks") or [] if isinstance(m, dict)]
-        what = (f"while timing <b>{_e(tl['label'])}</b>" if tl.get("label") else
-                f"across the profiled windows ({_e(', '.join(marks))}; dotted lines mark where each began)" if marks
-                else "while timing")
+        what = (
+            f"while timing <b>{_e(tl['label'])}</b>"
+            if tl.get("label")
+            else f"across the profiled windows ({_e(', '.join(marks))}; dotted lines mark where each began)"
+            if marks
+            else "while timing"
+        )
         out.append(f"<p>Sampled every {_num(tl.get('interval_s'), '.2f', ' s')} {what}: {len(samples)} samples.</p>")
         out.append(plots("NVML timeline", plot_timeline, tl))
         counts: dict[str, int] = {}
         during: dict[str, list[str]] = {}
-        starts = sorted(((m["t_s"], str(m.get("label"))) for m in tl.get("marks") or []
-                         if isinstance(m, dict) and known(m.get("t_s"))), key=lambda m: m[0])
+        starts = sorted(
+            ((m["t_s"], str(m.get("label"))) for m in tl.get("marks") or [] if isinstance(m, dict) and known(m.get("t_s"))),
+            key=lambda m: m[0],
+        )
         for s in samples:
             for r in s.get("reasons") or []:
                 counts[r] = counts.get(r, 0) + 1
@@ -428,11 +603,16 @@ def _telemetry(d: dict[str, Any], plots: _Plots) -> str:
                     during[r].append(window)
         confounders = {r: n for r, n in counts.items() if r != "gpu_idle"}
         if confounders:
-            out.append('<p class="warn"><b>Confounders:</b> clock-event reasons in '
-                       + ", ".join(f"<code>{_e(r)}</code> ({n} of {len(samples)} samples"
-                                   + (f", during {_e(', '.join(during[r]))}" if during.get(r) else "") + ")"
-                                   for r, n in sorted(confounders.items()))
-                       + ": the clocks moved while timing, so step times from those samples carry that change.</p>")
+            out.append(
+                '<p class="warn"><b>Confounders:</b> clock-event reasons in '
+                + ", ".join(
+                    f"<code>{_e(r)}</code> ({n} of {len(samples)} samples"
+                    + (f", during {_e(', '.join(during[r]))}" if during.get(r) else "")
+                    + ")"
+                    for r, n in sorted(confounders.items())
+                )
+                + ": the clocks moved while timing, so step times from those samples carry that change.</p>"
+            )
         else:
             out.append(_note("No clock-event reasons besides idle: the clocks did not confound the timing."))
     else:
@@ -443,16 +623,35 @@ def _telemetry(d: dict[str, Any], plots: _Plots) -> str:
         if not t:
             continue
         slow = t.get("slowdown_reasons") or []
-        rows.append([_e(rung.get("name")), _num(t.get("util_mean"), ".0f", "%"),
-                     f"{_num(t.get('power_mean_w'), '.0f')} / {_num(t.get('power_max_w'), '.0f', ' W')}",
-                     f"{_num(t.get('sm_clock_mean_mhz'), '.0f')} / {_num(t.get('sm_clock_min_mhz'), '.0f', ' MHz')}",
-                     format_bytes(t.get("mem_used_max_bytes")),
-                     (_e(", ".join(slow)) + f" ({format_percent(t.get('slowdown_fraction'))})") if slow else "none"])
+        rows.append(
+            [
+                _e(rung.get("name")),
+                _num(t.get("util_mean"), ".0f", "%"),
+                f"{_num(t.get('power_mean_w'), '.0f')} / {_num(t.get('power_max_w'), '.0f', ' W')}",
+                f"{_num(t.get('sm_clock_mean_mhz'), '.0f')} / {_num(t.get('sm_clock_min_mhz'), '.0f', ' MHz')}",
+                format_bytes(t.get("mem_used_max_bytes")),
+                (_e(", ".join(slow)) + f" ({format_percent(t.get('slowdown_fraction'))})") if slow else "none",
+            ]
+        )
         flags.append("flag" if slow else "")
     if rows:
-        out.append("<details><summary>NVML summary per measured configuration</summary>" + _table(
-            ["configuration", "util (mean)", "power mean / max", "SM clock mean / min", "memory used (max)", "slowdown reasons"],
-            rows, numeric=(1, 2, 3, 4), row_classes=flags) + "</details>")
+        out.append(
+            "<details><summary>NVML summary per measured configuration</summary>"
+            + _table(
+                [
+                    "configuration",
+                    "util (mean)",
+                    "power mean / max",
+                    "SM clock mean / min",
+                    "memory used (max)",
+                    "slowdown reasons",
+                ],
+                rows,
+                numeric=(1, 2, 3, 4),
+                row_classes=flags,
+            )
+            + "</details>"
+        )
     return "\n".join(out)
 
 
@@ -486,20 +685,45 @@ def _environment(d: dict[str, Any]) -> str:
     cc = env.get("gpu_compute_capability")
     rows = [
         ("device", d.get("device") or env.get("device")),
-        ("GPU", f"{env['gpu_name']} (compute capability {cc or MISSING}, {format_bytes(env.get('gpu_memory_bytes'))}), "
-                f"{env.get('gpu_count') or MISSING} visible" if env.get("gpu_name") else None),
+        (
+            "GPU",
+            f"{env['gpu_name']} (compute capability {cc or MISSING}, {format_bytes(env.get('gpu_memory_bytes'))}), "
+            f"{env.get('gpu_count') or MISSING} visible"
+            if env.get("gpu_name")
+            else None,
+        ),
         ("GPU driver", env.get("gpu_driver")),
-        ("CPU", f"{env.get('cpu_model') or MISSING}: {env.get('cpu_usable') or MISSING} of {env.get('cpu_count') or MISSING} "
-                f"usable, {env.get('torch_threads') or MISSING} torch threads"),
+        (
+            "CPU",
+            f"{env.get('cpu_model') or MISSING}: {env.get('cpu_usable') or MISSING} of {env.get('cpu_count') or MISSING} "
+            f"usable, {env.get('torch_threads') or MISSING} torch threads",
+        ),
         ("python", env.get("python")),
-        ("torch", f"{env.get('torch')}" + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "") if env.get("torch") else None),
-        ("triton", env.get("triton")), ("lightning", env.get("lightning")), ("cuDNN", _cudnn(env.get("cudnn"))),
-        ("speedkit", env.get("speedkit")), ("platform", env.get("platform")),
-        ("precision / accumulation", f"{run.get('precision') or MISSING}, {run.get('accumulate_grad_batches') or MISSING} "
-                                     "batch(es) per optimizer step" if run else None),
+        (
+            "torch",
+            f"{env.get('torch')}" + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
+            if env.get("torch")
+            else None,
+        ),
+        ("triton", env.get("triton")),
+        ("lightning", env.get("lightning")),
+        ("cuDNN", _cudnn(env.get("cudnn"))),
+        ("speedkit", env.get("speedkit")),
+        ("platform", env.get("platform")),
+        (
+            "precision / accumulation",
+            f"{run.get('precision') or MISSING}, {run.get('accumulate_grad_batches') or MISSING} batch(es) per optimizer step"
+            if run
+            else None,
+        ),
         ("optimizer / strategy", f"{run.get('optimizer') or MISSING} / {run.get('strategy') or MISSING}" if run else None),
         ("FLOPs per step", f"{flops['per_step'] / 1e12:,.2f} TFLOP" if known(flops.get("per_step")) else None),
-        ("MFU peak", f"{flops['peak_tflops']:g} TFLOP/s — {flops.get('peak_source') or MISSING}" if known(flops.get("peak_tflops")) else flops.get("peak_source")),
+        (
+            "MFU peak",
+            f"{flops['peak_tflops']:g} TFLOP/s — {flops.get('peak_source') or MISSING}"
+            if known(flops.get("peak_tflops"))
+            else flops.get("peak_source"),
+        ),
     ]
     table = _table(["", ""], [[_e(k), _e(v)] for k, v in rows], cls="kv")
     conv = flops.get("convention")
@@ -521,10 +745,14 @@ def _not_applied(d: dict[str, Any]) -> str:
         return _note("Every rung tried was kept.")
     order = {s: i for i, s in enumerate(("failed", "interrupted", "reverted", "not_applicable"))}
     rows.sort(key=lambda r: order.get(r.get("status"), 9))
-    return _table(["rung", "status", "why"],
-                  [[f"<code>{_e(r.get('name'))}</code>", _e(STATUS_LABELS.get(r.get("status"), r.get("status"))),
-                    _e(r.get("reason"))] for r in rows],
-                  row_classes=[f"st-{_e(r.get('status'))}" for r in rows])
+    return _table(
+        ["rung", "status", "why"],
+        [
+            [f"<code>{_e(r.get('name'))}</code>", _e(STATUS_LABELS.get(r.get("status"), r.get("status"))), _e(r.get("reason"))]
+            for r in rows
+        ],
+        row_classes=[f"st-{_e(r.get('status'))}" for r in rows],
+    )
 
 
 def _rungs(d: dict[str, Any]) -> str:
@@ -534,9 +762,13 @@ def _rungs(d: dict[str, Any]) -> str:
     cells = [[_e(c) for c in rung_cells(r)] for r in rungs]
     for row in cells:  # the parity cell breaks before its tolerance, not inside "3e-02"
         row[-1] = row[-1].replace(" (tol ", "<br>(tol ")
-    table = _table([_e(c) for c in TABLE_COLUMNS], cells,
-                   numeric=range(2, len(TABLE_COLUMNS) - 1),
-                   row_classes=[f"st-{_e(r.get('status'))}" for r in rungs], cls="rungs")
+    table = _table(
+        [_e(c) for c in TABLE_COLUMNS],
+        cells,
+        numeric=range(2, len(TABLE_COLUMNS) - 1),
+        row_classes=[f"st-{_e(r.get('status'))}" for r in rungs],
+        cls="rungs",
+    )
     details = []
     for i, r in enumerate(rungs):
         status = STATUS_LABELS.get(r.get("status"), str(r.get("status")))
@@ -550,8 +782,10 @@ def _rungs(d: dict[str, Any]) -> str:
             items.append(f"<li>Change: {_e(c)}</li>")
         c = r.get("comparison") or {}
         if c:
-            items.append(f"<li>Paired timing: {_e(c.get('blocks'))} A B B A blocks, speedup {_num(c.get('speedup'), '.3f', '×')} "
-                         f"[{_num(c.get('low'), '.3f')}–{_num(c.get('high'), '.3f')}]: {_e(str(c.get('verdict')).replace('_', ' '))}</li>")
+            items.append(
+                f"<li>Paired timing: {_e(c.get('blocks'))} A B B A blocks, speedup {_num(c.get('speedup'), '.3f', '×')} "
+                f"[{_num(c.get('low'), '.3f')}–{_num(c.get('high'), '.3f')}]: {_e(str(c.get('verdict')).replace('_', ' '))}</li>"
+            )
         if known(r.get("seconds")):
             items.append(f"<li>Time spent: {r['seconds']:.1f} s</li>")
         details.append(f"<details><summary>{i}. {_e(r.get('name'))} — {_e(status)}</summary><ul>{''.join(items)}</ul></details>")

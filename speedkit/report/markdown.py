@@ -27,12 +27,20 @@ STATUS_LABELS = {
 }
 
 TABLE_COLUMNS = (
-    "rung", "status", "step time (ms)", "throughput", "MFU", "peak memory",
-    "vs previous", "vs baseline", "parity (max rel diff)",
+    "rung",
+    "status",
+    "step time (ms)",
+    "throughput",
+    "MFU",
+    "peak memory",
+    "vs previous",
+    "vs baseline",
+    "parity (max rel diff)",
 )
 
 
 # -- cell formatting (shared with console.py) ---------------------------------------------------
+
 
 def _known(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and not math.isfinite(value))
@@ -120,8 +128,11 @@ def summary_line(d: dict[str, Any]) -> str:
     ci = s.get("speedup_ci")
     interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
     versus = s.get("vs_switches")
-    switches = (f", {format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
-                if versus and all(_known(v) and math.isfinite(v) for v in versus) else "")
+    switches = (
+        f", {format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
+        if versus and all(_known(v) and math.isfinite(v) for v in versus)
+        else ""
+    )
     line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline{switches}; {steps}); kept: {kept}"
     if s.get("note"):
         line += f" (note: {s['note']})"
@@ -138,8 +149,10 @@ def holds_line(d: dict[str, Any]) -> str | None:
     ladder, fit = h.get("ladder") or {}, h.get("fit") or {}
     if not fit:
         return f"The fit's own steps: {h.get('note') or 'not measured'}."
-    line = (f"The fit's own steps: {format_step(fit.get('step_ms'), fit.get('spread'))} ms against the ladder's "
-            f"{format_step(ladder.get('step_ms'))} ms ({h['gap']:+.1%})")
+    line = (
+        f"The fit's own steps: {format_step(fit.get('step_ms'), fit.get('spread'))} ms against the ladder's "
+        f"{format_step(ladder.get('step_ms'))} ms ({h['gap']:+.1%})"
+    )
     note = f" ({h['note']})" if h.get("note") else ""
     if h.get("flagged"):
         return f"{line}, more than {h.get('threshold', 0):.0%} apart. Likely cause: {h.get('cause')}.{note}"
@@ -147,6 +160,7 @@ def holds_line(d: dict[str, Any]) -> str | None:
 
 
 # -- the document ---------------------------------------------------------------------------
+
 
 def render_markdown(d: dict[str, Any]) -> str:
     """The whole ``report.md`` for a report dict."""
@@ -190,7 +204,7 @@ def _profile_sections(d: dict[str, Any]) -> list[str]:
     if not windows and not attribution.get("rungs") and not syncs:
         note = f" ({_escape(p['note'])})" if p.get("note") else ""
         return [f"Time breakdown, attribution and host syncs: {NOT_MEASURED}{note}.", ""]
-    return (_breakdown(p, windows) + _attribution(attribution, p) + _host_syncs(syncs, p.get("host_syncs_note")))
+    return _breakdown(p, windows) + _attribution(attribution, p) + _host_syncs(syncs, p.get("host_syncs_note"))
 
 
 def _labels(p: dict[str, Any], windows: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
@@ -208,12 +222,15 @@ def _breakdown(p: dict[str, Any], windows: list[dict[str, Any]]) -> list[str]:
     after = next((w for w in windows if w.get("label") == "final"), windows[-1])
     cats, labels = _labels(p, windows)
     bb, ab = before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}
-    lines += [f"ms per optimizer step, over {p.get('steps') or before.get('steps') or MISSING} profiled steps per window; "
-              "the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU most): "
-              "their categories say where the time goes; the speedups are the paired measurements'."
-              + (f" Note: {_escape(p['note'])}." if p.get("note") else ""), "",
-              f"| category | before ({_escape(before.get('label'))}) | after ({_escape(after.get('label'))}) | Δ |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        f"ms per optimizer step, over {p.get('steps') or before.get('steps') or MISSING} profiled steps per window; "
+        "the windows are timed with the profiler on, whose cost per op inflates their step times (on a CPU most): "
+        "their categories say where the time goes; the speedups are the paired measurements'."
+        + (f" Note: {_escape(p['note'])}." if p.get("note") else ""),
+        "",
+        f"| category | before ({_escape(before.get('label'))}) | after ({_escape(after.get('label'))}) | Δ |",
+        "|---|---:|---:|---:|",
+    ]
     for c in cats:
         b, a = bb.get(c), ab.get(c)
         if not (_known(b) and b) and not (_known(a) and a):
@@ -222,8 +239,10 @@ def _breakdown(p: dict[str, Any], windows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {_escape(labels[c])} | {_ms(b)} | {_ms(a)} | {delta} |")
     sb, sa = before.get("step_ms"), after.get("step_ms")
     lines.append(f"| **step** | **{_ms(sb)}** | **{_ms(sa)}** | {f'{sa - sb:+,.1f}' if _known(sa) and _known(sb) else MISSING} |")
-    lines.append(f"| device busy | {format_percent(before.get('device_busy_fraction'))} | "
-                 f"{format_percent(after.get('device_busy_fraction'))} | |")
+    lines.append(
+        f"| device busy | {format_percent(before.get('device_busy_fraction'))} | "
+        f"{format_percent(after.get('device_busy_fraction'))} | |"
+    )
     traces = [f"`{_escape(w['trace'])}` ({_escape(w.get('label'))})" for w in windows if w.get("trace")]
     if traces:
         lines += ["", "Traces (open in https://ui.perfetto.dev or chrome://tracing): " + ", ".join(traces) + "."]
@@ -236,13 +255,15 @@ def _attribution(a: dict[str, Any], p: dict[str, Any]) -> list[str]:
     if not rows:
         return lines + [f"Attribution: {NOT_MEASURED}.", ""]
     for r in rows:
-        line = r.get("line") or (f"{r.get('name')}: {format_gain(r.get('speedup'))}, "
-                                 f"{_ms(r.get('ms_per_step'))} ms per step")
+        line = r.get("line") or (f"{r.get('name')}: {format_gain(r.get('speedup'))}, {_ms(r.get('ms_per_step'))} ms per step")
         lines.append(f"- {_escape(line)}")
     agrees = a.get("agrees")
     verdict = "they agree" if agrees else ("they do not agree" if agrees is False else MISSING)
-    lines += ["", f"Check: the kept rungs' speedups multiply to {format_gain(a.get('product'))}; the final check "
-                  f"measured {format_gain(a.get('measured'))}: {verdict}."]
+    lines += [
+        "",
+        f"Check: the kept rungs' speedups multiply to {format_gain(a.get('product'))}; the final check "
+        f"measured {format_gain(a.get('measured'))}: {verdict}.",
+    ]
     if a.get("interaction"):
         lines += ["", f"Interaction: {_escape(a['interaction'])}"]
     return lines + [""]
@@ -259,8 +280,11 @@ def _host_syncs(syncs: dict[str, Any], why_none: str | None = None) -> list[str]
             lines += [f"{_escape(title)}: none found.", ""]
             continue
         lines += [f"{_escape(title)}:", "", "| where | code | why | found in one step |", "|---|---|---|---:|"]
-        lines += [f"| `{_escape(s.get('where'))}` | `{_escape(s.get('code'))}` | {_escape(s.get('reason') or MISSING)} | "
-                  f"{_escape(s.get('count', MISSING))} |" for s in items]
+        lines += [
+            f"| `{_escape(s.get('where'))}` | `{_escape(s.get('code'))}` | {_escape(s.get('reason') or MISSING)} | "
+            f"{_escape(s.get('count', MISSING))} |"
+            for s in items
+        ]
         lines.append("")
     return lines
 
@@ -269,20 +293,30 @@ def _environment(d: dict[str, Any]) -> list[str]:
     env = d.get("environment") or {}
     device = d.get("device") or env.get("device") or MISSING
     if env.get("gpu_name"):
-        hw = (f"{env['gpu_name']} (compute capability {env.get('gpu_compute_capability') or MISSING}, "
-              f"{format_bytes(env.get('gpu_memory_bytes'))}), driver {env.get('gpu_driver') or MISSING}, "
-              f"{env.get('gpu_count') or MISSING} GPU(s) visible")
+        hw = (
+            f"{env['gpu_name']} (compute capability {env.get('gpu_compute_capability') or MISSING}, "
+            f"{format_bytes(env.get('gpu_memory_bytes'))}), driver {env.get('gpu_driver') or MISSING}, "
+            f"{env.get('gpu_count') or MISSING} GPU(s) visible"
+        )
     else:
-        hw = (f"{env.get('cpu_model') or 'unknown CPU'}, {env.get('cpu_usable') or env.get('cpu_count') or MISSING} "
-              f"CPUs usable, {env.get('torch_threads') or MISSING} torch threads")
+        hw = (
+            f"{env.get('cpu_model') or 'unknown CPU'}, {env.get('cpu_usable') or env.get('cpu_count') or MISSING} "
+            f"CPUs usable, {env.get('torch_threads') or MISSING} torch threads"
+        )
     cuda = f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else ""
     software = " · ".join(
         f"{name} {env.get(key) or MISSING}{cuda if key == 'torch' else ''}"
-        for name, key in (("python", "python"), ("torch", "torch"), ("triton", "triton"),
-                          ("lightning", "lightning"), ("speedkit", "speedkit"))
+        for name, key in (
+            ("python", "python"),
+            ("torch", "torch"),
+            ("triton", "triton"),
+            ("lightning", "lightning"),
+            ("speedkit", "speedkit"),
+        )
     )
     return [
-        "## Environment", "",
+        "## Environment",
+        "",
         f"- Device: `{device}` — {_escape(hw)}",
         f"- Software: {software}",
         f"- Platform: {env.get('platform') or MISSING}",
@@ -299,17 +333,26 @@ def _run(d: dict[str, Any]) -> list[str]:
     if not run:
         return []
     settings = {k: v for k, v in run.items() if k not in _RUN_SENTENCES}
-    lines = ["## The run", "", "Trials ran the user's own step: " + ", ".join(f"`{k}={_value(v)}`" for k, v in settings.items()) + ".", ""]
+    lines = [
+        "## The run",
+        "",
+        "Trials ran the user's own step: " + ", ".join(f"`{k}={_value(v)}`" for k, v in settings.items()) + ".",
+        "",
+    ]
     noise = run.get("noise")
     if noise:
-        lines += [f"- Noise: the baseline's windows vary by {format_percent(noise.get('baseline_spread'))} (likely source: "
-                  f"{_escape(noise.get('source'))}); the comparisons timed windows of {noise.get('window_steps', MISSING)} steps."]
+        lines += [
+            f"- Noise: the baseline's windows vary by {format_percent(noise.get('baseline_spread'))} (likely source: "
+            f"{_escape(noise.get('source'))}); the comparisons timed windows of {noise.get('window_steps', MISSING)} steps."
+        ]
     budget = run.get("budget")
     if budget or run.get("trials_s") is not None:
         budget = budget or {}
         skipped = ", ".join(budget.get("skipped") or []) or "nothing"
-        lines += [f"- Trials: {_num(run.get('trials_s'), '.0f')} s against a budget of {_num(budget.get('budget_s'), '.0f')} s "
-                  f"({_escape(budget.get('rule') or MISSING)}); skipped for it: {skipped}."]
+        lines += [
+            f"- Trials: {_num(run.get('trials_s'), '.0f')} s against a budget of {_num(budget.get('budget_s'), '.0f')} s "
+            f"({_escape(budget.get('rule') or MISSING)}); skipped for it: {skipped}."
+        ]
     if run.get("trial_order"):
         lines += [f"- Order: {_escape(run['trial_order'])}."]
     return lines + ([""] if len(lines) > 4 else [])
@@ -320,7 +363,8 @@ def _flops(d: dict[str, Any]) -> list[str]:
     per_step = f.get("per_step")
     peak = f.get("peak_tflops")
     return [
-        "## FLOPs and MFU", "",
+        "## FLOPs and MFU",
+        "",
         f"- FLOPs per step: {f'{per_step / 1e12:.3f} TFLOP ({per_step:,})' if _known(per_step) else MISSING}",
         f"- Peak: {f'{peak:g} TFLOP/s' if _known(peak) else MISSING} — {f.get('peak_source') or MISSING}",
         f"- Convention: {f.get('convention') or MISSING}",
@@ -334,20 +378,23 @@ def _measure(d: dict[str, Any]) -> list[str]:
         return []
     text = ", ".join(f"`{k}={_value(v)}`" for k, v in settings.items())
     return [
-        "## Measurement", "",
+        "## Measurement",
+        "",
         f"Settings: {text}.",
         "Step time is the median over timed windows of the mean step time in a window; "
         "± is the measured noise of the window means (`spread`, relative to the median). "
         "Each rung was timed against the configuration before it in interleaved A B B A blocks of windows, "
-        "in the same period; \"vs previous\" is the paired speedup with its confidence interval, and a rung "
+        'in the same period; "vs previous" is the paired speedup with its confidence interval, and a rung '
         "is kept only when the whole interval clears the minimum gain.",
         "",
     ]
 
 
 def _table(rungs: list[dict[str, Any]]) -> list[str]:
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |",
-             "|" + "|".join(["---"] * 2 + ["---:"] * (len(TABLE_COLUMNS) - 3) + ["---"]) + "|"]
+    lines = [
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "|".join(["---"] * 2 + ["---:"] * (len(TABLE_COLUMNS) - 3) + ["---"]) + "|",
+    ]
     for rung in rungs:
         lines.append("| " + " | ".join(_escape(c) for c in rung_cells(rung)) + " |")
     return lines
@@ -396,8 +443,10 @@ def _measurement_details(m: dict[str, Any] | None) -> list[str]:
             f"memory used {format_bytes(t.get('mem_used_max_bytes'))} max; clock events: {reasons}"
         )
         if t.get("slowdown_reasons"):
-            lines.append(f"  - Slowed down by {', '.join(t['slowdown_reasons'])} in "
-                         f"{format_percent(t.get('slowdown_fraction'))} of samples")
+            lines.append(
+                f"  - Slowed down by {', '.join(t['slowdown_reasons'])} in "
+                f"{format_percent(t.get('slowdown_fraction'))} of samples"
+            )
         if t.get("error"):
             lines.append(f"  - Telemetry stopped early: {_escape(t['error'])}")
     return lines
@@ -407,11 +456,13 @@ def _comparison_details(c: dict[str, Any] | None) -> list[str]:
     if not c:
         return []
     a, b = c.get("a") or {}, c.get("b") or {}
-    return [f"- Paired timing: {c.get('blocks', MISSING)} A B B A blocks in {_num(c.get('seconds'), '.1f')} s; "
-            f"with it {format_step(b.get('step_ms'), b.get('spread'))} ms, without {format_step(a.get('step_ms'), a.get('spread'))} "
-            f"ms; speedup {_num(c.get('speedup'), '.3f')}×, {_num((c.get('confidence') or 0) * 100, '.0f')}% interval "
-            f"[{_num(c.get('low'), '.3f')}, {_num(c.get('high'), '.3f')}] against a minimum of "
-            f"{_num(1 + (c.get('min_gain') or 0), '.2f')}×: {str(c.get('verdict', MISSING)).replace('_', ' ')}"]
+    return [
+        f"- Paired timing: {c.get('blocks', MISSING)} A B B A blocks in {_num(c.get('seconds'), '.1f')} s; "
+        f"with it {format_step(b.get('step_ms'), b.get('spread'))} ms, without {format_step(a.get('step_ms'), a.get('spread'))} "
+        f"ms; speedup {_num(c.get('speedup'), '.3f')}×, {_num((c.get('confidence') or 0) * 100, '.0f')}% interval "
+        f"[{_num(c.get('low'), '.3f')}, {_num(c.get('high'), '.3f')}] against a minimum of "
+        f"{_num(1 + (c.get('min_gain') or 0), '.2f')}×: {str(c.get('verdict', MISSING)).replace('_', ' ')}"
+    ]
 
 
 def _parity_details(p: dict[str, Any] | None) -> list[str]:

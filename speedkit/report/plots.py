@@ -21,8 +21,7 @@ NO_MATPLOTLIB = "plots need matplotlib (pip install matplotlib)"
 
 def known(value: Any) -> bool:
     """A finite number (not a bool): what a figure or a cell can show."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def ms_text(value: Any, digits: int | None = None) -> str:
@@ -68,6 +67,7 @@ def category_color(category: str, order: Sequence[str]) -> str:
 
 # -- plots: one small function per figure; each returns PNG bytes -------------------------------
 
+
 def load_matplotlib() -> Any | None:
     """matplotlib's pieces the plots use, or None where it is not installed."""
     try:
@@ -80,10 +80,20 @@ def load_matplotlib() -> Any | None:
 
 
 _STYLE = {
-    "font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 9,
-    "ytick.labelsize": 9, "legend.fontsize": 9, "axes.spines.top": False, "axes.spines.right": False,
-    "axes.grid": True, "grid.color": "#e5e8eb", "grid.linewidth": 0.8, "axes.axisbelow": True,
-    "axes.edgecolor": "#8c959f", "font.family": "DejaVu Sans",
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "legend.fontsize": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.color": "#e5e8eb",
+    "grid.linewidth": 0.8,
+    "axes.axisbelow": True,
+    "axes.edgecolor": "#8c959f",
+    "font.family": "DejaVu Sans",
     "text.parse_math": False,  # a "$" in a rung's name is text, not mathtext
 }
 
@@ -115,8 +125,16 @@ def plot_waterfall(mpl: Any, rows: Sequence[tuple[str, float]]) -> bytes:
             if prev is not None and not last:
                 lo, hi = sorted((prev, ms))
                 up = ms > prev
-                ax.barh(y, hi - lo, left=lo, height=0.62, color="#f7c6b5" if up else "#b8e5d6",
-                        hatch="///" if up else None, edgecolor=_RED if up else "none", linewidth=0)
+                ax.barh(
+                    y,
+                    hi - lo,
+                    left=lo,
+                    height=0.62,
+                    color="#f7c6b5" if up else "#b8e5d6",
+                    hatch="///" if up else None,
+                    edgecolor=_RED if up else "none",
+                    linewidth=0,
+                )
             text = f"{ms:,.1f} ms · {base / ms:.2f}×" if ms > 0 else f"{ms:,.1f} ms"
             ax.text(max(ms, prev or 0) + base * 0.01, y, text, va="center", fontsize=9)
             prev = ms
@@ -150,7 +168,9 @@ def plot_throughput_mfu(mpl: Any, rows: Sequence[tuple[str, float | None, float 
         ax2.barh(ys, mfu, color=colors, height=0.62)
         top_tp, top_mfu = max(tp) or 1, max(mfu) or 1
         for y, r in zip(ys, rows):
-            ax1.text(tp[y] + top_tp * 0.01, y, format_throughput(r[1]) if known(r[1]) else "not measured", va="center", fontsize=9)
+            ax1.text(
+                tp[y] + top_tp * 0.01, y, format_throughput(r[1]) if known(r[1]) else "not measured", va="center", fontsize=9
+            )
             ax2.text(mfu[y] + top_mfu * 0.01, y, f"{mfu[y]:.1f}%" if known(r[2]) else "not measured", va="center", fontsize=9)
         ax1.set_yticks(ys, labels)
         ax1.invert_yaxis()
@@ -186,8 +206,9 @@ def plot_memory(mpl: Any, rows: Sequence[tuple[str, float | None]]) -> bytes:
     return _png(mpl, draw, (10, 0.36 * len(rows) + 1.0))
 
 
-def plot_breakdown(mpl: Any, windows: Sequence[dict[str, Any]], categories: Sequence[str],
-                   labels: dict[str, str], shares: bool = False) -> bytes:
+def plot_breakdown(
+    mpl: Any, windows: Sequence[dict[str, Any]], categories: Sequence[str], labels: dict[str, str], shares: bool = False
+) -> bytes:
     """Stacked horizontal bars: each profiled window's step split into categories, in ms per step;
     with ``shares``, a second panel of the same split as a share of each window's step (so a small
     step's make-up stays readable next to a large one)."""
@@ -205,8 +226,13 @@ def plot_breakdown(mpl: Any, windows: Sequence[dict[str, Any]], categories: Sequ
             vals = [float((w.get("breakdown_ms") or {}).get(cat) or 0) for w in windows]
             if not any(vals):
                 continue
-            style = {"height": 0.6, "color": category_color(cat, categories), "edgecolor": "white",
-                     "linewidth": 0.5, "hatch": "//" if cat == "host_idle" else None}
+            style = {
+                "height": 0.6,
+                "color": category_color(cat, categories),
+                "edgecolor": "white",
+                "linewidth": 0.5,
+                "hatch": "//" if cat == "host_idle" else None,
+            }
             ax.barh(ys, vals, left=left, label=labels.get(cat, cat), **style)
             left = [a + b for a, b in zip(left, vals)]
             if ax_share is not None:
@@ -257,8 +283,9 @@ def plot_timeline(mpl: Any, timeline: dict[str, Any]) -> bytes:
         axes[2].set_ylim(bottom=0)
         axes[2].set_xlabel("time (s)")
         dt = timeline.get("interval_s") if known(timeline.get("interval_s")) else (t[1] - t[0] if len(t) > 1 else 1)
-        flagged = [(ti, s.get("reasons") or []) for ti, s in zip(t, samples)
-                   if [r for r in s.get("reasons") or [] if r != "gpu_idle"]]
+        flagged = [
+            (ti, s.get("reasons") or []) for ti, s in zip(t, samples) if [r for r in s.get("reasons") or [] if r != "gpu_idle"]
+        ]
         for ti, _ in flagged:
             for ax in axes:
                 ax.axvspan(ti - dt / 2, ti + dt / 2, color="#f0e442", alpha=0.35, linewidth=0)
@@ -266,14 +293,22 @@ def plot_timeline(mpl: Any, timeline: dict[str, Any]) -> bytes:
         for m in marks:  # where each configuration's window began
             for ax in axes:
                 ax.axvline(m["t_s"], color="#57606a", linewidth=0.8, linestyle=":")
-            axes[0].text(m["t_s"], 4, str(m.get("label")), rotation=90, va="bottom", ha="left", fontsize=8,
-                         color="#24292f", clip_on=True,
-                         bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1.0})
+            axes[0].text(
+                m["t_s"],
+                4,
+                str(m.get("label")),
+                rotation=90,
+                va="bottom",
+                ha="left",
+                fontsize=8,
+                color="#24292f",
+                clip_on=True,
+                bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 1.0},
+            )
         if flagged:
             reasons = sorted({r for _, rs in flagged for r in rs if r != "gpu_idle"})
-            axes[0].set_title("shaded: clock-event reason (" + ", ".join(reasons) + ") — a confounder", loc="left",
-                              fontsize=9, color="#6e5a00")
+            axes[0].set_title(
+                "shaded: clock-event reason (" + ", ".join(reasons) + ") — a confounder", loc="left", fontsize=9, color="#6e5a00"
+            )
 
     return _png(mpl, draw, (10, 5.2))
-
-

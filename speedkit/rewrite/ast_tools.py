@@ -104,8 +104,11 @@ def self_attr(self_name: str, attr: str) -> ast.Attribute:
 
 def call_ops(op: str, *args: ast.expr, keywords: list[ast.keyword] | None = None, **kwargs: ast.expr) -> ast.Call:
     """The AST of ``__speedkit_ops.<op>(*args, *keywords, **kwargs)``."""
-    return ast.Call(func=ast.Attribute(value=name_node(OPS_NAME), attr=op, ctx=ast.Load()),
-                    args=list(args), keywords=[*(keywords or []), *(ast.keyword(arg=k, value=v) for k, v in kwargs.items())])
+    return ast.Call(
+        func=ast.Attribute(value=name_node(OPS_NAME), attr=op, ctx=ast.Load()),
+        args=list(args),
+        keywords=[*(keywords or []), *(ast.keyword(arg=k, value=v) for k, v in kwargs.items())],
+    )
 
 
 class Replace(ast.NodeTransformer):

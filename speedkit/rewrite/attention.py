@@ -16,8 +16,17 @@ from speedkit.rewrite.ast_tools import child_blocks, const, names_loaded, names_
 from speedkit.rewrite.pipeline import Found
 from speedkit.rewrite.source import ParsedMethod
 
-_NEG_INF_SOURCES = {"float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf", "-np.inf", "-numpy.inf",
-                    "float('-Inf')", "-float('Inf')"}
+_NEG_INF_SOURCES = {
+    "float('-inf')",
+    '-float("inf")',
+    "-float('inf')",
+    "-math.inf",
+    "-torch.inf",
+    "-np.inf",
+    "-numpy.inf",
+    "float('-Inf')",
+    "-float('Inf')",
+}
 
 
 class Skip(Exception):
@@ -59,8 +68,14 @@ def _matmul_operands(node: ast.AST) -> tuple[ast.expr, ast.expr] | None:
 
 
 def _einsum(node: ast.AST) -> tuple[str, ast.expr, ast.expr] | None:
-    if (isinstance(node, ast.Call) and is_torch_attr(node.func, "einsum") and len(node.args) == 3 and not node.keywords
-            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+    if (
+        isinstance(node, ast.Call)
+        and is_torch_attr(node.func, "einsum")
+        and len(node.args) == 3
+        and not node.keywords
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
         return node.args[0].value.replace(" ", ""), node.args[1], node.args[2]
     return None
 
@@ -139,22 +154,22 @@ class Site:
     """A matched attention pattern inside one statement block of a forward."""
 
     block: list[ast.stmt]
-    start: int                         # index in block of the scores statement
-    final_stmt: ast.stmt               # the statement holding the final `@ v`
-    final_node: ast.expr               # the `@ v` expression inside it
+    start: int  # index in block of the scores statement
+    final_stmt: ast.stmt  # the statement holding the final `@ v`
+    final_node: ast.expr  # the `@ v` expression inside it
     final_v: ast.expr
     final_eq: str | None
-    head: tuple                        # ("mm", q, kT) | ("einsum", eq, q, k)
+    head: tuple  # ("mm", q, kT) | ("einsum", eq, q, k)
     steps: list[tuple[ast.stmt, ast.stmt | None, list[tuple[str, Any]]]] = field(default_factory=list)
     #   (statement in block, pattern statement inside it if it is an If (else None), ops it contributes)
     names: set[str] = field(default_factory=set)
-    scores_names: set[str] = field(default_factory=set)   # names that held pre-softmax scores
+    scores_names: set[str] = field(default_factory=set)  # names that held pre-softmax scores
     probs_name: str = ""
-    causal_mask: ast.expr | None = None                  # the mask M of the only fill, when a candidate
+    causal_mask: ast.expr | None = None  # the mask M of the only fill, when a candidate
     dropout: list[tuple[str, ast.expr]] = field(default_factory=list)
     escapes: list[ast.Name] = field(default_factory=list)
     line: int = 0
-    inline: bool = False                                 # written as one expression: `softmax(q @ kT) @ v`
+    inline: bool = False  # written as one expression: `softmax(q @ kT) @ v`
 
 
 def _parse_scores(expr: ast.expr) -> tuple[tuple, list[tuple[str, ast.expr]]]:
@@ -324,10 +339,14 @@ class _Analyzer:
     def _softmax_follows(block: list[ast.stmt], j: int, names: set[str]) -> bool:
         for st in block[j:]:
             for node in ast.walk(st):
-                if isinstance(node, ast.Call) and ((is_torch_attr(node.func, "softmax") and node.args
-                                                    and names_loaded(node.args[0]) & names)
-                                                   or (isinstance(node.func, ast.Attribute) and node.func.attr == "softmax"
-                                                       and names_loaded(node.func.value) & names)):
+                if isinstance(node, ast.Call) and (
+                    (is_torch_attr(node.func, "softmax") and node.args and names_loaded(node.args[0]) & names)
+                    or (
+                        isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "softmax"
+                        and names_loaded(node.func.value) & names
+                    )
+                ):
                     return True
         return False
 
@@ -383,7 +402,9 @@ class _Analyzer:
             if rest is None or not (stage == "probs" or _after_softmax(rest)):
                 return None
             p = next((k.value for k in value.keywords if k.arg == "p"), value.args[1] if len(value.args) > 1 else const(0.5))
-            training = next((k.value for k in value.keywords if k.arg == "training"), value.args[2] if len(value.args) > 2 else const(True))
+            training = next(
+                (k.value for k in value.keywords if k.arg == "training"), value.args[2] if len(value.args) > 2 else const(True)
+            )
             return rest + [("dropout", ast.IfExp(test=training, body=p, orelse=const(0.0)))]
         # a module attribute called on the weights: nn.Dropout (verified on the instance at apply time)
         attr = self_attribute(func, self.self_name)
@@ -445,8 +466,11 @@ class _Analyzer:
         for st, inner, _ in site.steps:
             for n in ast.walk(inner or st):
                 pattern_nodes.add(id(n))
-        final_operand = site.final_node.left if isinstance(site.final_node, ast.BinOp) else (
-            site.final_node.args[1] if site.final_eq else site.final_node.args[0])
+        final_operand = (
+            site.final_node.left
+            if isinstance(site.final_node, ast.BinOp)
+            else (site.final_node.args[1] if site.final_eq else site.final_node.args[0])
+        )
         pattern_nodes.add(id(final_operand))
         first, last = site.line, site.final_stmt.lineno
         final_end = getattr(site.final_stmt, "end_lineno", last)
@@ -470,7 +494,6 @@ class _Analyzer:
     @staticmethod
     def _inside(stmt: ast.stmt, node: ast.AST) -> bool:
         return any(n is node for n in ast.walk(stmt))
-
 
 
 def analyze(tree: ast.FunctionDef, self_name: str) -> _Analyzer:

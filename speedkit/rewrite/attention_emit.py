@@ -28,8 +28,10 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, exact_float_ma
         try:
             _check_dropout_modules(module, site, parsed.self_name)
             if site.escapes and not _zero_dropout(module, site, parsed.self_name):
-                raise Skip(f"line {site.line}: the attention weights are read after `@ v` (returned or stored) "
-                           "while attention dropout may be on: they could not match")
+                raise Skip(
+                    f"line {site.line}: the attention weights are read after `@ v` (returned or stored) "
+                    "while attention dropout may be on: they could not match"
+                )
             causal = site.causal_mask is not None and _causal_buffer(module, site.causal_mask, parsed.self_name)
             decisions.append((causal, exact_float_masks))
             decided.done.append("causal" if causal else "attention")
@@ -60,8 +62,13 @@ def _causal_buffer(module: nn.Module, mask: ast.expr, self_name: str) -> bool:
     """Is ``mask`` a causal buffer of the module, sliced to a top-left square (values checked)?"""
     expect_lower = True
     node = mask
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq) \
-            and isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value in (0, False):
+    if (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], ast.Eq)
+        and isinstance(node.comparators[0], ast.Constant)
+        and node.comparators[0].value in (0, False)
+    ):
         node = node.left
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Invert, ast.Not)):
         node = node.operand
@@ -78,12 +85,21 @@ def _causal_buffer(module: nn.Module, mask: ast.expr, self_name: str) -> bool:
     if len(elts) < 2 or not all(isinstance(e, ast.Slice) and e.step is None and e.lower is None for e in elts):
         return False
     *lead, row, col = elts
-    if any(e.upper is not None for e in lead) or row.upper is None or col.upper is None \
-            or ast.dump(row.upper) != ast.dump(col.upper):
+    if (
+        any(e.upper is not None for e in lead)
+        or row.upper is None
+        or col.upper is None
+        or ast.dump(row.upper) != ast.dump(col.upper)
+    ):
         return False
     buf = getattr(module, attr, None)
-    if not isinstance(buf, torch.Tensor) or buf.dim() < 2 or buf.shape[-1] != buf.shape[-2] \
-            or any(s != 1 for s in buf.shape[:-2]) or len(lead) != buf.dim() - 2:
+    if (
+        not isinstance(buf, torch.Tensor)
+        or buf.dim() < 2
+        or buf.shape[-1] != buf.shape[-2]
+        or any(s != 1 for s in buf.shape[:-2])
+        or len(lead) != buf.dim() - 2
+    ):
         return False
     nonzero = buf.reshape(buf.shape[-2], buf.shape[-1]) != 0
     ones = torch.ones_like(nonzero)
@@ -133,20 +149,33 @@ class _Emitter:
         for n, (site, (causal, exact)) in enumerate(sites):
             var = f"__sk_attention_{n}"
             head = site.head
-            head_tuple = tuple_of(const(head[0]), *head[1:3]) if head[0] == "mm" else tuple_of(const("einsum"), const(head[1]), head[2], head[3])
+            head_tuple = (
+                tuple_of(const(head[0]), *head[1:3])
+                if head[0] == "mm"
+                else tuple_of(const("einsum"), const(head[1]), head[2], head[3])
+            )
             if site.inline:
                 elts = [e for e in (self._optuple_of(k, x, causal) for k, x in site.steps[0][2]) if e is not None]
                 pattern = ast.List(elts=[head_tuple, *elts], ctx=ast.Load())
-                expr_replacements[id(site.final_node)] = ast.copy_location(self._call(pattern, site, causal, exact), site.final_node)
+                expr_replacements[id(site.final_node)] = ast.copy_location(
+                    self._call(pattern, site, causal, exact), site.final_node
+                )
                 continue
             for idx, (st, inner, ops) in enumerate(site.steps):
                 elts = [self._optuple_of(k, e, causal) for k, e in ops]
                 elts = [e for e in elts if e is not None]
                 if idx == 0:
-                    stmt: ast.stmt = ast.Assign(targets=[name_node(var, store=True)], value=ast.List(elts=[head_tuple, *elts], ctx=ast.Load()))
+                    stmt: ast.stmt = ast.Assign(
+                        targets=[name_node(var, store=True)], value=ast.List(elts=[head_tuple, *elts], ctx=ast.Load())
+                    )
                 elif elts:
-                    stmt = ast.Expr(value=ast.Call(func=ast.Attribute(value=name_node(var), attr="extend", ctx=ast.Load()),
-                                                  args=[ast.List(elts=elts, ctx=ast.Load())], keywords=[]))
+                    stmt = ast.Expr(
+                        value=ast.Call(
+                            func=ast.Attribute(value=name_node(var), attr="extend", ctx=ast.Load()),
+                            args=[ast.List(elts=elts, ctx=ast.Load())],
+                            keywords=[],
+                        )
+                    )
                 else:
                     stmt = ast.Pass()
                 ast.copy_location(stmt, inner or st)
@@ -154,22 +183,35 @@ class _Emitter:
                     inner_replacements[id(inner)] = stmt
                 else:
                     replacements[id(st)] = [stmt]
-            expr_replacements[id(site.final_node)] = ast.copy_location(self._call(name_node(var), site, causal, exact), site.final_node)
+            expr_replacements[id(site.final_node)] = ast.copy_location(
+                self._call(name_node(var), site, causal, exact), site.final_node
+            )
             for esc in site.escapes:
                 expr_replacements[id(esc)] = ast.copy_location(call_ops("materialize", name_node(esc.id)), esc)
             if site.escapes:
-                deferred = ast.Assign(targets=[name_node(site.probs_name, store=True)], value=call_ops("Deferred", name_node(var)))
+                deferred = ast.Assign(
+                    targets=[name_node(site.probs_name, store=True)], value=call_ops("Deferred", name_node(var))
+                )
                 before.setdefault(id(site.final_stmt), []).append(ast.copy_location(deferred, site.final_stmt))
         self._apply(self.tree, replacements, inner_replacements, expr_replacements, before)
         ast.fix_missing_locations(self.tree)
 
     @staticmethod
     def _call(pattern: ast.expr, site: Site, causal: bool, exact: bool) -> ast.Call:
-        return call_ops("attention", pattern, site.final_v,
-                        **{k: v for k, v in (("final_eq", const(site.final_eq) if site.final_eq else None),
-                                             ("is_causal", const(True) if causal else None),
-                                             ("exact_float_masks", const(True) if exact else None))
-                           if v is not None})
+        return call_ops(
+            "attention",
+            pattern,
+            site.final_v,
+            **{
+                k: v
+                for k, v in (
+                    ("final_eq", const(site.final_eq) if site.final_eq else None),
+                    ("is_causal", const(True) if causal else None),
+                    ("exact_float_masks", const(True) if exact else None),
+                )
+                if v is not None
+            },
+        )
 
     @staticmethod
     def _optuple_of(kind: str, expr: Any, causal: bool) -> ast.Tuple | None:

@@ -17,8 +17,19 @@ from speedkit.rewrite.source import ParsedMethod, is_user_code
 #: statements whose value may hold sibling Linear calls
 _SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
 #: sub-expressions evaluated zero or many times when their parent is evaluated once
-_NOT_ONCE = (*SCOPES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.IfExp, ast.BoolOp,
-             ast.Compare, ast.Await, ast.Yield, ast.YieldFrom)
+_NOT_ONCE = (
+    *SCOPES,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+    ast.IfExp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.Await,
+    ast.Yield,
+    ast.YieldFrom,
+)
 #: inner loops are reported on their own
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _GEMM_CALLS = {"matmul", "bmm", "mm", "mv", "einsum", "linear", "addmm", "baddbmm", "addbmm"}
@@ -70,8 +81,9 @@ def simple(node: ast.AST) -> bool:
     """A name, attribute chain or constant index on one (``x``, ``self.weight``, ``w.mT``, ``ws[0]``):
     pure and cheap, so evaluating it once instead of once per iteration changes nothing."""
     while isinstance(node, (ast.Attribute, ast.Subscript)):
-        if isinstance(node, ast.Subscript) and not (isinstance(node.slice, ast.Name)
-                                                    or isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)):
+        if isinstance(node, ast.Subscript) and not (
+            isinstance(node.slice, ast.Name) or isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
+        ):
             return False
         node = node.value
     return isinstance(node, ast.Name)
@@ -81,6 +93,7 @@ def root(node: ast.AST) -> str | None:
     while isinstance(node, (ast.Attribute, ast.Subscript)):
         node = node.value
     return node.id if isinstance(node, ast.Name) else None
+
 
 class Finder:
     """Finds the sites (and near misses) of one forward, deterministically: the same on any copy."""
@@ -111,8 +124,13 @@ class Finder:
             self._close(groups, x, block)
 
     def _linear_call(self, node: ast.AST) -> tuple[str, str] | None:
-        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords \
-                and isinstance(node.args[0], ast.Name) and node.args[0].id != self.self_name:
+        if (
+            isinstance(node, ast.Call)
+            and len(node.args) == 1
+            and not node.keywords
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id != self.self_name
+        ):
             attr = self_attribute(node.func, self.self_name)
             if attr is not None:
                 return attr, node.args[0].id
@@ -121,8 +139,11 @@ class Finder:
     def _siblings_step(self, stmt: ast.stmt, block: list[ast.stmt], groups: dict) -> None:
         stored = names_stored(stmt)
         touches_self = self.self_name in stored or any(
-            isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, (ast.Store, ast.Del)) and root(n) == self.self_name
-            for n in ast.walk(stmt))
+            isinstance(n, (ast.Attribute, ast.Subscript))
+            and isinstance(n.ctx, (ast.Store, ast.Del))
+            and root(n) == self.self_name
+            for n in ast.walk(stmt)
+        )
         if touches_self:  # a Linear (or its weight) may be replaced here: no group spans this statement
             for x in list(groups):
                 self._close(groups, x, block)
@@ -143,18 +164,36 @@ class Finder:
         if len(members) < 2:
             return
         line = members[0][2].lineno
-        targets = {n.id for _, _, st in members for t in getattr(st, "targets", [getattr(st, "target", None)]) if t is not None
-                   for n in ast.walk(t) if isinstance(n, ast.Name)}
+        targets = {
+            n.id
+            for _, _, st in members
+            for t in getattr(st, "targets", [getattr(st, "target", None)])
+            if t is not None
+            for n in ast.walk(t)
+            if isinstance(n, ast.Name)
+        }
         modified = sorted(targets & self._inplace)
         if not modified:
             calls = {id(c) for _, c, _ in members}
-            modified = [short(n.func) for _, _, st in members for n in ast.walk(st)
-                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and _inplace_method(n.func.attr)
-                        and any(id(m) in calls for m in ast.walk(n.func.value))]
+            modified = [
+                short(n.func)
+                for _, _, st in members
+                for n in ast.walk(st)
+                if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and _inplace_method(n.func.attr)
+                and any(id(m) in calls for m in ast.walk(n.func.value))
+            ]
         if modified:
             attrs = tuple(a for a, _, _ in members)
-            self.notes.append(Note(line, f"Linears {', '.join(attrs)} on {x}: {', '.join(modified)} modified in place, "
-                                          "and fused outputs are views of one tensor", needs_linear_attrs=attrs))
+            self.notes.append(
+                Note(
+                    line,
+                    f"Linears {', '.join(attrs)} on {x}: {', '.join(modified)} modified in place, "
+                    "and fused outputs are views of one tensor",
+                    needs_linear_attrs=attrs,
+                )
+            )
             return
         self.sites.append(Site("siblings", line, block, input=x, members=members))
 
@@ -178,10 +217,17 @@ class Finder:
         gemms, indexed_modules = False, []
         for stmt in loop.body:
             for n in [] if isinstance(stmt, _LOOPS) else walk(stmt, (*SCOPES, *_LOOPS)):
-                if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult) \
-                        or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _GEMM_CALLS:
+                if (
+                    isinstance(n, ast.BinOp)
+                    and isinstance(n.op, ast.MatMult)
+                    or isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute)
+                    and n.func.attr in _GEMM_CALLS
+                ):
                     gemms = True
-                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and self_attribute(n.func.value, self.self_name):
+                elif (
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and self_attribute(n.func.value, self.self_name)
+                ):
                     indexed_modules.append(self_attribute(n.func.value, self.self_name))
         if not gemms and not indexed_modules:
             self._module_loop(loop)
@@ -211,12 +257,24 @@ class Finder:
         if any(n.id == i and isinstance(n.ctx, ast.Load) and id(n) not in inside for n in self._names):
             note(f"loop variable {i!r} is read outside the loop")
             return
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript) \
-                and isinstance(stmt.targets[0].slice, ast.Name) and stmt.targets[0].slice.id == i and simple(stmt.targets[0].value):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Subscript)
+            and isinstance(stmt.targets[0].slice, ast.Name)
+            and stmt.targets[0].slice.id == i
+            and simple(stmt.targets[0].value)
+        ):
             form, target, value = "store", stmt.targets[0].value, stmt.value
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
-                and stmt.value.func.attr == "append" and isinstance(stmt.value.func.value, ast.Name) \
-                and len(stmt.value.args) == 1 and not stmt.value.keywords:
+        elif (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Attribute)
+            and stmt.value.func.attr == "append"
+            and isinstance(stmt.value.func.value, ast.Name)
+            and len(stmt.value.args) == 1
+            and not stmt.value.keywords
+        ):
             form, target, value = "extend", stmt.value.func.value, stmt.value.args[0]
         else:
             note("loop body is not `out[i] = …` or `outs.append(…)`")
@@ -224,8 +282,9 @@ class Finder:
         site = Site("loop", loop.lineno, block, loop=loop, form=form, count=it.args[0], target=target, builtin_names={"range"})
         reason = self._gemm(value, i, site)
         written = ast.unparse(target)
-        if reason is None and any(ast.unparse(e) == written or isinstance(target, ast.Name) and root(e) == target.id
-                                  for e, _ in site.operands):
+        if reason is None and any(
+            ast.unparse(e) == written or isinstance(target, ast.Name) and root(e) == target.id for e, _ in site.operands
+        ):
             reason = f"the loop writes {written}, which it also reads"
         if reason is not None:
             note(reason)
@@ -239,18 +298,34 @@ class Finder:
         func = value.func if isinstance(value, ast.Call) else None
         if isinstance(value, ast.BinOp) and isinstance(value.op, ast.MatMult):
             site.op, pair = "matmul", [value.left, value.right]
-        elif isinstance(func, ast.Attribute) and func.attr in ("matmul", "bmm") and isinstance(func.value, ast.Name) \
-                and len(value.args) == 2 and not value.keywords:
+        elif (
+            isinstance(func, ast.Attribute)
+            and func.attr in ("matmul", "bmm")
+            and isinstance(func.value, ast.Name)
+            and len(value.args) == 2
+            and not value.keywords
+        ):
             site.op, pair = "matmul", list(value.args)
             site.torch_names.add(func.value.id)
-        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Name) and func.slice.id == i \
-                and self_attribute(func.value, self.self_name) and len(value.args) == 1 and not value.keywords:
+        elif (
+            isinstance(func, ast.Subscript)
+            and isinstance(func.slice, ast.Name)
+            and func.slice.id == i
+            and self_attribute(func.value, self.self_name)
+            and len(value.args) == 1
+            and not value.keywords
+        ):
             site.op, site.attr, pair = "linear", self_attribute(func.value, self.self_name) or "", list(value.args)
         else:
             return f"per-slice statement `{short(value)}` is not one matmul (a[i] @ b[i], torch.matmul, torch.bmm) or self.layers[i](x)"
         for operand in pair:
-            if isinstance(operand, ast.Subscript) and isinstance(operand.slice, ast.Name) and operand.slice.id == i \
-                    and simple(operand.value) and i not in names_loaded(operand.value):
+            if (
+                isinstance(operand, ast.Subscript)
+                and isinstance(operand.slice, ast.Name)
+                and operand.slice.id == i
+                and simple(operand.value)
+                and i not in names_loaded(operand.value)
+            ):
                 site.operands.append((operand.value, True))
             elif simple(operand) and i not in names_loaded(operand):
                 site.operands.append((operand, False))
@@ -268,17 +343,34 @@ class Finder:
         if len(uses) != 3 or len(stores) != 1:
             return
         at = block.index(site.loop)
-        init = next((st for st in block[:at] if isinstance(st, ast.Assign) and len(st.targets) == 1 and st.targets[0] is stores[0]
-                     and isinstance(st.value, ast.List) and not st.value.elts), None)
+        init = next(
+            (
+                st
+                for st in block[:at]
+                if isinstance(st, ast.Assign)
+                and len(st.targets) == 1
+                and st.targets[0] is stores[0]
+                and isinstance(st.value, ast.List)
+                and not st.value.elts
+            ),
+            None,
+        )
         if init is None:
             return
-        for stmt in block[at + 1:]:
+        for stmt in block[at + 1 :]:
             if not isinstance(stmt, _SIMPLE):
                 continue
             for n in walk(stmt, (*SCOPES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "stack" \
-                        and isinstance(n.func.value, ast.Name) and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == outs \
-                        and _dim_zero(n.args[1:], n.keywords):
+                if (
+                    isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Attribute)
+                    and n.func.attr == "stack"
+                    and isinstance(n.func.value, ast.Name)
+                    and n.args
+                    and isinstance(n.args[0], ast.Name)
+                    and n.args[0].id == outs
+                    and _dim_zero(n.args[1:], n.keywords)
+                ):
                     site.form, site.init, site.stack_call = "stack", init, n
                     site.torch_names.add(n.func.value.id)
                     return
@@ -290,10 +382,17 @@ class Finder:
             it = it.args[0]
         attr = self_attribute(it, self.self_name)
         bound = names_stored(loop.target)
-        calls = [n for stmt in loop.body for n in walk(stmt) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in bound]
+        calls = [
+            n
+            for stmt in loop.body
+            for n in walk(stmt)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in bound
+        ]
         if attr is None or not calls:
             return
-        chained = any(names_loaded(ast.Tuple(elts=c.args, ctx=ast.Load())) & names_stored(stmt) for c in calls for stmt in loop.body)
+        chained = any(
+            names_loaded(ast.Tuple(elts=c.args, ctx=ast.Load())) & names_stored(stmt) for c in calls for stmt in loop.body
+        )
         if chained:
             reason = f"loop over self.{attr}: each iteration feeds the next, a chain (not batchable)"
         else:
@@ -311,12 +410,24 @@ class Finder:
                 if attr is None or not isinstance(gen.target, ast.Name):
                     continue
                 h, elt = gen.target.id, n.elt
-                if gen.ifs or gen.is_async or not isinstance(elt, ast.Call) or not (isinstance(elt.func, ast.Name) and elt.func.id == h) \
-                        or elt.keywords or not elt.args \
-                        or not all(simple(a) and h not in names_loaded(a) for a in elt.args):
+                if (
+                    gen.ifs
+                    or gen.is_async
+                    or not isinstance(elt, ast.Call)
+                    or not (isinstance(elt.func, ast.Name) and elt.func.id == h)
+                    or elt.keywords
+                    or not elt.args
+                    or not all(simple(a) and h not in names_loaded(a) for a in elt.args)
+                ):
                     if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == h for c in ast.walk(elt)):
-                        self.notes.append(Note(n.lineno, f"`{short(n, 60)}`: only `[h(x) for h in self.{attr}]` "
-                                                          "(plain-name arguments, no condition) is rewritten", attr))
+                        self.notes.append(
+                            Note(
+                                n.lineno,
+                                f"`{short(n, 60)}`: only `[h(x) for h in self.{attr}]` "
+                                "(plain-name arguments, no condition) is rewritten",
+                                attr,
+                            )
+                        )
                     continue
                 self.sites.append(Site("list", n.lineno, [], node=n, attr=attr, args=list(elt.args)))
 

@@ -57,9 +57,11 @@ def _ensemble_reason(members: list[nn.Module]) -> str | None:
     base = members[0]
 
     def signature(m: nn.Module) -> tuple:
-        return ([(n, type(s)) for n, s in m.named_modules()],
-                [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in m.named_parameters()],
-                [(n, b.shape, b.dtype, b.device) for n, b in m.named_buffers()])
+        return (
+            [(n, type(s)) for n, s in m.named_modules()],
+            [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in m.named_parameters()],
+            [(n, b.shape, b.dtype, b.device) for n, b in m.named_buffers()],
+        )
 
     wanted = signature(base)
     for k, m in enumerate(members):
@@ -79,8 +81,11 @@ def _ensemble_reason(members: list[nn.Module]) -> str | None:
                 if key in internals:
                     continue
                 other = vars(twin).get(key)
-                same = value is other or (isinstance(value, (int, float, str, bool, type(None), tuple, list))
-                                          and type(value) is type(other) and value == other)
+                same = value is other or (
+                    isinstance(value, (int, float, str, bool, type(None), tuple, list))
+                    and type(value) is type(other)
+                    and value == other
+                )
                 if not same:
                     return f"{label}.{key} differs from member 0's"
     return None
@@ -91,8 +96,9 @@ def _module_list(module: nn.Module, attr: str) -> nn.ModuleList | None:
     return value if isinstance(value, nn.ModuleList) else None
 
 
-def decide(module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool = True, loops: bool = True,
-           ensembles: bool = True) -> Decided:
+def decide(
+    module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool = True, loops: bool = True, ensembles: bool = True
+) -> Decided:
     """Per site of the method: the decision for this instance (None = left alone), what it does, and
     near misses; ``linears``, ``loops``, ``ensembles``: the forms the rung may rewrite."""
     decisions: list[Any] = []
@@ -114,8 +120,9 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool 
         notes.append(f"{_at(parsed, note.line)}: {note.reason}")
     arguments = {a.arg for a in ast.walk(parsed.tree.args) if isinstance(a, ast.arg)}
     for site in found.sites:
-        shadowed = [n for n in site.torch_names if global_value(parsed.function, n) is not torch] + \
-                   [n for n in site.builtin_names if global_value(parsed.function, n) is not getattr(builtins, n)]
+        shadowed = [n for n in site.torch_names if global_value(parsed.function, n) is not torch] + [
+            n for n in site.builtin_names if global_value(parsed.function, n) is not getattr(builtins, n)
+        ]
         local = (site.torch_names | site.builtin_names) & (names_stored(parsed.tree) | arguments)
         if shadowed or local:
             skip(site, f"`{sorted(set(shadowed) | local)[0]}` does not refer to what it seems")
@@ -133,7 +140,9 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool 
             for j in linear_members:
                 reason = _linear_reason(mods[j], f"self.{site.members[j][0]}")
                 if reason:
-                    notes.append(f"{_at(parsed, site.members[j][2].lineno)}: not fused with its siblings on {site.input}: {reason}")
+                    notes.append(
+                        f"{_at(parsed, site.members[j][2].lineno)}: not fused with its siblings on {site.input}: {reason}"
+                    )
                 else:
                     by_key.setdefault(_linear_key(mods[j]), []).append(j)
             fused = tuple(tuple(js) for js in by_key.values() if len(js) > 1)
@@ -141,8 +150,10 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool 
             for key, js in by_key.items():
                 if len(js) == 1 and len(by_key) > 1:
                     j = js[0]
-                    notes.append(f"{_at(parsed, site.members[j][2].lineno)}: self.{site.members[j][0]} not fused with its "
-                                 f"siblings on {site.input}: {_key_difference(key, common)}")
+                    notes.append(
+                        f"{_at(parsed, site.members[j][2].lineno)}: self.{site.members[j][0]} not fused with its "
+                        f"siblings on {site.input}: {_key_difference(key, common)}"
+                    )
             decisions.append(fused or None)
             done += [f"fused {','.join(site.members[j][0] for j in js)} Linear" for js in fused]
         elif site.kind == "list":
@@ -151,8 +162,12 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, linears: bool 
                 skip(site, f"self.{site.attr} is not an nn.ModuleList")
             elif len(lst) < 2:
                 skip(site, f"self.{site.attr} holds {len(lst)} module(s): nothing to batch")
-            elif len(site.args) == 1 and all(type(m) is nn.Linear for m in lst) \
-                    and not any(_linear_reason(m, "") for m in lst) and len({_linear_key(m) for m in lst}) == 1:
+            elif (
+                len(site.args) == 1
+                and all(type(m) is nn.Linear for m in lst)
+                and not any(_linear_reason(m, "") for m in lst)
+                and len({_linear_key(m) for m in lst}) == 1
+            ):
                 if linears:
                     decisions.append("linear")
                     done.append(f"fused {len(lst)} Linears of self.{site.attr}")
@@ -207,14 +222,18 @@ def emit(parsed: ParsedMethod, tree: ast.FunctionDef, decisions: tuple[Any, ...]
                 temps = [f"__sk_lin_{k}_{g}_{j}" for j in range(len(members))]
                 first = min((st for _, _, st in members), key=site.block.index)
                 linears = ast.Tuple(elts=[self_attr(self_name, a) for a, _, _ in members], ctx=ast.Load())
-                fused = ast.Assign(targets=[ast.Tuple(elts=[name_node(t, True) for t in temps], ctx=ast.Store())],
-                                   value=call_ops("fused_linear", name_node(site.input), linears))
+                fused = ast.Assign(
+                    targets=[ast.Tuple(elts=[name_node(t, True) for t in temps], ctx=ast.Store())],
+                    value=call_ops("fused_linear", name_node(site.input), linears),
+                )
                 site.block.insert(site.block.index(first), ast.copy_location(fused, first))
                 replace.update({id(call): name_node(t) for t, (_, call, _) in zip(temps, members)})
         elif site.kind == "list":
             lst = site.node.generators[0].iter  # type: ignore[union-attr]
             if decision == "linear":  # a list display, not list(...): the user's globals may shadow builtins
-                new: ast.expr = ast.List(elts=[ast.Starred(value=call_ops("fused_linear", site.args[0], lst), ctx=ast.Load())], ctx=ast.Load())
+                new: ast.expr = ast.List(
+                    elts=[ast.Starred(value=call_ops("fused_linear", site.args[0], lst), ctx=ast.Load())], ctx=ast.Load()
+                )
             else:
                 new = call_ops("ensemble", lst, *site.args)
             replace[id(site.node)] = new
@@ -224,21 +243,28 @@ def emit(parsed: ParsedMethod, tree: ast.FunctionDef, decisions: tuple[Any, ...]
                 (a, a_idx), (b, b_idx) = site.operands
                 batched = call_ops("loop_matmul", a, b, name_node(n), ast.Constant(a_idx), ast.Constant(b_idx))
             else:
-                (x, x_idx), = site.operands
+                ((x, x_idx),) = site.operands
                 layers = self_attr(self_name, site.attr)
                 batched = call_ops("loop_linear", layers, x, name_node(n), ast.Constant(x_idx))
             stmts: list[ast.stmt] = [ast.Assign(targets=[name_node(n, True)], value=site.count)]
             if site.form == "store":
                 stmts.append(ast.Expr(call_ops("store_slices", site.target, name_node(n), batched)))
             elif site.form == "extend":
-                stmts.append(ast.Expr(ast.Call(func=ast.Attribute(value=site.target, attr="extend", ctx=ast.Load()),
-                                               args=[call_ops("unstack", batched)], keywords=[])))
+                stmts.append(
+                    ast.Expr(
+                        ast.Call(
+                            func=ast.Attribute(value=site.target, attr="extend", ctx=ast.Load()),
+                            args=[call_ops("unstack", batched)],
+                            keywords=[],
+                        )
+                    )
+                )
             else:
                 stmts.append(ast.Assign(targets=[name_node(f"__sk_batch_{k}", True)], value=call_ops("stack", batched)))
                 site.block.remove(site.init)  # type: ignore[arg-type]
                 replace[id(site.stack_call)] = name_node(f"__sk_batch_{k}")
             at = site.block.index(site.loop)  # type: ignore[arg-type]
-            site.block[at:at + 1] = [ast.copy_location(st, site.loop) for st in stmts]  # type: ignore[arg-type]
+            site.block[at : at + 1] = [ast.copy_location(st, site.loop) for st in stmts]  # type: ignore[arg-type]
     if replace:
         Replace(replace).visit(tree)
 

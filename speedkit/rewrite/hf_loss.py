@@ -45,16 +45,25 @@ class FusedLMLoss:
     def __init__(self, original: Callable[..., Tensor], shift: bool) -> None:
         self.original, self.shift = original, shift
 
-    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Tensor | int | None = None,
-                 ignore_index: int = -100, shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+    def __call__(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        vocab_size: int,
+        num_items_in_batch: Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
         target = labels
         if self.shift:
             target = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         # contiguous: the kernel reads the targets as one dense row of indices
         target = target.reshape(-1).to(logits.device).contiguous()
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = layers.cross_entropy(logits.reshape(-1, vocab_size), target, upcast=True, reduction=reduction,
-                                    ignore_index=ignore_index)
+        loss = layers.cross_entropy(
+            logits.reshape(-1, vocab_size), target, upcast=True, reduction=reduction, ignore_index=ignore_index
+        )
         if num_items_in_batch is None:
             return loss
         if torch.is_tensor(num_items_in_batch):
@@ -93,8 +102,12 @@ def _differs(original: Callable[..., Tensor], shift: bool) -> str | None:
     logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, 7, (2, 5), generator=gen)
     labels[0, 1] = labels[1, 3] = -100
-    cases: list[tuple[Tensor, dict[str, Any]]] = [(labels, {}), (labels, {"num_items_in_batch": torch.tensor(6)}),
-                                                 (labels, {"num_items_in_batch": 4}), (labels.clamp_min(0), {"ignore_index": 3})]
+    cases: list[tuple[Tensor, dict[str, Any]]] = [
+        (labels, {}),
+        (labels, {"num_items_in_batch": torch.tensor(6)}),
+        (labels, {"num_items_in_batch": 4}),
+        (labels.clamp_min(0), {"ignore_index": 3}),
+    ]
     if shift:
         cases.append((labels, {"shift_labels": labels.flip(-1)}))
     fused = FusedLMLoss(original, shift)
@@ -104,8 +117,10 @@ def _differs(original: Callable[..., Tensor], shift: bool) -> str | None:
         except Exception as exc:  # its signature moved: the replacement's would not match
             return f"{original.__name__} does not take the arguments speedkit passes ({type(exc).__name__}: {exc})"
         if not torch.equal(fused(logits=logits, labels=target, vocab_size=7, **kwargs), expected):
-            return f"{original.__name__} of this transformers computes something else than speedkit's version " \
-                   f"(with {', '.join(kwargs) or 'defaults'})"
+            return (
+                f"{original.__name__} of this transformers computes something else than speedkit's version "
+                f"(with {', '.join(kwargs) or 'defaults'})"
+            )
     return None
 
 
@@ -146,14 +161,21 @@ def find(root: nn.Module) -> tuple[list[LossSite], list[str]]:
             continue  # already swapped
         shift = lm_losses.get(current)
         if shift is None:
-            reason = f"its loss_function is {getattr(current, '__name__', repr(current))}, not a causal- or masked-LM cross-entropy"
+            reason = (
+                f"its loss_function is {getattr(current, '__name__', repr(current))}, not a causal- or masked-LM cross-entropy"
+            )
         else:
             reason = _forward_skips_loss_function(type(module)) or _differs(current, shift)
         if reason:
             left_alone.append(f"{name}: {reason}")
             continue
-        sites.append(LossSite(module, FusedLMLoss(current, shift),
-                              f"{name}.loss_function: transformers' {current.__name__} → speedkit fused cross-entropy"))
+        sites.append(
+            LossSite(
+                module,
+                FusedLMLoss(current, shift),
+                f"{name}.loss_function: transformers' {current.__name__} → speedkit fused cross-entropy",
+            )
+        )
     return sites, left_alone
 
 

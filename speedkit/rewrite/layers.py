@@ -28,7 +28,7 @@ _CE_KEYWORDS = {"input", "target", "reduction", "ignore_index", "label_smoothing
 class Site:
     kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu"
     line: int
-    fc: str = ""   # gelu, gelu_mlp: the Linear's attribute
+    fc: str = ""  # gelu, gelu_mlp: the Linear's attribute
     act: str = ""  # gelu, gelu_mlp: the GELU module's attribute ("" for F.gelu)
     proj: str = ""  # gelu_mlp: the outer Linear's attribute (its site is followed by the inner gelu site)
     #: gelu_mlp: the same call read as a Linear→GELU pair (``self.act(self.fc(x))`` has both readings)
@@ -134,11 +134,12 @@ class Sites(ast.NodeTransformer):
         return Site("cross_entropy", node.lineno)
 
     def _silu(self, node: ast.AST) -> str | None:
-        """"" for ``F.silu(a)``, "attr" for ``self.attr(a)`` (an nn.SiLU decided per instance), else None."""
+        """ "" for ``F.silu(a)``, "attr" for ``self.attr(a)`` (an nn.SiLU decided per instance), else None."""
         if not (isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred)):
             return None
-        if self._is(node.func, F.silu) and all(k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is False
-                                               for k in node.keywords):
+        if self._is(node.func, F.silu) and all(
+            k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is False for k in node.keywords
+        ):
             return ""
         return self_attribute(node.func, self.self_name) if not node.keywords else None
 
@@ -175,12 +176,17 @@ class Sites(ast.NodeTransformer):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             return node, False
         attr, args, kws = node.func.attr, node.args, node.keywords
-        if (attr == "float" and not args and not kws) or (attr == "to" and len(args) == 1 and not kws
-                                                           and self._resolve(args[0]) is torch.float32):
+        if (attr == "float" and not args and not kws) or (
+            attr == "to" and len(args) == 1 and not kws and self._resolve(args[0]) is torch.float32
+        ):
             return self._strip_upcast(node.func.value)[0], True
         # shape-only methods: a one-argument view/reshape could be a dtype view, which the upcast changes
-        shape_only = (attr in ("view", "reshape") and not kws and (len(args) >= 2 or (len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List))))
-                      or attr in ("flatten", "contiguous")) and not any(isinstance(a, ast.Starred) for a in args)
+        shape_only = (
+            attr in ("view", "reshape")
+            and not kws
+            and (len(args) >= 2 or (len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List))))
+            or attr in ("flatten", "contiguous")
+        ) and not any(isinstance(a, ast.Starred) for a in args)
         if shape_only:
             inner, upcast = self._strip_upcast(node.func.value)
             if upcast:

@@ -21,9 +21,9 @@ from speedkit.handle import Handle
 class SwitchPlan:
     """What the libraries' switches will change, and what they leave alone (with the reason)."""
 
-    hf: list[tuple[nn.Module, str]] = field(default_factory=list)    # (model, implementation it runs now)
-    timm: list[nn.Module] = field(default_factory=list)          # timm attention with fused_attn off
-    timm_fused: list[nn.Module] = field(default_factory=list)    # ... already on SDPA
+    hf: list[tuple[nn.Module, str]] = field(default_factory=list)  # (model, implementation it runs now)
+    timm: list[nn.Module] = field(default_factory=list)  # timm attention with fused_attn off
+    timm_fused: list[nn.Module] = field(default_factory=list)  # ... already on SDPA
     left_alone: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -51,22 +51,27 @@ def plan_switches(model: nn.Module, hf_implementation: str = "sdpa") -> SwitchPl
     plan.timm_fused = [m for m in timm_attention if m.fused_attn]
     if plan.timm_fused:
         classes = ", ".join(sorted({type(m).__name__ for m in plan.timm_fused}))
-        plan.left_alone.append(f"timm {classes}: {len(plan.timm_fused)} module(s) already run F.scaled_dot_product_attention "
-                               "(fused_attn=True)")
+        plan.left_alone.append(
+            f"timm {classes}: {len(plan.timm_fused)} module(s) already run F.scaled_dot_product_attention (fused_attn=True)"
+        )
     return plan
 
 
 def apply_switches(handle: Handle, plan: SwitchPlan, hf_implementation: str = "sdpa") -> None:
     for hf_model, previous in plan.hf:
         hf_model.set_attn_implementation(hf_implementation)
-        handle.record(f"Hugging Face {type(hf_model).__name__}: attn_implementation {previous!r} -> {hf_implementation!r} "
-                      "(set_attn_implementation, the library's attention registry)",
-                      lambda m=hf_model, p=previous: m.set_attn_implementation(p),
-                      lambda m=hf_model: m.set_attn_implementation(hf_implementation))
+        handle.record(
+            f"Hugging Face {type(hf_model).__name__}: attn_implementation {previous!r} -> {hf_implementation!r} "
+            "(set_attn_implementation, the library's attention registry)",
+            lambda m=hf_model, p=previous: m.set_attn_implementation(p),
+            lambda m=hf_model: m.set_attn_implementation(hf_implementation),
+        )
     for module in plan.timm:
         module.fused_attn = True
         handle.record("", lambda m=module: setattr(m, "fused_attn", False), lambda m=module: setattr(m, "fused_attn", True))
     if plan.timm:
         classes = sorted({type(m).__name__ for m in plan.timm})
-        handle.record(f"timm {', '.join(classes)}: fused_attn False -> True in {len(plan.timm)} module(s) "
-                      "(timm's own switch to F.scaled_dot_product_attention)")
+        handle.record(
+            f"timm {', '.join(classes)}: fused_attn False -> True in {len(plan.timm)} module(s) "
+            "(timm's own switch to F.scaled_dot_product_attention)"
+        )

@@ -115,10 +115,12 @@ def find(rewriter: Rewriter, parsed: ParsedMethod) -> Found:
     return rewriter.find(parsed)
 
 
-def plan_rewrites(rewriter: Rewriter, targets: Iterable[tuple[nn.Module, str]],
-                  decide: Callable[[nn.Module, ParsedMethod, Found], Decided],
-                  refused: Callable[[nn.Module, str, NotRewritable], str | None] = lambda *_: None,
-                  ) -> tuple[list[MethodRewrite], list[str]]:
+def plan_rewrites(
+    rewriter: Rewriter,
+    targets: Iterable[tuple[nn.Module, str]],
+    decide: Callable[[nn.Module, ParsedMethod, Found], Decided],
+    refused: Callable[[nn.Module, str, NotRewritable], str | None] = lambda *_: None,
+) -> tuple[list[MethodRewrite], list[str]]:
     """Parse, find and decide for each (instance, method name) of ``targets``: the rewrites, and what
     is left alone (``refused`` words a method that cannot be rewritten, or says nothing)."""
     rewrites: list[MethodRewrite] = []
@@ -164,6 +166,7 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
     """What a plan depends on, as a comparable value: each module's identity, class and attributes
     (plain values by value, containers by what they hold, anything else by identity), and the dtype,
     device and shape of its tensors."""
+
     def value(v: Any) -> Any:
         if isinstance(v, (bool, int, float, str, type(None))):
             return v
@@ -174,8 +177,14 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
     out: list[Any] = []
     for m in model.modules():
         tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        out.append((id(m), type(m), tuple((k, value(v)) for k, v in vars(m).items()),
-                    tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors if isinstance(t, torch.Tensor))))
+        out.append(
+            (
+                id(m),
+                type(m),
+                tuple((k, value(v)) for k, v in vars(m).items()),
+                tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors if isinstance(t, torch.Tensor)),
+            )
+        )
     return tuple(out)
 
 
@@ -200,8 +209,9 @@ def apply_plan(handle: Handle, rewriter: Rewriter, plan: RewritePlan, describe: 
         for module, method, function, description in plan.bindings:
             bind_method(handle, module, method, function, description)
         for rewrite in plan.rewrites:
-            bind_method(handle, rewrite.module, rewrite.method, compiled(rewriter, rewrite.parsed, rewrite.decisions),
-                        describe(rewrite))
+            bind_method(
+                handle, rewrite.module, rewrite.method, compiled(rewriter, rewrite.parsed, rewrite.decisions), describe(rewrite)
+            )
     except Exception:
         handle.undo()
         raise
@@ -211,6 +221,9 @@ def swap_class(handle: Handle, module: nn.Module, new_class: type, description: 
     """Give ``module`` the class ``new_class`` (the same object, parameters, hooks and state dict);
     ``handle`` assigns the original class back."""
     old_class = type(module)
-    handle.record(description, functools.partial(setattr, module, "__class__", old_class),
-                  functools.partial(setattr, module, "__class__", new_class))
+    handle.record(
+        description,
+        functools.partial(setattr, module, "__class__", old_class),
+        functools.partial(setattr, module, "__class__", new_class),
+    )
     module.__class__ = new_class

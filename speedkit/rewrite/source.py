@@ -132,8 +132,11 @@ def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
     except (OSError, TypeError) as exc:
         raise NotRewritable(f"source of {label} is not available ({exc})") from None
     except SyntaxError as exc:
-        raise NotRewritable(f"source of {label} does not parse on its own ({exc.msg})" if forward
-                            else f"source of {label} is not available ({exc})") from None
+        raise NotRewritable(
+            f"source of {label} does not parse on its own ({exc.msg})"
+            if forward
+            else f"source of {label} is not available ({exc})"
+        ) from None
     tree = source.node
     if not isinstance(tree, ast.FunctionDef) or tree.decorator_list:
         if not forward:
@@ -185,10 +188,19 @@ def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Cal
         "name": "speedkit_factory_",
         "args": ast.arguments(posonlyargs=[], args=[ast.arg(arg=p) for p in params], kwonlyargs=[], kw_defaults=[], defaults=[]),
         "body": [tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
-        "decorator_list": [], "returns": None, "type_params": [],
+        "decorator_list": [],
+        "returns": None,
+        "type_params": [],
     }
     factory = ast.FunctionDef(**{k: v for k, v in fields.items() if k in ast.FunctionDef._fields})
-    class_fields = {"name": defining.__name__, "bases": [], "keywords": [], "body": [factory], "decorator_list": [], "type_params": []}
+    class_fields = {
+        "name": defining.__name__,
+        "bases": [],
+        "keywords": [],
+        "body": [factory],
+        "decorator_list": [],
+        "type_params": [],
+    }
     holder = ast.ClassDef(**{k: v for k, v in class_fields.items() if k in ast.ClassDef._fields})
     module = ast.Module(body=[holder], type_ignores=[])
     ast.fix_missing_locations(module)
@@ -203,8 +215,9 @@ def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Cal
     new.__speedkit_rewrite__ = tag
     new.__speedkit_source__ = ast.unparse(tree)  # what runs instead of the user's method, for debugging
     # a later rung transforms this source, not the class's, so rewrites of one instance stack
-    new.__speedkit_parsed__ = ParsedMethod(parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line,
-                                           parsed.name)
+    new.__speedkit_parsed__ = ParsedMethod(
+        parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line, parsed.name
+    )
     return new
 
 

@@ -42,9 +42,24 @@ def register(cls: type[Rung]) -> type[Rung]:
     return cls
 
 
-for _cls in (TF32Rung, AutocastRung, FusedOptimizerRung, CompileRung, SdpaRung, BatchedRung, TritonLayersRung,
-             AlignedLinearRung, ChannelsLastRung, CudnnBenchmarkRung, CudaGraphRung, DataPathRung, AsyncProgressBarRung, GcFreezeRung,
-             ExplicitMaskRung, MicroBatchRung):
+for _cls in (
+    TF32Rung,
+    AutocastRung,
+    FusedOptimizerRung,
+    CompileRung,
+    SdpaRung,
+    BatchedRung,
+    TritonLayersRung,
+    AlignedLinearRung,
+    ChannelsLastRung,
+    CudnnBenchmarkRung,
+    CudaGraphRung,
+    DataPathRung,
+    AsyncProgressBarRung,
+    GcFreezeRung,
+    ExplicitMaskRung,
+    MicroBatchRung,
+):
     register(_cls)
 
 
@@ -89,7 +104,9 @@ def make_all(specs: Any, where: str = "ladder") -> list[Rung]:
     seen: dict[str, int] = {}
     for i, rung in enumerate(built):
         if rung.name in seen:
-            raise ConfigError(f"{where}[{i}]", f"rung {rung.name!r} is listed twice (first at {where}[{seen[rung.name]}]); list each rung once")
+            raise ConfigError(
+                f"{where}[{i}]", f"rung {rung.name!r} is listed twice (first at {where}[{seen[rung.name]}]); list each rung once"
+            )
         seen[rung.name] = i
     return built
 

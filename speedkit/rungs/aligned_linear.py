@@ -55,8 +55,11 @@ def misaligned_linears(model: nn.Module, options: AlignedLinearOptions) -> tuple
     """``([(name, linear) to pad], [notes on misaligned layers left alone])``."""
     found, notes = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.out_features % _ALIGNMENT == 0 \
-                or module.out_features < options.min_out_features:
+        if (
+            not isinstance(module, nn.Linear)
+            or module.out_features % _ALIGNMENT == 0
+            or module.out_features < options.min_out_features
+        ):
             continue
         label = name or type(module).__name__
         if type(module) is not nn.Linear:
@@ -81,8 +84,10 @@ class AlignedLinearRung(Rung):
         found, notes = misaligned_linears(state.model, self.options)
         if not found:
             why = f"; left alone: {'; '.join(notes)}" if notes else ""
-            return (f"no nn.Linear with {self.options.min_out_features} or more output features that are not a multiple "
-                    f"of {_ALIGNMENT}{why}")
+            return (
+                f"no nn.Linear with {self.options.min_out_features} or more output features that are not a multiple "
+                f"of {_ALIGNMENT}{why}"
+            )
         return None
 
     def apply(self, state: TrainState) -> Handle:
@@ -90,13 +95,20 @@ class AlignedLinearRung(Rung):
         aligned = layers.aligned_linear_class(self.options.multiple)
         handle, inner = Handle(self.name), Handle(self.name)
         for _, module in found:
-            inner.record("", functools.partial(setattr, module, "__class__", nn.Linear),
-                         functools.partial(setattr, module, "__class__", aligned))
+            inner.record(
+                "",
+                functools.partial(setattr, module, "__class__", nn.Linear),
+                functools.partial(setattr, module, "__class__", aligned),
+            )
             module.__class__ = aligned
-        sites = ", ".join(f"{name} ({m.out_features} → {layers.padded_width(m.out_features, self.options.multiple)})"
-                          for name, m in found)
-        nested(handle, inner, f"linear layers computed on weights padded to a multiple of {self.options.multiple} "
-                              f"output features: {sites}")
+        sites = ", ".join(
+            f"{name} ({m.out_features} → {layers.padded_width(m.out_features, self.options.multiple)})" for name, m in found
+        )
+        nested(
+            handle,
+            inner,
+            f"linear layers computed on weights padded to a multiple of {self.options.multiple} output features: {sites}",
+        )
         for note in notes:
             handle.record(f"left alone: {note}")
         handle.sites = {"padded": [name for name, _ in found], "left_alone": notes}  # type: ignore[attr-defined]

@@ -74,8 +74,10 @@ class AsyncProgressBarRung(Rung):
         if state.device.type != "cuda":
             return f"on {state.device.type} reading a logged value waits for no device"
         if logs_to_progress_bar(state.model) is False:
-            return (f"{type(state.model).__name__} never passes prog_bar to self.log, so Lightning reads no value "
-                    "back after each step")
+            return (
+                f"{type(state.model).__name__} never passes prog_bar to self.log, so Lightning reads no value "
+                "back after each step"
+            )
         if compat.lightning_progress_bar_values(trainer) is None:
             return "this Lightning version keeps its progress-bar values elsewhere (speedkit.compat needs updating)"
         return None
@@ -101,10 +103,15 @@ class AsyncProgressBarRung(Rung):
             if values is not None:
                 values.update({k: v for k, v in exact.items() if k in values})
 
-        handle.record(f"progress-bar values of each training step copied to the host behind the step and shown when "
-                      f"the copy is done (up to {self.options.lag} steps late), instead of a host sync (.item()) after "
-                      "every step; exact after the fit", off, on)
+        handle.record(
+            f"progress-bar values of each training step copied to the host behind the step and shown when "
+            f"the copy is done (up to {self.options.lag} steps late), instead of a host sync (.item()) after "
+            "every step; exact after the fit",
+            off,
+            on,
+        )
         handle.record("", finish, persistent=True)  # undone first: the exact values before the patch goes
-        handle.report = lambda: [f"progress-bar values read: {lagged.reads}, of which waited for (more than "
-                                 f"{lagged.lag} outstanding): {lagged.waits}"]
+        handle.report = lambda: [
+            f"progress-bar values read: {lagged.reads}, of which waited for (more than {lagged.lag} outstanding): {lagged.waits}"
+        ]
         return handle

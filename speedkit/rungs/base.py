@@ -156,9 +156,23 @@ def active_dropouts(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if m.p > 0:
                 found.append((m, "p"))
             continue
-        found.extend((m, name) for name, value in vars(m).items()
-                     if type(value) is float and value > 0 and "drop" in name.lower() and not name.startswith("_"))
+        found.extend(
+            (m, name)
+            for name, value in vars(m).items()
+            if type(value) is float and value > 0 and "drop" in name.lower() and not name.startswith("_")
+        )
     return found
 
 
-__all__ = ["AttributeWrapper", "Handle", "NoOptions", "RewriteRung", "Rung", "active_dropouts", "check_value", "nested", "parse_options", "set_attr"]
+__all__ = [
+    "AttributeWrapper",
+    "Handle",
+    "NoOptions",
+    "RewriteRung",
+    "Rung",
+    "active_dropouts",
+    "check_value",
+    "nested",
+    "parse_options",
+    "set_attr",
+]

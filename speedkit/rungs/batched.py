@@ -59,7 +59,6 @@ class BatchedOptions:
     ensembles: bool = True
 
 
-
 def _refused(module: nn.Module, method: str, exc: NotRewritable) -> str | None:
     """A forward speedkit cannot rewrite is named only where its source would have offered something."""
     return f"{type(module).__name__}: {exc}" if source_has_candidates(type(module)) else None
@@ -69,8 +68,11 @@ def plan_batched(model: nn.Module, options: BatchedOptions) -> RewritePlan:
     """Which instances get which rewrites, and what is left alone (cheap: the parsing is cached per class)."""
     targets = ((m, "forward") for m in model.modules() if is_user_module(m))
     rewrites, left_alone = plan_rewrites(
-        GEMMS, targets, lambda m, parsed, found: decide(m, parsed, found, options.linears, options.loops, options.ensembles),
-        _refused)
+        GEMMS,
+        targets,
+        lambda m, parsed, found: decide(m, parsed, found, options.linears, options.loops, options.ensembles),
+        _refused,
+    )
     plan = RewritePlan(rewrites=rewrites, left_alone=left_alone)
     plan.counts["rewritten"] = sum(len(r.done) for r in rewrites)
     plan.counts["found"] = plan.counts["rewritten"] + len(left_alone)
@@ -89,15 +91,19 @@ def apply_batched(model: nn.Module, options: BatchedOptions, plan: RewritePlan |
     per_class: dict[str, Counter[str]] = {}
     for rewrite in plan.rewrites:
         per_class.setdefault(type(rewrite.module).__name__, Counter()).update(rewrite.done)
-    summary = "; ".join(f"{cls}: " + ", ".join(f"{what} ×{count}" for what, count in counts.items())
-                        for cls, counts in per_class.items())
+    summary = "; ".join(
+        f"{cls}: " + ", ".join(f"{what} ×{count}" for what, count in counts.items()) for cls, counts in per_class.items()
+    )
     rewritten = plan.counts["rewritten"]
     nested(handle, bound, f"batched: rewrote {rewritten} sites in {len(plan.rewrites)} modules ({summary or 'none'})")
     for note in plan.left_alone:
         handle.record(f"left alone: {note}")
     handle.rewrite = RewriteReport(
-        "batched", {"found": plan.counts["found"], "rewritten": rewritten, "modules": len(plan.rewrites)}, tuple(plan.left_alone),
-        rewrites=tuple(f"{type(r.module).__name__}: {d}" for r in plan.rewrites for d in r.done))
+        "batched",
+        {"found": plan.counts["found"], "rewritten": rewritten, "modules": len(plan.rewrites)},
+        tuple(plan.left_alone),
+        rewrites=tuple(f"{type(r.module).__name__}: {d}" for r in plan.rewrites for d in r.done),
+    )
     return handle
 
 

@@ -55,9 +55,11 @@ def _channels_last_input(leaf: Any) -> Any:
 
 def _convertible(model: nn.Module) -> list[torch.Tensor]:
     """The model's 4-D floating parameters and buffers that are contiguous and not channels_last."""
-    return [t for t in [*model.parameters(), *model.buffers()]
-            if t.dim() == 4 and t.is_floating_point() and t.is_contiguous()
-            and not t.is_contiguous(memory_format=torch.channels_last)]
+    return [
+        t
+        for t in [*model.parameters(), *model.buffers()]
+        if t.dim() == 4 and t.is_floating_point() and t.is_contiguous() and not t.is_contiguous(memory_format=torch.channels_last)
+    ]
 
 
 class _Layout:
@@ -115,8 +117,11 @@ class _Layout:
                 continue
             state = optimizer.state.get(p, {})
             for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and value.shape == p.shape \
-                        and not value.is_contiguous(memory_format=memory_format):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.shape == p.shape
+                    and not value.is_contiguous(memory_format=memory_format)
+                ):
                     state[key] = value.contiguous(memory_format=memory_format)
                     changed += 1
         return changed
@@ -163,9 +168,14 @@ class ChannelsLastAfterTransfer(AttributeWrapper):
 
 def _convert_after_transfer(handle: Handle, owner: Any) -> None:
     """Wrap ``owner.on_after_batch_transfer`` (an instance attribute) to return channels_last batches."""
-    set_attr(handle, owner, "on_after_batch_transfer", ChannelsLastAfterTransfer(owner.on_after_batch_transfer),
-             f"inputs: 4-D floating batch tensors made channels_last in {type(owner).__name__}.on_after_batch_transfer "
-             "(the Lightning fit's batches)")
+    set_attr(
+        handle,
+        owner,
+        "on_after_batch_transfer",
+        ChannelsLastAfterTransfer(owner.on_after_batch_transfer),
+        f"inputs: 4-D floating batch tensors made channels_last in {type(owner).__name__}.on_after_batch_transfer "
+        "(the Lightning fit's batches)",
+    )
 
 
 class ChannelsLastRung(Rung):
@@ -178,8 +188,10 @@ class ChannelsLastRung(Rung):
         if not convolutions:
             return "the model has no 2-d convolution (channels_last changes the layout convolutions read)"
         if len(convolutions) == 1:
-            return (f"the model has one 2-d convolution only ({type(convolutions[0]).__name__}, a stem or patch embedding): "
-                    "the rest of it does not read a convolution's layout")
+            return (
+                f"the model has one 2-d convolution only ({type(convolutions[0]).__name__}, a stem or patch embedding): "
+                "the rest of it does not read a convolution's layout"
+            )
         if not _convertible(state.model):
             return "the model's 4-D parameters and buffers are already channels_last (none is left contiguous)"
         return None
@@ -191,12 +203,21 @@ class ChannelsLastRung(Rung):
         layout = _Layout(tensors, state.optimizer)
         states = layout.convert(torch.channels_last)
         layout.watch()
-        handle.record(f"model: {params} parameters and {len(tensors) - params} buffers (4-D) made channels_last in place, "
-                      f"with {states} optimizer state tensors; their optimizer state is made channels_last again before "
-                      "every optimizer step", layout.off, layout.on)
+        handle.record(
+            f"model: {params} parameters and {len(tensors) - params} buffers (4-D) made channels_last in place, "
+            f"with {states} optimizer state tensors; their optimizer state is made channels_last again before "
+            "every optimizer step",
+            layout.off,
+            layout.on,
+        )
         if state.data is not None:
-            set_attr(handle, state, "data", ChannelsLastSource(state.data),
-                     "inputs: 4-D floating batch tensors made channels_last in the trial data source")
+            set_attr(
+                handle,
+                state,
+                "data",
+                ChannelsLastSource(state.data),
+                "inputs: 4-D floating batch tensors made channels_last in the trial data source",
+            )
         owner = _lightning_hook_owner(state.model)
         if owner is not None:
             _convert_after_transfer(handle, owner)

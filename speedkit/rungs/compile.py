@@ -78,8 +78,10 @@ class CompileOptions:
                 raise ValueError(f"inductor must map Inductor setting names to values, found {self.inductor!r}")
             unknown = compat.unknown_inductor_settings(self.inductor)
             if unknown:
-                raise ValueError(f"{unknown[0]!r} is not an Inductor setting of torch {torch.__version__}; "
-                                 "check its spelling against Inductor's config module")
+                raise ValueError(
+                    f"{unknown[0]!r} is not an Inductor setting of torch {torch.__version__}; "
+                    "check its spelling against Inductor's config module"
+                )
             if self.backend != "inductor":
                 raise ValueError(f"inductor settings need backend 'inductor', found backend {self.backend!r}")
 
@@ -95,8 +97,7 @@ class CompileOptions:
 
     def describe(self) -> str:
         settings = f", options={self.inductor!r}" if self.inductor else ""
-        return (f"mode={self.mode!r}{settings}, fullgraph={self.fullgraph}, dynamic={self.dynamic}, "
-                f"backend={self.backend!r}")
+        return f"mode={self.mode!r}{settings}, fullgraph={self.fullgraph}, dynamic={self.dynamic}, backend={self.backend!r}"
 
 
 class GuardedForward(AttributeWrapper):
@@ -172,7 +173,9 @@ class GuardedForward(AttributeWrapper):
         elif new_graphs:
             self.recompiles += new_graphs
             if self.recompiles > self.max_recompiles:
-                self._fall_back(f"recompilation storm: {self.recompiles} recompiles, more than max_recompiles={self.max_recompiles}")
+                self._fall_back(
+                    f"recompilation storm: {self.recompiles} recompiles, more than max_recompiles={self.max_recompiles}"
+                )
         return out
 
     def _nothing_compiled(self, before: tuple[int, dict[str, int]]) -> None:
@@ -374,9 +377,12 @@ def _skip_library_logging(handle: Handle, modules: list[nn.Module]) -> None:
         return
     key = compat.dynamo_logging_key(warning_once)
     skipped.add(key)
-    handle.record("Dynamo skips transformers' logger.warning_once calls inside the compiled forwards (each would break "
-                  "the graph; such a message is not printed from compiled code)",
-                  functools.partial(skipped.discard, key), functools.partial(skipped.add, key))
+    handle.record(
+        "Dynamo skips transformers' logger.warning_once calls inside the compiled forwards (each would break "
+        "the graph; such a message is not printed from compiled code)",
+        functools.partial(skipped.discard, key),
+        functools.partial(skipped.add, key),
+    )
 
 
 #: compiled entries Dynamo may keep per frame while compile is on: every configuration of the rungs
@@ -393,10 +399,12 @@ def _room_for_configurations(handle: Handle) -> None:
     if limit is None or limit >= CONFIGURATION_ENTRIES:
         return
     compat.set_dynamo_recompile_limit(CONFIGURATION_ENTRIES)
-    handle.record(f"Dynamo's compiled entries per frame: at most {CONFIGURATION_ENTRIES} (was {limit}): each configuration "
-                  "of the rungs beneath compile is one entry, compiled once",
-                  functools.partial(compat.set_dynamo_recompile_limit, limit),
-                  functools.partial(compat.set_dynamo_recompile_limit, CONFIGURATION_ENTRIES))
+    handle.record(
+        f"Dynamo's compiled entries per frame: at most {CONFIGURATION_ENTRIES} (was {limit}): each configuration "
+        "of the rungs beneath compile is one entry, compiled once",
+        functools.partial(compat.set_dynamo_recompile_limit, limit),
+        functools.partial(compat.set_dynamo_recompile_limit, CONFIGURATION_ENTRIES),
+    )
 
 
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
@@ -420,11 +428,16 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
         return None
 
     def report() -> list[str]:
-        lines = [f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
-                 + (f" ({g.switch_graphs} graphs for configurations other rungs switched)" if g.switch_graphs else "")
-                 + (" (its graphs were already in this process's compile cache)"
-                    if g.calls and not g.graphs and not g.fallback_reason else "")
-                 for label, g in guards]
+        lines = [
+            f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
+            + (f" ({g.switch_graphs} graphs for configurations other rungs switched)" if g.switch_graphs else "")
+            + (
+                " (its graphs were already in this process's compile cache)"
+                if g.calls and not g.graphs and not g.fallback_reason
+                else ""
+            )
+            for label, g in guards
+        ]
         after = compat.graph_breaks()
         new = {reason: n - breaks_before.get(reason, 0) for reason, n in after.items() if n > breaks_before.get(reason, 0)}
         if not new:

@@ -75,9 +75,11 @@ class CudaGraphRung(Rung):
     Options = CudaGraphOptions
     lightning_stage = "fit_start"
     memory_comparable = False
-    memory_note = ("the graph's private memory pool is filled at capture and replays allocate nothing; the peak "
-                   "shown adds the graph's working set at capture to the allocator's peak during replays, an "
-                   "estimate, not the same measure as an eager step's allocator peak")
+    memory_note = (
+        "the graph's private memory pool is filled at capture and replays allocate nothing; the peak "
+        "shown adds the graph's working set at capture to the allocator's peak during replays, an "
+        "estimate, not the same measure as an eager step's allocator peak"
+    )
 
     def check(self, state: TrainState) -> str | None:
         blockers = scan_step(state.model)
@@ -91,15 +93,18 @@ class CudaGraphRung(Rung):
             return f"CUDA graphs need a CUDA device; this run is on {state.device.type}"
         step = state.step
         if step.passes_per_step != 1:
-            return (f"gradient accumulation ({step.passes_per_step} micro-batches per optimizer step): the graph captures the step "
-                    "of one batch")
+            return (
+                f"gradient accumulation ({step.passes_per_step} micro-batches per optimizer step): the graph captures the step "
+                "of one batch"
+            )
         missing = state.why_no_optimizer()
         if missing is not None:
             return missing
         opt = state.optimizer
         assert opt is not None
-        reason = (optimizer_blocker(opt, step.has_schedule(), step.fused_optimizer_blocker(), state.model)
-                  or (scaler_blocker(opt) if step.numerics == "fp16" else None))
+        reason = optimizer_blocker(opt, step.has_schedule(), step.fused_optimizer_blocker(), state.model) or (
+            scaler_blocker(opt) if step.numerics == "fp16" else None
+        )
         if reason is not None:
             return reason
         return _hook_blocker(state)
@@ -115,16 +120,28 @@ class CudaGraphRung(Rung):
         _set_capturable(handle, opt)
         if state.step.has_schedule() and needs_fused_for_schedule(opt) and not _all_fused(opt):
             fused = apply_fused_optimizer(opt, "fused")
-            handle.record(f"{fused.changes[0]} (for the schedule: fused SGD reads its learning rate as a device tensor, "
-                          "which the graph's replays read)", fused.undo, persistent=True)
+            handle.record(
+                f"{fused.changes[0]} (for the schedule: fused SGD reads its learning rate as a device tensor, "
+                "which the graph's replays read)",
+                fused.undo,
+                persistent=True,
+            )
         reads_device_rate = "capturable" in opt.defaults or _all_fused(opt)
-        lr = ("learning rate read by the graph from a device tensor filled from the param group's number before each "
-              "replay (the group, its schedule and checkpoints keep numbers)" if reads_device_rate else
-              "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again")
+        lr = (
+            "learning rate read by the graph from a device tensor filled from the param group's number before each "
+            "replay (the group, its schedule and checkpoints keep numbers)"
+            if reads_device_rate
+            else "learning rate baked into the graph as a number (it has no capturable mode); a change of it captures again"
+        )
         handle.record(f"{type(opt).__name__}: {lr}", graphed.drop_rate_tensors, persistent=True)
-        set_attr(handle, state, "step", graphed,
-                 f"the whole step (forward, backward, {type(opt).__name__} update, zero-grad) captured in one CUDA graph "
-                 f"after {self.options.warmup} warm-up steps, fed from static batch buffers")
+        set_attr(
+            handle,
+            state,
+            "step",
+            graphed,
+            f"the whole step (forward, backward, {type(opt).__name__} update, zero-grad) captured in one CUDA graph "
+            f"after {self.options.warmup} warm-up steps, fed from static batch buffers",
+        )
 
         def problem() -> str | None:
             if graphed.stopped:
@@ -153,8 +170,9 @@ def _all_fused(opt: torch.optim.Optimizer) -> bool:
     return all(g.get("fused") for g in opt.param_groups)
 
 
-def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool, fused_step_blocker: str | None = None,
-                      model: torch.nn.Module | None = None) -> str | None:
+def optimizer_blocker(
+    opt: torch.optim.Optimizer, scheduled: bool, fused_step_blocker: str | None = None, model: torch.nn.Module | None = None
+) -> str | None:
     """Why ``opt``'s step cannot be captured (with a learning-rate schedule when ``scheduled``), if so.
     ``fused_step_blocker``: why the training step cannot run a fused optimizer (Lightning's mixed
     precision with gradient clipping), for SGD, whose schedule a graph follows only when fused."""
@@ -167,11 +185,16 @@ def optimizer_blocker(opt: torch.optim.Optimizer, scheduled: bool, fused_step_bl
         if _all_fused(opt):
             return None
         implementation, why_not = choose_implementation(opt, "fused", fused_step_blocker, model)
-        return None if implementation == "fused" else (
-            f"{name} reads a scheduled learning rate from the device only when fused, and cannot be fused here: {why_not}")
+        return (
+            None
+            if implementation == "fused"
+            else (f"{name} reads a scheduled learning rate from the device only when fused, and cannot be fused here: {why_not}")
+        )
     if scheduled:
-        return (f"{name} has no capturable option: it cannot read a scheduled learning rate from the device, so a graph "
-                "would freeze the schedule at capture")
+        return (
+            f"{name} has no capturable option: it cannot read a scheduled learning rate from the device, so a graph "
+            "would freeze the schedule at capture"
+        )
     if isinstance(opt, torch.optim.SGD) or "foreach" in opt.defaults:
         return None
     return f"{name} has no capturable option"
@@ -184,9 +207,11 @@ def scaler_blocker(opt: torch.optim.Optimizer) -> str | None:
     on the device, and the scaler's update is device work too: the whole step can be captured."""
     if getattr(opt, compat.AMP_SCALING_FLAG, False):
         return None
-    return (f"fp16 loss scaling with {type(opt).__name__}: GradScaler.step reads the inf check on the host every step; "
-            "an optimizer built with fused=True (the fused_optimizer rung) takes it on the device and can be captured, "
-            "or use bf16, which needs no scaler")
+    return (
+        f"fp16 loss scaling with {type(opt).__name__}: GradScaler.step reads the inf check on the host every step; "
+        "an optimizer built with fused=True (the fused_optimizer rung) takes it on the device and can be captured, "
+        "or use bf16, which needs no scaler"
+    )
 
 
 def _set_capturable(handle: Handle, opt: torch.optim.Optimizer) -> None:
@@ -228,10 +253,12 @@ def _distributed_blocker(step: Step) -> str | None:
     world = step.world_size()
     if world <= 1:
         return None
-    return (f"training across {world} processes: capturing the gradient all-reduce needs NCCL's graph support set up "
-            "before the process group (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), 11 eager DDP steps before the capture, and "
-            "every rank agreeing that its capture succeeded (one rank replaying while another steps eagerly would hang "
-            "the collectives); not supported yet")
+    return (
+        f"training across {world} processes: capturing the gradient all-reduce needs NCCL's graph support set up "
+        "before the process group (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), 11 eager DDP steps before the capture, and "
+        "every rank agreeing that its capture succeeded (one rank replaying while another steps eagerly would hang "
+        "the collectives); not supported yet"
+    )
 
 
 def _hook_blocker(state: TrainState) -> str | None:
@@ -246,6 +273,8 @@ def _hook_blocker(state: TrainState) -> str | None:
         for hook in _IN_STEP_HOOKS:
             fn = getattr(type(owner), hook, None)
             if fn is not None and is_user_code(getattr(fn, "__module__", "") or ""):
-                return (f"{type(owner).__name__}.{hook} is overridden: Lightning calls it inside the step, so its host "
-                        "code would run once, at capture")
+                return (
+                    f"{type(owner).__name__}.{hook} is overridden: Lightning calls it inside the step, so its host "
+                    "code would run once, at capture"
+                )
     return None

@@ -43,8 +43,10 @@ class CudnnBenchmarkRung(Rung):
         if not any(isinstance(m, _CONVOLUTIONS) for m in state.model.modules()):
             return "the model has no convolution (cudnn.benchmark chooses convolution algorithms)"
         if torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic:
-            return ("deterministic algorithms are requested (torch.use_deterministic_algorithms or "
-                    "torch.backends.cudnn.deterministic); benchmark mode may pick other algorithms in other runs")
+            return (
+                "deterministic algorithms are requested (torch.use_deterministic_algorithms or "
+                "torch.backends.cudnn.deterministic); benchmark mode may pick other algorithms in other runs"
+            )
         if torch.backends.cudnn.benchmark:
             return "torch.backends.cudnn.benchmark is already on"
         return None
@@ -53,6 +55,9 @@ class CudnnBenchmarkRung(Rung):
         handle = Handle(self.name)
         previous = torch.backends.cudnn.benchmark
         _set_benchmark(True)
-        handle.record(f"torch.backends.cudnn.benchmark = True (was {previous})",
-                      lambda: _set_benchmark(previous), lambda: _set_benchmark(True))
+        handle.record(
+            f"torch.backends.cudnn.benchmark = True (was {previous})",
+            lambda: _set_benchmark(previous),
+            lambda: _set_benchmark(True),
+        )
         return handle

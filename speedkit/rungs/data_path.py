@@ -180,8 +180,13 @@ class DataPathSource(SourceWrapper):
         the generators or the global RNG, which the step may draw from too) is made after the last
         step of the epoch before, as in the loop without speedkit. Closing this generator stops the
         epoch's copies and the ring's workers."""
-        served = PrefetchingLoader(handoff_loader(self.rebuilt, ring) if ring is not None else _Epochs(self), self.device,
-                                   lookahead=self.plan.lookahead, times=self.times, ring=ring)
+        served = PrefetchingLoader(
+            handoff_loader(self.rebuilt, ring) if ring is not None else _Epochs(self),
+            self.device,
+            lookahead=self.plan.lookahead,
+            times=self.times,
+            ring=ring,
+        )
         try:
             yield from chain_epochs(served.__iter__, epochs)
         finally:
@@ -223,19 +228,29 @@ class DataPathSource(SourceWrapper):
         if choice is not None:
             before, after = choice.rate(choice.current), choice.rate(choice.settings)
             if before and after:
-                lines.append(f"loader alone: {before:.1f} -> {after:.1f} batches/s ({1e3 / before:.2f} -> {1e3 / after:.2f} "
-                             f"ms per batch) with {choice.settings.describe()}")
+                lines.append(
+                    f"loader alone: {before:.1f} -> {after:.1f} batches/s ({1e3 / before:.2f} -> {1e3 / after:.2f} "
+                    f"ms per batch) with {choice.settings.describe()}"
+                )
         if self.times.batches:
-            lines.append(f"host-to-device copy: {self.times.median_ms():.3f} ms per batch (median of {len(self.times.ms)}) "
-                         "on the side stream, overlapped with the step")
+            lines.append(
+                f"host-to-device copy: {self.times.median_ms():.3f} ms per batch (median of {len(self.times.ms)}) "
+                "on the side stream, overlapped with the step"
+            )
         if self.waits:
-            lines.append(f"trials with data_path: {statistics.median(self.waits):.3f} ms per batch waited for the next batch "
-                         "(median; the measurements' data_wait_ms gives it per step with and without)")
+            lines.append(
+                f"trials with data_path: {statistics.median(self.waits):.3f} ms per batch waited for the next batch "
+                "(median; the measurements' data_wait_ms gives it per step with and without)"
+            )
         if self.fit_times is not None and self.fit_times.batches:
-            ring = (f"; {self.fit_times.via_ring} of {self.fit_times.batches} batches read from the ring"
-                    if self.plan.ring is not None else "")
-            lines.append(f"fit: host-to-device copy {self.fit_times.median_ms():.3f} ms per batch (median) on the side "
-                         f"stream{ring}")
+            ring = (
+                f"; {self.fit_times.via_ring} of {self.fit_times.batches} batches read from the ring"
+                if self.plan.ring is not None
+                else ""
+            )
+            lines.append(
+                f"fit: host-to-device copy {self.fit_times.median_ms():.3f} ms per batch (median) on the side stream{ring}"
+            )
         return lines
 
     def fit_serving(self) -> BatchSource | None:
@@ -254,17 +269,20 @@ def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str])
     if cap is None:
         cap = min(8 << 30, physical_memory() // 8)
     if total > cap:
-        notes.append(f"no ring: {total / 2**30:.1f} GiB of pinned memory for {spec[0]} workers x {spec[1]} slots of "
-                     f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({cap / 2**30:.1f} GiB)")
+        notes.append(
+            f"no ring: {total / 2**30:.1f} GiB of pinned memory for {spec[0]} workers x {spec[1]} slots of "
+            f"{spec[2] / 2**20:.0f} MiB is over ring_max_bytes ({cap / 2**30:.1f} GiB)"
+        )
         return None
     free = shared_memory_free()
     if free is not None and 2 * total > free:  # the trials' ring and the fit's, and room for batches sent the usual way
-        notes.append(f"no ring: {total / 2**30:.2f} GiB of shared memory per ring, and /dev/shm has {free / 2**30:.2f} GiB "
-                     "free (a full /dev/shm ends a process that writes to it; a container's is often 64 MiB: "
-                     "docker run --shm-size raises it)")
+        notes.append(
+            f"no ring: {total / 2**30:.2f} GiB of shared memory per ring, and /dev/shm has {free / 2**30:.2f} GiB "
+            "free (a full /dev/shm ends a process that writes to it; a container's is often 64 MiB: "
+            "docker run --shm-size raises it)"
+        )
         return None
     return spec
-
 
 
 def share_by_name(handle: Handle) -> None:
@@ -282,9 +300,12 @@ def share_by_name(handle: Handle) -> None:
     if before != "file_descriptor" or "file_system" not in mp.get_all_sharing_strategies():
         return
     mp.set_sharing_strategy("file_system")
-    handle.record("workers hand batches over through named shared memory (torch.multiprocessing sharing strategy "
-                  "file_system, was file_descriptor: no socket round trips per tensor in the training process)",
-                  lambda: mp.set_sharing_strategy(before), persistent=True)
+    handle.record(
+        "workers hand batches over through named shared memory (torch.multiprocessing sharing strategy "
+        "file_system, was file_descriptor: no socket round trips per tensor in the training process)",
+        lambda: mp.set_sharing_strategy(before),
+        persistent=True,
+    )
 
 
 class DataPathRung(Rung):
@@ -338,8 +359,11 @@ class DataPathRung(Rung):
             vary = opts.workers == "auto"
             count_may_change = vary or (workers is not None and workers != current)
             # whether its samples depend on the worker's state: decides what exact mode may change
-            dependence = (worker_dependence(loader.dataset, loader.collate_fn, batched=loader.batch_sampler is not None)
-                          if opts.exact and (count_may_change or persistent(loader)) else None)
+            dependence = (
+                worker_dependence(loader.dataset, loader.collate_fn, batched=loader.batch_sampler is not None)
+                if opts.exact and (count_may_change or persistent(loader))
+                else None
+            )
             if dependence is not None and count_may_change:
                 vary, workers = False, None
                 notes.append(f"num_workers kept at {current}: {dependence}")
@@ -347,17 +371,21 @@ class DataPathRung(Rung):
             keep_factor = None
             if dependence is not None and persistent(loader):
                 factors = (loader.prefetch_factor,)
-                keep_factor = (f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
-                               f"{dependence.what}; an epoch that ends before its loader (limit_train_batches, a break, "
-                               "on_train_batch_start returning -1) leaves prefetch_factor batches per worker made ahead and "
-                               "dropped, which moves what the workers make in every later epoch")
+                keep_factor = (
+                    f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
+                    f"{dependence.what}; an epoch that ends before its loader (limit_train_batches, a break, "
+                    "on_train_batch_start returning -1) leaves prefetch_factor batches per worker made ahead and "
+                    "dropped, which moves what the workers make in every later epoch"
+                )
             pin = None if opts.pin_memory == "auto" else opts.pin_memory
             if pin is None and not cuda:
                 pin = bool(loader.pin_memory)  # pinning serves a copy to a device only
             if vary or workers is not None or pin != bool(loader.pin_memory):
                 if opts.exact and workers == 0 and loader.persistent_workers:
-                    notes.append(f"num_workers kept at {current}: the loader's persistent workers draw one base seed per "
-                                 "fit, a loader without workers one per epoch (another shuffle from the next epoch on)")
+                    notes.append(
+                        f"num_workers kept at {current}: the loader's persistent workers draw one base seed per "
+                        "fit, a loader without workers one per epoch (another shuffle from the next epoch on)"
+                    )
                     workers = current
                 if workers == 0 and current > 0 and (needs := needs_workers(loader)) is not None:
                     notes.append(f"num_workers kept at {current}: {needs}, which needs num_workers > 0")
@@ -373,17 +401,30 @@ class DataPathRung(Rung):
                 if opts.worker_cpus != "auto":
                     kept, rest = set(), kept | rest
                 if kept:
-                    ranks = (f" (training process {processes[0]} of {processes[1]} on this machine: its share of the CPUs)"
-                             if processes[1] > 1 else "")
-                    notes.append(f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
-                                 f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}")
+                    ranks = (
+                        f" (training process {processes[0]} of {processes[1]} on this machine: its share of the CPUs)"
+                        if processes[1] > 1
+                        else ""
+                    )
+                    notes.append(
+                        f"CPUs {format_cpu_list(kept)} left to the training process (the core issuing the step "
+                        f"and one more, with their hyperthreads); workers on {format_cpu_list(rest)}{ranks}"
+                    )
                 if keep_factor is not None:
                     notes.append(keep_factor)
                 try:
-                    choice = choose_settings(loader, device, vary_workers=vary, workers=workers, pin_memory=pin,
-                                             exact=opts.exact, same_side=same_side,
-                                             worker_cpus=tuple(sorted(rest)) if kept else None,
-                                             cpus=None if kept else len(rest), factors=factors)
+                    choice = choose_settings(
+                        loader,
+                        device,
+                        vary_workers=vary,
+                        workers=workers,
+                        pin_memory=pin,
+                        exact=opts.exact,
+                        same_side=same_side,
+                        worker_cpus=tuple(sorted(rest)) if kept else None,
+                        cpus=None if kept else len(rest),
+                        factors=factors,
+                    )
                 except ConfigError as exc:  # a loader that yields no batch, settings it refuses: left as it is
                     notes.append(f"the loader is left as it is: {exc}")
                     choice = None
@@ -402,15 +443,21 @@ class DataPathRung(Rung):
         source = DataPathSource(state.data, plan)  # type: ignore[arg-type]
         changes = []
         if plan.rebuild is not None:
-            changes.append(f"loader: a copy of the user's DataLoader (same dataset, sampler, collate_fn, generator) with "
-                           f"{plan.rebuild.describe()} (was {plan.choice.current.describe()})")  # type: ignore[union-attr]
+            changes.append(
+                f"loader: a copy of the user's DataLoader (same dataset, sampler, collate_fn, generator) with "
+                f"{plan.rebuild.describe()} (was {plan.choice.current.describe()})"
+            )  # type: ignore[union-attr]
         if plan.prefetch:
-            changes.append(f"batches copied to {state.device} on a side CUDA stream while the step before runs "
-                           f"({'one batch ahead' if plan.lookahead else 'pulled when needed: the loader works in this process'})")
+            changes.append(
+                f"batches copied to {state.device} on a side CUDA stream while the step before runs "
+                f"({'one batch ahead' if plan.lookahead else 'pulled when needed: the loader works in this process'})"
+            )
         if plan.ring is not None:
             workers, slots, slot = plan.ring
-            changes.append(f"workers write each batch into shared memory pinned once ({workers} x {slots} slots of "
-                           f"{slot / 2**20:.1f} MiB), read from there by the copy (no pinning thread, no handoff per tensor)")
+            changes.append(
+                f"workers write each batch into shared memory pinned once ({workers} x {slots} slots of "
+                f"{slot / 2**20:.1f} MiB), read from there by the copy (no pinning thread, no handoff per tensor)"
+            )
         set_attr(handle, state, "data", source, "; ".join(changes))
         if plan.rebuild is not None and plan.rebuild.num_workers > 0 and self.options.sharing == "auto":
             share_by_name(handle)

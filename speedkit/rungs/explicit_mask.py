@@ -65,8 +65,12 @@ class MaskAsGiven(AttributeWrapper):
 def sniffing_stacks(model: nn.Module) -> list[tuple[nn.Module, type[nn.Module]]]:
     """The model's transformer stacks that run torch's own mask-sniffing ``forward``, each with the
     class of ``_SNIFFERS`` whose forward it runs."""
-    return [(module, cls) for module in model.modules() for cls in _SNIFFERS
-            if isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in vars(module)]
+    return [
+        (module, cls)
+        for module in model.modules()
+        for cls in _SNIFFERS
+        if isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in vars(module)
+    ]
 
 
 class ExplicitMaskRung(Rung):
@@ -78,8 +82,10 @@ class ExplicitMaskRung(Rung):
         if state.device.type != "cuda":
             return f"on {state.device.type} the mask is read where it lives: no device sync to remove"
         if not sniffing_stacks(state.model):
-            return ("no nn.TransformerEncoder / nn.TransformerDecoder running torch's own forward (the ones "
-                    "that read a mask on the host to find out whether it is causal)")
+            return (
+                "no nn.TransformerEncoder / nn.TransformerDecoder running torch's own forward (the ones "
+                "that read a mask on the host to find out whether it is causal)"
+            )
         return None
 
     def apply(self, state: TrainState) -> Handle:
@@ -87,10 +93,15 @@ class ExplicitMaskRung(Rung):
         names = {id(m): n for n, m in state.model.named_modules()}
         for module, cls in sniffing_stacks(state.model):
             wrapper = MaskAsGiven(module.forward, cls)
-            set_attr(handle, module, "forward", wrapper,
-                     f"{names.get(id(module)) or type(module).__name__} ({type(module).__name__}): called with a "
-                     f"{wrapper.mask} and no hint, {wrapper.hint}=False (the mask applied as given, not read on the host "
-                     "to find out whether it is causal)")
+            set_attr(
+                handle,
+                module,
+                "forward",
+                wrapper,
+                f"{names.get(id(module)) or type(module).__name__} ({type(module).__name__}): called with a "
+                f"{wrapper.mask} and no hint, {wrapper.hint}=False (the mask applied as given, not read on the host "
+                "to find out whether it is causal)",
+            )
         return handle
 
 

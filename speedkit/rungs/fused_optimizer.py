@@ -74,8 +74,10 @@ def _try_step(optimizer: torch.optim.Optimizer, group: dict[str, Any], p: torch.
         q.grad = torch.ones_like(q)
         probe.step()
     except Exception as exc:  # whatever stops the probe would stop the user's step
-        return (f"{implementation} {type(optimizer).__name__} does not run on {p.dtype} parameters on {p.device.type}: "
-                f"{first_line(exc, type(exc).__name__)}")
+        return (
+            f"{implementation} {type(optimizer).__name__} does not run on {p.dtype} parameters on {p.device.type}: "
+            f"{first_line(exc, type(exc).__name__)}"
+        )
     return None
 
 
@@ -97,8 +99,9 @@ def _blocker(optimizer: torch.optim.Optimizer, implementation: str, sparse: set[
     return next((r for r in (_try_step(optimizer, g, p, implementation) for g, p in probes.values()) if r), None)
 
 
-def choose_implementation(optimizer: torch.optim.Optimizer, wanted: str = "auto", step_blocker: str | None = None,
-                          model: nn.Module | None = None) -> tuple[str | None, str | None]:
+def choose_implementation(
+    optimizer: torch.optim.Optimizer, wanted: str = "auto", step_blocker: str | None = None, model: nn.Module | None = None
+) -> tuple[str | None, str | None]:
     """``(implementation, why it is not "fused" or None)``, or ``(None, why the rung does not apply)``.
 
     ``step_blocker`` is why the training step cannot run a fused optimizer, if it cannot; ``model``
@@ -195,8 +198,12 @@ def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str,
 
     on()
     was = ", ".join(f"{k}={v}" for k, v in switch.saved_groups[0].items())
-    handle.record(f"{type(optimizer).__name__}: {implementation} implementation (was {was}); state and hyper-parameters kept; "
-                  "checkpoints written meanwhile hold the flags it had", off, on)
+    handle.record(
+        f"{type(optimizer).__name__}: {implementation} implementation (was {was}); state and hyper-parameters kept; "
+        "checkpoints written meanwhile hold the flags it had",
+        off,
+        on,
+    )
     if why_not_fused:
         handle.record(f"not fused: {why_not_fused}")
     return handle
@@ -212,8 +219,9 @@ class FusedOptimizerRung(Rung):
         if missing is not None:
             return None, missing
         assert state.optimizer is not None
-        return choose_implementation(state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker(),
-                                     state.model)
+        return choose_implementation(
+            state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker(), state.model
+        )
 
     def check(self, state: TrainState) -> str | None:
         implementation, reason = self._choose(state)

@@ -52,16 +52,18 @@ class GcFreezeRung(Rung):
         tracked = len(gc.get_objects())
         if tracked < MIN_OBJECTS:
             frozen = f", {gc.get_freeze_count()} more frozen already" if gc.get_freeze_count() else ""
-            return (f"the process tracks {tracked} objects (under {MIN_OBJECTS}){frozen}: its full collections are "
-                    "short already")
+            return f"the process tracks {tracked} objects (under {MIN_OBJECTS}){frozen}: its full collections are short already"
         return None
 
     def apply(self, state: TrainState) -> Handle:
         handle = Handle(self.name)
         before = gc.get_freeze_count()
         _freeze()
-        earlier = (f" (undo unfreezes all, the {before} frozen before it too: gc.unfreeze() takes no subset)"
-                   if before else "")
-        handle.record(f"gc.collect(); gc.freeze(): {gc.get_freeze_count()} objects alive now left out of every later "
-                      f"collection (what the steps allocate is still collected){earlier}", gc.unfreeze, _freeze)
+        earlier = f" (undo unfreezes all, the {before} frozen before it too: gc.unfreeze() takes no subset)" if before else ""
+        handle.record(
+            f"gc.collect(); gc.freeze(): {gc.get_freeze_count()} objects alive now left out of every later "
+            f"collection (what the steps allocate is still collected){earlier}",
+            gc.unfreeze,
+            _freeze,
+        )
         return handle

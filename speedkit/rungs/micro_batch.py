@@ -103,7 +103,7 @@ class MergedStep(StepWrapper):
             return self.inner.group(batches)
         merged = []
         for i in range(0, len(batches), k):
-            batch, why = merge_batches(batches[i:i + k])
+            batch, why = merge_batches(batches[i : i + k])
             if why is not None:
                 self.unmerged_steps += 1
                 self.why_unmerged = self.why_unmerged or why
@@ -135,9 +135,12 @@ class MergedStep(StepWrapper):
             self.fit_bound = False
 
         self.fit_bound = True
-        handle.record(f"fit: the train loop takes the loader's batches {k} at a time, merged into one micro-batch "
-                      f"(accumulate_grad_batches {before} -> {before // k}, the epoch's batch count and a validation "
-                      f"interval in batches divided by {k})", unbind)
+        handle.record(
+            f"fit: the train loop takes the loader's batches {k} at a time, merged into one micro-batch "
+            f"(accumulate_grad_batches {before} -> {before // k}, the epoch's batch count and a validation "
+            f"interval in batches divided by {k})",
+            unbind,
+        )
         handle.report = lambda: [line for line in self.report() if line.startswith("fit:")]
         return handle
 
@@ -159,9 +162,12 @@ class MergedStep(StepWrapper):
                 yield batch
                 continue
             if not self.fit_unmerged:
-                warnings.warn(f"speedkit micro_batch: {k} train batches did not merge ({why}); they go to the step one "
-                              "by one, so the optimizer steps from here on group other batches than without speedkit",
-                              UserWarning, stacklevel=2)
+                warnings.warn(
+                    f"speedkit micro_batch: {k} train batches did not merge ({why}); they go to the step one "
+                    "by one, so the optimizer steps from here on group other batches than without speedkit",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self.fit_unmerged += 1
             yield from group
 
@@ -186,8 +192,11 @@ class _MergingLoader:
 
 def batch_statistics_layers(model: nn.Module) -> list[str]:
     """Names of the layers in training mode whose output depends on the other samples of the batch."""
-    return [name or type(m).__name__ for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    return [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
 
 
 def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -200,8 +209,9 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> i
     return total
 
 
-def largest_fitting_factor(accumulate: int, peak_bytes: int | None, state_bytes: int, total_bytes: int | None,
-                           margin: float = MARGIN) -> tuple[int, str]:
+def largest_fitting_factor(
+    accumulate: int, peak_bytes: int | None, state_bytes: int, total_bytes: int | None, margin: float = MARGIN
+) -> tuple[int, str]:
     """The largest divisor of ``accumulate`` (2 or more) whose predicted peak fits, and how it was
     chosen. Without device memory figures (a CPU): ``accumulate`` itself."""
     divisors = [d for d in range(2, accumulate + 1) if accumulate % d == 0]
@@ -211,12 +221,16 @@ def largest_fitting_factor(accumulate: int, peak_bytes: int | None, state_bytes:
     budget = (1 - margin) * total_bytes
     fitting = [d for d in divisors if state_bytes + d * activations <= budget]
     if not fitting:
-        return 1, (f"none: even 2 micro-batches merged would need about {(state_bytes + 2 * activations) / 2**30:.1f} GiB, "
-                   f"over {1 - margin:.0%} of the device's {total_bytes / 2**30:.1f} GiB")
+        return 1, (
+            f"none: even 2 micro-batches merged would need about {(state_bytes + 2 * activations) / 2**30:.1f} GiB, "
+            f"over {1 - margin:.0%} of the device's {total_bytes / 2**30:.1f} GiB"
+        )
     k = fitting[-1]
-    return k, (f"{k}: the largest divisor of {accumulate} whose predicted peak ({(state_bytes + k * activations) / 2**30:.1f} GiB: "
-               f"{state_bytes / 2**30:.2f} of weights, gradients and optimizer state, {activations / 2**30:.2f} a micro-batch "
-               f"times {k}) fits {1 - margin:.0%} of the device's {total_bytes / 2**30:.1f} GiB")
+    return k, (
+        f"{k}: the largest divisor of {accumulate} whose predicted peak ({(state_bytes + k * activations) / 2**30:.1f} GiB: "
+        f"{state_bytes / 2**30:.2f} of weights, gradients and optimizer state, {activations / 2**30:.2f} a micro-batch "
+        f"times {k}) fits {1 - margin:.0%} of the device's {total_bytes / 2**30:.1f} GiB"
+    )
 
 
 class MicroBatchRung(Rung):
@@ -229,16 +243,20 @@ class MicroBatchRung(Rung):
     def check(self, state: TrainState) -> str | None:
         a = state.step.accumulate
         if a < 2:
-            return ("the run accumulates no gradients (one micro-batch per optimizer step): a larger micro-batch would change "
-                    "the effective batch (`speedkit sweep --change-effective-batch` does that on request)")
+            return (
+                "the run accumulates no gradients (one micro-batch per optimizer step): a larger micro-batch would change "
+                "the effective batch (`speedkit sweep --change-effective-batch` does that on request)"
+            )
         f = self.options.factor
         if f is not None and a % f:
             return f"factor {f} does not divide the accumulation ({a} micro-batches per optimizer step)"
         layers = batch_statistics_layers(state.model)
         if layers:
             more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
-            return (f"{layers[0]}{more} take statistics over the batch (BatchNorm in training): merged micro-batches would "
-                    "change them")
+            return (
+                f"{layers[0]}{more} take statistics over the batch (BatchNorm in training): merged micro-batches would "
+                "change them"
+            )
         if state.data is not None:  # two batches, the loader's generators put back (the fit's data order is not touched)
             saved = state.data.state_dict()
             try:
@@ -270,9 +288,14 @@ class MicroBatchRung(Rung):
             raise RuntimeError(f"no larger micro-batch is predicted to fit: {why}")
         a = state.step.accumulate
         merged = MergedStep(state.step, k)
-        set_attr(handle, state, "step", merged,
-                 f"{k} micro-batches merged into one: {a // k} forward and backward passes per optimizer step instead of {a}, "
-                 f"the same samples in the same order (factor {why})")
+        set_attr(
+            handle,
+            state,
+            "step",
+            merged,
+            f"{k} micro-batches merged into one: {a // k} forward and backward passes per optimizer step instead of {a}, "
+            f"the same samples in the same order (factor {why})",
+        )
         handle.report = merged.report
         # dropout draws its masks over the merged micro-batch in one call, not micro-batch by micro-batch:
         # the same function, other random numbers; parity is judged with dropout off

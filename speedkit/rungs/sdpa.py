@@ -65,7 +65,6 @@ class SdpaOptions:
     hf_implementation: Literal["sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
 
 
-
 def plan_sdpa(model: nn.Module, options: SdpaOptions) -> RewritePlan:
     """Which instances get which attention sites rewritten (with their causal decision), and what is
     left alone; the libraries' switches (``plan.extra``) come first, and the modules they move to
@@ -80,8 +79,9 @@ def plan_sdpa(model: nn.Module, options: SdpaOptions) -> RewritePlan:
 
 def _describe(rewrite: MethodRewrite) -> str:
     causal = rewrite.done.count("causal")
-    return (f"{type(rewrite.module).__name__}.forward: {len(rewrite.done)} attention site(s) -> scaled_dot_product_attention"
-            + (f" (is_causal=True: {causal})" if causal else ""))
+    return f"{type(rewrite.module).__name__}.forward: {len(rewrite.done)} attention site(s) -> scaled_dot_product_attention" + (
+        f" (is_causal=True: {causal})" if causal else ""
+    )
 
 
 def apply_sdpa(model: nn.Module, options: SdpaOptions, plan: RewritePlan | None = None) -> Handle:
@@ -99,11 +99,13 @@ def apply_sdpa(model: nn.Module, options: SdpaOptions, plan: RewritePlan | None 
     for rewrite in plan.rewrites:
         per_class.setdefault(type(rewrite.module).__name__, Counter()).update(rewrite.done)
     sites = sum(c.total() for c in per_class.values())
-    summary = ", ".join(f"{name} x{c.total()}" + (f" ({c['causal']} causal)" if c["causal"] else "")
-                        for name, c in per_class.items())
+    summary = ", ".join(
+        f"{name} x{c.total()}" + (f" ({c['causal']} causal)" if c["causal"] else "") for name, c in per_class.items()
+    )
     # the per-instance lines say the same thing many times over: keep one summary line
-    handle.changes = switched + ([f"sdpa: rewrote {sites} attention site(s) in {len(plan.rewrites)} module(s): {summary}"]
-                                 if plan.rewrites else [])
+    handle.changes = switched + (
+        [f"sdpa: rewrote {sites} attention site(s) in {len(plan.rewrites)} module(s): {summary}"] if plan.rewrites else []
+    )
     handle.changes += [f"left alone: {note}" for note in [*switches.left_alone, *plan.left_alone]]
     handle.rewrite = RewriteReport("sdpa", {"rewritten": sites, "modules": len(plan.rewrites)}, tuple(plan.left_alone))
     return handle
@@ -127,8 +129,9 @@ class SdpaRung(RewriteRung):
             return None
         if plan.left_alone:
             return "hand-written attention found but none could be rewritten exactly: " + "; ".join(plan.left_alone[:3])
-        return ("no hand-written attention (q @ kᵀ → softmax → @ v) found in the model's forward methods"
-                + "".join(f"; {note}" for note in switches.left_alone))
+        return "no hand-written attention (q @ kᵀ → softmax → @ v) found in the model's forward methods" + "".join(
+            f"; {note}" for note in switches.left_alone
+        )
 
     def apply_plan(self, model: nn.Module, plan: RewritePlan) -> Handle:
         return apply_sdpa(model, self.options, plan)

@@ -53,8 +53,11 @@ def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
     # CUDA: "high" = TF32 tensor cores. CPU: "medium" = oneDNN bf16 compute for fp32 matmuls.
     wanted = "high" if device.type == "cuda" else "medium"
     torch.set_float32_matmul_precision(wanted)
-    handle.record(f"torch.set_float32_matmul_precision({wanted!r}) (was {previous!r})",
-                  lambda: torch.set_float32_matmul_precision(previous), lambda: torch.set_float32_matmul_precision(wanted))
+    handle.record(
+        f"torch.set_float32_matmul_precision({wanted!r}) (was {previous!r})",
+        lambda: torch.set_float32_matmul_precision(previous),
+        lambda: torch.set_float32_matmul_precision(wanted),
+    )
     if cudnn and device.type == "cuda" and not torch.backends.cudnn.allow_tf32:
         # a property of torch.backends.cudnn's module class, not an instance attribute: set it explicitly
         def cudnn_tf32(on: bool) -> None:

@@ -72,8 +72,10 @@ from speedkit.rewrite.source import NotRewritable, is_user_code, is_user_module
 from speedkit.rungs.base import Handle, RewriteRung, nested
 from speedkit.training.state import TrainState
 
-NOTHING_FOUND = ("nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
-                 "Linear→GELU or SwiGLU found")
+NOTHING_FOUND = (
+    "nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
+    "Linear→GELU or SwiGLU found"
+)
 TAG = "triton_layers"
 
 
@@ -112,9 +114,16 @@ def _class_swap(module: nn.Module, options: TritonLayersOptions) -> tuple[type |
     if cls is not base:
         return None, f"{cls.__name__} subclasses nn.{base.__name__}: user code, not swapped"
     if base is nn.CrossEntropyLoss:
-        return (None, "nn.CrossEntropyLoss with class weights: the kernel has none") if module.weight is not None else (layers.CrossEntropyLoss, None)
+        return (
+            (None, "nn.CrossEntropyLoss with class weights: the kernel has none")
+            if module.weight is not None
+            else (layers.CrossEntropyLoss, None)
+        )
     if len(module.normalized_shape) != 1:
-        return None, f"nn.{base.__name__}{tuple(module.normalized_shape)} normalizes over {len(module.normalized_shape)} dims; the kernels take one"
+        return (
+            None,
+            f"nn.{base.__name__}{tuple(module.normalized_shape)} normalizes over {len(module.normalized_shape)} dims; the kernels take one",
+        )
     return layers.SWAPS[base], None
 
 
@@ -146,15 +155,17 @@ def _one_tensor_forward(forward: Callable) -> bool:
         params = list(inspect.signature(forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
-    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD) \
+    return (
+        len(params) == 1
+        and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
         and params[0].default is params[0].empty
+    )
 
 
 def _rms_like(module: nn.Module) -> tuple[str, float] | str | None:
     """``(parameter name, eps)`` when ``module`` computes an RMSNorm; a reason when it has the shape
     of one (and "norm" in its name) but computes something else; None when it is no candidate."""
-    if not is_user_module(module) or isinstance(module, tuple(layers.SWAPS)) \
-            or list(module.buffers()) or list(module.children()):
+    if not is_user_module(module) or isinstance(module, tuple(layers.SWAPS)) or list(module.buffers()) or list(module.children()):
         return None
     params = list(module.named_parameters(recurse=False))
     if len(params) != 1 or params[0][1].dim() != 1 or not params[0][1].is_floating_point() or params[0][1].is_meta:
@@ -223,15 +234,24 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
             if isinstance(found, tuple):
                 param, eps = found
                 forward = layers.rms_like_forward(param, eps, type(module).forward)
-                plan.bindings.append((module, "forward", forward,
-                                      f"{type(module).__name__}.forward → speedkit rms_norm(x, self.{param}, eps={eps:g})"))
+                plan.bindings.append(
+                    (
+                        module,
+                        "forward",
+                        forward,
+                        f"{type(module).__name__}.forward → speedkit rms_norm(x, self.{param}, eps={eps:g})",
+                    )
+                )
                 plan.counts["rms_like"] += 1
                 rms_modules.add(id(module))
             elif found:
                 plan.left_alone.append(found)
     if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu:
-        targets = [(m, "forward") for m in model.modules() if is_user_module(m) and id(m) not in rms_modules
-                   and type(m) not in layers.SWAPS.values()]
+        targets = [
+            (m, "forward")
+            for m in model.modules()
+            if is_user_module(m) and id(m) not in rms_modules and type(m) not in layers.SWAPS.values()
+        ]
         if callable(getattr(model, "training_step", None)):
             targets.append((model, "training_step"))
 
@@ -241,8 +261,9 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
                 return f"{type(module).__name__}.{method} not rewritten: {exc}"
             return None
 
-        plan.rewrites, left_alone = plan_rewrites(LAYERS, targets, lambda m, parsed, found: decide(m, parsed, found, options),
-                                                  refused)
+        plan.rewrites, left_alone = plan_rewrites(
+            LAYERS, targets, lambda m, parsed, found: decide(m, parsed, found, options), refused
+        )
         plan.left_alone += left_alone
         for rewrite in plan.rewrites:
             plan.counts.update(rewrite.done)

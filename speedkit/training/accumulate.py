@@ -58,16 +58,18 @@ class OutOfMemoryAtOneSample(SpeedkitError):
 class FallbackEvent:
     """One change of the micro-batch: an out-of-memory split, or a probe back to larger micro-batches."""
 
-    step: int                  # the optimizer step (or batch) it happened in, counted by the caller
-    old_micro_batch: int       # samples per micro-batch before
-    new_micro_batch: int       # samples per micro-batch after
-    seconds_lost: float        # wall time of the failed attempt(s), freeing included
-    kind: str                  # "out of memory" or "probe"
-    detail: str = ""           # where it hit ("forward or backward: CUDA out of memory. Tried to allocate ...")
+    step: int  # the optimizer step (or batch) it happened in, counted by the caller
+    old_micro_batch: int  # samples per micro-batch before
+    new_micro_batch: int  # samples per micro-batch after
+    seconds_lost: float  # wall time of the failed attempt(s), freeing included
+    kind: str  # "out of memory" or "probe"
+    detail: str = ""  # where it hit ("forward or backward: CUDA out of memory. Tried to allocate ...")
 
     def describe(self) -> str:
-        return (f"step {self.step}: {self.kind}, micro-batch {self.old_micro_batch} -> {self.new_micro_batch} "
-                f"({self.seconds_lost:.2f} s lost){': ' + self.detail if self.detail else ''}")
+        return (
+            f"step {self.step}: {self.kind}, micro-batch {self.old_micro_batch} -> {self.new_micro_batch} "
+            f"({self.seconds_lost:.2f} s lost){': ' + self.detail if self.detail else ''}"
+        )
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -101,8 +103,17 @@ def split_batch(batch: Any, parts: int) -> list[tuple[Any, int]]:
     bounds = [i * base + min(i, extra) for i in range(parts + 1)]
     chunks = []
     for lo, hi in zip(bounds, bounds[1:]):
-        chunks.append((map_batch(lambda t, lo=lo, hi=hi: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() >= 1
-                                 and t.shape[0] == total else t, batch), hi - lo))
+        chunks.append(
+            (
+                map_batch(
+                    lambda t, lo=lo, hi=hi: (
+                        t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == total else t
+                    ),
+                    batch,
+                ),
+                hi - lo,
+            )
+        )
     return chunks
 
 
@@ -126,8 +137,15 @@ def merge_batches(batches: Sequence[Any]) -> tuple[Any, str | None]:
     for i, column in enumerate(zip(*leaves)):
         first = column[0]
         if isinstance(first, torch.Tensor) and first.dim() >= 1 and first.shape[0] == sizes[0]:
-            if any(not isinstance(t, torch.Tensor) or t.dim() != first.dim() or t.shape[0] != s or t.shape[1:] != first.shape[1:]
-                   or t.dtype != first.dtype or t.device != first.device for t, s in zip(column, sizes)):
+            if any(
+                not isinstance(t, torch.Tensor)
+                or t.dim() != first.dim()
+                or t.shape[0] != s
+                or t.shape[1:] != first.shape[1:]
+                or t.dtype != first.dtype
+                or t.device != first.device
+                for t, s in zip(column, sizes)
+            ):
                 return None, f"leaf {i} differs in shape, dtype or device apart from the batch dimension (per-batch padding?)"
             columns.append(torch.cat(column))
         elif isinstance(first, torch.Tensor):
@@ -251,9 +269,9 @@ class MicroBatcher:
     clock: Callable[[], float] = time.perf_counter
     free: Callable[[], None] = free_device_memory
     agree: Callable[[bool], bool] | None = None
-    parts: int = 1                      # micro-batches per batch now
+    parts: int = 1  # micro-batches per batch now
     events: list[FallbackEvent] = field(default_factory=list)
-    _steady: int = 0                    # steps since the last change of the split without an error
+    _steady: int = 0  # steps since the last change of the split without an error
     _largest_failed: int | None = None  # the smallest micro-batch a probe failed at (never probed again)
 
     def run(self, batch: Any, step: int, forward_backward: ForwardBackward) -> torch.Tensor | None:
@@ -311,8 +329,9 @@ class MicroBatcher:
                 self._largest_failed = old if self._largest_failed is None else min(self._largest_failed, old)
             if retry:
                 retry = False
-                self.events.append(FallbackEvent(step, old, old, self.clock() - started,
-                                                 "out of memory, retried as it was", failed))
+                self.events.append(
+                    FallbackEvent(step, old, old, self.clock() - started, "out of memory, retried as it was", failed)
+                )
                 started = self.clock()
                 continue
             if parts >= total:
@@ -320,19 +339,35 @@ class MicroBatcher:
                 raise OutOfMemoryAtOneSample(
                     f"out of memory at step {step} with micro-batches of 1 sample (tried "
                     f"{', '.join(str(s) for s in tried)} of a batch of {total}): the model does not fit this device "
-                    f"even one sample at a time; use a smaller model or sequence, or more memory") from None
+                    f"even one sample at a time; use a smaller model or sequence, or more memory"
+                ) from None
             parts = min(total, parts * 2)
             tried.append(largest_micro_batch(total, parts))
-            self.events.append(FallbackEvent(step, old, largest_micro_batch(total, parts), self.clock() - started,
-                                             "out of memory" + (" (probe)" if probing else ""), failed))
+            self.events.append(
+                FallbackEvent(
+                    step,
+                    old,
+                    largest_micro_batch(total, parts),
+                    self.clock() - started,
+                    "out of memory" + (" (probe)" if probing else ""),
+                    failed,
+                )
+            )
             started = self.clock()
             probing = False
         stash.merge()
         if parts != self.parts:
             if parts < self.parts:
-                self.events.append(FallbackEvent(step, largest_micro_batch(total, self.parts),
-                                                 largest_micro_batch(total, parts), 0.0, "probe",
-                                                 f"{self.probe_after} steps without an error: fewer micro-batches"))
+                self.events.append(
+                    FallbackEvent(
+                        step,
+                        largest_micro_batch(total, self.parts),
+                        largest_micro_batch(total, parts),
+                        0.0,
+                        "probe",
+                        f"{self.probe_after} steps without an error: fewer micro-batches",
+                    )
+                )
             self.parts, self._steady = parts, 0
         else:
             self._steady += 1
@@ -374,4 +409,5 @@ def stop_on_out_of_memory(where: str, batcher: MicroBatcher) -> Iterator[None]:
         raise OutOfMemoryAtOneSample(
             f"out of memory in {where} ({failed}); smaller micro-batches cannot help there, the optimizer's state "
             f"and update do not shrink with them ({batcher.parts} micro-batch(es) per batch; {sizes}); free memory "
-            "(a smaller model, an optimizer with less state, or more memory)")
+            "(a smaller model, an optimizer with less state, or more memory)"
+        )

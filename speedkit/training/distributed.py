@@ -53,7 +53,7 @@ def average_gradients(params: Iterable[nn.Parameter]) -> None:
     flat /= n
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 

@@ -35,8 +35,9 @@ def cuda_copy(value: torch.Tensor) -> Copy:
 def _same(held: torch.Tensor | None, value: torch.Tensor) -> bool:
     """Whether ``value`` is ``held`` again (Lightning hands out a new detached view of the same tensor
     at every read). ``held`` keeps its memory alive, so no new tensor can have its address."""
-    return (held is not None and held.data_ptr() == value.data_ptr() and held._version == value._version
-            and held.dtype == value.dtype)
+    return (
+        held is not None and held.data_ptr() == value.data_ptr() and held._version == value._version and held.dtype == value.dtype
+    )
 
 
 class LaggedScalars:
@@ -48,8 +49,9 @@ class LaggedScalars:
         devices: the device types whose values are copied; any other value is read at once.
     """
 
-    def __init__(self, lag: int = 2, start_copy: Callable[[torch.Tensor], Copy] = cuda_copy,
-                 devices: tuple[str, ...] = ("cuda",)) -> None:
+    def __init__(
+        self, lag: int = 2, start_copy: Callable[[torch.Tensor], Copy] = cuda_copy, devices: tuple[str, ...] = ("cuda",)
+    ) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, found {lag}")
         self.lag = lag

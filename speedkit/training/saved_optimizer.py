@@ -33,8 +33,13 @@ class SavedAsUser:
     After ``optimizer.load_state_dict()``, ``again()`` runs (the rung's change made on the loaded
     state). ``on``/``off`` register and remove the hooks."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, user_values: UserValues, moved_steps: Callable[[int], bool],
-                 again: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        user_values: UserValues,
+        moved_steps: Callable[[int], bool],
+        again: Callable[[], None],
+    ) -> None:
         self.optimizer = optimizer
         self.user_values = user_values
         self.moved_steps = moved_steps
@@ -43,8 +48,10 @@ class SavedAsUser:
 
     def on(self) -> None:
         if not self._hooks:
-            self._hooks = [self.optimizer.register_state_dict_post_hook(self._as_user),
-                           self.optimizer.register_load_state_dict_post_hook(self._loaded)]
+            self._hooks = [
+                self.optimizer.register_state_dict_post_hook(self._as_user),
+                self.optimizer.register_load_state_dict_post_hook(self._loaded),
+            ]
 
     def off(self) -> None:
         hooks, self._hooks = self._hooks, []

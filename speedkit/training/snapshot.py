@@ -45,8 +45,10 @@ def _metrics(model: nn.Module) -> list[nn.Module]:
 
 
 def _save_metric(metric: Any) -> tuple[Any, dict[str, Any], int]:
-    state = {name: ([_clone(v, None) for v in value] if isinstance(value, list) else _clone(value, None))
-             for name, value in metric.metric_state.items()}
+    state = {
+        name: ([_clone(v, None) for v in value] if isinstance(value, list) else _clone(value, None))
+        for name, value in metric.metric_state.items()
+    }
     return metric, state, int(metric.update_count)
 
 
@@ -151,8 +153,11 @@ class UserAttributes:
                 current.update(value)
             else:
                 setattr(module, name, value)
-        rebound = [f"{type(module).__name__}.{name} ({type(module.__dict__.get(name)).__name__})"
-                   for module, name, before in self.others if id(module.__dict__.get(name, _MISSING)) != before]
+        rebound = [
+            f"{type(module).__name__}.{name} ({type(module.__dict__.get(name)).__name__})"
+            for module, name, before in self.others
+            if id(module.__dict__.get(name, _MISSING)) != before
+        ]
         for module, had in self.names:  # attributes the steps made: plain ones go, others are named
             skip = _framework_keys(type(module))
             for name in [n for n in vars(module) if n not in had and n not in skip]:
@@ -182,8 +187,14 @@ class Snapshot:
         device: where to keep the copy ("cpu" keeps GPU memory figures honest; None = same device).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Any = None, data: Any = None,
-                 device: torch.device | str | None = "cpu") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        step: Any = None,
+        data: Any = None,
+        device: torch.device | str | None = "cpu",
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.step = step
@@ -210,10 +221,13 @@ class Snapshot:
         self.opt_groups: list[dict[str, Any]] = []
         if optimizer is not None:
             for p, st in optimizer.state.items():
-                self.opt_state.append((p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                                           for k, v in st.items()}))
-            self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS}
-                               for g in optimizer.param_groups]
+                self.opt_state.append(
+                    (p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()})
+                )
+            self.opt_groups = [
+                {k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS}
+                for g in optimizer.param_groups
+            ]
         self.step_state = step.state_dict() if step is not None else None
         self.data_state = data.state_dict() if data is not None else None
         self.rng = RngState.capture()  # the process RNGs

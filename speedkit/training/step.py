@@ -31,8 +31,18 @@ LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
 LogCall = tuple[tuple[Any, ...], dict[str, Any], str]
 
 #: numerics class of a precision setting (the parity tolerance follows the loosest in effect)
-NUMERICS = {"bf16": "bf16", "fp16": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
-            "16-true": "fp16", "32-true": "fp32", "32": "fp32", "64-true": "fp32", "64": "fp32"}
+NUMERICS = {
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp32",
+    "64": "fp32",
+}
 
 
 def default_loss_fn(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -55,8 +65,11 @@ def loss_of(out: Any) -> torch.Tensor:
     if isinstance(out, dict):
         out = out.get("loss")
     if not isinstance(out, torch.Tensor) or out.dim() != 0:
-        raise ConfigError("model", f"the training step must return a scalar loss tensor, found {type(out).__name__}"
-                          " (return the loss, or a dict with a 'loss' key, from training_step)")
+        raise ConfigError(
+            "model",
+            f"the training step must return a scalar loss tensor, found {type(out).__name__}"
+            " (return the loss, or a dict with a 'loss' key, from training_step)",
+        )
     return out
 
 
@@ -352,8 +365,9 @@ def _check_step_arguments(loss_fn: Any, accumulate: Any, clip_grad_norm: Any, sc
         raise ConfigError("loss_fn", f"expected a function (model, batch, batch_idx) -> loss, found {type(loss_fn).__name__}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ConfigError("accumulate", f"expected a number of batches per optimizer step >= 1, found {accumulate!r}")
-    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-                                       or not clip_grad_norm > 0):
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0
+    ):
         raise ConfigError("clip_grad_norm", f"expected a positive number or None, found {clip_grad_norm!r}")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise ConfigError("scheduler", f"expected a learning-rate scheduler (with step()), found {type(scheduler).__name__}")
@@ -374,9 +388,18 @@ class PlainStep(Step):
             batch's forward and backward run through it, split into micro-batches on out-of-memory.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
-                 loss_fn: LossFn = default_loss_fn, accumulate: int = 1, clip_grad_norm: float | None = None,
-                 scheduler: Any = None, micro_batcher: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str,
+        *,
+        loss_fn: LossFn = default_loss_fn,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        scheduler: Any = None,
+        micro_batcher: Any = None,
+    ) -> None:
         _check_step_arguments(loss_fn, accumulate, clip_grad_norm, scheduler)
         self.micro_batcher = micro_batcher
         self.steps_done = 0  # optimizer steps computed (the fallback's events name them)
@@ -419,8 +442,9 @@ class PlainStep(Step):
             if self.micro_batcher is None:
                 loss = self.forward_backward(batch, batch_idx, divide=n)
             else:
-                loss = self.micro_batcher.run(batch, self.steps_done,
-                                              lambda part, weight: self.forward_backward(part, batch_idx, weight, n))
+                loss = self.micro_batcher.run(
+                    batch, self.steps_done, lambda part, weight: self.forward_backward(part, batch_idx, weight, n)
+                )
                 assert loss is not None  # a plain step's loss function always gives a loss
             total = loss if total is None else total + loss
         if self.micro_batcher is None:
@@ -477,8 +501,13 @@ class PlainStep(Step):
 
     def set_autocast(self, dtype_name: str) -> Handle:
         handle = Handle("autocast")
-        set_attr(handle, self, "autocast_dtype", _AUTOCAST_DTYPES[dtype_name],
-                 f"forward pass under torch.autocast({self.device.type!r}, {dtype_name})")
+        set_attr(
+            handle,
+            self,
+            "autocast_dtype",
+            _AUTOCAST_DTYPES[dtype_name],
+            f"forward pass under torch.autocast({self.device.type!r}, {dtype_name})",
+        )
         if dtype_name == "fp16":
             scaler = torch.amp.GradScaler(self.device.type)
             self._scaler_initial[id(scaler)] = scaler.state_dict()
@@ -487,8 +516,10 @@ class PlainStep(Step):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": (self.scaler, self.scaler.state_dict()) if self.scaler is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        return {
+            "scaler": (self.scaler, self.scaler.state_dict()) if self.scaler is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         restore_scaler(self.scaler, state.get("scaler"), self._scaler_initial)
