@@ -413,6 +413,7 @@ class GraphedStep(StepWrapper):
             return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)
 
         handle = Handle("cuda_graph")
+        handle.record("", self.reset, persistent=True)  # unbound from the fit, the graph and its pool go
         if inner is not None:
             handle.record("", inner.undo)
         auto.run = run

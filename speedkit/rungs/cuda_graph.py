@@ -117,6 +117,9 @@ class CudaGraphRung(Rung):
         opt = state.optimizer
         assert opt is not None
         graphed = GraphedStep(state.step, warmup=self.options.warmup, rewarm=self.options.rewarm)
+        # undone for good (not suspended between comparisons), the graph and its private memory pool go: a
+        # handle the ladder keeps in its results must not hold the pool through the rest of the fit
+        handle.record("", graphed.reset, persistent=True)
         _set_capturable(handle, opt)
         if state.step.has_schedule() and needs_fused_for_schedule(opt) and not _all_fused(opt):
             fused = apply_fused_optimizer(opt, "fused")
