@@ -17,7 +17,7 @@ where its examples use one. Every model has a ``"full"`` size (the benchmark's) 
 
 transformers, timm and torchvision are imported by the builders, so this module imports without them.
 
-Why one module of about 700 lines: it is a catalogue, one short entry per model family (its module,
+Why one module of about 800 lines: it is a catalogue, one short entry per model family (its module,
 its data, its builder) read side by side when comparing how each is trained; the entries share the
 loaders and size tables at the top and nothing else.
 """
