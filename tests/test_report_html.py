@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from speedkit.report import FORMATS, load_report, plots, write_report
+from speedkit.report import FORMATS, html_sections, load_report, plots, write_report
 from speedkit.report import html as html_report
-from speedkit.report.html import NO_MATPLOTLIB, NOT_MEASURED, SECTIONS, render_html
+from speedkit.report.html import NO_MATPLOTLIB, SECTIONS, render_html
+from speedkit.report.html_sections import NOT_MEASURED
 from speedkit.report.markdown import render_markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,12 +135,12 @@ def test_a_plot_that_raises_becomes_a_note(monkeypatch, tmp_path):
     def broken(*args):
         raise ValueError("<bad>")
 
-    monkeypatch.setattr(html_report, "plot_waterfall", broken)
+    monkeypatch.setattr(html_sections, "plot_waterfall", broken)
     monkeypatch.setattr(html_report, "load_matplotlib", lambda: ("mpl", None, None))
-    monkeypatch.setattr(html_report, "plot_throughput_mfu", broken)
-    monkeypatch.setattr(html_report, "plot_memory", broken)
-    monkeypatch.setattr(html_report, "plot_breakdown", broken)
-    monkeypatch.setattr(html_report, "plot_timeline", broken)
+    monkeypatch.setattr(html_sections, "plot_throughput_mfu", broken)
+    monkeypatch.setattr(html_sections, "plot_memory", broken)
+    monkeypatch.setattr(html_sections, "plot_breakdown", broken)
+    monkeypatch.setattr(html_sections, "plot_timeline", broken)
     page = render_html(_v3(), tmp_path)
     assert "the plot could not be drawn: ValueError: &lt;bad&gt;" in page and "<bad>" not in page
 

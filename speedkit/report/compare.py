@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from speedkit.report.html import configurations
+from speedkit.report.html_sections import configurations
 from speedkit.report.markdown import (
     MISSING,
     STATUS_LABELS,
