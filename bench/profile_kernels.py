@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import speedkit.kernels as sk
-from speedkit.kernels import norms
+from speedkit.kernels import norm_kernels, norms
 from speedkit.measure import summarize
 from speedkit.measure.session import MeasureSession
 
@@ -385,7 +385,7 @@ def host_breakdown() -> None:
     grid = (triton.cdiv(M, bm),)
 
     def launch():
-        return norms._norm_fwd_kernel[grid](
+        return norm_kernels._norm_fwd_kernel[grid](
             xd,
             wd,
             bd,
@@ -406,7 +406,7 @@ def host_breakdown() -> None:
         )
 
     compiled = launch()
-    kc, kkc, target, backend, binder = norms._norm_fwd_kernel.device_caches[torch.cuda.current_device()]
+    kc, kkc, target, backend, binder = norm_kernels._norm_fwd_kernel.device_caches[torch.cuda.current_device()]
     args = (xd, wd, bd, y, mean, rstd, N, N, M, N, 1e-5)
     consts = {"IS_RMS": False, "HAS_W": True, "HAS_B": True, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps}
     all_args = args + (False, True, True, bm, bn)
@@ -446,7 +446,7 @@ def host_breakdown() -> None:
     from triton.compiler import compiler as tc
 
     print(inspect.getsource(tc.CompiledKernel.__getitem__))
-    src = inspect.getsource(type(norms._norm_fwd_kernel).run)
+    src = inspect.getsource(type(norm_kernels._norm_fwd_kernel).run)
     print(src[:4000])
 
 

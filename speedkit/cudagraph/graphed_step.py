@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from speedkit import compat
-from speedkit.cudagraph.safety import Blocker
+from speedkit.cudagraph.safety_visitor import Blocker
 from speedkit.cudagraph.step_watch import find_host_draws, find_syncs
 from speedkit.data.static import StaticBatch
 from speedkit.errors import first_line

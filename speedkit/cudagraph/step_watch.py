@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from speedkit.cudagraph.safety import Blocker
+from speedkit.cudagraph.safety_visitor import Blocker
 from speedkit.rewrite.source import is_callers_file, is_users_own_file
 
 
