@@ -41,7 +41,6 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -50,41 +49,30 @@ from typing import Any
 
 import torch
 
-from speedkit import config
-from speedkit.data.batch import count_items
-from speedkit.data.static import signature
 from speedkit.engine import second_look, switches
-from speedkit.engine.budget import TrialBudget, window_steps
+from speedkit.engine.baseline import measure_baseline, trial_order
+from speedkit.engine.budget import TrialBudget
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.parity import ParityCheck, dropout_off
 from speedkit.engine.profile_run import profile_configurations
 from speedkit.engine.stack import RungProblem, Slot, Stack
 from speedkit.engine.timing import Timing, heartbeat
-from speedkit.errors import SpeedkitError, first_line
+from speedkit.errors import first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
 from speedkit.measure.clock import StepClock
 from speedkit.measure.config import MeasureConfig
-from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
-from speedkit.measure.noise import host_bound
 from speedkit.measure.session import MeasureSession
 from speedkit.measure.stats import describe, not_slower
 from speedkit.results import (
     SCHEMA_VERSION,
     LadderResult,
-    Measurement,
     PairedResult,
-    Parity,
     RungResult,
 )
 from speedkit.rungs.base import Rung
 from speedkit.training.snapshot import Snapshot
 from speedkit.training.state import TrainState
-
-
-class TrialsNotRun(SpeedkitError):
-    """The trials cannot judge anything on this run (the baseline's own loss is not finite): nothing
-    was applied, the state is the user's, the message says why."""
 
 
 class Ladder:
@@ -103,8 +91,9 @@ class Ladder:
 
     The mechanisms are its parts: ``stack`` (the slots of the kept rungs, switched on and off),
     ``parity`` (trajectories and their envelope), ``budget`` (the trials' time) and, during a run,
-    ``timing`` (windows and A/B comparisons); the second looks and the switches floor are verbs of
-    their own modules (:mod:`speedkit.engine.second_look`, :mod:`speedkit.engine.switches`).
+    ``timing`` (windows and A/B comparisons); the baseline and the trials' order, the second looks and
+    the switches floor are verbs of their own modules (:mod:`speedkit.engine.baseline`,
+    :mod:`speedkit.engine.second_look`, :mod:`speedkit.engine.switches`).
 
     After :meth:`run`, the kept rungs stay applied on the restored initial state (``handles``);
     :meth:`revert` undoes them. ``result`` holds the report so far, also after an interruption.
@@ -247,9 +236,9 @@ class Ladder:
         """The baseline, every rung in the trials' order, then the closing phases."""
         result = self.result
         assert result is not None
-        reference, base_m = self._baseline()
+        reference, base_m = measure_baseline(self)
         chain = 1.0
-        order = self._trial_order(base_m)
+        order = trial_order(self, base_m)
         for i, rung in enumerate(order, 1):
             self._left = len(order) - i + 1
             self.phase = rung.name
@@ -265,93 +254,6 @@ class Ladder:
         self._left = 0
         self.on_progress(len(order), len(order), "closing check, second look, final check, profile")
         self._close(reference)
-
-    def _baseline(self) -> tuple[list[float], Measurement]:
-        """The baseline: its flops, the measuring session and timing, its parity reference, the parity
-        tolerances of every precision in play, its measurement, the window length and the trials'
-        budget. Returns the reference trajectory and the measurement."""
-        state, cfg, result, snapshot = self.state, self.cfg, self.result, self.snapshot
-        assert result is not None and snapshot is not None
-        if state.data is None:
-            raise RuntimeError("the ladder needs batches: give the state a data source")
-        self.phase = "the baseline"
-        accumulate = state.step.accumulate
-        self.parity.batches = state.data.parity_batches(self.parity.steps * accumulate)
-        #: batches differ in shape: each A/B block times both configurations on the same batches
-        shapes_vary = len({repr(signature(b)) for b in self.parity.batches}) > 1
-        if shapes_vary:
-            result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
-        first = state.data.to_device(self.parity.batches[0])
-        flops = count_step_flops(state.step, first)
-        snapshot.restore()
-        peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
-        items, unit = count_items(self.parity.batches[0], cfg.throughput_unit)
-        result.flops = {
-            "per_step": flops * accumulate if flops else flops,
-            "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
-            "peak_tflops": peak,
-            "peak_source": peak_source,
-            "precision": cfg.mfu_precision,
-        }
-        self.session = MeasureSession(
-            state.device,
-            clock=self.clock,
-            host_clock=self.host_clock,
-            flops_per_step=result.flops["per_step"],
-            peak_tflops=peak,
-            items_per_step=items * accumulate,
-            unit=unit,
-            telemetry=cfg.telemetry,
-        )
-        # what the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's pool)
-        self.session.memory_outside_peak = lambda: int(state.step.memory_outside_peak())
-        self.timing = Timing(
-            state,
-            cfg,
-            self.session,
-            self.stack,
-            snapshot,
-            host_clock=self.host_clock,
-            on_event=self.on_event,
-            shapes_vary=shapes_vary,
-        )
-
-        self.on_event("baseline: parity reference")
-        t0 = self.host_clock()
-        reference = self.parity.reference = self.parity.trajectory()
-        broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
-        if broken is not None:
-            raise TrialsNotRun(
-                f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
-                "rung: no rung's numerics can be checked against it; fix the model's loss first"
-            )
-        in_play = {"fp32", state.precision, *(r.precision for r in self.rungs if r.precision)}
-        self.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
-        for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
-            self.parity.tolerance(precision)
-        self.on_event("baseline: measuring")
-        base_m = self.timing.alone()
-        noise = result.run["noise"] = window_steps(base_m, cfg, self.clock.name)
-        self.timing.window_steps = noise["window_steps"]
-        if noise["window_steps"] > cfg.steps:
-            self.on_event(
-                f"baseline: windows vary by {noise['baseline_spread']:.1%} ({noise['source']}): comparisons time "
-                f"windows of {noise['window_steps']} steps"
-            )
-        result.run["budget"] = self.budget.plan(base_m, self.planned_steps)
-        result.rungs.append(
-            RungResult(
-                "baseline",
-                "baseline",
-                precision=state.precision,
-                measurement=base_m,
-                parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
-                gain_vs_previous=1.0,
-                gain_vs_baseline=1.0,
-                seconds=self.host_clock() - t0,
-            )
-        )
-        return reference, base_m
 
     def _close(self, reference: list[float]) -> None:
         """After the climb: the closing check, the second look, the switches floor, the final check
@@ -385,56 +287,6 @@ class Ladder:
         assert self.result is not None
         self.result.run["budget"]["skipped"].append(what)
         self.on_event(f"{what} skipped: the trials' time budget ({self.budget.budget_s:.0f} s) is spent")
-
-    def _trial_order(self, baseline: Measurement) -> list[Rung]:
-        """The order the rungs are tried in: the ladder's, except on a GPU where the baseline shows who
-        sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
-        kept rungs that come after it there), only the order of the trials changes:
-
-        - a host-bound step (the host drives the device, see :func:`speedkit.measure.noise.host_bound`):
-          the rungs that cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's
-          sync) are tried first, compile first of them: in the host's noise the others' device-side gains do not
-          show, beneath them they do;
-        - a device-bound step: the rungs whose only gain is the device's wait for the host
-          (``Rung.host_side``: the loader's path, the garbage collector, the progress bar's sync, CUDA
-          graphs) are tried after the others, on the step they made fast, where a wait can show (on
-          GPT-2 in fp32, 340 ms a step on a GPU 99% busy, data_path and gc_freeze measured 1.00x in 20 s
-          each; compiled in bf16 the step is 51 ms)."""
-        host, step = baseline.host_ms, baseline.step_ms
-        # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
-        # (nor where the host's time is not known)
-        if self.clock.name == "perf_counter" or host is None or not step:
-            return list(self.rungs)
-        assert self.result is not None
-        if not host_bound(baseline, self.cfg.host_bound_share, self.cfg.busy_util):
-            later = [r for r in self.rungs if r.host_side]
-            order = [r for r in self.rungs if not r.host_side] + later
-            if order != list(self.rungs):
-                util = (baseline.telemetry or {}).get("util_mean")
-                pace = (
-                    f"GPU busy {util:.0f}% of the time"
-                    if host >= self.cfg.host_bound_share * step and util is not None
-                    else f"host {host:.1f} of {step:.1f} ms per step"
-                )
-                moved = ", ".join(r.name for r in later)
-                self.result.run["trial_order"] = f"device-bound baseline ({pace}): {moved} tried last"
-                self.on_event(f"device-bound baseline ({pace}): trying {moved} last, on the step the others made fast")
-            return order
-        # compile first of them: the others are judged on the step it compiled, where the host's noise is
-        # least and what they remove shows (a graph break's sync: explicit_mask, 1.04x undecided in eager
-        # on Lightning's demo Transformer, 1.26x beneath compile; the progress bar's sync)
-        first = sorted((r for r in self.rungs if r.cuts_host_work), key=lambda r: r.name != "compile")
-        if not first:
-            return list(self.rungs)
-        order = first + [r for r in self.rungs if not r.cuts_host_work]
-        self.result.run["trial_order"] = (
-            f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): {', '.join(r.name for r in first)} tried first"
-        )
-        self.on_event(
-            f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
-            f"{', '.join(r.name for r in first)} first, the others beneath them"
-        )
-        return order
 
     # -- one rung --------------------------------------------------------------------------
     def _try(self, rung: Rung, reference: list[float], chain: float) -> tuple[RungResult, list[float]]:

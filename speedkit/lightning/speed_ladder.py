@@ -39,7 +39,8 @@ from typing_extensions import override
 
 from speedkit import config
 from speedkit import rungs as rung_registry
-from speedkit.engine.ladder import Ladder, TrialsNotRun
+from speedkit.engine.baseline import TrialsNotRun
+from speedkit.engine.ladder import Ladder
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle

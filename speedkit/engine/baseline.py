@@ -1,0 +1,169 @@
+"""The ladder's baseline and the trials' order it decides: the baseline's flops, measuring session,
+timing, parity reference and tolerances, its measurement, window length and the trials' budget; then
+which rungs go first (a host-bound step) or last (a device-bound one). Verbs of the ladder's policy,
+taking the :class:`~speedkit.engine.ladder.Ladder`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from speedkit import config
+from speedkit.data.batch import count_items
+from speedkit.data.static import signature
+from speedkit.engine.budget import window_steps
+from speedkit.engine.timing import Timing
+from speedkit.errors import SpeedkitError
+from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
+from speedkit.measure.noise import host_bound
+from speedkit.measure.session import MeasureSession
+from speedkit.results import Measurement, Parity, RungResult
+from speedkit.rungs.base import Rung
+
+if TYPE_CHECKING:
+    from speedkit.engine.ladder import Ladder
+
+
+class TrialsNotRun(SpeedkitError):
+    """The trials cannot judge anything on this run (the baseline's own loss is not finite): nothing
+    was applied, the state is the user's, the message says why."""
+
+
+def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
+    """The baseline: its flops, the measuring session and timing, its parity reference, the parity
+    tolerances of every precision in play, its measurement, the window length and the trials'
+    budget. Returns the reference trajectory and the measurement."""
+    state, cfg, result, snapshot = ladder.state, ladder.cfg, ladder.result, ladder.snapshot
+    assert result is not None and snapshot is not None
+    if state.data is None:
+        raise RuntimeError("the ladder needs batches: give the state a data source")
+    ladder.phase = "the baseline"
+    accumulate = state.step.accumulate
+    ladder.parity.batches = state.data.parity_batches(ladder.parity.steps * accumulate)
+    #: batches differ in shape: each A/B block times both configurations on the same batches
+    shapes_vary = len({repr(signature(b)) for b in ladder.parity.batches}) > 1
+    if shapes_vary:
+        result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
+    first = state.data.to_device(ladder.parity.batches[0])
+    flops = count_step_flops(state.step, first)
+    snapshot.restore()
+    peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
+    items, unit = count_items(ladder.parity.batches[0], cfg.throughput_unit)
+    result.flops = {
+        "per_step": flops * accumulate if flops else flops,
+        "convention": CONVENTION.format(precision=cfg.mfu_precision, source=peak_source),
+        "peak_tflops": peak,
+        "peak_source": peak_source,
+        "precision": cfg.mfu_precision,
+    }
+    ladder.session = MeasureSession(
+        state.device,
+        clock=ladder.clock,
+        host_clock=ladder.host_clock,
+        flops_per_step=result.flops["per_step"],
+        peak_tflops=peak,
+        items_per_step=items * accumulate,
+        unit=unit,
+        telemetry=cfg.telemetry,
+    )
+    # what the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's pool)
+    ladder.session.memory_outside_peak = lambda: int(state.step.memory_outside_peak())
+    ladder.timing = Timing(
+        state,
+        cfg,
+        ladder.session,
+        ladder.stack,
+        snapshot,
+        host_clock=ladder.host_clock,
+        on_event=ladder.on_event,
+        shapes_vary=shapes_vary,
+    )
+
+    ladder.on_event("baseline: parity reference")
+    t0 = ladder.host_clock()
+    reference = ladder.parity.reference = ladder.parity.trajectory()
+    broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
+    if broken is not None:
+        raise TrialsNotRun(
+            f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
+            "rung: no rung's numerics can be checked against it; fix the model's loss first"
+        )
+    in_play = {"fp32", state.precision, *(r.precision for r in ladder.rungs if r.precision)}
+    ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
+    for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
+        ladder.parity.tolerance(precision)
+    ladder.on_event("baseline: measuring")
+    base_m = ladder.timing.alone()
+    noise = result.run["noise"] = window_steps(base_m, cfg, ladder.clock.name)
+    ladder.timing.window_steps = noise["window_steps"]
+    if noise["window_steps"] > cfg.steps:
+        ladder.on_event(
+            f"baseline: windows vary by {noise['baseline_spread']:.1%} ({noise['source']}): comparisons time "
+            f"windows of {noise['window_steps']} steps"
+        )
+    result.run["budget"] = ladder.budget.plan(base_m, ladder.planned_steps)
+    result.rungs.append(
+        RungResult(
+            "baseline",
+            "baseline",
+            precision=state.precision,
+            measurement=base_m,
+            parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
+            gain_vs_previous=1.0,
+            gain_vs_baseline=1.0,
+            seconds=ladder.host_clock() - t0,
+        )
+    )
+    return reference, base_m
+
+
+def trial_order(ladder: Ladder, baseline: Measurement) -> list[Rung]:
+    """The order the rungs are tried in: the ladder's, except on a GPU where the baseline shows who
+    sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
+    kept rungs that come after it there), only the order of the trials changes:
+
+    - a host-bound step (the host drives the device, see :func:`speedkit.measure.noise.host_bound`):
+      the rungs that cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's
+      sync) are tried first, compile first of them: in the host's noise the others' device-side gains do not
+      show, beneath them they do;
+    - a device-bound step: the rungs whose only gain is the device's wait for the host
+      (``Rung.host_side``: the loader's path, the garbage collector, the progress bar's sync, CUDA
+      graphs) are tried after the others, on the step they made fast, where a wait can show (on
+      GPT-2 in fp32, 340 ms a step on a GPU 99% busy, data_path and gc_freeze measured 1.00x in 20 s
+      each; compiled in bf16 the step is 51 ms)."""
+    host, step = baseline.host_ms, baseline.step_ms
+    # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
+    # (nor where the host's time is not known)
+    if ladder.clock.name == "perf_counter" or host is None or not step:
+        return list(ladder.rungs)
+    assert ladder.result is not None
+    if not host_bound(baseline, ladder.cfg.host_bound_share, ladder.cfg.busy_util):
+        later = [r for r in ladder.rungs if r.host_side]
+        order = [r for r in ladder.rungs if not r.host_side] + later
+        if order != list(ladder.rungs):
+            util = (baseline.telemetry or {}).get("util_mean")
+            pace = (
+                f"GPU busy {util:.0f}% of the time"
+                if host >= ladder.cfg.host_bound_share * step and util is not None
+                else f"host {host:.1f} of {step:.1f} ms per step"
+            )
+            moved = ", ".join(r.name for r in later)
+            ladder.result.run["trial_order"] = f"device-bound baseline ({pace}): {moved} tried last"
+            ladder.on_event(f"device-bound baseline ({pace}): trying {moved} last, on the step the others made fast")
+        return order
+    # compile first of them: the others are judged on the step it compiled, where the host's noise is
+    # least and what they remove shows (a graph break's sync: explicit_mask, 1.04x undecided in eager
+    # on Lightning's demo Transformer, 1.26x beneath compile; the progress bar's sync)
+    first = sorted((r for r in ladder.rungs if r.cuts_host_work), key=lambda r: r.name != "compile")
+    if not first:
+        return list(ladder.rungs)
+    order = first + [r for r in ladder.rungs if not r.cuts_host_work]
+    ladder.result.run["trial_order"] = (
+        f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): {', '.join(r.name for r in first)} tried first"
+    )
+    ladder.on_event(
+        f"host-bound baseline ({host:.1f} ms of host time in a {step:.1f} ms step): trying "
+        f"{', '.join(r.name for r in first)} first, the others beneath them"
+    )
+    return order
