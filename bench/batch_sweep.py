@@ -7,7 +7,7 @@ the library model, the library's attention switch; or a recipe file, its ladder 
 effective batch is micro-batch x accumulation and kept):
 
   speedkit_choice   speedkit.engine.sweep.sweep over the candidates, each size a short timed fit
-                    (speedkit.frontend.runner.timed_fit_trial: warm-up steps, then windows on the step clock)
+                    (speedkit.frontend.sweep_runner.timed_fit_trial: warm-up steps, then windows on the step clock)
   exhaustive_best   every candidate size measured the same way; the fastest that fit with the margin
   user              the user's own micro-batch (from the exhaustive pass)
   holds             200 optimizer steps at speedkit's choice: status "fits" or "out of memory"
@@ -41,7 +41,7 @@ from bench.common import Results  # noqa: E402
 from bench.zoo import channels_last_as_a_user_would, compile_as_a_user_would  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
 from speedkit.engine.sweep import MARGIN, SweepTrial, candidates, sweep  # noqa: E402
-from speedkit.frontend.runner import recipe_trials, timed_fit_trial  # noqa: E402
+from speedkit.frontend.sweep_runner import recipe_trials, timed_fit_trial  # noqa: E402
 
 
 def zoo_target(name: str, tiny: bool) -> tuple[int, Any]:

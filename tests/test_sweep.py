@@ -146,7 +146,7 @@ def test_speedkit_sweep_keeps_the_effective_batch_and_never_chooses_a_size_that_
     import json
 
     from speedkit.frontend.recipe import load_recipe
-    from speedkit.frontend.runner import sweep_recipe
+    from speedkit.frontend.sweep_runner import sweep_recipe
 
     lines: list[str] = []
     result = sweep_recipe(load_recipe(_tiny_recipe(2, 4)), tmp_path, on_event=lines.append)
@@ -221,7 +221,7 @@ def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
     import lightning.pytorch as pl
     from torch import nn
 
-    from speedkit.frontend.runner import timed_fit_trial
+    from speedkit.frontend.sweep_runner import timed_fit_trial
 
     class PaddedLM(pl.LightningModule):
         def __init__(self) -> None:

@@ -21,7 +21,7 @@ Without ``effective`` they are the user's size times powers of two, up to
 (ties to the smaller: less memory). :class:`SweepResult` holds every trial as a table row and a
 plot-ready series for the report.
 
-This module measures nothing itself: ``speedkit sweep`` (``speedkit.frontend.runner.sweep_recipe``) gives it a
+This module measures nothing itself: ``speedkit sweep`` (``speedkit.frontend.sweep_runner.sweep_recipe``) gives it a
 measure function that fits the recipe at each size with speedkit's step clock.
 """
 

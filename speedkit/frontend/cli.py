@@ -198,7 +198,7 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from rich.console import Console
 
     from speedkit.frontend.progress import ProgressBar
-    from speedkit.frontend.runner import sweep_recipe
+    from speedkit.frontend.sweep_runner import sweep_recipe
 
     recipe = _load(args.recipe, overrides)
     if args.max_trials is not None and args.max_trials < 1:

@@ -1,0 +1,294 @@
+"""The batch-size sweep's runner part: each size a short timed fit of the recipe (:func:`timed_fit_trial`),
+the recipe's trial function (:func:`recipe_trials`), the worst-case input it is fed, and ``speedkit sweep``
+itself (:func:`sweep_recipe`); :mod:`speedkit.engine.sweep` decides which sizes to try."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from speedkit import config
+from speedkit.errors import ConfigError, UnsupportedError, first_line
+from speedkit.frontend.recipe import Recipe
+from speedkit.frontend.runner import _OPTIMIZE_TRAINER, _quiet_lightning, check_model_takes_data, check_trainer
+
+
+def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
+    """The recipe's micro-batch: its dotted key and value (``data.batch_size`` of the synthetic data,
+    ``data.init_args.batch_size`` of a data module)."""
+    data = recipe.raw.get("data") or {}
+    for key, node in (("data.batch_size", data), ("data.init_args.batch_size", data.get("init_args") or {})):
+        value = node.get("batch_size") if isinstance(node, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return key, value
+    raise ConfigError(
+        "data",
+        "no batch_size to sweep: give the data (or its init_args) a batch_size, e.g. data: {synthetic: tokens, batch_size: 8}",
+    )
+
+
+def _on_cuda(trainer_kwargs: dict[str, Any]) -> bool:
+    """Whether a Trainer of these arguments trains on a CUDA GPU of this machine."""
+    import torch
+
+    return torch.cuda.is_available() and trainer_kwargs.get("accelerator") in (None, "auto", "gpu", "cuda")
+
+
+class _RepeatBatch:
+    """A train loader that yields one batch ``length`` times (a sweep's worst-case input)."""
+
+    def __init__(self, batch: Any, length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def __iter__(self) -> Any:
+        return (self.batch for _ in range(self.length))
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def worst_case_data(data: dict[str, Any], scan: int = 512) -> tuple[dict[str, Any], str]:
+    """``fit``'s data keyword arguments (``train_dataloaders`` or ``datamodule``) fed the worst-case
+    input where the batches' shapes vary (per-batch padding): the batch of most tensor bytes among the
+    first ``scan`` of its train loader, repeated as many times as the loader has batches, so a size
+    is measured (its memory above all) on the longest batch a fit meets rather than on those its
+    short trial happens to draw. Where every scanned batch has one shape, the data as it is. Returns
+    the data and a line saying which."""
+    from speedkit.data.batch import tensor_bytes
+    from speedkit.data.static import signature
+
+    dm = data.get("datamodule")
+    if dm is not None:
+        if hasattr(dm, "setup"):
+            dm.setup("fit")
+        loader = dm.train_dataloader()
+    else:
+        loader = data.get("train_dataloaders")
+    if loader is None:
+        return data, "the batches as the loader gives them (no single train loader to scan)"
+    shapes: set[Any] = set()
+    worst, most, seen = None, -1, 0
+    for batch in loader:
+        seen += 1
+        shapes.add(signature(batch)[1])
+        size = tensor_bytes(batch)
+        if size > most:
+            worst, most = batch, size
+        if seen >= scan:
+            break
+    if len(shapes) <= 1 or worst is None:
+        return data, f"the loader's batches (one shape in the first {seen})"
+    try:
+        length = len(loader)
+    except TypeError:
+        length = seen
+    repeated = _RepeatBatch(worst, length)
+    note = f"the worst-case input: the largest of the first {seen} batches ({most:,} bytes; {len(shapes)} shapes seen), repeated"
+    if dm is not None:
+        dm.train_dataloader = lambda: repeated  # the datamodule's own hooks stay
+        return data, note
+    return {**data, "train_dataloaders": repeated}, note
+
+
+def timed_fit_trial(
+    size: int,
+    accumulate: int,
+    build: Callable[[], tuple[Any, dict[str, Any]]],
+    trainer_kwargs: dict[str, Any],
+    *,
+    warmup: int,
+    window: int,
+    windows: int | None = None,
+    callbacks: Callable[[], list[Any]] = list,
+    quiet_notes: bool = False,
+    worst_case: bool = True,
+) -> Any:
+    """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
+    windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
+    module and ``fit``'s data keyword arguments; a :class:`~speedkit.engine.sweep.SweepTrial`. Out of device
+    memory is a size that does not fit (its memory freed before the next). Where the loader's
+    batches vary in shape, the size is measured on the worst-case input (``worst_case``:
+    :func:`worst_case_data`). A compiled model is
+    compiled for each size as its own static graph (:func:`speedkit.compat.static_batch_shapes`):
+    every size is timed on the kernels a fit at that size runs, and a size measured again (the
+    exhaustive pass of ``bench/batch_sweep.py``) finds its graph in the cache."""
+    import gc
+
+    import lightning.pytorch as pl
+    import torch
+
+    from speedkit import compat
+    from speedkit.engine.sweep import SweepTrial
+    from speedkit.lightning import StepTimer
+
+    cuda = _on_cuda(trainer_kwargs)
+    timer = StepTimer(warmup=warmup, window=window)
+    windows = int(config.defaults("sweep")["windows"]) if windows is None else windows
+    kwargs = {
+        **trainer_kwargs,
+        **_OPTIMIZE_TRAINER,
+        "max_steps": warmup + window * windows,
+        "accumulate_grad_batches": accumulate,
+    }
+    kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
+    t0 = time.perf_counter()
+    failed: str | None = None
+    trainer = None
+    input_note = "the loader's batches"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer = pl.Trainer(**kwargs)
+        module, data = build()
+        if worst_case:
+            data, input_note = worst_case_data(data)
+        with _quiet_lightning(), warnings.catch_warnings(), compat.static_batch_shapes():
+            if quiet_notes:  # notes (a rung that does not apply) already shown with an earlier size
+                warnings.simplefilter("ignore", UserWarning)
+            trainer.fit(module, **data)
+    except torch.OutOfMemoryError as exc:
+        failed = f"out of memory: {first_line(exc)[:120]}"
+    optimizer = type(trainer.optimizers[0]).__name__ if trainer is not None and trainer.optimizers else ""
+    trainer = module = data = None  # noqa: F841 (what the fit held, freed before the next size)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    m = timer.measurement
+    if failed is not None or m is None:
+        return SweepTrial(
+            size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0, optimizer, input_note
+        )
+    return SweepTrial(
+        size,
+        accumulate,
+        m.throughput,
+        m.throughput_unit,
+        m.peak_memory_bytes,
+        True,
+        "",
+        time.perf_counter() - t0,
+        optimizer,
+        input_note,
+    )
+
+
+def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
+    """A recipe's batch size (its dotted key and value) and ``trial(size, accumulate, *, windows=None (``sweep.windows``),
+    warmup=None, window=None)``: :func:`timed_fit_trial` of the recipe at that micro-batch, seeded as
+    the recipe says, its ladder applied without trials as ``speedkit fit`` does; warm-up and window
+    from the recipe's ``measure`` unless given. The ladder's notes (a rung that does not apply) are
+    shown with the first size only."""
+    from lightning.fabric.utilities.seed import seed_everything
+
+    from speedkit.frontend.recipe import load_recipe
+    from speedkit.lightning import SpeedLadder
+
+    key, start = _batch_size_key(recipe)
+    measured: list[int] = []
+
+    def trial(
+        size: int, accumulate: int, *, windows: int | None = None, warmup: int | None = None, window: int | None = None
+    ) -> Any:
+        sized = load_recipe(recipe.raw, overrides=[(key, size)])
+
+        def build() -> tuple[Any, dict[str, Any]]:
+            seed_everything(recipe.seed, verbose=False)
+            return sized.build_model(), {"datamodule": sized.build_datamodule()}
+
+        result = timed_fit_trial(
+            size,
+            accumulate,
+            build,
+            sized.build_trainer_kwargs(),
+            warmup=recipe.measure.warmup if warmup is None else warmup,
+            window=recipe.measure.steps if window is None else window,
+            windows=windows,
+            quiet_notes=bool(measured),
+            callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [],
+        )
+        measured.append(size)
+        return result
+
+    return key, start, trial
+
+
+def sweep_recipe(
+    recipe: Recipe,
+    out_dir: Path | None = None,
+    *,
+    keep_effective: bool = True,
+    margin: float | None = None,
+    max_trials: int | None = None,
+    on_event: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> Any:
+    """``speedkit sweep``: the micro-batch of highest throughput for a recipe (:mod:`speedkit.engine.sweep`).
+
+    Each size is a short fit of the recipe (its ladder applied without trials, as ``speedkit fit``
+    does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps
+    (:func:`timed_fit_trial`); an out-of-memory error is a size that does not fit. With
+    ``keep_effective`` the recipe's effective batch (micro-batch x ``accumulate_grad_batches``) is
+    kept through the accumulation. Writes ``sweep.json`` (table rows and a plot-ready series) and
+    ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.engine.sweep.SweepResult`.
+    """
+    import torch
+
+    from speedkit.engine import sweep as sweeping
+    from speedkit.files import write_text_atomic
+
+    key, start, trial = recipe_trials(recipe)
+    devices = recipe.trainer.get("devices")
+    if devices not in (None, 1, "1", "auto") or recipe.trainer.get("num_nodes", 1) != 1:
+        raise UnsupportedError(
+            f"speedkit sweep runs on one device (the recipe asks for devices: {devices!r}); sweep with "
+            "--trainer.devices 1 and give each rank the chosen micro-batch"
+        )
+    accumulate = int(recipe.trainer.get("accumulate_grad_batches") or 1)
+    effective = start * accumulate if keep_effective else None
+    events = on_event or (lambda line: None)
+    check_trainer(recipe)
+    check_model_takes_data(recipe)
+    memory = torch.cuda.get_device_properties(0).total_memory if _on_cuda(recipe.trainer) else None
+
+    def measure(size: int) -> sweeping.SweepTrial:
+        return trial(size, effective // size if effective else 1)
+
+    kwargs: dict[str, Any] = {}
+    if margin is not None:
+        kwargs["margin"] = margin
+    if max_trials is not None:
+        kwargs["max_trials"] = max_trials
+    if on_progress is not None:
+        kwargs["on_progress"] = on_progress
+    result = sweeping.sweep(measure, start, effective=effective, memory_bytes=memory, on_event=events, **kwargs)
+    if out_dir is not None:
+        import json
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "schema_version": 1,
+            "recipe": str(recipe.path) if recipe.path else None,
+            "batch_size_key": key,
+            **result.to_dict(accumulate),
+        }
+        write_text_atomic(out_dir / "sweep.json", json.dumps(doc, indent=2) + "\n")
+        gain = f"{result.gain:.2f}x" if result.gain else "-"
+        md = [
+            f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}",
+            "",
+            f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.",
+            "",
+            *result.table(),
+            "",
+        ]
+        fed = next((t.input for t in result.trials if t.input), "")
+        if fed:
+            md += [f"Each size was fed {fed}.", ""]
+        scaling = result.lr_scaling(accumulate)
+        if scaling is not None:
+            md += [f"Learning rate: {scaling['line']}.", ""]
+        write_text_atomic(out_dir / "sweep.md", "\n".join(md))
+    return result
