@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -27,29 +28,30 @@ def load(name: str) -> dict[str, Any]:
         return yaml.safe_load(f) or {}
 
 
+def defaults(section: str) -> Any:
+    """A copy of one section of ``configs/defaults.yaml`` (``measure``, ``step_timer``, ``loader``, ``nvml``,
+    ``sweep``, ``ladder``, ...): the file is read once, and no caller can change what the next one reads."""
+    return copy.deepcopy(load("defaults")[section])
+
+
 def measure_defaults() -> dict[str, Any]:
     """How speedkit measures and decides, unless a recipe or the callback says otherwise."""
-    return dict(load("defaults")["measure"])
-
-
-def defaults(section: str) -> Any:
-    """One section of ``configs/defaults.yaml`` (``measure``, ``step_timer``, ``loader``, ``nvml``, ``sweep``, ...)."""
-    return load("defaults")[section]
+    return defaults("measure")
 
 
 def step_timer_defaults() -> dict[str, Any]:
     """How ``StepTimer`` times a fit's steps where its caller does not say (``step_timer:``)."""
-    return dict(load("defaults")["step_timer"])
+    return defaults("step_timer")
 
 
 def default_ladder() -> list[Any]:
     """The rungs ``SpeedLadder()`` climbs when given none."""
-    return list(load("defaults")["ladder"])
+    return defaults("ladder")
 
 
 def switch_rungs() -> list[str]:
     """The rungs standing for the switches a user turns on by hand: the ladder's floor."""
-    return list(load("defaults")["switches"])
+    return defaults("switches")
 
 
 def tolerance(precision: str, device_type: str) -> float:
