@@ -355,7 +355,7 @@ def _ddp_worker(rank: int, port: int, world: int, fallback: bool, out: str) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from speedkit.training.distributed import any_rank, average_gradients
+    from speedkit.distributed import any_rank, average_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -44,7 +44,7 @@ from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
 from speedkit.training.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
-from speedkit.training.distributed import any_rank, average_gradients
+from speedkit.distributed import any_rank, average_gradients
 from speedkit.training.step import loss_of
 
 

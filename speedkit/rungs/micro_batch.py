@@ -50,7 +50,7 @@ from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung, active_dropouts
 from speedkit.training.accumulate import merge_batches
-from speedkit.training.distributed import smallest
+from speedkit.distributed import smallest
 from speedkit.training.state import TrainState
 from speedkit.training.step import Step, StepWrapper
 

@@ -256,11 +256,11 @@ class MicroBatcher:
         clock: the wall clock for the time lost (a fake one in tests).
         free: frees what a failed attempt left (tests count its calls).
         agree: under several processes, ``agree(failed_here) -> failed_on_any_rank``, called once per
-            attempt on every rank (:func:`speedkit.training.distributed.any_rank`): every rank then redoes the
+            attempt on every rank (:func:`speedkit.distributed.any_rank`): every rank then redoes the
             batch with the same split in the same step, and none leaves another waiting in a
             collective. The micro-batches' backwards must then make no collective of their own (run
             them under DDP's ``no_sync`` or on the module it wraps) and the gradients be averaged
-            after :meth:`run` returns (:func:`speedkit.training.distributed.average_gradients`).
+            after :meth:`run` returns (:func:`speedkit.distributed.average_gradients`).
     """
 
     params: Callable[[], Iterable[nn.Parameter]]

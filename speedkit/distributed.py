@@ -1,0 +1,168 @@
+"""Several training processes taking one decision: agreement over ``torch.distributed``.
+
+Under DDP every rank runs the same trials in step. What could make ranks take different paths is
+agreed on here, so every rank goes the same way and calls the same collectives in the same order:
+
+* inputs are made equal: step times reduced to the slowest rank's (:func:`largest`), losses averaged
+  (:func:`mean`), rank 0's clock and objects broadcast (:func:`broadcast`, :func:`agreed_clock`);
+* failures are shared: :func:`together` runs a block on every rank and, where it raised on any rank,
+  raises on every rank (the failing rank's own exception there, :class:`RankFailed` on the others).
+
+Every function here is a collective: every rank of the default process group must call it, the
+same number of times, in the same order, or the ranks hang. Without an initialized process group
+(one process) each is a no-op that returns its local answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+T = TypeVar("T")
+
+
+class RankFailed(RuntimeError):
+    """Another rank raised where this one did not: every rank stops the same block together."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank}: {reason}")
+        self.rank, self.reason = rank, reason
+
+
+def world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (an all-reduce of one number, MAX)."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def smallest(value: int) -> int:
+    """The smallest of the ranks' ``value`` (an all-reduce of one number, MIN)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
+
+
+def largest(values: Sequence[float]) -> list[float]:
+    """Each of ``values``, the largest over the ranks (one all-reduce, MAX): the slowest rank's times."""
+    return _reduce(values, torch.distributed.ReduceOp.MAX) if world_size() > 1 else list(values)
+
+
+def mean(values: Sequence[float]) -> list[float]:
+    """Each of ``values`` averaged over the ranks (one all-reduce, in float64): DDP's loss."""
+    if world_size() == 1:
+        return list(values)
+    return [v / world_size() for v in _reduce(values, torch.distributed.ReduceOp.SUM)]
+
+
+def gather(obj: T) -> list[T]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` (picklable), on every rank: what rank 0 decided."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agreed_clock(clock: Callable[[], float]) -> Callable[[], float]:
+    """``clock`` read on rank 0 and broadcast: time budgets run out on every rank at the same call.
+    Each call is a collective (one all-reduce of one number); one process: ``clock`` itself."""
+    if world_size() == 1:
+        return clock
+
+    def read() -> float:
+        t = torch.tensor([clock() if rank() == 0 else 0.0], dtype=torch.float64, device=_collective_device())
+        torch.distributed.all_reduce(t)
+        return float(t.item())
+
+    return read
+
+
+@contextlib.contextmanager
+def together() -> Iterator[None]:
+    """Run the block on every rank; where it raised an ``Exception`` on any rank, raise on every
+    rank: the rank's own exception where it raised (an out-of-memory error stays one), else
+    :class:`RankFailed` naming the first rank that did and why. One process: the block as it is.
+
+    The block itself must not strand another rank inside a collective: a rank that raises before
+    a collective the others reach hangs them there. Put collectives at the block's edges (or run
+    the steps inside guarded, :meth:`speedkit.training.step.Step.guarded`)."""
+    if world_size() == 1:
+        yield
+        return
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as exc:  # every rank learns of it before any rank goes on
+        error = exc
+    failures = gather(
+        None
+        if error is None
+        else f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    )
+    first = next(((r, why) for r, why in enumerate(failures) if why is not None), None)
+    if first is None:
+        return
+    if error is not None:
+        raise error
+    raise RankFailed(*first)
+
+
+def average_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Each parameter's gradient averaged over the ranks, as DDP averages it, in one all-reduce of the
+    gradients flattened together (a parameter without a gradient counts as zeros, on every rank)."""
+    n = world_size()
+    if n == 1:
+        return
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= n
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _reduce(values: Sequence[float], op: Any) -> list[float]:
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+    torch.distributed.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current CUDA device under NCCL."""
+    backend = torch.distributed.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
