@@ -123,14 +123,10 @@ def together() -> Iterator[None]:
         yield
     except Exception as exc:  # every rank learns of it before any rank goes on
         error = exc
-    failures = gather(
-        None
-        if error is None
-        else f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
-    )
-    first = next(((r, why) for r, why in enumerate(failures) if why is not None), None)
-    if first is None:
+    if not any_rank(error is not None):  # one number all-reduced; the reasons only where one failed
         return
+    why = None if error is None else f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+    first = next((r, w) for r, w in enumerate(gather(why)) if w is not None)
     if error is not None:
         raise error
     raise RankFailed(*first)

@@ -43,6 +43,9 @@ class Measurement:
         None  # median per-step host time between steps: the next batch (fetch, collate, copy) and, in Lightning's loop, its per-batch bookkeeping
     )
     host_ms: float | None = None  # median per-step host time issuing the step
+    #: under DDP: each rank's medians (rank, step_ms, data_wait_ms, host_ms, peak_memory_bytes); the
+    #: figures above are the slowest rank's, and throughput counts every rank's items
+    ranks: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from speedkit import config
+from speedkit import config, distributed
 from speedkit.data.batch import count_items
 from speedkit.data.static import signature
 from speedkit.engine.budget import window_steps
@@ -42,7 +42,8 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
     accumulate = state.step.accumulate
     ladder.parity.batches = state.data.parity_batches(ladder.parity.steps * accumulate)
     #: batches differ in shape: each A/B block times both configurations on the same batches
-    shapes_vary = len({repr(signature(b)) for b in ladder.parity.batches}) > 1
+    # (on any rank: every rank then times its blocks alike, each rank's shard having its own lengths)
+    shapes_vary = distributed.any_rank(len({repr(signature(b)) for b in ladder.parity.batches}) > 1)
     if shapes_vary:
         result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
     first = state.data.to_device(ladder.parity.batches[0])
@@ -63,9 +64,10 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
         host_clock=ladder.host_clock,
         flops_per_step=result.flops["per_step"],
         peak_tflops=peak,
-        items_per_step=items * accumulate,
+        items_per_step=items * accumulate * state.step.world_size(),  # under DDP: every rank's items
         unit=unit,
         telemetry=cfg.telemetry,
+        across_ranks=True,  # under DDP: the slowest rank's windows, every rank's figures kept
     )
     # what the step in effect holds outside the allocator's peak (a kept or tried CUDA graph's pool)
     ladder.session.memory_outside_peak = lambda: int(state.step.memory_outside_peak())
@@ -75,7 +77,7 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
         ladder.session,
         ladder.stack,
         snapshot,
-        host_clock=ladder.host_clock,
+        host_clock=ladder.decision_clock,
         on_event=ladder.on_event,
         shapes_vary=shapes_vary,
     )
@@ -94,7 +96,8 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
     for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
         ladder.parity.tolerance(precision)
     ladder.on_event("baseline: measuring")
-    base_m = ladder.timing.alone()
+    with distributed.together():
+        base_m = ladder.timing.alone()
     noise = result.run["noise"] = window_steps(base_m, cfg, ladder.clock.name)
     ladder.timing.window_steps = noise["window_steps"]
     if noise["window_steps"] > cfg.steps:

@@ -49,13 +49,14 @@ from typing import Any
 
 import torch
 
+from speedkit import distributed
 from speedkit.engine import second_look, switches
 from speedkit.engine.baseline import measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.parity import ParityCheck, dropout_off
 from speedkit.engine.profile_run import profile_configurations
-from speedkit.engine.stack import RungProblem, Slot, Stack
+from speedkit.engine.stack import RungProblem, Slot, Stack, agreed_check, agreed_problem
 from speedkit.engine.timing import Timing, heartbeat
 from speedkit.errors import first_line
 from speedkit.fork_safety import protect_forked_children
@@ -131,12 +132,15 @@ class Ladder:
         self.on_event = on_event or (lambda line: None)
         self.clock = clock or StepClock(state.device)
         self.host_clock = host_clock
+        #: the clock time budgets are counted on: rank 0's under DDP, so every rank's comparisons stop
+        #: after the same block and its second looks are skipped alike
+        self.decision_clock = distributed.agreed_clock(host_clock)
         self.run_info = dict(run_info or {})
         self.stack = Stack(state, self.rungs)
         #: steps of every parity trajectory: the configured ones, or more where a rung needs more to be
         #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
         self.parity = ParityCheck(state, self.stack, max([self.cfg.parity_steps, *(r.parity_steps_needed() for r in rungs)]))
-        self.budget = TrialBudget(self.cfg, host_clock)
+        self.budget = TrialBudget(self.cfg, self.decision_clock)
         self.result: LadderResult | None = None
         self.session: MeasureSession | None = None
         self.timing: Timing | None = None
@@ -300,7 +304,7 @@ class Ladder:
         above = [s.rung.name for s in self.slots[place:]]
         try:
             self.stack.configure([i < place for i in range(len(self.slots))])
-            reason = rung.check(state)
+            reason = agreed_check(rung, state)
         except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
             reason = None
             entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {first_line(exc)}"
@@ -326,8 +330,9 @@ class Ladder:
             entry.precision = state.precision
             losses = self._judge_parity(entry, slot, place, reference, toggle, precision_before)
             inert = entry.parity.max_rel_diff == 0.0 and rung.acts_through_numerics
-            if slot.handle.problem():
-                raise RungProblem(slot.handle.problem())
+            problem = agreed_problem(slot.handle)
+            if problem:
+                raise RungProblem(problem)
             if not entry.parity.passed:
                 entry.status = "reverted"
                 entry.reason = (
@@ -343,8 +348,9 @@ class Ladder:
             else:
                 shared = not rung.new_shape_cost and (not above or self.stack.shares_batches())
                 paired = self.compare(toggle, rung.name, shared_batches=shared)
-                if slot.handle.problem():
-                    raise RungProblem(slot.handle.problem())
+                problem = agreed_problem(slot.handle)
+                if problem:
+                    raise RungProblem(problem)
                 entry.comparison = paired
                 self.last_comparison[rung.name] = paired
                 self.judged.add(((rung.name,), tuple(s.rung.name for s in self.slots if s is not slot)))
@@ -471,7 +477,8 @@ class Ladder:
                 return self.cfg.budget_s
             return self.budget.for_comparison(self._left)
 
-        return self.timing.compare(set_candidate, label, budget, shared_batches=shared_batches)
+        with distributed.together():  # a comparison that raised on one rank ends on every rank
+            return self.timing.compare(set_candidate, label, budget, shared_batches=shared_batches)
 
     # -- the closing phases ----------------------------------------------------------------
     def entry(self, name: str) -> RungResult | None:

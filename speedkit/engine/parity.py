@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from speedkit import compat, config
+from speedkit import compat, config, distributed
 from speedkit.engine.stack import Stack
 from speedkit.handle import changed_in_place
 from speedkit.results import Parity
@@ -114,11 +114,14 @@ class ParityCheck:
         data = state.data
         assert data is not None
         losses = []
-        with noise if noise is not None else contextlib.nullcontext():
+        # across several processes: a step that fails on one rank fails on every rank, and the losses
+        # judged are the ranks' mean (DDP's loss), so every rank judges the same trajectory
+        with distributed.together(), state.step.guarded(), noise if noise is not None else contextlib.nullcontext():
             for i in range(self.steps):
                 micro = [data.to_device(b) for b in self.batches[i * n : (i + 1) * n]]
                 losses.append(state.step(micro, i))
-        return [float(x) for x in torch.stack(losses).float().cpu()]
+            local = [float(x) for x in torch.stack(losses).float().cpu()]
+        return distributed.mean(local)
 
     def of(self, on: list[bool], off: list[bool], reference: list[float]) -> tuple[list[float], Parity]:
         """The configuration ``on`` (switched to, and left on) judged against ``reference``, the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from speedkit import distributed
 from speedkit.errors import first_line
 
 if TYPE_CHECKING:
@@ -35,9 +36,11 @@ def profile_configurations(ladder: Ladder) -> None:
         "windows": [],
         "host_syncs": {},
         "note": None,
-        "host_syncs_note": None
-        if state.device.type == "cuda"
-        else "found on CUDA only (its sync debug mode): a CPU step has no device to wait for",
+        "host_syncs_note": "found on CUDA only (its sync debug mode): a CPU step has no device to wait for"
+        if state.device.type != "cuda"
+        else "not looked for across several processes: the sync debug mode stops one rank's step where the others go on"
+        if distributed.world_size() > 1
+        else None,
     }
     result.profile = profile
     sampler = NvmlSampler.create(state.device) if ladder.cfg.telemetry else None
@@ -49,21 +52,22 @@ def profile_configurations(ladder: Ladder) -> None:
         for k in range(n + 1):
             label = "baseline" if k == 0 else "final" if k == n else names[k - 1]
             ladder.on_event(f"profile: {label}" + (f" ({' + '.join(names[:k])})" if 0 < k < n else ""))
-            ladder.stack.configure([i < k for i in range(n)])
-            run_one = ladder.timing.runner()
-            for _ in range(ladder.timing.settle()):
-                run_one()
             edge = k in (0, n)
             trace = ladder.trace_dir / f"{label}.json.gz" if edge and ladder.trace_dir is not None else None
             marks.append((time.monotonic() - started, label))
-            window = profile_window(
-                run_one, steps=ladder.cfg.profile_steps, label=label, device=state.device, trace_path=trace
-            ).to_dict()
+            with distributed.together():  # a window that fails on one rank stops the profile on every rank
+                ladder.stack.configure([i < k for i in range(n)])
+                run_one = ladder.timing.runner()
+                for _ in range(ladder.timing.settle()):
+                    run_one()
+                window = profile_window(
+                    run_one, steps=ladder.cfg.profile_steps, label=label, device=state.device, trace_path=trace
+                ).to_dict()
             window["rungs"] = names[:k]
             if trace is not None and window.get("trace"):
                 window["trace"] = f"{ladder.trace_dir.name}/{trace.name}"  # beside the report
             profile["windows"].append(window)
-            if edge and state.device.type == "cuda":
+            if edge and state.device.type == "cuda" and distributed.world_size() == 1:
                 profile["host_syncs"][label] = find_host_syncs(run_one, state.device)
                 if k == 0 and n == 0:
                     profile["host_syncs"]["final"] = profile["host_syncs"][label]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speedkit.engine.stack import agreed_check, agreed_problem
 from speedkit.errors import first_line
 from speedkit.results import Parity, RungResult
 from speedkit.rungs.base import Rung
@@ -138,7 +139,7 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
         for rung in group:  # in ladder order: each at its place among the kept rungs
             place = ladder.stack.place(rung)
             ladder.stack.configure([i < place for i in range(len(ladder.slots))])
-            reason = rung.check(ladder.state)
+            reason = agreed_check(rung, ladder.state)
             if reason is not None:
                 raise RuntimeError(f"{rung.name} no longer applies: {reason}")
             ladder.stack.insert(place, rung, (True,) * place)
@@ -148,8 +149,9 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
         if not parity.passed:
             raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
         for i in inserted:
-            if ladder.slots[i].handle.problem():
-                raise RuntimeError(ladder.slots[i].handle.problem())
+            problem = agreed_problem(ladder.slots[i].handle)
+            if problem:
+                raise RuntimeError(problem)
             if ladder.slots[i].rung.judged_at_full_precision:
                 precise = ladder.parity.at_full_precision(i)
                 if precise is not None and not precise.passed:

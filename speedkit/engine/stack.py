@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from speedkit import distributed
 from speedkit.handle import Handle
 from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState
@@ -14,6 +15,45 @@ from speedkit.training.state import TrainState
 
 class RungProblem(Exception):
     """A rung's own report that its change stopped working (e.g. compile fell back to eager)."""
+
+
+def agreed_check(rung: Rung, state: TrainState) -> str | None:
+    """``rung.check`` on every rank: it applies only where it applies on every rank (DDP); else the
+    reason of the first rank where it does not (its own reason on that rank). A check that raises
+    on one rank raises on every rank. One process: the rung's own check."""
+    with distributed.together():
+        reason = rung.check(state)
+    if distributed.world_size() == 1:
+        return reason
+    reasons = distributed.gather(reason)
+    if reason is not None:
+        return reason
+    first = next((r for r, why in enumerate(reasons) if why is not None), None)
+    return None if first is None else f"on rank {first}: {reasons[first]}"
+
+
+def agreed_apply(rung: Rung, state: TrainState) -> Handle:
+    """``rung.apply`` on every rank; where it raised on any rank, undone where it applied and raised
+    on every rank (:func:`speedkit.distributed.together`)."""
+    handle: Handle | None = None
+    try:
+        with distributed.together():
+            handle = rung.apply(state)
+    except Exception:
+        if handle is not None:
+            handle.undo()
+        raise
+    assert handle is not None
+    return handle
+
+
+def agreed_problem(handle: Handle) -> str | None:
+    """A rung's report that its change stopped working (``handle.problem()``), where it says so on
+    any rank: every rank then takes it for a failure alike."""
+    problem = handle.problem()
+    if distributed.world_size() == 1:
+        return problem
+    return problem or next((f"on rank {r}: {p}" for r, p in enumerate(distributed.gather(problem)) if p), None)
 
 
 class Slot:
@@ -43,10 +83,10 @@ class Slot:
         if self.handle.active and self.handle.suspended:
             self.handle.resume()
             return
-        reason = self.rung.check(state)
+        reason = agreed_check(self.rung, state)
         if reason is not None:
             raise RuntimeError(f"{self.rung.name} no longer applies: {reason}")
-        self.handle = self.rung.apply(state)
+        self.handle = agreed_apply(self.rung, state)
 
     def undo(self) -> None:
         self.handle.undo()
@@ -84,7 +124,7 @@ class Stack:
 
     def insert(self, place: int, rung: Rung, below: tuple[bool, ...]) -> Slot:
         """Apply ``rung`` on the configuration in effect and put its slot at ``place``."""
-        slot = Slot(rung, rung.apply(self.state), below)
+        slot = Slot(rung, agreed_apply(rung, self.state), below)
         self.slots.insert(place, slot)
         return slot
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from speedkit import config
 from speedkit.engine.second_look import second_look
-from speedkit.engine.stack import RungProblem, Slot
+from speedkit.engine.stack import RungProblem, Slot, agreed_apply, agreed_check, agreed_problem
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
 from speedkit.results import Parity, RungResult
@@ -40,7 +40,7 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
     switches, notes = [], []
     for rung in candidates:
         try:
-            reason = rung.check(ladder.state)
+            reason = agreed_check(rung, ladder.state)
         except Exception as exc:
             reason = f"check raised {type(exc).__name__}: {first_line(exc)}"
         if reason is None:
@@ -67,14 +67,14 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
             mask_switches = [s.rung.name in {r.name for r in switches} for s in ladder.slots]
         else:  # applied on the baseline beside the final configuration, which is off while they run
             for rung in switches:
-                slot = Slot(rung, rung.apply(ladder.state), (False,) * n + (True,) * len(added))
+                slot = Slot(rung, agreed_apply(rung, ladder.state), (False,) * n + (True,) * len(added))
                 ladder.slots.append(slot)
                 added.append(slot)
             mask_switches = [False] * n + [True] * len(added)
         mask_final = [True] * n + [False] * len(added)
         losses, parity = ladder.parity.of(mask_switches, [False] * len(ladder.slots), ladder.parity.reference)
         row.parity, row.precision = parity, ladder.state.precision
-        problems = [s.handle.problem() for s in ladder.slots if s.on and s.handle.problem()]
+        problems = [p for p in (agreed_problem(s.handle) for s in ladder.slots if s.on) if p]
         if not parity.passed:
             raise RungProblem(
                 f"numerics changed: loss differs from the baseline's by {parity.max_rel_diff:.2e} > "

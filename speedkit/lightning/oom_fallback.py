@@ -40,11 +40,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from speedkit.distributed import any_rank, average_gradients
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
 from speedkit.training.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
-from speedkit.distributed import any_rank, average_gradients
 from speedkit.training.step import loss_of
 
 

@@ -57,6 +57,10 @@ from speedkit.training.state import TrainState
 from speedkit.training.step import StepWrapper
 
 
+def _silent(line: str) -> None:
+    """Ranks other than 0 climb in step and say nothing."""
+
+
 def log_event(line: str) -> None:
     """SpeedLadder's default progress line: Lightning's rank-zero info log."""
     rank_zero_info(f"speedkit: {line}")
@@ -135,6 +139,7 @@ class SpeedLadder(Callback):
         self._steps = OptimizerSteps()  # where the fit's optimizer steps start and end (for the probe)
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
         self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
+        self._rank_zero = True  # this process is global rank 0 (set at setup): it alone speaks and writes
 
     @property
     def state_key(self) -> str:
@@ -147,6 +152,7 @@ class SpeedLadder(Callback):
     # -- hooks ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._rank_zero = trainer.is_global_zero
         if stage == "fit":  # this fit's record, not an earlier fit's (one callback may serve several fits)
             self.applied_changes, self.skipped = {}, {}
             if self.trials:
@@ -172,12 +178,7 @@ class SpeedLadder(Callback):
             self._apply_train_start(trainer, pl_module)
             return
         self.result, self.not_run = None, None
-        if trainer.world_size > 1:
-            self.not_run = (
-                "trials across several processes are not supported yet (each rank would decide alone); run "
-                "`speedkit optimize` on one device and pass its kept rungs: SpeedLadder(rungs=[...])"
-            )
-        elif not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization:
             self.not_run = "trials run automatic-optimization steps; this LightningModule sets automatic_optimization = False"
         if self.not_run is not None:
             self._warn_not_run()
@@ -228,6 +229,11 @@ class SpeedLadder(Callback):
             )
             self._warn_not_run()
 
+    def _say(self, line: str) -> None:
+        """A progress line, from rank 0 only (every rank runs the same trials and fit)."""
+        if self._rank_zero:
+            self.on_event(line)
+
     def _warn_not_run(self) -> None:
         rank_zero_warn(f"speedkit: {self.not_run}; SpeedLadder() applies no rungs.", category=UserWarning)
 
@@ -258,6 +264,7 @@ class SpeedLadder(Callback):
             "gradient_clip_val": trainer.gradient_clip_val,
             "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
             "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
             "optimizer": type(step.optimizer).__name__ if step.optimizer else None,
             "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
         }
@@ -267,7 +274,8 @@ class SpeedLadder(Callback):
             state,
             self.rungs,
             self.measure,
-            on_event=self.on_event,
+            # across several processes every rank climbs in step and decides alike; rank 0 speaks
+            on_event=self.on_event if trainer.is_global_zero else _silent,
             run_info=run_info,
             planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
             trace_dir=trace_dir if trainer.is_global_zero else None,
@@ -299,7 +307,7 @@ class SpeedLadder(Callback):
         )
         self._steps = OptimizerSteps()
         kept = ", ".join(r.name for r in self.result.kept) or "none"
-        self.on_event(f"trials done: kept {kept}; training with them from the restored initial state")
+        self._say(f"trials done: kept {kept}; training with them from the restored initial state")
 
     def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: Any, source: Any) -> None:
         """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
@@ -325,7 +333,7 @@ class SpeedLadder(Callback):
                 self.applied_changes.setdefault(handle.rung, []).extend(handle.changes)
                 self._bound.append((handle, len(handle.changes)))
                 for change in handle.changes:
-                    self.on_event(change if change.startswith("fit: ") else f"fit: {change}")
+                    self._say(change if change.startswith("fit: ") else f"fit: {change}")
 
     def _finish_holds(self, trainer: pl.Trainer) -> None:
         probe, self._probe = self._probe, None
@@ -341,9 +349,13 @@ class SpeedLadder(Callback):
                 "note": f"the fit's first {trainer.global_step} optimizer steps (SpeedProfiler), when this report was written",
             }
         holds = self.result.holds
+        if not trainer.is_global_zero:  # every rank timed the fit's steps together; rank 0 reports them
+            if self.stop_after_holds:
+                trainer.should_stop = True
+            return
         if holds.gap is not None:
             verdict = f"flagged: {holds.cause}" if holds.flagged else "holds"
-            self.on_event(
+            self._say(
                 f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
                 f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}" + (f" ({holds.note})" if holds.note else "")  # type: ignore[union-attr]
             )
@@ -426,7 +438,7 @@ class SpeedLadder(Callback):
         for handle, reported in bound:  # what a binding did during the fit (e.g. a reloaded loader served)
             for change in handle.changes[reported:]:
                 self.applied_changes.setdefault(handle.rung, []).append(change)
-                self.on_event(change)
+                self._say(change)
         errors = []
         while self.handles:
             try:
@@ -465,6 +477,7 @@ class _HoldsProbe:
             items_per_step=base.items_per_step if base else 1,
             unit=base.throughput_unit if base else "samples/s",
             host_clock=self.host_clock,
+            across_ranks=True,  # under DDP: the slowest rank's windows, as the ladder's were
         )
         self.windows: list[Window] = []
         self.compiling: list[Window] = []  # windows left out: they compiled

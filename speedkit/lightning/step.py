@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from speedkit import compat
+from speedkit import compat, distributed
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
 from speedkit.lightning.data import overridden_transfer_hooks
@@ -71,6 +71,7 @@ class LightningStep(Step):
         self._scaler_initial: dict[int, dict[str, Any]] = {}
         self._schedule = ScheduleGuard()
         self._log: compat.TrialLog | None = None
+        self._guarded = False  # guarded(): the DDP steps' failures shared, gradients averaged by hand
         sig = inspect.signature(module.training_step)
         self._takes_batch_idx = (
             len([p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)])
@@ -130,24 +131,28 @@ class LightningStep(Step):
         n = len(batches)
         losses: list[torch.Tensor] = []
         every_micro = getattr(self.strategy, "handles_gradient_accumulation", False)
+        guard = self._guarded and self.world_size() > 1
         for k, batch in enumerate(batches):
             idx = batch_idx * n + k
 
-            def closure(batch: Any = batch, idx: int = idx, first: bool = k == 0) -> torch.Tensor | None:
-                if self._log is not None:
-                    self._log.batch(batch)
-                out = self.strategy.training_step(*self._args(batch, idx))
-                if out is None:  # Lightning skips the backward of a step that returns None
-                    return None
-                loss = loss_of(out) / n
-                if first:
-                    module.on_before_zero_grad(raw)
-                    module.optimizer_zero_grad(trainer.current_epoch, idx, raw)
-                self.strategy.backward(loss, raw)
-                losses.append(loss.detach())
+            def closure(batch: Any = batch, idx: int = idx, first: bool = k == 0, last: bool = k == n - 1) -> torch.Tensor | None:
+                loss = None
+                with distributed.together() if guard else contextlib.nullcontext():
+                    if self._log is not None:
+                        self._log.batch(batch)
+                    out = self._training_step(self._args(batch, idx), guard)
+                    if out is not None:  # Lightning skips the backward of a step that returns None
+                        loss = loss_of(out) / n
+                        if first:
+                            module.on_before_zero_grad(raw)
+                            module.optimizer_zero_grad(trainer.current_epoch, idx, raw)
+                        self.strategy.backward(loss, raw)
+                        losses.append(loss.detach())
+                if guard and last:  # every rank got here: the gradients averaged as DDP's reducer does
+                    distributed.average_gradients(module.parameters())
                 return loss
 
-            if k < n - 1 and not every_micro:
+            if k < n - 1 and not every_micro and not guard:
                 sync = getattr(self.strategy, "block_backward_sync", None)
                 with sync() if sync is not None else contextlib.nullcontext():
                     closure()
@@ -159,8 +164,29 @@ class LightningStep(Step):
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum()
 
+    def _training_step(self, args: tuple[Any, ...], guard: bool) -> Any:
+        """The strategy's training step; guarded, the module's own beneath DDP's wrapper (DDP's forward
+        prepares no gradient sync then, and its buffer broadcast is not made), in the plugin's context."""
+        if not guard:
+            return self.strategy.training_step(*args)
+        with self.strategy.precision_plugin.train_step_context():
+            return self.model.training_step(*args)
+
     def after_step(self, batch_idx: int) -> None:
         self._step_schedulers(batch_idx)
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        saved, self._guarded = self._guarded, True
+        try:
+            yield
+        finally:
+            self._guarded = saved
+
+    def gradient_sync(self, on: bool) -> None:
+        ddp = self.strategy.model
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            ddp.require_backward_grad_sync = on
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[LogCall]]:

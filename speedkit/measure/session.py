@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from speedkit import compat
+from speedkit import compat, distributed
 from speedkit.measure.clock import StepClock, summarize
 from speedkit.measure.flops import mfu
 from speedkit.results import Measurement
@@ -48,6 +48,9 @@ class Window:
     steps: int  # steps in the window
     peak_memory_bytes: int | None = None
     compiled_graphs: int = 0  # graphs torch.compile compiled during it (its time is in the window's)
+    #: under DDP (a session ``across_ranks``): each rank's own (ms, data_wait_ms, host_ms, peak bytes),
+    #: the fields above being the slowest rank's (the largest of each)
+    ranks: list[tuple[float, float, float, int | None]] | None = None
 
 
 #: the profiler scope around a step's batch fetch: :mod:`speedkit.profile` counts it as data wait
@@ -77,8 +80,12 @@ class MeasureSession:
         items_per_step: int = 1,
         unit: str = "samples/s",
         telemetry: bool = False,
+        across_ranks: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        #: under DDP: every window is reduced over the ranks (each timed window is a collective: every
+        #: rank times the same windows), its figures the slowest rank's; telemetry is rank 0's
+        self.across_ranks = across_ranks and distributed.world_size() > 1
         self.clock = clock or StepClock(self.device)
         self.host_clock = host_clock
         self.flops_per_step = flops_per_step
@@ -141,13 +148,43 @@ class MeasureSession:
             run_one()
             self.clock.step()
         times = self.clock.stop()
+        return self._across(
+            Window(
+                ms=sum(times) / len(times),
+                data_wait_ms=self._data_wait / steps * 1e3,
+                host_ms=self._host / steps * 1e3,
+                steps=steps,
+                peak_memory_bytes=self._peak_memory(),
+                compiled_graphs=compat.graph_count() - graphs,
+            )
+        )
+
+    def _across(self, window: Window) -> Window:
+        """The window as the ranks ran it together (one all-reduce): each figure the largest over the
+        ranks (the slowest rank sets a DDP step's pace), each rank's own kept in ``ranks``."""
+        if not self.across_ranks:
+            return window
+        n, me = distributed.world_size(), distributed.rank()
+        mine = [
+            window.ms,
+            window.data_wait_ms,
+            window.host_ms,
+            float(window.peak_memory_bytes or 0),
+            float(window.compiled_graphs),
+        ]
+        table = [0.0] * (len(mine) * n)
+        table[me * len(mine) : (me + 1) * len(mine)] = mine
+        table = distributed.largest(table)  # every other rank's slots are zeros: MAX gathers them
+        rows = [table[r * len(mine) : (r + 1) * len(mine)] for r in range(n)]
+        peaks = [int(r[3]) for r in rows]
         return Window(
-            ms=sum(times) / len(times),
-            data_wait_ms=self._data_wait / steps * 1e3,
-            host_ms=self._host / steps * 1e3,
-            steps=steps,
-            peak_memory_bytes=self._peak_memory(),
-            compiled_graphs=compat.graph_count() - graphs,
+            ms=max(r[0] for r in rows),
+            data_wait_ms=max(r[1] for r in rows),
+            host_ms=max(r[2] for r in rows),
+            steps=window.steps,
+            peak_memory_bytes=max(peaks) if window.peak_memory_bytes is not None else None,
+            compiled_graphs=int(max(r[4] for r in rows)),
+            ranks=[(r[0], r[1], r[2], (int(r[3]) if window.peak_memory_bytes is not None else None)) for r in rows],
         )
 
     def _peak_memory(self) -> int | None:
@@ -167,7 +204,10 @@ class MeasureSession:
         self.warm(run_one, warmup)
         with self.sampling() as telemetry:
             windows = [self.window(run_one, steps) for _ in range(repeats)]
-        return self.measurement(windows, warmup=warmup, telemetry=telemetry.get("summary"))
+        summary = telemetry.get("summary")
+        if self.across_ranks:  # decisions read it (a host-bound step): every rank reads rank 0's
+            summary = distributed.broadcast(summary)
+        return self.measurement(windows, warmup=warmup, telemetry=summary)
 
     # -- something else runs the steps (Lightning's loop) ---------------------------------------
     def begin_steps(self, steps_per_window: int, warmup: int = 0) -> None:
@@ -221,13 +261,15 @@ class MeasureSession:
             return None
         times = self.clock.stop()
         n = len(times)
-        window = Window(
-            ms=sum(times) / n,
-            data_wait_ms=self._data_wait / n * 1e3,
-            host_ms=self._host / n * 1e3,
-            steps=n,
-            peak_memory_bytes=self._peak_memory(),
-            compiled_graphs=compat.graph_count() - self._graphs_at_start,
+        window = self._across(
+            Window(
+                ms=sum(times) / n,
+                data_wait_ms=self._data_wait / n * 1e3,
+                host_ms=self._host / n * 1e3,
+                steps=n,
+                peak_memory_bytes=self._peak_memory(),
+                compiled_graphs=compat.graph_count() - self._graphs_at_start,
+            )
         )
         self._open_window(now)
         return window
@@ -254,6 +296,18 @@ class MeasureSession:
         median, spread = summarize([w.ms for w in windows])
         util, achieved = mfu(self.flops_per_step, median / 1e3, self.peak_tflops)
         peaks = [w.peak_memory_bytes for w in windows if w.peak_memory_bytes is not None]
+        per_rank = None
+        if windows[0].ranks is not None:  # each rank's medians over the windows (DDP)
+            per_rank = [
+                {
+                    "rank": r,
+                    "step_ms": statistics.median(w.ranks[r][0] for w in windows),  # type: ignore[index]
+                    "data_wait_ms": statistics.median(w.ranks[r][1] for w in windows),  # type: ignore[index]
+                    "host_ms": statistics.median(w.ranks[r][2] for w in windows),  # type: ignore[index]
+                    "peak_memory_bytes": max((w.ranks[r][3] or 0) for w in windows) or None,  # type: ignore[index]
+                }
+                for r in range(len(windows[0].ranks))
+            ]
         return Measurement(
             step_ms=median,
             spread=spread,
@@ -270,4 +324,5 @@ class MeasureSession:
             clock=self.clock.name,
             data_wait_ms=statistics.median(w.data_wait_ms for w in windows),
             host_ms=statistics.median(w.host_ms for w in windows),
+            ranks=per_rank,
         )

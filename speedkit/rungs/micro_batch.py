@@ -46,11 +46,11 @@ import torch
 from torch import nn
 
 from speedkit import compat
+from speedkit.distributed import smallest
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle, set_attr
 from speedkit.rungs.base import Rung, active_dropouts
 from speedkit.training.accumulate import merge_batches
-from speedkit.distributed import smallest
 from speedkit.training.state import TrainState
 from speedkit.training.step import Step, StepWrapper
 

@@ -210,6 +210,20 @@ class Step:
         raise for running more steps than the schedule was built for."""
         yield
 
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Within this context, across several processes (DDP), a step that raises on one rank raises
+        on every rank at the same point (:func:`speedkit.distributed.together`), none left waiting
+        inside the gradient all-reduce: each micro-batch's forward and backward run without DDP's
+        sync, the ranks agree it ran, then the gradients are averaged in one all-reduce, as DDP
+        averages them. Slower than DDP's overlapped buckets: for parity steps, not timed ones.
+        One process: nothing changes."""
+        yield
+
+    def gradient_sync(self, on: bool) -> None:
+        """Turn DDP's gradient all-reduce off (``on=False``: each rank steps on its own gradients, the
+        step one GPU would run with the same per-rank batch) or back on. One process: nothing to do."""
+
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         """Make this step's change take effect in a Lightning ``fit`` that runs its own loop (after
         the trials, the kept step wrappers are bound here); None when there is nothing to bind. The
@@ -307,6 +321,12 @@ class StepWrapper(Step):
 
     def trial(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.trial()
+
+    def guarded(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.guarded()
+
+    def gradient_sync(self, on: bool) -> None:
+        self.inner.gradient_sync(on)
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         return self.inner.bind_fit(trainer, module)
