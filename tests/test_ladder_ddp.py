@@ -102,6 +102,11 @@ class Saver(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out, self.losses = out, []
 
+    first_step: int | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.first_step = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
 
@@ -116,13 +121,18 @@ class Saver(pl.Callback):
                 "reasons": {r.name: r.reason for r in result.rungs} if result else None,
                 "not_run": ladder.not_run if ladder is not None else None,
                 "kept": ladder.applied if ladder is not None else None,
+                "resumed": ladder.resumed if ladder is not None else None,
+                "first_step": self.first_step,
             },
             f"{self.out}/rank{trainer.global_rank}.pt",
         )
 
 
-def ddp_fit(out: str, trials: bool) -> None:
-    """A 2-process DDP fit on the CPU (gloo), with SpeedLadder's trials when ``trials``; run as its own process."""
+def ddp_fit(out: str, trials: bool, resume: str | None = None) -> None:
+    """A 2-process DDP fit on the CPU (gloo), with SpeedLadder's trials when ``trials``, a checkpoint
+    every 6 steps, resumed from ``resume`` where given; run as its own process."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     torch.multiprocessing.set_sharing_strategy("file_system")
     pl.seed_everything(0, verbose=False)
     ladder = SpeedLadder(
@@ -135,19 +145,22 @@ def ddp_fit(out: str, trials: bool) -> None:
         accelerator="cpu",
         devices=2,
         strategy="ddp_spawn",
-        max_steps=12,
+        max_steps=18 if resume else 12,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*([ladder] if trials else []), Saver(out)],
+        callbacks=[
+            *([ladder] if trials else []),
+            Saver(out),
+            ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=6, save_top_k=-1),
+        ],
     )
-    trainer.fit(Net())
+    trainer.fit(Net(), ckpt_path=resume)
 
 
-def _run(out: Path, trials: bool, timeout_s: float = 300.0) -> list[dict]:
+def _run(out: Path, trials: bool, resume: Path | None = None, timeout_s: float = 300.0) -> list[dict]:
     out.mkdir()
-    code = f"import test_ladder_ddp as t; t.ddp_fit({str(out)!r}, {trials})"
+    code = f"import test_ladder_ddp as t; t.ddp_fit({str(out)!r}, {trials}, {str(resume) if resume else None!r})"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code],
@@ -189,3 +202,19 @@ def test_trials_across_two_ranks_decide_alike_survive_a_one_rank_failure_and_tra
     assert [r["rank"] for r in base["ranks"]] == [0, 1]
     assert base["step_ms"] == pytest.approx(max(r["step_ms"] for r in base["ranks"]), rel=0.5)
     assert report["run"]["world_size"] == 2
+
+    # checkpoint, then resume: the decisions come back without trials, on both ranks
+    saved = tmp_path / "with" / "ckpt" / "epoch=0-step=6.ckpt"
+    checkpoint = torch.load(saved, weights_only=False)
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("SpeedLadder")]
+    assert checkpoint["callbacks"][key]["kept"] == [r for r in ["gc_freeze", "fused_optimizer"] if r in ranks[0]["kept"]]
+    # as a fit that kept both writes it (which rungs pay on this CPU is not what is tested here)
+    checkpoint["callbacks"][key]["kept"] = ["gc_freeze", "fused_optimizer"]
+    torch.save(checkpoint, tmp_path / "kept.ckpt")
+    resumed = _run(tmp_path / "resumed", trials=True, resume=tmp_path / "kept.ckpt")
+    for r in range(2):
+        assert resumed[r]["resumed"] == ["gc_freeze", "fused_optimizer"]
+        assert resumed[r]["decisions"] is None and resumed[r]["not_run"] is None  # no trials ran
+        assert sorted(resumed[r]["kept"]) == ["fused_optimizer", "gc_freeze"]
+        assert resumed[r]["first_step"] == 6
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], resumed[1]["params"]))

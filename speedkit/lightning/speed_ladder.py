@@ -112,6 +112,10 @@ class SpeedLadder(Callback):
             )
         self.trials = rungs is None if trials is None else trials
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
+        #: the checkpoint's key: the callback as constructed (a resume that switches to the kept rungs keeps it)
+        self._key = self._generate_state_key(rungs=[r.name for r in self.rungs], trials=self.trials)
+        #: the rungs a resumed fit re-applied from its checkpoint's decisions, without trials (None: not resumed so)
+        self.resumed: list[str] | None = None
         self.measure = MeasureConfig.from_dict(measure)
         self.report_dir = Path(report_dir) if report_dir is not None else None
         #: where the profile's traces go (default: ``report_dir/traces``; ``speedkit optimize``: its --out's)
@@ -140,10 +144,11 @@ class SpeedLadder(Callback):
         self._unwatch: Callable[[], None] | None = None  # the first train iterator's watch (data_path)
         self._bound: list[tuple[Handle, int]] = []  # the fit's bindings, and how many of their changes were reported
         self._rank_zero = True  # this process is global rank 0 (set at setup): it alone speaks and writes
+        self._fit: tuple[pl.Trainer, pl.LightningModule] | None = None  # the fit being set up (a resume applies into it)
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(rungs=[r.name for r in self.rungs], trials=self.trials)
+        return self._key
 
     @property
     def applied(self) -> list[str]:
@@ -157,6 +162,7 @@ class SpeedLadder(Callback):
             self.applied_changes, self.skipped = {}, {}
             if self.trials:
                 self.result, self.not_run = None, None
+        self._fit = (trainer, pl_module) if stage == "fit" else None
         if stage != "fit" or self.trials:
             return
         step = LightningStep(trainer, pl_module)
@@ -240,18 +246,58 @@ class SpeedLadder(Callback):
     # -- state -----------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The decisions: the rungs in effect (``kept``, in the ladder's order), and what they changed
+        and why others were skipped (for the report)."""
         return {
             "rungs": [r.name for r in self.rungs],
             "trials": self.trials,
+            "kept": self._decisions(),
             "applied": dict(self.applied_changes),
             "skipped": dict(self.skipped),
         }
 
+    def _decisions(self) -> list[str] | None:
+        """The rungs this fit runs with, in the ladder's order: the trials' kept ones, else those applied
+        (given or resumed); None before anything was decided."""
+        if self.result is not None:
+            return [r.name for r in self.result.kept]
+        if self.trials:
+            return None
+        applied = set(self.applied)
+        return [r.name for r in self.rungs if r.name in applied]
+
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # decisions are re-made against the resumed run; keep what was recorded for the report
+        """A resumed fit re-applies the checkpoint's decisions without trials: the kept rungs (those
+        that act on the model now, before the strategy wraps it, the others at their stage), on every
+        rank alike. A checkpoint of a fit without decisions (an older one) leaves the trials on."""
         self.skipped = dict(state_dict.get("skipped", {}))
         self.applied_changes = dict(state_dict.get("applied", {}))
+        kept = state_dict.get("kept")
+        if not self.trials or kept is None:
+            return
+        by_name = {r.name: r for r in self.rungs}
+        rungs, unknown = [], []
+        for name in kept:
+            if name in by_name:
+                rungs.append(by_name[name])
+            elif name in rung_registry.names():
+                rungs.append(rung_registry.make(name))
+            else:
+                unknown.append(name)
+        if unknown:
+            rank_zero_warn(
+                f"speedkit: the checkpoint's kept rungs {unknown} are not known here; the others are re-applied",
+                category=UserWarning,
+            )
+        self.rungs, self.trials, self.resumed = rungs, False, [r.name for r in rungs]
+        self._say(f"resumed: re-applying the checkpoint's decisions without trials: {', '.join(self.resumed) or 'none kept'}")
+        if self._fit is None:
+            return
+        trainer, pl_module = self._fit
+        step = LightningStep(trainer, pl_module)
+        self._state = TrainState(model=pl_module, optimizer=None, device=step.device, step=step)
+        self._apply_stage("setup")
 
     # -- trials ----------------------------------------------------------------------------
     def _run_trials(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
