@@ -25,6 +25,12 @@ optimization and strategies other than DDP are not supported: the callback says 
 fit as it is. Each split is announced as a warning when it happens. ``fallback.events`` lists each split (step, old and new
 micro-batch, time lost); an out-of-memory error with micro-batches of one sample, or in the optimizer
 step, stops the fit with one line.
+
+Its checkpoint state is what it decided: the split, the steps run since it last changed (a probe's
+count), the smallest micro-batch a probe failed at, and the splits so far. A fit resumed from that
+checkpoint starts at that split, with no new out-of-memory attempt at the sizes that failed; under DDP
+every rank loads the same state and, at the fit's start, takes the largest split any rank holds (one
+all-reduce, on every rank).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class SpeedProfiler(Callback):
         if self._sampler is not None:
             self._sampler.stop()
         # every rank's figures, gathered on every rank (a collective: never behind a rank check)
-        ranks = distributed.gather(self._rank_figures(trainer))
+        ranks = self.gather_ranks(trainer)
         if self.monitor is None:
             return
         self._global_step_end = trainer.global_step
@@ -191,8 +191,13 @@ class SpeedProfiler(Callback):
                 json.dumps({"schema_version": 1, **self.summary}, indent=2, default=str) + "\n",
             )
 
-    def _rank_figures(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        """This rank's figures for the summary's ``ranks`` (None where it profiled nothing)."""
+    def gather_ranks(self, trainer: pl.Trainer) -> list[dict[str, Any] | None]:
+        """Every rank's :meth:`rank_figures`, in rank order (a collective: call it on every rank)."""
+        return distributed.gather(self.rank_figures(trainer))
+
+    def rank_figures(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """This rank's figures for the summary's ``ranks``: its steps, median and p90 step time, data
+        wait, device peak memory and host peak RSS (None where it profiled nothing)."""
         if self.monitor is None:
             return None
         whole = self.monitor.summary()
