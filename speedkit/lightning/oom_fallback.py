@@ -25,6 +25,12 @@ optimization and strategies other than DDP are not supported: the callback says 
 fit as it is. Each split is announced as a warning when it happens. ``fallback.events`` lists each split (step, old and new
 micro-batch, time lost); an out-of-memory error with micro-batches of one sample, or in the optimizer
 step, stops the fit with one line.
+
+Its checkpoint state is what it decided: the split, the steps run since it last changed (a probe's
+count), the smallest micro-batch a probe failed at, and the splits so far. A fit resumed from that
+checkpoint starts at that split, with no new out-of-memory attempt at the sizes that failed; under DDP
+every rank loads the same state and, at the fit's start, takes the largest split any rank holds (one
+all-reduce, on every rank).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from speedkit.distributed import any_rank, average_gradients
+from speedkit.distributed import any_rank, average_gradients, largest
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
@@ -96,6 +102,8 @@ class OOMFallback(Callback):
         else:  # a second fit with the same callback keeps the split it learned
             self.fallback.params, self.fallback.model = params, pl_module
         self.fallback.agree = any_rank if trainer.world_size > 1 else None
+        if trainer.world_size > 1:  # every rank starts at the same split (one all-reduce, on every rank)
+            self.fallback.parts = int(largest([self.fallback.parts])[0])
         self._bind(trainer, pl_module)
 
     def _bind(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -191,13 +199,29 @@ class OOMFallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.fallback.report() if self.fallback is not None else {}
+        """What the fallback decided: the split (``micro_batches``), the steps it ran without an error
+        since it last changed (a probe's count), the smallest micro-batch a probe failed at, and every
+        split so far (``events``)."""
+        if self.fallback is None:
+            return {}
+        return {
+            **self.fallback.report(),
+            "steady_steps": self.fallback.steady_steps,
+            "largest_failed": self.fallback.largest_failed,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # a resumed run starts at the split it had: the memory it ran out of has not grown
+        # a resumed run starts at the split it had (the memory it ran out of has not grown): no new attempt
+        # at a split that failed; under DDP every rank loads the same checkpoint, so the split is the same
         parts = state_dict.get("micro_batches")
-        if isinstance(parts, int) and parts > 1:
-            if self.fallback is None:
-                self.fallback = MicroBatcher(lambda: iter(()), probe_after=self.probe_after)
-            self.fallback.parts = parts
+        if not isinstance(parts, int) or parts < 1:
+            return
+        if self.fallback is None:
+            self.fallback = MicroBatcher(lambda: iter(()), probe_after=self.probe_after)
+        self.fallback.restore(
+            parts,
+            steady_steps=state_dict.get("steady_steps", 0),
+            largest_failed=state_dict.get("largest_failed"),
+            events=state_dict.get("events", []),
+        )

@@ -8,6 +8,15 @@ retries), NVML (utilization, power against its limit, SM clock, a clock slowdown
 overhead as a share of the step. At the end of the fit, ``summary`` holds the whole fit's figures
 (and ``report_dir/speed_profile.json`` where given).
 
+Under DDP every rank keeps its own clock; at the end of the fit each rank's step time, data wait and
+peak memory are gathered (one collective, on every rank) into ``summary["ranks"]`` (``slowest_rank``
+beside it), and rank 0 alone logs and writes the report.
+
+It decides nothing that changes the fit. Its checkpoint state is what a resumed fit's figures need:
+the FLOPs per step it counted (the resumed fit does not count its first step again) and the global
+step its profile ended at. A resumed fit's summary counts its own steps, from the global step it
+resumed at (``global_step_start``) to where it ended (``global_step_end``).
+
 FLOPs per step (for MFU): ``flops_per_step`` where given; else a ``SpeedLadder``'s count in the same
 fit; else counted by ``torch.utils.flop_counter`` during the fit's first optimizer step itself (no
 extra forward or backward: the user's run draws the same random numbers), except on a compiled
@@ -22,6 +31,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from speedkit import compat, config
+from speedkit import compat, config, distributed
 from speedkit.data.batch import count_items
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
@@ -92,6 +103,9 @@ class SpeedProfiler(Callback):
         self._steps = OptimizerSteps()
         self._items = 0
         self._counter: FlopCounterMode | None = None
+        self._counted_flops: int | None = None  # counted over a first step (this fit's or a checkpointed one's)
+        self._global_step_start = 0
+        self._global_step_end: int | None = None  # where the last profiled fit ended (checkpointed)
 
     # -- the fit ---------------------------------------------------------------------------------
     @override
@@ -107,8 +121,10 @@ class SpeedProfiler(Callback):
         )
         if self._sampler is not None:
             self._sampler.start()
-        self.monitor = StepMonitor(device, flops_per_step=self.flops_per_step, peak_tflops=peak, nvml=self._sampler)
+        flops = self.flops_per_step if self.flops_per_step is not None else self._counted_flops
+        self.monitor = StepMonitor(device, flops_per_step=flops, peak_tflops=peak, nvml=self._sampler)
         self._steps, self._items = OptimizerSteps(), 0
+        self._global_step_start = trainer.global_step  # a resumed fit counts from where it resumed
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -155,18 +171,57 @@ class SpeedProfiler(Callback):
         self._stop_counting()
         if self._sampler is not None:
             self._sampler.stop()
+        # every rank's figures, gathered on every rank (a collective: never behind a rank check)
+        ranks = self.gather_ranks(trainer)
         if self.monitor is None:
             return
+        self._global_step_end = trainer.global_step
         self.summary = {
             **self.monitor.summary(),
             "mfu_note": self.mfu_note if self.monitor.peak_tflops is None else None,
             "flops_per_step": self.monitor.flops_per_step,
+            "global_step_start": self._global_step_start,
+            "global_step_end": trainer.global_step,
+            "ranks": ranks,
+            "slowest_rank": _slowest(ranks),
         }
         if self.report_dir is not None and trainer.is_global_zero:
             write_text_atomic(
                 self.report_dir / "speed_profile.json",
                 json.dumps({"schema_version": 1, **self.summary}, indent=2, default=str) + "\n",
             )
+
+    def gather_ranks(self, trainer: pl.Trainer) -> list[dict[str, Any] | None]:
+        """Every rank's :meth:`rank_figures`, in rank order (a collective: call it on every rank)."""
+        return distributed.gather(self.rank_figures(trainer))
+
+    def rank_figures(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """This rank's figures for the summary's ``ranks``: its steps, median and p90 step time, data
+        wait, device peak memory and host peak RSS (None where it profiled nothing)."""
+        if self.monitor is None:
+            return None
+        whole = self.monitor.summary()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {
+            "rank": trainer.global_rank,
+            "steps": whole["steps"],
+            "step_ms_median": whole["step_ms_median"],
+            "step_ms_p90": whole["step_ms_p90"],
+            "data_wait_ms": whole["data_wait_ms"],
+            "peak_memory_bytes": whole["peak_memory_bytes"],
+            "host_peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024,
+        }
+
+    # -- checkpoint --------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"counted_flops_per_step": self._counted_flops, "global_step_end": self._global_step_end}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        flops = state_dict.get("counted_flops_per_step")
+        self._counted_flops = int(flops) if isinstance(flops, int) and flops > 0 else None
+        self._global_step_end = state_dict.get("global_step_end")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -196,6 +251,12 @@ class SpeedProfiler(Callback):
         counter.__exit__(None, None, None)
         total = int(counter.get_total_flops())
         if total and self.monitor is not None:
-            self.monitor.flops_per_step = total
+            self.monitor.flops_per_step = self._counted_flops = total
         elif not total:
             self.mfu_note = "torch.utils.flop_counter counted no FLOPs in the first step"
+
+
+def _slowest(ranks: list[dict[str, Any] | None]) -> int | None:
+    """The rank whose median step took longest (the one every other rank waits for), or None."""
+    timed = [r for r in ranks if r is not None and r.get("step_ms_median") is not None]
+    return max(timed, key=lambda r: r["step_ms_median"])["rank"] if timed else None

@@ -385,6 +385,26 @@ class MicroBatcher:
         return loss
 
     @property
+    def steady_steps(self) -> int:
+        """Steps run without an error since the split last changed (a probe waits for ``probe_after``)."""
+        return self._steady
+
+    @property
+    def largest_failed(self) -> int | None:
+        """The smallest micro-batch a probe failed at (never probed again), or None."""
+        return self._largest_failed
+
+    def restore(
+        self, parts: int, *, steady_steps: int = 0, largest_failed: int | None = None, events: Sequence[Any] = ()
+    ) -> None:
+        """Take up a split decided earlier (a resumed run): ``parts`` micro-batches, the probe's count and
+        the size it failed at, the splits so far (:class:`FallbackEvent` or their ``asdict``)."""
+        self.parts = max(1, int(parts))
+        self._steady = max(0, int(steady_steps))
+        self._largest_failed = int(largest_failed) if largest_failed is not None else None
+        self.events = [e if isinstance(e, FallbackEvent) else FallbackEvent(**e) for e in events]
+
+    @property
     def micro_batch_note(self) -> str:
         """The split now, in words (for a report line)."""
         return f"{self.parts} micro-batch{'es' if self.parts > 1 else ''} a batch"
