@@ -202,6 +202,11 @@ def test_trials_across_two_ranks_decide_alike_survive_a_one_rank_failure_and_tra
     assert [r["rank"] for r in base["ranks"]] == [0, 1]
     assert base["step_ms"] == pytest.approx(max(r["step_ms"] for r in base["ranks"]), rel=0.5)
     assert report["run"]["world_size"] == 2
+    scaling = report["run"]["scaling"]
+    assert scaling["world_size"] == 2 and 0 < scaling["efficiency"] < 5  # a CPU's gloo: noisy, but measured
+    assert scaling["efficiency"] == pytest.approx(scaling["step_ms_unsynced"] / scaling["step_ms_synced"], rel=1e-3)
+    markdown = (tmp_path / "with" / "report" / "report.md").read_text()
+    assert "## Across ranks" in markdown and "Scaling efficiency over 2 ranks" in markdown and "(slowest)" in markdown
 
     # checkpoint, then resume: the decisions come back without trials, on both ranks
     saved = tmp_path / "with" / "ckpt" / "epoch=0-step=6.ckpt"

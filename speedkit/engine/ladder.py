@@ -283,6 +283,9 @@ class Ladder:
                 )
         if floor is not None and floor.comparison is not None and result.final_check is not None:
             floor.gain_vs_baseline = result.final_check.speedup * floor.comparison.speedup
+        if self.state.step.world_size() > 1:
+            self.phase = "the scaling"
+            self._scaling()
         if cfg.profile:
             self.phase = "the profile"
             profile_configurations(self)
@@ -473,12 +476,40 @@ class Ladder:
         assert self.timing is not None
 
         def budget() -> float:
-            if whole_budget or self.phase in ("the switches", "the final check"):
+            if whole_budget or self.phase in ("the switches", "the final check", "the scaling"):
                 return self.cfg.budget_s
             return self.budget.for_comparison(self._left)
 
         with distributed.together():  # a comparison that raised on one rank ends on every rank
             return self.timing.compare(set_candidate, label, budget, shared_batches=shared_batches)
+
+    def _scaling(self) -> None:
+        """Across several processes: the final configuration's step with DDP's gradient all-reduce (A)
+        timed against the same step without it (B), interleaved: B is what one GPU runs with this
+        per-rank batch, so B's step time over A's is the scaling efficiency (``run["scaling"]``)."""
+        assert self.result is not None
+        step, world = self.state.step, self.state.step.world_size()
+        self.on_event(f"scaling: the final configuration with and without the gradient all-reduce over {world} ranks")
+        entry: dict[str, Any] = {"world_size": world, "efficiency": None}
+        try:
+            paired = self.compare(lambda on: step.gradient_sync(not on), "scaling", shared_batches=self.stack.shares_batches())
+            assert paired.a is not None and paired.b is not None
+            entry.update(
+                efficiency=round(paired.b.step_ms / paired.a.step_ms, 4),
+                step_ms_synced=paired.a.step_ms,
+                step_ms_unsynced=paired.b.step_ms,
+                note=(
+                    "each rank's step times the slowest rank's; one GPU without DDP also skips DDP's forward "
+                    "bookkeeping, which the step without the all-reduce still runs"
+                ),
+            )
+            self.on_event(f"scaling: efficiency {entry['efficiency']:.2f}")
+        except Exception as exc:  # the decisions stand; only the scaling figure is missing
+            entry["note"] = f"{type(exc).__name__}: {first_line(exc)}"
+        finally:
+            step.gradient_sync(True)
+            self.snapshot.restore()
+        self.result.run["scaling"] = entry
 
     # -- the closing phases ----------------------------------------------------------------
     def entry(self, name: str) -> RungResult | None:

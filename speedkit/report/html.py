@@ -56,6 +56,7 @@ from speedkit.report.plots import (
     load_matplotlib,
     ms_text,
 )
+from speedkit.report.ranks import HEADERS, rank_rows, scaling_line
 
 __all__ = ["NO_MATPLOTLIB", "SECTIONS", "render_html"]
 
@@ -263,6 +264,18 @@ def _in_training(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _ranks(d: dict[str, Any]) -> str:
+    rows = rank_rows(d)
+    if rows is None:
+        return _note("one process: no ranks to compare")
+    line = scaling_line(d)
+    cells = [
+        [_e(label), _e(rank), f"{step:.2f}", f"{wait:.2f}", f"{host:.2f}", _e(format_bytes(peak)) if peak else MISSING]
+        for label, rank, step, wait, host, peak in rows
+    ]
+    return (f"<p>{_e(line)}</p>" if line else "") + _table([_e(h) for h in HEADERS], cells, numeric=(2, 3, 4, 5))
+
+
 def _environment(d: dict[str, Any]) -> str:
     env = d.get("environment") or {}
     flops = d.get("flops") or {}
@@ -391,6 +404,7 @@ SECTIONS = (
     ("waterfall", "Step time by rung"),
     ("throughput", "Throughput and MFU"),
     ("memory", "Peak memory"),
+    ("ranks", "Across ranks"),
     ("breakdown", "Where the time goes: before and after"),
     ("attribution", "Attribution: what each rung bought"),
     ("syncs", "Host syncs"),
@@ -421,6 +435,7 @@ def render_html(report: dict[str, Any], out_dir: Path | str | None = None) -> st
         "waterfall": _waterfall(d, plots),
         "throughput": _throughput(d, plots),
         "memory": _memory(d, plots),
+        "ranks": _ranks(d),
         "breakdown": _breakdown(d, plots),
         "attribution": _attribution(d),
         "syncs": _host_syncs(d),

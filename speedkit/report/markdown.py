@@ -12,6 +12,8 @@ import json
 import math
 from typing import Any
 
+from speedkit.report.ranks import HEADERS, rank_rows, scaling_line
+
 MISSING = "—"
 
 #: how each status is shown
@@ -178,6 +180,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines += ["## Ladder", ""]
     lines += _table(d.get("rungs") or [])
     lines += [""]
+    lines += _ranks(d)
     lines += _profile_sections(d)
     lines += ["## Details", ""]
     for i, rung in enumerate(d.get("rungs") or []):
@@ -188,6 +191,26 @@ def render_markdown(d: dict[str, Any]) -> str:
 # -- schema 3: where the time goes, what each rung bought, host syncs --------------------------------
 
 NOT_MEASURED = "not measured in this run"
+
+
+def _ranks(d: dict[str, Any]) -> list[str]:
+    """Across ranks (DDP): each rank's figures and the scaling efficiency."""
+    rows = rank_rows(d)
+    if rows is None:
+        return []
+    lines = ["## Across ranks", ""]
+    line = scaling_line(d)
+    if line:
+        lines += [line, ""]
+    lines += [
+        "Each window's figures are the slowest rank's (a DDP step waits for it); each rank's own medians:",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
+    for label, rank, step, wait, host, peak in rows:
+        lines.append(f"| {label} | {rank} | {step:.2f} | {wait:.2f} | {host:.2f} | {format_bytes(peak) if peak else MISSING} |")
+    return [*lines, ""]
 
 
 def _ms(value: Any) -> str:

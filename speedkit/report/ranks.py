@@ -1,0 +1,48 @@
+"""The report's "Across ranks" section (a run under DDP): each rank's step time, data wait, host time
+and peak memory in the baseline and the final configuration, the slowest rank named, and the scaling
+efficiency the ladder measured. Empty for a run on one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _measurements(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, measurement) of the baseline and the final configuration where they hold rank figures."""
+    fc = d.get("final_check") or {}
+    base = fc.get("a") or next((r.get("measurement") for r in d.get("rungs") or [] if r.get("status") == "baseline"), None)
+    final = fc.get("b")
+    return [(label, m) for label, m in (("baseline", base), ("final", final)) if m and m.get("ranks")]
+
+
+def rank_rows(d: dict[str, Any]) -> list[tuple[str, str, float, float, float, int | None]] | None:
+    """(configuration, rank, step ms, data wait ms, host ms, peak bytes) of each rank in the baseline
+    and the final configuration, the slowest rank marked; None where the run had one process."""
+    found = _measurements(d)
+    if not found:
+        return None
+    rows = []
+    for label, m in found:
+        slowest = max(m["ranks"], key=lambda r: r.get("step_ms") or 0.0)["rank"]
+        for r in m["ranks"]:
+            mark = " (slowest)" if r["rank"] == slowest and len(m["ranks"]) > 1 else ""
+            rows.append((label, f"{r['rank']}{mark}", r["step_ms"], r["data_wait_ms"], r["host_ms"], r.get("peak_memory_bytes")))
+    return rows
+
+
+#: the per-rank table's columns
+HEADERS = ("configuration", "rank", "step ms", "data wait ms", "host ms", "peak memory")
+
+
+def scaling_line(d: dict[str, Any]) -> str | None:
+    """The scaling efficiency the ladder measured, in one line; None where it did not."""
+    s = (d.get("run") or {}).get("scaling")
+    if not s:
+        return None
+    if s.get("efficiency") is None:
+        return f"Scaling efficiency: not measured ({s.get('note', 'no reason recorded')})"
+    return (
+        f"Scaling efficiency over {s['world_size']} ranks: {s['efficiency']:.2f} (the final configuration's step "
+        f"with DDP's gradient all-reduce, {s['step_ms_synced']:.2f} ms, against the same step without it, "
+        f"{s['step_ms_unsynced']:.2f} ms: what one GPU runs with this per-rank batch; {s['note']})"
+    )
