@@ -127,11 +127,15 @@ def test_sweep_refuses_several_processes_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "speedkit sweep times each size in one process, and this Trainer runs 2" in err
 
 
-def test_optimize_refuses_a_bad_out_before_launching(tmp_path, capsys):
+def test_optimize_refuses_a_bad_out_before_launching(tmp_path):
+    # a subprocess: were the check late, Lightning would start this command line again, not pytest's
     (tmp_path / "taken").write_text("mine")
-    assert main(["optimize", str(_recipe(tmp_path)), "--out", str(tmp_path / "taken")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--out:" in err and "is a file, not a folder" in err
+    run = _speedkit(
+        [sys.executable, "-m", "speedkit", "optimize", str(_recipe(tmp_path)), "--out", "taken"], cwd=tmp_path, timeout_s=60
+    )
+    assert run.returncode == 2
+    assert _errors(run.stderr) == [run.stderr.strip()] and "--out:" in run.stderr and "is a file, not a folder" in run.stderr
+    assert "MEMBER" not in run.stderr and run.stdout == ""  # no process was started, nothing printed
 
 
 def test_fit_under_ddp_through_the_console_script_prints_once(tmp_path):
