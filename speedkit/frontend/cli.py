@@ -20,8 +20,8 @@ ladder's table, one line naming the file and the reason, and exits with 74.
 A recipe whose Trainer runs several processes (``trainer: {devices: 2, strategy: ddp}``, any number of
 devices and nodes) runs through Lightning's own launcher, which starts the same command line again in
 each other process of this node. Global rank 0 alone prints the lines, the table and the progress,
-and writes the files; every rank exits with the run's code. Another rank's error line names it
-(``speedkit: error: rank 1: ...``).
+and writes the files; every rank exits 0 on success. Another rank's error line names it
+(``speedkit: error: local rank 1: ...``).
 """
 
 from __future__ import annotations
