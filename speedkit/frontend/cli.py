@@ -16,6 +16,12 @@ your own code prints its frames in your code and one line, and exits with 1; an 
 ``optimize`` writes a partial report, prints one line and exits with 130 (Ctrl-C) or 143 (SIGTERM);
 a report that cannot be written (a full disk) leaves nothing half-written: ``optimize`` prints the
 ladder's table, one line naming the file and the reason, and exits with 74.
+
+A recipe whose Trainer runs several processes (``trainer: {devices: 2, strategy: ddp}``, any number of
+devices and nodes) runs through Lightning's own launcher, which starts the same command line again in
+each other process of this node. Global rank 0 alone prints the lines, the table and the progress,
+and writes the files; every rank exits 0 on success. Another rank's error line names it
+(``speedkit: error: local rank 1: ...``).
 """
 
 from __future__ import annotations
@@ -121,13 +127,17 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     from rich.console import Console
 
     from speedkit.frontend.progress import ProgressBar
-    from speedkit.frontend.runner import Interrupted, optimize
+    from speedkit.frontend.runner import Interrupted, optimize, rank_label
     from speedkit.report.console import render_console
 
     recipe = _load(args.recipe, overrides)
-    if args.out is not None and not args.out.strip():
-        raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
-    out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
+    if rank_label() is not None:  # another rank, started by Lightning's launcher: it trains in step and says nothing
+        try:
+            optimize(recipe, _out_dir(args.out, recipe))
+        except Interrupted as exc:  # rank 0 says so
+            return exc.exit_code
+        return 0
+    out = _out_dir(args.out, recipe)
     # a report table needs room; rich assumes 80 columns when the output is not a terminal
     console = Console(width=None if sys.stdout.isatty() else 160)
     # optimize's checks refuse files in `out` it did not write; its own earlier ones it replaces, and says so
@@ -161,11 +171,20 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     return 0
 
 
+def _out_dir(out: str | None, recipe: Any) -> Path:
+    """``--out``, or runs/<recipe name>."""
+    if out is not None and not out.strip():
+        raise ConfigError("--out", "is empty; give a folder for the report, e.g. --out runs/mymodel")
+    return Path(out) if out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
+
+
 def _fit(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit.frontend.runner import fit
 
     recipe = _load(args.recipe, overrides)
     trainer, ladder = fit(recipe)
+    if not trainer.is_global_zero:  # the other ranks of a DDP fit: rank 0 speaks for the run
+        return 0
     print(
         f"speedkit fit: applied {', '.join(ladder.applied_changes) or 'no rungs'}"
         + "".join(f"; skipped {name}: {reason}" for name, reason in ladder.skipped.items())
@@ -201,6 +220,12 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     from speedkit.frontend.sweep_runner import sweep_recipe
 
     recipe = _load(args.recipe, overrides)
+    if (recipe.processes or 1) > 1:
+        raise ConfigError(
+            "trainer",
+            f"speedkit sweep times each size in one process, and this Trainer runs {recipe.processes}; sweep on "
+            "one device (--trainer.devices 1 --trainer.num_nodes 1): the micro-batch it finds is per device under DDP",
+        )
     if args.max_trials is not None and args.max_trials < 1:
         raise ConfigError("--max-trials", f"expected a number of sizes >= 1, found {args.max_trials}")
     out = Path(args.out) if args.out else Path("runs") / (recipe.path.stem if recipe.path else "recipe")
@@ -286,11 +311,16 @@ def _compare(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from speedkit.frontend.runner import rank_label
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    # in a process Lightning's launcher started (DDP), the error lines say which: rank 0 may not be the one that failed
+    rank = rank_label()
+    error = f"speedkit: error: {rank}: " if rank else "speedkit: error: "
     try:
         argv, overrides = split_overrides(argv)
     except SpeedkitError as exc:
-        print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+        print(f"{error}{exc}".replace("\n", " "), file=sys.stderr)
         return 2
     args, extra = _parser().parse_known_args(argv)
     handler = {
@@ -310,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args, overrides)
     except UserCodeError as exc:
         print("Traceback of your code (most recent call last):\n" + "".join(exc.frames).rstrip(), file=sys.stderr)
-        print(f"speedkit: error: {exc}".replace("\n", " "), file=sys.stderr)
+        print(f"{error}{exc}".replace("\n", " "), file=sys.stderr)
         return 1
     except SpeedkitError as exc:
         where = getattr(args, "recipe", None)
         prefix = f"{where}: " if where else ""
-        print(f"speedkit: error: {prefix}{exc}".replace("\n", " "), file=sys.stderr)
+        print(f"{error}{prefix}{exc}".replace("\n", " "), file=sys.stderr)
         return 2
 
 

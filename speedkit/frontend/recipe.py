@@ -112,6 +112,12 @@ class Recipe:
     seed: int = 0
     ladder_given: bool = True
 
+    @property
+    def processes(self) -> int | None:
+        """How many processes the Trainer runs (devices per node x nodes), None where this machine
+        decides it (``devices: auto`` or ``-1``)."""
+        return _process_count(self.trainer)
+
     def build_model(self) -> pl.LightningModule:
         """A fresh model; call ``lightning.seed_everything(recipe.seed)`` first for repeatable weights."""
         return self.model.build()
@@ -419,7 +425,59 @@ def _trainer(value: Any) -> dict[str, Any]:
             raise ConfigError(where, f"expected a number of batches per optimizer step >= 1, found {_describe(item)}")
         _check_trainer_value(key, item, where)
         out[key] = item
+    _check_strategy(out)
     return out
+
+
+#: the strategies (by Lightning's name) that run several processes as speedkit runs them: Lightning's
+#: script launcher starts the command line again in each (DDP's ``start_method: popen``)
+_LAUNCHED_DDP = ("ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true")
+
+
+def _process_count(trainer: dict[str, Any]) -> int | None:
+    """Devices per node x nodes, as the Trainer arguments say; None where the machine decides."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+    if isinstance(devices, str) and devices.strip() not in ("auto", "-1"):
+        text = devices.strip().strip(",")
+        devices = len(text.split(",")) if "," in devices else int(text) if text.lstrip("-").isdigit() else None
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 0:
+        return None
+    return devices * (nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 1 else 1)
+
+
+def _check_strategy(trainer: dict[str, Any]) -> None:
+    """Several processes only through DDP started by Lightning's script launcher: one clear line for
+    the strategies speedkit cannot run (the command would get nothing back from spawned processes)."""
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, ClassSpec):
+        from lightning.pytorch.strategies import DDPStrategy
+
+        method = strategy.init_args.get("start_method", "popen")
+        name = "ddp" if issubclass(strategy.cls, DDPStrategy) and method == "popen" else strategy.class_path
+        spawned = issubclass(strategy.cls, DDPStrategy) and method != "popen"
+    elif isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        name = strategy
+        entry = dict.get(StrategyRegistry, strategy) or {}  # the registry's own get() builds the strategy
+        spawned = entry.get("init_params", {}).get("start_method") in ("spawn", "fork")
+    else:
+        return  # a Strategy instance given in Python: Lightning judges it
+    if spawned:
+        raise ConfigError(
+            "trainer.strategy",
+            f"{name} starts its processes from this one, and what they measure and apply does not come back to "
+            "speedkit's command; use strategy: ddp (Lightning starts the command again in each process)",
+        )
+    processes = _process_count(trainer)
+    if processes is not None and processes > 1 and name not in ("auto", *_LAUNCHED_DDP):
+        raise ConfigError(
+            "trainer.strategy",
+            f"speedkit runs several processes under DDP only, and this Trainer asks for {processes} under {name}; "
+            "use strategy: ddp, or devices: 1",
+        )
 
 
 def _check_trainer_value(key: str, item: Any, where: str) -> None:

@@ -16,7 +16,7 @@ import signal
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,30 @@ _OUTPUTS = {
     "report.html": "<!DOCTYPE html>\n<!-- Written by speedkit",
     "optimized.yaml": "# Written by `speedkit optimize`",
 }
+
+
+#: environment variables in which launchers give a process its global rank: torchrun, SLURM, LSF, Open MPI
+_GLOBAL_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def rank_label(env: Mapping[str, str] | None = None) -> str | None:
+    """None in the run's global rank 0 (or a process no launcher started); in any other process, which
+    one it is ("rank 3", "local rank 1", "node 1, local rank 0"), as its launcher's environment says:
+    Lightning's own launcher sets NODE_RANK and LOCAL_RANK in the processes it starts, which run the
+    command line again from the top. Read before any Trainer exists (only rank 0 checks the output
+    folder, prints and writes)."""
+    env = os.environ if env is None else env
+    ranks: dict[str, int] = {}
+    for name in (*_GLOBAL_RANK_VARIABLES, "NODE_RANK", "LOCAL_RANK"):
+        with contextlib.suppress(KeyError, ValueError):
+            ranks[name] = int(env[name])
+    if not any(ranks.values()):
+        return None
+    global_rank = next((ranks[name] for name in _GLOBAL_RANK_VARIABLES if ranks.get(name)), None)
+    if global_rank is not None:
+        return f"rank {global_rank}"
+    node, local = ranks.get("NODE_RANK", 0), ranks.get("LOCAL_RANK", 0)
+    return f"node {node}, local rank {local}" if node else f"local rank {local}"
 
 
 def check_output_dir(out: Path, recipe_path: Path | None = None) -> None:
@@ -249,6 +273,10 @@ def optimize(
 ) -> tuple[LadderResult, dict[str, Path]]:
     """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
 
+    Under DDP (``trainer: {devices: 2, strategy: ddp}``) Lightning's launcher runs the command again in
+    each other process, and this function with it: every rank runs the trials, rank 0 alone checks
+    ``out_dir``, hears ``on_event``/``on_progress`` and writes (elsewhere ``written`` is empty).
+
     Raises:
         ConfigError: an empty ladder, an unusable output folder or Trainer arguments Lightning refuses,
             before any work; a data module that cannot build its loader.
@@ -269,7 +297,10 @@ def optimize(
         raise ConfigError(
             "ladder", f"is empty: nothing to optimize; list rungs to try, e.g. ladder: [{', '.join(rungs.names())}]"
         )
-    check_output_dir(out_dir, recipe.path)
+    if rank_label() is None:
+        check_output_dir(out_dir, recipe.path)
+    else:  # the other ranks write nothing: they start once rank 0 has checked the folder (and may have written there)
+        on_event = on_progress = None
     check_trainer(recipe)
     check_model_takes_data(recipe)
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
@@ -301,12 +332,12 @@ def optimize(
             result = ladder.result
             written: dict[str, Path] = {}
             phase = "the set-up, before any trial"
-            if result is not None:
+            if result is not None:  # every rank's figures are in rank 0's result: it alone writes them
                 phase = (result.interrupted or "the fit check after the trials").split(" during ", 1)[-1]
                 result.interrupted = result.interrupted or f"{type(cause).__name__} during {phase}"
                 result.title = title
                 try:
-                    written = write_report(result, out_dir, formats=formats)
+                    written = write_report(result, out_dir, formats=formats) if trainer.is_global_zero else {}
                 except OutputError as failed:
                     failed.result = result
                     raise failed from None
@@ -319,6 +350,8 @@ def optimize(
         raise UnsupportedError(f"speedkit optimize could not run its trials: {ladder.not_run or 'the fit ended before them'}")
     result.title = title
     written: dict[str, Path] = {}
+    if not trainer.is_global_zero:  # rank 0 writes the report and optimized.yaml, once
+        return result, written
     try:
         written = write_report(result, out_dir, formats=formats)
         kept = [{"name": r.name, "options": r.options} if r.options else r.name for r in result.kept]
