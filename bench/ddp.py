@@ -10,7 +10,7 @@ trains with ``Trainer(devices=N, strategy="ddp")``, whose launcher starts the sa
 in each other process (as ``speedkit optimize`` on a DDP recipe does). Every rank times its own
 optimizer steps with StepTimer (speedkit's measurement session: CUDA events, one wait per window, the
 median of windows after warm-up steps that hold the compilation); the N-GPU throughput is the sum of
-the ranks' (DDP's gradient all-reduce keeps their steps in lock-step).
+the ranks' tokens at the slowest rank's throughput (DDP's gradient all-reduce keeps their steps in lock-step).
 
 Rows (bench "ddp"): variant "1gpu" and "<N>gpu", metric "throughput" (tokens/s, with per_gpu_batch,
 step_ms, noise, peak_memory_gb and, for N GPUs, each rank's throughput and step time); metric
@@ -193,7 +193,9 @@ def main() -> None:
         noise=one["noise"],
         peak_memory_gb=one["peak_memory_gb"],
     )
-    total = sum(r["throughput"] for r in many) if all(r["throughput"] for r in many) else None
+    # the slowest rank sets a DDP step's pace: every rank's tokens at its throughput (conservative,
+    # where a rank's own median is a little faster than the step they share)
+    total = len(many) * min(r["throughput"] for r in many) if all(r["throughput"] for r in many) else None
     slowest = max((r["step_ms"] for r in many if r["step_ms"]), default=None)
     res.add(
         name,
