@@ -14,7 +14,9 @@ the ranks' tokens at the slowest rank's throughput (DDP's gradient all-reduce ke
 
 Rows (bench "ddp"): variant "1gpu" and "<N>gpu", metric "throughput" (tokens/s, with per_gpu_batch,
 step_ms, noise, peak_memory_gb and, for N GPUs, each rank's throughput and step time); metric
-"scaling_efficiency" (variant "<N>gpu"): N-GPU throughput / (N x 1-GPU throughput).
+"scaling_efficiency" (variant "<N>gpu"): N-GPU throughput / (N x 1-GPU throughput). The N-GPU variant
+is timed once per DDP setting of ``--ddp`` (field ``ddp``): Lightning's defaults, the knobs of speedkit's
+ddp_* rungs, and those with gradients all-reduced in bf16.
 
 Usage (the device machine, from the repository root):
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD python bench/ddp.py [--devices 2] [--windows 5] [--steps 10]
@@ -54,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="on CPU processes (gloo), without compiling (backend eager)")
     p.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     p.add_argument("--timeout-s", type=float, default=420, help="wall seconds each variant may take")
+    p.add_argument(
+        "--ddp",
+        default="default,knobs,knobs+bf16",
+        help="the N-GPU variant's DDP settings, comma-separated, each timed: default (Lightning's), knobs "
+        "(gradient_as_bucket_view, static_graph, 100 MB buckets: speedkit's ddp_* rungs), knobs+bf16 (and "
+        "gradients all-reduced in bf16)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-json", default=None, help=argparse.SUPPRESS)
     return p
@@ -104,7 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(
         accelerator="cpu" if args.cpu else "gpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=_strategy(args.ddp) if args.devices > 1 else "auto",
         precision="32-true" if args.cpu else "bf16-mixed",
         max_steps=s["warmup"] + s["steps"] * s["windows"],
         logger=False,
@@ -126,10 +135,28 @@ def worker(args: argparse.Namespace) -> None:
     Path(f"{args.out_json}.rank{trainer.global_rank}").write_text(json.dumps(figures))
 
 
-def run_variant(args: argparse.Namespace, devices: int, out: Path) -> list[dict[str, Any]]:
+#: the DDP settings a variant may time (``--ddp``)
+DDP_SETTINGS = {
+    "default": {},
+    "knobs": {"gradient_as_bucket_view": True, "static_graph": True, "bucket_cap_mb": 100},
+    "knobs+bf16": {"gradient_as_bucket_view": True, "static_graph": True, "bucket_cap_mb": 100, "bf16": True},
+}
+
+
+def _strategy(name: str) -> Any:
+    """Lightning's DDPStrategy with the DDP settings ``name`` (:data:`DDP_SETTINGS`)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    kwargs = dict(DDP_SETTINGS[name])
+    hook = default_hooks.bf16_compress_hook if kwargs.pop("bf16", False) else None
+    return DDPStrategy(ddp_comm_hook=hook, **kwargs)
+
+
+def run_variant(args: argparse.Namespace, devices: int, out: Path, ddp: str = "default") -> list[dict[str, Any]]:
     """The variant on ``devices`` processes, in a fresh process; every rank's figures, in rank order."""
     passed = [a for a in sys.argv[1:] if a not in ("--worker",)]
-    drop = {"--devices", "--out-json", "--results", "--timeout-s"}
+    drop = {"--devices", "--out-json", "--results", "--timeout-s", "--ddp"}
     kept: list[str] = []
     skip = False
     for a in passed:
@@ -148,6 +175,8 @@ def run_variant(args: argparse.Namespace, devices: int, out: Path) -> list[dict[
         str(devices),
         "--out-json",
         str(out),
+        "--ddp",
+        ddp,
         *kept,
     ]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
@@ -180,9 +209,11 @@ def main() -> None:
         "window": s["steps"],
         "windows": s["windows"],
     }
+    settings = [d.strip() for d in args.ddp.split(",") if d.strip()]
+    unknown = [d for d in settings if d not in DDP_SETTINGS]
+    if unknown:
+        raise SystemExit(f"bench/ddp.py: --ddp {unknown[0]!r} is not one of {', '.join(DDP_SETTINGS)}")
     one = run_variant(args, 1, tmp / "1gpu.json")[0]
-    many = run_variant(args, args.devices, tmp / f"{args.devices}gpu.json")
-    name = f"{args.devices}gpu"
     res.add(
         "1gpu",
         "throughput",
@@ -193,37 +224,44 @@ def main() -> None:
         noise=one["noise"],
         peak_memory_gb=one["peak_memory_gb"],
     )
-    # the slowest rank sets a DDP step's pace: every rank's tokens at its throughput (conservative,
-    # where a rank's own median is a little faster than the step they share)
-    total = len(many) * min(r["throughput"] for r in many) if all(r["throughput"] for r in many) else None
-    slowest = max((r["step_ms"] for r in many if r["step_ms"]), default=None)
-    res.add(
-        name,
-        "throughput",
-        total,
-        "tokens/s",
-        **extra,
-        devices=args.devices,
-        step_ms=slowest,
-        noise=max((r["noise"] for r in many if r["noise"] is not None), default=None),
-        peak_memory_gb=max((r["peak_memory_gb"] for r in many if r["peak_memory_gb"] is not None), default=None),
-        rank_throughput=[r["throughput"] for r in many],
-        rank_step_ms=[r["step_ms"] for r in many],
-    )
-    efficiency = total / (args.devices * one["throughput"]) if total and one["throughput"] else None
-    res.add(name, "scaling_efficiency", efficiency, "ratio", **extra, devices=args.devices)
+    name = f"{args.devices}gpu"
+    table = [("1gpu", "-", 1, one["step_ms"], one["throughput"], one["peak_memory_gb"], None)]
+    for ddp in settings:
+        many = run_variant(args, args.devices, tmp / f"{name}-{ddp}.json", ddp)
+        # the slowest rank sets a DDP step's pace: every rank's tokens at its throughput (conservative,
+        # where a rank's own median is a little faster than the step they share)
+        total = len(many) * min(r["throughput"] for r in many) if all(r["throughput"] for r in many) else None
+        slowest = max((r["step_ms"] for r in many if r["step_ms"]), default=None)
+        peak = max((r["peak_memory_gb"] for r in many if r["peak_memory_gb"] is not None), default=None)
+        res.add(
+            name,
+            "throughput",
+            total,
+            "tokens/s",
+            **extra,
+            devices=args.devices,
+            ddp=ddp,
+            ddp_settings=DDP_SETTINGS[ddp],
+            step_ms=slowest,
+            noise=max((r["noise"] for r in many if r["noise"] is not None), default=None),
+            peak_memory_gb=peak,
+            rank_throughput=[r["throughput"] for r in many],
+            rank_step_ms=[r["step_ms"] for r in many],
+        )
+        efficiency = total / (args.devices * one["throughput"]) if total and one["throughput"] else None
+        res.add(name, "scaling_efficiency", efficiency, "ratio", **extra, devices=args.devices, ddp=ddp)
+        table.append((name, ddp, args.devices, slowest, total, peak, efficiency))
 
     print(f"\nGPT-2 {s['size']}, {s['batch']} x {s['seq_len']} tokens per GPU, on {res.device} (commit {res.commit})")
-    print(f"{'variant':8s} {'processes':>9s} {'step ms':>9s} {'tokens/s':>12s} {'per GPU':>12s} {'peak GB':>8s}")
-    for label, n, step_ms, tput, peak in (
-        ("1gpu", 1, one["step_ms"], one["throughput"], one["peak_memory_gb"]),
-        (name, args.devices, slowest, total, res.rows[1]["peak_memory_gb"]),
-    ):
+    print(
+        f"{'variant':8s} {'ddp':12s} {'processes':>9s} {'step ms':>9s} {'tokens/s':>12s} {'per GPU':>12s} {'peak GB':>8s} {'scaling':>8s}"
+    )
+    nan = float("nan")
+    for label, ddp, n, step_ms, tput, peak, eff in table:
         print(
-            f"{label:8s} {n:9d} {step_ms or float('nan'):9.2f} {tput or float('nan'):12,.0f} "
-            f"{(tput or float('nan')) / n:12,.0f} {peak if peak is not None else float('nan'):8.2f}"
+            f"{label:8s} {ddp:12s} {n:9d} {step_ms or nan:9.2f} {tput or nan:12,.0f} {(tput or nan) / n:12,.0f} "
+            f"{peak if peak is not None else nan:8.2f} {eff if eff is not None else nan:8.3f}"
         )
-    print(f"scaling efficiency ({name} / ({args.devices} x 1gpu)): {efficiency:.3f}" if efficiency else "scaling efficiency: n/a")
     print(f"rows: {res.path}")
 
 
