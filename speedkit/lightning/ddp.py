@@ -6,13 +6,22 @@ registers on CUDA only; the strategy's ``configure_ddp`` is wrapped to register 
 runs them). After it wrapped (trials run at ``on_train_start``), a new ``DistributedDataParallel`` is
 made over the same module with the changed arguments and set as ``trainer.strategy.model``: Lightning
 reads the wrapper through ``strategy.model`` wherever it uses it (the forward's redirection,
-``no_sync`` on accumulation, ``teardown``'s unwrap) and keeps no other reference to it. The previous
-wrapper stays alive, its reducer valid, and comes back on undo (and on suspend; resume sets the new
-one again). A communication hook can be registered only once per DDP object, hence the new wrapper.
+``no_sync`` on accumulation, ``teardown``'s unwrap) and keeps no other reference to it. A communication
+hook can be registered only once per DDP object, hence the new wrapper.
+
+The changes in effect on a strategy are kept together (``_Wrappings``): its wrappers are kept by
+configuration (the strategy's arguments and the changes in effect), so switching any change off and on,
+in any order, sets the very wrapper made for that configuration before (Lightning's own among them,
+its reducer still valid), and makes one only for a configuration not met yet. Each wrapper holds its own
+gradient buckets: while changes are tried after wrapping, a gradient-sized buffer per configuration met.
+Making a wrapper is a collective (DDP broadcasts the module's state from rank 0): every rank switches
+the same changes in the same order. Once no change is in effect, the wrappers other than the one in
+use go.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,74 +55,103 @@ def ddp_options(trainer: Any) -> dict[str, Any] | None:
 
 def set_ddp(trainer: Any, **changes: Any) -> Handle:
     """Wrap ``trainer``'s module with ``changes`` (DDP keyword arguments, and "comm_hook"): see the module
-    docstring. The handle undoes it and can suspend and resume it."""
+    docstring. The handle undoes it and can suspend and resume it, in any order among several."""
     strategy = trainer.strategy
     if not is_ddp(strategy):
         raise RuntimeError(f"the fit's strategy is {type(strategy).__name__}, not DDPStrategy: no DDP knobs to set")
-    hook = changes.pop("comm_hook", None)
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    wrappings = _WRAPPINGS.get(strategy)
+    if wrappings is None:
+        wrappings = _WRAPPINGS[strategy] = _Wrappings(strategy)
+    hook = changes.get("comm_hook")
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in changes.items() if k != "comm_hook")
+    wrapped = isinstance(strategy.model, DistributedDataParallel)
     described = ", ".join(([kwargs] if kwargs else []) + ([f"the communication hook {_hook_name(hook)}"] if hook else []))
+    change = dict(changes)
     handle = Handle("ddp")
-    before, after = compat.lightning_ddp_kwargs(strategy), {**compat.lightning_ddp_kwargs(strategy), **changes}
-    wrapped = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
-    if wrapped is None:
-        _set_what_the_strategy_wraps_with(handle, strategy, before, after, hook, kwargs)
-        return handle
-    # already wrapped: a new wrapper over the same module, with the previous one's hook (the user's) or the new one
-    new = compat.lightning_wrap_ddp(strategy, wrapped.module, after)
-    for registered, state in compat.ddp_comm_hooks(wrapped) if hook is None else [(hook, None)]:
-        new.register_comm_hook(state, registered)
 
-    def swap(old: Any, replacement: Any) -> None:
-        if strategy.model is old:  # after the strategy's teardown unwrapped the module, nothing to put back
-            strategy.model = replacement
+    def on() -> None:
+        wrappings.active.append(change)
+        wrappings.refresh()
 
-    swap(wrapped, new)
+    def off() -> None:
+        wrappings.active.remove(change)
+        wrappings.refresh()
+
+    on()
     handle.record(
-        f"DistributedDataParallel rebuilt over the same module with {described}",
-        lambda: swap(new, wrapped),
-        lambda: swap(wrapped, new),
+        f"the module wrapped anew in DistributedDataParallel with {described}"
+        if wrapped
+        else f"DDPStrategy wraps the module in DistributedDataParallel with {described}",
+        off,
+        on,
     )
     return handle
 
 
-def _set_what_the_strategy_wraps_with(
-    handle: Handle, strategy: Any, before: dict[str, Any], after: dict[str, Any], hook: Any, kwargs: str
-) -> None:
-    compat.lightning_set_ddp_kwargs(strategy, after)
-    handle.record(
-        f"DDPStrategy wraps the module with DistributedDataParallel({kwargs})" if kwargs else "",
-        lambda: compat.lightning_set_ddp_kwargs(strategy, before),
-        lambda: compat.lightning_set_ddp_kwargs(strategy, after),
-    )
-    if hook is None:
-        return
-    previous_hook = compat.lightning_ddp_comm_hook(strategy)
-    compat.lightning_set_ddp_comm_hook(strategy, hook)
-    handle.record(
-        f"DDPStrategy registers the communication hook {_hook_name(hook)}",
-        lambda: compat.lightning_set_ddp_comm_hook(strategy, previous_hook),
-        lambda: compat.lightning_set_ddp_comm_hook(strategy, hook),
-    )
-    original = strategy.configure_ddp
-    if getattr(original, "registers_missing_hook", False):
-        return
+class _Wrappings:
+    """The DDP changes in effect on one strategy, and the wrappers made for them (by configuration), so
+    that switching a change off and on again sets the very same wrapper, whatever the order."""
 
-    def configure_ddp() -> None:
-        original()
-        compat.lightning_register_missing_comm_hook(strategy, strategy.model)
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.base_kwargs = compat.lightning_ddp_kwargs(strategy)
+        self.base_hook = compat.lightning_ddp_comm_hook(strategy)
+        self.active: list[dict[str, Any]] = []
+        self.wrappers: dict[tuple[Any, ...], DistributedDataParallel] = {}
+        self._configure_ddp: Any = None  # the strategy's own configure_ddp while ours registers the hook
+        self._own_configure_ddp = False  # whether that one was set on the instance
 
-    configure_ddp.registers_missing_hook = True  # type: ignore[attr-defined]
-    had_own = "configure_ddp" in vars(strategy)
-    strategy.configure_ddp = configure_ddp
+    def _key(self, kwargs: dict[str, Any], hook: Any) -> tuple[Any, ...]:
+        return (tuple(sorted((k, repr(v)) for k, v in kwargs.items())), id(hook))
 
-    def unwrap() -> None:
-        if had_own:
-            strategy.configure_ddp = original
-        else:
-            vars(strategy).pop("configure_ddp", None)
+    def refresh(self) -> None:
+        """Set what the strategy wraps with to the base and the changes in effect; where it wrapped the
+        module already, set the wrapper made for that (made now if none was: a collective)."""
+        strategy = self.strategy
+        model = strategy.model
+        if isinstance(model, DistributedDataParallel) and all(model is not w for w in self.wrappers.values()):
+            # Lightning's own wrapper, made with what the strategy held until now
+            self.wrappers[self._key(compat.lightning_ddp_kwargs(strategy), compat.lightning_ddp_comm_hook(strategy))] = model
+        kwargs, hook = dict(self.base_kwargs), self.base_hook
+        for change in self.active:
+            kwargs.update((k, v) for k, v in change.items() if k != "comm_hook")
+            hook = change.get("comm_hook", hook)
+        compat.lightning_set_ddp_kwargs(strategy, kwargs)
+        compat.lightning_set_ddp_comm_hook(strategy, hook)
+        self._register_hook_off_cuda(hook is not self.base_hook)
+        if isinstance(model, DistributedDataParallel):
+            key = self._key(kwargs, hook)
+            wrapper = self.wrappers.get(key)
+            if wrapper is None:
+                wrapper = self.wrappers[key] = compat.lightning_wrap_ddp(strategy, model.module, kwargs)
+                compat.lightning_register_missing_comm_hook(strategy, wrapper)
+            strategy.model = wrapper
+        if not self.active:  # all back as it was: the other wrappers go
+            _WRAPPINGS.pop(strategy, None)
 
-    handle.record("", unwrap, lambda: setattr(strategy, "configure_ddp", configure_ddp))
+    def _register_hook_off_cuda(self, on: bool) -> None:
+        """While a change sets the hook, the strategy's ``configure_ddp`` also registers it where Lightning
+        does not (off CUDA)."""
+        strategy = self.strategy
+        if on and self._configure_ddp is None:
+            self._own_configure_ddp = "configure_ddp" in vars(strategy)
+            self._configure_ddp = original = strategy.configure_ddp
+
+            def configure_ddp() -> None:
+                original()
+                compat.lightning_register_missing_comm_hook(strategy, strategy.model)
+
+            strategy.configure_ddp = configure_ddp
+        elif not on and self._configure_ddp is not None:
+            if self._own_configure_ddp:
+                strategy.configure_ddp = self._configure_ddp
+            else:
+                vars(strategy).pop("configure_ddp", None)
+            self._configure_ddp = None
+
+
+#: the changes in effect per strategy (an entry lives while a change does)
+_WRAPPINGS: weakref.WeakKeyDictionary[Any, _Wrappings] = weakref.WeakKeyDictionary()
 
 
 def _hook_name(hook: Any) -> str:

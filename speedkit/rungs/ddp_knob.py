@@ -27,9 +27,10 @@ class DDPKnobRung(Rung):
         options = state.step.ddp_options()
         if options is None:
             return "the run's strategy does not wrap the model in DistributedDataParallel (DDP knobs need strategy='ddp')"
-        if self.knob == "comm_hook" and options.get("comm_hook") is not None:
-            return f"the strategy already registers the communication hook {options['comm_hook']}"
-        if self.knob in options:
+        if self.knob == "comm_hook":
+            if options["comm_hook"] is not None:
+                return f"the strategy already registers the communication hook {options['comm_hook']}"
+        elif self.knob in options:
             return f"the strategy already sets {self.knob}={options[self.knob]!r}"
         return self.why_not(options, state)
 

@@ -9,7 +9,9 @@ Needs: DDP on several processes, ``static_graph`` left unset, and the same graph
 parameters get gradients every step. The rung cannot see that ahead: a parameter used in some steps
 only (a branch on the data, an auxiliary loss every N steps) makes DDP raise "Your training graph has
 changed in this iteration" at the first step that differs. A strategy with
-``find_unused_parameters=True`` expects such parameters, and the rung leaves it alone.
+``find_unused_parameters=True`` expects such parameters, and the rung leaves it alone. No gradient
+accumulation: under ``no_sync`` a static graph fails on its first step or silently stops all-reducing
+(pytorch/pytorch#143580).
 Numerics: unchanged. The same sums; the first step's all-reduce runs after its backward.
 """
 
@@ -33,5 +35,11 @@ class DDPStaticGraphRung(DDPKnobRung):
             return (
                 "the strategy sets find_unused_parameters=True: which parameters a step uses may change, and "
                 "static_graph=True needs the same ones every step"
+            )
+        accumulate = state.step.accumulate
+        if accumulate > 1:
+            return (
+                f"the step accumulates gradients over {accumulate} micro-batches (DDP's no_sync), which static_graph=True "
+                "breaks: DDP fails on the first step or stops all-reducing (pytorch/pytorch#143580, #187732)"
             )
         return None
