@@ -234,6 +234,9 @@ def knob_fits(rank: int, port: int, accelerator: str, out: str) -> None:
         results[spec if isinstance(spec, str) else spec["name"]] = _fit(accelerator, specs=[spec])
     results["after_exact"] = _fit(accelerator, after=["ddp_bucket_view", "ddp_static_graph", SMALL_BUCKET])
     results["after_bf16"] = _fit(accelerator, after=["ddp_bf16_compress"])
+    # with gradient accumulation (DDP's no_sync on the first micro-batch of each step)
+    results["base_accumulating"] = _fit(accelerator, accumulate=2)
+    results["accumulating"] = _fit(accelerator, specs=["ddp_bucket_view", SMALL_BUCKET], accumulate=2)
     user = DDPStrategy(gradient_as_bucket_view=True, bucket_cap_mb=10, ddp_comm_hook=default_hooks.allreduce_hook)
     results["user_set"] = _fit(accelerator, specs=KNOBS, strategy=user, max_steps=1, accumulate=2)
     # a step that does not train under DDP, in a process group of two (the fits left it up)
@@ -300,6 +303,10 @@ def _assert_knobs(ranks: list[dict], exact) -> None:
     )
     _assert_bf16_close(r0["after_bf16"], base)
     assert r0["after_bf16"]["losses"][2] != base["losses"][2]  # the new wrapper trained: its hook rounded
+    accumulating = r0["accumulating"]
+    assert accumulating["skipped"] == {} and accumulating["wrapped"]["gradient_as_bucket_view"] is True
+    assert len(accumulating["losses"]) == 2 * STEPS
+    exact(accumulating, r0["base_accumulating"], "accumulating")
     # the user's own settings are left alone, each with its one line
     assert r0["user_set"]["skipped"] == {
         "ddp_bucket_view": "the strategy already sets gradient_as_bucket_view=True",
