@@ -167,7 +167,10 @@ def _callbacks():
             if steps == self.undo_at:
                 for h in reversed(self.handles):
                     h.undo()
-                self.events.append(("undone", trainer.strategy.model is self.original, steps))
+                from speedkit.lightning.ddp import _WRAPPINGS
+
+                kept = list(_WRAPPINGS[trainer.strategy].wrappers.values())
+                self.events.append(("undone", trainer.strategy.model is self.original, steps, kept == [self.original]))
 
         def on_train_end(self, trainer, pl_module):
             self.events.append(("end", trainer.global_step, trainer.strategy.model is self.original))
@@ -291,7 +294,7 @@ def _assert_knobs(ranks: list[dict], exact) -> None:
         ("applied", True, "fp32"),
         ("suspended", True),
         ("resumed", True),
-        ("undone", True, 3),
+        ("undone", True, 3, True),
         ("end", STEPS, True),
     ]
     exact(r0["after_exact"], base, "after_exact")

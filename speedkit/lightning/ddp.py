@@ -15,7 +15,7 @@ in any order, sets the very wrapper made for that configuration before (Lightnin
 its reducer still valid), and makes one only for a configuration not met yet. Each wrapper holds its own
 gradient buckets: while changes are tried after wrapping, a gradient-sized buffer per configuration met.
 Making a wrapper is a collective (DDP broadcasts the module's state from rank 0): every rank switches
-the same changes in the same order. Once no change is in effect, the wrappers other than the one in
+the same changes in the same order. Once every change is undone, the wrappers other than the one in
 use go.
 """
 
@@ -77,6 +77,13 @@ def set_ddp(trainer: Any, **changes: Any) -> Handle:
         wrappings.active.remove(change)
         wrappings.refresh()
 
+    def release() -> None:  # on undo (suspended or not): this change is gone for good
+        wrappings.live -= 1
+        if not wrappings.live:  # all undone: the wrappers not in use go
+            wrappings.wrappers = {k: w for k, w in wrappings.wrappers.items() if w is strategy.model}
+
+    wrappings.live += 1
+    handle.record("", release, persistent=True)
     on()
     handle.record(
         f"the module wrapped anew in DistributedDataParallel with {described}"
@@ -93,16 +100,21 @@ class _Wrappings:
     that switching a change off and on again sets the very same wrapper, whatever the order."""
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+        self._strategy = weakref.ref(strategy)  # the entry of _WRAPPINGS goes with the strategy
         self.base_kwargs = compat.lightning_ddp_kwargs(strategy)
         self.base_hook = compat.lightning_ddp_comm_hook(strategy)
         self.active: list[dict[str, Any]] = []
+        self.live = 0  # changes not undone yet (in effect or suspended)
         self.wrappers: dict[tuple[Any, ...], DistributedDataParallel] = {}
         self._configure_ddp: Any = None  # the strategy's own configure_ddp while ours registers the hook
         self._own_configure_ddp = False  # whether that one was set on the instance
 
     def _key(self, kwargs: dict[str, Any], hook: Any) -> tuple[Any, ...]:
         return (tuple(sorted((k, repr(v)) for k, v in kwargs.items())), id(hook))
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy()
 
     def refresh(self) -> None:
         """Set what the strategy wraps with to the base and the changes in effect; where it wrapped the
@@ -126,8 +138,6 @@ class _Wrappings:
                 wrapper = self.wrappers[key] = compat.lightning_wrap_ddp(strategy, model.module, kwargs)
                 compat.lightning_register_missing_comm_hook(strategy, wrapper)
             strategy.model = wrapper
-        if not self.active:  # all back as it was: the other wrappers go
-            _WRAPPINGS.pop(strategy, None)
 
     def _register_hook_off_cuda(self, on: bool) -> None:
         """While a change sets the hook, the strategy's ``configure_ddp`` also registers it where Lightning

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from speedkit.handle import Handle, nested
+from speedkit.handle import Handle
 from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState
 
@@ -43,5 +43,6 @@ class DDPKnobRung(Rung):
         handle = Handle(self.name)
         inner = state.step.set_ddp(**{self.knob: self.value()})
         handle.changes.extend(inner.changes)
-        nested(handle, inner, "")
+        handle.record("", inner.undo, persistent=True)  # on undo only, after the suspend below: the change is gone for good
+        handle.record("", inner.suspend, inner.resume)
         return handle
