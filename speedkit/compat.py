@@ -926,3 +926,56 @@ _ACTION_OWNERS = {
 }
 #: the hooks that move a batch to the device (the strategy's, and the module's and datamodule's own)
 _BATCH_TRANSFER_HOOKS = {"batch_to_device", "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}
+
+
+# -- DistributedDataParallel and Lightning's DDPStrategy (the DDP knob rungs) ------------------------
+
+
+def ddp_comm_hooks(ddp: Any) -> list[tuple[Any, Any]]:
+    """The communication hooks registered on a ``DistributedDataParallel``, as ``(hook, state)`` pairs
+    (torch keeps them in ``_comm_hooks``; DDP takes one at most); ``[]`` where the list moved."""
+    return list(getattr(ddp, "_comm_hooks", []))
+
+
+def lightning_ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """A copy of the keyword arguments Lightning's ``DDPStrategy`` passes ``DistributedDataParallel`` when
+    it wraps the module (``DDPStrategy(**kwargs)``'s extra ones, kept in ``_ddp_kwargs``)."""
+    return dict(getattr(strategy, "_ddp_kwargs", {}))
+
+
+def lightning_set_ddp_kwargs(strategy: Any, kwargs: dict[str, Any]) -> None:
+    """Set what ``DDPStrategy`` passes ``DistributedDataParallel`` the next time it wraps (``_setup_model``)."""
+    strategy._ddp_kwargs = dict(kwargs)
+
+
+def lightning_ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook ``DDPStrategy(ddp_comm_hook=...)`` registers on the module it wraps, or None."""
+    return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def lightning_set_ddp_comm_hook(strategy: Any, hook: Any) -> None:
+    """Set the communication hook ``DDPStrategy`` registers after it wraps. Lightning registers it on CUDA
+    devices only (``_register_ddp_hooks``); :func:`lightning_register_missing_comm_hook` does elsewhere."""
+    strategy._ddp_comm_hook = hook
+
+
+def lightning_register_missing_comm_hook(strategy: Any, ddp: Any) -> None:
+    """Register the strategy's communication hook (with its state and wrapper, as Lightning does) on
+    ``ddp`` where Lightning did not: it registers none off CUDA, though gloo runs them too."""
+    hook = lightning_ddp_comm_hook(strategy)
+    if hook is None or ddp_comm_hooks(ddp):
+        return
+    wrapper = getattr(strategy, "_ddp_comm_wrapper", None)
+    ddp.register_comm_hook(getattr(strategy, "_ddp_comm_state", None), wrapper(hook) if wrapper is not None else hook)
+
+
+def lightning_wrap_ddp(strategy: Any, module: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """A new ``DistributedDataParallel`` over ``module``, made the way ``DDPStrategy`` makes its own (its
+    device ids, on a side CUDA stream: ``_setup_model``) with ``kwargs``; the strategy's own kwargs are
+    left as they were. A collective: every rank calls it (DDP broadcasts the module's state from rank 0)."""
+    saved = getattr(strategy, "_ddp_kwargs", {})
+    strategy._ddp_kwargs = dict(kwargs)
+    try:
+        return strategy._setup_model(module)
+    finally:
+        strategy._ddp_kwargs = saved

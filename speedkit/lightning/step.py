@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from speedkit import compat, distributed
 from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
+from speedkit.lightning import ddp
 from speedkit.lightning.data import overridden_transfer_hooks
 from speedkit.training.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
@@ -286,6 +287,13 @@ class LightningStep(Step):
             lambda: set_plugin(plugin),
         )
         return handle
+
+    # -- DistributedDataParallel's knobs ----------------------------------------------------
+    def ddp_options(self) -> dict[str, Any] | None:
+        return ddp.ddp_options(self.trainer)
+
+    def set_ddp(self, **changes: Any) -> Handle:
+        return ddp.set_ddp(self.trainer, **changes)
 
     # -- state -----------------------------------------------------------------------------
     @property

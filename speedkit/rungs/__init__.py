@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -23,6 +23,10 @@ from speedkit.rungs.compile import CompileRung
 from speedkit.rungs.cuda_graph import CudaGraphRung
 from speedkit.rungs.cudnn_benchmark import CudnnBenchmarkRung
 from speedkit.rungs.data_path import DataPathRung
+from speedkit.rungs.ddp_bf16_compress import DDPBf16CompressRung
+from speedkit.rungs.ddp_bucket_size import DDPBucketSizeRung
+from speedkit.rungs.ddp_bucket_view import DDPBucketViewRung
+from speedkit.rungs.ddp_static_graph import DDPStaticGraphRung
 from speedkit.rungs.explicit_mask import ExplicitMaskRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.gc_freeze import GcFreezeRung
@@ -59,6 +63,10 @@ for _cls in (
     GcFreezeRung,
     ExplicitMaskRung,
     MicroBatchRung,
+    DDPBucketViewRung,
+    DDPStaticGraphRung,
+    DDPBucketSizeRung,
+    DDPBf16CompressRung,
 ):
     register(_cls)
 

@@ -230,6 +230,20 @@ class Step:
         returned handle undoes the binding."""
         return None
 
+    def ddp_options(self) -> dict[str, Any] | None:
+        """None when the step does not train under DistributedDataParallel on several processes; else
+        what it is wrapped with: the keyword arguments given to DDP (those not given take DDP's defaults),
+        "comm_hook" (the communication hook's name, None for DDP's own all-reduce) and "backend" (the
+        process group's)."""
+        return None
+
+    def set_ddp(self, **changes: Any) -> Handle:
+        """Wrap the model in DistributedDataParallel with ``changes`` (DDP keyword arguments, and
+        "comm_hook": a communication hook) on top of what :meth:`ddp_options` says: before the model is
+        wrapped, it is then wrapped so; after, wrapped anew over the same module. Every rank calls it.
+        The handle puts the previous wrapping back."""
+        raise NotImplementedError(f"{type(self).__name__} does not train under DistributedDataParallel")
+
 
 class StepWrapper(Step):
     """A step around another one; subclasses override what they change (usually ``__call__``)."""
@@ -330,6 +344,12 @@ class StepWrapper(Step):
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         return self.inner.bind_fit(trainer, module)
+
+    def ddp_options(self) -> dict[str, Any] | None:
+        return self.inner.ddp_options()
+
+    def set_ddp(self, **changes: Any) -> Handle:
+        return self.inner.set_ddp(**changes)
 
 
 class ScheduleGuard:

@@ -1,0 +1,45 @@
+"""ddp_static_graph: tell DDP the training graph is the same every step (``static_graph=True``).
+
+Speeds up: DDP's bookkeeping: after the first step it knows which parameters get gradients and in which
+order, so it stops searching for unused ones, orders its buckets as the backward fills them once, and
+overlaps the all-reduces with the backward accordingly. It also lets DDP train a module that uses a
+parameter twice in a step (reentrant activation checkpointing).
+Does not help: one process; steps whose all-reduce already hides behind the backward.
+Needs: DDP on several processes, ``static_graph`` left unset, and the same graph every step: the same
+parameters get gradients every step. The rung cannot see that ahead: a parameter used in some steps
+only (a branch on the data, an auxiliary loss every N steps) makes DDP raise "Your training graph has
+changed in this iteration" at the first step that differs. A strategy with
+``find_unused_parameters=True`` expects such parameters, and the rung leaves it alone. No gradient
+accumulation: under ``no_sync`` a static graph fails on its first step or silently stops all-reducing
+(pytorch/pytorch#143580).
+Numerics: unchanged. The same sums; the first step's all-reduce runs after its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speedkit.rungs.ddp_knob import DDPKnobRung
+from speedkit.training.state import TrainState
+
+
+class DDPStaticGraphRung(DDPKnobRung):
+    name = "ddp_static_graph"
+    knob = "static_graph"
+
+    def value(self) -> Any:
+        return True
+
+    def why_not(self, options: dict[str, Any], state: TrainState) -> str | None:
+        if options.get("find_unused_parameters"):
+            return (
+                "the strategy sets find_unused_parameters=True: which parameters a step uses may change, and "
+                "static_graph=True needs the same ones every step"
+            )
+        accumulate = state.step.accumulate
+        if accumulate > 1:
+            return (
+                f"the step accumulates gradients over {accumulate} micro-batches (DDP's no_sync), which static_graph=True "
+                "breaks: DDP fails on the first step or stops all-reducing (pytorch/pytorch#143580, #187732)"
+            )
+        return None
