@@ -1,9 +1,9 @@
 """ddp_static_graph: tell DDP the training graph is the same every step (``static_graph=True``).
 
-Speeds up: DDP's bookkeeping: after the first step it knows which parameters get gradients and in which
-order, so it stops searching for unused ones, orders its buckets as the backward fills them once, and
-overlaps the all-reduces with the backward accordingly. It also lets DDP train a module that uses a
-parameter twice in a step (reentrant activation checkpointing).
+Speeds up: DDP's bookkeeping per step, modestly: after the first step DDP knows which parameters get
+gradients and in which order, and skips the per-step checks for unused ones. (Its large gain, no graph
+search every step, is over ``find_unused_parameters=True``, which the rung leaves alone; see below.)
+It also lets DDP train a parameter used twice in a step (reentrant activation checkpointing).
 Does not help: one process; steps whose all-reduce already hides behind the backward.
 Needs: DDP on several processes, ``static_graph`` left unset, and the same graph every step: the same
 parameters get gradients every step. The rung cannot see that ahead: a parameter used in some steps
