@@ -12,6 +12,11 @@ on the same clock, and the report says whether the ladder's figure held.
 kept rungs): those that act on the model or process flags in ``setup``, before the strategy wraps
 the model, those that need the optimizer in ``on_fit_start``.
 
+Under DDP every rank runs the trials in step and decides alike (:mod:`speedkit.distributed`: the
+slowest rank's step times, the ranks' mean loss, rank 0's clock, failures shared); rank 0 alone logs
+and writes the report. The decisions go in the checkpoint: a fit resumed from it re-applies the kept
+rungs without trials (``load_state_dict`` runs before the strategy wraps the model).
+
 Nothing stays behind: ``teardown``, ``on_exception`` (Lightning calls no teardown after an
 exception), Ctrl-C and SIGTERM during the trials all undo every change.
 
