@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from speedkit.errors import first_line
+
 T = TypeVar("T")
 
 
@@ -125,7 +127,7 @@ def together() -> Iterator[None]:
         error = exc
     if not any_rank(error is not None):  # one number all-reduced; the reasons only where one failed
         return
-    why = None if error is None else f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+    why = None if error is None else f"{type(error).__name__}: {first_line(error)[:300]}"
     first = next((r, w) for r, w in enumerate(gather(why)) if w is not None)
     if error is not None:
         raise error

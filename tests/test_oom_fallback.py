@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import run_in_process, spawn_ranks
 from torch import nn
 from torch.nn import functional as F
 
@@ -462,28 +462,11 @@ def lightning_ddp_fit(out: str, oom: bool) -> None:
 
 
 def test_lightning_ddp_where_only_rank_1_runs_out_of_memory_matches_the_fit_without(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
     runs = {}
     for oom in (False, True):
         out = tmp_path / f"oom{oom}"
         out.mkdir()
-        code = f"import test_oom_fallback as t; t.lightning_ddp_fit({str(out)!r}, {oom})"
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", code],
-                cwd=here,
-                capture_output=True,
-                text=True,
-                timeout=240,
-                env={**__import__("os").environ, "PYTHONPATH": f"{here}:{here.parent}"},
-            )
-        except subprocess.TimeoutExpired:
-            pytest.fail("the 2-process fit did not finish within 240 s: a hang")
-        assert done.returncode == 0, done.stderr[-3000:]
+        run_in_process("test_oom_fallback", f"lightning_ddp_fit({str(out)!r}, {oom})", timeout_s=240)
         runs[oom] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     ref, ranks = runs[False], runs[True]
     assert ranks[1]["raised"]["budget"] > 0

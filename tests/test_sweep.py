@@ -214,7 +214,8 @@ def test_speedkit_sweep_refuses_several_devices_in_one_line(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     assert main(["sweep", str(recipe)]) == 2
-    assert "runs on one device" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sweep on one device" in err and err.count("\n") == 1  # one line
 
 
 def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
