@@ -125,15 +125,17 @@ class Saver(pl.Callback):
         )
 
 
-def ddp_fit(out: str, trials: bool, resume: str | None = None) -> None:
+def ddp_fit(out: str, trials: bool, resume: str | None = None, all_three: bool = False) -> None:
     """A 2-process DDP fit on the CPU (gloo), with SpeedLadder's trials when ``trials``, a checkpoint
     every 6 steps, resumed from ``resume`` where given; run as its own process."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.multiprocessing.set_sharing_strategy("file_system")
     pl.seed_everything(0, verbose=False)
+    from speedkit.lightning import OOMFallback, SpeedProfiler
+
     ladder = SpeedLadder(
-        rungs=["gc_freeze", FailsOnRank1(), OutOfMemoryOnRank1()],
+        rungs=["gc_freeze"] if all_three else ["gc_freeze", FailsOnRank1(), OutOfMemoryOnRank1()],
         trials=True,
         measure=QUICK,
         report_dir=f"{out}/report",
@@ -147,7 +149,7 @@ def ddp_fit(out: str, trials: bool, resume: str | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[
-            *([ladder] if trials else []),
+            *([SpeedProfiler(), ladder, OOMFallback()] if all_three else [ladder] if trials else []),
             Saver(out),
             ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=6, save_top_k=-1),
         ],
@@ -155,9 +157,10 @@ def ddp_fit(out: str, trials: bool, resume: str | None = None) -> None:
     trainer.fit(Net(), ckpt_path=resume)
 
 
-def _run(out: Path, trials: bool, resume: Path | None = None) -> list[dict]:
+def _run(out: Path, trials: bool, resume: Path | None = None, all_three: bool = False) -> list[dict]:
     out.mkdir()
-    run_in_process("test_ladder_ddp", f"ddp_fit({str(out)!r}, {trials}, {str(resume) if resume else None!r})", timeout_s=300)
+    call = f"ddp_fit({str(out)!r}, {trials}, {str(resume) if resume else None!r}, {all_three})"
+    run_in_process("test_ladder_ddp", call, timeout_s=300)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -208,3 +211,12 @@ def test_trials_across_two_ranks_decide_alike_survive_a_one_rank_failure_and_tra
         assert sorted(resumed[r]["kept"]) == ["fused_optimizer", "gc_freeze"]
         assert resumed[r]["first_step"] == 6
     assert all(torch.equal(a, b) for a, b in zip(resumed[0]["params"], resumed[1]["params"]))
+
+    # the three callbacks together (the profiler first, the fallback last), the ladder with trials:
+    # the fit trains as without speedkit
+    three = _run(tmp_path / "three", trials=True, all_three=True)
+    assert three[0]["decisions"] == three[1]["decisions"] and three[0]["not_run"] is None
+    for r in range(2):
+        assert three[r]["losses"] == pytest.approx(reference[r]["losses"], rel=1e-5)
+    for mine, theirs in zip(three[0]["params"], reference[0]["params"]):
+        assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6)
