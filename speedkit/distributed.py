@@ -94,6 +94,18 @@ def broadcast(obj: T, src: int = 0) -> T:
     return box[0]
 
 
+def first_said(said: str | None) -> str | None:
+    """What this rank says (a reason, a problem) where it says something, else what the first rank
+    that does says, as "on rank r: ..."; None where no rank says anything. One gather, on every rank
+    whatever this rank says (a rank that skipped it would leave the others waiting)."""
+    if world_size() == 1:
+        return said
+    everyone = gather(said)
+    if said is not None:
+        return said
+    return next((f"on rank {r}: {s}" for r, s in enumerate(everyone) if s is not None), None)
+
+
 def agreed_clock(clock: Callable[[], float]) -> Callable[[], float]:
     """``clock`` read on rank 0 and broadcast: time budgets run out on every rank at the same call.
     Each call is a collective (one all-reduce of one number); one process: ``clock`` itself."""

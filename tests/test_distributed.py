@@ -36,7 +36,7 @@ class _State:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    from speedkit.engine.stack import agreed_apply, agreed_check
+    from speedkit.engine.stack import agreed_apply, agreed_check, agreed_problem
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
@@ -66,6 +66,13 @@ def _worker(rank: int, port: int, out: str) -> None:
     except Exception as exc:
         seen["apply"] = f"{type(exc).__name__}: {exc}"
     seen["undone"] = state.undone
+
+    class StoppedOnRank0:  # a handle whose change stopped working on rank 0 alone
+        def problem(self):
+            return "stopped working" if rank == 0 else None
+
+    seen["problem"] = agreed_problem(StoppedOnRank0())
+    seen["after"] = distributed.gather(rank)  # the ranks are still in step after it
     torch.save(seen, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -84,6 +91,8 @@ def test_agreements_on_two_ranks(tmp_path):
     assert r0["check"] == "on rank 1: not on this rank" and r1["check"] == "not on this rank"
     assert r0["apply"] == "RankFailed: rank 1: ValueError: planted" and r1["apply"] == "ValueError: planted"
     assert r0["undone"] == [True]  # applied on rank 0, undone there when rank 1 failed
+    assert r0["problem"] == "stopped working" and r1["problem"] == "on rank 0: stopped working"
+    assert r0["after"] == r1["after"] == [0, 1]
 
 
 def test_one_process_is_a_no_op():

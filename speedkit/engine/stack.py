@@ -23,13 +23,7 @@ def agreed_check(rung: Rung, state: TrainState) -> str | None:
     on one rank raises on every rank. One process: the rung's own check."""
     with distributed.together():
         reason = rung.check(state)
-    if distributed.world_size() == 1:
-        return reason
-    reasons = distributed.gather(reason)
-    if reason is not None:
-        return reason
-    first = next((r for r, why in enumerate(reasons) if why is not None), None)
-    return None if first is None else f"on rank {first}: {reasons[first]}"
+    return distributed.first_said(reason)
 
 
 def agreed_apply(rung: Rung, state: TrainState) -> Handle:
@@ -50,10 +44,7 @@ def agreed_apply(rung: Rung, state: TrainState) -> Handle:
 def agreed_problem(handle: Handle) -> str | None:
     """A rung's report that its change stopped working (``handle.problem()``), where it says so on
     any rank: every rank then takes it for a failure alike."""
-    problem = handle.problem()
-    if distributed.world_size() == 1:
-        return problem
-    return problem or next((f"on rank {r}: {p}" for r, p in enumerate(distributed.gather(problem)) if p), None)
+    return distributed.first_said(handle.problem())
 
 
 class Slot:
