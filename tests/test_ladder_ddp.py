@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import test_lightning
 import torch
 import torch.nn.functional as F
 from ranks import run_in_process
@@ -19,20 +20,7 @@ from speedkit.handle import Handle
 from speedkit.lightning import SpeedLadder
 from speedkit.rungs.base import Rung
 
-QUICK = {
-    "warmup": 1,
-    "steps": 2,
-    "repeats": 2,
-    "parity_steps": 2,
-    "min_blocks": 2,
-    "max_blocks": 2,
-    "budget_s": 60.0,
-    "holds_windows": 1,
-    "telemetry": False,
-    "profile": False,
-    "switches_floor": False,
-    "together_passes": 0,
-}
+QUICK = {**test_lightning.QUICK, "switches_floor": False, "together_passes": 0}
 
 
 class FailsOnRank1(Rung):

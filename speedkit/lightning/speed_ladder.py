@@ -62,10 +62,6 @@ from speedkit.training.state import TrainState
 from speedkit.training.step import StepWrapper
 
 
-def _silent(line: str) -> None:
-    """Ranks other than 0 climb in step and say nothing."""
-
-
 def log_event(line: str) -> None:
     """SpeedLadder's default progress line: Lightning's rank-zero info log."""
     rank_zero_info(f"speedkit: {line}")
@@ -325,8 +321,7 @@ class SpeedLadder(Callback):
             state,
             self.rungs,
             self.measure,
-            # across several processes every rank climbs in step and decides alike; rank 0 speaks
-            on_event=self.on_event if trainer.is_global_zero else _silent,
+            on_event=self._say,  # across several processes every rank climbs in step; rank 0 speaks
             run_info=run_info,
             planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
             trace_dir=trace_dir if trainer.is_global_zero else None,
