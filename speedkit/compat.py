@@ -979,3 +979,24 @@ def lightning_wrap_ddp(strategy: Any, module: nn.Module, kwargs: dict[str, Any])
         return strategy._setup_model(module)
     finally:
         strategy._ddp_kwargs = saved
+
+
+#: DDP's reducer times its first iterations (and every ``sample rate``-th after) with CUDA events, read
+#: back with host syncs at the next forward (``Reducer::should_collect_runtime_stats``: iterations 1 to 10
+#: always); the iteration DDP logs last is one behind the forward that logs it
+_DDP_TIMED_FIRST_ITERATIONS = 10
+#: a sample rate no fit reaches: DDP times no iteration after its first ten
+_DDP_NO_SAMPLING = 2**31 - 1
+
+
+def ddp_forwards_before_capture(ddp: Any) -> int:
+    """How many more forwards ``ddp`` (a ``DistributedDataParallel``) runs with its runtime timing, whose
+    event syncs a CUDA graph capture refuses, before a forward runs without it; its later sampling (every
+    100th iteration by default) is switched off here, for good on this wrapper (it feeds DDP's own usage
+    logging only). 0: the next forward may be captured. PyTorch's note on graphs with DDP says "at least
+    11 DDP-enabled eager iterations before capture"."""
+    setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
+    if setter is not None:
+        setter(_DDP_NO_SAMPLING)
+    logged = ddp._get_ddp_logging_data().get("iteration", 0) if hasattr(ddp, "_get_ddp_logging_data") else 0
+    return max(0, _DDP_TIMED_FIRST_ITERATIONS - int(logged))

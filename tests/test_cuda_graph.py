@@ -493,8 +493,9 @@ def test_rung_needs_cuda_for_a_safe_step():
     assert reason == "CUDA graphs need a CUDA device; this run is on cpu"
 
 
-def test_training_across_processes_is_refused_on_every_rank_alike():
-    """A Lightning fit on two processes (DDP): every rank refuses alike, before anything is captured."""
+def test_training_across_processes_needs_ddp_over_nccl():
+    """Several processes: only Lightning's DDP over NCCL without find_unused_parameters is captured;
+    every rank reads the same options, so every rank decides alike."""
     from speedkit.lightning.step import LightningStep
 
     class Module(Safe):
@@ -512,14 +513,22 @@ def test_training_across_processes_is_refused_on_every_rank_alike():
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
         precision_plugin=SimpleNamespace(precision="32-true"),
     )
-    state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=LightningStep(trainer, model))
-    reason = rungs.make("cuda_graph").check(state)
-    assert reason is not None and "across 2 processes" in reason and "all-reduce" in reason, reason
+    step = LightningStep(trainer, model)
+    state = TrainState(model=model, optimizer=opt, device=torch.device("cpu"), step=step)
+    rung = rungs.make("cuda_graph")
+    reason = rung.check(state)
+    assert reason is not None and reason.startswith("training across 2 processes without Lightning's DDP strategy"), reason
+    step.ddp_options = lambda: {"backend": "gloo"}
+    assert rung.check(state).startswith("the gloo backend's collectives run on the host")
+    step.ddp_options = lambda: {"backend": "nccl", "find_unused_parameters": True}
+    assert rung.check(state).startswith("the strategy sets find_unused_parameters=True")
+    step.ddp_options = lambda: {"backend": "nccl", "static_graph": True}
+    assert rung.check(state) == "CUDA graphs need a CUDA device; this run is on cpu"  # DDP over NCCL passes
     trainer.world_size = 1
-    assert "CUDA device" in rungs.make("cuda_graph").check(state)
+    assert "CUDA device" in rung.check(state)
     plain = _state(Safe())
     plain.step.world_size = lambda: 4  # a plain loop under torchrun: the default process group's size
-    assert "across 4 processes" in rungs.make("cuda_graph").check(plain)
+    assert rung.check(plain).startswith("training across 4 processes without Lightning's DDP strategy")
 
 
 def test_optimizer_blockers():

@@ -32,12 +32,13 @@ schedulers and counters go on as they would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from speedkit import compat
+from speedkit import compat, distributed
 from speedkit.cudagraph.safety_visitor import Blocker
 from speedkit.cudagraph.step_watch import find_host_draws, find_syncs
 from speedkit.data.static import StaticBatch
@@ -121,10 +122,16 @@ class GraphedStep(StepWrapper):
 
     def _ready(self) -> bool:
         """Whether the next step may be replayed (or captured): a graph whose optimizer state was
-        replaced dropped, no warm-up step due."""
+        replaced dropped, no warm-up step due (the step's own machinery's among them: DDP's first
+        iterations, then one checked step after them)."""
         if self.graph is not None and not self._still_valid():
             self._drop()
-        return self.graph is not None or self._eager_needed <= 0
+        if self.graph is not None:
+            return True
+        machinery = self.inner.prepare_capture()
+        if machinery > 0:
+            self._eager_needed = max(self._eager_needed, machinery + (0 if self._checked else 1))
+        return self._eager_needed <= 0
 
     def _buffers(self, batch: Any, batch_idx: int) -> Any | None:
         """The static buffers holding ``batch``, capturing the graph first if there is none; None when
@@ -154,10 +161,11 @@ class GraphedStep(StepWrapper):
         after: list[list[LogCall]] = []
         self._eager_needed -= 1
         self.eager_steps += 1
+        checking = self._eager_needed == 0 and not self._checked
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
-            if self._eager_needed == 0 and not self._checked:
+        with torch.cuda.stream(stream), self._as_captured():
+            if checking:
                 self._checked = True
                 draws: list[Blocker] = []
 
@@ -176,6 +184,8 @@ class GraphedStep(StepWrapper):
             else:
                 out = run()
         torch.cuda.current_stream(stream.device).wait_stream(stream)
+        if checking:
+            self._stop_together()
         if after:  # the wrapped step's logging and schedule, outside the device work (and the sync check)
             self.inner.emit(after[0], batches[0] if len(batches) == 1 else batches)
             self.inner.after_step(batch_idx)
@@ -186,9 +196,36 @@ class GraphedStep(StepWrapper):
             self._stream = torch.cuda.Stream(device=self.inner.device)
         return self._stream
 
+    def _as_captured(self) -> Any:
+        """Across several processes, the warm-up steps and the capture run DDP's own step (a guarded
+        stretch's hand-averaged gradients and agreement are host syncs a capture refuses; DDP's
+        iterations are what its reducer counts before a capture): the step the graph replays."""
+        return self.inner.guarded(False) if self.inner.world_size() > 1 else contextlib.nullcontext()
+
+    def _stop_together(self) -> None:
+        """Across several processes: the graph stopped on any rank stops on every rank, with that rank's
+        reason (a rank replaying while another steps eagerly would issue other collectives). One gather,
+        at the same step on every rank (the warm-up's count is the same on each)."""
+        if self.inner.world_size() <= 1:
+            return
+        said = distributed.first_said(self.stopped)
+        if said is not None and self.stopped is None:
+            self._clear_grads()  # a capture that succeeded here left its gradients in the graph's pool
+            self.stop(said)
+
     def _capture(self, batch: Any, batch_idx: int) -> Any | None:
-        """Capture the step's device work on static buffers filled from ``batch``; the buffers, or
-        None when the graph had to stop (nothing ran on the device: the caller runs the step)."""
+        """Capture the step's device work on static buffers filled from ``batch`` (across several
+        processes, on every rank, replayed only where every rank captured); the buffers, or None when
+        the graph had to stop (nothing ran on the device: the caller runs the step)."""
+        with self._as_captured():
+            static = self._capture_here(batch, batch_idx)
+        if self.inner.world_size() > 1:
+            self._stop_together()
+            if self.stopped is not None:
+                return None
+        return static
+
+    def _capture_here(self, batch: Any, batch_idx: int) -> Any | None:
         self.static = StaticBatch(batch)
         static = self.static.fill(batch)
         graph = torch.cuda.CUDAGraph()
@@ -206,7 +243,7 @@ class GraphedStep(StepWrapper):
             compat.end_failed_capture(self.inner.device, graph)  # else the run's next dropout or randn raises
             self._clear_grads()
             fallback = self.inner.oom_fallback()
-            if isinstance(exc, torch.OutOfMemoryError) and fallback is not None:
+            if isinstance(exc, torch.OutOfMemoryError) and fallback is not None and self.inner.world_size() <= 1:
                 self._capture_out_of_memory(fallback, exc)
             else:
                 self.stop(f"capture failed: {capture_failure(exc)}")

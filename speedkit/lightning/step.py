@@ -177,12 +177,18 @@ class LightningStep(Step):
         self._step_schedulers(batch_idx)
 
     @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
-        saved, self._guarded = self._guarded, True
+    def guarded(self, on: bool = True) -> Iterator[None]:
+        saved, self._guarded = self._guarded, on
         try:
             yield
         finally:
             self._guarded = saved
+
+    def prepare_capture(self) -> int:
+        ddp = self.strategy.model
+        if self.world_size() <= 1 or not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return 0
+        return compat.ddp_forwards_before_capture(ddp)
 
     def gradient_sync(self, on: bool) -> None:
         ddp = self.strategy.model

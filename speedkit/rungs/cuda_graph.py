@@ -4,9 +4,8 @@ Speeds up: steps made of many small kernels, where the host issuing them is the 
 models, small batches, fused kernels called from Python, Lightning's per-step host work between
 launches). Does not help: steps dominated by a few long kernels. Costs: the capture after a few
 warm-up steps, and the graph's private memory pool.
-Needs: a CUDA device; one process (under DDP it refuses on every rank alike: a graphed all-reduce needs
-NCCL's graph set-up before the process group and ranks that agree on their captures, not done yet); one
-micro-batch per optimizer step; a step that replays the same work (static shapes, no host syncs, no
+Needs: a CUDA device; one process, or several under Lightning's DDP strategy over NCCL without
+``find_unused_parameters`` (see below); one micro-batch per optimizer step; a step that replays the same work (static shapes, no host syncs, no
 numbers drawn on the host); under fp16 loss scaling, an optimizer that takes the scale on the device
 (``fused=True``, as ``fused_optimizer`` sets: otherwise ``GradScaler.step`` reads the inf check on the host).
 Numerics: unchanged (capturable optimizer rounding). Capturable optimizers compute on device-side step
@@ -31,6 +30,16 @@ optimization and ``self.log`` calls are made after each replay; batches that do 
 (a short last batch) run Lightning's own step. The peak memory shown adds the graph's working set at
 capture (replays allocate nothing), and the rung is never kept on memory alone. A failed capture is
 reverted with its reason and leaves the device's random generator usable.
+
+Under DDP the graph holds DDP's own step: its bucketed NCCL all-reduces are captured as graph nodes on
+NCCL's stream, overlapping the backward as they do eagerly (NCCL's work is not handed to the process
+group's watchdog while it is captured, so its async error handling stays on). Every rank warms up,
+checks and captures at the same step: after DDP's first 11 iterations (its reducer times them with
+events it syncs on; its later sampling is switched off on the wrapper), the warm-up steps and the
+capture run DDP's step even inside guarded parity steps, and the ranks then agree: a check or capture
+that failed on one rank stops the graph on every rank with that rank's reason (nothing ran on the
+device; a capture executes nothing, so no rank waits inside an all-reduce). Every rank replays the
+same steps: DistributedSampler gives each rank batches of the same shapes.
 """
 
 from __future__ import annotations
@@ -150,6 +159,12 @@ class CudaGraphRung(Rung):
             if graphed.stopped:
                 return graphed.stopped
             if graphed.replays == 0:
+                machinery = graphed.inner.prepare_capture()
+                if machinery > 0:
+                    return (
+                        "the step was never replayed from the graph: DDP's wrapper still had "
+                        f"{machinery} of its first iterations (which sync with the host) to run before a capture"
+                    )
                 return "the step was never replayed from the graph"
             return None
 
@@ -251,17 +266,26 @@ def _set_capturable(handle: Handle, opt: torch.optim.Optimizer) -> None:
 
 
 def _distributed_blocker(step: Step) -> str | None:
-    """Training across processes (DDP): each rank would capture, or fail to, on its own, and the
-    gradient all-reduce inside the graph needs what speedkit does not set up yet."""
+    """Training across processes: only DDP's step over NCCL is captured (its bucketed all-reduces
+    become graph nodes, overlapping the backward as they do eagerly)."""
     world = step.world_size()
     if world <= 1:
         return None
-    return (
-        f"training across {world} processes: capturing the gradient all-reduce needs NCCL's graph support set up "
-        "before the process group (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), 11 eager DDP steps before the capture, and "
-        "every rank agreeing that its capture succeeded (one rank replaying while another steps eagerly would hang "
-        "the collectives); not supported yet"
-    )
+    options = step.ddp_options()
+    if options is None:
+        return (
+            f"training across {world} processes without Lightning's DDP strategy: only DistributedDataParallel's "
+            "step, set up by the strategy, is captured"
+        )
+    backend = options.get("backend")
+    if backend != "nccl":
+        return f"the {backend} backend's collectives run on the host and cannot be captured in a CUDA graph (NCCL's can)"
+    if options.get("find_unused_parameters"):
+        return (
+            "the strategy sets find_unused_parameters=True: DDP's search for unused parameters reads its map of them "
+            "on the host every step"
+        )
+    return None
 
 
 def _hook_blocker(state: TrainState) -> str | None:

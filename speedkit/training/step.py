@@ -211,14 +211,20 @@ class Step:
         yield
 
     @contextlib.contextmanager
-    def guarded(self) -> Iterator[None]:
+    def guarded(self, on: bool = True) -> Iterator[None]:
         """Within this context, across several processes (DDP), a step that raises on one rank raises
         on every rank at the same point (:func:`speedkit.distributed.together`), none left waiting
         inside the gradient all-reduce: each micro-batch's forward and backward run without DDP's
         sync, the ranks agree it ran, then the gradients are averaged in one all-reduce, as DDP
         averages them. Slower than DDP's overlapped buckets: for parity steps, not timed ones.
+        ``on=False``: DDP's own step again within a guarded stretch (what a CUDA graph captures).
         One process: nothing changes."""
         yield
+
+    def prepare_capture(self) -> int:
+        """Make the step's own machinery ready to be captured in a CUDA graph; returns how many more eager
+        steps it needs first (DDP: its reducer's first iterations sync with the host). 0 by default."""
+        return 0
 
     def gradient_sync(self, on: bool) -> None:
         """Turn DDP's gradient all-reduce off (``on=False``: each rank steps on its own gradients, the
@@ -336,8 +342,11 @@ class StepWrapper(Step):
     def trial(self) -> contextlib.AbstractContextManager[None]:
         return self.inner.trial()
 
-    def guarded(self) -> contextlib.AbstractContextManager[None]:
-        return self.inner.guarded()
+    def guarded(self, on: bool = True) -> contextlib.AbstractContextManager[None]:
+        return self.inner.guarded(on)
+
+    def prepare_capture(self) -> int:
+        return self.inner.prepare_capture()
 
     def gradient_sync(self, on: bool) -> None:
         self.inner.gradient_sync(on)
