@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         "(gradient_as_bucket_view, static_graph, 100 MB buckets: speedkit's ddp_* rungs), knobs+bf16 (and "
         "gradients all-reduced in bf16)",
     )
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="every variant with speedkit's cuda_graph rung (SpeedLadder(rungs=['cuda_graph'])): the whole step, "
+        "DDP's all-reduces included, replayed from one CUDA graph; warm-up at least 20 steps (DDP's first 11 "
+        "iterations run eagerly before the capture)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-json", default=None, help=argparse.SUPPRESS)
     return p
@@ -71,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     tiny = args.tiny
     return {
-        "warmup": args.warmup or (3 if tiny else 10),
+        "warmup": args.warmup or (20 if args.graph else 3 if tiny else 10),
         "steps": args.steps or (3 if tiny else 10),
         "windows": args.windows or (3 if tiny else 5),
         "size": "tiny" if tiny else "small",
@@ -86,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.fabric.utilities.seed import seed_everything
 
     from speedkit.demos import NaiveGPT, SyntheticTokens
-    from speedkit.lightning import StepTimer
+    from speedkit.lightning import SpeedLadder, StepTimer
 
     class FusedAdamGPT(NaiveGPT):
         """NaiveGPT with the fused AdamW (on CUDA)."""
@@ -120,12 +127,14 @@ def worker(args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[timer, *([SpeedLadder(rungs=["cuda_graph"])] if args.graph else [])],
     )
     trainer.fit(module, datamodule=data)
     m = timer.measurement
+    graph = next((c for c in trainer.callbacks if isinstance(c, SpeedLadder)), None)
     figures = {
         "rank": trainer.global_rank,
+        "graph": [line for h in graph.handles for line in h.report()] if graph else None,
         "throughput": m.throughput if m else None,
         "step_ms": m.step_ms if m else None,
         "noise": m.spread if m else None,
@@ -203,6 +212,7 @@ def main() -> None:
     results_path = Path(args.results) if args.results else (tmp / "ddp.jsonl" if args.tiny else None)
     res = Results("ddp", out=results_path, model=f"gpt2-{s['size']}")
     extra = {
+        "cuda_graph": args.graph,
         "per_gpu_batch": s["batch"],
         "seq_len": s["seq_len"],
         "warmup": s["warmup"],
@@ -223,6 +233,7 @@ def main() -> None:
         step_ms=one["step_ms"],
         noise=one["noise"],
         peak_memory_gb=one["peak_memory_gb"],
+        graph_report=one["graph"],
     )
     name = f"{args.devices}gpu"
     table = [("1gpu", "-", 1, one["step_ms"], one["throughput"], one["peak_memory_gb"], None)]
@@ -247,6 +258,7 @@ def main() -> None:
             peak_memory_gb=peak,
             rank_throughput=[r["throughput"] for r in many],
             rank_step_ms=[r["step_ms"] for r in many],
+            graph_report=many[0]["graph"],
         )
         efficiency = total / (args.devices * one["throughput"]) if total and one["throughput"] else None
         res.add(name, "scaling_efficiency", efficiency, "ratio", **extra, devices=args.devices, ddp=ddp)
