@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
     graph = next((c for c in trainer.callbacks if isinstance(c, SpeedLadder)), None)
     figures = {
         "rank": trainer.global_rank,
-        "graph": [line for h in graph.handles for line in h.report()] if graph else None,
+        "graph": graph.fit_reports.get("cuda_graph") if graph else None,
         "throughput": m.throughput if m else None,
         "step_ms": m.step_ms if m else None,
         "noise": m.spread if m else None,

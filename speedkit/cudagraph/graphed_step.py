@@ -445,6 +445,7 @@ class GraphedStep(StepWrapper):
         self.reset()
         self.stopped = None
         self.capture_notes, self._oom_capture_parts = [], None
+        self.captures = self.replays = self.eager_steps = 0  # the fit's own, apart from the trials' (reported then)
 
         def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
             return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)

@@ -132,6 +132,9 @@ class SpeedLadder(Callback):
         self.skipped: dict[str, str] = {}
         #: every change applied during the run, kept after teardown undoes them (for reports)
         self.applied_changes: dict[str, list[str]] = {}
+        #: what each change applied in the fit said of its work once the fit's steps ran (a graph's captures,
+        #: replays and eager steps), read when teardown undoes it
+        self.fit_reports: dict[str, list[str]] = {}
         #: the trials' report (None without trials); ``result.holds`` once the fit's steps are timed
         self.result: LadderResult | None = None
         #: the exception that ended the fit (Ctrl-C, SIGTERM, an error), if one did
@@ -486,6 +489,15 @@ class SpeedLadder(Callback):
                 self.applied_changes.setdefault(handle.rung, []).append(change)
                 self._say(change)
         errors = []
+        for handle in self.handles:
+            try:
+                lines = [line for line in handle.report() if line]
+            except Exception as exc:  # noqa: BLE001 - a report is not worth a failed teardown
+                lines = [f"its report raised {type(exc).__name__}: {exc}"]
+            if lines:
+                self.fit_reports.setdefault(handle.rung, []).extend(lines)
+                for line in lines:
+                    self._say(f"fit: {handle.rung}: {line}")
         while self.handles:
             try:
                 self.handles.pop().undo()
