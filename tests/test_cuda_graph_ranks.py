@@ -161,7 +161,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def test_ranks_warm_up_past_ddps_first_iterations_and_agree_on_check_and_capture(tmp_path):
     spawn_ranks(_worker, str(tmp_path), timeout_s=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for rank, seen in enumerate(ranks):
+    for seen in ranks:
         fresh = seen["fresh"]
         # forwards 1-11 are timed by DDP (the 11th reads the 10th's events back): the 12th is checked,
         # the 13th step is captured
