@@ -130,6 +130,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         "graph": current.graph is not None,
         "guarded_graph_steps": [g for g in current.inner.guards_seen[:13]],
         "guarded_after": current.inner.guards_seen[13:],
+        "sync_fixed": current.gradient_sync_fixed(),  # stopped: its eager steps can leave the all-reduce out
     }
     # a wrapper past its first iterations: two warm-up steps, the second checked; rank 1 finds a sync there
     checked_at.clear()
@@ -142,6 +143,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     current = Planted(DDPLike(plain(), forwards=40), fails_here=False)
     _steps(current, 3)
     seen["both"] = {"capture_at": current.capture_at, "stopped": current.stopped, "replays": current.replays}
+    seen["both_sync_fixed"] = current.gradient_sync_fixed()  # the ladder's scaling phase is not measured then
     # DDP's own count, as compat reads it off a real wrapper (gloo, CPU)
     ddp = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
     counts = []
@@ -169,7 +171,8 @@ def test_ranks_warm_up_past_ddps_first_iterations_and_agree_on_check_and_capture
         assert fresh["guarded_graph_steps"] == [False] * 13, fresh  # DDP's own step, the capture included
         # stopped: the failed capture's step and the 3 after it run eagerly, guarded as the stretch is
         assert fresh["guarded_after"] == [True] * 4, fresh
-        assert not fresh["graph"]
+        assert not fresh["graph"] and fresh["sync_fixed"] is None
+        assert seen["both_sync_fixed"].startswith("the step replays a CUDA graph that holds DDP's gradient all-reduce")
         assert seen["warm"]["checked_at"] == [42] and seen["warm"]["capture_at"] == [], seen["warm"]
         assert seen["both"] == {"capture_at": [42], "stopped": None, "replays": 1}, seen["both"]
         assert seen["ddp_counts"] == [10, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0], seen["ddp_counts"]

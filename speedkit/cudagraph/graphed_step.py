@@ -417,6 +417,11 @@ class GraphedStep(StepWrapper):
                 rate.group[rate.key] = float(rate.tensor.item())
         self._rates = []
 
+    def gradient_sync_fixed(self) -> str | None:
+        if self.stopped is None and self.inner.world_size() > 1:
+            return "the step replays a CUDA graph that holds DDP's gradient all-reduce (a replay cannot leave it out)"
+        return self.inner.gradient_sync_fixed()
+
     def memory_outside_peak(self) -> int:
         """Bytes in use that the allocator's peak during replays does not show: the graph's pool."""
         return self.graph_bytes if self.graph is not None else 0

@@ -486,11 +486,18 @@ class Ladder:
     def _scaling(self) -> None:
         """Across several processes: the final configuration's step with DDP's gradient all-reduce (A)
         timed against the same step without it (B), interleaved: B is what one GPU runs with this
-        per-rank batch, so B's step time over A's is the scaling efficiency (``run["scaling"]``)."""
+        per-rank batch, so B's step time over A's is the scaling efficiency (``run["scaling"]``). Not
+        measured where the step cannot leave the all-reduce out (a replayed CUDA graph holds it)."""
         assert self.result is not None
         step, world = self.state.step, self.state.step.world_size()
         self.on_event(f"scaling: the final configuration with and without the gradient all-reduce over {world} ranks")
         entry: dict[str, Any] = {"world_size": world, "efficiency": None}
+        fixed = step.gradient_sync_fixed()
+        if fixed is not None:  # the same on every rank: the graph stopped on all of them or on none
+            entry["note"] = f"the all-reduce cannot be switched off: {fixed}; bench/ddp.py measures scaling against one GPU"
+            self.on_event(f"scaling: not measured: {entry['note']}")
+            self.result.run["scaling"] = entry
+            return
         try:
             paired = self.compare(lambda on: step.gradient_sync(not on), "scaling", shared_batches=self.stack.shares_batches())
             assert paired.a is not None and paired.b is not None

@@ -230,6 +230,10 @@ class Step:
         """Turn DDP's gradient all-reduce off (``on=False``: each rank steps on its own gradients, the
         step one GPU would run with the same per-rank batch) or back on. One process: nothing to do."""
 
+    def gradient_sync_fixed(self) -> str | None:
+        """Why :meth:`gradient_sync` would not take the all-reduce out of this step's work (None: it would)."""
+        return None
+
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         """Make this step's change take effect in a Lightning ``fit`` that runs its own loop (after
         the trials, the kept step wrappers are bound here); None when there is nothing to bind. The
@@ -350,6 +354,9 @@ class StepWrapper(Step):
 
     def gradient_sync(self, on: bool) -> None:
         self.inner.gradient_sync(on)
+
+    def gradient_sync_fixed(self) -> str | None:
+        return self.inner.gradient_sync_fixed()
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         return self.inner.bind_fit(trainer, module)
