@@ -117,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         pin_memory=not args.cpu,
     )
     timer = StepTimer(warmup=s["warmup"], window=s["steps"], unit="tokens")
+    graph = SpeedLadder(rungs=["cuda_graph"]) if args.graph else None
     trainer = pl.Trainer(
         accelerator="cpu" if args.cpu else "gpu",
         devices=args.devices,
@@ -127,14 +128,13 @@ def worker(args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer, *([SpeedLadder(rungs=["cuda_graph"])] if args.graph else [])],
+        callbacks=[timer, *([graph] if graph is not None else [])],
     )
     trainer.fit(module, datamodule=data)
     m = timer.measurement
-    graph = next((c for c in trainer.callbacks if isinstance(c, SpeedLadder)), None)
     figures = {
         "rank": trainer.global_rank,
-        "graph": graph.fit_reports.get("cuda_graph") if graph else None,
+        "graph": graph.fit_reports.get("cuda_graph") if graph is not None else None,
         "throughput": m.throughput if m else None,
         "step_ms": m.step_ms if m else None,
         "noise": m.spread if m else None,

@@ -219,11 +219,8 @@ class GraphedStep(StepWrapper):
         the graph had to stop (nothing ran on the device: the caller runs the step)."""
         with self._as_captured():
             static = self._capture_here(batch, batch_idx)
-        if self.inner.world_size() > 1:
-            self._stop_together()
-            if self.stopped is not None:
-                return None
-        return static
+        self._stop_together()  # one process: nothing to agree on
+        return static if self.stopped is None else None
 
     def _capture_here(self, batch: Any, batch_idx: int) -> Any | None:
         self.static = StaticBatch(batch)

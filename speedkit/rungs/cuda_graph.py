@@ -5,8 +5,8 @@ models, small batches, fused kernels called from Python, Lightning's per-step ho
 launches). Does not help: steps dominated by a few long kernels. Costs: the capture after a few
 warm-up steps, and the graph's private memory pool.
 Needs: a CUDA device; one process, or several under Lightning's DDP strategy over NCCL without
-``find_unused_parameters`` (see below); one micro-batch per optimizer step; a step that replays the same work (static shapes, no host syncs, no
-numbers drawn on the host); under fp16 loss scaling, an optimizer that takes the scale on the device
+``find_unused_parameters`` (see below); one micro-batch per optimizer step; a step that replays the
+same work (static shapes, no host syncs, no numbers drawn on the host); under fp16 loss scaling, an optimizer that takes the scale on the device
 (``fused=True``, as ``fused_optimizer`` sets: otherwise ``GradScaler.step`` reads the inf check on the host).
 Numerics: unchanged (capturable optimizer rounding). Capturable optimizers compute on device-side step
 counters.
