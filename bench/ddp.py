@@ -16,7 +16,10 @@ Rows (bench "ddp"): variant "1gpu" and "<N>gpu", metric "throughput" (tokens/s, 
 step_ms, noise, peak_memory_gb and, for N GPUs, each rank's throughput and step time); metric
 "scaling_efficiency" (variant "<N>gpu"): N-GPU throughput / (N x 1-GPU throughput). The N-GPU variant
 is timed once per DDP setting of ``--ddp`` (field ``ddp``): Lightning's defaults, the knobs of speedkit's
-ddp_* rungs, and those with gradients all-reduced in bf16.
+ddp_* rungs, and those with gradients all-reduced in bf16. With ``--graph`` the rows also carry
+``graph_counts`` (per rank: captures, replayed and eager steps, why the graph stopped) and
+``graph_replayed`` (every rank replayed and none stopped); where the graph replayed on one side of a
+scaling figure only, no ``scaling_efficiency`` row is written (a graphed step against an eager one).
 
 Usage (the device machine, from the repository root):
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD python bench/ddp.py [--devices 2] [--windows 5] [--steps 10]
@@ -135,6 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     figures = {
         "rank": trainer.global_rank,
         "graph": graph.fit_reports.get("cuda_graph") if graph is not None else None,
+        "graph_counts": graph.fit_counts.get("cuda_graph") if graph is not None else None,
         "throughput": m.throughput if m else None,
         "step_ms": m.step_ms if m else None,
         "noise": m.spread if m else None,
@@ -198,6 +202,12 @@ def run_variant(args: argparse.Namespace, devices: int, out: Path, ddp: str = "d
     return ranks
 
 
+def _replayed(ranks: list[dict[str, Any]]) -> bool:
+    """Whether every rank replayed its CUDA graph and none stopped it (its timed steps were graph replays)."""
+    counts = [r.get("graph_counts") or {} for r in ranks]
+    return all(c.get("replays", 0) > 0 and c.get("stopped") is None for c in counts)
+
+
 def main() -> None:
     args = _parser().parse_args()
     if args.worker:
@@ -234,6 +244,8 @@ def main() -> None:
         noise=one["noise"],
         peak_memory_gb=one["peak_memory_gb"],
         graph_report=one["graph"],
+        graph_counts=one["graph_counts"],
+        graph_replayed=_replayed([one]) if args.graph else None,
     )
     name = f"{args.devices}gpu"
     table = [("1gpu", "-", 1, one["step_ms"], one["throughput"], one["peak_memory_gb"], None)]
@@ -259,9 +271,21 @@ def main() -> None:
             rank_throughput=[r["throughput"] for r in many],
             rank_step_ms=[r["step_ms"] for r in many],
             graph_report=many[0]["graph"],
+            graph_counts=[r["graph_counts"] for r in many],
+            graph_replayed=_replayed(many) if args.graph else None,
         )
         efficiency = total / (args.devices * one["throughput"]) if total and one["throughput"] else None
-        res.add(name, "scaling_efficiency", efficiency, "ratio", **extra, devices=args.devices, ddp=ddp)
+        if args.graph and _replayed(many) != _replayed([one]):
+            # a graphed step against an eager one is not a scaling figure: no row
+            print(
+                f"  no scaling_efficiency row for {name} {ddp}: the CUDA graph replayed on "
+                f"{'1 GPU' if _replayed([one]) else f'{args.devices} GPUs'} only ({one['graph_counts']} vs "
+                f"{[r['graph_counts'] for r in many]})",
+                flush=True,
+            )
+            efficiency = None
+        else:
+            res.add(name, "scaling_efficiency", efficiency, "ratio", **extra, devices=args.devices, ddp=ddp)
         table.append((name, ddp, args.devices, slowest, total, peak, efficiency))
 
     print(f"\nGPT-2 {s['size']}, {s['batch']} x {s['seq_len']} tokens per GPU, on {res.device} (commit {res.commit})")

@@ -62,6 +62,8 @@ class Handle:
         suspended: True between :meth:`suspend` and :meth:`resume`.
         problem: returns a reason when the applied change stopped working (e.g. a compile fallback).
         report: returns lines on what the change did once steps ran (e.g. graphs compiled).
+        counts: returns the same as numbers, for a program to read (e.g. a CUDA graph's captures and
+            replays); empty where the change has nothing to count.
         draws_differently: the change computes the same function but draws its random numbers
             (dropout masks) from another stream; the ladder then judges parity with dropout off.
         rebase: called after :meth:`resume` when changes beneath this one were switched while it
@@ -80,6 +82,7 @@ class Handle:
         self.suspended = False
         self.problem: Callable[[], str | None] = lambda: None
         self.report: Callable[[], list[str]] = lambda: []
+        self.counts: Callable[[], dict[str, Any]] = lambda: {}
         self.draws_differently = False
         self.rebase: Callable[[], None] = lambda: None
         self.settle_steps = 0

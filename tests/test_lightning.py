@@ -362,6 +362,28 @@ def test_user_precision_is_left_alone():
     assert "bf16-mixed" in ladder.skipped["autocast"]
 
 
+def test_teardown_keeps_what_each_change_counted_in_the_fit(monkeypatch):
+    """A change's report lines and its counts (Handle.counts) are read at teardown: printed, and kept in
+    ``fit_reports`` / ``fit_counts`` for a program (bench/ddp.py reads a CUDA graph's replays there)."""
+    from speedkit.rungs.fused_optimizer import FusedOptimizerRung
+
+    applied = FusedOptimizerRung.apply
+
+    def apply(self, state):
+        handle = applied(self, state)
+        handle.report = lambda: ["did 3 things", ""]
+        handle.counts = lambda: {"things": 3, "stopped": None}
+        return handle
+
+    monkeypatch.setattr(FusedOptimizerRung, "apply", apply)
+    torch.manual_seed(0)
+    ladder = SpeedLadder(rungs=["fused_optimizer", "tf32"])
+    trainer = _trainer([ladder], max_steps=2)
+    trainer.fit(NaiveGPT("tiny"), datamodule=SyntheticTokens(batch_size=2, seq_len=16, length=64))
+    assert ladder.fit_reports == {"fused_optimizer": ["did 3 things"]}
+    assert ladder.fit_counts == {"fused_optimizer": {"things": 3, "stopped": None}}  # tf32 counts nothing
+
+
 def test_user_compile_is_left_alone():
     """A model passed as trainer.fit(torch.compile(model)) carries Lightning's compile context."""
     from lightning.pytorch.utilities.compile import from_compiled

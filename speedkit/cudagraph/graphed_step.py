@@ -439,6 +439,11 @@ class GraphedStep(StepWrapper):
             lines.append(f"graph stopped: {self.stopped}")
         return lines
 
+    def counts(self) -> dict[str, Any]:
+        """:meth:`report`'s counts, for a program: captures, replayed and eager steps, and why the graph
+        stopped (None while it has not)."""
+        return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager_steps, "stopped": self.stopped}
+
     # -- a Lightning fit -------------------------------------------------------------------------
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
         inner = self.inner.bind_fit(trainer, module)

@@ -135,6 +135,8 @@ class SpeedLadder(Callback):
         #: what each change applied in the fit said of its work once the fit's steps ran (a graph's captures,
         #: replays and eager steps), read when teardown undoes it
         self.fit_reports: dict[str, list[str]] = {}
+        #: the same as numbers (:attr:`speedkit.handle.Handle.counts`), per change that counts its work
+        self.fit_counts: dict[str, dict[str, Any]] = {}
         #: the trials' report (None without trials); ``result.holds`` once the fit's steps are timed
         self.result: LadderResult | None = None
         #: the exception that ended the fit (Ctrl-C, SIGTERM, an error), if one did
@@ -492,8 +494,11 @@ class SpeedLadder(Callback):
         for handle in self.handles:
             try:
                 lines = [line for line in handle.report() if line]
+                counts = handle.counts()
             except Exception as exc:  # noqa: BLE001 - a report is not worth a failed teardown
-                lines = [f"its report raised {type(exc).__name__}: {exc}"]
+                lines, counts = [f"its report raised {type(exc).__name__}: {exc}"], {}
+            if counts:
+                self.fit_counts[handle.rung] = dict(counts)
             if lines:
                 self.fit_reports.setdefault(handle.rung, []).extend(lines)
                 for line in lines:

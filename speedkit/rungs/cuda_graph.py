@@ -170,6 +170,7 @@ class CudaGraphRung(Rung):
 
         handle.problem = problem
         handle.report = graphed.report
+        handle.counts = graphed.counts
         # a rung beneath switched while the graph was off: the graph holds the old kernels; capture
         # again (warm-up and sync check included) before any step of this configuration is timed
         handle.rebase = graphed.reset
