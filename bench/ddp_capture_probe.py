@@ -9,10 +9,13 @@ whose AccumulateGrad node DDP keeps alive on the stream the wrapper was built on
 it on a side stream of its own), so the accumulation crosses streams inside the capture.
 
 Each configuration runs in fresh processes, one per GPU, under a deadline. Each process:
-1. builds the model: an MLP, or NaiveGPT "mini" with its tied embedding or untied, eager or compiled;
+1. builds the model: an MLP, or NaiveGPT "mini" (one DDP bucket) or "small" (GPT-2 124M, many buckets)
+   with its tied embedding or untied, eager or compiled, DDP's buffer broadcast on or off;
 2. wraps it in DDP on a side stream (as Lightning's ``DDPStrategy`` does);
 3. runs 13 eager steps (bf16 autocast, fused capturable AdamW) on the capture stream;
-4. captures one step, on a stream of its own, or, with ``-ddpstream``, on the stream DDP was built on.
+4. captures one step, on a stream of its own, or, with ``-ddpstream``, on the stream DDP was built on,
+   reading the capture's status at points of the step (after the forward, at every gradient's
+   accumulation, after the backward and the optimizer step): where it first became invalid.
 
 The ranks agree that every capture succeeded before anything replays (a rank replaying alone would
 wait in the all-reduce forever). The table says, per configuration and rank: captured, failed (with
@@ -20,7 +23,7 @@ torch's error), or timed out. Where every rank captured, it also gives 5 replays
 eager step's.
 
 Usage (on the device machine, from the repository root):
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD python bench/ddp_capture_probe.py [--configs mlp,gpt-eager-tied] [--timeout-s 90]
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD python bench/ddp_capture_probe.py [--configs mlp,mini-eager-tied] [--timeout-s 90]
     PYTHONPATH=. python bench/ddp_capture_probe.py --dry     # CPU, gloo: the plumbing without a capture
 """
 
@@ -35,21 +38,26 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-#: name -> (model, compiled, capture on DDP's own stream)
+#: name -> (model, compiled, capture on DDP's own stream, DDP's broadcast_buffers)
 CONFIGS = {
-    "mlp": ("mlp", False, False),
-    "gpt-eager-untied": ("gpt-untied", False, False),
-    "gpt-eager-tied": ("gpt-tied", False, False),
-    "gpt-eager-tied-ddpstream": ("gpt-tied", False, True),
-    "gpt-compile-untied": ("gpt-untied", True, False),
-    "gpt-compile-tied": ("gpt-tied", True, False),
-    "gpt-compile-tied-ddpstream": ("gpt-tied", True, True),
+    "mlp": ("mlp", False, False, True),
+    "mini-eager-untied": ("mini-untied", False, False, True),
+    "mini-eager-tied": ("mini-tied", False, False, True),
+    "mini-eager-tied-ddpstream": ("mini-tied", False, True, True),
+    "mini-compile-untied": ("mini-untied", True, False, True),
+    "mini-compile-tied": ("mini-tied", True, False, True),
+    "mini-compile-tied-ddpstream": ("mini-tied", True, True, True),
+    "small-eager-tied": ("small-tied", False, False, True),
+    "small-eager-untied": ("small-untied", False, False, True),
+    "small-eager-tied-nobroadcast": ("small-tied", False, False, False),
+    "small-compile-tied": ("small-tied", True, False, True),
 }
 WARM_STEPS = 13  # past DDP's first 11 iterations (its reducer syncs on its timing events in those)
 
@@ -62,16 +70,68 @@ def _model(kind: str, device: torch.device) -> tuple[torch.nn.Module, object]:
         return model, (batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
     from speedkit.demos import NaiveGPT
 
-    model = NaiveGPT("mini", attention="sdpa", block_size=128).to(device)
-    if kind == "gpt-untied":
+    size, tying = kind.split("-")
+    model = NaiveGPT(size, attention="sdpa", block_size=128).to(device)
+    if tying == "untied":
         model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
     vocab = model.config["vocab_size"]
     batch = (torch.randint(0, vocab, (8, 128), device=device), torch.randint(0, vocab, (8, 128), device=device))
     return model, (batch, lambda m, b: m(b[0], b[1]))
 
 
+def _capture_status() -> Any:
+    """A function of a CUDA stream: 0 not capturing, 1 capturing, 2 capture invalidated (CUDA's
+    ``cudaStreamIsCapturing``, through the runtime library torch loaded), or None where it cannot be read."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+        lib = ctypes.CDLL(path or "libcudart.so")
+    except OSError:
+        return lambda stream: None
+
+    def status(stream: Any) -> int | None:
+        out = ctypes.c_int(-1)
+        rc = lib.cudaStreamIsCapturing(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out))
+        return out.value if rc == 0 else None
+
+    return status
+
+
+class _Trace:
+    """Where, during the captured step, the capture stream's capture became invalid: its status read
+    after the forward, in every parameter's post-accumulate-grad hook (on the autograd engine's thread,
+    with the stream the hook runs on), after the backward and after the optimizer step."""
+
+    def __init__(self, model: torch.nn.Module, capture_stream: Any) -> None:
+        self.on = False
+        self.seen: list[tuple[str, Any, Any]] = []
+        self.status = _capture_status()
+        self.stream = capture_stream
+        for name, param in model.named_parameters():  # a tied parameter once, under its first name
+            param.register_post_accumulate_grad_hook(self._hook(f"grad {name}"))
+
+    def _hook(self, where: str) -> Any:
+        return lambda param: self.mark(where)
+
+    def mark(self, where: str) -> None:
+        if self.on:
+            here = torch.cuda.current_stream()
+            self.seen.append((where, self.status(self.stream), f"{here.stream_id}:{self.status(here)}"))
+
+    def summary(self) -> str:
+        bad = next((i for i, (_, status, _) in enumerate(self.seen) if status == 2), None)
+        streams = sorted({s for _, _, s in self.seen})
+        head = f"{len(self.seen)} points; streams (id:status) {streams}"
+        if bad is None:
+            return head + "; the capture stream never read invalid"
+        before = self.seen[bad - 1] if bad else None
+        return f"{head}; first invalid at {self.seen[bad]} (point {bad}), after {before}"
+
+
 def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> None:
-    kind, compiled, on_ddp_stream = CONFIGS[name]
+    kind, compiled, on_ddp_stream, broadcast_buffers = CONFIGS[name]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist = torch.distributed
     device = torch.device("cpu") if dry else torch.device("cuda", rank)
@@ -86,19 +146,28 @@ def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> 
             model.compile(backend="eager" if dry else "inductor")
         ddp_stream = None if dry else torch.cuda.Stream()
         if dry:
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
         else:
             with torch.cuda.stream(ddp_stream):
-                ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+                ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank], broadcast_buffers=broadcast_buffers)
         ddp._set_ddp_runtime_logging_sample_rate(2**31 - 1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=not dry, capturable=not dry)
+
+        stream = None if dry else ddp_stream if on_ddp_stream else torch.cuda.Stream()
+        trace = None if dry else _Trace(model, stream)
 
         def step() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, torch.bfloat16):
                 loss = loss_of(ddp, batch)
+            if trace is not None:
+                trace.mark("forward done")
             loss.backward()
+            if trace is not None:
+                trace.mark("backward done")
             opt.step()
+            if trace is not None:
+                trace.mark("optimizer step done")
             return loss.detach()
 
         if dry:
@@ -107,7 +176,6 @@ def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> 
             result["captured"] = True
             result["note"] = "dry run: no capture"
         else:
-            stream = ddp_stream if on_ddp_stream else torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(WARM_STEPS):
@@ -116,6 +184,7 @@ def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> 
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
+                trace.on = True
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     static_loss = step()
                 result["captured"] = True
@@ -123,6 +192,9 @@ def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> 
                 result["captured"] = False
                 result["error"] = f"{type(exc).__name__}: {exc}"[:800]
                 result["traceback"] = traceback.format_exc()[-2500:]
+            finally:
+                trace.on = False
+                result["trace"] = trace.summary()
         flag = torch.tensor([1 if result["captured"] else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank captured, or none replays
         result["all_captured"] = bool(flag.item())
@@ -200,6 +272,8 @@ def main() -> None:
                 f"{name:28s} {seen['rank']:4d} {state:>8s} {str(seen.get('all_captured', '-')):>5s} {seen['seconds']:5.0f}  {detail}",
                 flush=True,
             )
+            if seen.get("trace"):
+                print(f"    trace: {seen['trace'][:600]}", flush=True)
             if seen.get("traceback") and seen["rank"] == 0:
                 print("    " + seen["traceback"].strip().replace("\n", "\n    ")[-1500:], flush=True)
 
