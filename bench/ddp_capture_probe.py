@@ -58,6 +58,7 @@ CONFIGS = {
     "small-eager-untied": ("small-untied", False, False, True),
     "small-eager-tied-nobroadcast": ("small-tied", False, False, False),
     "small-compile-tied": ("small-tied", True, False, True),
+    "small-compile-untied": ("small-untied", True, False, True),
 }
 WARM_STEPS = 13  # past DDP's first 11 iterations (its reducer syncs on its timing events in those)
 
@@ -222,15 +223,19 @@ def run(name: str, out: Path, world: int, timeout_s: float, dry: bool) -> list[d
         worker, args=(port, name, str(out / name), world, dry), nprocs=world, join=False, start_method="spawn"
     )
     timed_out = False
+    files = [Path(f"{out / name}.rank{r}") for r in range(world)]
     try:
-        while not ctx.join(timeout=max(0.1, started + timeout_s - time.monotonic())):
+        # done when every rank wrote its result (a process may then hang in NCCL's teardown: killed)
+        while not all(f.exists() for f in files) and not ctx.join(timeout=0.5):
             if time.monotonic() > started + timeout_s:
                 timed_out = True
-                for p in ctx.processes:
-                    p.kill()
                 break
     except Exception as exc:  # noqa: BLE001 - a rank that died is reported from its file, or as missing
         print(f"{name}: a process failed: {str(exc).strip().splitlines()[-1][:300]}", flush=True)
+    time.sleep(1.0)  # the last file's writer closes it
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
     ranks = []
     for r in range(world):
         path = Path(f"{out / name}.rank{r}")
