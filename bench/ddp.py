@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
         "iterations run eagerly before the capture)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # diagnostic: each rank's figures say where in the step a CUDA graph's capture became invalid
+    p.add_argument("--trace-capture", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-json", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -121,6 +123,11 @@ def worker(args: argparse.Namespace) -> None:
     )
     timer = StepTimer(warmup=s["warmup"], window=s["steps"], unit="tokens")
     graph = SpeedLadder(rungs=["cuda_graph"]) if args.graph else None
+    trace = None
+    if args.trace_capture:
+        from bench.ddp_capture_probe import lightning_trace
+
+        trace = lightning_trace(module)
     trainer = pl.Trainer(
         accelerator="cpu" if args.cpu else "gpu",
         devices=args.devices,
@@ -131,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer, *([graph] if graph is not None else [])],
+        callbacks=[timer, *([graph] if graph is not None else []), *([trace] if trace is not None else [])],
     )
     trainer.fit(module, datamodule=data)
     m = timer.measurement
@@ -144,6 +151,7 @@ def worker(args: argparse.Namespace) -> None:
         "noise": m.spread if m else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() and not args.cpu else None,
         "steps": trainer.global_step,
+        "trace": trace.summary() if trace is not None else None,
     }
     Path(f"{args.out_json}.rank{trainer.global_rank}").write_text(json.dumps(figures))
 

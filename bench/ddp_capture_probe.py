@@ -93,6 +93,10 @@ def _capture_status() -> Any:
         return lambda stream: None
 
     def status(stream: Any) -> int | None:
+        if not hasattr(stream, "cuda_stream"):  # a torch.Stream (current_stream() may return one)
+            stream = torch.cuda.Stream(
+                stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+            )
         out = ctypes.c_int(-1)
         rc = lib.cudaStreamIsCapturing(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(out))
         return out.value if rc == 0 else None
@@ -129,6 +133,62 @@ class _Trace:
             return head + "; the capture stream never read invalid"
         before = self.seen[bad - 1] if bad else None
         return f"{head}; first invalid at {self.seen[bad]} (point {bad}), after {before}"
+
+
+def lightning_trace(module: torch.nn.Module) -> Any:
+    """A Lightning callback reading the current stream's capture status through every step (Lightning's
+    hooks around the backward and the optimizer step, and every gradient's accumulation), for a fit
+    through speedkit's ``cuda_graph`` rung: where its capture became invalid. ``bench/ddp.py
+    --trace-capture`` adds it; its summary goes to the worker's figures."""
+    import lightning.pytorch as pl
+
+    status = _capture_status()
+    seen: list[tuple[int, str, int, Any]] = []
+    steps = [0]
+
+    def mark(where: str) -> None:
+        if torch.cuda.is_available():
+            here = torch.cuda.current_stream()
+            try:
+                seen.append((steps[0], where, here.stream_id, status(here)))
+            except Exception as exc:  # noqa: BLE001 - a trace must not stop the fit
+                seen.append((steps[0], where, here.stream_id, f"{type(exc).__name__}: {exc}"[:80]))
+
+    for name, param in module.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, where=f"grad {name}": mark(where))
+    training_step = module.training_step
+
+    def traced_step(*args: Any, **kwargs: Any) -> Any:
+        mark("training_step start")
+        out = training_step(*args, **kwargs)
+        mark("training_step end")
+        return out
+
+    module.training_step = traced_step
+
+    class Trace(pl.Callback):
+        def __init__(self) -> None:
+            # Lightning's in-step hooks, set on the instance: the cuda_graph rung refuses a class that
+            # overrides them (their host code runs at capture only), and at capture is all this reads
+            for hook in ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"):
+                setattr(self, hook, lambda *args, where=hook: mark(where))
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            steps[0] += 1
+            mark("batch start")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            mark("batch end")
+
+        def summary(self) -> str:
+            capturing = [m for m in seen if m[3] in (1, 2)]
+            bad = next((i for i, m in enumerate(seen) if m[3] == 2), None)
+            head = f"{len(capturing)} points read capturing, in steps {sorted({m[0] for m in capturing})}"
+            if bad is None:
+                return head + "; none read invalid"
+            return f"{head}; first invalid: {seen[bad]}; the 4 before: {seen[max(0, bad - 4) : bad]}"
+
+    return Trace()
 
 
 def worker(rank: int, port: int, name: str, out: str, world: int, dry: bool) -> None:
