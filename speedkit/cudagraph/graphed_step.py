@@ -232,11 +232,8 @@ class GraphedStep(StepWrapper):
         torch.cuda.reset_peak_memory_stats(self.inner.device)  # captures happen in warm-up, not timed windows
         try:
             # thread_local: a loader's pin-memory thread may allocate pinned memory meanwhile (global
-            # mode fails that thread's call and the capture); this thread's own unsafe calls still fail it.
-            # On the warm-up steps' stream: under DDP the step's autograd state outlives an iteration
-            # (DDP keeps the gradient accumulators), and the capture then meets the stream it warmed up on
-            capture = torch.cuda.graph(graph, stream=self._side_stream(), capture_error_mode="thread_local")
-            with self.inner.capture() as logs, capture:
+            # mode fails that thread's call and the capture); this thread's own unsafe calls still fail it
+            with self.inner.capture() as logs, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self.inner.compute([static], batch_idx)
             self._record_captured_state()  # the rates still tensors: not among the numbers baked in
         except Exception as exc:
