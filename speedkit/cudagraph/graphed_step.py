@@ -475,7 +475,9 @@ class GraphedStep(StepWrapper):
         if self.stopped is not None or batch is None or self.inner.accumulate != 1:
             return original(optimizer, batch_idx, kwargs)
         if not self._ready():
-            return self._warm([batch], batch_idx, run=lambda: original(optimizer, batch_idx, kwargs))
+            checked = self._eager_needed == 1 and not self._checked
+            run = (lambda: self._fit_step_as_captured(original, optimizer, batch_idx, kwargs)) if checked else None
+            return self._warm([batch], batch_idx, run=run or (lambda: original(optimizer, batch_idx, kwargs)))
         static = self._buffers(batch, batch_idx)
         if static is None:
             return original(optimizer, batch_idx, kwargs)
@@ -484,6 +486,20 @@ class GraphedStep(StepWrapper):
         with compat.lightning_logging_as(self.inner.model, "training_step"):
             self.inner.emit(self.logs, static)
         return {"loss": self.static_loss.clone()}
+
+    def _fit_step_as_captured(self, original: Callable[..., Any], optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+        """Lightning's own step with its ``self.log`` calls recorded and made after it, as the capture
+        and its replays make them: the warm-up step checked before a capture. A compiled
+        ``training_step`` (under DDP, Lightning's forward redirection compiles the whole of it) then
+        meets the recording in this eager step: torch.compile guards on the module's ``log`` and
+        compiles again when it changes, which inside the capture fails it ("operation failed due to a
+        previous error during capture", seen with the compiled GPT-2 on 2 GPUs)."""
+        logs: list[LogCall] = []
+        with compat.recording_logs(self.inner.model, logs):
+            out = original(optimizer, batch_idx, kwargs)
+        with compat.lightning_logging_as(self.inner.model, "training_step"):
+            self.inner.emit(logs, kwargs.get("batch"))
+        return out
 
 
 #: what a capture's error means, where torch's own message does not say it: (words of the error, why)
