@@ -4,6 +4,7 @@ applicability, and the handle changes that stay on while a rung is suspended."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -792,3 +793,52 @@ def test_a_graph_captured_before_a_change_in_place_is_captured_again_and_switche
         graphed._eager_needed = 0
         assert graphed._ready() and graphed.graph is not None
     assert not graphed._ready() and graphed.graph is None and reset == [1, 2]  # the rates back: captured again
+
+
+def test_a_fits_checked_warm_up_step_records_its_logs_as_the_capture_does(monkeypatch):
+    """In a fit, the warm-up step checked before the capture runs Lightning's own step with ``self.log``
+    recorded (as the capture records it) and made after it, once each; the other warm-up steps log as
+    Lightning does. A compiled ``training_step`` (all of it, under DDP) guards on the module's ``log``:
+    meeting the recording first inside the capture compiled it again there, which failed the capture."""
+    from speedkit.cudagraph import graphed_step
+    from speedkit.cudagraph.graphed_step import GraphedStep
+
+    class _StandIn:  # a CUDA stream: what the CPU run needs of it
+        device = None
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _StandIn())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(graphed_step, "find_syncs", lambda run: (run(), []))
+    monkeypatch.setattr(graphed_step, "find_host_draws", lambda run, locate=True: (run(), []))
+
+    model = _Base()
+    made: list[tuple[str, float, str | None]] = []  # name, value, the hook Lightning would see
+    monkeypatch.setattr(
+        type(model), "log", lambda self, name, value, **kw: made.append((name, float(value), self._current_fx_name))
+    )
+
+    class Logging(PlainStep):  # makes recorded log calls on the module, as LightningStep.emit does
+        def emit(self, logs, batch) -> None:
+            for args, kwargs, _ in logs:
+                model.log(*args, **kwargs)
+
+    step = Logging(model.net, torch.optim.SGD(model.net.parameters(), lr=0.1), "cpu", loss_fn=lambda m, b, i: m(b).sum())
+    step.model = model
+    graphed = GraphedStep(step, warmup=2)
+    monkeypatch.setattr(graphed, "_side_stream", lambda: _StandIn())
+    recording: list[bool] = []
+
+    def lightning_step(optimizer, batch_idx, kwargs):  # Lightning's own step, logging from training_step
+        recording.append("log" in model.__dict__)
+        model.log("train_loss", torch.tensor(float(batch_idx)))
+        return {"loss": torch.tensor(1.0)}
+
+    for i in range(2):
+        out = graphed._fit_step(None, lightning_step, None, i, {"batch": torch.ones(2, 4)})
+        assert out == {"loss": torch.tensor(1.0)}
+    assert recording == [False, True]  # the second warm-up step is the checked one
+    assert made == [("train_loss", 0.0, None), ("train_loss", 1.0, "training_step")]
+    assert "log" not in model.__dict__ and graphed.eager_steps == 2 and graphed._checked
