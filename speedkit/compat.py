@@ -1000,3 +1000,20 @@ def ddp_forwards_before_capture(ddp: Any) -> int:
         setter(_DDP_NO_SAMPLING)
     logged = ddp._get_ddp_logging_data().get("iteration", 0) if hasattr(ddp, "_get_ddp_logging_data") else 0
     return max(0, _DDP_TIMED_FIRST_ITERATIONS - int(logged))
+
+
+def ddp_static_graph_pending(ddp: Any) -> bool:
+    """Whether ``ddp`` is a ``DistributedDataParallel`` made with ``static_graph=True`` whose first
+    iteration (the one whose autograd hooks it records as the graph) has not run through it yet. A
+    backward through its parameters that bypasses its forward before then (speedkit's guarded steps
+    call the module beneath it and average gradients by hand) leaves it all-reducing nothing in
+    later iterations: every rank then steps on its own gradients (seen with torch 2.14 over gloo).
+    Read from DDP's private flag that its first backward sets; where a torch lacks the flag, from
+    its logged iteration count."""
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or not getattr(ddp, "static_graph", False):
+        return False
+    enqueued = getattr(ddp, "_static_graph_delay_allreduce_enqueued", None)
+    if enqueued is not None:
+        return not enqueued
+    logged = ddp._get_ddp_logging_data().get("iteration", 0) if hasattr(ddp, "_get_ddp_logging_data") else 0
+    return int(logged) == 0

@@ -138,8 +138,8 @@ def _callbacks():
         """Applies ``specs`` on the LightningStep once Lightning wrapped the model (as trials do); after
         optimizer step ``toggle_at`` suspends and resumes them, after ``undo_at`` undoes them."""
 
-        def __init__(self, specs, toggle_at, undo_at):
-            self.specs, self.toggle_at, self.undo_at = specs, toggle_at, undo_at
+        def __init__(self, specs, toggle_at, undo_at, guarded=0):
+            self.specs, self.toggle_at, self.undo_at, self.guarded = specs, toggle_at, undo_at, guarded
             self.events: list = []
 
         def on_train_start(self, trainer, pl_module):
@@ -153,6 +153,10 @@ def _callbacks():
                 self.handles.append(rung.apply(state))
             self.wrapped = _describe(trainer.strategy.model)
             self.events.append(("applied", trainer.strategy.model is not self.original, state.precision))
+            g = torch.Generator().manual_seed(100 + trainer.global_rank)  # each rank its own batches
+            with step.guarded():  # as the trials' parity steps run, before the fit's first step
+                for i in range(self.guarded):
+                    step([(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))], i)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps = trainer.global_step
@@ -178,7 +182,9 @@ def _callbacks():
     return Record, AfterWrap
 
 
-def _fit(accelerator: str, *, specs=(), after=None, strategy=None, max_steps: int = STEPS, accumulate: int = 1) -> dict:
+def _fit(
+    accelerator: str, *, specs=(), after=None, strategy=None, max_steps: int = STEPS, accumulate: int = 1, guarded: int = 0
+) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     from speedkit.lightning import SpeedLadder
@@ -193,7 +199,7 @@ def _fit(accelerator: str, *, specs=(), after=None, strategy=None, max_steps: in
     ladder = SpeedLadder(rungs=list(specs), trials=False) if specs else None
     if ladder is not None:
         callbacks.append(ladder)
-    after_wrap = AfterWrap(after, toggle_at=1, undo_at=3) if after else None
+    after_wrap = AfterWrap(after, toggle_at=1, undo_at=3 if not guarded else -1, guarded=guarded) if after else None
     if after_wrap is not None:
         callbacks.append(after_wrap)
     trainer = pl.Trainer(
@@ -237,6 +243,8 @@ def knob_fits(rank: int, port: int, accelerator: str, out: str) -> None:
         results[spec if isinstance(spec, str) else spec["name"]] = _fit(accelerator, specs=[spec])
     results["after_exact"] = _fit(accelerator, after=["ddp_bucket_view", "ddp_static_graph", SMALL_BUCKET])
     results["after_bf16"] = _fit(accelerator, after=["ddp_bf16_compress"])
+    # a static-graph wrapper made after Lightning's, then guarded steps (trials' parity steps) before its first
+    results["static_after_guarded"] = _fit(accelerator, after=["ddp_static_graph"], guarded=2)
     # with gradient accumulation (DDP's no_sync on the first micro-batch of each step)
     results["base_accumulating"] = _fit(accelerator, accumulate=2)
     results["accumulating"] = _fit(accelerator, specs=["ddp_bucket_view", SMALL_BUCKET], accumulate=2)
@@ -324,7 +332,9 @@ def _assert_knobs(ranks: list[dict], exact) -> None:
         KNOBS, "the run's strategy does not wrap the model in DistributedDataParallel (DDP knobs need strategy='ddp')"
     )
     # the ranks trained the same model
-    for name in ["base", *KNOBS, "after_exact", "after_bf16"]:
+    # a static-graph wrapper whose first iteration came after guarded steps all-reduces in every step after it
+    assert r0["static_after_guarded"]["after"][0]["static_graph"] is True
+    for name in ["base", *KNOBS, "after_exact", "after_bf16", "static_after_guarded"]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"])), name
 
 

@@ -132,7 +132,8 @@ class LightningStep(Step):
         n = len(batches)
         losses: list[torch.Tensor] = []
         every_micro = getattr(self.strategy, "handles_gradient_accumulation", False)
-        guard = self._guarded and self.world_size() > 1
+        # a static-graph DDP wrapper's first iteration runs through it, unguarded (see compat)
+        guard = self._guarded and self.world_size() > 1 and not compat.ddp_static_graph_pending(self.strategy.model)
         for k, batch in enumerate(batches):
             idx = batch_idx * n + k
 
