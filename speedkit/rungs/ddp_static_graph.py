@@ -13,9 +13,8 @@ changed in this iteration" at the first step that differs. A strategy with
 accumulation: under ``no_sync`` a static graph fails on its first step or silently stops all-reducing
 (pytorch/pytorch#143580).
 Numerics: unchanged. The same sums; the first step's all-reduce runs after its backward.
-In trials, the new wrapper's first step runs through DDP even inside guarded parity steps: a backward
-beside it before then (the guarded step calls the module beneath DDP) leaves it all-reducing nothing
-in later steps, each rank stepping on its own gradients (``compat.ddp_static_graph_pending``).
+In trials its first step runs through DDP even inside guarded parity steps: a backward beside DDP
+before then leaves it all-reducing nothing later (``compat.ddp_static_graph_pending``).
 """
 
 from __future__ import annotations
