@@ -345,9 +345,10 @@ def test_a_closure_run_inside_optimizer_step_keeps_its_own_categories():
     window = profile_window(ClosureStep(), steps=3, warmup=1, label="closure", device=torch.device("cpu"))
     b = window.breakdown_ms
     assert b["gemm"] > 0 and b["loss"] > 0 and b["optimizer"] > 0
-    # the update alone is the optimizer's: not the forward's and backward's GEMMs
-    assert b["optimizer"] < b["gemm"] + b["loss"] + b["elementwise"] + b["other"]
-    assert all(op["category"] != "optimizer" for op in window.top_ops if op["name"] in ("aten::mm", "aten::addmm"))
+    # the update alone is the optimizer's: the forward's and backward's GEMMs, run by the closure inside
+    # optimizer.step, keep their own category (read from the ops, not from a comparison of CPU times)
+    gemms = [op for op in window.top_ops if op["name"] in ("aten::mm", "aten::addmm")]
+    assert gemms and all(op["category"] == "gemm" for op in gemms), gemms
 
 
 @pytest.fixture(scope="module")
