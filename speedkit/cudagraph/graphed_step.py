@@ -475,9 +475,14 @@ class GraphedStep(StepWrapper):
         if self.stopped is not None or batch is None or self.inner.accumulate != 1:
             return original(optimizer, batch_idx, kwargs)
         if not self._ready():
-            checked = self._eager_needed == 1 and not self._checked
-            run = (lambda: self._fit_step_as_captured(original, optimizer, batch_idx, kwargs)) if checked else None
-            return self._warm([batch], batch_idx, run=run or (lambda: original(optimizer, batch_idx, kwargs)))
+            checked = self._eager_needed == 1 and not self._checked  # the warm-up step checked before the capture
+
+            def run() -> Any:
+                if checked:
+                    return self._fit_step_as_captured(original, optimizer, batch_idx, kwargs)
+                return original(optimizer, batch_idx, kwargs)
+
+            return self._warm([batch], batch_idx, run=run)
         static = self._buffers(batch, batch_idx)
         if static is None:
             return original(optimizer, batch_idx, kwargs)
