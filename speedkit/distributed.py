@@ -76,6 +76,35 @@ def mean(values: Sequence[float]) -> list[float]:
     return [v / world_size() for v in _reduce(values, torch.distributed.ReduceOp.SUM)]
 
 
+def all_ranks_on_host(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank, agreed over :func:`host_group` (a MIN all-reduce of one
+    number on the CPU): the host never waits on a device stream, as an all-reduce over the NCCL default
+    group would (``.item()`` there waits for the GPU's queued work)."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=host_group())
+    return bool(t.item())
+
+
+#: (the default group it was made for, a gloo group over the same ranks): see host_group
+_HOST_GROUP: list[Any] = [None, None]
+
+
+def host_group() -> Any:
+    """A process group over the default group's ranks whose collectives run on the host (gloo): the
+    default group itself where it is gloo, else one made on the first call for this default group.
+    Making it is a collective: every rank makes that first call at the same point (where its caller
+    agrees anyway, e.g. a CUDA graph's capture)."""
+    dist = torch.distributed
+    if dist.get_backend() == "gloo":
+        return None  # the default group
+    world = dist.group.WORLD
+    if _HOST_GROUP[0] is not world:
+        _HOST_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _HOST_GROUP[1]
+
+
 def gather(obj: T) -> list[T]:
     """Every rank's ``obj`` (picklable), in rank order, on every rank."""
     if world_size() == 1:

@@ -19,6 +19,7 @@ from torch import nn
 from speedkit import compat
 from speedkit.cudagraph import graphed_step
 from speedkit.cudagraph.graphed_step import GraphedStep
+from speedkit.data.static import StaticBatch
 from speedkit.training.step import PlainStep, StepWrapper
 
 
@@ -91,6 +92,18 @@ class Planted(GraphedStep):
         return batch
 
 
+class PlantedWithBuffers(Planted):
+    """A planted capture that also sets up static batch buffers, so later steps replay (stood in for)."""
+
+    def _capture_here(self, batch, batch_idx):
+        if super()._capture_here(batch, batch_idx) is None:
+            return None
+        self.static = StaticBatch(batch)
+        self._record_captured_state()  # what the graph depends on, as a real capture records it
+        self._captured_at = graphed_step.in_place_changes()
+        return self.static.fill(batch)
+
+
 def _steps(step: GraphedStep, n: int) -> None:
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     for i in range(n):
@@ -144,6 +157,18 @@ def _worker(rank: int, port: int, out: str) -> None:
     _steps(current, 3)
     seen["both"] = {"capture_at": current.capture_at, "stopped": current.stopped, "replays": current.replays}
     seen["both_sync_fixed"] = current.gradient_sync_fixed()  # the ladder's scaling phase is not measured then
+    # rank 1's batch at step 4 does not fit its buffers (shorter): every rank steps eagerly there
+    current = PlantedWithBuffers(DDPLike(plain(), forwards=40), fails_here=False)
+    for i in range(6):
+        rows = 3 if rank == 1 and i == 4 else 4
+        x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(i))
+        current([(x, x.sum(1, keepdim=True))], i)
+    seen["shapes"] = {
+        "replays": current.replays,
+        "eager_for_other_ranks": current.eager_for_other_ranks,
+        "refused": current.static.refused,
+        "counts": current.counts(),
+    }
     # DDP's own count, as compat reads it off a real wrapper (gloo, CPU)
     ddp = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
     counts = []
@@ -177,6 +202,11 @@ def test_ranks_warm_up_past_ddps_first_iterations_and_agree_on_check_and_capture
         assert seen["both"] == {"capture_at": [42], "stopped": None, "replays": 1}, seen["both"]
         assert seen["ddp_counts"] == [10, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0], seen["ddp_counts"]
         assert seen["lightning"] == 0
+    # replays at the capture (step 2) and steps 3 and 5; step 4 eager on both ranks
+    assert [seen["shapes"]["replays"] for seen in ranks] == [3, 3], [seen["shapes"] for seen in ranks]
+    assert (ranks[0]["shapes"]["eager_for_other_ranks"], ranks[0]["shapes"]["refused"]) == (1, 0)
+    assert (ranks[1]["shapes"]["eager_for_other_ranks"], ranks[1]["shapes"]["refused"]) == (0, 1)
+    assert ranks[0]["shapes"]["counts"]["eager_for_other_ranks"] == 1
     assert ranks[1]["fresh"]["stopped"] == "capture failed: planted"
     assert ranks[0]["fresh"]["stopped"] == "on rank 1: capture failed: planted"
     assert ranks[1]["warm"]["stopped"] == "the step syncs with the host: loss.item() at step.py:1 (planted)"

@@ -94,6 +94,8 @@ class GraphedStep(StepWrapper):
         self._oom_capture_parts: int | None = None  # the split a capture last ran out of memory at
         self.replays = 0
         self.eager_steps = 0
+        #: batches that fit here but ran eagerly because another rank's did not fit its buffers
+        self.eager_for_other_ranks = 0
         self._eager_needed = self.warmup
         self._checked = False
         self._state_ids: list[tuple[Any, str, int]] = []
@@ -138,7 +140,20 @@ class GraphedStep(StepWrapper):
         the batch must run another way (it does not fit, or the capture stopped the graph)."""
         if self.graph is None:
             return self._capture(batch, batch_idx)
-        return self.static.fill(batch) if self.static is not None else None
+        if self.static is None:
+            return None
+        if self.inner.world_size() > 1:
+            # every rank replays or none does (a rank replaying while another steps eagerly would issue
+            # other collectives): a batch another rank cannot fit its buffers with (sequences padded per
+            # batch) runs eagerly everywhere. Agreed on the host, without waiting for the GPU.
+            fits = self.static.fits(batch) is None
+            if not distributed.all_ranks_on_host(fits):
+                if fits:
+                    self.eager_for_other_ranks += 1
+                else:
+                    self.static.fill(batch)  # None: it counts this rank's own refusal
+                return None
+        return self.static.fill(batch)
 
     def _eager(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         self.eager_steps += 1
@@ -432,6 +447,11 @@ class GraphedStep(StepWrapper):
             )
         if self.static is not None:
             lines.append(self.static.report())
+        if self.eager_for_other_ranks:
+            lines.append(
+                f"{self.eager_for_other_ranks} batches that fit the buffers ran eagerly: another rank's batch "
+                "did not fit its own (every rank replays the same steps)"
+            )
         if self.logs:
             lines.append(f"self.log calls made after each replay: {len(self.logs)}")
         lines += self.capture_notes
@@ -442,7 +462,13 @@ class GraphedStep(StepWrapper):
     def counts(self) -> dict[str, Any]:
         """:meth:`report`'s counts, for a program: captures, replayed and eager steps, and why the graph
         stopped (None while it has not)."""
-        return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager_steps, "stopped": self.stopped}
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "eager_steps": self.eager_steps,
+            "eager_for_other_ranks": self.eager_for_other_ranks,
+            "stopped": self.stopped,
+        }
 
     # -- a Lightning fit -------------------------------------------------------------------------
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
@@ -452,7 +478,9 @@ class GraphedStep(StepWrapper):
         self.reset()
         self.stopped = None
         self.capture_notes, self._oom_capture_parts = [], None
-        self.captures = self.replays = self.eager_steps = 0  # the fit's own, apart from the trials' (reported then)
+        self.captures = self.replays = self.eager_steps = self.eager_for_other_ranks = (
+            0  # the fit's own, apart from the trials' (reported then)
+        )
 
         def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
             return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)

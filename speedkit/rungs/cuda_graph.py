@@ -39,7 +39,8 @@ events it syncs on; its later sampling is switched off on the wrapper), the warm
 capture run DDP's step even inside guarded parity steps, and the ranks then agree: a check or capture
 that failed on one rank stops the graph on every rank with that rank's reason (nothing ran on the
 device; a capture executes nothing, so no rank waits inside an all-reduce). Every rank replays the
-same steps: DistributedSampler gives each rank batches of the same shapes.
+same steps: before each replay the ranks agree on the host (a gloo group, no wait for the GPU) that
+every batch fits its buffers; where one does not (sequences padded per batch), every rank steps eagerly.
 """
 
 from __future__ import annotations
