@@ -49,6 +49,18 @@ class Logged(pl.LightningModule):
         return DataLoader(data, batch_size=16)
 
 
+class Ragged(Logged):
+    """Batches of 16 on both ranks, except rank 1's 4th of every 10, of 12: a batch the graph's buffers
+    do not fit on one rank only (as sequences padded per batch give); no DistributedSampler."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(2 + self.trainer.global_rank)
+        data = TensorDataset(torch.randn(160, 32, generator=g), torch.randint(0, 10, (160,), generator=g))
+        sizes = [12 if self.trainer.global_rank == 1 and i % 10 == 3 else 16 for i in range(10)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return DataLoader(data, batch_sampler=[list(range(a, a + n)) for a, n in zip(starts, sizes)])
+
+
 class Saver(pl.Callback):
     """Each rank's losses, parameters, the graph's report and the ladder's decisions."""
 
@@ -72,9 +84,7 @@ class Saver(pl.Callback):
             {
                 "losses": self.losses,
                 "params": [p.detach().cpu().clone() for p in pl_module.parameters()],
-                "graph": None
-                if step is None
-                else {"replays": step.replays, "captures": step.captures, "stopped": step.stopped, "report": step.report()},
+                "graph": None if step is None else {**step.counts(), "report": step.report()},
                 "decisions": {r.name: (r.status, r.reason) for r in result.rungs} if result else None,
                 "kept": ladder.applied if ladder is not None else None,
             },
@@ -83,8 +93,9 @@ class Saver(pl.Callback):
 
 
 def ddp_graph_fit(out: str, mode: str) -> None:
-    """A 2-GPU DDP fit of ``Logged``: ``plain`` (no speedkit), ``given`` (the graph from the fit's start), or
-    ``trials`` (SpeedLadder's trials of ddp_static_graph, which swaps DDP's wrapper, then the graph)."""
+    """A 2-GPU DDP fit of ``Logged``: ``plain`` (no speedkit), ``given`` (the graph from the fit's start),
+    ``trials`` (SpeedLadder's trials of ddp_static_graph, which swaps DDP's wrapper, then the graph), or
+    ``ragged`` / ``ragged_plain`` (``Ragged``'s batches, with the graph from the start / without speedkit)."""
     from speedkit.lightning import SpeedLadder
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -92,6 +103,8 @@ def ddp_graph_fit(out: str, mode: str) -> None:
     ladder = {
         "plain": [],
         "given": [SpeedLadder(rungs=["cuda_graph"])],
+        "ragged": [SpeedLadder(rungs=["cuda_graph"])],
+        "ragged_plain": [],
         "trials": [
             SpeedLadder(
                 rungs=["ddp_static_graph", "cuda_graph"],
@@ -112,8 +125,9 @@ def ddp_graph_fit(out: str, mode: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[*ladder, Saver(out)],
+        use_distributed_sampler=not mode.startswith("ragged"),
     )
-    trainer.fit(Logged())
+    trainer.fit(Ragged() if mode.startswith("ragged") else Logged())
 
 
 def _fit(tmp_path: Path, mode: str) -> list[dict]:
@@ -163,3 +177,19 @@ def test_trials_of_a_graph_over_a_swapped_ddp_wrapper_decide_alike_on_both_ranks
         graphs = [saved["graph"] for saved in ranks]
         assert all(g is not None and g["stopped"] is None and g["replays"] > 0 for g in graphs), graphs
         assert graphs[0]["replays"] == graphs[1]["replays"], graphs
+
+
+def test_a_batch_one_rank_cannot_replay_runs_eagerly_on_every_rank(tmp_path):
+    """Rank 1's every 10th-plus-4th batch is shorter: both ranks step eagerly there (agreed on the host
+    before each replay), replay the others in step, and train as the same fit without speedkit."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    ranks, plain = _fit(tmp_path, "ragged"), _fit(tmp_path, "ragged_plain")
+    graphs = [saved["graph"] for saved in ranks]
+    assert all(g is not None and g["stopped"] is None and g["captures"] == 1 for g in graphs), graphs
+    assert graphs[0]["replays"] == graphs[1]["replays"] > 0, graphs
+    assert graphs[0]["eager_for_other_ranks"] >= 2 and graphs[1]["eager_for_other_ranks"] == 0, graphs
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
+    for saved, base in zip(ranks, plain):
+        for a, b in zip(saved["losses"], base["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (saved["losses"], base["losses"])
