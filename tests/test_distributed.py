@@ -72,6 +72,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             return "stopped working" if rank == 0 else None
 
     seen["problem"] = agreed_problem(StoppedOnRank0())
+    seen["host"] = [distributed.all_ranks_on_host(rank == 0), distributed.all_ranks_on_host(True)]
+    real = torch.distributed.get_backend
+    torch.distributed.get_backend = lambda group=None: "nccl"  # as under NCCL: a gloo group of its own is made
+    try:
+        seen["host_made"] = [distributed.all_ranks_on_host(rank == 1), distributed.all_ranks_on_host(True)]
+        seen["host_group"] = distributed.host_group() is not None and distributed.host_group() is distributed.host_group()
+    finally:
+        torch.distributed.get_backend = real
     seen["after"] = distributed.gather(rank)  # the ranks are still in step after it
     torch.save(seen, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -92,6 +100,8 @@ def test_agreements_on_two_ranks(tmp_path):
     assert r0["apply"] == "RankFailed: rank 1: ValueError: planted" and r1["apply"] == "ValueError: planted"
     assert r0["undone"] == [True]  # applied on rank 0, undone there when rank 1 failed
     assert r0["problem"] == "stopped working" and r1["problem"] == "on rank 0: stopped working"
+    assert r0["host"] == r1["host"] == [False, True]  # agreed on the host: every rank, or not
+    assert r0["host_made"] == r1["host_made"] == [False, True] and r0["host_group"] and r1["host_group"]
     assert r0["after"] == r1["after"] == [0, 1]
 
 
@@ -99,5 +109,6 @@ def test_one_process_is_a_no_op():
     assert distributed.world_size() == 1 and distributed.rank() == 0
     assert distributed.largest([3.0]) == [3.0] and distributed.mean([2.0]) == [2.0]
     assert distributed.gather("x") == ["x"] and distributed.broadcast(5) == 5
+    assert distributed.all_ranks_on_host(False) is False and distributed.all_ranks_on_host(True) is True
     clock = lambda: 7.0  # noqa: E731
     assert distributed.agreed_clock(clock) is clock
