@@ -142,18 +142,18 @@ class GraphedStep(StepWrapper):
             return self._capture(batch, batch_idx)
         if self.static is None:
             return None
-        if self.inner.world_size() > 1:
-            # every rank replays or none does (a rank replaying while another steps eagerly would issue
-            # other collectives): a batch another rank cannot fit its buffers with (sequences padded per
-            # batch) runs eagerly everywhere. Agreed on the host, without waiting for the GPU.
-            fits = self.static.fits(batch) is None
-            if not distributed.all_ranks_on_host(fits):
-                if fits:
-                    self.eager_for_other_ranks += 1
-                else:
-                    self.static.fill(batch)  # None: it counts this rank's own refusal
-                return None
-        return self.static.fill(batch)
+        reason = self.static.fits(batch)
+        # across several processes every rank replays or none does (a rank replaying while another steps
+        # eagerly would issue other collectives): a batch another rank cannot fit its buffers with
+        # (sequences padded per batch) runs eagerly everywhere. Agreed on the host, without waiting for
+        # the GPU; one process: this batch alone decides
+        if distributed.all_ranks_on_host(reason is None):
+            return self.static.copy_in(batch)
+        if reason is None:
+            self.eager_for_other_ranks += 1
+        else:
+            self.static.refuse(reason)
+        return None
 
     def _eager(self, batches: Sequence[Any], batch_idx: int) -> torch.Tensor:
         self.eager_steps += 1

@@ -60,9 +60,17 @@ class StaticBatch:
         """Copy ``batch`` into the buffers and return them; None (and counted) when it does not fit."""
         reason = self.fits(batch)
         if reason is not None:
-            self.refused += 1
-            self.refused_reason = self.refused_reason or reason
+            self.refuse(reason)
             return None
+        return self.copy_in(batch)
+
+    def refuse(self, reason: str) -> None:
+        """Count a batch that runs outside the buffers, ``reason`` being :meth:`fits`' answer."""
+        self.refused += 1
+        self.refused_reason = self.refused_reason or reason
+
+    def copy_in(self, batch: Any) -> Any:
+        """Copy ``batch``, which :meth:`fits`, into the buffers and return them."""
         sources = [t for t in batch_leaves(batch) if isinstance(t, torch.Tensor)]
         for buffer, source in zip(self._buffers, sources):
             if buffer is not source:
