@@ -998,8 +998,13 @@ def ddp_forwards_before_capture(ddp: Any) -> int:
     setter = getattr(ddp, "_set_ddp_runtime_logging_sample_rate", None)
     if setter is not None:
         setter(_DDP_NO_SAMPLING)
+    return max(0, _DDP_TIMED_FIRST_ITERATIONS - _ddp_logged_iterations(ddp))
+
+
+def _ddp_logged_iterations(ddp: Any) -> int:
+    """The iterations ``ddp``'s reducer has logged (0 where this torch does not log them)."""
     logged = ddp._get_ddp_logging_data().get("iteration", 0) if hasattr(ddp, "_get_ddp_logging_data") else 0
-    return max(0, _DDP_TIMED_FIRST_ITERATIONS - int(logged))
+    return int(logged)
 
 
 def ddp_static_graph_pending(ddp: Any) -> bool:
@@ -1015,5 +1020,4 @@ def ddp_static_graph_pending(ddp: Any) -> bool:
     enqueued = getattr(ddp, "_static_graph_delay_allreduce_enqueued", None)
     if enqueued is not None:
         return not enqueued
-    logged = ddp._get_ddp_logging_data().get("iteration", 0) if hasattr(ddp, "_get_ddp_logging_data") else 0
-    return int(logged) == 0
+    return _ddp_logged_iterations(ddp) == 0
