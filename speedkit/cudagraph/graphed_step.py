@@ -478,9 +478,8 @@ class GraphedStep(StepWrapper):
         self.reset()
         self.stopped = None
         self.capture_notes, self._oom_capture_parts = [], None
-        self.captures = self.replays = self.eager_steps = self.eager_for_other_ranks = (
-            0  # the fit's own, apart from the trials' (reported then)
-        )
+        # the fit's own counts, apart from the trials' (reported then)
+        self.captures = self.replays = self.eager_steps = self.eager_for_other_ranks = 0
 
         def run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
             return self._fit_step(trainer, original, optimizer, batch_idx, kwargs)
