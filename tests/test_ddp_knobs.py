@@ -156,7 +156,8 @@ def _callbacks():
             g = torch.Generator().manual_seed(100 + trainer.global_rank)  # each rank its own batches
             with step.guarded():  # as the trials' parity steps run, before the fit's first step
                 for i in range(self.guarded):
-                    step([(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))], i)
+                    batch = (torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+                    step([tuple(t.to(pl_module.device) for t in batch)], i)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps = trainer.global_step
