@@ -70,6 +70,10 @@ class Handle:
             was suspended, for a change that holds what it wrapped by value (a captured CUDA graph).
         settle_steps: steps the change needs after a rebase before its steps are representative
             (e.g. an eager warm-up step and the capture).
+        steps_before_effect: returns how many steps the change still needs, beyond the warm-up a
+            parity trajectory holds, before it acts in a step (a CUDA graph on a DDP wrapper made in
+            the trials: the wrapper's first iterations, which sync with the host, before a capture);
+            the parity check runs them first and restores its snapshot after. 0 by default.
         rewrite: what a source-rewriting rung rewrote and left alone
             (:class:`speedkit.rewrite.pipeline.RewriteReport`); None for other rungs.
     """
@@ -86,6 +90,7 @@ class Handle:
         self.draws_differently = False
         self.rebase: Callable[[], None] = lambda: None
         self.settle_steps = 0
+        self.steps_before_effect: Callable[[], int] = lambda: 0
         self.rewrite: Any = None
 
     def record(

@@ -211,3 +211,37 @@ def test_ranks_warm_up_past_ddps_first_iterations_and_agree_on_check_and_capture
     assert ranks[0]["fresh"]["stopped"] == "on rank 1: capture failed: planted"
     assert ranks[1]["warm"]["stopped"] == "the step syncs with the host: loss.item() at step.py:1 (planted)"
     assert ranks[0]["warm"]["stopped"] == "on rank 1: the step syncs with the host: loss.item() at step.py:1 (planted)"
+
+
+def test_the_steps_a_parity_trajectory_runs_first_leave_it_the_warm_up_the_capture_and_a_replay(monkeypatch):
+    """A graph on a DDP wrapper made in the trials (a ddp_* knob): the parity check runs the steps the
+    graph says it still needs (asked again after each, as DDP logs one behind), and the 4-step
+    trajectory after them then holds a warm-up step, the checked one, the capture and a replay, as
+    on a wrapper past its first iterations. One process, CUDA's stream calls stood in for."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _StandIn())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    checked_at: list[int] = []
+
+    def find_syncs(run):
+        checked_at.append(step.inner.forwards + 1)
+        return run(), []
+
+    monkeypatch.setattr(graphed_step, "find_syncs", find_syncs)
+    monkeypatch.setattr(graphed_step, "find_host_draws", lambda run, locate=True: (run(), []))
+    model = nn.Linear(3, 1)
+    mse = lambda m, batch, i: nn.functional.mse_loss(m(batch[0]), batch[1])  # noqa: E731
+    step = PlantedWithBuffers(DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse)), False)
+    needs = []
+    while (need := step.steps_before_effect()) > 0:  # as ParityCheck._ready_changes asks before each step
+        needs.append(need)
+        _steps(step, 1)
+    assert needs == [9, 9, 8, 7, 6, 5, 4, 3, 2, 1], needs  # the first forward does not show in DDP's log yet
+    assert step.inner.forwards == 10 and step.graph is None
+    _steps(step, 4)  # the trajectory
+    # steps 11 (warm-up) and 12 (checked) eager, 13 captured (after 12 forwards), 14 replayed
+    assert checked_at == [12] and step.capture_at == [12], (checked_at, step.capture_at)
+    assert step.replays == 2 and step.steps_before_effect() == 0  # the capture's step and the one after it
+
+    # a wrapper past its first iterations needs nothing first
+    fresh = PlantedWithBuffers(DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse), forwards=40), False)
+    assert fresh.steps_before_effect() == 0

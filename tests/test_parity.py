@@ -25,6 +25,7 @@ from speedkit.handle import Handle, set_attr
 from speedkit.rungs import make as get_rung
 from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState
+from speedkit.training.step import StepWrapper
 
 #: judge parity; spend as little as possible on timing
 QUICK = {
@@ -431,3 +432,49 @@ def test_dropout_off_reaches_the_rates_models_pass_to_kernels_themselves():
         a = model(input_ids=ids, labels=ids).loss
         b = model(input_ids=ids, labels=ids).loss
     assert torch.equal(a, b)
+
+
+# -- a change that acts only after steps of its own ------------------------------------------------
+
+
+class _Ripening(StepWrapper):
+    """The step, unchanged in what it computes, whose change acts only after ``needs`` steps of its
+    own, as a CUDA graph on a DDP wrapper made in the trials captures only after the wrapper's first
+    iterations; it counts the steps in which it acted."""
+
+    def __init__(self, inner, needs: int) -> None:
+        super().__init__(inner)
+        self.needs, self.taken, self.acted = needs, 0, 0
+
+    def __call__(self, batches, batch_idx):
+        self.taken += 1
+        self.acted += self.taken > self.needs
+        return self.inner(batches, batch_idx)
+
+
+class RipeningRung(Rung):
+    name = "ripening"
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        step = _Ripening(state.step, needs=6)
+        set_attr(handle, state, "step", step, "the step wrapped")
+        handle.steps_before_effect = lambda: max(0, step.needs - step.taken)
+        handle.problem = lambda: None if step.acted else "it never acted in a step"
+        self.step = step
+        return handle
+
+
+def test_a_change_that_needs_steps_before_it_acts_is_judged_on_a_trajectory_where_it_acts(monkeypatch):
+    """The parity check runs the steps a change still needs first, then restores its snapshot: the
+    trajectory judged is the change acting in every step, and the steps before it leave no trace
+    (the weights, SGD's momentum and the cosine schedule restored: the losses are bit-identical)."""
+    _keep_every_rung(monkeypatch)
+    model, optimizer, batches, scheduler = _convnet()
+    rung = RipeningRung()
+    _, result = _ladder(model, optimizer, batches, [rung], scheduler)
+    entry = _entry(result, "ripening")
+    assert entry.status == "kept", entry.reason
+    assert entry.parity.passed and entry.parity.max_rel_diff == 0.0, entry.parity
+    # 6 steps first, then every parity step and every timed one acted
+    assert rung.step.acted == rung.step.taken - 6 >= QUICK["parity_steps"], (rung.step.taken, rung.step.acted)

@@ -130,10 +130,24 @@ class GraphedStep(StepWrapper):
             self._drop()
         if self.graph is not None:
             return True
+        return self.eager_steps_before_capture() <= 0
+
+    def eager_steps_before_capture(self) -> int:
+        """The eager warm-up steps still due before the graph is captured (0: captured, stopped, or
+        the next step captures): the configured warm-up, or more where the step's own machinery needs
+        them first (DDP: its wrapper's first iterations, then one checked step after them)."""
+        if self.graph is not None or self.stopped is not None:
+            return 0
         machinery = self.inner.prepare_capture()
         if machinery > 0:
             self._eager_needed = max(self._eager_needed, machinery + (0 if self._checked else 1))
-        return self._eager_needed <= 0
+        return max(0, self._eager_needed)
+
+    def steps_before_effect(self) -> int:
+        """The eager steps due before the capture beyond the configured warm-up (which a parity
+        trajectory holds, with the capture and a replay): a DDP wrapper's first iterations, where the
+        wrapper was made in the trials; 0 otherwise (``Handle.steps_before_effect``)."""
+        return max(0, self.eager_steps_before_capture() - self.warmup)
 
     def _buffers(self, batch: Any, batch_idx: int) -> Any | None:
         """The static buffers holding ``batch``, capturing the graph first if there is none; None when

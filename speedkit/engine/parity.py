@@ -24,6 +24,11 @@ from speedkit.training.snapshot import Snapshot
 from speedkit.training.state import TrainState
 
 
+#: the most steps a parity trajectory runs first for changes that need them to act (DDP's first
+#: iterations before a CUDA graph's capture: 10); a change that still needs more is reported by its handle
+_READY_STEPS_AT_MOST = 32
+
+
 def rel_diff(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
@@ -109,6 +114,7 @@ class ParityCheck:
         """Losses of the parity steps from the snapshot (weights, schedule, RNG); one sync at the end;
         with ``noise`` on the model where given (the calibration's)."""
         assert self.snapshot is not None
+        self._ready_changes()
         self.snapshot.restore()
         state, n = self.state, self.state.step.accumulate
         data = state.data
@@ -122,6 +128,24 @@ class ParityCheck:
                 losses.append(state.step(micro, i))
             local = [float(x) for x in torch.stack(losses).float().cpu()]
         return distributed.mean(local)
+
+    def _ready_changes(self) -> None:
+        """Run the steps the changes switched on still need before they act in a step
+        (``Handle.steps_before_effect``: a CUDA graph on a DDP wrapper made in the trials waits out the
+        wrapper's first iterations), so that the trajectory after them, from the snapshot, judges the
+        changes themselves. On the parity batches, guarded as the trajectory is. The need is asked again
+        after each step (DDP logs its iterations one behind), and agreed as the most any rank needs, so
+        every rank runs as many steps; at most ``_READY_STEPS_AT_MOST``."""
+        state, n = self.state, self.state.step.accumulate
+        data = state.data
+        assert data is not None
+        for i in range(_READY_STEPS_AT_MOST):
+            need = max((s.handle.steps_before_effect() for s in self.stack.slots if s.on), default=0)
+            if -distributed.smallest(-need) <= 0:
+                return
+            j = i % self.steps
+            with distributed.together(), state.step.guarded():
+                state.step([data.to_device(b) for b in self.batches[j * n : (j + 1) * n]], j)
 
     def of(self, on: list[bool], off: list[bool], reference: list[float]) -> tuple[list[float], Parity]:
         """The configuration ``on`` (switched to, and left on) judged against ``reference``, the

@@ -166,6 +166,10 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
             shared_batches=ladder.stack.shares_batches(),
             whole_budget=whole_budget,
         )
+        for i in inserted:  # a change that stopped working while timed (a graph stopped): not what was timed
+            problem = agreed_problem(ladder.slots[i].handle)
+            if problem:
+                raise RuntimeError(problem)
         status, why = ladder.decide(paired, all(r.memory_comparable for r in group))
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired

@@ -176,6 +176,7 @@ class CudaGraphRung(Rung):
         # again (warm-up and sync check included) before any step of this configuration is timed
         handle.rebase = graphed.reset
         handle.settle_steps = graphed.warmup + 1
+        handle.steps_before_effect = graphed.steps_before_effect  # a DDP wrapper made in the trials (ddp_*)
         return handle
 
 
