@@ -243,5 +243,7 @@ def test_the_steps_a_parity_trajectory_runs_first_leave_it_the_warm_up_the_captu
     assert step.replays == 2 and step.steps_before_effect() == 0  # the capture's step and the one after it
 
     # a wrapper past its first iterations needs nothing first
-    fresh = PlantedWithBuffers(DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse), forwards=40), False)
+    fresh = PlantedWithBuffers(
+        DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse), forwards=40), False
+    )
     assert fresh.steps_before_effect() == 0

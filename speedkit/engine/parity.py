@@ -23,7 +23,6 @@ from speedkit.rungs.base import active_dropouts
 from speedkit.training.snapshot import Snapshot
 from speedkit.training.state import TrainState
 
-
 #: the most steps a parity trajectory runs first for changes that need them to act (DDP's first
 #: iterations before a CUDA graph's capture: 10); a change that still needs more is reported by its handle
 _READY_STEPS_AT_MOST = 32
