@@ -245,8 +245,5 @@ def while_compiling(stack: list[traceback.FrameSummary]) -> bool:
 
 
 def _is_machinery(filename: str) -> bool:
-    """Frames of the warning machinery and of speedkit's own step driver, skipped when naming a sync."""
-    return any(
-        part in filename
-        for part in ("/warnings.py", "/speedkit/graph", "/speedkit/step_watch", "/torch/_tensor.py", "/torch/cuda/")
-    )
+    """Frames of the warning machinery and of torch's tensor and CUDA wrappers, skipped when naming a sync."""
+    return any(part in filename for part in ("/warnings.py", "/torch/_tensor.py", "/torch/cuda/"))

@@ -17,7 +17,9 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import importlib.util
 import inspect
+import os
 import textwrap
 import types
 from collections.abc import Callable
@@ -62,9 +64,33 @@ def is_users_own_file(filename: str) -> bool:
     return is_callers_file(filename) and not any(part in filename for part in ("site-packages", "dist-packages", "<frozen"))
 
 
+#: the packages whose code is never the caller's (a model library's, timm's or transformers', is)
+_FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "speedkit")
+
+
+@functools.cache
+def _framework_dirs() -> tuple[str, ...]:
+    """The folders :data:`_FRAMEWORKS` are imported from (resolved, each ending in a separator)."""
+    found: list[str] = []
+    for name in _FRAMEWORKS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            found.append(os.path.join(os.path.realpath(location), ""))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=8192)
 def is_callers_file(filename: str) -> bool:
-    """A file that is not torch's, Lightning's or speedkit's own (a model library's counts as the caller's)."""
-    return not any(part in filename for part in ("/torch/", "/lightning/", "/speedkit/", "/site-packages/lightning"))
+    """A file that is not in torch's, Lightning's or speedkit's own package folders (a model library's
+    counts as the caller's). By where the packages are installed, not by the path's words: a user's
+    project in a folder named ``torch``, ``lightning`` or ``speedkit`` (a clone of speedkit, say) is
+    the user's code."""
+    if filename.startswith("<"):  # <string>, <frozen ...>, generated code: not a package's file on disk
+        return True
+    return not os.path.realpath(filename).startswith(_framework_dirs())
 
 
 # -- parse ------------------------------------------------------------------------------------------
