@@ -104,6 +104,13 @@ class PlantedWithBuffers(Planted):
         return self.static.fill(batch)
 
 
+def _plain() -> PlainStep:
+    """A linear model's step under SGD on the CPU."""
+    model = nn.Linear(3, 1)
+    mse = lambda m, batch, i: nn.functional.mse_loss(m(batch[0]), batch[1])  # noqa: E731
+    return PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse)
+
+
 def _steps(step: GraphedStep, n: int) -> None:
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     for i in range(n):
@@ -127,13 +134,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     graphed_step.find_host_draws = lambda run, locate=True: (run(), [])
     seen: dict = {}
 
-    def plain() -> PlainStep:
-        model = nn.Linear(3, 1)
-        mse = lambda m, batch, i: nn.functional.mse_loss(m(batch[0]), batch[1])  # noqa: E731
-        return PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse)
-
     # a fresh DDP wrapper: 11 forwards it times, one checked after them, then the capture; rank 1's fails
-    current = Planted(DDPLike(plain()), fails_here=rank == 1)
+    current = Planted(DDPLike(_plain()), fails_here=rank == 1)
     with current.inner.guarded():  # a guarded stretch (parity steps): the graph's own steps lift it
         _steps(current, 16)
     seen["fresh"] = {
@@ -148,17 +150,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     # a wrapper past its first iterations: two warm-up steps, the second checked; rank 1 finds a sync there
     checked_at.clear()
     syncs_on_rank_1[0] = True
-    current = Planted(DDPLike(plain(), forwards=40), fails_here=False)
+    current = Planted(DDPLike(_plain(), forwards=40), fails_here=False)
     _steps(current, 4)
     seen["warm"] = {"checked_at": list(checked_at), "capture_at": current.capture_at, "stopped": current.stopped}
     # both ranks capture: the graph replays on both
     syncs_on_rank_1[0] = False
-    current = Planted(DDPLike(plain(), forwards=40), fails_here=False)
+    current = Planted(DDPLike(_plain(), forwards=40), fails_here=False)
     _steps(current, 3)
     seen["both"] = {"capture_at": current.capture_at, "stopped": current.stopped, "replays": current.replays}
     seen["both_sync_fixed"] = current.gradient_sync_fixed()  # the ladder's scaling phase is not measured then
     # rank 1's batch at step 4 does not fit its buffers (shorter): every rank steps eagerly there
-    current = PlantedWithBuffers(DDPLike(plain(), forwards=40), fails_here=False)
+    current = PlantedWithBuffers(DDPLike(_plain(), forwards=40), fails_here=False)
     for i in range(6):
         rows = 3 if rank == 1 and i == 4 else 4
         x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(i))
@@ -228,9 +230,7 @@ def test_the_steps_a_parity_trajectory_runs_first_leave_it_the_warm_up_the_captu
 
     monkeypatch.setattr(graphed_step, "find_syncs", find_syncs)
     monkeypatch.setattr(graphed_step, "find_host_draws", lambda run, locate=True: (run(), []))
-    model = nn.Linear(3, 1)
-    mse = lambda m, batch, i: nn.functional.mse_loss(m(batch[0]), batch[1])  # noqa: E731
-    step = PlantedWithBuffers(DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse)), False)
+    step = PlantedWithBuffers(DDPLike(_plain()), False)
     needs = []
     while (need := step.steps_before_effect()) > 0:  # as ParityCheck._ready_changes asks before each step
         needs.append(need)
@@ -243,7 +243,5 @@ def test_the_steps_a_parity_trajectory_runs_first_leave_it_the_warm_up_the_captu
     assert step.replays == 2 and step.steps_before_effect() == 0  # the capture's step and the one after it
 
     # a wrapper past its first iterations needs nothing first
-    fresh = PlantedWithBuffers(
-        DDPLike(PlainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu", loss_fn=mse), forwards=40), False
-    )
+    fresh = PlantedWithBuffers(DDPLike(_plain(), forwards=40), False)
     assert fresh.steps_before_effect() == 0

@@ -143,6 +143,11 @@ class GraphedStep(StepWrapper):
             self._eager_needed = max(self._eager_needed, machinery + (0 if self._checked else 1))
         return max(0, self._eager_needed)
 
+    def _checks_next(self) -> bool:
+        """Whether the next warm-up step is the last before the first capture: the one checked for
+        host syncs and draws (a fit's runs Lightning's step with its logs recorded, as captured)."""
+        return self._eager_needed == 1 and not self._checked
+
     def steps_before_effect(self) -> int:
         """The eager steps due before the capture beyond the configured warm-up (which a parity
         trajectory holds, with the capture and a replay): a DDP wrapper's first iterations, where the
@@ -188,9 +193,9 @@ class GraphedStep(StepWrapper):
                 return loss
 
         after: list[list[LogCall]] = []
+        checking = self._checks_next()
         self._eager_needed -= 1
         self.eager_steps += 1
-        checking = self._eager_needed == 0 and not self._checked
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream), self._as_captured():
@@ -516,7 +521,7 @@ class GraphedStep(StepWrapper):
         if self.stopped is not None or batch is None or self.inner.accumulate != 1:
             return original(optimizer, batch_idx, kwargs)
         if not self._ready():
-            checked = self._eager_needed == 1 and not self._checked  # the warm-up step checked before the capture
+            checked = self._checks_next()
 
             def run() -> Any:
                 if checked:

@@ -115,18 +115,20 @@ class ParityCheck:
         assert self.snapshot is not None
         self._ready_changes()
         self.snapshot.restore()
-        state, n = self.state, self.state.step.accumulate
-        data = state.data
-        assert data is not None
         losses = []
         # across several processes: a step that fails on one rank fails on every rank, and the losses
         # judged are the ranks' mean (DDP's loss), so every rank judges the same trajectory
-        with distributed.together(), state.step.guarded(), noise if noise is not None else contextlib.nullcontext():
+        with distributed.together(), self.state.step.guarded(), noise if noise is not None else contextlib.nullcontext():
             for i in range(self.steps):
-                micro = [data.to_device(b) for b in self.batches[i * n : (i + 1) * n]]
-                losses.append(state.step(micro, i))
+                losses.append(self._step(i))
             local = [float(x) for x in torch.stack(losses).float().cpu()]
         return distributed.mean(local)
+
+    def _step(self, i: int) -> torch.Tensor:
+        """Parity step ``i`` on its host-kept batches (its micro-batches), moved to the device; its loss."""
+        n, data = self.state.step.accumulate, self.state.data
+        assert data is not None
+        return self.state.step([data.to_device(b) for b in self.batches[i * n : (i + 1) * n]], i)
 
     def _ready_changes(self) -> None:
         """Run the steps the changes switched on still need before they act in a step
@@ -135,16 +137,12 @@ class ParityCheck:
         changes themselves. On the parity batches, guarded as the trajectory is. The need is asked again
         after each step (DDP logs its iterations one behind), and agreed as the most any rank needs, so
         every rank runs as many steps; at most ``_READY_STEPS_AT_MOST``."""
-        state, n = self.state, self.state.step.accumulate
-        data = state.data
-        assert data is not None
         for i in range(_READY_STEPS_AT_MOST):
             need = max((s.handle.steps_before_effect() for s in self.stack.slots if s.on), default=0)
-            if -distributed.smallest(-need) <= 0:
+            if distributed.largest([need])[0] <= 0:
                 return
-            j = i % self.steps
-            with distributed.together(), state.step.guarded():
-                state.step([data.to_device(b) for b in self.batches[j * n : (j + 1) * n]], j)
+            with distributed.together(), self.state.step.guarded():
+                self._step(i % self.steps)
 
     def of(self, on: list[bool], off: list[bool], reference: list[float]) -> tuple[list[float], Parity]:
         """The configuration ``on`` (switched to, and left on) judged against ``reference``, the
