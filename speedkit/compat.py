@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import shutil
 import sys
 import warnings
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from speedkit.errors import ConfigError
 
 # -- torch.compile (dynamo / inductor) -----------------------------------------------------------
 
@@ -311,9 +314,33 @@ def place_step_counters(optimizer: torch.optim.Optimizer, group: dict[str, Any],
 # -- CPU capabilities ----------------------------------------------------------------------------
 
 
+#: the environment variable that forces :func:`cpu_has_bf16`'s answer: "1" (has them) or "0" (has none)
+CPU_BF16_OVERRIDE = "SPEEDKIT_CPU_BF16"
+
+
 @functools.cache
 def cpu_has_bf16() -> bool:
-    """The CPU has bf16 instructions oneDNN uses (AVX512-BF16 / AMX): bf16 pays on it."""
+    """The CPU has bf16 instructions oneDNN uses (AVX512-BF16 / AMX): bf16 pays on it.
+
+    ``$SPEEDKIT_CPU_BF16`` forces the answer: ``1`` says it has them, ``0`` that it has none (unset or
+    empty: ask oneDNN); any other value is a :class:`~speedkit.errors.ConfigError`. The tf32 and autocast
+    rungs decide on this answer, so CI machines differ in it (an AMD without, a Xeon with AMX); the test
+    suite is run with it forced each way, which shows no test's expectation depends on the host. Read
+    once per process (``cpu_has_bf16.cache_clear()`` reads the variable again)."""
+    forced = os.environ.get(CPU_BF16_OVERRIDE, "")
+    if forced:
+        if forced not in ("0", "1"):
+            raise ConfigError(
+                CPU_BF16_OVERRIDE,
+                f"expected 1 (the CPU has bf16 instructions) or 0 (it has none), found {forced!r}; unset it to ask the CPU",
+            )
+        return forced == "1"
+    return cpu_bf16_instructions()
+
+
+def cpu_bf16_instructions() -> bool:
+    """What oneDNN says of this CPU's bf16 instructions, whatever ``$SPEEDKIT_CPU_BF16`` forces: what
+    a bf16 kernel that only oneDNN's bf16 path runs (a bf16 LSTM) needs in fact."""
     if not torch.backends.mkldnn.is_available():
         return False
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

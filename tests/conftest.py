@@ -54,6 +54,15 @@ def bf16_cpu(monkeypatch):
 
 
 @pytest.fixture
+def no_bf16_cpu(monkeypatch):
+    """The other way round from ``bf16_cpu``: a test of what tf32 and autocast do where the CPU has no
+    bf16 instructions (they refuse, and say why) pretends it has none, on every CI machine."""
+    from speedkit import compat
+
+    monkeypatch.setattr(compat, "cpu_has_bf16", lambda: False)
+
+
+@pytest.fixture
 def seeded():
     torch.manual_seed(0)
     random.seed(0)

@@ -57,6 +57,26 @@ def test_hooks_and_pytree():
     assert isinstance(compat.cpu_has_bf16(), bool)
 
 
+def test_cpu_bf16_override_forces_the_answer_either_way(monkeypatch):
+    from speedkit.errors import ConfigError
+
+    try:
+        for value, expected in (("1", True), ("0", False)):
+            monkeypatch.setenv(compat.CPU_BF16_OVERRIDE, value)
+            compat.cpu_has_bf16.cache_clear()
+            assert compat.cpu_has_bf16() is expected
+        monkeypatch.setenv(compat.CPU_BF16_OVERRIDE, "yes")
+        compat.cpu_has_bf16.cache_clear()
+        with pytest.raises(ConfigError, match=r"SPEEDKIT_CPU_BF16: expected 1 .* or 0 .*, found 'yes'"):
+            compat.cpu_has_bf16()
+        monkeypatch.delenv(compat.CPU_BF16_OVERRIDE)
+        compat.cpu_has_bf16.cache_clear()
+        assert compat.cpu_has_bf16() is compat.cpu_bf16_instructions()  # unset: what oneDNN says
+    finally:
+        monkeypatch.undo()  # the answer cached next is the suite's own (forced either way, or the CPU's)
+        compat.cpu_has_bf16.cache_clear()
+
+
 def test_trial_loader_leaves_the_users_live_iterator_alone():
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1, persistent_workers=True)
     live = iter(loader)

@@ -315,12 +315,12 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
         expect.check(Fit(module, trainer, ladder, result, probe))
 
 
-@pytest.mark.skipif(
-    not compat.cpu_has_bf16(),
+@pytest.mark.skipif(  # the CPU's own instructions, not SPEEDKIT_CPU_BF16's answer: oneDNN needs them
+    not compat.cpu_bf16_instructions(),
     reason="oneDNN runs no bf16 LSTM on a CPU without bf16 instructions "
     '("could not create a primitive descriptor for the LSTM forward"); on CUDA the zoo runs it',
 )
-def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working():
+def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working(bf16_cpu):
     """The word-language LSTM clips in ``configure_gradient_clipping``. Under the autocast rung's bf16
     plugin a fused optimizer clips and trains (nothing is scaled). Under Lightning's own mixed
     precision, which refuses to clip for an optimizer that unscales its own gradients, a fused
