@@ -25,6 +25,7 @@ from test_lightning import _model_fingerprint
 
 from speedkit import compat
 from speedkit.data.batch import count_items
+from speedkit.data.workers import worker_dependence
 from speedkit.demos.zoo import ZOO
 from speedkit.lightning import SpeedLadder
 from speedkit.results import LadderResult
@@ -174,6 +175,8 @@ EXPECT: dict[str, Expect] = {
     ),
     # tied embedding and decoder, clipping in configure_gradient_clipping, a plateau schedule the trials do not step
     "lstm-lm": Expect(check=compiled("model (RNNModel)")),
+    # data-bound: float images decoded and augmented per sample in the training process (no loader workers)
+    "tv-resnet18-augment": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ResNet)")),
 }
 
 
@@ -345,6 +348,36 @@ def test_fused_optimizer_under_autocast_keeps_the_modules_own_clipping_working(b
             assert "autocast" in ladder.applied_changes and "SGD: fused implementation" in changes, changes
         else:  # foreach instead of fused, or nothing, and why
             assert "configure_gradient_clipping" in changes, changes
+
+
+def test_the_augmented_images_are_decoded_per_sample_by_a_hurried_users_loader():
+    """tv-resnet18-augment: its loader as a hurried user leaves it (no workers, pageable memory, workers
+    not kept); every sample a JPEG decoded and augmented anew, drawn from its own index's generator, so
+    that the same picture comes out differently at another index and loader workers would change no
+    sample (data_path may give it some)."""
+    pytest.importorskip("torchvision")
+    _, loader = ZOO["tv-resnet18-augment"].build("tiny")
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers) == (0, False, False)
+    dataset = loader.dataset
+    image, label = dataset[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 10
+    torch.testing.assert_close(dataset[0], (image, label), rtol=0, atol=0)
+    assert not torch.equal(dataset[len(dataset.jpegs)][0], image)  # the same JPEG, another crop, flip and jitter
+    assert worker_dependence(dataset) is None
+
+
+def test_the_augmented_images_crop_box_is_random_resized_crops():
+    """The crop box of torchvision's ``RandomResizedCrop`` (8-100% of the area, aspect 3/4-4/3) inside
+    the image; where ten tries find none (an image far wider than 4/3), its central crop at aspect 4/3."""
+    pytest.importorskip("torchvision")
+    from speedkit.demos.zoo import _AugmentedJpegSamples
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        top, left, h, w = _AugmentedJpegSamples._crop_box(300, 400, g)
+        assert 0 <= top <= 300 - h and 0 <= left <= 400 - w
+        assert 0.07 <= h * w / (300 * 400) <= 1.01 and 0.74 <= w / h <= 1.35, (h, w)
+    assert _AugmentedJpegSamples._crop_box(2, 100, g) == (0, 48, 2, 3)
 
 
 def test_the_zoo_imports_without_the_model_libraries():

@@ -17,13 +17,14 @@ where its examples use one. Every model has a ``"full"`` size (the benchmark's) 
 
 transformers, timm and torchvision are imported by the builders, so this module imports without them.
 
-Why one module of about 800 lines: it is a catalogue, one short entry per model family (its module,
+Why one module of about 900 lines: it is a catalogue, one short entry per model family (its module,
 its data, its builder) read side by side when comparing how each is trained; the entries share the
 loaders and size tables at the top and nothing else.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -248,6 +249,83 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def image_loader(batch_size: int, size: int, classes: int, workers: int = 0, seed: int = 0) -> DataLoader:
     """Batches of ``(images (B, 3, S, S) uint8, labels (B,))``."""
     return _loader(_ImageSamples(batch_size * EPOCH_BATCHES, size, classes, seed), batch_size, workers)
+
+
+class _AugmentedJpegSamples(Dataset):
+    """Sample ``i``: an image decoded and augmented on the CPU, as torchvision's ImageNet recipe trains
+    a classifier: ``decode_jpeg``, ``RandomResizedCrop`` to ``crop`` px (scale 0.08-1, aspect 3/4-4/3),
+    a horizontal flip half the time, ``ColorJitter(0.4, 0.4, 0.4)``, floats normalised with ImageNet's
+    mean and std: ``(image (3, crop, crop) float32, label)``. The augmentation is torchvision's own
+    functional kernels; its parameters and the label are drawn from a generator seeded by ``i``, as
+    every zoo sample is (a sample does not depend on the process that makes it).
+
+    The JPEGs (``bank`` of them, smooth random pictures of ``height`` x ``width`` px, each side
+    drawn from ``size``'s range) are encoded once and held in memory, as a dataset's files in the page
+    cache would be: all the per-sample work is the decode and the augmentation, about 2 ms an image at
+    full size on one core of a busy host; on a GPU, without workers, the step waits for it."""
+
+    def __init__(
+        self, length: int, size: tuple[int, int], crop: int, classes: int, seed: int, bank: int = 64, quality: int = 90
+    ) -> None:
+        from torchvision.io import encode_jpeg
+
+        low, high = size
+        if not 0 < crop <= low <= high:
+            raise ValueError(f"expected 0 < crop <= the decoded sides' range {size}, found crop {crop}")
+        self.length, self.crop, self.classes, self.seed = length, crop, classes, seed
+        g = torch.Generator().manual_seed(seed)
+        self.jpegs: list[torch.Tensor] = []  # encoded bytes, uint8 (N,)
+        for _ in range(bank):
+            h, w = (int(v) for v in torch.randint(low, high + 1, (2,), generator=g))
+            coarse = torch.rand(1, 3, max(2, h // 8), max(2, w // 8), generator=g)
+            pixels = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]  # (3, h, w)
+            self.jpegs.append(encode_jpeg(pixels.mul(255).round().to(torch.uint8), quality=quality))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from torchvision.io import decode_jpeg
+        from torchvision.transforms.v2 import functional as TF
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = decode_jpeg(self.jpegs[index % len(self.jpegs)])  # (3, H, W) uint8
+        H, W = image.shape[-2:]
+        top, left, h, w = self._crop_box(H, W, g)
+        image = TF.resized_crop(image, top, left, h, w, [self.crop, self.crop], antialias=True)  # (3, crop, crop)
+        if torch.rand((), generator=g) < 0.5:
+            image = TF.horizontal_flip(image)
+        brightness, contrast, saturation = (float(f) for f in torch.empty(3).uniform_(0.6, 1.4, generator=g))
+        image = TF.adjust_saturation(TF.adjust_contrast(TF.adjust_brightness(image, brightness), contrast), saturation)
+        image = TF.normalize(TF.to_dtype(image, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+        return image, int(torch.randint(0, self.classes, (), generator=g))
+
+    @staticmethod
+    def _crop_box(H: int, W: int, g: torch.Generator) -> tuple[int, int, int, int]:
+        """``RandomResizedCrop``'s box (torchvision's ``get_params``, drawn from ``g``): up to 10 tries
+        at an area of 8-100% of the image with an aspect ratio of 3/4-4/3 (log-uniform), else the
+        central crop of the ratio clamped to that range."""
+        area, log_ratio = H * W, (math.log(3 / 4), math.log(4 / 3))
+        for _ in range(10):
+            target = area * float(torch.empty(()).uniform_(0.08, 1.0, generator=g))
+            ratio = math.exp(float(torch.empty(()).uniform_(*log_ratio, generator=g)))
+            w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+            if 0 < w <= W and 0 < h <= H:
+                top = int(torch.randint(0, H - h + 1, (), generator=g))
+                left = int(torch.randint(0, W - w + 1, (), generator=g))
+                return top, left, h, w
+        ratio = W / H
+        w, h = (W, round(W / (3 / 4))) if ratio < 3 / 4 else (round(H * 4 / 3), H) if ratio > 4 / 3 else (W, H)
+        return (H - h) // 2, (W - w) // 2, h, w
+
+
+def augmented_image_loader(batch_size: int, size: tuple[int, int], crop: int, classes: int, seed: int = 0) -> DataLoader:
+    """Batches of ``(images (B, 3, crop, crop) float32, labels (B,))`` decoded and augmented per
+    sample, through a DataLoader as a hurried user leaves it: shuffled, and nothing else set (no
+    workers, so the training process decodes every image between its steps; pageable memory)."""
+    return DataLoader(
+        _AugmentedJpegSamples(batch_size * EPOCH_BATCHES, size, crop, classes, seed), batch_size=batch_size, shuffle=True
+    )
 
 
 # -- language models --------------------------------------------------------------------------------
@@ -707,6 +785,28 @@ class TorchvisionResNet50(_ImageClassifier):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-4)
 
 
+class TorchvisionResNet18(_ImageClassifier):
+    """torchvision's ``resnet18``; at ``size="tiny"`` its basic blocks, one per stage; SGD with
+    momentum as in torchvision's recipe. The zoo feeds it images decoded and augmented per sample
+    on the CPU (:func:`augmented_image_loader`), already floats: ``on_after_batch_transfer`` passes them on."""
+
+    def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1) -> None:
+        super().__init__()
+        import torchvision
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        _check_size(size)
+        self.model = (
+            torchvision.models.resnet18(weights=None, num_classes=classes)
+            if size == "full"
+            else ResNet(BasicBlock, [1, 1, 1, 1], num_classes=classes)
+        )
+        self.lr = lr
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-4)
+
+
 # -- the registry -----------------------------------------------------------------------------------
 
 Builder = Callable[..., tuple[pl.LightningModule, DataLoader]]
@@ -795,6 +895,14 @@ def _mobilenet(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[
     return _vision(TimmMobileNetV3)(size, batch_size, seed, **options)
 
 
+def _augmented_resnet18(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    classes = options.pop("classes", 1000 if size == "full" else 10)
+    module = TorchvisionResNet18(size, classes=classes, **options)
+    # decoded sides of 256-448 px (ImageNet's photos are about 400 x 350) cropped to 224; tiny: 36-48 to 32
+    decoded, crop = ((256, 448), 224) if size == "full" else ((36, 48), 32)
+    return module, augmented_image_loader(batch_size, decoded, crop, classes, seed)
+
+
 _HF_SDPA = {"attn_implementation": "sdpa"}
 
 ZOO: dict[str, ZooModel] = {
@@ -822,5 +930,7 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("hf-bert-cls", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert_classifier, _HF_SDPA),
         # the example's bptt, 35 tokens, at both sizes
         ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4}, _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
+        # data-bound: every image decoded and augmented in the training process (its loader has no workers)
+        ZooModel("tv-resnet18-augment", "torchvision", "samples", {"full": 128, "tiny": 4}, _augmented_resnet18),
     )
 }
