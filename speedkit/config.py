@@ -44,6 +44,11 @@ def step_timer_defaults() -> dict[str, Any]:
     return defaults("step_timer")
 
 
+def diagnosis_thresholds() -> dict[str, Any]:
+    """How the baseline's step is diagnosed and the rungs' gains bounded (``diagnosis:``)."""
+    return defaults("diagnosis")
+
+
 def default_ladder() -> list[Any]:
     """The rungs ``SpeedLadder()`` climbs when given none."""
     return defaults("ladder")

@@ -73,6 +73,8 @@ def misaligned_linears(model: nn.Module, options: AlignedLinearOptions) -> tuple
 
 class AlignedLinearRung(Rung):
     name = "aligned_linear"
+    # the GEMMs of a misaligned Linear (forward and both backward ones)
+    targets = ("gemm",)
     judged_at_full_precision = True
     Options = AlignedLinearOptions
     precision = None  # the same products and sums; only where the output rows are stored changes

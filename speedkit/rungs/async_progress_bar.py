@@ -62,6 +62,8 @@ def logs_to_progress_bar(module: Any) -> bool | None:
 
 class AsyncProgressBarRung(Rung):
     name = "async_progress_bar"
+    # the progress bar's .item() per step: the sync, and the host's time it kept from overlapping the device's
+    targets = ("syncs", "host")
     cuts_host_work = True
     host_side = True
     Options = AsyncProgressBarOptions

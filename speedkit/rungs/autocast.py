@@ -55,6 +55,9 @@ def pick_autocast_dtype(device: torch.device, wanted: str = "auto") -> tuple[str
 
 class AutocastRung(Rung):
     name = "autocast"
+    # bf16 GEMMs and attention on tensor cores; half the bytes for the elementwise ops and norms between
+    # them; half the activations' memory (losses and softmax stay fp32: no gain there)
+    targets = ("gemm", "attention", "elementwise", "normalization", "memory")
     Options = AutocastOptions
     precision = "bf16"
     acts_through_numerics = True

@@ -84,6 +84,18 @@ class Rung:
     #: launches, a sync): on a step that keeps the device busy it shows only once the device's work has
     #: shrunk, so there it is tried after the rungs that shrink it (compile included)
     host_side: ClassVar[bool] = False
+    #: what it can cut, by which the plan (:mod:`speedkit.engine.plan`) bounds its gain from the
+    #: diagnosis of the step (:mod:`speedkit.engine.diagnose`): "data_wait" (the step waiting for its
+    #: batch), "host" (the device idle while the host issues work; on a CPU, the step's time outside its
+    #: ops), "syncs" (the host waiting for the device), "memory" (device memory it frees), or a device
+    #: category of :data:`speedkit.profile.categories.CATEGORIES` ("gemm", "attention", "normalization",
+    #: "elementwise", "loss", "optimizer", "memcpy", "communication", "other"); "*": anything in the step,
+    #: never bounded. A rung that says nothing may change anything.
+    targets: ClassVar[tuple[str, ...]] = ("*",)
+    #: rungs that must be in effect for it to work, where they apply (cuda_graph cannot capture a step
+    #: that syncs: explicit_mask and async_progress_bar remove the syncs of training steps); the plan
+    #: tries it with them
+    needs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

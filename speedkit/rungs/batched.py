@@ -116,6 +116,8 @@ class BatchedRung(RewriteRung):
     """
 
     name = "batched"
+    # many small GEMMs as one larger one: the GEMMs' time and the host's launches of each
+    targets = ("gemm", "host")
     Options = BatchedOptions
 
     def make_plan(self, model: nn.Module) -> RewritePlan:

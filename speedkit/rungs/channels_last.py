@@ -180,6 +180,9 @@ def _convert_after_transfer(handle: Handle, owner: Any) -> None:
 
 class ChannelsLastRung(Rung):
     name = "channels_last"
+    # cuDNN's NHWC convolutions without the layout transposes it adds around NCHW ones (GEMM: convolutions
+    # and cuDNN's kernels count there), and the batch norms, activations and pooling between them
+    targets = ("gemm", "normalization", "elementwise")
     precision = None  # a layout change: the same values, convolutions summed in another order at most
     partners = ("autocast", "compile")  # NHWC pays most where cuDNN's bf16 kernels and Inductor's run on it
 

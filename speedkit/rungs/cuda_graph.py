@@ -79,6 +79,11 @@ class CudaGraphOptions:
 
 class CudaGraphRung(Rung):
     name = "cuda_graph"
+    # one launch per step: the host's issuing and the syncs' round trips go (the device's work is the same)
+    targets = ("host", "syncs")
+    # a step with a host sync cannot be captured (explicit_mask, async_progress_bar remove the two found
+    # in training steps), nor one of several micro-batches (micro_batch merges them into one)
+    needs = ("explicit_mask", "async_progress_bar", "micro_batch")
     cuts_host_work = True
     host_side = True
     new_shape_cost = True  # a batch of another shape runs eagerly

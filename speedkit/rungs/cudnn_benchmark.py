@@ -30,6 +30,8 @@ def _set_benchmark(on: bool) -> None:
 
 class CudnnBenchmarkRung(Rung):
     name = "cudnn_benchmark"
+    # the convolutions' algorithms (convolutions count as GEMM)
+    targets = ("gemm",)
     new_shape_cost = True  # each new shape benchmarks the convolution algorithms again
     precision = None  # another algorithm sums in another order at most
 

@@ -310,6 +310,8 @@ def share_by_name(handle: Handle) -> None:
 
 class DataPathRung(Rung):
     name = "data_path"
+    # the step's wait for its batch (loader workers, pinning, prefetch): nothing the device does
+    targets = ("data_wait",)
     host_side = True  # the device waits for its batch: a busy device does not
     Options = DataPathOptions
     precision = None  # the same batches, in the same order

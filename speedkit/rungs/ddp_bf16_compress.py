@@ -34,6 +34,8 @@ BF16_BACKENDS = ("nccl", "gloo")
 
 class DDPBf16CompressRung(DDPKnobRung):
     name = "ddp_bf16_compress"
+    # the all-reduces' bytes, halved
+    targets = ("communication",)
     knob = "comm_hook"
     precision = "bf16"
     # its only saving is the bytes rounding to bf16 removes: a trajectory bit-identical to the one without

@@ -37,6 +37,8 @@ class DDPBucketSizeOptions:
 
 class DDPBucketSizeRung(DDPKnobRung):
     name = "ddp_bucket_size"
+    # how the all-reduces are cut and overlapped with the backward
+    targets = ("communication",)
     Options = DDPBucketSizeOptions
     knob = "bucket_cap_mb"
 

@@ -23,6 +23,8 @@ from speedkit.rungs.ddp_knob import DDPKnobRung
 
 class DDPBucketViewRung(DDPKnobRung):
     name = "ddp_bucket_view"
+    # the copy of each gradient into its bucket (memcpy), and the gradient-sized memory it took
+    targets = ("communication", "memcpy", "memory")
     knob = "gradient_as_bucket_view"
 
     def value(self) -> Any:

@@ -27,6 +27,8 @@ from speedkit.training.state import TrainState
 
 class DDPStaticGraphRung(DDPKnobRung):
     name = "ddp_static_graph"
+    # the reducer's per-step checks (host work) around the all-reduces
+    targets = ("communication", "host")
     knob = "static_graph"
 
     def value(self) -> Any:

@@ -75,6 +75,8 @@ def sniffing_stacks(model: nn.Module) -> list[tuple[nn.Module, type[nn.Module]]]
 
 class ExplicitMaskRung(Rung):
     name = "explicit_mask"
+    # the mask check's sync; the causal mask built and compared every step (elementwise kernels, host work)
+    targets = ("syncs", "host", "elementwise")
     cuts_host_work = True  # a host sync per step: on a host-bound step it is tried first, with compile
     judged_at_full_precision = True  # a kernel choice: its parity is also judged without bf16's rounding
 

@@ -211,6 +211,8 @@ def apply_fused_optimizer(optimizer: torch.optim.Optimizer, implementation: str,
 
 class FusedOptimizerRung(Rung):
     name = "fused_optimizer"
+    # the update's kernels, and the host's launches of them (several per parameter in the for-loop update)
+    targets = ("optimizer", "host")
     Options = FusedOptimizerOptions
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
 

@@ -40,6 +40,8 @@ def _freeze() -> None:
 
 class GcFreezeRung(Rung):
     name = "gc_freeze"
+    # the collector's full passes, host time landing on some steps
+    targets = ("host",)
     lightning_stage = "train_start"  # once the optimizer, loaders and compiled code exist: freeze those too
     cuts_host_work = True
     host_side = True

@@ -235,6 +235,9 @@ def largest_fitting_factor(
 
 class MicroBatchRung(Rung):
     name = "micro_batch"
+    # every kernel of the pass runs on a larger micro-batch (a partly idle device fills: GEMMs, norms,
+    # elementwise alike), and the host issues a pass less per merged micro-batch: no one category bounds it
+    targets = ("*",)
     Options = MicroBatchOptions
     lightning_stage = "fit_start"  # before cuda_graph wraps the step (it captures a step of one merged micro-batch)
     cuts_host_work = True  # fewer passes per step: a host-bound step issues fewer kernels per sample

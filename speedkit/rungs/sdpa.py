@@ -118,6 +118,9 @@ class SdpaRung(RewriteRung):
     only if the model changed since) and returns a handle whose ``rewrite`` report counts the sites."""
 
     name = "sdpa"
+    # hand-written attention shows in a profile as batched GEMMs (q @ kᵀ, @ v) and softmax/masking/dropout
+    # (elementwise), not as attention kernels, which only SDPA's own are; no (B, H, T, T) scores kept
+    targets = ("attention", "gemm", "elementwise", "memory")
     Options = SdpaOptions
 
     def make_plan(self, model: nn.Module) -> RewritePlan:

@@ -312,6 +312,9 @@ class TritonLayersRung(RewriteRung):
     """
 
     name = TAG
+    # LayerNorm/RMSNorm, (log-)softmax cross-entropy, bias + GELU and SwiGLU's product in fused kernels;
+    # the cross-entropy keeps no fp32 copy of the logits
+    targets = ("normalization", "loss", "elementwise", "memory")
     Options = TritonLayersOptions
     recheck = True  # pays in eager; whether it still pays under torch.compile is measured, not assumed
 
