@@ -261,8 +261,9 @@ class _AugmentedJpegSamples(Dataset):
 
     The JPEGs (``bank`` of them, smooth random pictures of ``height`` x ``width`` px, each side
     drawn from ``size``'s range) are encoded once and held in memory, as a dataset's files in the page
-    cache would be: all the per-sample work is the decode and the augmentation, about 2 ms an image at
-    full size on one core of a busy host; on a GPU, without workers, the step waits for it."""
+    cache would be: all the per-sample work is the decode and the augmentation, 3.4 ms an image at
+    full size on one core of an H200 host (2.8 ms with its 16 intra-op threads). On that H200, without
+    workers, the fp32 step of B128 took 303 ms, 294 of them waiting for the batch (97%; at c20d74c)."""
 
     def __init__(
         self, length: int, size: tuple[int, int], crop: int, classes: int, seed: int, bank: int = 64, quality: int = 90
