@@ -19,7 +19,7 @@ HEADLINE_AGREEMENT = 0.03
 #: which reverted a kept rung that no longer paid with the later rungs on top of it, or by a second
 #: look, which kept a rung beneath them that was undecided on its own; "interrupted": the rung the
 #: ladder was trying when it was interrupted (undone)
-Status = Literal["baseline", "kept", "reverted", "not_applicable", "failed", "closing", "interrupted", "switches"]
+Status = Literal["baseline", "kept", "reverted", "not_applicable", "skipped", "failed", "closing", "interrupted", "switches"]
 
 
 @dataclass
@@ -77,6 +77,10 @@ class PairedResult:
     a: Measurement | None = None  # A's windows in this comparison
     b: Measurement | None = None  # B's windows in this comparison
     seconds: float = 0.0
+    #: the blocks its design planned for its final look (sized from the diagnosed noise; None: not recorded)
+    planned_blocks: int | None = None
+    #: its final look came before the planned blocks: the next block would have overrun its budget
+    stopped_by_budget: bool = False
 
 
 @dataclass

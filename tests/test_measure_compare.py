@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import random
 from types import SimpleNamespace
 
 import pytest
 
 from speedkit.measure.compare import compare
 
-RULE = SimpleNamespace(min_gain=0.01, confidence=0.95, min_blocks=3, max_blocks=12)
+RULE = SimpleNamespace(min_gain=0.01, confidence=0.95, min_blocks=3, max_blocks=12, detect_gain=0.045, power=0.95)
 
 
 def _pair(a_ms: float, b_ms: float, noise: float = 0.0):
@@ -48,7 +50,7 @@ def test_an_even_pair_is_not_faster_and_settle_runs_after_each_switch():
     assert settled[:2] == [True, False]  # after A -> B and B -> A, within each block
 
 
-def test_the_budget_stops_an_undecided_comparison_at_the_first_look_after_it():
+def test_the_budget_stops_an_undecided_comparison_before_a_block_that_would_overrun_it():
     now = [0.0]
     state, switch, window = _pair(10.0, 10.2, noise=0.2)
 
@@ -58,3 +60,19 @@ def test_the_budget_stops_an_undecided_comparison_at_the_first_look_after_it():
 
     paired = compare(switch, window, RULE, budget_s=0.5, clock=clock)
     assert paired.comparison.blocks == RULE.min_blocks and state["on"] is False
+
+
+def test_a_block_that_would_end_past_the_budget_is_not_begun_and_the_final_look_is_taken_on_what_there_is():
+    now, rng, state = [0.0], random.Random(3), {"on": False}
+
+    def switch(on: bool) -> None:
+        state["on"] = on
+
+    def timed() -> SimpleNamespace:
+        now[0] += 1.0  # each window takes a second: a block four
+        return SimpleNamespace(ms=(9.7 if state["on"] else 10.0) * math.exp(rng.gauss(0.0, 0.03)))
+
+    paired = compare(switch, timed, RULE, budget_s=30.0, clock=lambda: now[0], noise=0.03)
+    # blocks end at 4, 8, ... s; after the 7th (28 s) an 8th would end at 32 s > 30 s
+    assert paired.comparison.blocks == 7 and paired.stopped_by_budget and now[0] <= 30.0
+    assert paired.design.final > 7 and state["on"] is False

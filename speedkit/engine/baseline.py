@@ -100,12 +100,17 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
         base_m = ladder.timing.alone()
     noise = result.run["noise"] = window_steps(base_m, cfg, ladder.clock.name)
     ladder.timing.window_steps = noise["window_steps"]
-    if noise["window_steps"] > cfg.steps:
-        ladder.on_event(
-            f"baseline: windows vary by {noise['baseline_spread']:.1%} ({noise['source']}): comparisons time "
-            f"windows of {noise['window_steps']} steps"
-        )
-    result.run["budget"] = ladder.budget.plan(base_m, ladder.planned_steps)
+    # one block's log gain varies as one window's mean does (its four windows' logs, halved): the
+    # baseline's spread is the noise each comparison's design is sized for (at least half a percent:
+    # five windows can look quieter than the blocks will be)
+    ladder.timing.noise = max(0.005, base_m.spread) if math.isfinite(base_m.spread) else None
+    ladder.on_event(
+        f"baseline: {base_m.step_ms:.1f} ms per step, windows vary by {noise['baseline_spread']:.1%} "
+        f"({noise['source']}); comparisons time windows of {noise['window_steps']} steps (~{noise['window_s']:.2f} s)"
+    )
+    result.run["budget"] = ladder.budget.plan(
+        base_m, ladder.planned_steps, noise["window_steps"], ladder.parity.steps * state.step.accumulate
+    )
     result.rungs.append(
         RungResult(
             "baseline",

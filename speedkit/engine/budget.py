@@ -1,5 +1,12 @@
-"""The trials' time budget (:class:`TrialBudget`: a share of the fit's planned time, split among the
-comparisons left) and the comparisons' window length from the baseline's noise (:func:`window_steps`).
+"""The trials' one time budget (:class:`TrialBudget`) and the comparisons' window length (:func:`window_steps`).
+
+One budget covers everything the trials do after :meth:`TrialBudget.start`: the baseline, the
+diagnosis, every rung's parity, (re)compiles and comparison, the second looks, the switches, the final
+check and the profile. Its size is a rule of the baseline's step time (:meth:`TrialBudget.plan`);
+a share of it is held back for the closing phases (the switches, the final check, the profile), and
+the rest is split among the comparisons still to come. Once the share for the rungs is spent, no
+further rung is begun (each says it was not tried, and why), second looks stop, and the closing
+phases run on what is held back for them. The time each phase took is recorded (``phases``).
 """
 
 from __future__ import annotations
@@ -12,71 +19,135 @@ from speedkit.measure.config import MeasureConfig
 from speedkit.measure.noise import noise_source
 from speedkit.results import Measurement
 
+#: closing phases that draw on what is held back (the others draw on the rungs' share)
+CLOSING = ("the switches", "the final check", "the scaling", "the profile")
+
 
 class TrialBudget:
-    """The seconds the trials may take, counted on ``host_clock`` from :meth:`start`."""
+    """The seconds the trials may take, counted on ``host_clock`` from :meth:`start`, and the seconds
+    each phase took (``phases``)."""
 
     def __init__(self, cfg: MeasureConfig, host_clock: Callable[[], float]) -> None:
         self.cfg, self.host_clock = cfg, host_clock
         self.started = 0.0  # host clock at the start of the trials
         self.budget_s = cfg.trials_budget_s
+        #: held back for the closing phases (set by :meth:`plan`)
+        self.reserve_s = 0.0
+        #: the fewest seconds a rung's trial takes (set by :meth:`plan`)
+        self.min_trial_s = 0.0
+        #: seconds per phase, in the order first entered
+        self.phases: dict[str, float] = {}
+        self._phase: str | None = None
+        self._phase_from = 0.0
 
     def start(self) -> None:
-        self.started = self.host_clock()
+        self.started = self._phase_from = self.host_clock()
 
     def elapsed(self) -> float:
         return self.host_clock() - self.started
 
-    def plan(self, baseline: Measurement, planned_steps: int | None) -> dict[str, Any]:
-        """The trials' time budget: ``trials_share`` of the fit's planned time (its planned steps at
-        the baseline's step time), never under ``trials_min_s``, never over ``trials_budget_s``; the
-        cap alone where the fit's length is not known. It bounds the comparisons (each gets its share
-        of what is left, at least ``min_blocks`` blocks) and the second looks (once it is spent, only
-        the first pass's groups are judged, the rest is skipped); every rung is still tried (parity and
-        ``min_blocks`` blocks), and the switches floor, the final check and the second look's
-        first-pass groups run in full (``budget_s`` each), so the trials can overrun it by that
-        much, which the report shows.
-        Compiled graphs are reused across A and B (a rung is suspended and resumed, not rebuilt)."""
+    def enter(self, phase: str) -> None:
+        """The trials go on in ``phase``: the time since the last call is the previous phase's."""
+        now = self.host_clock()
+        if self._phase is not None:
+            self.phases[self._phase] = self.phases.get(self._phase, 0.0) + now - self._phase_from
+        self._phase, self._phase_from = phase, now
+
+    def phase_times(self) -> dict[str, float]:
+        """Seconds per phase so far, the current one included, rounded for the report."""
+        times = dict(self.phases)
+        if self._phase is not None:
+            times[self._phase] = times.get(self._phase, 0.0) + self.host_clock() - self._phase_from
+        return {name: round(seconds, 2) for name, seconds in times.items()}
+
+    def plan(
+        self, baseline: Measurement, planned_steps: int | None, window_steps: int | None = None, parity_steps: int | None = None
+    ) -> dict[str, Any]:
+        """The budget's size, by rule:
+
+        - ``trials_budget_s`` (120 s) for a step of up to ``budget_step_ms`` (100 ms);
+        - a longer step: that many seconds per ``budget_step_ms`` of step time (the same number of
+          windows and parity steps), up to ``trials_budget_max_s``;
+        - where the fit's planned length is known: at most ``trials_share`` of it (its planned steps at
+          the baseline's step time), never under ``trials_min_s``.
+
+        Held back for the closing phases: the switches' and the final check's comparisons at the
+        fewest blocks (``min_blocks`` A B B A blocks of ``window_steps`` steps each) and the profile's
+        windows, at most half the budget. A rung is begun only while the rungs' share has room for its
+        fewest steps (``min_trial_s``: its parity trajectory, warm-up and ``min_blocks`` blocks at the
+        baseline's step time; a compile on top is not known in advance)."""
         cfg = self.cfg
-        planned = planned_steps
-        planned_s = planned * baseline.step_ms / 1e3 if planned and math.isfinite(planned) and planned > 0 else None
-        if planned_s is None:
-            self.budget_s, rule = cfg.trials_budget_s, f"the cap ({cfg.trials_budget_s:.0f} s): the fit's length is not known"
-        else:
-            self.budget_s = min(cfg.trials_budget_s, max(cfg.trials_min_s, cfg.trials_share * planned_s))
+        step_ms = baseline.step_ms if baseline.step_ms and math.isfinite(baseline.step_ms) else 0.0
+        by_step = cfg.trials_budget_s * max(1.0, step_ms / cfg.budget_step_ms)
+        size = min(cfg.trials_budget_max_s, by_step)
+        if step_ms > cfg.budget_step_ms:
             rule = (
-                f"{cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned} steps at the baseline's "
-                f"{baseline.step_ms:.1f} ms), within [{cfg.trials_min_s:.0f}, {cfg.trials_budget_s:.0f}] s"
+                f"{cfg.trials_budget_s:.0f} s per {cfg.budget_step_ms:.0f} ms of step ({step_ms:.1f} ms), "
+                f"at most {cfg.trials_budget_max_s:.0f} s"
             )
-        return {"budget_s": round(self.budget_s, 1), "rule": rule, "skipped": []}
+        else:
+            rule = f"{cfg.trials_budget_s:.0f} s for a step of up to {cfg.budget_step_ms:.0f} ms ({step_ms:.1f} ms)"
+        planned_s = (
+            planned_steps * step_ms / 1e3 if planned_steps and math.isfinite(planned_steps) and planned_steps > 0 else None
+        )
+        if planned_s is not None and cfg.trials_share * planned_s < size:
+            size = max(cfg.trials_min_s, cfg.trials_share * planned_s)
+            rule += (
+                f"; {cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned_steps} steps), "
+                f"at least {cfg.trials_min_s:.0f} s"
+            )
+        self.budget_s = size
+        step_s = step_ms / 1e3
+        window = window_steps or cfg.steps
+        comparison_s = step_s * (cfg.warmup + 2 * cfg.settle + 4 * cfg.min_blocks * (window + cfg.settle))
+        profile_s = (cfg.profile_steps + 1) * step_s * 3 if cfg.profile else 0.0
+        closing = int(cfg.switches_floor) + int(cfg.final_check)
+        self.reserve_s = min(0.5 * size, closing * comparison_s + profile_s)
+        self.min_trial_s = comparison_s + 2 * (parity_steps or cfg.parity_steps) * step_s
+        return {
+            "budget_s": round(self.budget_s, 1),
+            "rule": rule,
+            "held_for_closing_s": round(self.reserve_s, 1),
+            "skipped": [],
+        }
 
     def remaining(self) -> float:
+        """Seconds left of the whole budget."""
         return self.budget_s - self.elapsed()
 
-    def for_comparison(self, rungs_left: int) -> float:
-        """Seconds the next comparison of the climb, a closing check or a second look may take: its
-        share of the budget left (the ``rungs_left`` in the climb, the switches and the final check),
-        never more than ``budget_s`` (the switches' and the final check's own comparisons, and those
-        given a whole budget, get ``budget_s``)."""
-        return min(self.cfg.budget_s, max(0.0, self.remaining()) / (rungs_left + 2))
+    def left_for_rungs(self) -> float:
+        """Seconds left for the rungs' trials and second looks: the budget less what is held back."""
+        return self.remaining() - self.reserve_s
+
+    def spent(self) -> bool:
+        """The rungs' share has no room for another rung's fewest steps: no further rung is begun, no
+        second look taken."""
+        return self.left_for_rungs() < self.min_trial_s
+
+    def for_comparison(self, comparisons_left: int) -> float:
+        """Seconds the next comparison of the rungs may take: its share of the rungs' time left among the
+        ``comparisons_left`` still to come (itself included), never more than ``budget_s``."""
+        return min(self.cfg.budget_s, max(0.0, self.left_for_rungs()) / max(1, comparisons_left))
+
+    def for_closing(self, phases_left: int) -> float:
+        """Seconds a closing phase's comparison may take: its share of the whole budget left among the
+        ``phases_left`` closing comparisons (itself included), never more than ``budget_s``."""
+        return min(self.cfg.budget_s, max(0.0, self.remaining()) / max(1, phases_left))
 
 
 def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> dict[str, Any]:
-    """How much the baseline's windows vary, its likely source, and the window length the
-    comparisons use (``window_steps``): where the spread is over ``noise_target`` on a device the host
-    drives, windows are lengthened (the noise of a window's mean falls with the square root of its
-    steps), up to ``max_window_factor`` times. speedkit's own share is removed where it can be: no
-    telemetry thread during comparisons, and its loaders' workers kept off the training thread's
-    core (``data_path``); the garbage collector's full passes, a share of a host-bound step in a
-    large process, are the ``gc_freeze`` rung's to cut, in the trials as in the fit."""
-    spread = baseline.spread
-    factor = 1
-    # on a CPU (the step clock is the host's) the noise is mostly other processes and the clock's
-    # frequency, which come in spells longer than a window: longer windows would cost without helping
-    if spread > cfg.noise_target > 0 and clock_name != "perf_counter":
-        factor = min(cfg.max_window_factor, math.ceil((spread / cfg.noise_target) ** 2))
+    """The comparisons' window length, by time: at least ``window_s`` seconds at the baseline's step
+    time, at least ``steps`` and at most ``max_window_steps`` steps. Longer windows do not cut the
+    noise of a block much (on H200s, blocks of 40-step windows varied by 5.7% against 3.9% at 10: the
+    noise comes in spells longer than a window), so precision is bought with more paired blocks, whose
+    number the comparison's design sizes from the baseline's spread (returned as ``baseline_spread``,
+    the planned noise). Also the spread's likely source."""
+    step_s = baseline.step_ms / 1e3 if baseline.step_ms and math.isfinite(baseline.step_ms) else 0.0
+    by_time = math.ceil(cfg.window_s / step_s) if step_s > 0 else cfg.steps
+    steps = max(cfg.steps, min(cfg.max_window_steps, by_time))
     return {
-        "baseline_spread": spread,
-        "window_steps": cfg.steps * max(1, factor),
+        "baseline_spread": baseline.spread,
+        "window_steps": steps,
+        "window_s": round(steps * step_s, 3),
         "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util),
     }

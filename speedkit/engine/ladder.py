@@ -147,7 +147,7 @@ class Ladder:
         self.snapshot: Snapshot | None = None
         self._candidate: Slot | None = None
         self._current: RungResult | None = None
-        self.phase = "the setup"  # what the ladder is doing, for an interruption's report
+        self._phase = "the setup"  # what the ladder is doing, for an interruption's report
         #: optimizer steps the fit plans (None: not known): the trials' time budget is a share of them
         self.planned_steps = planned_steps
         self._left = 0  # rungs not yet tried in the climb
@@ -158,6 +158,17 @@ class Ladder:
         #: the kept rungs beneath which a rung failed in the climb (it may not fail beneath others:
         #: a CUDA graph refused for a sync that the compiled step no longer makes)
         self.failed_beneath: dict[str, tuple[str, ...]] = {}
+
+    @property
+    def phase(self) -> str:
+        """What the ladder is doing (an interruption's report names it); setting it also starts the
+        phase's time in the budget (a rung's trial counts as "the rungs")."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self.budget.enter("the rungs" if any(r.name == value for r in self.rungs) else value)
 
     @property
     def slots(self) -> list[Slot]:
@@ -223,6 +234,8 @@ class Ladder:
         if self.timing is not None:
             self.timing.close()
         result.run["trials_s"] = round(self.budget.elapsed(), 3)
+        if "budget" in result.run:
+            result.run["budget"]["phases"] = self.budget.phase_times()
         snapshot.restore()  # trial steps never leak into the user's training
         if snapshot.restored_attributes:  # what the user's step changes on self, put back
             result.run["attributes_restored"] = sorted(snapshot.restored_attributes)
@@ -248,6 +261,13 @@ class Ladder:
             self.phase = rung.name
             self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}")
             self.on_progress(i - 1, len(order), rung.name)
+            if self.budget.spent():
+                entry = RungResult(rung.name, "skipped", options=rung.options_dict(), precision=self.state.precision)
+                entry.reason = f"not tried: the trials' time budget ({self.budget.budget_s:.0f} s) was spent"
+                result.rungs.append(entry)
+                result.run["budget"]["skipped"].append(rung.name)
+                self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.reason}")
+                continue
             entry, losses = self._try(rung, reference, chain)
             result.rungs.append(entry)
             if entry.status == "kept":
@@ -288,7 +308,10 @@ class Ladder:
             self._scaling()
         if cfg.profile:
             self.phase = "the profile"
-            profile_configurations(self)
+            if self.budget.remaining() > 0:
+                profile_configurations(self)
+            else:
+                self.note_budget("the profile")
 
     def note_budget(self, what: str) -> None:
         assert self.result is not None
@@ -470,15 +493,18 @@ class Ladder:
         self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True, whole_budget: bool = False
     ) -> PairedResult:
         """Time the current configuration (A) against the candidate (B) (:meth:`Timing.compare`; leaves A
-        on) within the comparison's budget: its share of what the trials' budget has left
-        (:meth:`TrialBudget.for_comparison`), ``budget_s`` for the switches' and the final check's own
-        comparisons (the floor and the headline) and with ``whole_budget``."""
+        on) within the comparison's budget: its share of what the trials' budget has left for the rungs
+        (:meth:`TrialBudget.for_comparison`; with ``whole_budget``, all of it), or for the switches', the
+        final check's and the scaling's comparisons their share of what is left (:meth:`TrialBudget.for_closing`)."""
         assert self.timing is not None
 
         def budget() -> float:
-            if whole_budget or self.phase in ("the switches", "the final check", "the scaling"):
-                return self.cfg.budget_s
-            return self.budget.for_comparison(self._left)
+            if self.phase in ("the switches", "the final check", "the scaling"):
+                closing = ("the switches", "the final check", "the scaling")
+                return self.budget.for_closing(len(closing) - closing.index(self.phase))
+            if whole_budget:
+                return self.budget.for_comparison(1)
+            return self.budget.for_comparison(self._left + 1)
 
         with distributed.together():  # a comparison that raised on one rank ends on every rank
             return self.timing.compare(set_candidate, label, budget, shared_batches=shared_batches)

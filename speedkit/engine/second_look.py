@@ -26,24 +26,23 @@ def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
     configuration without it, in the order of :func:`second_look_groups`: a rung with the
     partners it names (bf16 with channels_last and compile on a convnet), each rung alone (the
     likeliest to pay first), and the rungs still undecided but leaning faster, all together.
-    The groups of the first pass are judged whatever the trials' budget has left, each with a
-    whole comparison's (``budget_s``: where small gains add up, they are what the budget would be
-    spent on first); once it is spent, the rest is skipped. A configuration already judged is
-    not judged again."""
+    A group of the first pass gets all the rungs' time left for its comparison (where small gains add
+    up, they are what that time is best spent on); once the rungs' share of the trials' budget is
+    spent, the rest is skipped and the report says so. A configuration already judged is not
+    judged again."""
     for n in range(ladder.cfg.together_passes):
         changed, skipped = False, False
         for group in second_look_groups(ladder):
             key = (tuple(r.name for r in group), tuple(s.rung.name for s in ladder.slots))
             if key in ladder.judged or not all(worth_another_look(ladder, r) for r in group):
                 continue  # judged on this configuration already, or kept since in this pass
-            if ladder.budget.remaining() <= 0 and (n > 0 or len(group) == 1):
-                skipped = True  # the groups of the first pass after it are still judged
+            if ladder.budget.spent():
+                skipped = True
                 continue
             ladder.judged.add(key)
-            # a group of the first pass: its likeliest gains, judged once with a whole comparison's
-            # budget (at the minimum of blocks, Lightning's demo Transformer's rungs leaning faster
-            # measured 1.53x [0.24, 9.58] together over 2 blocks and were reverted, the trials'
-            # budget spent on the climb's noisy eager steps)
+            # a group of the first pass: its likeliest gains, judged once with the rungs' whole time left
+            # (at the minimum of blocks, Lightning's demo Transformer's rungs leaning faster measured
+            # 1.53x [0.24, 9.58] together over 2 blocks and were reverted)
             kept, reference = look_again(ladder, group, reference, whole_budget=n == 0 and len(group) > 1)
             changed = changed or kept
         if skipped:

@@ -26,8 +26,9 @@ class Timing:
     """Times configurations of ``stack`` on ``state`` through ``session``, each window from
     ``snapshot`` (weights and schedule; the RNG runs on).
 
-    ``window_steps``: optimizer steps per window of the A/B comparisons (``steps``, or more where the
-    baseline's windows vary more than ``noise_target``); ``shapes_vary``: batches differ in shape
+    ``window_steps``: optimizer steps per window of the A/B comparisons (sized by time from the
+    baseline, :func:`speedkit.engine.budget.window_steps`); ``noise``: the planned noise of one block's
+    log gain (the baseline's window spread), which sizes each comparison's design; ``shapes_vary``: batches differ in shape
     (padded to each batch's longest sequence): each A/B block then times both configurations on the
     same batches, whose work would otherwise differ more between windows than most rungs change it.
     """
@@ -48,6 +49,7 @@ class Timing:
         self.host_clock, self.on_event = host_clock, on_event
         self.shapes_vary = shapes_vary
         self.window_steps = cfg.steps
+        self.noise: float | None = None
         self._iterators: dict[int, Iterator[Any]] = {}
 
     def close(self) -> None:
@@ -139,12 +141,16 @@ class Timing:
             cfg,
             budget_s=budget,
             clock=self.host_clock,
+            noise=self.noise,
             settle=lambda: session.warm(self.runner(), self.settle()),
             start_block=start_block,
             on_look=look,
         )
+        design = paired.design
         return PairedResult(
             **asdict(paired.comparison),
+            planned_blocks=design.final if design is not None else None,
+            stopped_by_budget=paired.stopped_by_budget,
             a=session.measurement(paired.a, warmup=cfg.warmup),
             b=session.measurement(paired.b, warmup=cfg.warmup),
             seconds=self.host_clock() - start,

@@ -348,7 +348,7 @@ class SpeedLadder(Callback):
         for entry in self.result.rungs[1:]:
             if entry.status == "kept":
                 self.applied_changes[entry.name] = list(entry.changes)
-            elif entry.status in ("not_applicable", "failed"):
+            elif entry.status in ("not_applicable", "skipped", "failed"):
                 self.skipped[entry.name] = entry.reason or entry.status
         self._bind_fit(trainer, pl_module, state, step, source)  # after: its lines add to the kept rungs' changes
         # the fit starts the kept rungs afresh (a graph warms up and captures again in its first steps)

@@ -1,5 +1,5 @@
 """The A/B comparison: two configurations timed in interleaved A B B A blocks until the paired
-decision is made (:mod:`speedkit.measure.stats`), the blocks run out or the time does.
+decision is made (:mod:`speedkit.measure.stats`: a planned design of one or two looks), or the time runs out.
 
 :func:`compare` knows nothing of rungs or models: it is given a switch between the configurations
 (B on or off) and a timer of one window of the configuration in effect. The ladder calls it for
@@ -8,11 +8,12 @@ every decision; the benchmarks call it for their own side-by-side comparisons.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from speedkit.measure.stats import Comparison, block_log_gain, decide, looks
+from speedkit.measure.stats import Comparison, Design, block_log_gain, decide, plan
 
 
 class Timed(Protocol):
@@ -31,6 +32,8 @@ class Rule(Protocol):
     confidence: float
     min_blocks: int
     max_blocks: int
+    detect_gain: float
+    power: float
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Paired(Generic[W]):
     comparison: Comparison
     a: list[W] = field(default_factory=list)  # the windows of A (B off), in the order timed
     b: list[W] = field(default_factory=list)  # those of B
+    design: Design | None = None  # the looks it planned (the final one as sized after the early look)
+    stopped_by_budget: bool = False  # the final look came early: the next block would have overrun the budget
 
 
 def compare(
@@ -49,14 +54,17 @@ def compare(
     *,
     budget_s: float,
     clock: Callable[[], float],
+    noise: float | None = None,
     settle: Callable[[], Any] = lambda: None,
     start_block: Callable[[Callable[[bool], bool]], Any] | None = None,
     on_look: Callable[[Comparison], Any] = lambda c: None,
 ) -> Paired[W]:
-    """Time A (the configuration in effect, B off) against B in A B B A blocks; decide at the looks
-    of :func:`~speedkit.measure.stats.looks` (``min_blocks`` to ``max_blocks``), and stop at the
-    first decision, at ``max_blocks``, or at the first look after ``budget_s`` seconds of ``clock``
-    (counted from this call, at least ``min_blocks`` blocks). Leaves A on.
+    """Time A (the configuration in effect, B off) against B in A B B A blocks, decide at the looks of
+    the design :func:`~speedkit.measure.stats.plan` makes for ``noise`` (the SD of one block's log gain
+    the caller expects, from the baseline's windows; None: unknown), and stop at the early look's
+    decision, at the final look, or before a block that would end past ``budget_s`` seconds of ``clock``
+    (counted from this call; at least ``min_blocks`` blocks), whose final look is then taken on the
+    blocks it has. Leaves A on.
 
     Args:
         switch: puts B on (True) or off (False); called only when that changes the configuration.
@@ -78,10 +86,11 @@ def compare(
         return True
 
     timed_from = clock()
-    out: Paired[W] = Paired(comparison=None)  # type: ignore[arg-type]
+    design = plan(rule, noise)
+    out: Paired[W] = Paired(comparison=None, design=design)  # type: ignore[arg-type]
     gains: list[float] = []
-    stops = looks(rule.min_blocks, rule.max_blocks)
     while True:
+        block_from = clock()
         if start_block is not None:
             start_block(change)
         block: dict[bool, list[W]] = {False: [], True: []}
@@ -92,12 +101,21 @@ def compare(
         out.a += block[False]
         out.b += block[True]
         gains.append(block_log_gain((block[False][0].ms, block[False][1].ms), (block[True][0].ms, block[True][1].ms)))
-        out_of_budget = len(gains) >= rule.max_blocks or (len(gains) >= rule.min_blocks and clock() - timed_from > budget_s)
-        if len(gains) not in stops and not out_of_budget:
-            continue
-        out.comparison = decide(gains, min_gain=rule.min_gain, confidence=rule.confidence, n_looks=len(stops))
-        on_look(out.comparison)
-        if out.comparison.verdict != "undecided" or out_of_budget:
+        n, now = len(gains), clock()
+        # the next block would end past the budget (each block takes about as long as the last one did)
+        out_of_budget = n >= rule.min_blocks and now + (now - block_from) - timed_from > budget_s
+        if n == design.early and design.looks == 2:
+            out.comparison = decide(gains, min_gain=rule.min_gain, alpha=design.alpha_early)
+            on_look(out.comparison)
+            # decided; or futile: a gain under the minimum so far (a 5% gain at 3% noise shows that at 4
+            # blocks in under 1% of comparisons; stopping keeps nothing, so it costs no error)
+            if out.comparison.verdict != "undecided" or out.comparison.speedup < 1 + rule.min_gain:
+                break
+            design = out.design = design.resized(statistics.stdev(gains), rule)
+        if n >= design.final or out_of_budget:
+            out.stopped_by_budget = out_of_budget and n < design.final
+            out.comparison = decide(gains, min_gain=rule.min_gain, alpha=design.alpha_final)
+            on_look(out.comparison)
             break
     change(False)
     return out

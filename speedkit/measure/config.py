@@ -44,11 +44,16 @@ class MeasureConfig:
     confidence: float = field(metadata=_range(0.5, below=1.0))
     """Of the paired decisions (interleaved A B B A blocks, Student-t interval)."""
     min_blocks: int = field(metadata=_range(2))
-    """A B B A blocks before deciding."""
+    """A B B A blocks at a comparison's first look (its only one where the planned noise allows)."""
     max_blocks: int = field(metadata=_range(2))
-    """Blocks after which an undecided comparison stops: "not shown to pay" (at least ``min_blocks``)."""
+    """The most blocks a comparison's final look may be sized to (at least ``min_blocks``)."""
+    detect_gain: float = field(metadata=_range(0.0, above=True, below=1.0))
+    """The gain a comparison is sized to find: with ``power``, a rung this much faster is decided faster
+    (more than ``min_gain``)."""
+    power: float = field(metadata=_range(0.5, below=1.0))
+    """The probability that a gain of ``detect_gain`` is decided faster (the design's sizing)."""
     budget_s: float = field(metadata=_range(0.0, above=True))
-    """Seconds one comparison may take before it stops undecided."""
+    """Seconds one comparison may take at most (the trials' budget usually gives it less)."""
     settle: int = field(metadata=_range(0))
     """Untimed steps after switching between configurations."""
     final_check: bool = field(metadata=_range())
@@ -64,17 +69,24 @@ class MeasureConfig:
     busy_util: float = field(metadata=_range(0.0, above=True))
     """... unless NVML saw the GPU busy this % of the time or more (a step that syncs: the host waits,
     it does not issue)."""
-    noise_target: float = field(metadata=_range(0.0))
-    """Baseline windows varying more than this (robust relative spread) get longer comparison windows..."""
-    max_window_factor: int = field(metadata=_range(1))
-    """... up to this many times ``steps``."""
+    window_s: float = field(metadata=_range(0.0))
+    """Comparison windows last at least this many seconds at the baseline's step time (at least ``steps``
+    steps): precision comes from the number of paired windows, not their length, so windows are sized
+    by time (a 5 ms step gets 40, a 240 ms one ``steps``) ..."""
+    max_window_steps: int = field(metadata=_range(1))
+    """... and at most this many steps."""
     trials_budget_s: float = field(metadata=_range(0.0, above=True))
-    """The trials' time budget: at most this many seconds (the cap alone when the fit's length is not known)..."""
+    """The trials' one time budget (everything from the baseline to the profile) for a step of up to
+    ``budget_step_ms``..."""
+    budget_step_ms: float = field(metadata=_range(0.0, above=True))
+    """... a longer step gets ``trials_budget_s`` per this many ms of step time ..."""
+    trials_budget_max_s: float = field(metadata=_range(0.0, above=True))
+    """... up to this many seconds ..."""
     trials_share: float = field(metadata=_range(0.0, above=True))
-    """... this share of the fit's planned time (planned steps times the baseline's step time) ..."""
+    """... and where the fit's length is known, at most this share of its planned time (planned steps
+    times the baseline's step time) ..."""
     trials_min_s: float = field(metadata=_range(0.0))
-    """... and never under this many seconds. Each comparison gets its share of what is left; second
-    looks are skipped once it is spent."""
+    """... but never under this many seconds (:meth:`speedkit.engine.budget.TrialBudget.plan`)."""
     holds_windows: int = field(metadata=_range(0))
     """Windows of the fit's own steps timed after the trials (the figure that holds; 0: none)."""
     holds_threshold: float = field(metadata=_range(0.0, above=True))
@@ -115,6 +127,10 @@ class MeasureConfig:
         checked = {
             f.name: _check(merged[f.name], hints[f.name], f.metadata, f"measure.{f.name}") for f in dataclasses.fields(cls)
         }
+        if checked["detect_gain"] <= checked["min_gain"]:
+            raise ConfigError(
+                "measure.detect_gain", f"must be > measure.min_gain ({checked['min_gain']}), found {checked['detect_gain']}"
+            )
         if checked["max_blocks"] < checked["min_blocks"]:
             raise ConfigError(
                 "measure.max_blocks", f"must be >= measure.min_blocks ({checked['min_blocks']}), found {checked['max_blocks']}"

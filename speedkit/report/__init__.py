@@ -43,7 +43,8 @@ Schema version 3, field by field:
 
   - ``name`` (str); ``status`` — ``"baseline"``, ``"kept"``, ``"reverted"`` (applied and
     measured, but not shown to pay, or off parity; undone), ``"not_applicable"`` (its check said
-    why it cannot help here; never applied), ``"failed"`` (raised; undone), ``"closing"`` (the
+    why it cannot help here; never applied), ``"skipped"`` (not tried: the trials' time budget was
+    spent before its turn; never applied), ``"failed"`` (raised; undone), ``"closing"`` (the
     configuration the closing check left after reverting a rung, or a second look after keeping
     one) or ``"interrupted"`` (being tried when the run was interrupted; undone);
   - ``options`` (object) — the rung's options as used;

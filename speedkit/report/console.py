@@ -21,6 +21,7 @@ STATUS_STYLES = {
     "kept": "bold green",
     "reverted": "yellow",
     "not_applicable": "dim",
+    "skipped": "dim",
     "failed": "bold red",
     "closing": "bold green",
     "interrupted": "bold red",

@@ -61,7 +61,7 @@ from speedkit.report.ranks import HEADERS, rank_rows, scaling_line
 __all__ = ["NO_MATPLOTLIB", "SECTIONS", "render_html"]
 
 #: statuses listed under "not applied and why"
-_NOT_APPLIED = ("not_applicable", "reverted", "failed", "interrupted")
+_NOT_APPLIED = ("not_applicable", "skipped", "reverted", "failed", "interrupted")
 
 
 # -- the sections without a plot (the plotted ones are speedkit.report.html_sections') -----------
@@ -341,7 +341,7 @@ def _not_applied(d: dict[str, Any]) -> str:
     rows = [r for r in d.get("rungs") or [] if r.get("status") in _NOT_APPLIED]
     if not rows:
         return _note("Every rung tried was kept.")
-    order = {s: i for i, s in enumerate(("failed", "interrupted", "reverted", "not_applicable"))}
+    order = {s: i for i, s in enumerate(("failed", "interrupted", "reverted", "skipped", "not_applicable"))}
     rows.sort(key=lambda r: order.get(r.get("status"), 9))
     return _table(
         ["rung", "status", "why"],

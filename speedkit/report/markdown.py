@@ -22,6 +22,7 @@ STATUS_LABELS = {
     "kept": "kept",
     "reverted": "reverted",
     "not_applicable": "n/a",
+    "skipped": "not tried (budget)",
     "failed": "failed",
     "closing": "final (re-measured)",
     "interrupted": "interrupted",
