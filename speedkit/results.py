@@ -158,14 +158,15 @@ class LadderResult:
 
     def vs_switches(self) -> tuple[float, float, float] | None:
         """The final configuration's speedup over the switches and its interval, from their paired
-        comparison (None where the switches were not timed against it)."""
+        comparison (A the switches, B the final configuration; None where the switches were not timed
+        against it)."""
         row = self.switches
         if row is None:
             return None
         if row.comparison is None:  # the final configuration is the switches, or they were not timed
             return (1.0, 1.0, 1.0) if row.gain_vs_previous == 1.0 else None
         c = row.comparison
-        return 1 / c.speedup, 1 / c.high, 1 / c.low
+        return c.speedup, c.low, c.high
 
     @property
     def final(self) -> RungResult:

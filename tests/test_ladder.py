@@ -1038,7 +1038,8 @@ def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on
     ladder, result = _run(state, rungs, time)
     switches = result.switches
     assert switches is not None and "autocast + compile" in switches.reason
-    assert "faster than the climb's final configuration" in switches.reason, switches.reason
+    assert "the climb's final configuration against them" in switches.reason, switches.reason
+    assert "the tie goes to the switches" in switches.reason
     assert [s.rung.name for s in ladder.slots] == ["x", "autocast", "compile"]
     assert {n: getattr(flags, n) for n in ("x", "autocast", "compile")} == {"x": True, "autocast": True, "compile": True}
     names = {r.name: r for r in result.rungs}
@@ -1070,7 +1071,7 @@ def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
     ladder, result = _run(state, rungs, time)
     assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]
     rx = next(r for r in result.rungs if r.name == "x")
-    assert rx.status == "reverted" and "the switches were faster" in rx.reason
+    assert rx.status == "reverted" and "the climb's final configuration was not faster against the switches" in rx.reason
     assert result.final_check.speedup == pytest.approx(40 / 22, rel=0.03)
     assert result.vs_switches() == (1.0, 1.0, 1.0)
     assert "the final configuration is the switches" in result.switches.reason
@@ -1095,6 +1096,32 @@ def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_mu
     versus, low, _ = result.vs_switches()
     assert versus == pytest.approx(28 / 15, rel=0.03) and low > 1
     assert "the final configuration against them" in result.switches.reason
+
+
+def test_an_undecided_switches_comparison_is_reported_as_undecided_and_ends_on_the_switches():
+    """The climb's configuration (x) and the switches (autocast + compile) measure alike: neither is
+    shown faster, and the tie goes to the floor, the switches, said as undecided (x is then judged on
+    top of them, where it does not pay)."""
+    costs = {
+        _on(): 0.040,
+        _on("x"): 0.022,
+        _on("autocast"): 0.042,
+        _on("compile"): 0.041,
+        _on("x", "autocast"): 0.0225,
+        _on("x", "compile"): 0.0225,
+        _on("autocast", "compile"): 0.022,
+        _on("x", "autocast", "compile"): 0.022,
+    }
+    state, time, flags = _switch_state(costs)
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time)
+    row = result.switches
+    assert "undecided" in row.reason or "not faster" in row.reason, row.reason
+    assert "faster than" not in row.reason.split("the switches by hand")[1].replace("not faster", "")
+    assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]  # ends on the switches
+    rx = next(r for r in result.rungs if r.name == "x")
+    assert rx.status == "reverted"
+    assert result.vs_switches() == (1.0, 1.0, 1.0)
 
 
 def test_switches_that_change_numerics_are_no_candidate():
@@ -1320,7 +1347,7 @@ def test_the_report_names_the_noise_the_budget_and_the_switches():
         state, [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)], time
     )
     d = result.to_dict()
-    assert "the switches" in summary_line(d) and "| switches | switches (vs final) |" in render_markdown(d)
+    assert "the switches" in summary_line(d) and "| switches | switches (final vs them) |" in render_markdown(d)
 
 
 def test_small_gains_each_hidden_in_the_noise_are_kept_when_judged_together():
@@ -1529,3 +1556,54 @@ def test_the_ladder_reports_its_progress_rung_by_rung_then_its_closing_phases():
     ).run()
     assert seen[:2] == [(0, 2, "faster30"), (1, 2, "slower")]
     assert seen[-1][:2] == (2, 2) and "final check" in seen[-1][2]
+
+
+class TargetedRung(SpeedRung):
+    """A SpeedRung that declares what it cuts (``targets``), as the shipped rungs do."""
+
+    def __init__(self, name, time, base, change, targets):
+        super().__init__(name, time, base, change)
+        self.targets = targets
+
+
+def _diagnosed(monkeypatch, **profile_ms):
+    """Make the ladder's diagnosis read a profile window of ``profile_ms`` per category (a 20 ms step)."""
+    from speedkit.profile import window as window_module
+    from speedkit.profile.categories import CATEGORIES
+    from speedkit.profile.window import ProfileWindow
+
+    breakdown = {c: float(profile_ms.get(c, 0.0)) for c in CATEGORIES}
+    monkeypatch.setattr(
+        window_module, "profile_window", lambda run_one, **kw: ProfileWindow("diagnosis", 3, 20.0, breakdown, "cpu")
+    )
+
+
+def test_a_data_bound_step_tries_data_path_first_and_a_rung_bounded_under_the_minimum_is_not_timed(monkeypatch):
+    # the profile of a 20 ms step: 15 waiting for batches, 4 of GEMM, 0.1 of attention
+    _diagnosed(monkeypatch, data_wait=15.0, gemm=4.0, attention=0.1)
+    time = VirtualTime(noise=0.01, seed=0)
+    rungs = [
+        TargetedRung("gemms", time, 0.02, -0.1, ("gemm",)),
+        TargetedRung("attention", time, 0.02, -0.005, ("attention",)),
+        TargetedRung("data_path", time, 0.02, -0.5, ("data_wait",)),
+    ]
+    events = []
+    state = timed_state(time, 0.02)
+    iterator = state.data.iterator
+
+    def slow_batches(*args, **kwargs):  # each batch costs 15 ms of virtual time to fetch
+        for batch in iterator(*args, **kwargs):
+            time.spend(0.015)
+            yield batch
+
+    state.data.iterator = slow_batches
+    ladder = Ladder(state, rungs, FAST, clock=time.clock(), host_clock=time, on_event=events.append)
+    result = ladder.run()
+    assert ladder.diagnosis.kind == "data-bound" and result.run["diagnosis"]["kind"] == "data-bound"
+    assert any(e.startswith("diagnosis: data-bound") for e in events)
+    tried = [r.name for r in result.rungs[1:] if r.comparison is not None]
+    assert tried[0] == "data_path" and "attention" not in tried
+    attention = next(r for r in result.rungs if r.name == "attention")
+    assert attention.status == "not_applicable" and attention.reason.startswith("not timed: attention is ")
+    assert attention.reason.endswith("under the 1.01x minimum")
+    assert attention.parity is None and rungs[1].applied == 0  # never applied, never timed

@@ -1,7 +1,9 @@
-"""The ladder's baseline and the trials' order it decides: the baseline's flops, measuring session,
-timing, parity reference and tolerances, its measurement, window length and the trials' budget; then
-which rungs go first (a host-bound step) or last (a device-bound one). Verbs of the ladder's policy,
-taking the :class:`~speedkit.engine.ladder.Ladder`.
+"""The ladder's baseline, its diagnosis and the trials' plan: the baseline's flops, measuring session,
+timing, parity reference and tolerances, its measurement, window length and the trials' budget; one
+short profile window and the step's host syncs, read as a :class:`~speedkit.engine.diagnose.Diagnosis`;
+then which rungs are not worth timing (their targets' share of the step bounds their gain under the
+minimum) and which go first (the diagnosed bottleneck's remedy). Verbs of the ladder's policy, taking
+the :class:`~speedkit.engine.ladder.Ladder`.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from speedkit import config, distributed
 from speedkit.data.batch import count_items
 from speedkit.data.static import signature
 from speedkit.engine.budget import window_steps
+from speedkit.engine.diagnose import Diagnosis, diagnose
+from speedkit.engine.plan import first_configuration, prune
 from speedkit.engine.timing import Timing
-from speedkit.errors import SpeedkitError
+from speedkit.errors import SpeedkitError, first_line
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.noise import host_bound
 from speedkit.measure.session import MeasureSession
@@ -126,10 +130,72 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
     return reference, base_m
 
 
-def trial_order(ladder: Ladder, baseline: Measurement) -> list[Rung]:
-    """The order the rungs are tried in: the ladder's, except on a GPU where the baseline shows who
-    sets the step's pace. Each rung still goes in at its place in the ladder's order (beneath the
-    kept rungs that come after it there), only the order of the trials changes:
+def diagnose_baseline(ladder: Ladder, baseline: Measurement) -> Diagnosis:
+    """What sets the baseline step's pace (:func:`speedkit.engine.diagnose.diagnose`): its step clock's
+    figures (``baseline``), one short profile window of ``profile_steps`` steps (device time by category,
+    the device's busy share, the data wait) and, on one CUDA process, the host syncs one step makes,
+    each with its source line. A profile that cannot be taken leaves the diagnosis to the step clock's
+    figures (no category then bounds any rung). Recorded in ``run["diagnosis"]`` and said in one line."""
+    from speedkit.profile import ProfileUnavailable, find_host_syncs, profile_window
+
+    state, cfg, result = ladder.state, ladder.cfg, ladder.result
+    assert result is not None and ladder.timing is not None and ladder.snapshot is not None
+    window, syncs, note = None, None, None
+    try:
+        with distributed.together():  # a window that fails on one rank is given up on every rank
+            run_one = ladder.timing.runner()
+            window = profile_window(run_one, steps=cfg.profile_steps, label="diagnosis", device=state.device)
+            if state.device.type == "cuda" and distributed.world_size() == 1:
+                syncs = find_host_syncs(run_one, state.device)
+    except ProfileUnavailable as exc:
+        note = f"no profile: {first_line(exc)}"
+    except Exception as exc:  # the step clock's figures still diagnose; nothing is lost but the categories
+        note = f"no profile: {type(exc).__name__}: {first_line(exc)}"
+    finally:
+        ladder.snapshot.restore()
+    capacity = None
+    if state.device.type == "cuda":
+        import torch
+
+        capacity = torch.cuda.get_device_properties(state.device).total_memory
+    diagnosis = diagnose(baseline, window, syncs, memory_capacity_bytes=capacity)
+    result.run["diagnosis"] = {**diagnosis.to_dict(), "summary": diagnosis.summary(), "note": note}
+    ladder.on_event(f"diagnosis: {diagnosis.summary()}" + (f" ({note})" if note else ""))
+    return diagnosis
+
+
+def trial_order(
+    ladder: Ladder, baseline: Measurement, diagnosis: Diagnosis | None = None
+) -> tuple[list[Rung], list[tuple[Rung, str]]]:
+    """The rungs to try, in order, and those not worth timing with the reason (their targets' share of
+    the diagnosed step bounds their gain under ``min_gain``: :func:`speedkit.engine.plan.prune`).
+
+    The remedy of the diagnosed bottleneck goes first, with its prerequisites
+    (:func:`speedkit.engine.plan.first_configuration`: a data-bound step tries ``data_path`` first, a
+    host-bound one compile and the rungs that remove syncs, a device-bound one the rungs on its top
+    categories), the others after it in the ladder's order, except on a GPU where the step clock shows
+    who sets the pace (:func:`_pace_order`). Each rung still goes in at its place in the ladder's order
+    (beneath the kept rungs that come after it there): only the order of the trials changes."""
+    rungs, pruned = list(ladder.rungs), []
+    if diagnosis is not None:
+        kept, pruned = prune(ladder.rungs, diagnosis, ladder.cfg.min_gain)
+        rungs = list(kept)
+    order = _pace_order(ladder, baseline, rungs)
+    if diagnosis is not None:
+        first = first_configuration(order, diagnosis)
+        if first:
+            order = [r for r in order if r.name in first] + [r for r in order if r.name not in first]
+            assert ladder.result is not None
+            ladder.result.run["first_tried"] = f"{diagnosis.kind}: {', '.join(first)} first (its remedy)"
+            ladder.on_event(f"plan: {diagnosis.kind} step: trying {', '.join(first)} first")
+    for rung, reason in pruned:
+        ladder.on_event(f"plan: {rung.name} not timed: {reason}")
+    return order, pruned
+
+
+def _pace_order(ladder: Ladder, baseline: Measurement, rungs: list[Rung]) -> list[Rung]:
+    """``rungs`` in the ladder's order, except on a GPU where the baseline's step clock shows who sets
+    the step's pace:
 
     - a host-bound step (the host drives the device, see :func:`speedkit.measure.noise.host_bound`):
       the rungs that cut host work (``Rung.cuts_host_work``: compile, CUDA graphs, the progress bar's
@@ -144,12 +210,12 @@ def trial_order(ladder: Ladder, baseline: Measurement) -> list[Rung]:
     # where the step clock is the host's (a CPU), every step is host time: nothing to reorder
     # (nor where the host's time is not known)
     if ladder.clock.name == "perf_counter" or host is None or not step:
-        return list(ladder.rungs)
+        return list(rungs)
     assert ladder.result is not None
     if not host_bound(baseline, ladder.cfg.host_bound_share, ladder.cfg.busy_util):
-        later = [r for r in ladder.rungs if r.host_side]
-        order = [r for r in ladder.rungs if not r.host_side] + later
-        if order != list(ladder.rungs):
+        later = [r for r in rungs if r.host_side]
+        order = [r for r in rungs if not r.host_side] + later
+        if order != list(rungs):
             util = (baseline.telemetry or {}).get("util_mean")
             pace = (
                 f"GPU busy {util:.0f}% of the time"
@@ -163,10 +229,10 @@ def trial_order(ladder: Ladder, baseline: Measurement) -> list[Rung]:
     # compile first of them: the others are judged on the step it compiled, where the host's noise is
     # least and what they remove shows (a graph break's sync: explicit_mask, 1.04x undecided in eager
     # on Lightning's demo Transformer, 1.26x beneath compile; the progress bar's sync)
-    first = sorted((r for r in ladder.rungs if r.cuts_host_work), key=lambda r: r.name != "compile")
+    first = sorted((r for r in rungs if r.cuts_host_work), key=lambda r: r.name != "compile")
     if not first:
-        return list(ladder.rungs)
-    order = first + [r for r in ladder.rungs if not r.cuts_host_work]
+        return list(rungs)
+    order = first + [r for r in rungs if not r.cuts_host_work]
     ladder.result.run["trial_order"] = (
         f"host-bound baseline (host {host:.1f} of {step:.1f} ms per step): {', '.join(r.name for r in first)} tried first"
     )

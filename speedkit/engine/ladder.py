@@ -51,9 +51,10 @@ import torch
 
 from speedkit import distributed
 from speedkit.engine import second_look, switches
-from speedkit.engine.baseline import measure_baseline, trial_order
+from speedkit.engine.baseline import diagnose_baseline, measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.closing_check import closing_check
+from speedkit.engine.diagnose import Diagnosis
 from speedkit.engine.parity import ParityCheck, dropout_off
 from speedkit.engine.profile_run import profile_configurations
 from speedkit.engine.stack import RungProblem, Slot, Stack, agreed_check, agreed_problem
@@ -151,6 +152,8 @@ class Ladder:
         #: optimizer steps the fit plans (None: not known): the trials' time budget is a share of them
         self.planned_steps = planned_steps
         self._left = 0  # rungs not yet tried in the climb
+        #: what sets the baseline step's pace (None before the trials diagnosed it)
+        self.diagnosis: Diagnosis | None = None
         #: each rung's latest comparison alone (its climb's, or a second look's)
         self.last_comparison: dict[str, PairedResult] = {}
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
@@ -254,8 +257,19 @@ class Ladder:
         result = self.result
         assert result is not None
         reference, base_m = measure_baseline(self)
+        self.phase = "the diagnosis"
+        self.diagnosis = diagnose_baseline(self, base_m)
+        self.phase = "the plan"
+        order, pruned = trial_order(self, base_m, self.diagnosis)
+        for rung, bound in pruned:  # its own reason where it does not apply at all, else its bound's
+            try:
+                reason = agreed_check(rung, self.state)
+            except Exception as exc:
+                reason = f"check raised {type(exc).__name__}: {first_line(exc)}"
+            result.rungs.append(
+                RungResult(rung.name, "not_applicable", options=rung.options_dict(), reason=reason or f"not timed: {bound}")
+            )
         chain = 1.0
-        order = trial_order(self, base_m)
         for i, rung in enumerate(order, 1):
             self._left = len(order) - i + 1
             self.phase = rung.name

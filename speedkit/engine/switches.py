@@ -1,6 +1,7 @@
-"""The user's switches as the ladder's floor: the switches a user turns on by hand, timed against the
-final configuration, the faster kept (the ladder starts again from the switches where they win).
-A verb of the ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
+"""The user's switches as the ladder's floor: the switches a user turns on by hand, as the user runs
+them, timed against the final configuration; the final configuration stays only where it is shown
+faster than them, and every other outcome (slower, undecided) ends on the switches, from which the
+ladder starts again. A verb of the ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ if TYPE_CHECKING:
 
 
 def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult | None, list[float]]:
-    """Time the switches a user turns on by hand (``configs/defaults.yaml`` ``switches:``, those of
-    the ladder's rungs that apply on the baseline, together) against the final configuration, and
-    keep the faster: the final configuration is never one measured slower than the switches. Where
-    the switches win, the ladder starts again from them: the rungs of the climb's final
-    configuration that are not switches, and every other rung reverted on speed, are judged on top
-    of them (second looks). Returns the ``switches`` row (None when no switch is in the ladder) and
-    the reference trajectory from then on."""
+    """Time the final configuration against the switches a user turns on by hand
+    (``configs/defaults.yaml`` ``switches:``, those of the ladder's rungs that apply on the baseline,
+    together: a precision or a compile the user set makes its rung say it does not apply, so the
+    switches are as the user runs them). The switches are the floor and the tie goes to them: the
+    final configuration stays only where it is decided faster than them (its comparison's verdict
+    ``faster``, A the switches, B the final configuration); slower or undecided, the ladder starts
+    again from the switches: the rungs of the climb's final configuration that are not switches,
+    and every other rung reverted on speed, are judged on top of them (second looks). Returns the
+    ``switches`` row (its comparison the final configuration against the switches; None when no
+    switch is in the ladder) and the reference trajectory from then on."""
     result = ladder.result
     assert result is not None
     names = config.switch_rungs()
@@ -82,9 +86,9 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
             )
         if problems:
             raise RungProblem(problems[0])
-        ladder.stack.configure(mask_final)
+        ladder.stack.configure(mask_switches)  # A: the switches; B: the final configuration
         paired = ladder.compare(
-            lambda on: ladder.stack.configure(mask_switches if on else mask_final),
+            lambda on: ladder.stack.configure(mask_final if on else mask_switches),
             "switches",
             shared_batches=not any(s.rung.new_shape_cost for s in ladder.slots),
         )
@@ -98,20 +102,16 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
         return row, reference
     finally:
         ladder.snapshot.restore()
-    row.comparison, row.measurement, row.gain_vs_previous = paired, paired.b, paired.speedup
-    # the switches replace the climb's configuration when faster with confidence; between two
-    # configurations that both paid against the baseline, also when undecided but ahead by more
-    # than the minimum gain (neither is then shown faster; the one ahead is the better bet)
-    switches_win = paired.verdict == "faster" or (
-        paired.verdict == "undecided" and n > 0 and paired.speedup > 1 + ladder.cfg.min_gain
-    )
-    if not switches_win:
+    row.comparison, row.measurement, row.gain_vs_previous = paired, paired.a, paired.speedup
+    # the switches are the floor: the final configuration stays only where it is shown faster than them
+    if paired.verdict == "faster":
         ladder.stack.drop(added)
         ladder.stack.configure([True] * n)
-        row.reason += f"; the final configuration against them: {1 / paired.speedup:.3f}x ({describe(paired)})"
+        row.reason += f"; the final configuration against them: {describe(paired)}"
         row.seconds = ladder.host_clock() - t0
-        ladder.on_event(f"switches: the final configuration is {1 / paired.speedup:.3f}x the switches")
+        ladder.on_event(f"switches: the final configuration is {paired.speedup:.3f}x the switches, decided faster")
         return row, reference
+    outcome = "undecided" if paired.verdict == "undecided" else "not faster"
     # the switches win: the climb starts again from them
     if subset:
         for j in reversed(range(n)):
@@ -129,13 +129,13 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
     # their gain over the baseline: the climb's (its decisions, each group once) times theirs over it
     climb = decided_product(ladder, kept_names)
     for rung in switches:
-        ladder.decisions[rung.name] = (tuple(r.name for r in switches), climb * paired.speedup if climb is not None else None)
+        ladder.decisions[rung.name] = (tuple(r.name for r in switches), climb / paired.speedup if climb is not None else None)
     for name in kept_names:
         entry = ladder.entry(name)
         if entry is not None and name not in switch_names:
             entry.status = "reverted"
             entry.reason = (
-                f"{entry.reason}; the switches were faster than the climb's final configuration "
+                f"{entry.reason}; the climb's final configuration was {outcome} against the switches "
                 f"({paired.speedup:.3f}x): judged again on top of them"
             )
     for rung in switches:
@@ -144,18 +144,27 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
             slot = next(s for s in ladder.slots if s.rung is rung)
             entry.status, entry.changes = "kept", list(slot.handle.changes) + slot.handle.report()
             entry.rewrite = slot.rewrite_report()
-            entry.reason = f"kept with the switches ({label}, {describe(paired)} over the climb); before: {entry.reason}"
-    row.reason += f"; faster than the climb's final configuration ({describe(paired)}): the ladder starts from them"
-    ladder.on_event(f"switches: faster than the climb ({paired.speedup:.3f}x); judging the other rungs on top")
+            entry.reason = (
+                f"kept with the switches ({label}; the climb's final configuration against them: {describe(paired)}); "
+                f"before: {entry.reason}"
+            )
+    row.reason += (
+        f"; the climb's final configuration against them: {describe(paired)}, {outcome}: the tie goes to the "
+        "switches, and the ladder starts from them"
+    )
+    ladder.on_event(
+        f"switches: the climb is {paired.speedup:.3f}x them, {outcome}: ending on the switches, judging the other rungs on top"
+    )
     ladder.phase = "the second look on the switches"
     reference = second_look(ladder, losses)
     ladder.phase = "the switches"
-    if len(ladder.slots) > len(switches):  # rungs kept on top: the headline against the switches, measured
+    if len(ladder.slots) > len(switches):  # rungs kept on top: the final configuration against the switches, measured
         on_top = [s.rung not in switches for s in ladder.slots]
         mask_s = [not o for o in on_top]
         try:
-            again = ladder.compare(lambda on: ladder.stack.configure(mask_s if on else [True] * len(ladder.slots)), "switches")
-            row.comparison, row.measurement, row.gain_vs_previous = again, again.b, again.speedup
+            ladder.stack.configure(mask_s)
+            again = ladder.compare(lambda on: ladder.stack.configure([True] * len(ladder.slots) if on else mask_s), "switches")
+            row.comparison, row.measurement, row.gain_vs_previous = again, again.a, again.speedup
         finally:
             ladder.stack.all_on()
             ladder.snapshot.restore()

@@ -11,6 +11,7 @@ from rich.text import Text
 from speedkit.report.markdown import (
     STATUS_LABELS,
     TABLE_COLUMNS,
+    diagnosis_line,
     holds_line,
     rung_cells,
     summary_line,
@@ -42,6 +43,9 @@ def render_console(d: dict[str, Any], console: Console | None = None) -> None:
         # Text, not markup strings: a reason or a name with "[...]" must print as written.
         table.add_row(*(Text(cell) for cell in rung_cells(rung)), style=style)
     console.print(table)
+    diagnosis = (d.get("run") or {}).get("diagnosis")
+    if diagnosis:
+        console.print(Text("Diagnosis: " + diagnosis_line(diagnosis)))
     console.print(Text("Summary: " + summary_line(d)))
     holds = holds_line(d)
     if holds:

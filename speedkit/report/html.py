@@ -43,6 +43,7 @@ from speedkit.report.markdown import (
     MISSING,
     STATUS_LABELS,
     TABLE_COLUMNS,
+    diagnosis_line,
     format_bytes,
     format_gain,
     format_percent,
@@ -80,8 +81,14 @@ def _headline(d: dict[str, Any]) -> str:
     )
     base, final = _baseline_measurement(d), _final_measurement(d)
     speed = s.get("speedup")
+    # an interval that holds 1.0 shows nothing: the card says so
+    not_shown = isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci) and ci[0] <= 1.0 <= ci[1]
     cards = [
-        ("speedup vs baseline", format_gain(speed), f"{ci_text}; {_e(s.get('figures_from'))}"),
+        (
+            "speedup vs baseline",
+            ("not shown: " if not_shown else "") + format_gain(speed),
+            f"{ci_text}; {_e(s.get('figures_from'))}",
+        ),
         ("step time", f"{ms_text(s.get('final_step_ms'))}", f"from {ms_text(s.get('baseline_step_ms'))}"),
         (
             "throughput" + (f" ({unit})" if unit else ""),
@@ -111,15 +118,19 @@ def _headline(d: dict[str, Any]) -> str:
         )
     if s.get("note"):
         out.append(f'<p class="warn"><b>Note:</b> {_e(s["note"])}</p>')
+    diagnosis = (d.get("run") or {}).get("diagnosis")
+    if diagnosis:
+        out.append(f'<p class="note"><b>Diagnosis:</b> {_e(diagnosis_line(diagnosis))}</p>')
     holds = holds_line(d)
     if holds:
         klass = "warn" if (d.get("holds") or {}).get("flagged") else "note"
         out.append(f'<p class="{klass}"><b>In training:</b> {_e(holds)}</p>')
     vs = s.get("vs_switches")
     if isinstance(vs, (list, tuple)) and len(vs) == 3 and all(known(v) for v in vs):
+        shown = "" if not vs[1] <= 1.0 <= vs[2] or vs[1] == vs[2] else " Not shown: the interval holds 1.0."
         out.append(
             f'<p class="note">Against the switches a user would flip by hand: {vs[0]:.2f}× '
-            f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).</p>"
+            f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).{shown}</p>"
         )
     return "\n".join(out)
 

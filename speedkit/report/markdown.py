@@ -26,7 +26,7 @@ STATUS_LABELS = {
     "failed": "failed",
     "closing": "final (re-measured)",
     "interrupted": "interrupted",
-    "switches": "switches (vs final)",
+    "switches": "switches (final vs them)",
 }
 
 TABLE_COLUMNS = (
@@ -130,18 +130,28 @@ def summary_line(d: dict[str, Any]) -> str:
     steps = f"step {format_step(s.get('baseline_step_ms'))} → {format_step(s.get('final_step_ms'))} ms"
     ci = s.get("speedup_ci")
     interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
+    # an interval that holds 1.0 shows nothing: said so before the figure
+    shown = "" if not interval or not ci[0] <= 1.0 <= ci[1] else "not shown: "
     versus = s.get("vs_switches")
     switches = (
-        f", {format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
+        f", {'not shown: ' if versus[1] <= 1.0 <= versus[2] and versus[1] < versus[2] else ''}"
+        f"{format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
         if versus and all(_known(v) and math.isfinite(v) for v in versus)
         else ""
     )
-    line = f"{before} → {after} ({format_gain(s.get('speedup'))}{interval} the baseline{switches}; {steps}); kept: {kept}"
+    line = f"{before} → {after} ({shown}{format_gain(s.get('speedup'))}{interval} the baseline{switches}; {steps}); kept: {kept}"
     if s.get("note"):
         line += f" (note: {s['note']})"
     if s.get("interrupted"):
         line = f"INTERRUPTED ({s['interrupted']}); rungs finished before it: " + line
     return line
+
+
+def diagnosis_line(diagnosis: dict[str, Any]) -> str:
+    """What set the baseline step's pace, in one line (its class and figures), and the note where the
+    profile could not be taken."""
+    line = str(diagnosis.get("summary") or diagnosis.get("kind") or MISSING)
+    return f"{line} ({diagnosis['note']})" if diagnosis.get("note") else line
 
 
 def holds_line(d: dict[str, Any]) -> str | None:
@@ -171,6 +181,9 @@ def render_markdown(d: dict[str, Any]) -> str:
     title = d.get("title") or f"speedkit report{f': {recipe}' if recipe else ''}"
     lines = [f"# {title}", ""]
     lines += [f"**Summary:** {_escape(summary_line(d))}", ""]
+    diagnosis = (d.get("run") or {}).get("diagnosis")
+    if diagnosis:
+        lines += [f"**Diagnosis:** {_escape(diagnosis_line(diagnosis))}", ""]
     holds = holds_line(d)
     if holds:
         lines += [f"**In training:** {_escape(holds)}", ""]
@@ -349,7 +362,7 @@ def _environment(d: dict[str, Any]) -> list[str]:
 
 
 #: run entries with a sentence of their own
-_RUN_SENTENCES = ("noise", "budget", "trials_s", "trial_order")
+_RUN_SENTENCES = ("noise", "budget", "trials_s", "trial_order", "diagnosis", "first_tried")
 
 
 def _run(d: dict[str, Any]) -> list[str]:
@@ -377,6 +390,11 @@ def _run(d: dict[str, Any]) -> list[str]:
             f"- Trials: {_num(run.get('trials_s'), '.0f')} s against a budget of {_num(budget.get('budget_s'), '.0f')} s "
             f"({_escape(budget.get('rule') or MISSING)}); skipped for it: {skipped}."
         ]
+        phases = budget.get("phases") or {}
+        if phases:
+            lines += ["- Time per phase: " + ", ".join(f"{_escape(k)} {_num(v, '.1f')} s" for k, v in phases.items()) + "."]
+    if run.get("first_tried"):
+        lines += [f"- Plan: {_escape(run['first_tried'])}."]
     if run.get("trial_order"):
         lines += [f"- Order: {_escape(run['trial_order'])}."]
     return lines + ([""] if len(lines) > 4 else [])
