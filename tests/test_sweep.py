@@ -1,6 +1,9 @@
 """The batch-size sweep's search (speedkit.engine.sweep) on synthetic throughput and memory curves: the
 choice is within 5% of the best an exhaustive sweep of the same sizes finds, in at most 8 trials,
-and never a size that runs out of memory or leaves less than the margin free."""
+and never a size that runs out of memory or leaves less than the margin free; a size other than the
+user's only where shown faster (an undecided comparison keeps the user's). Each size is timed after
+its compile and the warm-up after it (a fake compile cost on a virtual time line), and ``speedkit
+sweep`` runs on a recipe."""
 
 from __future__ import annotations
 
@@ -9,10 +12,17 @@ import random
 import pytest
 import torch
 
-from speedkit.engine.sweep import SweepResult, SweepTrial, candidates, sweep
+from speedkit.engine.sweep import SweepResult, SweepTrial, candidates, compare_sizes, sweep
 from speedkit.errors import ConfigError
 
 GB = 10**9
+
+
+def timed(size: int, rates: list[float], peak: int | None = None, accumulate: int = 1) -> SweepTrial:
+    """A trial that fit, timed in windows of these throughputs (its median the trial's)."""
+    import statistics
+
+    return SweepTrial(size, accumulate, statistics.median(rates), "samples/s", peak, True, window_rates=tuple(rates))
 
 
 class Curve:
@@ -44,8 +54,8 @@ class Curve:
         accumulate = effective // size if effective else 1
         if self.peak_memory(size) > self.memory:
             return SweepTrial(size, accumulate, None, "samples/s", None, False, "out of memory: simulated")
-        rate = self.throughput(size) * (1 + self.rng.uniform(-self.noise, self.noise))
-        return SweepTrial(size, accumulate, rate, "samples/s", self.peak_memory(size), True)
+        rates = [self.throughput(size) * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(3)]
+        return timed(size, rates, self.peak_memory(size), accumulate)
 
     def fits(self, size: int, margin: float) -> bool:
         return self.peak_memory(size) <= (1 - margin) * self.memory
@@ -64,7 +74,9 @@ def test_the_choice_is_within_5_percent_of_the_exhaustive_best_in_at_most_8_tria
     grid = candidates(start, effective=effective)
     exhaustive = max(curve.throughput(s) for s in grid if curve.fits(s, 0.10))
     chosen = result.trial(result.chosen)
-    assert len(result.trials) <= 8 and len(set(curve.calls)) == len(curve.calls)  # no size measured twice
+    again = curve.calls[len(result.trials) :]  # beyond the search: the user's size once more, to compare
+    assert len(result.trials) <= 8 and len(set(curve.calls[: len(result.trials)])) == len(result.trials)
+    assert again in ([], [start]) and (again == []) == (result.trial(start).measured == 1)
     assert chosen.fits and curve.fits(result.chosen, 0.10)
     assert curve.throughput(result.chosen) >= 0.95 * exhaustive, (result.table(), exhaustive)
     if effective:
@@ -73,7 +85,7 @@ def test_the_choice_is_within_5_percent_of_the_exhaustive_best_in_at_most_8_tria
 
 def test_a_size_that_leaves_less_than_the_margin_free_is_not_chosen():
     def measure(size):  # faster with size; 8 GB per sample on an 80 GB device
-        return SweepTrial(size, 1, 100.0 * size, "samples/s", size * 8 * GB, True)
+        return timed(size, [100.0 * size] * 3, size * 8 * GB)
 
     result = sweep(measure, 2, memory_bytes=80 * GB)
     assert result.chosen == 8  # 72 GB at 9 would leave 10% free; 12 leaves nothing; 8 leaves 20%
@@ -87,10 +99,59 @@ def test_a_user_size_that_does_not_fit_is_searched_below():
     def measure(size):
         if size > 6:
             return SweepTrial(size, 1, None, "samples/s", None, False, "out of memory: simulated")
-        return SweepTrial(size, 1, 10.0 * size, "samples/s", None, True)
+        return timed(size, [10.0 * size] * 3)
 
     result = sweep(measure, 32)
-    assert result.chosen == 6 and result.trial(32).fits is False
+    assert result.chosen == 6 and result.trial(32).fits is False and result.comparison is None  # nothing of yours to compare
+
+
+def test_a_size_shown_faster_is_chosen_with_the_comparison_s_gain_and_the_user_s_size_measured_again():
+    calls: list[int] = []
+
+    def measure(size):  # 4 is 30% faster than the user's 2, at 1% window noise
+        calls.append(size)
+        base = {1: 600.0, 2: 1000.0, 4: 1300.0}[size]
+        return timed(size, [base * 0.99, base, base * 1.01], accumulate=4 // size)
+
+    events: list[str] = []
+    result = sweep(measure, 2, effective=4, on_event=events.append)
+    assert result.chosen == 4 and calls.count(2) == 2 and calls[-1] == 2  # yours again, after the others
+    c = result.comparison
+    assert c.size == 4 and c.verdict == "faster" and c.low > 1.02 and c.windows == (6, 3)
+    assert result.gain == c.speedup and result.gain == pytest.approx(1.3, rel=0.01)
+    assert result.trial(2).measured == 2 and len(result.trial(2).window_rates) == 6
+    assert any("micro-batch 4: 1.30" in line and "faster by more than" in line for line in events)
+    assert any("(2 fits)" in line for line in result.table())
+
+
+def test_an_undecided_comparison_keeps_the_user_s_size_and_says_so():
+    def measure(size):  # 4 measures 10% faster, at 25% window noise: the windows cannot tell
+        base = {1: 600.0, 2: 1000.0, 4: 1100.0}[size]
+        return timed(size, [base * 0.75, base, base * 1.25], accumulate=4 // size)
+
+    events: list[str] = []
+    result = sweep(measure, 2, effective=4, on_event=events.append)
+    assert result.chosen == 2 and result.gain == 1.0  # yours, not "1.10x yours"
+    assert result.comparison.size == 4 and result.comparison.verdict == "undecided"
+    assert result.comparison.low < 1 < result.comparison.high
+    assert any("undecided" in line and "yours stays" in line for line in events)
+    assert result.to_dict()["comparison"]["verdict"] == "undecided"
+
+
+def test_a_trial_without_window_figures_cannot_show_a_gain():
+    calls: list[int] = []
+
+    def measure(size):  # one figure per size: 4 looks 30% faster, but nothing is known of the noise
+        calls.append(size)
+        return SweepTrial(size, 4 // size, {1: 600.0, 2: 1000.0, 4: 1300.0}[size], "samples/s", None, True)
+
+    result = sweep(measure, 2, effective=4)
+    assert result.chosen == 2 and result.comparison.verdict == "undecided" and calls.count(2) == 1
+    doc = __import__("json").loads(__import__("json").dumps(result.to_dict(), allow_nan=False))  # strict JSON
+    assert doc["comparison"]["high"] is None and doc["gain"] == 1.0
+    two = [1000.0, 1000.0]
+    assert compare_sizes(timed(2, two), timed(4, [1010.0, 1010.0])).verdict == "not_faster"  # exact: 1% < 2%
+    assert compare_sizes(timed(2, two), timed(4, [1100.0, 1100.0])).verdict == "faster"
 
 
 def test_bad_arguments_are_one_line_config_errors():
@@ -265,3 +326,149 @@ def test_a_size_is_measured_on_the_worst_case_input_where_batch_shapes_vary():
         windows=2,
     )
     assert "one shape" in same.input
+
+
+# -- each size timed after its compile and warm-up (a fake compile cost on a virtual time line) -----
+class FakeCompiler:
+    """``torch.compile`` stood in for on a virtual time line: the first call of each new input shape
+    compiles (``compile_s`` of virtual time, one more graph on the counter ``compat.graph_count``
+    reads); the first shape the process meets compiles again at its calls in ``recompile_at`` (the
+    recompiles a first size brings: a guard that fails, dynamic shapes marked, autotuning), so its
+    compiles reach past a fixed warm-up of two steps."""
+
+    def __init__(self, time, compile_s: float = 30.0, recompile_at: tuple[int, ...] = (5, 9)) -> None:
+        self.time, self.compile_s, self.recompile_at = time, compile_s, recompile_at
+        self.graphs = 0
+        self.calls: dict[tuple[int, ...], int] = {}
+        self.first: tuple[int, ...] | None = None
+
+    def __call__(self, shape: tuple[int, ...]) -> None:
+        calls = self.calls[shape] = self.calls.get(shape, 0) + 1
+        self.first = self.first or shape
+        if calls == 1 or (shape == self.first and calls in self.recompile_at):
+            self.graphs += 1
+            self.time.spend(self.compile_s)
+
+
+#: seconds of virtual time per micro-batch of each size: with 8 samples per optimizer step, steps of
+#: 32, 20, 16 and 20 ms at micro-batches 1, 2, 4 and 8 (250, 400, 500, 400 samples/s): 4 is the fastest
+MICRO_BATCH_S = {1: 0.004, 2: 0.005, 4: 0.008, 8: 0.020}
+EFFECTIVE = 8
+
+
+def _costed_module(compiler: FakeCompiler):
+    import lightning.pytorch as pl
+    from torch import nn
+
+    class CostedModule(pl.LightningModule):
+        """A tiny model whose micro-batch costs ``MICRO_BATCH_S`` of virtual time, behind the fake compiler."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.steps = 0
+
+        def training_step(self, batch, batch_idx):
+            compiler(tuple(batch.shape))
+            compiler.time.spend(MICRO_BATCH_S[batch.shape[0]])
+            self.steps += 1
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return CostedModule()
+
+
+def _batches(size: int):
+    return torch.utils.data.DataLoader([torch.ones(size, 4)] * 256, batch_size=None)
+
+
+def _fake_compiled_trial(monkeypatch, compiler: FakeCompiler):
+    """``measure(size)``: speedkit sweep's timed fit of the costed module at that micro-batch (the
+    effective batch of 8 kept), on the virtual time line, the fake compiler's graphs counted."""
+    from speedkit import compat
+    from speedkit.frontend.sweep_runner import timed_fit_trial
+
+    monkeypatch.setattr(compat, "graph_count", lambda: compiler.graphs)
+    modules: dict[int, object] = {}
+
+    def measure(size: int) -> SweepTrial:
+        module = modules[size] = _costed_module(compiler)
+        return timed_fit_trial(
+            size,
+            EFFECTIVE // size,
+            lambda: (module, {"train_dataloaders": _batches(size)}),
+            {"accelerator": "cpu", "devices": 1},
+            warmup=2,
+            window=2,
+            windows=3,
+            clock=compiler.time.clock(),
+            host_clock=compiler.time,
+        )
+
+    return measure, modules
+
+
+def test_a_fixed_warm_up_times_the_first_size_s_recompiles(monkeypatch):
+    """What the sweep did before: two warm-up steps, then windows, whatever compiled in them."""
+    import lightning.pytorch as pl
+    from fakes import VirtualTime
+
+    from speedkit import compat
+    from speedkit.lightning import StepTimer
+    from speedkit.measure.session import MeasureSession
+
+    time = VirtualTime()
+    compiler = FakeCompiler(time)
+    monkeypatch.setattr(compat, "graph_count", lambda: compiler.graphs)
+
+    class FixedWarmupTimer(StepTimer):
+        def on_train_start(self, trainer, pl_module):
+            super().on_train_start(trainer, pl_module)
+            self.session = MeasureSession("cpu", clock=time.clock(), host_clock=time)
+            self.session.begin_steps(self.window, warmup=self.warmup)
+
+    timer = FixedWarmupTimer(warmup=2, window=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=8, accumulate_grad_batches=2, callbacks=[timer], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_costed_module(compiler), train_dataloaders=_batches(4))
+    assert [w.compiled_graphs for w in timer.windows] == [1, 1, 0]  # the recompiles at steps 3 and 5 (calls 5 and 9)
+    assert timer.measurement.step_ms > 1000 * 30 / 2 / 2  # the median window holds half a compile per step
+
+
+def test_the_first_size_is_timed_after_its_compile_and_the_warm_up_after_each_recompile(monkeypatch):
+    from fakes import VirtualTime
+
+    compiler = FakeCompiler(VirtualTime())
+    measure, modules = _fake_compiled_trial(monkeypatch, compiler)
+    first = measure(4)  # micro-batches of 4, accumulated 2: compiles at its calls 1, 5 and 9 (steps 1, 3 and 5)
+    step_s = 2 * MICRO_BATCH_S[4]
+    assert first.fits and first.compiled_steps == 3 and first.untimed_steps == 5 + 2  # the last compile, then the warm-up
+    assert first.window_rates == pytest.approx([EFFECTIVE / step_s] * 3)  # every window the step's own 500 samples/s
+    assert first.throughput == pytest.approx(500.0) and first.spread == pytest.approx(0.0, abs=1e-9)
+    assert modules[4].steps == 2 * (7 + 3 * 2)  # micro-batches: the fit stopped at its third window
+    second = measure(2)  # a new shape: one compile, at its first step
+    assert second.compiled_steps == 1 and second.untimed_steps == 1 + 2
+    assert second.window_rates == pytest.approx([EFFECTIVE / (4 * MICRO_BATCH_S[2])] * 3)
+
+
+@pytest.mark.parametrize("start", [4, 2])
+def test_the_sweep_chooses_the_truly_fastest_size_though_its_first_size_recompiles(monkeypatch, start):
+    from fakes import VirtualTime
+
+    compiler = FakeCompiler(VirtualTime())
+    measure, _ = _fake_compiled_trial(monkeypatch, compiler)
+    result = sweep(measure, start, effective=EFFECTIVE)
+    true_rate = {s: EFFECTIVE / (EFFECTIVE // s * cost) for s, cost in MICRO_BATCH_S.items()}
+    for t in result.trials:  # each size at its own rate: no compile in any timed window
+        assert t.window_rates == pytest.approx([true_rate[t.size]] * len(t.window_rates)), t
+    assert result.trial(start).compiled_steps == 3  # the first size measured brought the recompiles
+    assert result.chosen == 4
+    if start == 4:
+        assert result.gain == 1.0 and result.comparison is None  # yours was the fastest: nothing to compare
+    else:
+        assert result.comparison.verdict == "faster" and result.gain == pytest.approx(500 / 400)
+        assert result.trial(2).measured == 2  # measured again after the others

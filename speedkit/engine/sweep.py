@@ -15,11 +15,19 @@ throughput, peak memory, or an out-of-memory error) for as few sizes as it can:
 
 Candidates keep the user's effective batch by default: the micro-batch divides it and gradient
 accumulation makes up the rest (``effective``), so the optimizer sees the same batch and needs no
-new learning rate. A size other than the user's is chosen only where it is faster by ``min_gain``.
-Without ``effective`` they are the user's size times powers of two, up to
+new learning rate. Without ``effective`` they are the user's size times powers of two, up to
 ``max_size``, with the sizes between them for refinement. The chosen size is the fastest that fit
-(ties to the smaller: less memory). :class:`SweepResult` holds every trial as a table row and a
-plot-ready series for the report.
+(ties to the smaller: less memory) where it is shown faster than the user's, else the user's.
+:class:`SweepResult` holds every trial as a table row and a plot-ready series for the report.
+
+**Decided, or yours.** A size other than the user's is chosen only where it is *shown* faster by
+``min_gain`` (:func:`compare_sizes`): the fastest size the search measured is compared with the
+user's from their timed windows' throughputs (one-sided Welch t-test on their logarithms at
+``CONFIDENCE``), the user's size measured a second time after the search so that its two
+measurements bracket the others in time (a host whose load drifts, a first fit of the process, do
+not decide alone). Undecided goes to the user's size, and the result says so; a trial without two
+windows' figures cannot show a gain. Each trial's windows come after its compile and warm-up
+(the measure function's part: ``speedkit.frontend.sweep_runner.SettledStepTimer``).
 
 This module measures nothing itself: ``speedkit sweep`` (``speedkit.frontend.sweep_runner.sweep_recipe``) gives it a
 measure function that fits the recipe at each size with speedkit's step clock.
@@ -28,17 +36,22 @@ measure function that fits the recipe at each size with speedkit's step clock.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from speedkit.errors import ConfigError
+from speedkit.measure.clock import summarize
+from speedkit.measure.stats import one_sided_alpha, t_quantile
 
 #: defaults of the sweep (also ``speedkit sweep``'s)
 MARGIN = 0.10
 MIN_GAIN = 0.02
 MAX_TRIALS = 8
 MAX_SIZE = 4096
+#: two-sided confidence of the comparison of the chosen size with the user's
+CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,67 @@ class SweepTrial:
     seconds: float = 0.0  # wall time of the trial
     optimizer: str = ""  # the optimizer's class, as the trial's fit built it (for the learning-rate rule)
     input: str = ""  # what the trial was fed (the loader's batches, or the worst-case input)
+    #: each timed window's throughput (items per second); ``throughput`` is their median
+    window_rates: tuple[float, ...] = ()
+    #: optimizer steps run before the first timed window: those that compiled (each starts the
+    #: warm-up again) and the warm-up after the last of them
+    untimed_steps: int = 0
+    compiled_steps: int = 0  # optimizer steps in which torch.compile compiled a graph (none of them timed)
+    measured: int = 1  # times this size was measured (the user's: twice where a size is compared with it)
+
+    @property
+    def spread(self) -> float | None:
+        """The windows' noise: robust relative standard deviation (None under two windows)."""
+        return summarize(self.window_rates)[1] if len(self.window_rates) >= 2 else None
+
+
+@dataclass(frozen=True)
+class SizeComparison:
+    """A size's throughput over the user's, from both sizes' timed windows (:func:`compare_sizes`)."""
+
+    size: int
+    speedup: float  # exp(mean log rate of the size - that of the user's size): > 1 faster
+    low: float  # the interval's ends, at ``confidence``
+    high: float
+    confidence: float
+    verdict: str  # "faster" (by min_gain), "not_faster", or "undecided"
+    min_gain: float
+    windows: tuple[int, int]  # windows of the user's size, of this size
+
+    def line(self) -> str:
+        ci = f"{self.speedup:.3f}x yours, {self.confidence:.0%} CI [{self.low:.3f}, {self.high:.3f}] over {self.windows[0]}+{self.windows[1]} windows"
+        if self.verdict == "faster":
+            return f"micro-batch {self.size}: {ci}: faster by more than the {1 + self.min_gain:.2f}x minimum"
+        if self.verdict == "not_faster":
+            return f"micro-batch {self.size}: {ci}: not faster by the {1 + self.min_gain:.2f}x minimum; yours stays"
+        return f"micro-batch {self.size}: {ci}: undecided (not shown faster by the {1 + self.min_gain:.2f}x minimum); yours stays"
+
+
+def compare_sizes(
+    yours: SweepTrial, other: SweepTrial, *, min_gain: float = MIN_GAIN, confidence: float = CONFIDENCE
+) -> SizeComparison:
+    """Whether ``other`` is faster than ``yours`` by ``min_gain``: a one-sided Welch t-test on the log
+    window throughputs (error ``(1 - confidence) / 2``; the interval is two-sided at ``confidence``).
+    Each size is its own fit, so the windows are compared unpaired; under two windows on either side
+    nothing is known of the noise and the verdict is undecided. Windows with the same figure (a
+    stand-in measure) give a zero-width interval."""
+    a = [math.log(r) for r in yours.window_rates if r > 0]
+    b = [math.log(r) for r in other.window_rates if r > 0]
+    windows = (len(a), len(b))
+    if len(a) < 2 or len(b) < 2:
+        speedup = (other.throughput or 0.0) / yours.throughput if yours.throughput else math.nan
+        return SizeComparison(other.size, speedup, 0.0, math.inf, confidence, "undecided", min_gain, windows)
+    diff = statistics.fmean(b) - statistics.fmean(a)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se > 0:
+        df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))  # Welch-Satterthwaite
+        half = t_quantile(1 - one_sided_alpha(confidence), max(1, math.floor(df))) * se
+    else:
+        half = 0.0
+    low, high, threshold = diff - half, diff + half, math.log1p(min_gain)
+    verdict = "faster" if low > threshold else "not_faster" if high < threshold else "undecided"
+    return SizeComparison(other.size, math.exp(diff), math.exp(low), math.exp(high), confidence, verdict, min_gain, windows)
 
 
 @dataclass
@@ -66,13 +140,18 @@ class SweepResult:
     memory_bytes: int | None = None
     margin: float = MARGIN
     rule: str = ""
+    #: the fastest other size measured, against the user's (None: no other size fit, or the user's did not)
+    comparison: SizeComparison | None = None
 
     def trial(self, size: int) -> SweepTrial | None:
         return next((t for t in self.trials if t.size == size), None)
 
     @property
     def gain(self) -> float | None:
-        """The chosen size's throughput over the user's."""
+        """The chosen size's throughput over the user's: the comparison's where a size other than the
+        user's was chosen (it was shown faster), 1.0 where the user's stays."""
+        if self.comparison is not None and self.comparison.size == self.chosen:
+            return self.comparison.speedup
         a, b = self.trial(self.start), self.trial(self.chosen)
         if a is None or b is None or not a.throughput or not b.throughput:
             return None
@@ -96,6 +175,8 @@ class SweepResult:
             mark = " (chosen)" if t.size == self.chosen else " (yours)" if t.size == self.start else ""
             peak = f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"
             rate = f"{t.throughput:,.0f}" if t.throughput else "-"
+            if t.throughput and t.spread is not None:
+                rate += f" ±{t.spread:.0%}" + (f" ({t.measured} fits)" if t.measured > 1 else "")
             lines.append(f"| {t.size}{mark} | {t.accumulate} | {rate} | {peak} | {'yes' if t.fits else 'no: ' + t.reason} |")
         return lines
 
@@ -118,6 +199,11 @@ class SweepResult:
             "margin": self.margin,
             "rule": self.rule,
             "lr_scaling": self.lr_scaling(accumulate),
+            "comparison": (
+                {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self.comparison).items()}
+                if self.comparison is not None
+                else None
+            ),  # an unknown interval's ends as null (JSON has no infinity)
             "trials": [asdict(t) for t in self.trials],
             "series": self.series(),
         }
@@ -182,12 +268,16 @@ def sweep(
     margin: float = MARGIN,
     min_gain: float = MIN_GAIN,
     max_trials: int = MAX_TRIALS,
+    confidence: float = CONFIDENCE,
     on_event: Callable[[str], None] = lambda line: None,
     on_progress: Callable[[int, int, str], None] = lambda done, total, label: None,
 ) -> SweepResult:
     """Find the micro-batch of highest throughput (module docstring). ``measure(size)`` runs a trial;
     its ``fits`` is re-judged here against ``margin`` of ``memory_bytes`` where both are known.
-    ``on_progress(done, total, label)``: sizes measured of at most ``max_trials`` (a progress bar)."""
+    ``on_progress(done, total, label)``: sizes measured of at most ``max_trials`` (a progress bar).
+    Beyond ``max_trials``, the user's size is measured once more where the fastest other size
+    measured could be shown faster than it (both with windows' figures, the point gain at least
+    ``min_gain``): the size chosen is that one only where :func:`compare_sizes` says "faster"."""
     if isinstance(start, bool) or not isinstance(start, int) or start < 1:
         raise ConfigError("batch size", f"expected a whole number of samples >= 1, found {start!r}")
     if effective is not None and effective % start:
@@ -204,7 +294,8 @@ def sweep(
         rule=(
             f"grow x4 (x2 once a step gains under 50%) from {start} while it fits with {margin:.0%} of device memory free and "
             f"throughput rises by {min_gain:.0%}; refine between the best and its neighbours; "
-            f"at most {max_trials} trials; "
+            f"at most {max_trials} trials; a size other than yours only where shown faster by {min_gain:.0%} "
+            f"({confidence:.0%} confidence; yours measured again to compare); "
             + (
                 f"the effective batch {effective} kept (micro-batch x accumulation)"
                 if effective
@@ -228,10 +319,12 @@ def sweep(
                 )
         result.trials.append(trial)
         on_progress(len(result.trials), max_trials, f"micro-batch {size} measured")
-        on_event(
-            f"sweep: micro-batch {size}: "
-            + (f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput else f"does not fit ({trial.reason})")
-        )
+        timed = f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput else ""
+        if timed and trial.spread is not None:
+            timed += f" ±{trial.spread:.0%} over {len(trial.window_rates)} windows"
+        if timed and trial.compiled_steps:
+            timed += f", its first {trial.untimed_steps} steps untimed ({trial.compiled_steps} compiled a graph)"
+        on_event(f"sweep: micro-batch {size}: " + (timed or f"does not fit ({trial.reason})"))
         return trial
 
     def rate(size: int) -> float:
@@ -283,7 +376,34 @@ def sweep(
             break
         run(gaps[0])
     fitting = [t for t in result.trials if t.fits and t.throughput]
-    result.chosen = max(fitting, key=lambda t: (t.throughput, -t.size)).size
-    if first.fits and rate(result.chosen) < rate(start) * (1 + min_gain):
-        result.chosen = start  # not faster than the user's own size by the minimum: theirs stays
+    fastest = max(fitting, key=lambda t: (t.throughput, -t.size))
+    result.chosen = fastest.size
+    if not first.fits or fastest.size == start:
+        return result
+    # the fastest other size against the user's: shown faster, or the user's stays
+    yours = result.trial(start)
+    assert yours is not None
+    if len(yours.window_rates) >= 2 and len(fastest.window_rates) >= 2 and fastest.throughput >= rate(start) * (1 + min_gain):
+        on_progress(len(result.trials), max_trials, f"micro-batch {start} again, to compare")
+        again = measure(start)  # after the others: its two measurements bracket them in time
+        on_event(
+            f"sweep: micro-batch {start} again, to compare: "
+            + (f"{again.throughput:,.0f} {again.unit}" if again.fits and again.throughput else f"not timed ({again.reason})")
+        )
+        if again.fits and len(again.window_rates) >= 2:
+            pooled = yours.window_rates + again.window_rates
+            yours = SweepTrial(
+                **{
+                    **asdict(yours),
+                    "throughput": statistics.median(pooled),
+                    "window_rates": pooled,
+                    "seconds": yours.seconds + again.seconds,
+                    "measured": yours.measured + 1,
+                }
+            )
+            result.trials[result.trials.index(first)] = yours
+    result.comparison = compare_sizes(yours, fastest, min_gain=min_gain, confidence=confidence)
+    on_event(f"sweep: {result.comparison.line()}")
+    if result.comparison.verdict != "faster":
+        result.chosen = start  # not shown faster than the user's own size by the minimum: theirs stays
     return result

@@ -1,6 +1,7 @@
-"""The batch-size sweep's runner part: each size a short timed fit of the recipe (:func:`timed_fit_trial`),
-the recipe's trial function (:func:`recipe_trials`), the worst-case input it is fed, and ``speedkit sweep``
-itself (:func:`sweep_recipe`); :mod:`speedkit.engine.sweep` decides which sizes to try."""
+"""The batch-size sweep's runner part: each size a short timed fit of the recipe (:func:`timed_fit_trial`,
+timed only after its last compile and the warm-up after it: :class:`SettledStepTimer`), the recipe's
+trial function (:func:`recipe_trials`), the worst-case input it is fed, and ``speedkit sweep`` itself
+(:func:`sweep_recipe`); :mod:`speedkit.engine.sweep` decides which sizes to try."""
 
 from __future__ import annotations
 
@@ -10,10 +11,71 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from speedkit import config
+from speedkit import compat, config
 from speedkit.errors import ConfigError, UnsupportedError, first_line
 from speedkit.frontend.recipe import Recipe
 from speedkit.frontend.runner import _OPTIMIZE_TRAINER, _quiet_lightning, check_model_takes_data, check_trainer
+from speedkit.lightning import StepTimer
+from speedkit.measure.clock import StepClock
+from speedkit.measure.session import HostClock, MeasureSession
+
+#: a size's fit may run this many times the steps it plans (its windows after a first compile), so
+#: that compiles after the first (a recompile, a new shape) can each start the warm-up again
+SETTLE_ROOM = 3
+
+
+class SettledStepTimer(StepTimer):
+    """A :class:`~speedkit.lightning.StepTimer` whose warm-up starts again after every optimizer step
+    in which ``torch.compile`` compiled a graph (:func:`speedkit.compat.graph_count` moved): the
+    windows timed before it are dropped, and ``warmup`` steps run untimed after it, so a size is timed
+    only on steps after its last compile and a warm-up of its own, never on a compile's first call.
+    It stops the fit once ``windows`` windows are timed (``trainer.should_stop``). ``clock`` and
+    ``host_clock``: the measurement session's (tests inject a fake time line)."""
+
+    def __init__(
+        self,
+        warmup: int,
+        window: int,
+        windows: int,
+        *,
+        clock: StepClock | None = None,
+        host_clock: HostClock | None = None,
+    ) -> None:
+        super().__init__(warmup=warmup, window=window)
+        self.wanted = windows
+        self.clock, self.host_clock = clock, host_clock
+        self.steps = 0  # optimizer steps seen
+        self.compiled_steps = 0  # of them, those in which a graph compiled
+        self.untimed_steps = warmup  # steps before the windows kept: through the last compile, and the warm-up after
+        self._graphs = 0
+        self._compiled = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.clock is not None or self.host_clock is not None:
+            self.session = MeasureSession(
+                trainer.strategy.root_device, clock=self.clock, host_clock=self.host_clock or time.perf_counter
+            )
+            self.session.begin_steps(self.window, warmup=self.warmup)
+        self._graphs = compat.graph_count()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        graphs = compat.graph_count()
+        if graphs != self._graphs:  # a graph compiled in this (micro-)batch
+            self._graphs, self._compiled = graphs, True
+        if self._steps.in_step:  # the optimizer step goes on (accumulation): judge it when it ends
+            return
+        self.steps += 1
+        if self._compiled:
+            assert self.session is not None
+            self._compiled = False
+            self.compiled_steps += 1
+            self.windows.clear()
+            self.session.begin_steps(self.window, warmup=self.warmup)
+            self.untimed_steps = self.steps + self.warmup
+        elif len(self.windows) >= self.wanted:
+            trainer.should_stop = True
 
 
 def _batch_size_key(recipe: Recipe) -> tuple[str, int]:
@@ -105,10 +167,16 @@ def timed_fit_trial(
     callbacks: Callable[[], list[Any]] = list,
     quiet_notes: bool = False,
     worst_case: bool = True,
+    clock: StepClock | None = None,
+    host_clock: HostClock | None = None,
 ) -> Any:
     """One size of a batch-size sweep: a short fit (``warmup`` untimed steps, then ``windows`` timed
     windows of ``window`` optimizer steps on speedkit's step clock) of what ``build()`` returns, the
-    module and ``fit``'s data keyword arguments; a :class:`~speedkit.engine.sweep.SweepTrial`. Out of device
+    module and ``fit``'s data keyword arguments; a :class:`~speedkit.engine.sweep.SweepTrial`. A step
+    in which ``torch.compile`` compiled a graph (the size's first call, a recompile) starts the
+    warm-up again (:class:`SettledStepTimer`): the size is timed after its last compile and ``warmup``
+    steps more, within ``SETTLE_ROOM`` times the planned steps (a size still compiling then is not
+    timed: it cannot be chosen). ``clock``, ``host_clock``: the session's (tests). Out of device
     memory is a size that does not fit (its memory freed before the next). Where the loader's
     batches vary in shape, the size is measured on the worst-case input (``worst_case``:
     :func:`worst_case_data`). A compiled model is
@@ -120,17 +188,15 @@ def timed_fit_trial(
     import lightning.pytorch as pl
     import torch
 
-    from speedkit import compat
     from speedkit.engine.sweep import SweepTrial
-    from speedkit.lightning import StepTimer
 
     cuda = _on_cuda(trainer_kwargs)
-    timer = StepTimer(warmup=warmup, window=window)
     windows = int(config.defaults("sweep")["windows"]) if windows is None else windows
+    timer = SettledStepTimer(warmup, window, windows, clock=clock, host_clock=host_clock)
     kwargs = {
         **trainer_kwargs,
         **_OPTIMIZE_TRAINER,
-        "max_steps": warmup + window * windows,
+        "max_steps": SETTLE_ROOM * (1 + warmup + window * windows),  # the timer stops it at its windows
         "accumulate_grad_batches": accumulate,
     }
     kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
@@ -157,9 +223,27 @@ def timed_fit_trial(
     if cuda:
         torch.cuda.empty_cache()
     m = timer.measurement
+    if failed is None and m is None:
+        failed = (
+            f"not timed: a graph compiled in {timer.compiled_steps} of its {timer.steps} steps, the last at step "
+            f"{timer.untimed_steps - warmup}, with no window after it and its warm-up"
+            if timer.compiled_steps
+            else "no timed window"
+        )
     if failed is not None or m is None:
         return SweepTrial(
-            size, accumulate, None, "", None, False, failed or "no timed window", time.perf_counter() - t0, optimizer, input_note
+            size,
+            accumulate,
+            None,
+            "",
+            None,
+            False,
+            failed or "no timed window",
+            time.perf_counter() - t0,
+            optimizer,
+            input_note,
+            untimed_steps=timer.untimed_steps,
+            compiled_steps=timer.compiled_steps,
         )
     return SweepTrial(
         size,
@@ -172,6 +256,9 @@ def timed_fit_trial(
         time.perf_counter() - t0,
         optimizer,
         input_note,
+        window_rates=tuple(m.items_per_step / (ms / 1e3) for ms in m.window_ms if ms > 0),
+        untimed_steps=timer.untimed_steps,
+        compiled_steps=timer.compiled_steps,
     )
 
 
@@ -275,11 +362,25 @@ def sweep_recipe(
             **result.to_dict(accumulate),
         }
         write_text_atomic(out_dir / "sweep.json", json.dumps(doc, indent=2) + "\n")
-        gain = f"{result.gain:.2f}x" if result.gain else "-"
+        c = result.comparison
+        if c is not None and c.size == result.chosen:
+            gain = f"{c.speedup:.2f}x your throughput, {c.confidence:.0%} CI [{c.low:.2f}, {c.high:.2f}]"
+        elif c is not None:
+            gain = (
+                f"yours stays: the fastest other, {c.size}, measured {c.speedup:.2f}x yours, {c.confidence:.0%} CI "
+                f"[{c.low:.2f}, {c.high:.2f}]: "
+                + ("not faster by the minimum" if c.verdict == "not_faster" else "not shown faster (undecided)")
+            )
+        elif result.chosen == start:
+            gain = "yours, the fastest measured"
+        else:
+            gain = "yours did not fit"
         md = [
             f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}",
             "",
-            f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain} your throughput). Rule: {result.rule}.",
+            f"Chosen micro-batch: **{result.chosen}** (yours: {start}; {gain}). Rule: {result.rule}.",
+            "",
+            "Each size is timed after its last compile and its warm-up steps (a step that compiles starts the warm-up again).",
             "",
             *result.table(),
             "",
