@@ -1607,3 +1607,46 @@ def test_a_data_bound_step_tries_data_path_first_and_a_rung_bounded_under_the_mi
     assert attention.status == "not_applicable" and attention.reason.startswith("not timed: attention is ")
     assert attention.reason.endswith("under the 1.01x minimum")
     assert attention.parity is None and rungs[1].applied == 0  # never applied, never timed
+
+
+class NeedyRung(FlagRung):
+    """A FlagRung that declares the rungs it needs in effect (``needs``) and its partners."""
+
+    def __init__(self, flag, needs=(), partners=()):
+        super().__init__(flag, recheck=False)
+        self.needs, self.partners = tuple(needs), tuple(partners)
+
+
+def test_a_rung_that_needs_another_is_kept_with_it_when_the_other_alone_is_undecided():
+    """m (a sync removed) gains nothing alone, g (a graph) nothing without m: both reverted in the climb.
+    g needs m: the second look tries them together, where they halve the step, and keeps both; left
+    out one at a time, each is missed (the step slows), so both stay."""
+    costs = {_on(): 0.040, _on("m"): 0.040, _on("g"): 0.040, _on("m", "g"): 0.020}
+    state, time, flags = _switch_state(costs, names=("m", "g"))
+    rungs = [NeedyRung("m"), NeedyRung("g", needs=("m",))]
+    ladder, result = _run(state, rungs, time, switches_floor=False)
+    names = {r.name: r for r in result.rungs if r.status in ("kept", "reverted")}
+    assert [s.rung.name for s in ladder.slots] == ["m", "g"], {n: r.reason for n, r in names.items()}
+    assert names["m"].status == names["g"].status == "kept"
+    assert "second look" in names["g"].reason and "with m" in names["g"].reason
+    assert "judged within its group" in names["m"].reason and "so it stays" in names["g"].reason
+    assert result.final_check.speedup == pytest.approx(2.0, rel=0.03)
+
+
+def test_leave_one_out_drops_a_member_that_slows_a_kept_group():
+    """x names y as its partner. In the climb x and y are slower alone and z is kept; on the second look
+    x + y on top of z pay together (32 against 36 ms) and are kept as a group, but x alone on z is faster
+    still (30 ms): left out, y is shown to slow the group and is removed; x, left out, is missed."""
+    costs = {_on(): 0.040, _on("x"): 0.041, _on("y"): 0.044, _on("z"): 0.036, _on("x", "y"): 0.042}
+    costs.update({_on("x", "z"): 0.030, _on("y", "z"): 0.038, _on("x", "y", "z"): 0.032})
+    state, time, flags = _switch_state(costs, names=("x", "y", "z"))
+    rungs = [NeedyRung("x", partners=("y",)), NeedyRung("y"), NeedyRung("z")]
+    ladder, result = _run(state, rungs, time, switches_floor=False)
+    reasons = {r.name: r.reason for r in result.rungs}
+    assert [s.rung.name for s in ladder.slots] == ["x", "z"], reasons
+    y = next(r for r in result.rungs if r.name == "y")
+    assert y.status == "reverted" and "left out of its group: the group without it is faster" in y.reason
+    x = next(r for r in result.rungs if r.name == "x")
+    assert x.status == "kept" and "so it stays" in x.reason
+    assert (flags.x, flags.y, flags.z) == (True, False, True)
+    assert result.final_check.speedup == pytest.approx(40 / 30, rel=0.03)

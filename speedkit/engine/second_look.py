@@ -1,7 +1,9 @@
 """The ladder's second look: the rungs reverted on speed (or rejected on numerics under another
-precision, or failed beneath other rungs) judged again on the final configuration, with their
-partners, alone, and together with the others leaning faster, pass after pass until a pass keeps
-nothing. Verbs of the ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
+precision, or failed beneath other rungs or without the rungs they need) judged again on the final
+configuration, with the rungs they need and their partners, alone, and together with the others
+leaning faster, pass after pass until a pass keeps nothing; and a group kept together judged member
+by member (:func:`leave_one_out`), so that nothing rides along that slows the step. Verbs of the
+ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from speedkit.engine.stack import agreed_check, agreed_problem
 from speedkit.errors import first_line
+from speedkit.measure.stats import describe
 from speedkit.results import Parity, RungResult
 from speedkit.rungs.base import Rung
 
@@ -44,6 +47,8 @@ def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
             # (at the minimum of blocks, Lightning's demo Transformer's rungs leaning faster measured
             # 1.53x [0.24, 9.58] together over 2 blocks and were reverted)
             kept, reference = look_again(ladder, group, reference, whole_budget=n == 0 and len(group) > 1)
+            if kept and len(group) > 1:
+                leave_one_out(ladder, [r.name for r in group])
             changed = changed or kept
         if skipped:
             ladder.note_budget("second look" if n == 0 and not changed else "second look (the rest)")
@@ -64,7 +69,7 @@ def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
         return False
     if entry.status == "failed":
         beneath = ladder.failed_beneath.get(rung.name)
-        return beneath is not None and beneath != tuple(s.rung.name for s in ladder.slots)
+        return beneath is not None and (beneath != tuple(s.rung.name for s in ladder.slots) or bool(missing_needs(ladder, rung)))
     if entry.status != "reverted":
         return False
     if entry.comparison is not None:
@@ -78,8 +83,23 @@ def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
     )
 
 
+def missing_needs(ladder: Ladder, rung: Rung) -> list[Rung]:
+    """The rungs ``rung`` needs in effect (``Rung.needs``) that are in the ladder, were tried and are
+    not kept (reverted as undecided, say): undecided is not no, so it is tried again with them."""
+    kept = {s.rung.name for s in ladder.slots}
+    out = []
+    for need in ladder.rungs:
+        if need.name in rung.needs and need.name not in kept:
+            entry = ladder.entry(need.name)
+            if entry is not None and entry.status in ("reverted", "failed"):
+                out.append(need)
+    return out
+
+
 def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
-    """Each rung reverted on speed with the partners it names that were reverted too; then, while
+    """Each rung with the rungs it needs that are not kept (cuda_graph with explicit_mask reverted as
+    undecided before it); each rung reverted on speed with the partners it names that were reverted
+    too; then, while
     the trials' budget lasts, each rung alone, the highest point estimate first (a rung rejected on
     numerics under another precision, never timed, counts as even); then all those still
     undecided with a gain in their point estimate together: small gains (2-3% each on a noisy
@@ -89,6 +109,12 @@ def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
     the groups still judged."""
     candidates = [r for r in ladder.rungs if worth_another_look(ladder, r)]
     groups: list[list[Rung]] = []
+    for rung in candidates:
+        needed = missing_needs(ladder, rung)
+        if needed:
+            group = sorted({id(r): r for r in [rung, *needed]}.values(), key=ladder.rungs.index)
+            if group not in groups:
+                groups.append(group)
     for rung in candidates:
         partners = [p for p in candidates if p.name in rung.partners]
         if partners:
@@ -220,3 +246,47 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
         entry.seconds = (entry.seconds or 0.0) + (ladder.host_clock() - t0) / len(group)
     ladder.on_event(f"second look: {label} {'kept' if kept else 'reverted'} ({why})")
     return kept, (losses if kept else reference)
+
+
+def leave_one_out(ladder: Ladder, names: list[str]) -> list[str]:
+    """Judge a group kept together member by member: the final configuration (A) against it without one
+    member (B), each member in turn, last in the ladder's order first, while the rungs' share of the
+    budget lasts. A member whose leaving out is decided faster slowed the group: it is removed and
+    reverted, said why; one whose leaving out is undecided or slower stays, kept with its group (its
+    entry says how it was judged). Returns the members removed."""
+    removed: list[str] = []
+    order = {r.name: i for i, r in enumerate(ladder.rungs)}
+    for name in sorted(names, key=lambda n: order.get(n, 0), reverse=True):
+        index = next((i for i, s in enumerate(ladder.slots) if s.rung.name == name), None)
+        entry = ladder.entry(name)
+        if index is None or entry is None or len(ladder.slots) < 2:
+            continue
+        if ladder.budget.spent():
+            ladder.note_budget(f"leave-one-out of {' + '.join(names)}")
+            break
+        n = len(ladder.slots)
+        without = [i != index for i in range(n)]
+        ladder.on_event(f"leave-one-out: {' + '.join(names)} without {name}")
+        try:
+            paired = ladder.compare(
+                lambda on, without=without, n=n: ladder.stack.configure(without if on else [True] * n),
+                f"without {name}",
+                shared_batches=ladder.stack.shares_batches(),
+            )
+        except Exception as exc:  # a member the others need (a graph without its sync removal): it stays
+            entry.reason = f"{entry.reason}; left out of its group it failed ({type(exc).__name__}: {first_line(exc)}): stays"
+            continue
+        finally:
+            ladder.stack.all_on()
+            ladder.snapshot.restore()
+        if paired.verdict == "faster":
+            ladder.stack.remove(index)
+            ladder.stack.all_on()
+            ladder.decisions.pop(name, None)
+            entry.status = "reverted"
+            entry.reason = f"{entry.reason}; left out of its group: the group without it is faster ({describe(paired)})"
+            removed.append(name)
+        else:
+            entry.reason = f"{entry.reason}; judged within its group: without it {describe(paired)}, so it stays"
+        ladder.on_event(f"leave-one-out: {name} {'removed' if name in removed else 'stays'} ({describe(paired)})")
+    return removed
