@@ -37,6 +37,13 @@ def _restore_torch_globals():
 
 
 @pytest.fixture(autouse=True)
+def _own_decision_cache(tmp_path, monkeypatch):
+    """SpeedLadder() keeps its decisions by default (speedkit.engine.cache): each test gets its own
+    folder, so no test re-checks another's decision, nor one from a user's home."""
+    monkeypatch.setenv("SPEEDKIT_CACHE_DIR", str(tmp_path / "speedkit-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _quiet_self_log():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*self\.trainer.*not registered.*")

@@ -567,3 +567,15 @@ def test_optimize_says_it_replaces_its_own_earlier_output(tmp_path, capsys):
     )
     assert main(["optimize", str(path), "--out", str(out)]) == 0
     assert "(replacing the earlier report.json there)" in capsys.readouterr().out
+
+
+def test_cache_list_and_clear_the_kept_decisions(tmp_path, capsys):
+    from speedkit.engine.cache import CachedDecision, DecisionCache
+
+    cache = DecisionCache(tmp_path)
+    cache.store(CachedDecision(key="abc123", kept=["tf32", "compile"], speedup=1.5))
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 decision(s)" in out and "kept: tf32, compile (1.50x the baseline)" in out
+    assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "forgot 1 decision(s)" in capsys.readouterr().out and cache.entries() == []

@@ -1650,3 +1650,54 @@ def test_leave_one_out_drops_a_member_that_slows_a_kept_group():
     assert x.status == "kept" and "so it stays" in x.reason
     assert (flags.x, flags.y, flags.z) == (True, False, True)
     assert result.final_check.speedup == pytest.approx(40 / 30, rel=0.03)
+
+
+def test_the_cache_reapplies_a_decision_rechecks_it_and_climbs_again_where_it_does_not_hold(tmp_path):
+    from speedkit.engine.cache import DecisionCache
+
+    cache = DecisionCache(tmp_path)
+
+    def run(x_change):
+        time = VirtualTime(noise=0.005, seed=0)
+        rungs = [SpeedRung("x", time, 0.02, x_change), SpeedRung("y", time, 0.02, 0.0)]
+        ladder = Ladder(
+            timed_state(time, 0.02), rungs, {**FAST, "switches_floor": False}, clock=time.clock(), host_clock=time, cache=cache
+        )
+        return ladder, ladder.run(), rungs
+
+    ladder, first, _ = run(-0.3)
+    assert first.run["cache"]["hit"] is False and [r.name for r in first.kept] == ["x"]
+    assert [e.kept for e in cache.entries()] == [["x"]]
+    ladder.revert()
+    ladder, second, rungs = run(-0.3)  # the same model, data and settings: the decision is re-checked
+    assert second.run["cache"] == {**second.run["cache"], "hit": True, "held": True}
+    assert [r.name for r in second.kept] == ["x"] and "from the decision cache" in second.kept[0].reason
+    assert rungs[1].applied == 0  # y is not tried again
+    assert second.final_check.verdict == "faster" and second.run["trials_s"] < first.run["trials_s"]
+    ladder.revert()
+    ladder, third, _ = run(0.0)  # x no longer pays: the decision does not hold, the trials climb again
+    assert third.run["cache"]["held"] is False and "not shown faster" in third.run["cache"]["why"]
+    assert [r.name for r in third.kept] == [] and [e.kept for e in cache.entries()] == [[]]
+    ladder.revert()
+    assert cache.clear() == 1 and cache.entries() == []
+
+
+def test_the_cache_key_changes_with_the_model_the_settings_and_the_ladder(tmp_path):
+    from torch import nn
+
+    from speedkit.engine.cache import decision_key, key_parts
+
+    env = {"device": "cpu", "cpu_model": "x", "torch": "2.13"}
+    base = key_parts(nn.Linear(4, 4), None, "sig", env, {"precision": "32-true"}, [("tf32", {})], {"min_gain": 0.01})
+    same = key_parts(nn.Linear(4, 4), None, "sig", env, {"precision": "32-true"}, [("tf32", {})], {"min_gain": 0.01})
+    assert decision_key(base) == decision_key(same)
+    for changed in (
+        key_parts(nn.Linear(4, 5), None, "sig", env, {"precision": "32-true"}, [("tf32", {})], {"min_gain": 0.01}),
+        key_parts(nn.Linear(4, 4), None, "sig2", env, {"precision": "32-true"}, [("tf32", {})], {"min_gain": 0.01}),
+        key_parts(
+            nn.Linear(4, 4), None, "sig", {**env, "torch": "2.14"}, {"precision": "32-true"}, [("tf32", {})], {"min_gain": 0.01}
+        ),
+        key_parts(nn.Linear(4, 4), None, "sig", env, {"precision": "bf16-mixed"}, [("tf32", {})], {"min_gain": 0.01}),
+        key_parts(nn.Linear(4, 4), None, "sig", env, {"precision": "32-true"}, [("compile", {})], {"min_gain": 0.01}),
+    ):
+        assert decision_key(changed) != decision_key(base)

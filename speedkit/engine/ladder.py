@@ -53,6 +53,7 @@ from speedkit import distributed
 from speedkit.engine import second_look, switches
 from speedkit.engine.baseline import diagnose_baseline, measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
+from speedkit.engine.cache import CachedDecision, DecisionCache, batch_signature_of, decision_key, key_parts
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.diagnose import Diagnosis
 from speedkit.engine.parity import ParityCheck, dropout_off
@@ -115,8 +116,13 @@ class Ladder:
         planned_steps: int | None = None,
         trace_dir: Path | str | None = None,
         on_progress: Callable[[int, int, str], None] | None = None,
+        cache: DecisionCache | None = None,
     ) -> None:
         self.state = state
+        #: where decisions are kept (None: the trials climb every time and keep nothing)
+        self.cache = cache
+        #: the key of this run's decision in the cache (set after the baseline where there is a cache)
+        self.cache_key: str | None = None
         #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)
         self.on_progress = on_progress or (lambda done, total, label: None)
         #: where the profile's Chrome/Perfetto traces of the baseline and the final configuration go
@@ -257,6 +263,11 @@ class Ladder:
         result = self.result
         assert result is not None
         reference, base_m = measure_baseline(self)
+        if self.cache is not None:
+            self.phase = "the cache"
+            if self._from_cache():
+                self._close_cached()
+                return
         self.phase = "the diagnosis"
         self.diagnosis = diagnose_baseline(self, base_m)
         self.phase = "the plan"
@@ -292,6 +303,146 @@ class Ladder:
         self._left = 0
         self.on_progress(len(order), len(order), "closing check, second look, final check, profile")
         self._close(reference)
+        self._store_decision()
+
+    # -- the decision cache ------------------------------------------------------------------
+    def _decision_key(self) -> str:
+        from speedkit import config
+
+        assert self.result is not None
+        parts = key_parts(
+            self.state.model,
+            self.state.optimizer,
+            batch_signature_of(self.parity.batches[0]) if self.parity.batches else None,
+            self.result.environment,
+            self.run_info,
+            [(r.name, r.options_dict()) for r in self.rungs],
+            {
+                "min_gain": self.cfg.min_gain,
+                "detect_gain": self.cfg.detect_gain,
+                "confidence": self.cfg.confidence,
+                "switches_floor": self.cfg.switches_floor,
+                "switches": list(config.switch_rungs()),
+            },
+        )
+        return decision_key(parts)
+
+    def _from_cache(self) -> bool:
+        """Re-check the decision the cache holds for this run's key, where it holds one: its kept rungs
+        applied together, their parity against the baseline, then the final check against the baseline
+        (decided faster, or no rung kept). Returns whether it held; where it did not, everything is
+        undone, the entry forgotten, and the trials climb as without a cache (the report says why)."""
+        assert self.cache is not None and self.result is not None and self.timing is not None
+        result = self.result
+        key = self.cache_key = self._decision_key()
+        entry = distributed.broadcast(self.cache.load(key) if distributed.rank() == 0 else None)
+        note: dict[str, Any] = {"key": key, "dir": str(self.cache.root), "hit": entry is not None, "held": None}
+        result.run["cache"] = note
+        if entry is None:
+            self.on_event(f"cache: no decision for this model and settings (key {key[:8]}): climbing")
+            return False
+        self.on_event(
+            f"cache: re-checking the decision of an earlier fit (key {key[:8]}): {', '.join(entry.kept) or 'none kept'}"
+        )
+        names = {r.name for r in self.rungs}
+        try:
+            unknown = [n for n in entry.kept if n not in names]
+            if unknown:
+                raise RungProblem(f"the cached rungs {unknown} are not in this ladder")
+            for rung in [r for r in self.rungs if r.name in entry.kept]:
+                place = self.stack.place(rung)
+                self.stack.configure([i < place for i in range(len(self.slots))])
+                reason = agreed_check(rung, self.state)
+                if reason is not None:
+                    raise RungProblem(f"{rung.name} no longer applies: {reason}")
+                self.stack.insert(place, rung, (True,) * place)
+            self.stack.all_on()
+            n = len(self.slots)
+            parity = None
+            if n:
+                _, parity = self.parity.of([True] * n, [False] * n, self.parity.reference)
+                if not parity.passed:
+                    raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+                problem = next((p for p in (agreed_problem(s.handle) for s in self.slots) if p), None)
+                if problem:
+                    raise RungProblem(problem)
+                self.phase = "the final check"
+                self._final_check()
+                check = result.final_check
+                if check is None or check.verdict != "faster":
+                    raise RungProblem(
+                        "re-checked against the baseline: "
+                        + (describe(check) if check is not None else "not measured")
+                        + ", not shown faster"
+                    )
+        except Exception as exc:
+            for slot in self.slots[::-1]:
+                try:
+                    slot.undo()
+                except Exception:
+                    pass
+            self.stack.slots = []
+            self.snapshot.restore()
+            result.final_check = None
+            note["held"] = False
+            note["why"] = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
+            if distributed.rank() == 0:
+                self.cache.forget(key)
+            self.on_event(f"cache: the decision did not hold ({note['why']}): climbing again")
+            return False
+        check = result.final_check
+        group = tuple(s.rung.name for s in self.slots)
+        for slot in self.slots:
+            self.decisions[slot.rung.name] = (group, check.speedup if check is not None else None)
+            result.rungs.append(
+                RungResult(
+                    slot.rung.name,
+                    "kept",
+                    options=slot.rung.options_dict(),
+                    precision=self.state.precision,
+                    changes=list(slot.handle.changes) + slot.handle.report(),
+                    parity=parity,
+                    reason=(
+                        f"from the decision cache (key {key[:8]}), kept with {', '.join(group)} in an earlier fit"
+                        + (f"; re-checked together against the baseline: {describe(check)}" if check is not None else "")
+                    ),
+                )
+            )
+        note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
+        self.on_event(f"cache: the decision holds: {', '.join(group) or 'none kept'}")
+        return True
+
+    def _close_cached(self) -> None:
+        """After a cached decision held: the scaling and the profile, as after a climb."""
+        if self.state.step.world_size() > 1:
+            self.phase = "the scaling"
+            self._scaling()
+        if self.cfg.profile:
+            self.phase = "the profile"
+            if self.budget.remaining() > 0:
+                profile_configurations(self)
+            else:
+                self.note_budget("the profile")
+
+    def _store_decision(self) -> None:
+        """Keep the decision the climb made (rank 0 writes; a failure to write is a line, never the run's)."""
+        if self.cache is None or self.cache_key is None or distributed.rank() != 0:
+            return
+        assert self.result is not None
+        versus = self.result.vs_switches()
+        entry = CachedDecision(
+            key=self.cache_key,
+            kept=[s.rung.name for s in self.slots],
+            speedup=self.result.final_check.speedup if self.result.final_check is not None else None,
+            vs_switches=versus[0] if versus else None,
+            trials_s=round(self.budget.elapsed(), 1),
+            speedkit=self.result.environment.get("speedkit"),
+        )
+        try:
+            path = self.cache.store(entry)
+            self.on_event(f"cache: decision kept in {path}")
+        except OSError as exc:
+            self.on_event(f"cache: could not keep the decision ({type(exc).__name__}: {first_line(exc)})")
 
     def _close(self, reference: list[float]) -> None:
         """After the climb: the closing check, the second look, the switches floor, the final check

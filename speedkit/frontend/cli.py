@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("a", help="run A: its folder or report.json")
     cmp.add_argument("b", help="run B: its folder or report.json")
     cmp.add_argument("--out", default=None, help="also write the comparison as markdown to this file")
+    cache = sub.add_parser("cache", help="the decisions SpeedLadder() keeps between fits: list them or clear them")
+    cache.add_argument("action", choices=("list", "clear"), help="list: one line each; clear: forget every decision")
+    cache.add_argument("--dir", default=None, help="the cache folder (default: $SPEEDKIT_CACHE_DIR or ~/.cache/speedkit)")
     return parser
 
 
@@ -310,6 +313,25 @@ def _compare(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    """``speedkit cache list|clear``: the decisions kept between fits (:mod:`speedkit.engine.cache`)."""
+    import datetime
+
+    from speedkit.engine.cache import DecisionCache
+
+    cache = DecisionCache(args.dir)
+    if args.action == "clear":
+        print(f"speedkit: forgot {cache.clear()} decision(s) in {cache.folder}")
+        return 0
+    entries = cache.entries()
+    print(f"speedkit: {len(entries)} decision(s) in {cache.folder}")
+    for e in entries:
+        when = datetime.datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M")
+        speed = f"{e.speedup:.2f}x the baseline" if e.speedup else "speedup not measured"
+        print(f"  {e.key[:12]}  {when}  kept: {', '.join(e.kept) or 'none'} ({speed})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from speedkit.frontend.runner import rank_label
 
@@ -331,11 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         "rungs": _rungs,
         "report": _report,
         "compare": _compare,
+        "cache": _cache,
     }[args.command]
     try:
         if extra:
             raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")
-        if overrides and args.command in ("rungs", "report", "compare"):
+        if overrides and args.command in ("rungs", "report", "compare", "cache"):
             raise ConfigError(f"--{overrides[0][0]}", f"speedkit {args.command} takes no overrides")
         return handler(args, overrides)
     except UserCodeError as exc:

@@ -45,6 +45,7 @@ from typing_extensions import override
 from speedkit import config
 from speedkit import rungs as rung_registry
 from speedkit.engine.baseline import TrialsNotRun
+from speedkit.engine.cache import DecisionCache
 from speedkit.engine.ladder import Ladder
 from speedkit.errors import ConfigError
 from speedkit.fork_safety import collect_garbage
@@ -78,6 +79,10 @@ class SpeedLadder(Callback):
         report_dir: write ``report.json`` and ``report.md`` there once the fit's own steps are timed.
         stop_after_holds: stop the fit once its own steps are timed (``speedkit optimize`` does).
         on_event: called with progress lines (default: Lightning's rank-zero info log).
+        cache: keep the trials' decision and re-check it in a later fit of the same model and settings
+            instead of climbing again (:mod:`speedkit.engine.cache`): True (default) keeps it under
+            ``$SPEEDKIT_CACHE_DIR`` or ``~/.cache/speedkit``, a folder path keeps it there, False
+            climbs every time. ``speedkit cache clear`` forgets every decision.
 
     Raises:
         ConfigError: an unknown rung, a bad option or a bad measure setting, at construction.
@@ -97,8 +102,13 @@ class SpeedLadder(Callback):
         report_dir: str | Path | None = None,
         stop_after_holds: bool = False,
         on_event: Callable[[str], None] | None = None,
+        cache: bool | str | Path = True,
     ) -> None:
         super().__init__()
+        if not isinstance(cache, (bool, str, os.PathLike)):
+            raise ConfigError("cache", f"expected True, False or a folder path, found {type(cache).__name__} {cache!r}")
+        #: where decisions are kept: True the default folder, a path that folder, False none
+        self.cache = cache
         if trials is not None and not isinstance(trials, bool):
             raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
         if on_event is not None and not callable(on_event):
@@ -331,6 +341,7 @@ class SpeedLadder(Callback):
             planned_steps=self.planned_steps if self.planned_steps is not None else _planned_steps(trainer),
             trace_dir=trace_dir if trainer.is_global_zero else None,
             on_progress=self.on_progress if trainer.is_global_zero else None,
+            cache=None if self.cache is False else DecisionCache(None if self.cache is True else self.cache),
         )
         try:
             with _sigterm_raises():
