@@ -93,12 +93,16 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     assert report["schema_version"] == 3 and report["interrupted"] is None
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
     rungs = report["rungs"]
-    assert [r["name"] for r in rungs if r["status"] not in ("closing", "switches")] == [
-        "baseline",
-        *[x if isinstance(x, str) else x["name"] for x in recipe["ladder"]],
-    ]
+    # every rung reported once, after the baseline (in the order the plan tried them, the rungs it did not time first)
+    names = [r["name"] for r in rungs if r["status"] not in ("closing", "switches")]
+    assert names[0] == "baseline" and sorted(names[1:]) == sorted(
+        x if isinstance(x, str) else x["name"] for x in recipe["ladder"]
+    )
     for r in rungs:
-        assert r["status"] in ("baseline", "kept", "reverted", "not_applicable", "closing", "switches"), (r["name"], r["reason"])
+        assert r["status"] in ("baseline", "kept", "reverted", "not_applicable", "skipped", "closing", "switches"), (
+            r["name"],
+            r["reason"],
+        )
         if r["status"] in ("kept", "reverted") and r["parity"]["passed"] and not r["reason"].startswith("no effect here"):
             assert r["comparison"]["blocks"] >= 2 and r["measurement"]["step_ms"] > 0
         elif r["status"] == "reverted" and r["parity"]["passed"]:  # inert: nothing it could change ran
@@ -188,7 +192,11 @@ def test_an_interrupted_optimize_writes_a_partial_report_and_exits(interrupting_
     report = json.loads((out / "report.json").read_text())
     assert report["interrupted"] and report["summary"]["interrupted"]
     statuses = [r["status"] for r in report["rungs"]]
-    assert statuses[0] == "baseline" and statuses[-1] == "interrupted"  # the rungs finished, then the one cut short
+    # the rungs finished, then the one cut short (or, where the signal came in the switches' phase, its row)
+    assert statuses[0] == "baseline" and (statuses[-1] == "interrupted" or "during the switches" in report["interrupted"]), (
+        statuses,
+        report["interrupted"],
+    )
     assert not (out / "optimized.yaml").exists()  # no recipe from an unfinished ladder
     assert "INTERRUPTED" in (out / "report.md").read_text()
     assert signals.getsignal(signals.SIGINT) == sigint and signals.getsignal(signals.SIGTERM) == sigterm

@@ -7,6 +7,7 @@ the comparison budget all read it, so no test sleeps or depends on this machine'
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1274,7 +1275,7 @@ def test_comparison_windows_are_sized_by_time_and_the_report_names_the_noise():
     assert capped.run["noise"]["window_steps"] == 7
     short_time = VirtualTime(noise=0.0)
     _, short = _run(timed_state(short_time, 0.02), [], short_time, window_s=0.001)
-    assert short.run["noise"]["window_steps"] == FAST["steps"]  # never under `steps`
+    assert short.run["noise"]["window_steps"] == 3  # never under `min_window_steps`
 
 
 def test_the_trials_budget_is_a_rule_of_the_step_time_and_the_planned_fit():
@@ -1579,8 +1580,8 @@ def _diagnosed(monkeypatch, **profile_ms):
 
 
 def test_a_data_bound_step_tries_data_path_first_and_a_rung_bounded_under_the_minimum_is_not_timed(monkeypatch):
-    # the profile of a 20 ms step: 15 waiting for batches, 4 of GEMM, 0.1 of attention
-    _diagnosed(monkeypatch, data_wait=15.0, gemm=4.0, attention=0.1)
+    # the profile of a 20 ms step: 15 waiting for batches, 4 of GEMM, 0.01 of attention (0.2% of the fed step)
+    _diagnosed(monkeypatch, data_wait=15.0, gemm=4.0, attention=0.01)
     time = VirtualTime(noise=0.01, seed=0)
     rungs = [
         TargetedRung("gemms", time, 0.02, -0.1, ("gemm",)),
@@ -1701,3 +1702,21 @@ def test_the_cache_key_changes_with_the_model_the_settings_and_the_ladder(tmp_pa
         key_parts(nn.Linear(4, 4), None, "sig", env, {"precision": "32-true"}, [("compile", {})], {"min_gain": 0.01}),
     ):
         assert decision_key(changed) != decision_key(base)
+
+
+def test_on_a_data_bound_step_the_bounds_are_those_of_the_step_once_fed():
+    from speedkit.engine.baseline import _once_fed
+    from speedkit.engine.diagnose import diagnose
+    from speedkit.engine.plan import prune
+    from speedkit.profile.categories import CATEGORIES
+    from speedkit.profile.window import ProfileWindow
+    from speedkit.results import Measurement
+
+    # 100 ms: 90 waiting for batches, 8 of GEMM, 2 of the GPU idle behind the host
+    breakdown = {c: 0.0 for c in CATEGORIES} | {"data_wait": 90.0, "gemm": 8.0, "host_idle": 2.0}
+    m = Measurement(100.0, 0.02, [100.0], 1, 10, 1.0, "samples/s", 1, clock="cuda_events", data_wait_ms=90.0, host_ms=9.0)
+    d = diagnose(m, ProfileWindow("diagnosis", 3, 100.0, breakdown, "cuda", device_busy_fraction=0.06), syncs=[])
+    assert d.kind == "data-bound"
+    host_rung = SimpleNamespace(name="graph", targets=("host",), needs=())
+    assert prune([host_rung], d, 0.05)[1]  # on the waiting step host time is 2%: at most 1.03x
+    assert prune([host_rung], _once_fed(d), 0.05)[0] == [host_rung]  # fed, it is 20% of the step

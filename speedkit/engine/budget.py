@@ -137,14 +137,16 @@ class TrialBudget:
 
 def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> dict[str, Any]:
     """The comparisons' window length, by time: at least ``window_s`` seconds at the baseline's step
-    time, at least ``steps`` and at most ``max_window_steps`` steps. Longer windows do not cut the
+    time, at least ``min_window_steps`` and at most ``max_window_steps`` steps (a 340 ms step gets
+    windows of 3 steps, not the baseline's 10: blocks of 14 s had left a data-bound step's budget no
+    room for the one rung that could help it). Longer windows do not cut the
     noise of a block much (on H200s, blocks of 40-step windows varied by 5.7% against 3.9% at 10: the
     noise comes in spells longer than a window), so precision is bought with more paired blocks, whose
     number the comparison's design sizes from the baseline's spread (returned as ``baseline_spread``,
     the planned noise). Also the spread's likely source."""
     step_s = baseline.step_ms / 1e3 if baseline.step_ms and math.isfinite(baseline.step_ms) else 0.0
     by_time = math.ceil(cfg.window_s / step_s) if step_s > 0 else cfg.steps
-    steps = max(cfg.steps, min(cfg.max_window_steps, by_time))
+    steps = max(cfg.min_window_steps, min(cfg.max_window_steps, by_time))
     return {
         "baseline_spread": baseline.spread,
         "window_steps": steps,

@@ -70,9 +70,10 @@ class MeasureConfig:
     """... unless NVML saw the GPU busy this % of the time or more (a step that syncs: the host waits,
     it does not issue)."""
     window_s: float = field(metadata=_range(0.0))
-    """Comparison windows last at least this many seconds at the baseline's step time (at least ``steps``
-    steps): precision comes from the number of paired windows, not their length, so windows are sized
+    """Comparison windows last at least this many seconds at the baseline's step time: precision comes from the number of paired windows, not their length, so windows are sized
     by time (a 5 ms step gets 40, a 240 ms one ``steps``) ..."""
+    min_window_steps: int = field(metadata=_range(1))
+    """... at least this many steps ..."""
     max_window_steps: int = field(metadata=_range(1))
     """... and at most this many steps."""
     trials_budget_s: float = field(metadata=_range(0.0, above=True))
