@@ -1720,3 +1720,24 @@ def test_on_a_data_bound_step_the_bounds_are_those_of_the_step_once_fed():
     host_rung = SimpleNamespace(name="graph", targets=("host",), needs=())
     assert prune([host_rung], d, 0.05)[1]  # on the waiting step host time is 2%: at most 1.03x
     assert prune([host_rung], _once_fed(d), 0.05)[0] == [host_rung]  # fed, it is 20% of the step
+
+
+def test_the_cache_key_is_the_same_after_a_run_reported_into_its_settings(tmp_path):
+    """The report's ``run`` grows during the trials (noise, budget, diagnosis): the key reads the user's
+    settings as given, so a second process's fit of the same model finds the first's decision (on an
+    H200 two runs of one model had two keys)."""
+    time = VirtualTime(noise=0.005, seed=0)
+    ladder = Ladder(
+        timed_state(time, 0.02),
+        [],
+        {**FAST, "switches_floor": False},
+        clock=time.clock(),
+        host_clock=time,
+        run_info={"precision": "32-true"},
+    )
+    ladder.run()
+    assert "noise" in ladder.result.run and ladder.settings == {"precision": "32-true"}
+    assert ladder._decision_key() == ladder.cache_key or ladder.cache_key is None
+    before = ladder._decision_key()
+    ladder.result.run["budget"]["phases"] = {"x": 1.0}
+    assert ladder._decision_key() == before

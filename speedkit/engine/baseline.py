@@ -190,6 +190,7 @@ def trial_order(
             order = [r for r in order if r.name in first] + [r for r in order if r.name not in first]
             assert ladder.result is not None
             ladder.result.run["first_tried"] = f"{diagnosis.kind}: {', '.join(first)} first (its remedy)"
+            ladder.remedy = set(first)
             ladder.on_event(f"plan: {diagnosis.kind} step: trying {', '.join(first)} first")
     for rung, reason in pruned:
         ladder.on_event(f"plan: {rung.name} not timed: {reason}")
