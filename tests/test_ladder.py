@@ -1097,6 +1097,7 @@ def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_mu
     versus, low, _ = result.vs_switches()
     assert versus == pytest.approx(28 / 15, rel=0.03) and low > 1
     assert "the final configuration against them" in result.switches.reason
+    assert result.switches.gain_vs_baseline == pytest.approx(40 / 28, rel=0.03)  # the switches' own figure
 
 
 def test_an_undecided_switches_comparison_is_reported_as_undecided_and_ends_on_the_switches():

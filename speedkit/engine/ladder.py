@@ -474,7 +474,9 @@ class Ladder:
                     "the speedup is the product of the kept rungs' paired speedups"
                 )
         if floor is not None and floor.comparison is not None and result.final_check is not None:
-            floor.gain_vs_baseline = result.final_check.speedup * floor.comparison.speedup
+            # the switches against the baseline: the final configuration's speedup over the baseline, over
+            # its speedup over the switches (the floor's comparison times the final configuration, B, against them, A)
+            floor.gain_vs_baseline = result.final_check.speedup / floor.comparison.speedup
         if self.state.step.world_size() > 1:
             self.phase = "the scaling"
             self._scaling()
