@@ -112,6 +112,21 @@ class Plan:
         ]
 
 
+#: SpeedLadder's measure settings for the CPU smoke test: short, deciding nothing
+TINY_MEASURE = {
+    "warmup": 1,
+    "steps": 1,
+    "repeats": 2,
+    "parity_steps": 2,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "settle": 0,
+    "budget_s": 10.0,
+    "holds_windows": 1,
+    "telemetry": False,
+}
+
+
 def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan:
     if tiny:
         return Plan(
@@ -119,18 +134,7 @@ def make_plan(tiny: bool, steps: int | None, time_guard_s: float | None) -> Plan
             steps or 2,
             1,
             {"fp32": 2, "switches": 2, "speedkit": 2, "rungs": 2},
-            {
-                "warmup": 1,
-                "steps": 1,
-                "repeats": 2,
-                "parity_steps": 2,
-                "min_blocks": 2,
-                "max_blocks": 2,
-                "settle": 0,
-                "budget_s": 10.0,
-                "holds_windows": 1,
-                "telemetry": False,
-            },
+            TINY_MEASURE,
             time_guard_s or 120.0,
         )
     # the trials bounded at 150 s a model (the bench's fits are a few dozen steps, so the default rule,

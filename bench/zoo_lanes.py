@@ -157,18 +157,7 @@ def main() -> None:
     if args.commit is None:
         raise SystemExit("--commit is needed to run models (the device's tree has no history)")
     if args.detach:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        argv = [a for a in sys.argv[1:] if a != "--detach"]
-        with open(Path(args.out) / "launcher.log", "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, __file__, *argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        print(f"detached: pid {proc.pid}, output in {args.out} (done when {args.out}/done exists)", flush=True)
+        detach(__file__, args.out, sys.argv[1:], REPO)
         return
     if args.models is None:
         args.models = [] if args.job else list(ZOO)
@@ -277,6 +266,22 @@ def main() -> None:
     (out / "zoo_lanes.txt").write_text("\n".join(lines) + "\n")
     (out / "done").write_text(f"{time.monotonic() - start:.0f} s\n")
     print("\n".join(lines))
+
+
+def detach(script: str, out: str | Path, argv: list[str], cwd: Path) -> None:
+    """Start ``script`` again with ``argv`` less ``--detach`` in a session of its own (it outlives the
+    device call that started it), its output in ``<out>/launcher.log``; says where to look."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / "launcher.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, script, *(a for a in argv if a != "--detach")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+        )
+    print(f"detached: pid {proc.pid}, output in {out} (done when {out}/done exists)", flush=True)
 
 
 def collect(folder: Path, wait_s: float) -> None:

@@ -68,28 +68,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import RESULTS, Results, commit, gpu_slug  # noqa: E402
+from bench.zoo import TINY_MEASURE as ZOO_TINY_MEASURE  # noqa: E402
 from bench.zoo import Deadline, compile_as_a_user_would, first_line, release, tf32_matmuls  # noqa: E402
-from bench.zoo_lanes import core_blocks, span  # noqa: E402
+from bench.zoo_lanes import core_blocks, detach, span  # noqa: E402
 from speedkit import compat, config  # noqa: E402
 from speedkit.data.batch import count_items  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
 from speedkit.lightning import SpeedLadder  # noqa: E402
 
 BENCH = "zoo_runs"
-#: SpeedLadder's measure settings for the CPU smoke test (bench/zoo.py's --tiny ones): short, not deciding anything
-TINY_MEASURE = {
-    "warmup": 1,
-    "steps": 1,
-    "repeats": 2,
-    "parity_steps": 2,
-    "min_blocks": 2,
-    "max_blocks": 2,
-    "settle": 0,
-    "budget_s": 10.0,
-    "holds_windows": 1,
-    "telemetry": False,
-    "profile": False,
-}
+#: SpeedLadder's measure settings for the CPU smoke test: bench/zoo.py's --tiny ones, without the profile
+TINY_MEASURE = {**ZOO_TINY_MEASURE, "profile": False}
 
 
 # -- the timer ---------------------------------------------------------------------------------------
@@ -606,17 +595,7 @@ def main() -> None:
     if not args.out:
         raise SystemExit("--out is needed (or $OUT): the runs' logs, reports and table go there")
     if args.detach:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        with open(Path(args.out) / "launcher.log", "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, __file__, *(a for a in sys.argv[1:] if a != "--detach")],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=REPO,
-            )
-        print(f"detached: pid {proc.pid}, output in {args.out} (done when {args.out}/done exists)", flush=True)
+        detach(__file__, args.out, sys.argv[1:], REPO)
         return
     args.commit = args.commit or commit()
     start = time.monotonic()

@@ -19,9 +19,6 @@ from speedkit.measure.config import MeasureConfig
 from speedkit.measure.noise import noise_source
 from speedkit.results import Measurement
 
-#: closing phases that draw on what is held back (the others draw on the rungs' share)
-CLOSING = ("the switches", "the final check", "the scaling", "the profile")
-
 
 class TrialBudget:
     """The seconds the trials may take, counted on ``host_clock`` from :meth:`start`, and the seconds

@@ -77,6 +77,9 @@ from speedkit.rungs.base import Rung
 from speedkit.training.snapshot import Snapshot
 from speedkit.training.state import TrainState
 
+#: the closing phases whose comparisons draw on the share of the budget held back for them, in order
+CLOSING_COMPARISONS = ("the switches", "the final check", "the scaling")
+
 
 class Ladder:
     """Climb ``rungs`` on ``state``, measuring each.
@@ -239,12 +242,12 @@ class Ladder:
         state, result, snapshot = self.state, self.result, self.snapshot
         assert result is not None and snapshot is not None
         if not completed:  # nothing of the ladder may stay on the user's model
-            for slot in [*self.slots, *([self._candidate] if self._candidate else [])][::-1]:
+            if self._candidate is not None:
                 try:
-                    slot.undo()
+                    self._candidate.undo()
                 except Exception:  # keep undoing the rest
                     pass
-            self.stack.slots = []
+            self.stack.undo_all()
         if self.timing is not None:
             self.timing.close()
         result.run["trials_s"] = round(self.budget.elapsed(), 3)
@@ -271,7 +274,7 @@ class Ladder:
         if self.cache is not None:
             self.phase = "the cache"
             if self._from_cache():
-                self._close_cached()
+                self._scaling_and_profile()
                 return
         self.phase = "the diagnosis"
         self.diagnosis = diagnose_baseline(self, base_m)
@@ -357,12 +360,7 @@ class Ladder:
             if unknown:
                 raise RungProblem(f"the cached rungs {unknown} are not in this ladder")
             for rung in [r for r in self.rungs if r.name in entry.kept]:
-                place = self.stack.place(rung)
-                self.stack.configure([i < place for i in range(len(self.slots))])
-                reason = agreed_check(rung, self.state)
-                if reason is not None:
-                    raise RungProblem(f"{rung.name} no longer applies: {reason}")
-                self.stack.insert(place, rung, (True,) * place)
+                self.stack.insert_at_place(rung)
             self.stack.all_on()
             n = len(self.slots)
             parity = None
@@ -383,12 +381,7 @@ class Ladder:
                         + ", not shown faster"
                     )
         except Exception as exc:
-            for slot in self.slots[::-1]:
-                try:
-                    slot.undo()
-                except Exception:
-                    pass
-            self.stack.slots = []
+            self.stack.undo_all()
             self.snapshot.restore()
             result.final_check = None
             note["held"] = False
@@ -419,8 +412,9 @@ class Ladder:
         self.on_event(f"cache: the decision holds: {', '.join(group) or 'none kept'}")
         return True
 
-    def _close_cached(self) -> None:
-        """After a cached decision held: the scaling and the profile, as after a climb."""
+    def _scaling_and_profile(self) -> None:
+        """The last closing phases, after a climb or a cached decision that held: the scaling across
+        ranks and the profile (within what the budget left)."""
         if self.state.step.world_size() > 1:
             self.phase = "the scaling"
             self._scaling()
@@ -477,15 +471,7 @@ class Ladder:
             # the switches against the baseline: the final configuration's speedup over the baseline, over
             # its speedup over the switches (the floor's comparison times the final configuration, B, against them, A)
             floor.gain_vs_baseline = result.final_check.speedup / floor.comparison.speedup
-        if self.state.step.world_size() > 1:
-            self.phase = "the scaling"
-            self._scaling()
-        if cfg.profile:
-            self.phase = "the profile"
-            if self.budget.remaining() > 0:
-                profile_configurations(self)
-            else:
-                self.note_budget("the profile")
+        self._scaling_and_profile()
 
     def note_budget(self, what: str) -> None:
         assert self.result is not None
@@ -673,9 +659,8 @@ class Ladder:
         assert self.timing is not None
 
         def budget() -> float:
-            if self.phase in ("the switches", "the final check", "the scaling"):
-                closing = ("the switches", "the final check", "the scaling")
-                return self.budget.for_closing(len(closing) - closing.index(self.phase))
+            if self.phase in CLOSING_COMPARISONS:
+                return self.budget.for_closing(len(CLOSING_COMPARISONS) - CLOSING_COMPARISONS.index(self.phase))
             if whole_budget:
                 return self.budget.for_comparison(1)
             return self.budget.for_comparison(self._left + 1)

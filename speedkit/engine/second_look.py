@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.stack import agreed_check, agreed_problem
+from speedkit.engine.stack import RungProblem, agreed_problem
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
 from speedkit.results import Parity, RungResult
@@ -162,12 +162,7 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
     parity: Parity | None = None
     try:
         for rung in group:  # in ladder order: each at its place among the kept rungs
-            place = ladder.stack.place(rung)
-            ladder.stack.configure([i < place for i in range(len(ladder.slots))])
-            reason = agreed_check(rung, ladder.state)
-            if reason is not None:
-                raise RuntimeError(f"{rung.name} no longer applies: {reason}")
-            ladder.stack.insert(place, rung, (True,) * place)
+            place = ladder.stack.insert_at_place(rung)
             inserted = [i + (i >= place) for i in inserted] + [place]
         n = len(ladder.slots)
         losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
@@ -198,8 +193,9 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
         status, why = ladder.decide(paired, all(r.memory_comparable for r in group))
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired
-    except Exception as exc:
-        paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
+    except Exception as exc:  # a rung's own report of a problem is said as it is, as in the climb
+        why = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
+        paired, status = None, "failed"
     finally:
         ladder.snapshot.restore()
     together = f" together with {', '.join(r.name for r in group[1:])}" if len(group) > 1 else ""

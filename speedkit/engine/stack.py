@@ -119,6 +119,18 @@ class Stack:
         self.slots.insert(place, slot)
         return slot
 
+    def insert_at_place(self, rung: Rung) -> int:
+        """Put ``rung`` in at its place among the kept rungs, applied on those before it in the ladder's
+        order (the rungs after it off), once it says again that it applies there; returns the place.
+        Raises :class:`RungProblem` where it no longer applies. The slots after it stay off."""
+        place = self.place(rung)
+        self.configure([i < place for i in range(len(self.slots))])
+        reason = agreed_check(rung, self.state)
+        if reason is not None:
+            raise RungProblem(f"{rung.name} no longer applies: {reason}")
+        self.insert(place, rung, (True,) * place)
+        return place
+
     def configure(self, mask: list[bool]) -> None:
         """Switch the kept rungs to ``mask`` (on/off per slot), touching only the slots from the
         first that changes upward (rungs above it may depend on it)."""
@@ -167,6 +179,16 @@ class Stack:
         """Undo every kept rung, last first."""
         while self.slots:
             self.slots.pop().undo()
+
+    def undo_all(self) -> None:
+        """Undo every kept rung, last first, going on past one whose undo raises: nothing of the trials
+        may stay on the user's model (an interrupted run, a cached decision that did not hold)."""
+        for slot in self.slots[::-1]:
+            try:
+                slot.undo()
+            except Exception:  # keep undoing the rest
+                pass
+        self.slots = []
 
     def shares_batches(self) -> bool:
         """Whether the kept rungs may be timed on batches an A/B block shares (none of them does work
