@@ -288,7 +288,14 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
     assert result is not None and ladder.not_run is None and ladder.exception is None and result.interrupted is None
     assert result.run["precision"] == "32-true" and trainer.global_step == MAX_STEPS  # trials took no real step
     entries = [r for r in result.rungs[1:] if r.status not in ("closing", "switches")]  # second looks; the switches floor
-    assert [r.name for r in entries] == [_rung_name(s) for s in LADDER]
+    # every rung decided once, in the plan's order: the diagnosed step's remedy first, then the ladder's order
+    names, ladder_names = [r.name for r in entries], [_rung_name(s) for s in LADDER]
+    assert sorted(names) == sorted(ladder_names) and len(set(names)) == len(names)
+    tried_first = result.run.get("first_tried", "")  # "device-bound: autocast, compile first (its remedy)"
+    remedy = set(tried_first.split(": ", 1)[1].split(" first")[0].split(", ")) if tried_first else set()
+    first = [n for n in names if n in remedy]
+    assert names[: len(first)] == first
+    assert names[len(first) :] == [n for n in ladder_names if n not in first]
     for r in entries:
         assert r.status in expect.statuses.get(r.name, DECIDED), f"{r.name}: {r.status} ({r.reason})"
         if r.measurement is not None:

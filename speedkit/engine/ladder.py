@@ -427,7 +427,10 @@ class Ladder:
 
     def _store_decision(self) -> None:
         """Keep the decision the climb made (rank 0 writes; a failure to write is a line, never the run's)."""
-        if self.cache is None or self.cache_key is None or distributed.rank() != 0:
+        if self.cache is None or self.cache_key is None:
+            return
+        trials_s = round(self.budget.elapsed(), 1)  # the budget's clock is a collective: read on every rank
+        if distributed.rank() != 0:
             return
         assert self.result is not None
         versus = self.result.vs_switches()
@@ -436,7 +439,7 @@ class Ladder:
             kept=[s.rung.name for s in self.slots],
             speedup=self.result.final_check.speedup if self.result.final_check is not None else None,
             vs_switches=versus[0] if versus else None,
-            trials_s=round(self.budget.elapsed(), 1),
+            trials_s=trials_s,
             speedkit=self.result.environment.get("speedkit"),
         )
         try:
