@@ -30,8 +30,12 @@ def test_each_rung_says_what_it_moved_and_the_gains_multiply_to_the_measured_tot
     decisions = {"sdpa": (("sdpa",), 1.41), "autocast": (("autocast",), 1.42)}
     out = attribute(["sdpa", "autocast"], decisions, WINDOWS, measured=2.0, labels=LABELS)
     sdpa, autocast = out["rungs"]
-    assert sdpa["ms_per_step"] == pytest.approx(-17.4)
-    assert sdpa["moved"] == [{"category": "attention", "before_ms": 19.1, "after_ms": 1.9}]
+    # its change is the paired figure: 60 ms over 1.41, less 60 ms; the windows' categories scaled to it
+    assert sdpa["ms_per_step"] == pytest.approx(60.0 / 1.41 - 60.0) and sdpa["step_ms"] == pytest.approx(60.0 / 1.41)
+    [moved] = sdpa["moved"]
+    assert moved["category"] == "attention" and moved["before_ms"] == pytest.approx(19.1)
+    assert moved["after_ms"] == pytest.approx(1.9 * (60.0 / 1.41) / 42.6)
+    assert autocast["step_ms"] == pytest.approx(60.0 / 1.41 / 1.42)
     assert sdpa["peak_memory_delta_bytes"] == -13_600_000_000
     assert sdpa["line"] == "sdpa: 1.41x, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB"
     assert autocast["moved"][0]["category"] == "gemm" and "peak memory" not in autocast["line"]
@@ -65,6 +69,23 @@ def test_a_rung_without_a_decision_or_a_measured_total_is_reported_as_far_as_kno
     assert out["rungs"][0]["speedup"] is None and out["product"] is None and out["agrees"] is None
     with pytest.raises(ValueError, match="expected 3 profile windows"):
         attribute(["sdpa", "autocast"], {}, WINDOWS[:2], measured=None)
+
+
+def test_a_kept_gain_is_never_shown_as_a_loss_where_the_profile_windows_say_otherwise():
+    # a host-bound step: the profiler's own overhead made the window with the rung slower (31 against
+    # 30 ms) where the paired decision kept it at 1.25x; its line is the decision's, scaled to the final
+    # check's baseline step time, and the categories are read at the paired step times
+    windows = [_window(30.0, 0, host_idle=20.0, gemm=10.0), _window(31.0, 0, host_idle=21.0, gemm=10.0)]
+    out = attribute(["compile"], {"compile": (("compile",), 1.25)}, windows, measured=1.25, labels=LABELS, baseline_ms=24.0)
+    [rung] = out["rungs"]
+    assert rung["ms_per_step"] == pytest.approx(24.0 / 1.25 - 24.0) and rung["window_ratio"] < 1
+    assert rung["line"].startswith("compile: 1.25x, −4.8 ms per step")
+    moved = rung["moved"][0]  # host idle: 16.0 of the paired 24 ms before, 21/31 of 19.2 ms after
+    assert (
+        moved["category"] == "host_idle"
+        and moved["before_ms"] == pytest.approx(16.0)
+        and moved["after_ms"] == pytest.approx(21.0 / 31.0 * 19.2)
+    )
 
 
 def test_small_changes_are_not_called_moves():

@@ -106,3 +106,26 @@ def test_readme_layout_names_every_package():
     }
     assert sorted(parts - named) == [], "README's Layout does not name these"
     assert sorted(named - parts) == [], "README's Layout names what does not exist"
+
+
+def test_no_phase_of_the_ladder_imports_the_ladder_not_even_for_types():
+    # the ladder imports its phases (diagnose, plan, decide, confirm); they type against the Trials
+    # protocol, so the engine reads in the order it runs, with no circle even for a type checker
+    import ast
+
+    engine = PACKAGE / "engine"
+    importers = []
+    for path in sorted(engine.glob("*.py")):
+        if path.name == "ladder.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            if any(n == "speedkit.engine.ladder" for n in names):
+                importers.append(path.name)
+    assert not importers, importers

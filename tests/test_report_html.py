@@ -255,3 +255,36 @@ def test_plots_survive_odd_names_groups_and_gaps(tmp_path):
     assert "could not be drawn" not in page
     assert page.count('src="data:image/png;base64,') == 6
     assert "kept with compile" in page and "&lt;mark&gt;" in page
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="the waterfall's rows are read where its plot is drawn (matplotlib)")
+def test_the_waterfall_the_table_and_the_attribution_give_one_figure_per_rung(monkeypatch, tmp_path):
+    # each kept rung's bar is the baseline's step time divided by the paired speedups kept up to it:
+    # the attribution's step_ms, the table's paired gain; never the rung's own windows' median
+    from speedkit.engine.attribution import attribute
+
+    d = _v3()
+    order = [r["name"] for r in d["attribution"]["rungs"]]
+    base = d["summary"]["baseline_step_ms"]
+    decisions = {name: ((name,), 1.2 + 0.1 * i) for i, name in enumerate(order)}
+    windows = [{"step_ms": 10.0 + i, "breakdown_ms": {}, "peak_memory_bytes": 0} for i in range(len(order) + 1)]
+    d["attribution"] = attribute(order, decisions, windows, measured=None, baseline_ms=base)
+    seen = {}
+
+    def capture(mpl, rows):
+        seen["rows"] = rows
+        return b""
+
+    monkeypatch.setattr(html_sections, "plot_waterfall", capture)
+    monkeypatch.setattr(html_sections, "_img", lambda png, alt: "")
+    render_html(d, tmp_path)
+    rows = seen["rows"]
+    assert [label for label, _ in rows] == ["baseline", *order, "final"]
+    expected, ms = [], base
+    for name in order:
+        ms /= decisions[name][1]
+        expected.append(ms)
+    assert [ms for _, ms in rows[1:-1]] == pytest.approx(expected)
+    assert [r["ms_per_step"] for r in d["attribution"]["rungs"]] == pytest.approx(
+        [b - a for a, b in zip([base, *expected], expected, strict=False)]
+    )

@@ -2,14 +2,20 @@
 
 Inputs are plain data: the kept rungs in the final configuration's order, the paired decision that
 kept each (its speedup over the configuration without it, measured when it was kept: alone, or
-with partners on a second look), and the profile windows (:mod:`speedkit.profile`) of the baseline
-and of each prefix of that order (the last one the final configuration). Per rung:
+with partners on a second look), the baseline's step time, and the profile windows
+(:mod:`speedkit.profile`) of the baseline and of each prefix of that order (the last one the final
+configuration). Per rung:
 
 * ``speedup`` — the decision's paired speedup (a group kept together carries it once, on its first
   rung; its partners name the group); ``share`` — its log-share of the product of all decisions;
-* ``ms_per_step``, ``moved`` and ``peak_memory_delta_bytes`` — from the windows before and after it
-  in the final order: the step time it changed and the categories that changed most;
-* ``line`` — one sentence: ``sdpa: −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``.
+* ``step_ms`` and ``ms_per_step`` — the step time with it and its change, from the paired decisions
+  alone: the baseline's step time divided by the speedups in the final order, so a kept gain is never
+  shown as a loss and the waterfall, the table and this line give one figure per rung (a profile
+  window of a host-bound step measures the profiler as much as the step);
+* ``moved`` — the categories that changed most between the windows before and after it, each
+  window's categories scaled to the paired step time of its configuration (the profile explains
+  the figure, it does not make it); ``peak_memory_delta_bytes`` from the same windows;
+* ``line`` — one sentence: ``sdpa: 1.41x, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``.
 
 The decisions' speedups multiply to ``product``; the final configuration's measured speedup over the
 baseline is ``measured``. Where they differ by more than :data:`AGREEMENT` the gains are not
@@ -39,36 +45,44 @@ def attribute(
     windows: Sequence[Mapping[str, Any]],
     measured: float | None,
     labels: Mapping[str, str] | None = None,
+    baseline_ms: float | None = None,
 ) -> dict[str, Any]:
     """The attribution (module docstring). ``windows`` has ``len(order) + 1`` entries (baseline,
     then one per prefix of ``order``), each with ``step_ms``, ``breakdown_ms`` and
-    ``peak_memory_bytes``; ``decisions[name]`` is (the names kept together, their paired speedup)."""
+    ``peak_memory_bytes``; ``decisions[name]`` is (the names kept together, their paired speedup);
+    ``baseline_ms``: the baseline's paired step time (the final check's), else the baseline window's."""
     if len(windows) != len(order) + 1:
         raise ValueError(f"expected {len(order) + 1} profile windows (baseline and one per kept rung), found {len(windows)}")
     labels = labels or {}
     rungs: list[dict[str, Any]] = []
     counted: set[tuple[str, ...]] = set()
+    paired = baseline_ms if baseline_ms else windows[0].get("step_ms")  # the step time before the next rung
     for k, name in enumerate(order, 1):
         before, after = windows[k - 1], windows[k]
         group, speedup = decisions.get(name, ((name,), None))
         group = tuple(group)
         first_of_group = group not in counted
         counted.add(group)
-        delta_ms = _delta(after.get("step_ms"), before.get("step_ms"))
+        gain = speedup if first_of_group and speedup else None
+        with_it = paired / gain if paired and gain else None
         memory = _delta(after.get("peak_memory_bytes"), before.get("peak_memory_bytes"))
-        moved = moved_categories(before.get("breakdown_ms") or {}, after.get("breakdown_ms") or {}, before.get("step_ms"))
+        moved = moved_categories(
+            _scaled(before, paired), _scaled(after, with_it if with_it else paired), paired or before.get("step_ms")
+        )
         entry = {
             "name": name,
             "group": list(group) if len(group) > 1 else None,
             "speedup": speedup if first_of_group else None,
             "window_ratio": _ratio(before.get("step_ms"), after.get("step_ms")),
-            "ms_per_step": delta_ms,
+            "step_ms": with_it if with_it else paired,
+            "ms_per_step": with_it - paired if with_it and paired else None,
             "share": None,
             "moved": moved,
             "peak_memory_delta_bytes": int(memory) if memory is not None else None,
         }
         entry["line"] = rung_line(entry, labels)
         rungs.append(entry)
+        paired = entry["step_ms"]
     decided = [r["speedup"] for r in rungs if r["speedup"]]
     product = math.prod(decided) if decided else None
     total_log = sum(math.log(s) for s in decided) if decided else 0.0
@@ -113,6 +127,8 @@ def rung_line(entry: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     if memory and abs(memory) >= 5e6:  # under 0.01 GB: not a change worth a word
         parts.append(f"peak memory {_signed(memory / 1e9)} GB")
     group = entry.get("group")
+    if group and not entry.get("speedup"):
+        parts.insert(0, f"in {group[0]}'s figure")
     name = entry["name"] + (f" (kept with {', '.join(g for g in group if g != entry['name'])})" if group else "")
     return f"{name}: {', '.join(parts)}" if parts else f"{name}: not profiled"
 
@@ -152,6 +168,16 @@ def interaction(rungs: Sequence[Mapping[str, Any]], product: float, measured: fl
         f"{head}; most in {name}: {g['speedup']:.2f}x when it was kept, {g['ratio']:.2f}x in the final "
         f"order's profile windows ({how})"
     )
+
+
+def _scaled(window: Mapping[str, Any], step_ms: float | None) -> dict[str, float]:
+    """The window's categories (ms per step) scaled so that they add up as its step time does to
+    ``step_ms``, the paired step time of its configuration; as measured where either is unknown."""
+    breakdown = {k: float(v or 0.0) for k, v in (window.get("breakdown_ms") or {}).items()}
+    measured = window.get("step_ms")
+    if not step_ms or not measured:
+        return breakdown
+    return {k: v * step_ms / float(measured) for k, v in breakdown.items()}
 
 
 def _delta(after: Any, before: Any) -> float | None:

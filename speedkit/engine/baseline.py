@@ -3,7 +3,7 @@ timing, parity reference and tolerances, its measurement, window length and the 
 short profile window and the step's host syncs, read as a :class:`~speedkit.engine.diagnose.Diagnosis`;
 then which rungs are not worth timing (their targets' share of the step bounds their gain under the
 minimum) and which go first (the diagnosed bottleneck's remedy). Verbs of the ladder's policy, taking
-the :class:`~speedkit.engine.ladder.Ladder`.
+the :class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from speedkit.results import Measurement, Parity, RungResult
 from speedkit.rungs.base import Rung
 
 if TYPE_CHECKING:
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine.trials import Trials
 
 
 class TrialsNotRun(SpeedkitError):
@@ -35,7 +35,7 @@ class TrialsNotRun(SpeedkitError):
     was applied, the state is the user's, the message says why."""
 
 
-def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
+def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
     """The baseline: its flops, the measuring session and timing, its parity reference, the parity
     tolerances of every precision in play, its measurement, the window length and the trials'
     budget. Returns the reference trajectory and the measurement."""
@@ -131,7 +131,7 @@ def measure_baseline(ladder: Ladder) -> tuple[list[float], Measurement]:
     return reference, base_m
 
 
-def diagnose_baseline(ladder: Ladder, baseline: Measurement) -> Diagnosis:
+def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
     """What sets the baseline step's pace (:func:`speedkit.engine.diagnose.diagnose`): its step clock's
     figures (``baseline``), one short profile window of ``profile_steps`` steps (device time by category,
     the device's busy share, the data wait) and, on one CUDA process, the host syncs one step makes,
@@ -166,7 +166,7 @@ def diagnose_baseline(ladder: Ladder, baseline: Measurement) -> Diagnosis:
 
 
 def trial_order(
-    ladder: Ladder, baseline: Measurement, diagnosis: Diagnosis | None = None
+    ladder: Trials, baseline: Measurement, diagnosis: Diagnosis | None = None
 ) -> tuple[list[Rung], list[tuple[Rung, str]]]:
     """The rungs to try, in order, and those not worth timing with the reason (their targets' share of
     the diagnosed step bounds their gain under ``min_gain``: :func:`speedkit.engine.plan.prune`).
@@ -219,7 +219,7 @@ def _once_fed(diagnosis: Diagnosis) -> Diagnosis:
     return fed
 
 
-def _pace_order(ladder: Ladder, baseline: Measurement, rungs: list[Rung]) -> list[Rung]:
+def _pace_order(ladder: Trials, baseline: Measurement, rungs: list[Rung]) -> list[Rung]:
     """``rungs`` in the ladder's order, except on a GPU where the baseline's step clock shows who sets
     the step's pace:
 

@@ -1,6 +1,6 @@
 """The ladder's closing check: each kept rung that asks for it (``Rung.recheck``) judged again with
 the rungs kept after it on top, and reverted where it no longer pays. A verb of the ladder's policy,
-taking the :class:`~speedkit.engine.ladder.Ladder`.
+taking the :class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from speedkit.errors import first_line
 from speedkit.results import RungResult
 
 if TYPE_CHECKING:
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine.trials import Trials
 
 
-def closing_check(ladder: Ladder, reference: list[float]) -> list[float]:
+def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
     """Re-judge each kept rung that asks for it, with the kept rungs after it on top; returns the
     final configuration's loss trajectory."""
     result = ladder.result

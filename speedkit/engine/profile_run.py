@@ -1,7 +1,7 @@
 """The ladder's profile: where the time goes in the baseline and each prefix of the final
 configuration's rungs (:mod:`speedkit.profile`), NVML sampled across them, then each kept rung's
 attribution (:mod:`speedkit.engine.attribution`). A verb of the ladder, taking the
-:class:`~speedkit.engine.ladder.Ladder`.
+:class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from speedkit import distributed
 from speedkit.errors import first_line
 
 if TYPE_CHECKING:
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine.trials import Trials
 
 
-def profile_configurations(ladder: Ladder) -> None:
+def profile_configurations(ladder: Trials) -> None:
     """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
     of each prefix of the final configuration's rungs (the last one the final configuration),
     host syncs and traces of the first and the last, NVML sampled across them; then each kept
@@ -85,4 +85,7 @@ def profile_configurations(ladder: Ladder) -> None:
         ladder.snapshot.restore()
     if len(profile["windows"]) == n + 1 and n:
         measured = result.final_check.speedup if result.final_check is not None else None
-        result.attribution = attribute(names, ladder.decisions, profile["windows"], measured, CATEGORY_LABELS)
+        base = result.headline()[0]  # the baseline's paired step time: the final check's A where there is one
+        result.attribution = attribute(
+            names, ladder.decisions, profile["windows"], measured, CATEGORY_LABELS, baseline_ms=base.step_ms if base else None
+        )

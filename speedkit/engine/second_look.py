@@ -3,7 +3,7 @@ precision, or failed beneath other rungs or without the rungs they need) judged 
 configuration, with the rungs they need and their partners, alone, and together with the others
 leaning faster, pass after pass until a pass keeps nothing; and a group kept together judged member
 by member (:func:`leave_one_out`), so that nothing rides along that slows the step. Verbs of the
-ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
+ladder's policy, taking the :class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from speedkit.results import Parity, RungResult
 from speedkit.rungs.base import Rung
 
 if TYPE_CHECKING:
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine.trials import Trials
 
 
-def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
+def second_look(ladder: Trials, reference: list[float]) -> list[float]:
     """Judge the rungs reverted on speed again, on the final configuration, pass after pass until
     a pass keeps none (``together_passes`` at most): a rung whose gain was hidden in the noise of
     the step in front of it (fused_optimizer on a host-bound eager step) or that pays only with
@@ -58,7 +58,7 @@ def second_look(ladder: Ladder, reference: list[float]) -> list[float]:
     return reference
 
 
-def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
+def worth_another_look(ladder: Trials, rung: Rung) -> bool:
     """Worth another look: measured and reverted for not paying (undecided or slower), or rejected
     on numerics under another precision than the final configuration's (channels_last against an
     fp32 envelope, before bf16 was kept), or failed in the climb beneath other kept rungs than the
@@ -83,7 +83,7 @@ def worth_another_look(ladder: Ladder, rung: Rung) -> bool:
     )
 
 
-def missing_needs(ladder: Ladder, rung: Rung) -> list[Rung]:
+def missing_needs(ladder: Trials, rung: Rung) -> list[Rung]:
     """The rungs ``rung`` needs in effect (``Rung.needs``) that are in the ladder, were tried and are
     not kept (reverted as undecided, say): undecided is not no, so it is tried again with them."""
     kept = {s.rung.name for s in ladder.slots}
@@ -96,7 +96,7 @@ def missing_needs(ladder: Ladder, rung: Rung) -> list[Rung]:
     return out
 
 
-def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
+def second_look_groups(ladder: Trials) -> list[list[Rung]]:
     """Each rung with the rungs it needs that are not kept (cuda_graph with explicit_mask reverted as
     undecided before it); each rung reverted on speed with the partners it names that were reverted
     too; then, while
@@ -133,15 +133,15 @@ def second_look_groups(ladder: Ladder) -> list[list[Rung]]:
     return groups
 
 
-def leans_faster(ladder: Ladder, rung: Rung) -> bool:
+def leans_faster(ladder: Trials, rung: Rung) -> bool:
     """Undecided in its last comparison, with a point estimate above 1."""
     paired = ladder.last_comparison.get(rung.name)
     return paired is not None and paired.verdict == "undecided" and paired.speedup > 1.0
 
 
-def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_budget: bool = False) -> tuple[bool, list[float]]:
+def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_budget: bool = False) -> tuple[bool, list[float]]:
     """Apply ``group`` at its places in the final configuration and judge it against that
-    configuration without it (``whole_budget``: see :meth:`Ladder.compare`); keep it if it pays. Returns
+    configuration without it (``whole_budget``: see :meth:`speedkit.engine.ladder.Ladder.compare`); keep it if it pays. Returns
     whether it was kept, and the reference trajectory from then on."""
     result = ladder.result
     assert result is not None
@@ -244,7 +244,7 @@ def look_again(ladder: Ladder, group: list[Rung], reference: list[float], whole_
     return kept, (losses if kept else reference)
 
 
-def leave_one_out(ladder: Ladder, names: list[str]) -> list[str]:
+def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
     """Judge a group kept together member by member: the final configuration (A) against it without one
     member (B), each member in turn, last in the ladder's order first, while the rungs' share of the
     budget lasts. A member whose leaving out is decided faster slowed the group: it is removed and

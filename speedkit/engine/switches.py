@@ -1,7 +1,7 @@
 """The user's switches as the ladder's floor: the switches a user turns on by hand, as the user runs
 them, timed against the final configuration; the final configuration stays only where it is shown
 faster than them, and every other outcome (slower, undecided) ends on the switches, from which the
-ladder starts again. A verb of the ladder's policy, taking the :class:`~speedkit.engine.ladder.Ladder`.
+ladder starts again. A verb of the ladder's policy, taking the :class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from speedkit.measure.stats import describe
 from speedkit.results import Parity, RungResult
 
 if TYPE_CHECKING:
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine.trials import Trials
 
 
-def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult | None, list[float]]:
+def switches_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | None, list[float]]:
     """Time the final configuration against the switches a user turns on by hand
     (``configs/defaults.yaml`` ``switches:``, those of the ladder's rungs that apply on the baseline,
     together: a precision or a compile the user set makes its rung say it does not apply, so the
@@ -175,7 +175,7 @@ def switches_floor(ladder: Ladder, reference: list[float]) -> tuple[RungResult |
     return row, reference
 
 
-def decided_product(ladder: Ladder, names: list[str]) -> float | None:
+def decided_product(ladder: Trials, names: list[str]) -> float | None:
     """The product of the decisions that kept ``names`` (a group once); None where one is unknown."""
     if any(n not in ladder.decisions for n in names):
         return None

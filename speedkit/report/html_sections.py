@@ -168,8 +168,25 @@ class _Plots:
 # -- the plotted sections --------------------------------------------------------------------------
 
 
+def _paired_chain(d: dict[str, Any]) -> list[tuple[str, float]] | None:
+    """The kept rungs' bars from the attribution: the baseline's step time divided by the paired
+    speedups in the final order (a group once, under its members' names), so that the waterfall, the
+    table and the attribution give one figure per rung; None where the attribution has none."""
+    rungs = [r for r in (d.get("attribution") or {}).get("rungs") or [] if isinstance(r, dict)]
+    chain = [
+        (" + ".join(r.get("group") or [str(r.get("name"))]), r["step_ms"])
+        for r in rungs
+        if r.get("speedup") and known(r.get("step_ms"))
+    ]
+    return chain or None
+
+
 def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
-    rows = [(c["label"], c["measurement"].get("step_ms")) for c in configurations(d)]
+    confs = configurations(d)
+    rows = [(c["label"], c["measurement"].get("step_ms")) for c in confs]
+    chain = _paired_chain(d)
+    if chain is not None and len(rows) > 2:
+        rows = [rows[0], *chain, rows[-1]]
     rows = [(label, ms) for label, ms in rows if known(ms) and ms > 0]
     if len(rows) < 2:
         return _note(f"Step time per configuration: {NOT_MEASURED} (no rung was kept).")
@@ -189,14 +206,17 @@ def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
         odd = _note(
             f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their own paired "
             f"comparisons, the final one from the final check, in which the step time varied by "
-            f"{format_percent(spread)} (window to window). The speedup uses paired blocks, not these bars."
+            f"{format_percent(spread)} (window to window); where the rungs' gains overlap they do not multiply "
+            "(the attribution's check). The speedup uses paired blocks, not these bars."
         )
     return (
         plots("step time per configuration", plot_waterfall, rows)
         + odd
         + _note(
-            "Each kept rung's bar is the step time with it (and the rungs kept before it), from its own "
-            "paired comparison; the light segment is what it removed (green) or added (red, hatched). "
+            "Each kept rung's bar is the step time with it (and the rungs kept before it): the baseline's "
+            "step time divided by the paired speedups of the rungs kept up to it, in the final order (the "
+            "figures of the table and the attribution); the light segment is what it removed (green) or "
+            "added (red, hatched). "
             "× is the baseline's step time over this one. Baseline and final are the final check's "
             "interleaved measurements."
         )
