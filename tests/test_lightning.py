@@ -846,8 +846,9 @@ def test_trials_leave_a_torchmetrics_metric_updated_in_training_step_as_it_was(m
 
 def test_a_callback_serving_a_second_fit_reports_that_fits_rungs_only(monkeypatch, no_interpreter):
     """A rung kept in the first fit and reverted in the second was still listed as applied (in
-    ``applied_changes`` and in the checkpoint's ``state_dict()``) after the second fit."""
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
+    ``applied_changes`` and in the checkpoint's ``state_dict()``) after the second fit. Without the
+    decision cache: with it, the second fit re-checks the first fit's decision instead of deciding."""
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK, cache=False)
     for decision in ("kept", "reverted"):
         monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest, d=decision: (d, "forced by the test"))
         _fit_user_model(ladder, max_steps=2)

@@ -53,6 +53,8 @@ QUICK = {
     "max_blocks": 2,
     "settle": 0,
     "budget_s": 60.0,
+    "window_s": 0.02,  # windows of the fewest steps: every phase runs, none long
+    "min_window_steps": 1,
     "holds_windows": 1,
     "telemetry": False,
 }
