@@ -937,3 +937,27 @@ def test_autocast_in_bf16_clips_before_a_fused_optimizer_which_lightnings_plugin
     trainer = _trainer([SpeedLadder(["autocast"], trials=False), plugins])
     trainer.fit(fused)
     assert trainer.global_step == 6 and plugins.seen == ["ClippingMixedPrecision"] * 6
+
+
+def test_the_trials_time_and_its_largest_phases_are_said_when_they_end():
+    from speedkit.lightning.speed_ladder import trials_time
+
+    run = {
+        "trials_s": 43.27,
+        "budget": {
+            "budget_s": 120.0,
+            "phases": {
+                "the baseline": 3.36,
+                "the rungs": 20.65,
+                "the plan": 0.0,
+                "the switches": 4.42,
+                "the second look": 10.39,
+                "the profile": 1.87,
+            },
+        },
+    }
+    assert (
+        trials_time(run)
+        == " in 43.3 s of a 120 s budget (the rungs 20.6 s, the second look 10.4 s, the switches 4.4 s, the baseline 3.4 s, ...)"
+    )
+    assert trials_time({}) == ""

@@ -369,7 +369,7 @@ class SpeedLadder(Callback):
         )
         self._steps = OptimizerSteps()
         kept = ", ".join(r.name for r in self.result.kept) or "none"
-        self._say(f"trials done: kept {kept}; training with them from the restored initial state")
+        self._say(f"trials done{trials_time(self.result.run)}: kept {kept}; training with them from the restored initial state")
 
     def _bind_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: TrainState, step: Any, source: Any) -> None:
         """Kept rungs that wrap the step or the batch source changed what the trials ran; Lightning's
@@ -667,3 +667,19 @@ def _planned_steps(trainer: pl.Trainer) -> int | None:
     except Exception:  # a loader without a length, or a Trainer not yet able to tell
         return None
     return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None
+
+
+def trials_time(run: dict[str, Any]) -> str:
+    """`` in 43.3 s of a 120 s budget (the rungs 20.7 s, the second look 10.4 s, ...)``: the trials'
+    time and its largest phases, from the report's ``run``; empty where it was not recorded."""
+    seconds = run.get("trials_s")
+    if seconds is None:
+        return ""
+    budget = (run.get("budget") or {}).get("budget_s")
+    phases = sorted(((run.get("budget") or {}).get("phases") or {}).items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{name} {t:.1f} s" for name, t in phases[:4] if t >= 0.05)
+    return (
+        f" in {seconds:.1f} s"
+        + (f" of a {budget:.0f} s budget" if budget else "")
+        + (f" ({shown}{', ...' if len(phases) > 4 else ''})" if shown else "")
+    )
