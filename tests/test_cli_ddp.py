@@ -177,3 +177,12 @@ def test_optimize_under_ddp_then_fit_its_optimized_recipe(tmp_path):
     assert all(r["step_ms"] > 0 and r["data_wait_ms"] >= 0 for r in base["ranks"])
     assert report["run"]["world_size"] == 2 and report["run"]["scaling"]["world_size"] == 2
     assert "## Across ranks" in (out / "report.md").read_text()
+
+    # the same recipe again: both ranks re-check the decision the first optimize kept (rank 0 reads the
+    # cache, broadcasts it; parity and the final check are collectives) and finish, whatever it finds
+    assert "cache: decision kept in" in run.stdout
+    again = _speedkit([sys.executable, "-m", "speedkit", "optimize", str(recipe), "--out", str(tmp_path / "again")], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "cache: re-checking the decision of an earlier fit" in again.stdout, again.stdout[-3000:]
+    assert ("cache: the decision holds" in again.stdout) != ("cache: the decision did not hold" in again.stdout)
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["run"]["cache"]["hit"] is True
