@@ -196,7 +196,7 @@ def _prelude(names: list[str]) -> str:
 #: the trials' time budget the README's commands get here (``measure.trials_budget_s`` and
 #: ``trials_min_s``): the default, 120 s, is sized for a GPU fit; on CI's CPU each block's tiny model
 #: goes through the same phases in a shorter budget (five blocks at 120 s each made the suite 26 min)
-CI_TRIALS_S = 30.0
+CI_TRIALS_S = 20.0
 _config_dir: list[Path] = []
 
 
