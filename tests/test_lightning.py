@@ -940,7 +940,7 @@ def test_autocast_in_bf16_clips_before_a_fused_optimizer_which_lightnings_plugin
 
 
 def test_the_trials_time_and_its_largest_phases_are_said_when_they_end():
-    from speedkit.lightning.speed_ladder import trials_time
+    from speedkit.report.markdown import trials_time
 
     run = {
         "trials_s": 43.27,

@@ -26,6 +26,7 @@ Every command must exit 0 within its time limit.
 from __future__ import annotations
 
 import builtins
+import functools
 import os
 import re
 import shlex
@@ -197,24 +198,23 @@ def _prelude(names: list[str]) -> str:
 #: ``trials_min_s``): the default, 120 s, is sized for a GPU fit; on CI's CPU each block's tiny model
 #: goes through the same phases in a shorter budget (five blocks at 120 s each made the suite 26 min)
 CI_TRIALS_S = 20.0
-_config_dir: list[Path] = []
 
 
+@functools.cache
 def _ci_config_dir() -> Path:
-    """The shipped configs with the trials' budget at :data:`CI_TRIALS_S` (``$SPEEDKIT_CONFIG_DIR``)."""
-    if not _config_dir:
-        import tempfile
+    """The shipped configs with the trials' budget at :data:`CI_TRIALS_S` (``$SPEEDKIT_CONFIG_DIR``),
+    written once per test process."""
+    import tempfile
 
-        import yaml
+    import yaml
 
-        folder = Path(tempfile.mkdtemp(prefix="speedkit-readme-configs-"))
-        for path in (REPO / "configs").glob("*.yaml"):
-            (folder / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-        defaults = yaml.safe_load((folder / "defaults.yaml").read_text(encoding="utf-8"))
-        defaults["measure"].update(trials_budget_s=CI_TRIALS_S, trials_min_s=CI_TRIALS_S)
-        (folder / "defaults.yaml").write_text(yaml.safe_dump(defaults, sort_keys=False), encoding="utf-8")
-        _config_dir.append(folder)
-    return _config_dir[0]
+    folder = Path(tempfile.mkdtemp(prefix="speedkit-readme-configs-"))
+    for path in (REPO / "configs").glob("*.yaml"):
+        (folder / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    defaults = yaml.safe_load((folder / "defaults.yaml").read_text(encoding="utf-8"))
+    defaults["measure"].update(trials_budget_s=CI_TRIALS_S, trials_min_s=CI_TRIALS_S)
+    (folder / "defaults.yaml").write_text(yaml.safe_dump(defaults, sort_keys=False), encoding="utf-8")
+    return folder
 
 
 def _env() -> dict[str, str]:

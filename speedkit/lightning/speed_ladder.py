@@ -368,6 +368,8 @@ class SpeedLadder(Callback):
             self.measure, self.result, step.device, warmup=max(self.measure.warmup, settle), trainer=trainer
         )
         self._steps = OptimizerSteps()
+        from speedkit.report.markdown import trials_time
+
         kept = ", ".join(r.name for r in self.result.kept) or "none"
         self._say(f"trials done{trials_time(self.result.run)}: kept {kept}; training with them from the restored initial state")
 
@@ -667,19 +669,3 @@ def _planned_steps(trainer: pl.Trainer) -> int | None:
     except Exception:  # a loader without a length, or a Trainer not yet able to tell
         return None
     return int(steps) if isinstance(steps, (int, float)) and math.isfinite(steps) and steps > 0 else None
-
-
-def trials_time(run: dict[str, Any]) -> str:
-    """`` in 43.3 s of a 120 s budget (the rungs 20.7 s, the second look 10.4 s, ...)``: the trials'
-    time and its largest phases, from the report's ``run``; empty where it was not recorded."""
-    seconds = run.get("trials_s")
-    if seconds is None:
-        return ""
-    budget = (run.get("budget") or {}).get("budget_s")
-    phases = sorted(((run.get("budget") or {}).get("phases") or {}).items(), key=lambda kv: -kv[1])
-    shown = ", ".join(f"{name} {t:.1f} s" for name, t in phases[:4] if t >= 0.05)
-    return (
-        f" in {seconds:.1f} s"
-        + (f" of a {budget:.0f} s budget" if budget else "")
-        + (f" ({shown}{', ...' if len(phases) > 4 else ''})" if shown else "")
-    )

@@ -182,10 +182,9 @@ def _paired_chain(d: dict[str, Any]) -> list[tuple[str, float]] | None:
 
 
 def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
-    confs = configurations(d)
-    rows = [(c["label"], c["measurement"].get("step_ms")) for c in confs]
-    chain = _paired_chain(d)
-    if chain is not None and len(rows) > 2:
+    rows = [(c["label"], c["measurement"].get("step_ms")) for c in configurations(d)]
+    chain = _paired_chain(d) if len(rows) > 2 else None
+    if chain is not None:
         rows = [rows[0], *chain, rows[-1]]
     rows = [(label, ms) for label, ms in rows if known(ms) and ms > 0]
     if len(rows) < 2:
@@ -204,8 +203,8 @@ def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
     odd = ""
     if rows[-1][0] == "final" and kept and final > min(kept) * 1.03:
         odd = _note(
-            f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their own paired "
-            f"comparisons, the final one from the final check, in which the step time varied by "
+            f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their paired "
+            f"decisions, the final one from the final check, in which the step time varied by "
             f"{format_percent(spread)} (window to window); where the rungs' gains overlap they do not multiply "
             "(the attribution's check). The speedup uses paired blocks, not these bars."
         )
@@ -213,10 +212,14 @@ def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
         plots("step time per configuration", plot_waterfall, rows)
         + odd
         + _note(
-            "Each kept rung's bar is the step time with it (and the rungs kept before it): the baseline's "
-            "step time divided by the paired speedups of the rungs kept up to it, in the final order (the "
-            "figures of the table and the attribution); the light segment is what it removed (green) or "
-            "added (red, hatched). "
+            "Each kept rung's bar is the step time with it (and the rungs kept before it): "
+            + (
+                "the baseline's step time divided by the paired speedups of the rungs kept up to it, in the final "
+                "order (the figures of the table and the attribution)"
+                if chain is not None
+                else "the median of its own paired comparison (no profile: no attribution to chain them)"
+            )
+            + "; the light segment is what it removed (green) or added (red, hatched). "
             "× is the baseline's step time over this one. Baseline and final are the final check's "
             "interleaved measurements."
         )

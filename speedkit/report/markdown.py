@@ -542,3 +542,19 @@ def _value(v: Any) -> str:
 def _escape(text: Any) -> str:
     """Keep a cell on one line and its pipes from splitting the table."""
     return str(text).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
+
+
+def trials_time(run: dict[str, Any]) -> str:
+    """`` in 43.3 s of a 120 s budget (the rungs 20.7 s, the second look 10.4 s, ...)``: the trials'
+    time and its largest phases, from the report's ``run``; empty where it was not recorded."""
+    seconds = run.get("trials_s")
+    if seconds is None:
+        return ""
+    budget = (run.get("budget") or {}).get("budget_s")
+    phases = sorted(((run.get("budget") or {}).get("phases") or {}).items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{name} {t:.1f} s" for name, t in phases[:4] if t >= 0.05)
+    return (
+        f" in {seconds:.1f} s"
+        + (f" of a {budget:.0f} s budget" if budget else "")
+        + (f" ({shown}{', ...' if len(phases) > 4 else ''})" if shown else "")
+    )
