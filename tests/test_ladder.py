@@ -19,7 +19,7 @@ from speedkit.data.source import BatchSource
 from speedkit.engine.ladder import Ladder
 from speedkit.handle import Handle, set_attr
 from speedkit.measure.config import MeasureConfig
-from speedkit.measure.stats import block_log_gain, decide
+from speedkit.measure.stats import block_log_gain, decide, describe
 from speedkit.rungs.base import Rung
 from speedkit.training.step import StepWrapper
 
@@ -1020,10 +1020,10 @@ def _on(*names):
     return frozenset(names)
 
 
-def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on_top():
-    """bf16 alone slower in eager NCHW, compile alone a little slower (host-bound, its own guards):
-    the greedy climb keeps only x; the switches together (autocast + compile) are 1.8x. The ladder
-    starts from them and judges x again on top, where it still pays."""
+def test_the_switches_are_the_floor_and_the_other_rungs_are_judged_on_top_of_them():
+    """bf16 alone slower in eager NCHW, compile alone a little slower: judged one by one from the baseline,
+    neither would be kept, while together (the user's switches) they are 1.8x. The switches go in first,
+    together, as the floor; x is judged on top of them, where it still pays."""
     costs = {
         _on(): 0.040,
         _on("x"): 0.036,
@@ -1039,13 +1039,16 @@ def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on
     ladder, result = _run(state, rungs, time)
     switches = result.switches
     assert switches is not None and "autocast + compile" in switches.reason
-    assert "the climb's final configuration against them" in switches.reason, switches.reason
-    assert "the tie goes to the switches" in switches.reason
+    assert "the floor, as the user runs them: against the baseline" in switches.reason, switches.reason
+    assert switches.gain_vs_baseline == pytest.approx(40 / 22, rel=0.03)  # the switches' own figure
     assert [s.rung.name for s in ladder.slots] == ["x", "autocast", "compile"]
     assert {n: getattr(flags, n) for n in ("x", "autocast", "compile")} == {"x": True, "autocast": True, "compile": True}
     names = {r.name: r for r in result.rungs}
     assert names["autocast"].status == names["compile"].status == names["x"].status == "kept"
-    assert "kept with the switches" in names["compile"].reason
+    assert "one of the user's switches" in names["compile"].reason
+    assert names["x"].gain_vs_previous == pytest.approx(22 / 20, rel=0.03)  # judged on top of the floor
+    assert [r.name for r in result.rungs[:4]] == ["baseline", "switches", "autocast", "compile"]  # the floor first
+    assert "switches' step" in result.run["diagnosis"]["of"]
     assert result.final_check.speedup == pytest.approx(40 / 20, rel=0.03)
     versus, low, high = result.vs_switches()
     assert versus == pytest.approx(22 / 20, rel=0.03) and low > 1.0  # the final against the switches, measured
@@ -1055,8 +1058,9 @@ def test_a_climb_that_ends_below_the_switches_returns_the_switches_and_climbs_on
     assert not any(vars(flags).values())
 
 
-def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
-    """Nothing pays on top of the switches: the result is the switches (x is reverted, said why)."""
+def test_where_nothing_pays_on_top_of_the_switches_the_result_is_the_switches():
+    """x pays on the baseline but not on top of the switches: reverted, said why; the final configuration
+    is the switches."""
     costs = {
         _on(): 0.040,
         _on("x"): 0.036,
@@ -1072,13 +1076,15 @@ def test_the_floor_never_leaves_a_configuration_slower_than_the_switches():
     ladder, result = _run(state, rungs, time)
     assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]
     rx = next(r for r in result.rungs if r.name == "x")
-    assert rx.status == "reverted" and "the climb's final configuration was not faster against the switches" in rx.reason
+    assert rx.status == "reverted" and rx.comparison is not None and rx.comparison.speedup < 1
     assert result.final_check.speedup == pytest.approx(40 / 22, rel=0.03)
     assert result.vs_switches() == (1.0, 1.0, 1.0)
     assert "the final configuration is the switches" in result.switches.reason
 
 
-def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_much():
+def test_a_switch_stays_as_the_user_runs_it_where_a_rung_on_top_pays_more():
+    """x with compile alone (15 ms) is faster than with autocast too (16 ms): the floor is the user's
+    switches as they run them, so autocast stays, and x is kept on top of them (28 -> 16 ms)."""
     costs = {
         _on(): 0.040,
         _on("x"): 0.020,
@@ -1092,38 +1098,94 @@ def test_a_final_configuration_faster_than_the_switches_stays_and_says_by_how_mu
     state, time, flags = _switch_state(costs)
     rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
     ladder, result = _run(state, rungs, time)
-    assert [s.rung.name for s in ladder.slots] == ["x", "compile"]
-    assert (flags.x, flags.autocast, flags.compile) == (True, False, True)  # the switches' slots are gone
+    assert [s.rung.name for s in ladder.slots] == ["x", "autocast", "compile"]
     versus, low, _ = result.vs_switches()
-    assert versus == pytest.approx(28 / 15, rel=0.03) and low > 1
-    assert "the final configuration against them" in result.switches.reason
+    assert versus == pytest.approx(28 / 16, rel=0.03) and low > 1
+    assert "the final configuration against them (x on top)" in result.switches.reason
     assert result.switches.gain_vs_baseline == pytest.approx(40 / 28, rel=0.03)  # the switches' own figure
 
 
 def test_an_undecided_switches_comparison_is_reported_as_undecided_and_ends_on_the_switches():
-    """The climb's configuration (x) and the switches (autocast + compile) measure alike: neither is
-    shown faster, and the tie goes to the floor, the switches, said as undecided (x is then judged on
-    top of them, where it does not pay)."""
+    """The switches and the baseline measure alike in noisy windows: neither is shown faster, and the tie
+    goes to the floor, the switches, said as undecided; x does not pay on top of them."""
     costs = {
         _on(): 0.040,
-        _on("x"): 0.022,
-        _on("autocast"): 0.042,
-        _on("compile"): 0.041,
-        _on("x", "autocast"): 0.0225,
-        _on("x", "compile"): 0.0225,
-        _on("autocast", "compile"): 0.022,
-        _on("x", "autocast", "compile"): 0.022,
+        _on("x"): 0.040,
+        _on("autocast"): 0.040,
+        _on("compile"): 0.040,
+        _on("x", "autocast"): 0.040,
+        _on("x", "compile"): 0.040,
+        _on("autocast", "compile"): 0.040,
+        _on("x", "autocast", "compile"): 0.040,
+    }
+    state, time, flags = _switch_state(costs)
+    time.noise = 0.08
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time, max_blocks=3)
+    row = result.switches
+    floor = next(r for r in result.rungs if r.name == "compile").comparison
+    assert floor.verdict == "undecided", describe(floor)
+    assert "undecided" in row.reason, row.reason
+    assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]  # ends on the switches
+    assert next(r for r in result.rungs if r.name == "x").status == "reverted"
+    assert result.vs_switches() == (1.0, 1.0, 1.0)
+
+
+def test_rungs_on_top_not_faster_than_the_switches_in_the_end_give_way_to_them():
+    """x was decided faster on top of the switches, but the final configuration measured against them
+    is slower (the step changed under it): the tie goes to the floor, x reverted, said why."""
+    costs = {
+        (_on(), False): 0.040,
+        (_on("autocast", "compile"), False): 0.022,
+        (_on("x", "autocast", "compile"), False): 0.018,
+        (_on(), True): 0.040,
+        (_on("autocast", "compile"), True): 0.022,
+        (_on("x", "autocast", "compile"), True): 0.024,
+    }
+    time = VirtualTime(noise=0.005, seed=0)
+    state = mlp_state()
+    flags = state.notes["flags"] = SetFlags(("x", "autocast", "compile"))
+    late = {"on": False}
+    state.step = FlagCost(
+        state.step, time, costs, flags, key=lambda flags: (frozenset(k for k, v in vars(flags).items() if v), late["on"])
+    )
+
+    def on_event(line):
+        if line.startswith("switches: the final configuration against them"):
+            late["on"] = True
+
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder = Ladder(state, rungs, {**FAST, "together_passes": 0}, clock=time.clock(), host_clock=time, on_event=on_event)
+    result = ladder.run()
+    assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]
+    rx = next(r for r in result.rungs if r.name == "x")
+    assert rx.status == "reverted" and "the tie goes to the floor" in rx.reason, rx.reason
+    assert "not faster: the tie goes to the floor, the final configuration is the switches" in result.switches.reason
+    assert result.vs_switches() == (1.0, 1.0, 1.0)
+
+
+def test_switches_slower_than_the_baseline_are_no_floor():
+    """The switches together are decided slower than the baseline: no floor; the climb starts from the
+    baseline with each switch a rung like the others."""
+    costs = {
+        _on(): 0.020,
+        _on("x"): 0.015,
+        _on("autocast"): 0.025,
+        _on("compile"): 0.030,
+        _on("x", "autocast"): 0.020,
+        _on("x", "compile"): 0.025,
+        _on("autocast", "compile"): 0.030,
+        _on("x", "autocast", "compile"): 0.025,
     }
     state, time, flags = _switch_state(costs)
     rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
     ladder, result = _run(state, rungs, time)
-    row = result.switches
-    assert "undecided" in row.reason or "not faster" in row.reason, row.reason
-    assert "faster than" not in row.reason.split("the switches by hand")[1].replace("not faster", "")
-    assert [s.rung.name for s in ladder.slots] == ["autocast", "compile"]  # ends on the switches
-    rx = next(r for r in result.rungs if r.name == "x")
-    assert rx.status == "reverted"
-    assert result.vs_switches() == (1.0, 1.0, 1.0)
+    assert "no floor (slower than the baseline" in result.switches.reason, result.switches.reason
+    assert [s.rung.name for s in ladder.slots] == ["x"]
+    names = {r.name: r for r in result.rungs}
+    assert names["autocast"].status == names["compile"].status == "reverted"
+    assert result.vs_switches() is None
+    assert "baseline's step" in result.run["diagnosis"]["of"]
 
 
 def test_switches_that_change_numerics_are_no_candidate():
@@ -1135,7 +1197,8 @@ def test_switches_that_change_numerics_are_no_candidate():
     state, time, flags = _switch_state(costs, names=("x",))
     ladder, result = _run(state, [FlagRung("x", recheck=False), WrongCompile()], time)
     assert [s.rung.name for s in ladder.slots] == ["x"]
-    assert "not measured: numerics changed" in result.switches.reason
+    assert "no floor (numerics changed" in result.switches.reason, result.switches.reason
+    assert next(r for r in result.rungs if r.name == "compile").status == "reverted"  # judged as a rung
     assert result.vs_switches() is None
 
 
@@ -1169,7 +1232,8 @@ def test_on_a_host_bound_step_compile_goes_first_of_the_host_cutters():
     compile_ = QuietingRung(time, state.step)
     compile_.name = "compile"
     compile_.cuts_host_work = True
-    ladder, result = _run(state, [mask, compile_], time, max_blocks=6)
+    # the pace order itself: without the switches' floor (where compile would be in effect already)
+    ladder, result = _run(state, [mask, compile_], time, max_blocks=6, switches_floor=False)
     assert "compile, mask tried first" in result.run["trial_order"]
     assert [r.name for r in result.rungs[1:3]] == ["compile", "mask"]
     assert result.rungs[2].status == "kept" and "applied beneath compile" in result.rungs[2].changes

@@ -132,7 +132,8 @@ def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
 
 
 def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
-    """What sets the baseline step's pace (:func:`speedkit.engine.diagnose.diagnose`): its step clock's
+    """What sets the pace of the step in effect (the baseline's, or the floor's where the user's switches
+    are applied: the step the rungs are judged on) (:func:`speedkit.engine.diagnose.diagnose`): its step clock's
     figures (``baseline``), one short profile window of ``profile_steps`` steps (device time by category,
     the device's busy share, the data wait) and, on one CUDA process, the host syncs one step makes,
     each with its source line. A profile that cannot be taken leaves the diagnosis to the step clock's
@@ -160,8 +161,10 @@ def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
 
         capacity = torch.cuda.get_device_properties(state.device).total_memory
     diagnosis = diagnose(baseline, window, syncs, memory_capacity_bytes=capacity)
-    result.run["diagnosis"] = {**diagnosis.to_dict(), "summary": diagnosis.summary(), "note": note}
-    ladder.on_event(f"diagnosis: {diagnosis.summary()}" + (f" ({note})" if note else ""))
+    # the step the rungs will be judged on: the user's switches where they are the floor
+    of = f"the switches' step ({' + '.join(s.rung.name for s in ladder.slots)})" if ladder.slots else "the baseline's step"
+    result.run["diagnosis"] = {**diagnosis.to_dict(), "summary": diagnosis.summary(), "note": note, "of": of}
+    ladder.on_event(f"diagnosis: {diagnosis.summary()} (of {of})" + (f" ({note})" if note else ""))
     return diagnosis
 
 

@@ -22,7 +22,7 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
     j = 0
     while j < len(ladder.slots) - 1:
         slot = ladder.slots[j]
-        if not slot.rung.recheck:
+        if not slot.rung.recheck or slot.rung.name in ladder.floor:  # the floor stays as the user runs it
             j += 1
             continue
         entry = next(r for r in result.rungs if r.name == slot.rung.name)

@@ -151,6 +151,9 @@ class Ladder:
         self.settings = dict(self.run_info)
         #: the rungs the diagnosis named as the bottleneck's remedy (tried first, and even past the budget)
         self.remedy: set[str] = set()
+        #: the user's switches in effect as the floor every other rung is judged on (empty: no floor)
+        self.floor: set[str] = set()
+        self._floor_row: RungResult | None = None
         self.stack = Stack(state, self.rungs)
         #: steps of every parity trajectory: the configured ones, or more where a rung needs more to be
         #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
@@ -276,10 +279,18 @@ class Ladder:
             if self._from_cache():
                 self._scaling_and_profile()
                 return
+        pace = base_m  # the step the rungs are judged on: the baseline's, or the floor's
+        if self.cfg.switches_floor:
+            self.phase = "the floor"
+            self._left = len(self.rungs)  # the floor's comparison takes its share of the rungs' time
+            self._floor_row, reference, floor_m = switches.apply_floor(self, reference)
+            pace = floor_m or base_m
         self.phase = "the diagnosis"
-        self.diagnosis = diagnose_baseline(self, base_m)
+        self.diagnosis = diagnose_baseline(self, pace)
         self.phase = "the plan"
-        order, pruned = trial_order(self, base_m, self.diagnosis)
+        order, pruned = trial_order(self, pace, self.diagnosis)
+        order = [r for r in order if r.name not in self.floor]  # in effect already, kept as the floor
+        pruned = [(r, why) for r, why in pruned if r.name not in self.floor]
         for rung, bound in pruned:  # its own reason where it does not apply at all, else its bound's
             try:
                 reason = agreed_check(rung, self.state)
@@ -457,10 +468,9 @@ class Ladder:
         reference = closing_check(self, reference)
         self.phase = "the second look"
         reference = second_look.second_look(self, reference)
-        floor = None
         if cfg.switches_floor:
             self.phase = "the switches"
-            floor, reference = switches.switches_floor(self, reference)
+            switches.confirm_floor(self, self._floor_row)
         if cfg.final_check and self.slots:
             self.phase = "the final check"
             try:
@@ -470,10 +480,6 @@ class Ladder:
                     f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
                     "the speedup is the product of the kept rungs' paired speedups"
                 )
-        if floor is not None and floor.comparison is not None and result.final_check is not None:
-            # the switches against the baseline: the final configuration's speedup over the baseline, over
-            # its speedup over the switches (the floor's comparison times the final configuration, B, against them, A)
-            floor.gain_vs_baseline = result.final_check.speedup / floor.comparison.speedup
         self._scaling_and_profile()
 
     def note_budget(self, what: str) -> None:

@@ -53,6 +53,7 @@ class Trials(Protocol):
     judged: set[tuple[tuple[str, ...], tuple[str, ...]]]
     failed_beneath: dict[str, tuple[str, ...]]
     remedy: set[str]
+    floor: set[str]
     diagnosis: Diagnosis | None
 
     @property

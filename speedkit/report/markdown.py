@@ -148,9 +148,12 @@ def summary_line(d: dict[str, Any]) -> str:
 
 
 def diagnosis_line(diagnosis: dict[str, Any]) -> str:
-    """What set the baseline step's pace, in one line (its class and figures), and the note where the
-    profile could not be taken."""
+    """What set the pace of the step the rungs were judged on (the baseline's, or the user's switches'
+    where they were the floor), in one line (its class and figures), and the note where the profile
+    could not be taken."""
     line = str(diagnosis.get("summary") or diagnosis.get("kind") or MISSING)
+    if diagnosis.get("of"):
+        line = f"{line} (of {diagnosis['of']})"
     return f"{line} ({diagnosis['note']})" if diagnosis.get("note") else line
 
 
