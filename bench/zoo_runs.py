@@ -37,7 +37,7 @@ A whole zoo takes longer than one device call: ``--detach`` starts the run in a 
 packs ``--out`` into ``$OUT/zoo_runs.tgz``.
 
 Usage: PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 [--models a,b] [--runs 3]
-       PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 --runs 1 --first-run 4 --switches-runs 0 --cache on
+       PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 --cache fresh --cached-runs 1   # runs 1-3 climb, run 4 re-checks
        PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 --out /tmp/zr --detach; ... --out /tmp/zr --collect 540
        PYTHONPATH=. python bench/zoo_runs.py --tiny --models nanogpt --runs 2   # CPU smoke test, rows to a temporary folder
 """
@@ -49,6 +49,7 @@ import datetime
 import inspect
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -185,9 +186,10 @@ class WallClockWindow(pl.Callback):
 # -- one run (the worker) ----------------------------------------------------------------------------
 
 
-def cache_kwargs(cache: str | None, ladder_class: Any = None) -> dict[str, Any]:
-    """``{"cache": True|False}`` for SpeedLadder where it takes ``cache`` (read from its signature);
-    ``{}`` without ``--cache`` or where it takes none and the cache is to be off (there is none then).
+def cache_kwargs(cache: str | None, ladder_class: Any = None, folder: Path | None = None) -> dict[str, Any]:
+    """``{"cache": True|False}`` for SpeedLadder where it takes ``cache`` (read from its signature), or with
+    ``folder`` (``on`` and ``fresh``) ``{"cache": folder}``: the model's own decisions' folder; ``{}``
+    without ``--cache`` or where it takes none and the cache is to be off (there is none then).
 
     Raises:
         SystemExit: ``--cache on`` where SpeedLadder takes no ``cache`` argument (the row would say
@@ -197,9 +199,11 @@ def cache_kwargs(cache: str | None, ladder_class: Any = None) -> dict[str, Any]:
     if cache is None:
         return {}
     if "cache" in inspect.signature(ladder_class.__init__).parameters:
-        return {"cache": cache == "on"}
-    if cache == "on":
-        raise SystemExit("--cache on: SpeedLadder takes no cache argument at this commit; run without --cache, or --cache off")
+        if cache == "off":
+            return {"cache": False}
+        return {"cache": str(folder) if folder is not None else True}
+    if cache in ("on", "fresh"):
+        raise SystemExit(f"--cache {cache}: SpeedLadder takes no cache argument at this commit; run without --cache, or --cache off")
     return {}
 
 
@@ -220,15 +224,18 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
     entry = ZOO[name]
     size = "tiny" if args.tiny else "full"
     ladder = None
+    folder = Path(args.out) / "cache" / name if args.out and args.cache in ("on", "fresh") else None
+    if folder is not None and args.cache == "fresh" and variant == "speedkit":  # nothing read: it climbs, then keeps its decision
+        shutil.rmtree(folder, ignore_errors=True)
     if variant == "speedkit":
         on_event = lambda line: print(f"  [{name} run {args.run}] {line}", flush=True)  # noqa: E731
         if args.tiny:  # the default ladder on a CPU: compile by Dynamo alone (no C++ code generated), short windows
             rungs = [
                 {"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()
             ]
-            ladder = SpeedLadder(rungs, trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache))
+            ladder = SpeedLadder(rungs, trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder))
         else:
-            ladder = SpeedLadder(on_event=on_event, **cache_kwargs(args.cache))
+            ladder = SpeedLadder(on_event=on_event, **cache_kwargs(args.cache, folder=folder))
     timer = WallClockWindow(args.steps, args.warmup, entry.unit, ladder)
     module, loader = entry.build(size, **(entry.switches if variant == "switches" else {}))
     trainer = pl.Trainer(
@@ -309,6 +316,7 @@ def run_worker(args: argparse.Namespace) -> None:
         model=name,
         run=args.run,
         cached=cached,
+        cache_mode=args.cache,
         library=entry.library,
         batch_size=entry.batch_size["tiny" if args.tiny else "full"],
         **({"lane": args.lane} if args.lane else {}),
@@ -352,15 +360,15 @@ class Lane:
     gpu: int
     cores: list[int]
     label: str
-    runs: list[tuple[str, int, bool]] = field(default_factory=list)  # (model, run, with switches) still to run
+    runs: list[tuple[str, int, bool, str | None]] = field(default_factory=list)  # (model, run, with switches, --cache) to run
     proc: subprocess.Popen | None = None
-    job: tuple[str, int, bool] | None = None
+    job: tuple[str, int, bool, str | None] | None = None
     started: float = 0.0
     log: Any = None
 
 
 def worker_command(
-    args: argparse.Namespace, model: str, run: int, switches: bool, rows: Path, lane: str, files: Path
+    args: argparse.Namespace, model: str, run: int, switches: bool, rows: Path, lane: str, files: Path, cache: str | None
 ) -> list[str]:
     """This script as one run's worker, with the launcher's settings: rows to ``rows``, its report under ``files``."""
     return [
@@ -386,7 +394,7 @@ def worker_command(
         "--time-guard-s",
         str(args.time_guard_s),
         *(["--switches"] if switches else []),
-        *(["--cache", args.cache] if args.cache else []),
+        *(["--cache", cache] if cache else []),
         *(["--tiny"] if args.tiny else []),
         *(["--progress-bar"] if args.progress_bar else []),
     ]
@@ -422,7 +430,7 @@ def run_lanes(args: argparse.Namespace, names: list[str]) -> list[dict[str, Any]
     while True:
         for lane in lanes:
             if lane.proc is not None and lane.proc.poll() is not None:
-                model, run, _ = lane.job  # type: ignore[misc]
+                model, run, _, _ = lane.job  # type: ignore[misc]
                 lane.log.close()
                 part = work / f"{model}_run{run}.jsonl"
                 text = part.read_text() if part.exists() else ""
@@ -439,20 +447,22 @@ def run_lanes(args: argparse.Namespace, names: list[str]) -> list[dict[str, Any]
             if lane.proc is None and not lane.runs and waiting:  # the lane's model is done: the next one
                 model = waiting.pop(0)
                 first = args.first_run
-                lane.runs = [(model, k, k < first + args.switches_runs) for k in range(first, first + args.runs)]
+                lane.runs = [(model, k, k < first + args.switches_runs, args.cache) for k in range(first, first + args.runs)]
+                # then the runs that re-check the decision the last of those kept (--cache fresh)
+                lane.runs += [(model, k, False, "on") for k in range(first + args.runs, first + args.runs + args.cached_runs)]
             if lane.proc is None and lane.runs:
                 left = args.budget_s - (time.monotonic() - start) if args.budget_s else args.run_timeout_s
                 if left < 60:
-                    not_run += [f"{m} run {k}" for m, k, _ in lane.runs]
+                    not_run += [f"{m} run {k}" for m, k, _, _ in lane.runs]
                     lane.runs = []
                     continue
-                model, run, switches = lane.job = lane.runs.pop(0)
+                model, run, switches, cache = lane.job = lane.runs.pop(0)
                 lane.log = open(files / "logs" / f"{model}_run{run}.log", "w")
                 lane.proc = subprocess.Popen(
                     [
                         "timeout",
                         str(int(min(args.run_timeout_s, left - 5))),
-                        *worker_command(args, model, run, switches, work / f"{model}_run{run}.jsonl", lane.label, files),
+                        *worker_command(args, model, run, switches, work / f"{model}_run{run}.jsonl", lane.label, files, cache),
                     ],
                     stdout=lane.log,
                     stderr=subprocess.STDOUT,
@@ -534,10 +544,19 @@ def main() -> None:
     )
     parser.add_argument(
         "--cache",
-        choices=("off", "on"),
+        choices=("off", "on", "fresh"),
         default=None,
-        help="SpeedLadder(cache=False|True), where it takes a cache argument; rows say cached: true with 'on' "
+        help="SpeedLadder(cache=False) with 'off'; with 'on' and 'fresh' the model's own decisions' folder "
+        "(<out>/cache/<model>), which 'fresh' empties first: the run reads no decision, climbs and keeps its "
+        "own, which a later run with 'on' re-checks; rows say cached: true with 'on' and carry cache_mode "
         "(default: SpeedLadder's own default, rows cached: false)",
+    )
+    parser.add_argument(
+        "--cached-runs",
+        type=int,
+        default=0,
+        help="after each model's runs, this many more with --cache on, re-checking the decision its last run kept "
+        "(with --cache fresh)",
     )
     parser.add_argument("--lanes", type=int, default=1, help="models run at a time, one per GPU (default 1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps timed per fit (default 50; --tiny 4)")
@@ -579,6 +598,8 @@ def main() -> None:
         raise SystemExit(
             "--runs, --first-run, --lanes and --steps must be 1 or more, --switches-runs 0 or more, --max-steps above --steps"
         )
+    if args.cached_runs < 0 or (args.cached_runs and args.cache != "fresh"):
+        raise SystemExit("--cached-runs needs --cache fresh (the runs before them keep the decision they re-check), and 0 or more")
     if args.worker:
         run_worker(args)
         return

@@ -27,10 +27,10 @@ slower), or rejected on numerics under another precision, again on the final con
 place beneath the rungs kept after it, with the partners it names (``Rung.partners``), alone, and
 together with the others still undecided but leaning faster, pass after pass until a pass keeps
 nothing (gains that show only together, or only once a later rung removed the noise that hid them);
-the user's switches (``configs/defaults.yaml`` ``switches:``) are timed against the final
-configuration and the faster kept, so the result is never one measured slower than them; and a
-final check times the final configuration against the baseline, interleaved, for the headline
-figure. The trials keep to a time budget, a share of the fit's planned time (:meth:`speedkit.engine.budget.TrialBudget.plan`).
+the user's switches (``configs/defaults.yaml`` ``switches:``) go in first, together, as the floor
+every other rung is judged on (:mod:`speedkit.engine.switches`), and the final configuration is
+timed against them at the end (decided not faster: the result is the switches); and a final check
+times the final configuration against the baseline, interleaved, for the headline figure. The trials keep to a time budget, a share of the fit's planned time (:meth:`speedkit.engine.budget.TrialBudget.plan`).
 
 Every trial starts from the snapshot taken before the ladder, and the snapshot is restored at the
 end (weights, optimizer state, schedulers, grad scaler, data generators, RNG), so none of the trial
@@ -351,7 +351,8 @@ class Ladder:
     def _from_cache(self) -> bool:
         """Re-check the decision the cache holds for this run's key, where it holds one: its kept rungs
         applied together, their parity against the baseline, then the final check against the baseline
-        (decided faster, or no rung kept). Returns whether it held; where it did not, everything is
+        (not decided under the minimum gain; the user's switches alone, the floor, not decided slower; or
+        no rung kept). Returns whether it held; where it did not, everything is
         undone, the entry forgotten, and the trials climb as without a cache (the report says why)."""
         assert self.cache is not None and self.result is not None and self.timing is not None
         result = self.result
@@ -366,6 +367,8 @@ class Ladder:
             f"cache: re-checking the decision of an earlier fit (key {key[:8]}): {', '.join(entry.kept) or 'none kept'}"
         )
         names = {r.name for r in self.rungs}
+        # the switches that apply on the baseline: asked before the cached rungs go in
+        floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
         try:
             unknown = [n for n in entry.kept if n not in names]
             if unknown:
@@ -385,11 +388,15 @@ class Ladder:
                 self.phase = "the final check"
                 self._final_check()
                 check = result.final_check
-                if check is None or check.verdict != "faster":
+                # a decision with rungs beyond the user's switches holds unless shown not to pay (under the
+                # minimum gain); one that is the switches alone, unless shown slower than the baseline (it
+                # is the floor, tie or not: climbing again would end on it again)
+                if check is None:
+                    raise RungProblem("re-checked against the baseline: not measured")
+                if check.verdict == "not_faster" and (not floor_only or check.high < 1.0):
                     raise RungProblem(
-                        "re-checked against the baseline: "
-                        + (describe(check) if check is not None else "not measured")
-                        + ", not shown faster"
+                        f"re-checked against the baseline: {describe(check)}, "
+                        + ("slower" if floor_only else "not faster")
                     )
         except Exception as exc:
             self.stack.undo_all()
