@@ -203,7 +203,9 @@ def cache_kwargs(cache: str | None, ladder_class: Any = None, folder: Path | Non
             return {"cache": False}
         return {"cache": str(folder) if folder is not None else True}
     if cache in ("on", "fresh"):
-        raise SystemExit(f"--cache {cache}: SpeedLadder takes no cache argument at this commit; run without --cache, or --cache off")
+        raise SystemExit(
+            f"--cache {cache}: SpeedLadder takes no cache argument at this commit; run without --cache, or --cache off"
+        )
     return {}
 
 
@@ -233,7 +235,9 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
             rungs = [
                 {"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()
             ]
-            ladder = SpeedLadder(rungs, trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder))
+            ladder = SpeedLadder(
+                rungs, trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
+            )
         else:
             ladder = SpeedLadder(on_event=on_event, **cache_kwargs(args.cache, folder=folder))
     timer = WallClockWindow(args.steps, args.warmup, entry.unit, ladder)
@@ -520,6 +524,8 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 def collect(folder: Path, wait_s: float) -> None:
     """Wait up to ``wait_s`` for a detached run's ``done``, then pack ``folder`` into ``$OUT/zoo_runs.tgz``
     (finished or not: what is there comes back) and print its table."""
+    if not (folder / "launcher.log").exists():  # a fresh machine (the one that ran it was given back): nothing to wait for
+        raise SystemExit(f"--collect: no detached run in {folder} on this machine (its launcher.log is missing)")
     deadline = time.monotonic() + wait_s
     while not (folder / "done").exists() and time.monotonic() < deadline:
         time.sleep(2.0)
@@ -599,7 +605,9 @@ def main() -> None:
             "--runs, --first-run, --lanes and --steps must be 1 or more, --switches-runs 0 or more, --max-steps above --steps"
         )
     if args.cached_runs < 0 or (args.cached_runs and args.cache != "fresh"):
-        raise SystemExit("--cached-runs needs --cache fresh (the runs before them keep the decision they re-check), and 0 or more")
+        raise SystemExit(
+            "--cached-runs needs --cache fresh (the runs before them keep the decision they re-check), and 0 or more"
+        )
     if args.worker:
         run_worker(args)
         return

@@ -7,6 +7,7 @@ the comparison budget all read it, so no test sleeps or depends on this machine'
 from __future__ import annotations
 
 import copy
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -1634,14 +1635,15 @@ class TargetedRung(SpeedRung):
 
 def _diagnosed(monkeypatch, **profile_ms):
     """Make the ladder's diagnosis read a profile window of ``profile_ms`` per category (a 20 ms step)."""
+    import speedkit.profile
     from speedkit.profile import window as window_module
     from speedkit.profile.categories import CATEGORIES
     from speedkit.profile.window import ProfileWindow
 
     breakdown = {c: float(profile_ms.get(c, 0.0)) for c in CATEGORIES}
-    monkeypatch.setattr(
-        window_module, "profile_window", lambda run_one, **kw: ProfileWindow("diagnosis", 3, 20.0, breakdown, "cpu")
-    )
+    fake = lambda run_one, **kw: ProfileWindow("diagnosis", 3, 20.0, breakdown, "cpu")  # noqa: E731
+    monkeypatch.setattr(window_module, "profile_window", fake)
+    monkeypatch.setattr(speedkit.profile, "profile_window", fake)  # where the diagnosis imports it from
 
 
 def test_a_data_bound_step_tries_data_path_first_and_a_rung_bounded_under_the_minimum_is_not_timed(monkeypatch):
@@ -1806,3 +1808,70 @@ def test_the_cache_key_is_the_same_after_a_run_reported_into_its_settings(tmp_pa
     before = ladder._decision_key()
     ladder.result.run["budget"]["phases"] = {"x": 1.0}
     assert ladder._decision_key() == before
+
+
+class TargetedFlagRung(FlagRung):
+    """A FlagRung that declares what it cuts (``targets``)."""
+
+    def __init__(self, flag, targets):
+        super().__init__(flag, recheck=False)
+        self.targets = tuple(targets)
+
+
+def test_the_remedy_is_tried_together_and_then_member_by_member(monkeypatch):
+    """A device-bound step whose top category is GEMM: its remedy is the three rungs that cut GEMM time.
+    a and b gain nothing alone and halve the step together; c slows it. One at a time, a and b would
+    each be undecided; together (24 ms against 40) they are kept, and leave-one-out removes c (20 ms
+    without it), while a and b each stay (40 ms without either)."""
+    _diagnosed(monkeypatch, gemm=15.0)
+    costs = {_on(): 0.040, _on("a"): 0.040, _on("b"): 0.040, _on("c"): 0.041, _on("a", "b"): 0.020}
+    costs.update({_on("a", "c"): 0.041, _on("b", "c"): 0.041, _on("a", "b", "c"): 0.024})
+    state, time, flags = _switch_state(costs, names=("a", "b", "c"))
+    rungs = [TargetedFlagRung(n, ("gemm",)) for n in ("a", "b", "c")]
+    ladder, result = _run(state, rungs, time)
+    assert result.run["first_tried"].endswith("a, b, c first (its remedy)")
+    names = {r.name: r for r in result.rungs if r.status in ("kept", "reverted")}
+    assert [s.rung.name for s in ladder.slots] == ["a", "b"], {n: r.reason for n, r in names.items()}
+    assert names["a"].status == names["b"].status == "kept" and names["c"].status == "reverted"
+    assert names["a"].reason.startswith("kept with the remedy's bundle (a + b + c)")
+    assert "the group without it is faster" in names["c"].reason
+    assert "so it stays" in names["a"].reason and "so it stays" in names["b"].reason
+    assert all(r.applied == 1 for r in rungs)  # each applied once: no trial of its own after the bundle
+    assert result.final_check.speedup == pytest.approx(2.0, rel=0.03)
+
+
+def test_a_remedy_not_kept_together_is_tried_rung_by_rung(monkeypatch):
+    _diagnosed(monkeypatch, gemm=15.0)
+    costs = {_on(): 0.040, _on("a"): 0.030, _on("b"): 0.044, _on("a", "b"): 0.044}
+    state, time, flags = _switch_state(costs, names=("a", "b"))
+    rungs = [TargetedFlagRung(n, ("gemm",)) for n in ("a", "b")]
+    ladder, result = _run(state, rungs, time)
+    bundle = next(r for r in result.rungs if r.name == "remedy: a + b")
+    assert bundle.status == "closing" and "each tried on its own" in bundle.reason
+    assert [s.rung.name for s in ladder.slots] == ["a"]
+    assert next(r for r in result.rungs if r.name == "b").status == "reverted"
+
+
+def test_on_a_data_bound_step_the_switches_are_the_floor_untimed(monkeypatch):
+    """The step waits for its batches 75% of its time: a faster compute cannot show there, so the user's
+    switches go in as the floor after their parity, without a comparison against the baseline; the
+    data path, the remedy, is then judged on top of them."""
+    _diagnosed(monkeypatch, data_wait=15.0, gemm=4.0)
+    time = VirtualTime(noise=0.01, seed=0)
+    compile_ = SpeedRung("compile", time, 0.02, -0.1)
+    rungs = [compile_, TargetedRung("data_path", time, 0.02, -0.5, ("data_wait",))]
+    state = timed_state(time, 0.02)
+    iterator = state.data.iterator
+
+    def slow_batches(*args, **kwargs):  # each batch costs 60 ms of virtual time to fetch
+        for batch in iterator(*args, **kwargs):
+            time.spend(0.06)
+            yield batch
+
+    state.data.iterator = slow_batches
+    ladder, result = _run(state, rungs, time)
+    assert "not timed against the baseline: the step waits for its batches" in result.switches.reason, result.switches.reason
+    entry = next(r for r in result.rungs if r.name == "compile")
+    assert entry.status == "kept" and entry.comparison is None and "one of the user's switches" in entry.reason
+    assert "data_path" in [s.rung.name for s in ladder.slots]
+    json.dumps(result.to_dict())

@@ -244,7 +244,8 @@ def test_sdpa_in_the_ladder_on_the_naive_gpt_is_kept_or_measured():
     from speedkit.engine.ladder import Ladder
 
     state = tiny_gpt_state(batch_size=4, seq_len=64)
-    result = Ladder(state, [SdpaRung()], {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False}).run()
+    measure = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "switches_floor": False}
+    result = Ladder(state, [SdpaRung()], measure).run()  # sdpa judged as a rung, not as the user's switch
     r = result.rungs[1]
     assert r.status in ("kept", "reverted") and r.parity.passed, (r.status, r.reason)
     assert r.parity.max_rel_diff < 1e-5

@@ -290,14 +290,17 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
     assert result is not None and ladder.not_run is None and ladder.exception is None and result.interrupted is None
     assert result.run["precision"] == "32-true" and trainer.global_step == MAX_STEPS  # trials took no real step
     entries = [r for r in result.rungs[1:] if r.status not in ("closing", "switches")]  # second looks; the switches floor
-    # every rung decided once, in the plan's order: the diagnosed step's remedy first, then the ladder's order
+    # every rung decided once, in the plan's order: the user's switches first (the floor, in the ladder's
+    # order), then the diagnosed step's remedy, then the ladder's order
     names, ladder_names = [r.name for r in entries], [_rung_name(s) for s in LADDER]
     assert sorted(names) == sorted(ladder_names) and len(set(names)) == len(names)
-    tried_first = result.run.get("first_tried", "")  # "device-bound: autocast, compile first (its remedy)"
+    floor = [r.name for r in entries if (r.reason or "").startswith("one of the user's switches")]
+    assert names[: len(floor)] == [n for n in ladder_names if n in floor]
+    tried_first = result.run.get("first_tried", "")  # "device-bound: batched, aligned_linear first (its remedy)"
     remedy = set(tried_first.split(": ", 1)[1].split(" first")[0].split(", ")) if tried_first else set()
-    first = [n for n in names if n in remedy]
-    assert names[: len(first)] == first
-    assert names[len(first) :] == [n for n in ladder_names if n not in first]
+    first = [n for n in names if n in remedy and n not in floor]
+    assert names[len(floor) : len(floor) + len(first)] == first
+    assert names[len(floor) + len(first) :] == [n for n in ladder_names if n not in first and n not in floor]
     for r in entries:
         assert r.status in expect.statuses.get(r.name, DECIDED), f"{r.name}: {r.status} ({r.reason})"
         if r.measurement is not None:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from speedkit import distributed
-from speedkit.engine import second_look, switches
+from speedkit.engine import remedy, second_look, switches
 from speedkit.engine.baseline import diagnose_baseline, measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.cache import CachedDecision, DecisionCache, batch_signature_of, decision_key, key_parts
@@ -283,7 +283,7 @@ class Ladder:
         if self.cfg.switches_floor:
             self.phase = "the floor"
             self._left = len(self.rungs)  # the floor's comparison takes its share of the rungs' time
-            self._floor_row, reference, floor_m = switches.apply_floor(self, reference)
+            self._floor_row, reference, floor_m = switches.apply_floor(self, reference, base_m)
             pace = floor_m or base_m
         self.phase = "the diagnosis"
         self.diagnosis = diagnose_baseline(self, pace)
@@ -300,6 +300,14 @@ class Ladder:
                 RungResult(rung.name, "not_applicable", options=rung.options_dict(), reason=reason or f"not timed: {bound}")
             )
         chain = 1.0
+        bundle = [r for r in order if r.name in self.remedy]
+        if len(bundle) > 1 and not self.budget.spent():  # the bottleneck's remedy together, then member by member
+            self.phase = "the remedy"
+            self._left = len(order)
+            kept_names, reference = remedy.try_remedy(self, bundle, reference)
+            if kept_names:
+                chain *= self.decisions[kept_names[0]][1] or 1.0
+            order = [r for r in order if self.entry(r.name) is None]  # the members judged in it are decided
         for i, rung in enumerate(order, 1):
             self._left = len(order) - i + 1
             self.phase = rung.name
@@ -395,8 +403,7 @@ class Ladder:
                     raise RungProblem("re-checked against the baseline: not measured")
                 if check.verdict == "not_faster" and (not floor_only or check.high < 1.0):
                     raise RungProblem(
-                        f"re-checked against the baseline: {describe(check)}, "
-                        + ("slower" if floor_only else "not faster")
+                        f"re-checked against the baseline: {describe(check)}, " + ("slower" if floor_only else "not faster")
                     )
         except Exception as exc:
             self.stack.undo_all()

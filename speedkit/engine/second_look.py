@@ -279,6 +279,8 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
             ladder.stack.remove(index)
             ladder.stack.all_on()
             ladder.decisions.pop(name, None)
+            # judged on the configuration that stays: a second look would time the same pair again
+            ladder.judged.add(((name,), tuple(s.rung.name for s in ladder.slots)))
             entry.status = "reverted"
             entry.reason = f"{entry.reason}; left out of its group: the group without it is faster ({describe(paired)})"
             removed.append(name)

@@ -15,14 +15,14 @@ floor where it is decided not faster than it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speedkit import config
 from speedkit.engine.budget import window_steps
 from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
-from speedkit.results import Measurement, RungResult
+from speedkit.results import Measurement, PairedResult, RungResult
 
 if TYPE_CHECKING:
     from speedkit.engine.trials import Trials
@@ -46,11 +46,16 @@ def applicable_switches(ladder: Trials) -> tuple[list[Rung], list[str]]:
     return switches, notes
 
 
-def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | None, list[float], Measurement | None]:
+def apply_floor(
+    ladder: Trials, reference: list[float], baseline: Measurement
+) -> tuple[RungResult | None, list[float], Measurement | None]:
     """Apply the user's switches together on the baseline, check their parity against it and time them
     against it (A the baseline, B the switches). They stay, the floor (``ladder.floor``), unless decided
     slower than the baseline, changing numerics or failing: then everything is undone and the climb
-    starts from the baseline. Appends the ``switches`` row and, where they stay, a kept row per switch
+    starts from the baseline. Where the baseline's step clock shows the step waiting for its batches
+    (``diagnosis.data_bound_share`` of it or more), they are not timed: a faster compute cannot show
+    there, and the comparison would spend the budget its remedy needs (on an H200, 25-37 s of a
+    ResNet-18's 120 s, undecided). Appends the ``switches`` row and, where they stay, a kept row per switch
     (kept as the user's switches, with the group's figure). Returns the row (None where the ladder has
     no switch), the reference trajectory from then on and the floor's measurement (None: no floor)."""
     result = ladder.result
@@ -66,6 +71,8 @@ def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | No
         row.reason = f"{row.reason}; none applies"
         return row, reference, None
     ladder.on_event(f"floor: the user's switches ({label}) against the baseline")
+    paired: PairedResult | None = None
+    why_untimed = ""
     try:
         for rung in switches:
             ladder.stack.insert_at_place(rung)
@@ -79,6 +86,12 @@ def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | No
         problem = next((p for p in (agreed_problem(s.handle) for s in ladder.slots) if p), None)
         if problem:
             raise RungProblem(problem)
+        wait = baseline.data_wait_ms / baseline.step_ms if baseline.data_wait_ms and baseline.step_ms else 0.0
+        if wait >= config.diagnosis_thresholds()["data_bound_share"]:
+            raise _Untimed(
+                f"not timed against the baseline: the step waits for its batches {wait:.0%} of its time, "
+                "where a faster compute cannot show"
+            )
         ladder.stack.configure([False] * n)  # A: the baseline; B: the switches
         paired = ladder.compare(
             lambda on: ladder.stack.configure([on] * n),
@@ -91,6 +104,9 @@ def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | No
             raise RungProblem(problem)
         if paired.verdict == "not_faster" and paired.high < 1.0:
             raise RungProblem(f"slower than the baseline: {describe(paired)}")
+    except _Untimed as untimed:  # the floor stays, as the user runs it, untimed
+        ladder.stack.all_on()
+        why_untimed = str(untimed)
     except Exception as exc:
         ladder.stack.undo_all()
         why = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
@@ -102,6 +118,8 @@ def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | No
         ladder.snapshot.restore()
     group = tuple(r.name for r in switches)
     ladder.floor = set(group)
+    if paired is None:
+        return _untimed_floor(ladder, row, switches, parity, why_untimed, t0), losses, None
     floor_m = paired.b
     if floor_m is not None and ladder.timing is not None:  # the rungs are timed on the floor's step: windows sized by it
         noise = window_steps(floor_m, ladder.cfg, ladder.clock.name)
@@ -135,6 +153,36 @@ def apply_floor(ladder: Trials, reference: list[float]) -> tuple[RungResult | No
     row.seconds = ladder.host_clock() - t0
     ladder.on_event(f"floor: {label} kept as the floor ({describe(paired)} against the baseline)")
     return row, losses, floor_m
+
+
+class _Untimed(Exception):
+    """The floor applies and passes its parity, but is not timed against the baseline (said why)."""
+
+
+def _untimed_floor(ladder: Trials, row: RungResult, switches: list[Rung], parity: Any, why: str, t0: float) -> RungResult:
+    """The floor kept untimed: its row and a kept row per switch say why (no figure of their own)."""
+    result = ladder.result
+    assert result is not None
+    label = " + ".join(r.name for r in switches)
+    group = tuple(r.name for r in switches)
+    row.reason = f"{row.reason}; the floor, as the user runs them: {why}"
+    for slot in ladder.slots:
+        ladder.decisions[slot.rung.name] = (group, None)
+        result.rungs.append(
+            RungResult(
+                slot.rung.name,
+                "kept",
+                options=slot.rung.options_dict(),
+                precision=ladder.state.precision,
+                changes=list(slot.handle.changes) + slot.handle.report(),
+                parity=parity,
+                rewrite=slot.rewrite_report(),
+                reason=f"one of the user's switches ({label}), the floor every other rung is judged on: kept with them, {why}",
+            )
+        )
+    row.seconds = ladder.host_clock() - t0
+    ladder.on_event(f"floor: {label} kept as the floor ({why})")
+    return row
 
 
 def confirm_floor(ladder: Trials, row: RungResult | None) -> None:

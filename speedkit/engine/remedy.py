@@ -1,0 +1,140 @@
+"""The diagnosed bottleneck's remedy tried as one configuration: its rungs together, each at its place,
+judged against the configuration before them (:func:`try_remedy`), then member by member (leave one
+out, :func:`speedkit.engine.second_look.leave_one_out`), so that nothing rides along that slows the step.
+
+One at a time, a remedy's rungs hide each other's gains: on Lightning's demo Transformer (host-bound)
+the progress bar's sync removal measured 0.99x on the compiled step and 1.31x once a CUDA graph
+replayed it, and whether a second look reached it came down to the budget left. Together they are
+judged once, and each then by what leaving it out costs. A verb of the ladder's policy, taking the
+:class:`~speedkit.engine.trials.Trials` (the ladder).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from speedkit.engine.second_look import leave_one_out
+from speedkit.engine.stack import RungProblem, agreed_problem
+from speedkit.errors import first_line
+from speedkit.measure.stats import describe
+from speedkit.results import Parity, RungResult
+
+if TYPE_CHECKING:
+    from speedkit.engine.trials import Trials
+    from speedkit.rungs.base import Rung
+
+
+def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tuple[list[str], list[float]]:
+    """Apply the rungs of ``group`` that apply (at least two; else nothing is tried) at their places in
+    the configuration in effect, check their parity against ``reference`` (also with the precision
+    rungs off for a rewrite) and time them together against the configuration without them. Kept:
+    each gets its entry, kept with the bundle and its figure, and the bundle is then judged member by
+    member (a member whose leaving out is decided faster is removed). Not kept (undecided, slower,
+    failed): all are undone, and each is tried on its own afterwards. Returns the names kept and the
+    reference trajectory from then on."""
+    result = ladder.result
+    assert result is not None and ladder.snapshot is not None
+    t0, inserted, tried = ladder.host_clock(), [], []
+    for rung in sorted(group, key=ladder.rungs.index):  # in ladder order: each at its place among the kept rungs
+        try:
+            place = ladder.stack.insert_at_place(rung)
+        except RungProblem:  # does not apply here: tried (and said why) on its own
+            ladder.stack.all_on()
+            continue
+        except Exception:  # its apply raised: its own trial says so
+            ladder.stack.all_on()
+            continue
+        inserted = [i + (i >= place) for i in inserted] + [place]
+        tried.append(rung)
+    ladder.stack.all_on()
+    if len(tried) < 2:
+        for i in sorted(inserted, reverse=True):
+            ladder.stack.remove(i)
+        ladder.stack.all_on()
+        ladder.snapshot.restore()
+        return [], reference
+    label = " + ".join(r.name for r in tried)
+    ladder.on_event(f"remedy: {label} together")
+    parity: Parity | None = None
+    paired = None
+    try:
+        n = len(ladder.slots)
+        losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
+        if not parity.passed:
+            raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+        for i in inserted:
+            problem = agreed_problem(ladder.slots[i].handle)
+            if problem:
+                raise RungProblem(problem)
+            if ladder.slots[i].rung.judged_at_full_precision:
+                precise = ladder.parity.at_full_precision(i)
+                if precise is not None and not precise.passed:
+                    raise RungProblem(
+                        f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
+                        f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off"
+                    )
+        without = [i not in inserted for i in range(n)]
+        paired = ladder.compare(
+            lambda on: ladder.stack.configure([True] * n if on else without),
+            "remedy",
+            shared_batches=ladder.stack.shares_batches(),
+        )
+        for i in inserted:  # a change that stopped working while timed: not what was timed
+            problem = agreed_problem(ladder.slots[i].handle)
+            if problem:
+                raise RungProblem(problem)
+        status, why = ladder.decide(paired, all(r.memory_comparable for r in tried))
+    except Exception as exc:
+        status, why = "failed", str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
+    finally:
+        ladder.stack.all_on()
+        ladder.snapshot.restore()
+    row = RungResult(
+        f"remedy: {label}",
+        "closing",
+        precision=ladder.state.precision,
+        changes=[f"applied {label} together"],
+        parity=parity,
+        comparison=paired,
+        measurement=paired.b if paired is not None else None,
+        gain_vs_previous=paired.speedup if paired is not None else None,
+        reason=f"the diagnosed bottleneck's remedy together: {why}",
+    )
+    if status != "kept":
+        for i in sorted(inserted, reverse=True):
+            ladder.stack.remove(i)
+        ladder.stack.all_on()
+        row.reason += "; undone, each tried on its own"
+        row.seconds = ladder.host_clock() - t0
+        result.rungs.append(row)
+        ladder.on_event(f"remedy: {label} not kept together ({why}): each tried on its own")
+        return [], reference
+    assert paired is not None
+    names = tuple(r.name for r in tried)
+    for rung in tried:
+        slot = next(s for s in ladder.slots if s.rung is rung)
+        ladder.decisions[rung.name] = (names, paired.speedup)
+        result.rungs.append(
+            RungResult(
+                rung.name,
+                "kept",
+                options=rung.options_dict(),
+                precision=ladder.state.precision,
+                changes=list(slot.handle.changes) + slot.handle.report(),
+                parity=parity,
+                comparison=paired,
+                measurement=paired.b,
+                gain_vs_previous=paired.speedup,
+                rewrite=slot.rewrite_report(),
+                reason=f"kept with the remedy's bundle ({label}), their figure together: {describe(paired)}",
+            )
+        )
+        ladder.last_comparison[rung.name] = paired
+    ladder.judged.add((names, tuple(s.rung.name for s in ladder.slots if s.rung not in tried)))
+    row.seconds = ladder.host_clock() - t0
+    ladder.on_event(f"remedy: {label} kept together ({why}); each judged within it")
+    removed = leave_one_out(ladder, list(names))
+    for entry in result.rungs:
+        if entry.name in names and entry.status == "kept":
+            entry.seconds = (ladder.host_clock() - t0) / len(names)
+    return [n for n in names if n not in removed], losses
