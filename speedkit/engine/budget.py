@@ -19,6 +19,11 @@ from speedkit.measure.config import MeasureConfig
 from speedkit.measure.noise import noise_source
 from speedkit.results import Measurement
 
+#: profile windows held back for: the baseline, the final configuration and up to four kept rungs between
+PROFILE_WINDOWS = 6
+#: seconds one profile window takes beyond its steps (the profiler's start, stop and trace processing)
+PROFILE_WINDOW_OVERHEAD_S = 1.0
+
 
 class TrialBudget:
     """The seconds the trials may take, counted on ``host_clock`` from :meth:`start`, and the seconds
@@ -97,7 +102,9 @@ class TrialBudget:
         step_s = step_ms / 1e3
         window = window_steps or cfg.steps
         comparison_s = step_s * (cfg.warmup + 2 * cfg.settle + 4 * cfg.min_blocks * (window + cfg.settle))
-        profile_s = (cfg.profile_steps + 1) * step_s * 3 if cfg.profile else 0.0
+        # the profile: a window of the baseline, one per kept rung and the final configuration, each with
+        # the profiler's own start and stop (on an H200, 7 windows of a 3 ms step took 8.6 s, not 0.1 s)
+        profile_s = PROFILE_WINDOWS * (PROFILE_WINDOW_OVERHEAD_S + (cfg.profile_steps + 1) * step_s) if cfg.profile else 0.0
         closing = int(cfg.switches_floor) + int(cfg.final_check)
         self.reserve_s = min(0.5 * size, closing * comparison_s + profile_s)
         self.min_trial_s = comparison_s + 2 * (parity_steps or cfg.parity_steps) * step_s
