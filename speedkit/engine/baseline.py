@@ -188,7 +188,8 @@ def trial_order(
         rungs = [r for r in ladder.rungs if r in kept or r.name in remedy]
     order = _pace_order(ladder, baseline, rungs)
     if diagnosis is not None:
-        first = first_configuration(order, diagnosis)
+        # the user's switches in effect already (the floor) are no part of what is tried first
+        first = [n for n in first_configuration(order, diagnosis) if n not in ladder.floor]
         if first:
             order = [r for r in order if r.name in first] + [r for r in order if r.name not in first]
             assert ladder.result is not None
