@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.second_look import leave_one_out
-from speedkit.engine.stack import RungProblem, agreed_problem
+from speedkit.engine.second_look import judge_inserted, leave_one_out
+from speedkit.engine.stack import RungProblem, agreed_problem, kept_entry
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
 from speedkit.results import Parity, RungResult
@@ -59,20 +59,9 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
     paired = None
     try:
         n = len(ladder.slots)
-        losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
-        if not parity.passed:
-            raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
-        for i in inserted:
-            problem = agreed_problem(ladder.slots[i].handle)
-            if problem:
-                raise RungProblem(problem)
-            if ladder.slots[i].rung.judged_at_full_precision:
-                precise = ladder.parity.at_full_precision(i)
-                if precise is not None and not precise.passed:
-                    raise RungProblem(
-                        f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
-                        f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off"
-                    )
+        losses, parity, problem = judge_inserted(ladder, inserted, reference)
+        if problem:
+            raise RungProblem(problem)
         without = [i not in inserted for i in range(n)]
         paired = ladder.compare(
             lambda on: ladder.stack.configure([True] * n if on else without),
@@ -115,18 +104,14 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
         slot = next(s for s in ladder.slots if s.rung is rung)
         ladder.decisions[rung.name] = (names, paired.speedup)
         result.rungs.append(
-            RungResult(
-                rung.name,
-                "kept",
-                options=rung.options_dict(),
-                precision=ladder.state.precision,
-                changes=list(slot.handle.changes) + slot.handle.report(),
+            kept_entry(
+                slot,
+                ladder.state.precision,
+                f"kept with the remedy's bundle ({label}), their figure together: {describe(paired)}",
                 parity=parity,
                 comparison=paired,
                 measurement=paired.b,
                 gain_vs_previous=paired.speedup,
-                rewrite=slot.rewrite_report(),
-                reason=f"kept with the remedy's bundle ({label}), their figure together: {describe(paired)}",
             )
         )
         ladder.last_comparison[rung.name] = paired

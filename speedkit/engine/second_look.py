@@ -165,20 +165,9 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
             place = ladder.stack.insert_at_place(rung)
             inserted = [i + (i >= place) for i in inserted] + [place]
         n = len(ladder.slots)
-        losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
-        if not parity.passed:
-            raise RuntimeError(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
-        for i in inserted:
-            problem = agreed_problem(ladder.slots[i].handle)
-            if problem:
-                raise RuntimeError(problem)
-            if ladder.slots[i].rung.judged_at_full_precision:
-                precise = ladder.parity.at_full_precision(i)
-                if precise is not None and not precise.passed:
-                    raise RuntimeError(
-                        f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
-                        f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off"
-                    )
+        losses, parity, problem = judge_inserted(ladder, inserted, reference)
+        if problem:
+            raise RuntimeError(problem)
         without = [i not in inserted for i in range(n)]
         paired = ladder.compare(
             lambda on: ladder.stack.configure([True] * n if on else without),
@@ -242,6 +231,31 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
         entry.seconds = (entry.seconds or 0.0) + (ladder.host_clock() - t0) / len(group)
     ladder.on_event(f"second look: {label} {'kept' if kept else 'reverted'} ({why})")
     return kept, (losses if kept else reference)
+
+
+def judge_inserted(ladder: Trials, inserted: list[int], reference: list[float]) -> tuple[list[float], Parity, str | None]:
+    """The slots at ``inserted`` (just put in, all slots on) judged before they are timed: the loss
+    trajectory against ``reference`` (the configuration without them), each one's own report of a
+    problem, and a rewrite's parity with the precision rungs off. Returns the trajectory, its parity
+    and the first problem found (None: they may be timed)."""
+    n = len(ladder.slots)
+    losses, parity = ladder.parity.of([True] * n, [i not in inserted for i in range(n)], reference)
+    if not parity.passed:
+        return losses, parity, f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}"
+    for i in inserted:
+        problem = agreed_problem(ladder.slots[i].handle)
+        if problem:
+            return losses, parity, problem
+        if ladder.slots[i].rung.judged_at_full_precision:
+            precise = ladder.parity.at_full_precision(i)
+            if precise is not None and not precise.passed:
+                return (
+                    losses,
+                    parity,
+                    f"numerics changed: {ladder.slots[i].rung.name} moves the loss by "
+                    f"{precise.max_rel_diff:.2e} > {precise.tolerance:.0e} with the precision rungs off",
+                )
+    return losses, parity, None
 
 
 def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:

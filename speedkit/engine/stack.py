@@ -9,6 +9,7 @@ from typing import Any
 
 from speedkit import distributed
 from speedkit.handle import Handle
+from speedkit.results import RungResult
 from speedkit.rungs.base import Rung
 from speedkit.training.state import TrainState
 
@@ -194,3 +195,18 @@ class Stack:
         """Whether the kept rungs may be timed on batches an A/B block shares (none of them does work
         per new input shape)."""
         return not any(s.rung.new_shape_cost for s in self.slots)
+
+
+def kept_entry(slot: Slot, precision: str, reason: str, **figures: Any) -> RungResult:
+    """The report's row of a rung kept in ``slot``: what it changed (its handle's changes and report),
+    its rewrite's report, ``reason`` and ``figures`` (parity, comparison, gains)."""
+    return RungResult(
+        slot.rung.name,
+        "kept",
+        options=slot.rung.options_dict(),
+        precision=precision,
+        changes=list(slot.handle.changes) + slot.handle.report(),
+        rewrite=slot.rewrite_report(),
+        reason=reason,
+        **figures,
+    )

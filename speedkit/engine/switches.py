@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from speedkit import config
 from speedkit.engine.budget import window_steps
-from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem
+from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem, kept_entry
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
 from speedkit.results import Measurement, PairedResult, RungResult
@@ -132,22 +132,16 @@ def apply_floor(
     for slot in ladder.slots:
         ladder.decisions[slot.rung.name] = (group, paired.speedup)
         result.rungs.append(
-            RungResult(
-                slot.rung.name,
-                "kept",
-                options=slot.rung.options_dict(),
-                precision=ladder.state.precision,
-                changes=list(slot.handle.changes) + slot.handle.report(),
+            kept_entry(
+                slot,
+                ladder.state.precision,
+                f"one of the user's switches ({label}), the floor every other rung is judged on: kept with them, "
+                f"their figure against the baseline {describe(paired)}",
                 parity=parity,
                 comparison=paired,
                 measurement=paired.b,
                 gain_vs_previous=paired.speedup,
                 gain_vs_baseline=paired.speedup,
-                rewrite=slot.rewrite_report(),
-                reason=(
-                    f"one of the user's switches ({label}), the floor every other rung is judged on: kept with them, "
-                    f"their figure against the baseline {describe(paired)}"
-                ),
             )
         )
     row.seconds = ladder.host_clock() - t0
@@ -169,15 +163,11 @@ def _untimed_floor(ladder: Trials, row: RungResult, switches: list[Rung], parity
     for slot in ladder.slots:
         ladder.decisions[slot.rung.name] = (group, None)
         result.rungs.append(
-            RungResult(
-                slot.rung.name,
-                "kept",
-                options=slot.rung.options_dict(),
-                precision=ladder.state.precision,
-                changes=list(slot.handle.changes) + slot.handle.report(),
+            kept_entry(
+                slot,
+                ladder.state.precision,
+                f"one of the user's switches ({label}), the floor every other rung is judged on: kept with them, {why}",
                 parity=parity,
-                rewrite=slot.rewrite_report(),
-                reason=f"one of the user's switches ({label}), the floor every other rung is judged on: kept with them, {why}",
             )
         )
     row.seconds = ladder.host_clock() - t0
