@@ -586,10 +586,14 @@ def test_a_second_look_applies_fused_adamw_beneath_the_kept_graph_which_captures
         return paired
 
     monkeypatch.setattr(Ladder, "compare", compare)
+    # in the given order, none pruned: the plan reads this MLP's step on an H200 as host- or sync-bound
+    # and would try cuda_graph first, judging fused_optimizer beneath it at once (no second look then),
+    # or bound the optimizer's share under the minimum gain
+    import speedkit.engine.ladder as ladder_module
+
+    monkeypatch.setattr(ladder_module, "trial_order", lambda ladder, baseline, diagnosis=None: (list(ladder.rungs), []))
     state = mlp_state("cuda")
     opt = state.optimizer
-    # in the given order (a host-bound step, as this MLP's is on an H200, would try cuda_graph first and
-    # judge fused_optimizer beneath it at once: no second look then)
     ladder = Ladder(
         state,
         rungs.make_all(["fused_optimizer", "cuda_graph"]),

@@ -7,6 +7,7 @@ the comparison budget all read it, so no test sleeps or depends on this machine'
 from __future__ import annotations
 
 import copy
+import html
 import json
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from speedkit.data.source import BatchSource
 from speedkit.engine.ladder import Ladder
+from speedkit.engine.stack import Stack
 from speedkit.handle import Handle, set_attr
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.stats import block_log_gain, decide, describe
@@ -1593,6 +1595,63 @@ def test_the_profile_windows_the_baseline_each_kept_rung_and_the_final_configura
     assert "Host syncs: found on CUDA only" in render_html(d, tmp_path)
 
 
+def test_the_profile_takes_the_prefixes_windows_only_where_the_budget_left_holds_them(monkeypatch, tmp_path):
+    """Three kept rungs, then the profile with less of the budget left than four more windows take at
+    the baseline window's pace: the baseline and the final configuration are profiled, the prefixes
+    between are not, and the note says why; nothing is attributed from an incomplete set."""
+    import speedkit.profile as profile_module
+    from speedkit.engine.budget import TrialBudget
+
+    time = VirtualTime()
+    real_window = profile_module.profile_window
+
+    def slow_window(*args, **kwargs):  # each window's profiler start and stop: 2 s of the budget's clock
+        time.spend(2.0)
+        return real_window(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "profile_window", slow_window)
+    remaining = TrialBudget.remaining  # the profile finds 5 s left
+    monkeypatch.setattr(TrialBudget, "remaining", lambda self: 5.0 if self._phase == "the profile" else remaining(self))
+    rungs = [SpeedRung(n, time, 0.01, -0.2) for n in ("a", "b", "c")]
+    ladder = Ladder(timed_state(time), rungs, {**FAST, "profile": True, "profile_steps": 2}, clock=time.clock(), host_clock=time)
+    result = ladder.run()
+    assert [r.name for r in result.kept] == ["a", "b", "c"]
+    assert [w["label"] for w in result.profile["windows"]] == ["baseline", "final"]
+    assert "not the 2 rungs' prefixes between: the budget's 5.0 s left holds no 3 windows" in result.profile["note"]
+    assert result.attribution is None
+    from speedkit.report.html import render_html
+    from speedkit.report.markdown import render_markdown
+
+    d = result.to_dict()
+    assert "not the 2 rungs' prefixes between" in render_markdown(d)
+    assert html.escape("not the 2 rungs' prefixes between") in render_html(d, tmp_path)
+
+
+def test_a_cached_decision_profiles_the_baseline_and_the_final_configuration(tmp_path):
+    from speedkit.engine.cache import DecisionCache
+
+    cache = DecisionCache(tmp_path)
+    results = []
+    for _ in range(2):
+        time = VirtualTime(noise=0.005, seed=0)
+        rungs = [SpeedRung(n, time, 0.02, -0.2) for n in ("a", "b", "c")]
+        ladder = Ladder(
+            timed_state(time, 0.02),
+            rungs,
+            {**FAST, "switches_floor": False, "profile": True, "profile_steps": 2},
+            clock=time.clock(),
+            host_clock=time,
+            cache=cache,
+        )
+        results.append(ladder.run())
+        ladder.revert()
+    first, second = results
+    assert [w["label"] for w in first.profile["windows"]] == ["baseline", "a", "b", "final"]
+    assert second.run["cache"]["held"] is True and set(second.run["cache"]["seconds"]) == {"apply", "parity"}
+    assert [w["label"] for w in second.profile["windows"]] == ["baseline", "final"]
+    assert "a cached decision: each rung's window is in the report of the fit that made it" in second.profile["note"]
+
+
 def test_profile_off_leaves_no_profile_and_a_failing_window_never_fails_the_run(monkeypatch):
     time = VirtualTime()
     result = _run(timed_state(time), [SpeedRung("faster30", time, 0.01, -0.3)], time, profile=False)[1]
@@ -1838,6 +1897,81 @@ def test_the_remedy_is_tried_together_and_then_member_by_member(monkeypatch):
     assert "so it stays" in names["a"].reason and "so it stays" in names["b"].reason
     assert all(r.applied == 1 for r in rungs)  # each applied once: no trial of its own after the bundle
     assert result.final_check.speedup == pytest.approx(2.0, rel=0.03)
+
+
+class GraphLikeRung(TargetedFlagRung):
+    """A stand-in for cuda_graph: it cannot work without ``unsync`` (``requires``); a step run with it
+    on and ``unsync`` off stops it for good, which its handle reports as its problem."""
+
+    requires = ("unsync",)
+
+    def __init__(self, stopped):
+        super().__init__("graph", ("gemm",))
+        self.stopped = stopped
+
+    def apply(self, state):
+        handle = super().apply(state)
+        handle.problem = lambda: "the step syncs with the host" if self.stopped else None
+        return handle
+
+
+def _graph_state(costs, stopped):
+    state, time, flags = _switch_state(costs, names=("autocast", "unsync", "graph"))
+
+    def key(flags):
+        if flags.graph and not flags.unsync:  # a graph over the sync it needs gone: stopped for good
+            stopped.append(True)
+        return frozenset(k for k, v in vars(flags).items() if v)
+
+    state.step.key = key
+    return state, time
+
+
+def test_a_remedy_with_a_rung_another_requires_is_kept_and_never_runs_one_without_the_other(monkeypatch):
+    """On an H200 the demo Transformer's remedy (explicit_mask + async_progress_bar + cuda_graph) failed
+    in every run: the rewrite's parity at full precision switched explicit_mask off beneath a CUDA graph
+    left on, which met the mask's sync and stopped for good. A configuration now switches off a rung
+    whose required rung is off: the remedy is kept, nothing ever ran the graph without ``unsync``, and
+    leave-one-out leaves ``unsync`` out together with the graph that requires it."""
+    _diagnosed(monkeypatch, gemm=15.0)
+    stopped: list[bool] = []
+    costs = {_on(): 0.040, _on("autocast"): 0.030, _on("unsync"): 0.040, _on("graph"): 0.040}
+    costs.update({_on("autocast", "unsync"): 0.030, _on("autocast", "graph"): 0.030, _on("unsync", "graph"): 0.014})
+    costs[_on("autocast", "unsync", "graph")] = 0.010
+    state, time = _graph_state(costs, stopped)
+    autocast = FlagRung("autocast", recheck=False)
+    autocast.precision = "bf16"  # a precision rung: the rewrite's parity is judged with it off
+    unsync = TargetedFlagRung("unsync", ("gemm",))
+    unsync.judged_at_full_precision = True
+    events: list[str] = []
+    ladder = Ladder(
+        state, [autocast, unsync, GraphLikeRung(stopped)], FAST, clock=time.clock(), host_clock=time, on_event=events.append
+    )
+    result = ladder.run()
+    names = {r.name: r for r in result.rungs if r.status in ("kept", "reverted", "failed")}
+    assert not stopped, "a configuration ran the graph with unsync off"
+    assert [s.rung.name for s in ladder.slots] == ["autocast", "unsync", "graph"], {n: r.reason for n, r in names.items()}
+    assert names["graph"].reason.startswith("kept with the remedy's bundle (unsync + graph)"), names["graph"].reason
+    assert "without it (and graph, which cannot work without it)" in names["unsync"].reason, names["unsync"].reason
+    assert any("leave-one-out: unsync + graph without unsync (and graph" in e for e in events), events
+
+
+def test_the_stack_switches_off_and_removes_a_rung_with_the_rung_it_requires():
+    state, time = _graph_state({}, [])
+    stack = Stack(state, [])
+    unsync, graph = TargetedFlagRung("unsync", ("gemm",)), GraphLikeRung([])
+    stack.order = {"unsync": 0, "graph": 1}
+    stack.insert(0, unsync, ())
+    stack.insert(1, graph, (True,))
+    assert stack.with_requirements([False, True]) == [False, False]
+    assert stack.dependents(0) == [1] and stack.dependents(1) == []
+    stack.configure([False, True])
+    assert [s.on for s in stack.slots] == [False, False]
+    stack.all_on()
+    flags = state.notes["flags"]
+    assert flags.unsync and flags.graph
+    assert stack.remove(0) == ["graph"] and stack.slots == []
+    assert not flags.unsync and not flags.graph
 
 
 def test_a_remedy_not_kept_together_is_tried_rung_by_rung(monkeypatch):

@@ -47,10 +47,16 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
         finally:
             ladder.snapshot.restore()
         if status == "reverted":  # it no longer pays with the later rungs on top
-            ladder.stack.remove(j)
+            with_it = ladder.stack.remove(j)  # and those that cannot work without it (off in the comparison too)
             ladder.judged.add(((slot.rung.name,), tuple(s.rung.name for s in ladder.slots)))
             entry.status = "reverted"
             entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
+            for name in with_it:
+                ladder.decisions.pop(name, None)
+                dependent = ladder.entry(name)
+                if dependent is not None:
+                    dependent.status = "reverted"
+                    dependent.reason = f"{dependent.reason}; reverted with {slot.rung.name}, which it cannot work without"
             closing.reason = f"final configuration without {slot.rung.name}"
             closing.comparison, closing.measurement = paired, paired.a if paired else None
             closing.seconds = ladder.host_clock() - t0

@@ -277,7 +277,7 @@ class Ladder:
         if self.cache is not None:
             self.phase = "the cache"
             if self._from_cache():
-                self._scaling_and_profile()
+                self._scaling_and_profile(cached=True)
                 return
         pace = base_m  # the step the rungs are judged on: the baseline's, or the floor's
         if self.cfg.switches_floor:
@@ -377,6 +377,8 @@ class Ladder:
         names = {r.name for r in self.rungs}
         # the switches that apply on the baseline: asked before the cached rungs go in
         floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
+        t0 = self.host_clock()
+        seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, the final check
         try:
             unknown = [n for n in entry.kept if n not in names]
             if unknown:
@@ -384,10 +386,13 @@ class Ladder:
             for rung in [r for r in self.rungs if r.name in entry.kept]:
                 self.stack.insert_at_place(rung)
             self.stack.all_on()
+            seconds["apply"] = round(self.host_clock() - t0, 2)
             n = len(self.slots)
             parity = None
             if n:
+                t0 = self.host_clock()
                 _, parity = self.parity.of([True] * n, [False] * n, self.parity.reference)
+                seconds["parity"] = round(self.host_clock() - t0, 2)  # its first steps compile and capture
                 if not parity.passed:
                     raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
                 problem = next((p for p in (agreed_problem(s.handle) for s in self.slots) if p), None)
@@ -434,19 +439,25 @@ class Ladder:
                 )
             )
         note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
-        self.on_event(f"cache: the decision holds: {', '.join(group) or 'none kept'}")
+        spent = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+        self.on_event(
+            f"cache: the decision holds: {', '.join(group) or 'none kept'}" + (f" (re-checked in: {spent})" if spent else "")
+        )
         return True
 
-    def _scaling_and_profile(self) -> None:
-        """The last closing phases, after a climb or a cached decision that held: the scaling across
-        ranks and the profile (within what the budget left)."""
+    def _scaling_and_profile(self, cached: bool = False) -> None:
+        """The last closing phases, after a climb or a cached decision that held (``cached``: the
+        baseline's and the final configuration's profile alone): the scaling across ranks and the
+        profile (within what the budget left)."""
         if self.state.step.world_size() > 1:
             self.phase = "the scaling"
             self._scaling()
         if self.cfg.profile:
             self.phase = "the profile"
             if self.budget.remaining() > 0:
-                profile_configurations(self)
+                profile_configurations(
+                    self, "a cached decision: each rung's window is in the report of the fit that made it" if cached else None
+                )
             else:
                 self.note_budget("the profile")
 

@@ -275,8 +275,12 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
             ladder.note_budget(f"leave-one-out of {' + '.join(names)}")
             break
         n = len(ladder.slots)
+        # a member that another on above cannot work without is left out with it (a graph without its
+        # sync removal would stop for good, not be timed)
+        needing = [ladder.slots[i].rung.name for i in ladder.stack.dependents(index)]
         without = [i != index for i in range(n)]
-        ladder.on_event(f"leave-one-out: {' + '.join(names)} without {name}")
+        with_needing = f" (and {', '.join(needing)}, which cannot work without it)" if needing else ""
+        ladder.on_event(f"leave-one-out: {' + '.join(names)} without {name}{with_needing}")
         try:
             paired = ladder.compare(
                 lambda on, without=without, n=n: ladder.stack.configure(without if on else [True] * n),
@@ -290,15 +294,23 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
             ladder.stack.all_on()
             ladder.snapshot.restore()
         if paired.verdict == "faster":
-            ladder.stack.remove(index)
+            with_it = ladder.stack.remove(index)
             ladder.stack.all_on()
-            ladder.decisions.pop(name, None)
-            # judged on the configuration that stays: a second look would time the same pair again
-            ladder.judged.add(((name,), tuple(s.rung.name for s in ladder.slots)))
-            entry.status = "reverted"
-            entry.reason = f"{entry.reason}; left out of its group: the group without it is faster ({describe(paired)})"
-            removed.append(name)
+            for gone in [name, *with_it]:
+                ladder.decisions.pop(gone, None)
+                # judged on the configuration that stays: a second look would time the same pair again
+                ladder.judged.add(((gone,), tuple(s.rung.name for s in ladder.slots)))
+                gone_entry = ladder.entry(gone)
+                if gone_entry is not None:
+                    gone_entry.status = "reverted"
+                    gone_entry.reason = (
+                        f"{gone_entry.reason}; left out of its group: the group without it{with_needing} is faster ({describe(paired)})"
+                        if gone == name
+                        else f"{gone_entry.reason}; left out of its group with {name}, which it cannot work without: "
+                        f"the group without them is faster ({describe(paired)})"
+                    )
+                removed.append(gone)
         else:
-            entry.reason = f"{entry.reason}; judged within its group: without it {describe(paired)}, so it stays"
+            entry.reason = f"{entry.reason}; judged within its group: without it{with_needing} {describe(paired)}, so it stays"
         ladder.on_event(f"leave-one-out: {name} {'removed' if name in removed else 'stays'} ({describe(paired)})")
     return removed

@@ -132,9 +132,31 @@ class Stack:
         self.insert(place, rung, (True,) * place)
         return place
 
+    def dependents(self, j: int) -> list[int]:
+        """The slots above ``j`` that cannot work without it (``Rung.requires``), directly or through
+        another of them, bottom first."""
+        out: list[int] = []
+        gone = {self.slots[j].rung.name}
+        for i in range(j + 1, len(self.slots)):
+            if gone & set(self.slots[i].rung.requires):
+                out.append(i)
+                gone.add(self.slots[i].rung.name)
+        return out
+
+    def with_requirements(self, mask: list[bool]) -> list[bool]:
+        """``mask`` with every slot off whose required rung (``Rung.requires``) is in the stack beneath
+        it and off: a CUDA graph switched on above the sync explicit_mask removes would stop for good."""
+        mask = list(mask)
+        for i, slot in enumerate(self.slots):
+            if mask[i] and any(not mask[j] and self.slots[j].rung.name in slot.rung.requires for j in range(i)):
+                mask[i] = False
+        return mask
+
     def configure(self, mask: list[bool]) -> None:
-        """Switch the kept rungs to ``mask`` (on/off per slot), touching only the slots from the
-        first that changes upward (rungs above it may depend on it)."""
+        """Switch the kept rungs to ``mask`` (on/off per slot; a slot whose required rung is off is off
+        too: :meth:`with_requirements`), touching only the slots from the first that changes upward
+        (rungs above it may depend on it)."""
+        mask = self.with_requirements(mask)
         current = [s.on for s in self.slots]
         if current == mask:
             return
@@ -161,12 +183,17 @@ class Stack:
         steps, self._settle_needed = max(configured, self._settle_needed), 0
         return steps
 
-    def remove(self, j: int) -> None:
-        """Undo the rung of slot ``j``, the slots above it switched back on without it (rebased)."""
-        self.configure([i != j for i in range(len(self.slots))])
-        self.slots.pop(j).undo()
-        for above in self.slots[j:]:  # what they were applied on no longer has slot j
-            above.below = above.below[:j] + above.below[j + 1 :]
+    def remove(self, j: int) -> list[str]:
+        """Undo the rung of slot ``j`` and those that cannot work without it (:meth:`dependents`), the
+        slots above switched back on without them (rebased). Returns the names of those dependents."""
+        gone = [j, *self.dependents(j)]
+        names = [self.slots[i].rung.name for i in gone[1:]]
+        self.configure([i not in gone for i in range(len(self.slots))])
+        for k in reversed(gone):
+            self.slots.pop(k).undo()
+            for above in self.slots[k:]:  # what they were applied on no longer has slot k
+                above.below = above.below[:k] + above.below[k + 1 :]
+        return names
 
     def drop(self, added: list[Slot]) -> None:
         """Undo candidate slots appended above the kept ones (they were applied with those off)."""

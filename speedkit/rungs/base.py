@@ -96,6 +96,11 @@ class Rung:
     #: that syncs: explicit_mask and async_progress_bar remove the syncs of training steps); the plan
     #: tries it with them
     needs: ClassVar[tuple[str, ...]] = ()
+    #: of those, the rungs it cannot work without where they are in the stack: a configuration that has
+    #: one of them off has it off too (cuda_graph stops for good on the sync explicit_mask removes, and
+    #: cannot capture the micro-batches micro_batch merges); the others in ``needs`` help it, and it works
+    #: without them (the progress bar's sync is the loop's, outside the captured step)
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -84,6 +84,7 @@ class CudaGraphRung(Rung):
     # a step with a host sync cannot be captured (explicit_mask, async_progress_bar remove the two found
     # in training steps), nor one of several micro-batches (micro_batch merges them into one)
     needs = ("explicit_mask", "async_progress_bar", "micro_batch")
+    requires = ("explicit_mask", "micro_batch")
     cuts_host_work = True
     host_side = True
     new_shape_cost = True  # a batch of another shape runs eagerly
