@@ -1386,6 +1386,36 @@ def test_every_phase_stays_inside_the_one_budget_and_rungs_past_it_are_not_tried
     assert result.final_check is not None
 
 
+class SlowApplyRung(SpeedRung):
+    """A SpeedRung whose apply takes ``compile_s`` of the clock (a compile nobody knew in advance)."""
+
+    def __init__(self, name, time, base, change, compile_s):
+        super().__init__(name, time, base, change)
+        self.compile_s = compile_s
+
+    def apply(self, state):
+        self.time.spend(self.compile_s)
+        return super().apply(state)
+
+
+def test_a_closing_comparison_the_budget_left_cannot_hold_is_not_measured_which_the_report_says():
+    """A rung's compile takes most of a 6 s budget after it was begun: the closing finds less left than
+    the final check's fewest blocks. The final check is not measured (said so, the headline then the
+    kept rungs' product) and the trials end near their budget, not a comparison's length past it."""
+    time = VirtualTime(noise=0.005, seed=1)
+    state = timed_state(time, 0.02)
+    rungs = [SlowApplyRung("a", time, 0.02, -0.3, compile_s=4.5)]
+    measure = {**FAST, "trials_budget_s": 6.0, "final_check": True}
+    events: list[str] = []
+    ladder = Ladder(state, rungs, measure, clock=time.clock(), host_clock=time, on_event=events.append)
+    result = ladder.run()
+    budget = result.run["budget"]
+    assert [r.name for r in result.kept] == ["a"]
+    assert result.final_check is None and "the final check" in budget["skipped"], budget
+    assert any("final check: not measured" in e for e in events), events
+    assert result.run["trials_s"] <= budget["budget_s"] + ladder.budget.comparison_s(20.0, 20.0), budget
+
+
 def test_a_spent_budget_shortens_comparisons_and_skips_the_second_look_which_it_says():
     free = _budget_run(None, trials_budget_s=1e9, together_passes=2)
     tight = _budget_run(None, trials_budget_s=2.5, together_passes=2)

@@ -37,6 +37,8 @@ class TrialBudget:
         self.reserve_s = 0.0
         #: the fewest seconds a rung's trial takes (set by :meth:`plan`)
         self.min_trial_s = 0.0
+        #: the comparisons' window length in steps (set by :meth:`plan`)
+        self.window_steps: int | None = None
         #: seconds per phase, in the order first entered
         self.phases: dict[str, float] = {}
         self._phase: str | None = None
@@ -100,8 +102,8 @@ class TrialBudget:
             )
         self.budget_s = size
         step_s = step_ms / 1e3
-        window = window_steps or cfg.steps
-        comparison_s = step_s * (cfg.warmup + 2 * cfg.settle + 4 * cfg.min_blocks * (window + cfg.settle))
+        self.window_steps = window_steps or cfg.steps
+        comparison_s = self.comparison_s(step_ms, step_ms)
         # the profile: a window of the baseline, one per kept rung and the final configuration, each with
         # the profiler's own start and stop (on an H200, 7 windows of a 3 ms step took 8.6 s, not 0.1 s)
         profile_s = PROFILE_WINDOWS * (PROFILE_WINDOW_OVERHEAD_S + (cfg.profile_steps + 1) * step_s) if cfg.profile else 0.0
@@ -114,6 +116,19 @@ class TrialBudget:
             "held_for_closing_s": round(self.reserve_s, 1),
             "skipped": [],
         }
+
+    def comparison_s(self, a_ms: float, b_ms: float) -> float:
+        """Seconds a comparison at the fewest blocks takes between steps of ``a_ms`` and ``b_ms``: its
+        warm-up and settling at the slower, then ``min_blocks`` A B B A blocks of windows (each with its
+        settling steps)."""
+        cfg = self.cfg
+        window = self.window_steps or cfg.steps
+        slower = max(a_ms, b_ms) / 1e3
+        return slower * (cfg.warmup + 2 * cfg.settle) + 2 * cfg.min_blocks * (window + cfg.settle) * (a_ms + b_ms) / 1e3
+
+    def affords(self, seconds: float) -> bool:
+        """Whether what is left of the whole budget holds ``seconds`` more."""
+        return self.remaining() >= seconds
 
     def remaining(self) -> float:
         """Seconds left of the whole budget."""

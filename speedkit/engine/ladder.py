@@ -41,6 +41,7 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -154,6 +155,9 @@ class Ladder:
         #: the user's switches in effect as the floor every other rung is judged on (empty: no floor)
         self.floor: set[str] = set()
         self._floor_row: RungResult | None = None
+        #: the baseline's step and the floor's (the pace the rungs are judged at), in ms: what the closing
+        #: comparisons' cost is estimated from
+        self._steps_ms = (math.nan, math.nan)
         self.stack = Stack(state, self.rungs)
         #: steps of every parity trajectory: the configured ones, or more where a rung needs more to be
         #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
@@ -280,11 +284,13 @@ class Ladder:
                 self._scaling_and_profile(cached=True)
                 return
         pace = base_m  # the step the rungs are judged on: the baseline's, or the floor's
+        self._steps_ms = (base_m.step_ms, base_m.step_ms)
         if self.cfg.switches_floor:
             self.phase = "the floor"
             self._left = len(self.rungs)  # the floor's comparison takes its share of the rungs' time
             self._floor_row, reference, floor_m = switches.apply_floor(self, reference, base_m)
             pace = floor_m or base_m
+            self._steps_ms = (base_m.step_ms, pace.step_ms)
         self.phase = "the diagnosis"
         self.diagnosis = diagnose_baseline(self, pace)
         self.phase = "the plan"
@@ -493,10 +499,19 @@ class Ladder:
         reference = closing_check(self, reference)
         self.phase = "the second look"
         reference = second_look.second_look(self, reference)
+        base_ms, pace_ms = self._steps_ms  # the final configuration's step is at most the floor's (its pace)
         if cfg.switches_floor:
             self.phase = "the switches"
-            switches.confirm_floor(self, self._floor_row)
-        if cfg.final_check and self.slots:
+            if self._closing_affordable("the final configuration against the switches", pace_ms, pace_ms):
+                switches.confirm_floor(self, self._floor_row)
+            elif self._floor_row is not None and any(s.rung.name not in self.floor for s in self.slots):
+                self._floor_row.reason = (
+                    f"{self._floor_row.reason}; the final configuration against them not measured within the "
+                    "budget: the rungs on top stay on their own decided gains"
+                )
+        if cfg.final_check and self.slots and not self._closing_affordable("the final check", base_ms, pace_ms):
+            self.on_event("final check: not measured; the speedup is the product of the kept rungs' paired speedups")
+        elif cfg.final_check and self.slots:
             self.phase = "the final check"
             try:
                 self._final_check()
@@ -506,6 +521,15 @@ class Ladder:
                     "the speedup is the product of the kept rungs' paired speedups"
                 )
         self._scaling_and_profile()
+
+    def _closing_affordable(self, what: str, a_ms: float, b_ms: float) -> bool:
+        """Whether the budget left holds a closing comparison between steps of ``a_ms`` and ``b_ms`` at its
+        fewest blocks; where not, it is skipped and the report says so (the trials end near their budget
+        rather than a comparison's length past it)."""
+        if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or self.budget.affords(self.budget.comparison_s(a_ms, b_ms)):
+            return True
+        self.note_budget(what)
+        return False
 
     def note_budget(self, what: str) -> None:
         assert self.result is not None
