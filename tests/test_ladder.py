@@ -1568,18 +1568,19 @@ def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_o
     from speedkit.engine.second_look import second_look_groups
     from speedkit.results import LadderResult, RungResult
 
-    names = ["bf16", "layout", "fused", "compile", "quiet"]
+    names = ["bf16", "layout", "fused", "compile", "quiet", "hair"]
     rungs = [FlagRung(n, recheck=False) for n in names]
     rungs[0].partners, rungs[1].partners = ("layout",), ("bf16",)
     time = VirtualTime()
     ladder = Ladder(timed_state(time), rungs, FAST, clock=time.clock(), host_clock=time)
     ladder.result = LadderResult(1, None, {}, "cpu", {}, {}, [RungResult(n, "reverted", comparison=object()) for n in names])
-    estimates = {"bf16": 0.93, "layout": 0.97, "fused": 1.03, "compile": 1.13, "quiet": 0.99}
+    # hair leans faster by less than the 1.01x minimum: judged alone, never in the leaning group
+    estimates = {"bf16": 0.93, "layout": 0.97, "fused": 1.03, "compile": 1.13, "quiet": 0.99, "hair": 1.004}
     ladder.last_comparison = {
         n: SimpleNamespace(verdict="slower" if n == "bf16" else "undecided", speedup=e) for n, e in estimates.items()
     }
     order = [[r.name for r in g] for g in second_look_groups(ladder)]
-    assert order == [["bf16", "layout"], ["compile"], ["fused"], ["quiet"], ["layout"], ["bf16"], ["fused", "compile"]]
+    assert order == [["bf16", "layout"], ["compile"], ["fused"], ["hair"], ["quiet"], ["layout"], ["bf16"], ["fused", "compile"]]
 
 
 # -- where the time goes: the profile windows and the attribution ------------------------------------
