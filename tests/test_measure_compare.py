@@ -76,3 +76,21 @@ def test_a_block_that_would_end_past_the_budget_is_not_begun_and_the_final_look_
     # blocks end at 4, 8, ... s; after the 7th (28 s) an 8th would end at 32 s > 30 s
     assert paired.comparison.blocks == 7 and paired.stopped_by_budget and now[0] <= 30.0
     assert paired.design.final > 7 and state["on"] is False
+
+
+def test_an_early_look_under_the_minimum_stops_only_where_its_noise_cannot_hide_the_sized_gain():
+    """Futility at the early look: a mean under the minimum gain stops the comparison where even the
+    optimistic end of its interval is under the gain the comparison is sized for; with noise that
+    could hide that gain it goes on (on a 2-core CPU a 6% gain read 0.996x [0.821, 1.208] at 3 blocks
+    and had stopped there)."""
+    import math
+
+    from speedkit.measure.compare import futile
+    from speedkit.measure.config import MeasureConfig
+
+    rule = MeasureConfig.from_dict({"min_gain": 0.03, "detect_gain": 0.06})
+    quiet = [math.log(x) for x in (0.99, 1.00, 1.01, 0.995)]
+    noisy = [math.log(x) for x in (0.85, 1.20, 0.95)]
+    assert futile(quiet, rule)
+    assert not futile(noisy, rule)
+    assert not futile([math.log(1.04)] * 3, rule)  # past the minimum: never futile
