@@ -1412,6 +1412,8 @@ def test_a_closing_comparison_the_budget_left_cannot_hold_is_not_measured_which_
     budget = result.run["budget"]
     assert [r.name for r in result.kept] == ["a"]
     assert result.final_check is None and "the final check" in budget["skipped"], budget
+    # no floor here (no user's switch among the rungs): no comparison against it to skip, none said skipped
+    assert "the final configuration against the switches" not in budget["skipped"], budget
     assert any("final check: not measured" in e for e in events), events
     assert result.run["trials_s"] <= budget["budget_s"] + ladder.budget.comparison_s(20.0, 20.0), budget
 

@@ -502,24 +502,28 @@ class Ladder:
         base_ms, pace_ms = self._steps_ms  # the final configuration's step is at most the floor's (its pace)
         if cfg.switches_floor:
             self.phase = "the switches"
-            if self._closing_affordable("the final configuration against the switches", pace_ms, pace_ms):
+            # a comparison only where rungs went on top of the floor (confirm_floor says so otherwise)
+            on_top = self._floor_row is not None and self.floor and any(s.rung.name not in self.floor for s in self.slots)
+            if not on_top or self._closing_affordable("the final configuration against the switches", pace_ms, pace_ms):
                 switches.confirm_floor(self, self._floor_row)
-            elif self._floor_row is not None and any(s.rung.name not in self.floor for s in self.slots):
+            else:
+                assert self._floor_row is not None
                 self._floor_row.reason = (
                     f"{self._floor_row.reason}; the final configuration against them not measured within the "
                     "budget: the rungs on top stay on their own decided gains"
                 )
-        if cfg.final_check and self.slots and not self._closing_affordable("the final check", base_ms, pace_ms):
-            self.on_event("final check: not measured; the speedup is the product of the kept rungs' paired speedups")
-        elif cfg.final_check and self.slots:
-            self.phase = "the final check"
-            try:
-                self._final_check()
-            except Exception as exc:  # the rungs were judged already; only the headline figure is missing
-                self.on_event(
-                    f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
-                    "the speedup is the product of the kept rungs' paired speedups"
-                )
+        if cfg.final_check and self.slots:
+            if not self._closing_affordable("the final check", base_ms, pace_ms):
+                self.on_event("final check: not measured; the speedup is the product of the kept rungs' paired speedups")
+            else:
+                self.phase = "the final check"
+                try:
+                    self._final_check()
+                except Exception as exc:  # the rungs were judged already; only the headline figure is missing
+                    self.on_event(
+                        f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
+                        "the speedup is the product of the kept rungs' paired speedups"
+                    )
         self._scaling_and_profile()
 
     def _closing_affordable(self, what: str, a_ms: float, b_ms: float) -> bool:
