@@ -361,7 +361,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 @dataclass
 class Lane:
-    gpu: int
+    gpu: str  # its CUDA_VISIBLE_DEVICES
     cores: list[int]
     label: str
     runs: list[tuple[str, int, bool, str | None]] = field(default_factory=list)  # (model, run, with switches, --cache) to run
@@ -419,8 +419,12 @@ def run_lanes(args: argparse.Namespace, names: list[str]) -> list[dict[str, Any]
     kept_copy = out / "zoo_runs.jsonl"
     blocks = core_blocks(sorted(os.sched_getaffinity(0)), args.lanes)
     where = "CPU lane" if args.tiny else "GPU"
+    # a lane's GPU: the g-th of those this process was given (CUDA_VISIBLE_DEVICES=2,3: lanes on GPUs 2 and 3)
+    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpus = given[: args.lanes] if len(given) >= args.lanes else [str(g) for g in range(args.lanes)]
     lanes = [
-        Lane(g, blocks[g], f"{where} {g} of {count}, cores {span(blocks[g])}, {args.lanes} lanes") for g in range(args.lanes)
+        Lane(gpus[g], blocks[g], f"{where} {gpus[g]} of {count}, cores {span(blocks[g])}, {args.lanes} lanes")
+        for g in range(args.lanes)
     ]
     waiting = list(names)
     start = time.monotonic()
