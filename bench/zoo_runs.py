@@ -230,7 +230,10 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
     if folder is not None and args.cache == "fresh" and variant == "speedkit":  # nothing read: it climbs, then keeps its decision
         shutil.rmtree(folder, ignore_errors=True)
     if variant == "speedkit":
-        on_event = lambda line: print(f"  [{name} run {args.run}] {line}", flush=True)  # noqa: E731
+        began = time.monotonic()
+        on_event = lambda line: print(  # noqa: E731  # seconds since the fit began, of them compiling
+            f"  [{name} run {args.run} {time.monotonic() - began:6.1f}s c{compat.compile_seconds():5.1f}] {line}", flush=True
+        )
         if args.tiny:  # the default ladder on a CPU: compile by Dynamo alone (no C++ code generated), short windows
             rungs = [
                 {"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()

@@ -64,6 +64,18 @@ def graph_count() -> int:
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
 
+def compile_seconds() -> float:
+    """Seconds this process spent compiling so far (Dynamo's own timings,
+    ``torch._dynamo.utils.compilation_time_metrics``: each frame's compile, forward, and each backward
+    compiled on its first call); 0.0 where nothing imported Dynamo or the timings are gone. Cheap."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    metrics = getattr(sys.modules["torch._dynamo.utils"], "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return 0.0
+    return float(sum(sum(metrics.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl")))
+
+
 def _dynamo_limit_name() -> str | None:
     """The name of Dynamo's per-frame entry limit in its config (``recompile_limit``, called
     ``cache_size_limit`` before torch 2.6); None where neither exists."""

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from speedkit import distributed
+from speedkit import compat, distributed
 from speedkit.engine import remedy, second_look, switches
 from speedkit.engine.baseline import diagnose_baseline, measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
@@ -383,7 +383,7 @@ class Ladder:
         names = {r.name for r in self.rungs}
         # the switches that apply on the baseline: asked before the cached rungs go in
         floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
-        t0 = self.host_clock()
+        t0, compiled_before = self.host_clock(), compat.compile_seconds()
         seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, the final check
         try:
             unknown = [n for n in entry.kept if n not in names]
@@ -444,6 +444,7 @@ class Ladder:
                     ),
                 )
             )
+        seconds["compiling"] = round(compat.compile_seconds() - compiled_before, 2)  # within apply, parity and the check
         note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
         self.on_event(
