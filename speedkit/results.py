@@ -47,6 +47,12 @@ class Measurement:
     #: figures above are the slowest rank's, and throughput counts every rank's items
     ranks: list[dict[str, Any]] | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        """A measurement from its fields (``dataclasses.asdict``: a decision cache's entry); unknown keys ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
 
 @dataclass
 class Parity:
@@ -81,6 +87,18 @@ class PairedResult:
     planned_blocks: int | None = None
     #: its final look came before the planned blocks: the next block would have overrun its budget
     stopped_by_budget: bool = False
+    #: where it was measured, when not in this run: the fit that made a cached decision (its key and date)
+    measured_in: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PairedResult:
+        """A paired result from its fields (``dataclasses.asdict``: a decision cache's entry); unknown keys ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in names}
+        for side in ("a", "b"):
+            if isinstance(fields.get(side), dict):
+                fields[side] = Measurement.from_dict(fields[side])
+        return cls(**fields)
 
 
 @dataclass
@@ -198,6 +216,8 @@ class LadderResult:
         check = self.final_check
         if check is not None and check.a is not None and check.b is not None:
             base, final, speedup, source = check.a, check.b, check.speedup, "the final check (interleaved A B B A blocks)"
+            if check.measured_in:
+                source = f"the final check of {check.measured_in} (interleaved A B B A blocks)"
         else:
             base, final = self.baseline.measurement, self.final_measurement
             speedup = self.final.gain_vs_baseline or 1.0

@@ -1418,6 +1418,42 @@ def test_a_closing_comparison_the_budget_left_cannot_hold_is_not_measured_which_
     assert result.run["trials_s"] <= budget["budget_s"] + ladder.budget.comparison_s(20.0, 20.0), budget
 
 
+def test_a_rung_is_not_begun_where_the_budget_left_holds_no_compile_as_long_as_a_trial_took(monkeypatch):
+    """A trial compiled for 3 s (a fake compile cost, counted where Dynamo's timings are read): with 4 s
+    of the rungs' share left, the next rungs, whose fewest steps alone would fit, are not begun (a rung
+    beneath compile is compiled anew), each saying why; with room, they are tried."""
+    from speedkit import compat
+
+    compiled = [0.0]
+    monkeypatch.setattr(compat, "compile_seconds", lambda: compiled[0])
+
+    class CompilingRung(SlowApplyRung):
+        def apply(self, state):
+            compiled[0] += self.compile_s
+            return super().apply(state)
+
+    def run(budget_s):
+        compiled[0] = 0.0
+        time = VirtualTime(noise=0.005, seed=1)
+        rungs = [
+            CompilingRung("a", time, 0.02, -0.3, compile_s=3.0),
+            SpeedRung("b", time, 0.02, -0.2),
+            SpeedRung("c", time, 0.02, -0.2),
+        ]
+        ladder = Ladder(
+            timed_state(time, 0.02), rungs, {**FAST, "trials_budget_s": budget_s}, clock=time.clock(), host_clock=time
+        )
+        return ladder.run()
+
+    tight, roomy = run(10.0), run(14.0)
+    statuses = {r.name: (r.status, r.reason) for r in tight.rungs}
+    assert statuses["a"][0] == "kept"
+    for name in ("b", "c"):
+        assert statuses[name][0] == "skipped" and "hold no trial that compiles as long as one has here (3 s)" in statuses[name][1]
+    assert tight.run["budget"]["skipped"][:2] == ["b", "c"] and tight.run["trials_s"] <= 10.0
+    assert [r.name for r in roomy.kept] == ["a", "b", "c"]
+
+
 def test_a_spent_budget_shortens_comparisons_and_skips_the_second_look_which_it_says():
     free = _budget_run(None, trials_budget_s=1e9, together_passes=2)
     tight = _budget_run(None, trials_budget_s=2.5, together_passes=2)
@@ -1660,7 +1696,7 @@ def test_the_profile_takes_the_prefixes_windows_only_where_the_budget_left_holds
     assert html.escape("not the 2 rungs' prefixes between") in render_html(d, tmp_path)
 
 
-def test_a_cached_decision_profiles_the_baseline_and_the_final_configuration(tmp_path):
+def test_a_cached_decision_is_rechecked_without_timing_the_baseline_or_profiling(tmp_path):
     from speedkit.engine.cache import DecisionCache
 
     cache = DecisionCache(tmp_path)
@@ -1680,9 +1716,21 @@ def test_a_cached_decision_profiles_the_baseline_and_the_final_configuration(tmp
         ladder.revert()
     first, second = results
     assert [w["label"] for w in first.profile["windows"]] == ["baseline", "a", "b", "final"]
-    assert second.run["cache"]["held"] is True and set(second.run["cache"]["seconds"]) == {"apply", "parity", "compiling"}
-    assert [w["label"] for w in second.profile["windows"]] == ["baseline", "final"]
-    assert "a cached decision: each rung's window is in the report of the fit that made it" in second.profile["note"]
+    cache_note = second.run["cache"]
+    assert cache_note["held"] is True and set(cache_note["seconds"]) == {"apply", "parity", "timing", "compiling"}
+    # the re-check calibrates nothing, times the baseline not at all and profiles nothing: its figures
+    # are the earlier fit's, said so, and the final configuration is timed again against them
+    assert second.parity_calibration == first.parity_calibration
+    assert second.baseline.measurement.step_ms == first.baseline.measurement.step_ms
+    assert second.baseline.reason == "measured in the fit that made the cached decision"
+    assert second.final_check.speedup == first.final_check.speedup
+    assert second.final_check.measured_in.startswith(f"the fit that made the cached decision (key {cache_note['key'][:8]}")
+    assert "the final check of the fit that made the cached decision" in second.to_dict()["summary"]["figures_from"]
+    retimed = cache_note["retimed"]
+    assert retimed["holds"] and retimed["step_ms"] == pytest.approx(first.final_check.b.step_ms, rel=0.03)
+    assert second.profile["windows"] == [] and "not profiled: a cached decision" in second.profile["note"]
+    assert set(second.run["budget"]["phases"]) == {"the baseline", "the cache", "the final check"}
+    assert second.run["trials_s"] < 0.3 * first.run["trials_s"]
 
 
 def test_profile_off_leaves_no_profile_and_a_failing_window_never_fails_the_run(monkeypatch):
@@ -1840,6 +1888,64 @@ def test_the_cache_reapplies_a_decision_rechecks_it_and_climbs_again_where_it_do
     assert [r.name for r in third.kept] == [] and [e.kept for e in cache.entries()] == [[]]
     ladder.revert()
     assert cache.clear() == 1 and cache.entries() == []
+
+
+def test_a_cached_decision_slower_than_when_decided_is_timed_against_the_baseline_again(tmp_path):
+    from speedkit.engine.cache import DecisionCache
+
+    cache = DecisionCache(tmp_path)
+
+    def run(x_change):
+        time = VirtualTime(noise=0.005, seed=0)
+        ladder = Ladder(
+            timed_state(time, 0.02),
+            [SpeedRung("x", time, 0.02, x_change)],
+            {**FAST, "switches_floor": False},
+            clock=time.clock(),
+            host_clock=time,
+            cache=cache,
+        )
+        return ladder, ladder.run()
+
+    ladder, first = run(-0.3)
+    ladder.revert()
+    ladder, second = run(-0.2)  # the same decision, 14% slower than when it was decided: re-timed, then paired
+    note = second.run["cache"]
+    assert note["retimed"]["holds"] is False and note["retimed"]["ratio"] == pytest.approx(0.016 / 0.014, rel=0.03)
+    assert note["held"] is True and [r.name for r in second.kept] == ["x"]
+    check = second.final_check  # measured in this fit, against the baseline: not the earlier fit's figure
+    assert check.measured_in is None and check.verdict == "faster" and check.speedup == pytest.approx(1.25, rel=0.03)
+    assert "re-checked together against the baseline" in second.kept[0].reason
+    ladder.revert()
+
+
+def test_the_baseline_is_timed_in_windows_sized_by_time():
+    # a 200 ms step: windows of min_window_steps (3), not `steps` (10): 0.2 s each is what a comparison's window is
+    for base, steps in ((0.2, 3), (0.01, 10)):
+        time = VirtualTime()
+        _, result = _run(timed_state(time, base), [], time, steps=10, window_s=0.2, min_window_steps=3)
+        assert result.baseline.measurement.steps == steps, base
+
+
+def test_a_cached_entry_keeps_its_figures_and_an_entry_of_another_format_is_ignored(tmp_path):
+    from speedkit.engine.cache import CACHE_FORMAT, CachedDecision, DecisionCache
+
+    cache = DecisionCache(tmp_path)
+    entry = CachedDecision(
+        "k1",
+        ["x"],
+        speedup=1.4,
+        calibration={"fp32": {"tolerance": 1e-5, "per_step": [1e-5, 1e-5]}},
+        baseline={"measurement": {"step_ms": 20.0, "spread": float("nan")}, "noise": {"window_steps": 10}},
+        final_check={"speedup": 1.4, "low": 1.3, "high": 1.5, "b": {"step_ms": 14.0}},
+    )
+    cache.store(entry)
+    back = cache.load("k1")
+    assert back is not None and back.calibration == entry.calibration and back.final_check == entry.final_check
+    assert back.baseline["noise"] == {"window_steps": 10} and back.baseline["measurement"]["spread"] != 0.0
+    old = cache.path("k2")
+    old.write_text(json.dumps({**entry.to_dict(), "key": "k2", "format": CACHE_FORMAT - 1}))
+    assert cache.load("k2") is None  # an entry of the format before: climbs again
 
 
 def test_the_cache_key_changes_with_the_model_the_settings_and_the_ladder(tmp_path):

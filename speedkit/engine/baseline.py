@@ -16,6 +16,7 @@ from speedkit import config, distributed
 from speedkit.data.batch import count_items
 from speedkit.data.static import signature
 from speedkit.engine.budget import window_steps
+from speedkit.engine.cache import CachedDecision
 from speedkit.engine.diagnose import Diagnosis, diagnose
 from speedkit.engine.plan import first_configuration, prune
 from speedkit.engine.timing import Timing
@@ -35,10 +36,9 @@ class TrialsNotRun(SpeedkitError):
     was applied, the state is the user's, the message says why."""
 
 
-def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
-    """The baseline: its flops, the measuring session and timing, its parity reference, the parity
-    tolerances of every precision in play, its measurement, the window length and the trials'
-    budget. Returns the reference trajectory and the measurement."""
+def baseline_reference(ladder: Trials) -> list[float]:
+    """The baseline's flops, the measuring session and timing, and its parity reference (the
+    trajectory every rung's numerics are judged against). Returns the reference."""
     state, cfg, result, snapshot = ladder.state, ladder.cfg, ladder.result, ladder.snapshot
     assert result is not None and snapshot is not None
     if state.data is None:
@@ -88,7 +88,7 @@ def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
     )
 
     ladder.on_event("baseline: parity reference")
-    t0 = ladder.host_clock()
+    ladder.baseline_started = ladder.host_clock()
     reference = ladder.parity.reference = ladder.parity.trajectory()
     broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
     if broken is not None:
@@ -96,14 +96,49 @@ def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
             f"the training loss is {reference[broken]} at step {broken + 1} of the baseline, before any "
             "rung: no rung's numerics can be checked against it; fix the model's loss first"
         )
+    return reference
+
+
+def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecision | None = None) -> Measurement:
+    """The parity tolerances of every precision in play, the baseline's measurement, the window length
+    and the trials' budget; returns the measurement.
+
+    ``cached``: a decision cache's entry for this run's key. Its calibration stands for the precisions it
+    holds, and, where it holds the baseline's figures, they stand for the measurement (marked as the
+    earlier fit's): a re-check times the final configuration, not the baseline again.
+
+    The baseline's windows are sized by time as the comparisons' are (at most ``steps`` steps, at least
+    ``min_window_steps``), at the pace of the parity trajectories just run: a 450 ms fp32 step timed in
+    windows of 10 steps had taken 24 s of the trials."""
+    state, cfg, result = ladder.state, ladder.cfg, ladder.result
+    assert result is not None and ladder.timing is not None
+    t0 = ladder.baseline_started
     in_play = {"fp32", state.precision, *(r.precision for r in ladder.rungs if r.precision)}
-    ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(sorted(in_play))})")
-    for precision in sorted(in_play, key=config.PRECISION_ORDER.index):
+    stored = dict((cached.calibration or {}) if cached is not None else {})
+    for precision in in_play & set(stored):
+        ladder.parity.calibration[precision] = stored[precision]
+    todo = sorted(in_play - set(stored), key=config.PRECISION_ORDER.index)
+    if todo:
+        ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(todo)})")
+    if stored and in_play & set(stored):
+        ladder.on_event(f"baseline: parity tolerances of the cached decision's fit ({', '.join(sorted(in_play & set(stored)))})")
+    for precision in todo:
         ladder.parity.tolerance(precision)
-    ladder.on_event("baseline: measuring")
-    with distributed.together():
-        base_m = ladder.timing.alone()
-    noise = result.run["noise"] = window_steps(base_m, cfg, ladder.clock.name)
+    # the parity steps run since the reference began: its own, and each calibrated precision's seeds' trajectories
+    steps_run = len(reference) * (1 + len(todo) * int(config.parity_calibration().get("seeds", 1)))
+    figures = (cached.baseline or {}) if cached is not None else {}
+    if figures.get("measurement"):
+        base_m = Measurement.from_dict(figures["measurement"])
+        noise = dict(figures.get("noise") or window_steps(base_m, cfg, ladder.clock.name))
+        measured_in = "the fit that made the cached decision"
+    else:
+        steps = baseline_window_steps(ladder, t0, steps_run)
+        ladder.on_event("baseline: measuring")
+        with distributed.together():
+            base_m = ladder.timing.alone(steps)
+        noise = window_steps(base_m, cfg, ladder.clock.name)
+        measured_in = None
+    result.run["noise"] = noise
     ladder.timing.window_steps = noise["window_steps"]
     # one block's log gain varies as one window's mean does (its four windows' logs, halved): the
     # baseline's spread is the noise each comparison's design is sized for (at least half a percent:
@@ -112,11 +147,14 @@ def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
     ladder.on_event(
         f"baseline: {base_m.step_ms:.1f} ms per step, windows vary by {noise['baseline_spread']:.1%} "
         f"({noise['source']}); comparisons time windows of {noise['window_steps']} steps (~{noise['window_s']:.2f} s)"
+        + (f" (as measured in {measured_in})" if measured_in else "")
     )
     result.run["budget"] = ladder.budget.plan(
         base_m, ladder.planned_steps, noise["window_steps"], ladder.parity.steps * state.step.accumulate
     )
-    result.rungs.append(
+    result.rungs = [r for r in result.rungs if r.status != "baseline"]  # measured again after a re-check that failed
+    result.rungs.insert(
+        0,
         RungResult(
             "baseline",
             "baseline",
@@ -126,9 +164,22 @@ def measure_baseline(ladder: Trials) -> tuple[list[float], Measurement]:
             gain_vs_previous=1.0,
             gain_vs_baseline=1.0,
             seconds=ladder.host_clock() - t0,
-        )
+            reason=f"measured in {measured_in}" if measured_in else None,
+        ),
     )
-    return reference, base_m
+    return base_m
+
+
+def baseline_window_steps(ladder: Trials, started: float, steps_run: int) -> int:
+    """Steps per window of the baseline's measurement: ``window_s`` at the pace of the ``steps_run``
+    parity steps run since ``started`` (an upper bound on the step time: their first steps include
+    first calls), between ``min_window_steps`` and ``steps``."""
+    cfg = ladder.cfg
+    elapsed = ladder.host_clock() - started
+    if steps_run <= 0 or elapsed <= 0:
+        return cfg.steps
+    pace_s = elapsed / steps_run
+    return max(min(cfg.min_window_steps, cfg.steps), min(cfg.steps, math.ceil(cfg.window_s / pace_s)))
 
 
 def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 #: the entry's format; an entry of another is ignored (climbs again)
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def default_cache_dir() -> Path:
@@ -98,6 +98,14 @@ class CachedDecision:
     trials_s: float | None = None  # what the climb that decided it took
     created: float = 0.0  # time.time() when stored
     speedkit: str | None = None
+    #: the parity calibration per precision (:meth:`speedkit.engine.parity.ParityCheck.tolerance`): a
+    #: re-check judges the decision against the envelopes the climb calibrated, not calibrating again
+    calibration: dict[str, Any] | None = None
+    #: the baseline's measurement (a Measurement's fields) and the comparisons' window length and noise
+    baseline: dict[str, Any] | None = None
+    #: the final check (a PairedResult's fields, its A and B windows among them): the headline a re-check
+    #: reports, and the final configuration's step time it re-times
+    final_check: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CACHE_FORMAT, **dataclasses.asdict(self)}
@@ -116,9 +124,17 @@ class CachedDecision:
                 trials_s=None if data.get("trials_s") is None else float(data["trials_s"]),
                 created=float(data.get("created") or 0.0),
                 speedkit=data.get("speedkit"),
+                calibration=_mapping(data.get("calibration")),
+                baseline=_mapping(data.get("baseline")),
+                final_check=_mapping(data.get("final_check")),
             )
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def _mapping(value: Any) -> dict[str, Any] | None:
+    """``value`` where it is a JSON object, else None (an entry's optional figures)."""
+    return dict(value) if isinstance(value, dict) else None
 
 
 class DecisionCache:
@@ -150,7 +166,7 @@ class DecisionCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(entry.key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry.to_dict(), indent=1))
+        tmp.write_text(json.dumps(entry.to_dict(), indent=1, default=str))  # NaN as JSON's NaN: read back as such
         os.replace(tmp, path)
         return path
 

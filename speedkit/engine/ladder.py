@@ -52,7 +52,7 @@ import torch
 
 from speedkit import compat, distributed
 from speedkit.engine import remedy, second_look, switches
-from speedkit.engine.baseline import diagnose_baseline, measure_baseline, trial_order
+from speedkit.engine.baseline import baseline_reference, diagnose_baseline, measure_baseline, trial_order
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.cache import CachedDecision, DecisionCache, batch_signature_of, decision_key, key_parts
 from speedkit.engine.closing_check import closing_check
@@ -175,6 +175,10 @@ class Ladder:
         self._left = 0  # rungs not yet tried in the climb
         #: what sets the baseline step's pace (None before the trials diagnosed it)
         self.diagnosis: Diagnosis | None = None
+        #: host clock when the baseline's parity reference began (the baseline's time counts from it)
+        self.baseline_started = 0.0
+        #: the most seconds one rung's trial has spent compiling (0.0: none has compiled)
+        self._trial_compile_s = 0.0
         #: each rung's latest comparison alone (its climb's, or a second look's)
         self.last_comparison: dict[str, PairedResult] = {}
         #: (rungs, kept rungs) configurations a second look or closing check has judged already
@@ -277,12 +281,18 @@ class Ladder:
         """The baseline, every rung in the trials' order, then the closing phases."""
         result = self.result
         assert result is not None
-        reference, base_m = measure_baseline(self)
-        if self.cache is not None:
+        reference = baseline_reference(self)
+        entry = self._cached_entry() if self.cache is not None else None
+        base_m = measure_baseline(self, reference, entry)
+        if entry is not None:
             self.phase = "the cache"
-            if self._from_cache():
+            if self._from_cache(entry):
                 self._scaling_and_profile(cached=True)
                 return
+            if entry.baseline or entry.calibration:  # the earlier fit's stood for the baseline's: the climb's own
+                self.parity.calibration.clear()
+                self.phase = "the baseline"
+                base_m = measure_baseline(self, reference)
         pace = base_m  # the step the rungs are judged on: the baseline's, or the floor's
         self._steps_ms = (base_m.step_ms, base_m.step_ms)
         if self.cfg.switches_floor:
@@ -321,14 +331,18 @@ class Ladder:
             self.on_progress(i - 1, len(order), rung.name)
             # the bottleneck's own remedy is tried whatever the budget: on a data-bound step it is what pays
             # (on an H200 a ResNet-18 waiting 93% of its step skipped data_path in one run of two, 13.3x in the other)
-            if self.budget.spent() and rung.name not in self.remedy:
+            why_not = self._no_room_for(rung) if rung.name not in self.remedy else None
+            if why_not is not None:
                 entry = RungResult(rung.name, "skipped", options=rung.options_dict(), precision=self.state.precision)
-                entry.reason = f"not tried: the trials' time budget ({self.budget.budget_s:.0f} s) was spent"
+                entry.reason = f"not tried: {why_not}"
                 result.rungs.append(entry)
                 result.run["budget"]["skipped"].append(rung.name)
                 self.on_event(f"[{i}/{len(self.rungs)}] {rung.name}: {entry.reason}")
                 continue
+            compiled_before = compat.compile_seconds()
             entry, losses = self._try(rung, reference, chain)
+            if compat.compile_seconds() - compiled_before > 1.0:  # the most a trial has spent compiling
+                self._trial_compile_s = max(self._trial_compile_s, compat.compile_seconds() - compiled_before)
             result.rungs.append(entry)
             if entry.status == "kept":
                 reference = losses
@@ -362,21 +376,51 @@ class Ladder:
         )
         return decision_key(parts)
 
-    def _from_cache(self) -> bool:
-        """Re-check the decision the cache holds for this run's key, where it holds one: its kept rungs
-        applied together, their parity against the baseline, then the final check against the baseline
-        (not decided under the minimum gain; the user's switches alone, the floor, not decided slower; or
-        no rung kept). Returns whether it held; where it did not, everything is
-        undone, the entry forgotten, and the trials climb as without a cache (the report says why)."""
-        assert self.cache is not None and self.result is not None and self.timing is not None
-        result = self.result
+    def _no_room_for(self, rung: Rung) -> str | None:
+        """Why ``rung`` is not begun (None: it is): the rungs' share of the budget is spent, or, where a
+        trial has compiled before, what is left of it does not hold the fewest steps of a trial together
+        with as long a compile as a trial has taken (a rung beneath compile is compiled anew, charged to
+        the budget, never timed: on an H200 one such trial compiled for 66 s past the budget's end). A rung
+        that does not apply is let through, to say why."""
+        budget = self.budget
+        if budget.spent():
+            return f"the trials' time budget ({budget.budget_s:.0f} s) was spent"
+        if self._trial_compile_s <= 0 or budget.left_for_rungs() >= budget.min_trial_s + self._trial_compile_s:
+            return None
+        try:
+            if agreed_check(rung, self.state) is not None:
+                return None
+        except Exception:
+            return None
+        return (
+            f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial that compiles "
+            f"as long as one has here ({self._trial_compile_s:.0f} s)"
+        )
+
+    def _cached_entry(self) -> CachedDecision | None:
+        """The decision the cache holds for this run's key (None: none; the note says so)."""
+        assert self.cache is not None and self.result is not None
         key = self.cache_key = self._decision_key()
         entry = distributed.broadcast(self.cache.load(key) if distributed.rank() == 0 else None)
-        note: dict[str, Any] = {"key": key, "dir": str(self.cache.root), "hit": entry is not None, "held": None}
-        result.run["cache"] = note
+        self.result.run["cache"] = {"key": key, "dir": str(self.cache.root), "hit": entry is not None, "held": None}
         if entry is None:
             self.on_event(f"cache: no decision for this model and settings (key {key[:8]}): climbing")
-            return False
+        return entry
+
+    def _from_cache(self, entry: CachedDecision) -> bool:
+        """Re-check ``entry``, the decision the cache holds for this run's key: its kept rungs applied
+        together, their parity against the baseline (within the envelopes the climb calibrated), then
+        the final configuration timed alone against its step time in the final check of the fit that
+        made the decision. Within that figure's noise (at least ``cache_slack``), the decision holds with
+        that final check as its headline; slower, the final configuration is timed against the baseline
+        again, paired, and the decision holds unless shown not to pay (under the minimum gain; the user's
+        switches alone, the floor, unless shown slower than the baseline). Where the entry holds no
+        final check, the paired check is the re-check. Returns whether it held; where it did not,
+        everything is undone, the entry forgotten, and the trials climb as without a cache (the report
+        says why)."""
+        assert self.cache is not None and self.result is not None and self.timing is not None
+        result, key = self.result, entry.key
+        note = result.run["cache"]
         self.on_event(
             f"cache: re-checking the decision of an earlier fit (key {key[:8]}): {', '.join(entry.kept) or 'none kept'}"
         )
@@ -384,7 +428,7 @@ class Ladder:
         # the switches that apply on the baseline: asked before the cached rungs go in
         floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
         t0, compiled_before = self.host_clock(), compat.compile_seconds()
-        seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, the final check
+        seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, timing
         try:
             unknown = [n for n in entry.kept if n not in names]
             if unknown:
@@ -397,25 +441,35 @@ class Ladder:
             parity = None
             if n:
                 t0 = self.host_clock()
-                _, parity = self.parity.of([True] * n, [False] * n, self.parity.reference)
+                # its own trajectory is not needed: where dropout draws differently it is judged with dropout off
+                _, parity = self.parity.of([True] * n, [False] * n, self.parity.reference, own_trajectory=False)
                 seconds["parity"] = round(self.host_clock() - t0, 2)  # its first steps compile and capture
                 if not parity.passed:
                     raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
                 problem = next((p for p in (agreed_problem(s.handle) for s in self.slots) if p), None)
                 if problem:
                     raise RungProblem(problem)
+                t0 = self.host_clock()
                 self.phase = "the final check"
-                self._final_check()
-                check = result.final_check
-                # a decision with rungs beyond the user's switches holds unless shown not to pay (under the
-                # minimum gain); one that is the switches alone, unless shown slower than the baseline (it
-                # is the floor, tie or not: climbing again would end on it again)
-                if check is None:
-                    raise RungProblem("re-checked against the baseline: not measured")
-                if check.verdict == "not_faster" and (not floor_only or check.high < 1.0):
-                    raise RungProblem(
-                        f"re-checked against the baseline: {describe(check)}, " + ("slower" if floor_only else "not faster")
-                    )
+                decided = PairedResult.from_dict(entry.final_check) if entry.final_check else None
+                if decided is not None and decided.b is not None and not self._retimed_holds(decided, note):
+                    decided = None
+                if decided is not None:
+                    decided.measured_in = f"the fit that made the cached decision (key {key[:8]}, {_date(entry.created)})"
+                    result.final_check = decided
+                else:
+                    self._final_check()
+                    check = result.final_check
+                    # a decision with rungs beyond the user's switches holds unless shown not to pay (under
+                    # the minimum gain); one that is the switches alone, unless shown slower than the
+                    # baseline (it is the floor, tie or not: climbing again would end on it again)
+                    if check is None:
+                        raise RungProblem("re-checked against the baseline: not measured")
+                    if check.verdict == "not_faster" and (not floor_only or check.high < 1.0):
+                        raise RungProblem(
+                            f"re-checked against the baseline: {describe(check)}, " + ("slower" if floor_only else "not faster")
+                        )
+                seconds["timing"] = round(self.host_clock() - t0, 2)
         except Exception as exc:
             self.stack.undo_all()
             self.snapshot.restore()
@@ -440,11 +494,16 @@ class Ladder:
                     parity=parity,
                     reason=(
                         f"from the decision cache (key {key[:8]}), kept with {', '.join(group)} in an earlier fit"
-                        + (f"; re-checked together against the baseline: {describe(check)}" if check is not None else "")
+                        + (
+                            f"; {'its final check' if check.measured_in else 're-checked together against the baseline'}: "
+                            f"{describe(check)}"
+                            if check is not None
+                            else ""
+                        )
                     ),
                 )
             )
-        seconds["compiling"] = round(compat.compile_seconds() - compiled_before, 2)  # within apply, parity and the check
+        seconds["compiling"] = round(compat.compile_seconds() - compiled_before, 2)  # within apply, parity and timing
         note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
         self.on_event(
@@ -452,21 +511,58 @@ class Ladder:
         )
         return True
 
+    def _retimed_holds(self, decided: PairedResult, note: dict[str, Any]) -> bool:
+        """The final configuration timed alone (``repeats`` windows of the comparisons' length) against its
+        step time in ``decided``, the final check of the fit that made the cached decision: whether it is
+        no slower than that by more than the two figures' noise (three times the larger spread, at least
+        ``cache_slack``). Recorded in ``note["retimed"]``."""
+        assert self.timing is not None and decided.b is not None
+        cfg = self.cfg
+        with distributed.together():
+            now = self.timing.alone(self.timing.window_steps, cfg.repeats)
+        then = decided.b
+        spreads = [x for x in (now.spread, then.spread) if math.isfinite(x)]
+        slack = max(cfg.cache_slack, 3 * max(spreads, default=0.0))
+        ratio = now.step_ms / then.step_ms if then.step_ms > 0 else math.inf
+        holds = ratio <= 1 + slack
+        note["retimed"] = {
+            "step_ms": now.step_ms,
+            "spread": now.spread,
+            "decided_step_ms": then.step_ms,
+            "ratio": ratio,
+            "slack": slack,
+            "holds": holds,
+        }
+        self.on_event(
+            f"cache: the final configuration at {now.step_ms:.2f} ms per step, {ratio:.3f}x its {then.step_ms:.2f} when decided "
+            f"(within {slack:.1%}: " + ("holds)" if holds else "slower: timed against the baseline again)")
+        )
+        return holds
+
     def _scaling_and_profile(self, cached: bool = False) -> None:
-        """The last closing phases, after a climb or a cached decision that held (``cached``: the
-        baseline's and the final configuration's profile alone): the scaling across ranks and the
-        profile (within what the budget left)."""
+        """The last closing phases, after a climb or a cached decision that held: the scaling across
+        ranks and the profile (within what the budget left; ``cached``: none, a re-check takes seconds,
+        and where the time goes was profiled by the fit that made the decision)."""
         if self.state.step.world_size() > 1:
             self.phase = "the scaling"
             self._scaling()
-        if self.cfg.profile:
-            self.phase = "the profile"
-            if self.budget.remaining() > 0:
-                profile_configurations(
-                    self, "a cached decision: each rung's window is in the report of the fit that made it" if cached else None
-                )
-            else:
-                self.note_budget("the profile")
+        if not self.cfg.profile:
+            return
+        if cached:
+            assert self.result is not None
+            note = self.result.run.get("cache") or {}
+            self.result.profile = {
+                "windows": [],
+                "host_syncs": {},
+                "note": "not profiled: a cached decision re-checked in seconds; where the time goes before and after "
+                f"is in the report of the fit that made it (key {str(note.get('key', ''))[:8]})",
+            }
+            return
+        self.phase = "the profile"
+        if self.budget.remaining() > 0:
+            profile_configurations(self)
+        else:
+            self.note_budget("the profile")
 
     def _store_decision(self) -> None:
         """Keep the decision the climb made (rank 0 writes; a failure to write is a line, never the run's)."""
@@ -477,13 +573,19 @@ class Ladder:
             return
         assert self.result is not None
         versus = self.result.vs_switches()
+        check, baseline = self.result.final_check, self.result.baseline
         entry = CachedDecision(
             key=self.cache_key,
             kept=[s.rung.name for s in self.slots],
-            speedup=self.result.final_check.speedup if self.result.final_check is not None else None,
+            speedup=check.speedup if check is not None else None,
             vs_switches=versus[0] if versus else None,
             trials_s=trials_s,
             speedkit=self.result.environment.get("speedkit"),
+            calibration={p: dict(c) for p, c in self.parity.calibration.items()},
+            baseline={"measurement": asdict(baseline.measurement), "noise": dict(self.result.run.get("noise") or {})}
+            if baseline is not None and baseline.measurement is not None
+            else None,
+            final_check=asdict(check) if check is not None and check.b is not None else None,
         )
         try:
             path = self.cache.store(entry)
@@ -783,3 +885,8 @@ class Ladder:
         finally:
             self.stack.configure([True] * n)
             self.snapshot.restore()
+
+
+def _date(created: float) -> str:
+    """When a cached decision was stored, for the report ("an unknown date" where not recorded)."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else "an unknown date"

@@ -144,15 +144,21 @@ class ParityCheck:
             with distributed.together(), self.state.step.guarded():
                 self._step(i % self.steps)
 
-    def of(self, on: list[bool], off: list[bool], reference: list[float]) -> tuple[list[float], Parity]:
+    def of(
+        self, on: list[bool], off: list[bool], reference: list[float], own_trajectory: bool = True
+    ) -> tuple[list[float], Parity]:
         """The configuration ``on`` (switched to, and left on) judged against ``reference``, the
         trajectory of the configuration ``off``; returns its own trajectory and the parity. Where a
         rung on in it draws its dropout masks from another stream (compile, a fused attention), both
-        configurations are run again with dropout off and judged on those."""
+        configurations are run again with dropout off and judged on those; then its own trajectory
+        (dropout on) is run only where ``own_trajectory`` asks for it (else the list returned is empty:
+        a cached decision's re-check needs the judgement alone, not a compile of the graph with dropout on)."""
         self.stack.configure(on)
-        losses = self.trajectory()
-        if not (any(s.on and s.handle.draws_differently for s in self.stack.slots) and active_dropouts(self.state.model)):
+        drawing = any(s.on and s.handle.draws_differently for s in self.stack.slots) and active_dropouts(self.state.model)
+        if not drawing:
+            losses = self.trajectory()
             return losses, self.judge(losses, reference)
+        losses = self.trajectory() if own_trajectory else []
         with dropout_off(self.state.model):
             candidate = self.trajectory()
             self.stack.configure(off)
@@ -177,12 +183,16 @@ class ParityCheck:
 
     def at_full_precision(self, place: int) -> Parity | None:
         """The parity of the candidate at ``place`` with the kept precision rungs switched off (None
-        when none is on): a rewrite of the model's code is the same function at any precision, and
-        only at the precision the run started in is the envelope narrow enough to show a defect
-        smaller than bf16's rounding (a dropped attention scale, a wrong gradient)."""
-        precise = [s.rung.precision is None or i == place for i, s in enumerate(self.stack.slots)]
-        if all(precise):
+        when none is on), and those that compile or replay the step (``off_at_full_precision``): a
+        rewrite of the model's code is the same function at any precision, and only at the precision
+        the run started in is the envelope narrow enough to show a defect smaller than bf16's rounding
+        (a dropped attention scale, a wrong gradient)."""
+        slots = self.stack.slots
+        if all(s.rung.precision is None for i, s in enumerate(slots) if i != place):
             return None
+        # the precision rungs off, and those that only compile or replay the arithmetic (each configuration
+        # of this check would be compiled anew): the rewrite judged on its arithmetic alone, in eager
+        precise = [i == place or (s.rung.precision is None and not s.rung.off_at_full_precision) for i, s in enumerate(slots)]
         dropout = self.draws_differently(place, precise)
         try:
             with dropout_off(self.state.model) if dropout else contextlib.nullcontext():

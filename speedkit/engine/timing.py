@@ -92,11 +92,12 @@ class Timing:
         source = self.source_iterator()
         return [next(source) for _ in range(self.window_steps * self.state.step.accumulate)]
 
-    def alone(self) -> Measurement:
-        """The configuration in effect, measured on its own (the baseline)."""
+    def alone(self, steps: int | None = None, repeats: int | None = None) -> Measurement:
+        """The configuration in effect, measured on its own (the baseline; a cached decision's final
+        configuration): ``repeats`` windows of ``steps`` steps (default: the configured ones)."""
         cfg = self.cfg
         self.snapshot.restore(rng=False)
-        return self.session.measure(self.runner(), warmup=cfg.warmup, steps=cfg.steps, repeats=cfg.repeats)
+        return self.session.measure(self.runner(), warmup=cfg.warmup, steps=steps or cfg.steps, repeats=repeats or cfg.repeats)
 
     def compare(
         self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float], shared_batches: bool = True

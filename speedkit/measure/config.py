@@ -88,6 +88,9 @@ class MeasureConfig:
     times the baseline's step time) ..."""
     trials_min_s: float = field(metadata=_range(0.0))
     """... but never under this many seconds (:meth:`speedkit.engine.budget.TrialBudget.plan`)."""
+    cache_slack: float = field(metadata=_range(0.0))
+    """A cached decision holds where its final configuration, timed again, is no slower than in the
+    final check that decided it by more than this share (or three times the larger spread)."""
     holds_windows: int = field(metadata=_range(0))
     """Windows of the fit's own steps timed after the trials (the figure that holds; 0: none)."""
     holds_threshold: float = field(metadata=_range(0.0, above=True))

@@ -72,6 +72,11 @@ class Rung:
     #: with the kept precision rungs off, where the envelope is narrow enough to show a defect that
     #: bf16's rounding would hide
     judged_at_full_precision: ClassVar[bool] = False
+    #: it runs the model's own arithmetic another way, compiled or replayed (compile, a CUDA graph), and
+    #: builds it again for every configuration: switched off while a rewrite is judged at full
+    #: precision, which needs the rewrite's arithmetic alone (beneath compile on an H200 each
+    #: configuration of that check had compiled anew, 20 s a graph for a Llama-class LM)
+    off_at_full_precision: ClassVar[bool] = False
     #: it can change the step's speed only by changing its arithmetic (a precision: tf32, autocast): with
     #: a loss trajectory bit-identical to the one without it, no op ran at its precision, so it is
     #: reverted as inert without timing it (a comparison would time noise: on a 2-core CPU it "kept"

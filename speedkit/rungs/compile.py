@@ -457,6 +457,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
 
 class CompileRung(Rung):
     name = "compile"
+    off_at_full_precision = True  # a rewrite is judged at full precision on its arithmetic alone
     # Inductor fuses elementwise ops, norms, a loss computed in the compiled forward and the copies between
     # them; fewer kernels and no Python per op on the host; fused kernels keep fewer activations
     targets = ("elementwise", "normalization", "loss", "memcpy", "host", "memory")

@@ -79,6 +79,7 @@ class CudaGraphOptions:
 
 class CudaGraphRung(Rung):
     name = "cuda_graph"
+    off_at_full_precision = True  # a rewrite is judged at full precision on its arithmetic alone
     # one launch per step: the host's issuing and the syncs' round trips go (the device's work is the same)
     targets = ("host", "syncs")
     # a step with a host sync cannot be captured (explicit_mask, async_progress_bar remove the two found
