@@ -499,7 +499,8 @@ def run_lanes(args: argparse.Namespace, names: list[str]) -> list[dict[str, Any]
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per model: speedkit's figure and kept set in every run, the trials' time, and speedkit against
+    """Per model: speedkit's figure and kept set in every run (the climbs' sets compared, then the cached
+    runs' against them), the trials' time, and speedkit against
     the switches (the median of the switches runs); a ratio marked ``c`` is a cached run's, ``!`` one
     whose window compiled (``*`` after the model: a switches window did)."""
     lines = ["model                   runs  same kept  trials s (median/max)  speedkit / switches (per run)  kept"]
@@ -508,7 +509,9 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         speedkit = sorted((r for r in mine if r["variant"] == "speedkit"), key=lambda r: r["run"])
         switches = [r["value"] for r in mine if r["variant"] == "switches"]
         failed = [f"{r['variant']} run {r['run']}: {r['unit']}" for r in rows if r["model"] == model and r["metric"] == "status"]
-        kept = {tuple(r["kept"] or ()) for r in speedkit}
+        # the climbs' kept sets (order aside: a cached decision is applied in the ladder's order), then the cached runs'
+        kept = {tuple(sorted(r["kept"] or ())) for r in speedkit if not r.get("cached")}
+        cached = {tuple(sorted(r["kept"] or ())) for r in speedkit if r.get("cached")}
         trials = [r["trials_s"] for r in speedkit if r.get("trials_s") is not None]
         base = statistics.median(switches) if switches else None
         ratios = (
@@ -523,6 +526,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             f"{model + '*' * compiled:22s} {len(speedkit):5d}  {'yes' if len(kept) == 1 else f'no ({len(kept)})' if kept else '-':9s}  "
             f"{(f'{statistics.median(trials):.0f} / {max(trials):.0f}' if trials else '-'):21s}  {ratios:29s}  "
             + " | ".join(", ".join(k) or "none" for k in kept)
+            + (
+                f"  (cached: {'the same' if cached <= kept else ' | '.join(', '.join(k) or 'none' for k in cached)})"
+                if cached
+                else ""
+            )
             + (f"  [{'; '.join(failed)}]" if failed else "")
         )
     return lines

@@ -1948,6 +1948,54 @@ def test_a_cached_entry_keeps_its_figures_and_an_entry_of_another_format_is_igno
     assert cache.load("k2") is None  # an entry of the format before: climbs again
 
 
+class LogStep(StepWrapper):
+    """Logs the marks set on ``flags`` in each step: the rungs in effect."""
+
+    def __init__(self, inner, flags, log):
+        super().__init__(inner)
+        self.flags, self.log = flags, log
+
+    def __call__(self, batches, batch_idx):
+        self.log.append(frozenset(n for n in vars(self.flags) if getattr(self.flags, n)))
+        return self.inner(batches, batch_idx)
+
+
+class MarkRung(Rung):
+    """Sets its mark on ``flags`` while on (switched off and on by the stack, as any attribute change)."""
+
+    def __init__(self, name, flags, precision=None, **rung_flags):
+        super().__init__()
+        self.name, self.flags, self.precision = name, flags, precision
+        for flag, value in rung_flags.items():
+            setattr(self, flag, value)
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        set_attr(handle, self.flags, self.name, True, f"{self.name} marks its steps")
+        return handle
+
+
+def test_a_rewrite_is_judged_at_full_precision_with_the_rungs_that_compile_or_capture_off(monkeypatch):
+    """Beneath compile each configuration of the full-precision check compiled anew (on an H200, 20 s a
+    graph): the check runs the rewrite's arithmetic alone, the precision rungs and those that compile
+    or replay the step (``off_at_full_precision``) off, with the rewrite on, then off."""
+    monkeypatch.setattr(Ladder, "decide", lambda self, paired, memory_comparable=True: ("kept", "kept by the test"))
+    time, flags, log = VirtualTime(), SimpleNamespace(), []
+    state = timed_state(time)
+    state.step = LogStep(state.step, flags, log)
+    rungs = [
+        MarkRung("p", flags, precision="bf16"),
+        MarkRung("g", flags, off_at_full_precision=True),
+        MarkRung("w", flags, judged_at_full_precision=True),
+    ]
+    _, result = _run(state, rungs, time, switches_floor=False)
+    assert [r.name for r in result.kept] == ["p", "g", "w"]
+    full_precision = [marks for marks in log if "w" in marks and "p" not in marks]
+    assert full_precision and all("g" not in marks for marks in full_precision), set(log)
+    assert {"p", "g", "w"} in log  # judged at its precision with all on
+    assert any("also judged with the precision rungs off" in c for c in result.kept[2].changes)
+
+
 def test_the_cache_key_changes_with_the_model_the_settings_and_the_ladder(tmp_path):
     from torch import nn
 

@@ -515,14 +515,15 @@ class Ladder:
         """The final configuration timed alone (``repeats`` windows of the comparisons' length) against its
         step time in ``decided``, the final check of the fit that made the cached decision: whether it is
         no slower than that by more than the two figures' noise (three times the larger spread, at least
-        ``cache_slack``). Recorded in ``note["retimed"]``."""
+        ``cache_slack``, at most half: slower, the paired check decides). Recorded in ``note["retimed"]``."""
         assert self.timing is not None and decided.b is not None
         cfg = self.cfg
         with distributed.together():
             now = self.timing.alone(self.timing.window_steps, cfg.repeats)
         then = decided.b
         spreads = [x for x in (now.spread, then.spread) if math.isfinite(x)]
-        slack = max(cfg.cache_slack, 3 * max(spreads, default=0.0))
+        # a noisy host widens it, up to half the step: beyond that only a paired comparison can tell
+        slack = max(cfg.cache_slack, min(0.5, 3 * max(spreads, default=0.0)))
         ratio = now.step_ms / then.step_ms if then.step_ms > 0 else math.inf
         holds = ratio <= 1 + slack
         note["retimed"] = {
