@@ -2196,3 +2196,36 @@ def test_on_a_data_bound_step_the_switches_are_the_floor_untimed(monkeypatch):
     assert entry.status == "kept" and entry.comparison is None and "one of the user's switches" in entry.reason
     assert "data_path" in [s.rung.name for s in ladder.slots]
     json.dumps(result.to_dict())
+
+
+def test_beneath_compile_the_rungs_that_compile_anew_are_tried_after_those_that_do_not():
+    """On an H200 GPT-2 diagnosed device-bound spent its budget compiling two kernel rewrites and never
+    tried the progress bar's sync or a CUDA graph, which another run, diagnosed host-bound, kept: where
+    compile is in effect, what costs a compile goes after what costs seconds, each part in its order."""
+    from speedkit.engine.baseline import _cheap_first
+
+    class Cheap(Rung):
+        pass
+
+    class Costly(Rung):
+        recompiles = True
+
+    order = []
+    for name, kind in (("kernel", Costly), ("fused", Cheap), ("rewrite", Costly), ("sync", Cheap)):
+        rung = kind()
+        rung.name = name
+        order.append(rung)
+    events: list[str] = []
+    ladder = SimpleNamespace(
+        floor={"tf32", "autocast", "compile"}, state=SimpleNamespace(model=nn.Linear(2, 2)), on_event=events.append
+    )
+    assert [r.name for r in _cheap_first(ladder, order)] == ["fused", "sync", "kernel", "rewrite"]
+    assert events == ["plan: beneath compile, kernel, rewrite (each compiled anew) after fused, sync"]
+    eager = SimpleNamespace(floor={"tf32"}, state=SimpleNamespace(model=nn.Linear(2, 2)), on_event=events.append)
+    assert _cheap_first(eager, order) == order  # nothing compiles: the order stands
+    from speedkit.config import default_ladder
+    from speedkit.rungs import make as get_rung
+
+    recompiling = {name for name in default_ladder() if get_rung(name).recompiles}
+    assert {"sdpa", "batched", "triton_layers", "aligned_linear", "explicit_mask", "channels_last"} <= recompiling
+    assert not recompiling & {"fused_optimizer", "async_progress_bar", "cuda_graph", "gc_freeze", "data_path", "cudnn_benchmark"}

@@ -331,7 +331,9 @@ class Ladder:
             self.on_progress(i - 1, len(order), rung.name)
             # the bottleneck's own remedy is tried whatever the budget: on a data-bound step it is what pays
             # (on an H200 a ResNet-18 waiting 93% of its step skipped data_path in one run of two, 13.3x in the other)
-            why_not = self._no_room_for(rung) if rung.name not in self.remedy else None
+            # (a device-bound step's "remedy", the kernel rungs on its top categories, is no such bundle: budgeted)
+            whatever = rung.name in self.remedy and (self.diagnosis is None or self.diagnosis.kind != "device-bound")
+            why_not = None if whatever else self._no_room_for(rung)
             if why_not is not None:
                 entry = RungResult(rung.name, "skipped", options=rung.options_dict(), precision=self.state.precision)
                 entry.reason = f"not tried: {why_not}"

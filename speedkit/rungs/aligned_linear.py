@@ -73,6 +73,7 @@ def misaligned_linears(model: nn.Module, options: AlignedLinearOptions) -> tuple
 
 class AlignedLinearRung(Rung):
     name = "aligned_linear"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # the GEMMs of a misaligned Linear (forward and both backward ones)
     targets = ("gemm",)
     judged_at_full_precision = True

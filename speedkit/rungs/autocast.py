@@ -55,6 +55,7 @@ def pick_autocast_dtype(device: torch.device, wanted: str = "auto") -> tuple[str
 
 class AutocastRung(Rung):
     name = "autocast"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # bf16 GEMMs and attention on tensor cores; half the bytes for the elementwise ops and norms between
     # them; half the activations' memory (losses and softmax stay fp32: no gain there)
     targets = ("gemm", "attention", "elementwise", "normalization", "memory")

@@ -77,6 +77,10 @@ class Rung:
     #: precision, which needs the rewrite's arithmetic alone (beneath compile on an H200 each
     #: configuration of that check had compiled anew, 20 s a graph for a Llama-class LM)
     off_at_full_precision: ClassVar[bool] = False
+    #: it changes what compile traced (the model's code or modules, its inputs' shapes or layout, the
+    #: numerics a graph is specialized on): beneath a kept compile its trial compiles anew, tens of
+    #: seconds on a large model, so it is tried after the rungs that do not (see trial_order)
+    recompiles: ClassVar[bool] = False
     #: it can change the step's speed only by changing its arithmetic (a precision: tf32, autocast): with
     #: a loss trajectory bit-identical to the one without it, no op ran at its precision, so it is
     #: reverted as inert without timing it (a comparison would time noise: on a 2-core CPU it "kept"
@@ -136,6 +140,7 @@ class RewriteRung(Rung):
     (``apply_plan``), made again only if the model changed since."""
 
     judged_at_full_precision = True
+    recompiles = True
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)

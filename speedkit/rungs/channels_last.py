@@ -180,6 +180,7 @@ def _convert_after_transfer(handle: Handle, owner: Any) -> None:
 
 class ChannelsLastRung(Rung):
     name = "channels_last"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # cuDNN's NHWC convolutions without the layout transposes it adds around NCHW ones (GEMM: convolutions
     # and cuDNN's kernels count there), and the batch norms, activations and pooling between them
     targets = ("gemm", "normalization", "elementwise")

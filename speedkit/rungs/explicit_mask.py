@@ -75,6 +75,7 @@ def sniffing_stacks(model: nn.Module) -> list[tuple[nn.Module, type[nn.Module]]]
 
 class ExplicitMaskRung(Rung):
     name = "explicit_mask"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # the mask check's sync; the causal mask built and compared every step (elementwise kernels, host work)
     targets = ("syncs", "host", "elementwise")
     cuts_host_work = True  # a host sync per step: on a host-bound step it is tried first, with compile

@@ -235,6 +235,7 @@ def largest_fitting_factor(
 
 class MicroBatchRung(Rung):
     name = "micro_batch"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # every kernel of the pass runs on a larger micro-batch (a partly idle device fills: GEMMs, norms,
     # elementwise alike), and the host issues a pass less per merged micro-batch: no one category bounds it
     targets = ("*",)

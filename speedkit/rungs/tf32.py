@@ -70,6 +70,7 @@ def apply_tf32(device: torch.device, *, cudnn: bool = True) -> Handle:
 
 class TF32Rung(Rung):
     name = "tf32"
+    recompiles = True  # beneath a kept compile its trial compiles anew
     # fp32 matmuls and convolutions (GEMM), and the fp32 attention products of SDPA's math path
     targets = ("gemm", "attention")
     acts_through_numerics = True
