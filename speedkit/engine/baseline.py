@@ -266,9 +266,10 @@ def _cheap_first(ladder: Trials, order: list[Rung]) -> list[Rung]:
         return order
     cheap = [r for r in order if not r.recompiles]
     if cheap + later != order:
+        named = [r.name for r in later if r.name not in ladder.floor]  # the floor's are in effect, not tried
         ladder.on_event(
-            f"plan: beneath compile, {', '.join(r.name for r in later)} (each compiled anew) after "
-            f"{', '.join(r.name for r in cheap)}"
+            f"plan: beneath compile, {', '.join(named)} (each compiled anew) after "
+            f"{', '.join(r.name for r in cheap if r.name not in ladder.floor)}"
         )
     return cheap + later
 
