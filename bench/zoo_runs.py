@@ -593,7 +593,13 @@ def main() -> None:
         "--time-guard-s", type=float, default=300.0, help="wall seconds a fit may run after its train start (default 300)"
     )
     parser.add_argument("--run-timeout-s", type=float, default=1500.0, help="wall seconds one run's process may take")
-    parser.add_argument("--budget-s", type=float, default=None, help="wall seconds for the whole call: no run starts past it")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall seconds for the whole call: no run starts within 60 s of it, and a run still going at it is stopped "
+        "(its rows say so)",
+    )
     parser.add_argument("--progress-bar", action="store_true", help="Lightning's progress bar on, as a user's Trainer has it")
     parser.add_argument("--commit", default=None, help="the commit measured (the device's tree has no history)")
     parser.add_argument("--results", default=None, help="the JSON-lines file rows are appended to")
