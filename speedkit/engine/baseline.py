@@ -114,14 +114,15 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
     assert result is not None and ladder.timing is not None
     t0 = ladder.baseline_started
     in_play = {"fp32", state.precision, *(r.precision for r in ladder.rungs if r.precision)}
-    stored = dict((cached.calibration or {}) if cached is not None else {})
-    for precision in in_play & set(stored):
+    stored = (cached.calibration or {}) if cached is not None else {}
+    reused = sorted(in_play & stored.keys())
+    for precision in reused:
         ladder.parity.calibration[precision] = stored[precision]
-    todo = sorted(in_play - set(stored), key=config.PRECISION_ORDER.index)
+    todo = sorted(in_play - stored.keys(), key=config.PRECISION_ORDER.index)
     if todo:
         ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(todo)})")
-    if stored and in_play & set(stored):
-        ladder.on_event(f"baseline: parity tolerances of the cached decision's fit ({', '.join(sorted(in_play & set(stored)))})")
+    if reused:
+        ladder.on_event(f"baseline: parity tolerances of the cached decision's fit ({', '.join(reused)})")
     for precision in todo:
         ladder.parity.tolerance(precision)
     # the parity steps run since the reference began: its own, and each calibrated precision's seeds' trajectories

@@ -343,8 +343,9 @@ class Ladder:
                 continue
             compiled_before = compat.compile_seconds()
             entry, losses = self._try(rung, reference, chain)
-            if compat.compile_seconds() - compiled_before > 1.0:  # the most a trial has spent compiling
-                self._trial_compile_s = max(self._trial_compile_s, compat.compile_seconds() - compiled_before)
+            compiled = compat.compile_seconds() - compiled_before
+            if compiled > 1.0:  # the most a trial has spent compiling
+                self._trial_compile_s = max(self._trial_compile_s, compiled)
             result.rungs.append(entry)
             if entry.status == "kept":
                 reference = losses
