@@ -76,6 +76,32 @@ def compile_seconds() -> float:
     return float(sum(sum(metrics.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl")))
 
 
+#: the compiled graphs' cache counters :func:`compile_cache_counts` reads: (Dynamo's counter group, name)
+_CACHE_COUNTERS = (
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+    ("inductor", "fxgraph_cache_bypass"),
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("aot_autograd", "autograd_cache_bypass"),
+)
+
+
+def compile_cache_counts(since: dict[str, int] | None = None) -> dict[str, int]:
+    """Inductor's FX-graph cache and AOTAutograd's cache hits, misses and bypasses so far in this process
+    (``torch._dynamo.utils.counters``; a miss or a bypass compiles that graph from scratch), less
+    ``since`` (an earlier reading); {} where nothing imported Dynamo or the counters are gone. Cheap."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return {}
+    try:
+        now = {name: int(counters[group][name]) for group, name in _CACHE_COUNTERS}
+    except (KeyError, TypeError, ValueError):
+        return {}
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
+
+
 def _dynamo_limit_name() -> str | None:
     """The name of Dynamo's per-frame entry limit in its config (``recompile_limit``, called
     ``cache_size_limit`` before torch 2.6); None where neither exists."""

@@ -228,6 +228,8 @@ class LadderResult:
             )
             if not self.kept:
                 final = base
+            elif (self.run.get("cache") or {}).get("held"):  # a re-checked decision: that fit's figures
+                source = f"the fit that made the cached decision: {source}"
         note = None
         if base is not None and final is not None and final.step_ms > 0 and speedup > 0:
             ratio = base.step_ms / final.step_ms

@@ -243,3 +243,30 @@ def test_a_metrics_update_count_is_put_back():
     metric.reset()
     compat.set_metric_update_count(metric, 3)
     assert metric.update_count == 3
+
+
+def test_compile_seconds_and_cache_counts_read_dynamos_own_figures():
+    """A compiled function's first call: Dynamo's timings grow and Inductor's and AOTAutograd's cache
+    counters say whether the graph came from their caches (hit) or was compiled (miss or bypass);
+    ``since`` gives what one stretch of the run did. The same function again compiles nothing."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    before_s, before = compat.compile_seconds(), compat.compile_cache_counts()
+    assert set(before) == {
+        "fxgraph_cache_hit",
+        "fxgraph_cache_miss",
+        "fxgraph_cache_bypass",
+        "autograd_cache_hit",
+        "autograd_cache_miss",
+        "autograd_cache_bypass",
+    }
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")
+    x = torch.randn(5, requires_grad=True)
+    fn(x).backward()
+    assert compat.compile_seconds() > before_s
+    stretch = compat.compile_cache_counts(since=before)
+    assert all(v >= 0 for v in stretch.values())
+    again = compat.compile_cache_counts()
+    fn(x).backward()
+    assert compat.compile_cache_counts(since=again) == dict.fromkeys(again, 0)

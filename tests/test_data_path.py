@@ -1203,3 +1203,49 @@ def test_mappings_that_are_no_dict_are_batches_too():
     assert same_batch(copied, batch) and not same_batch(copied, BatchEncoding({**batch, "input_ids": batch["input_ids"] + 1}))
     moved = move_to_device(batch, torch.device("cpu"))
     assert type(moved) is BatchEncoding and set(moved) == {"input_ids", "attention_mask"}
+
+
+def test_settings_chosen_by_measuring_are_reused_by_a_cached_decision_where_the_loader_is_as_it_was(monkeypatch):
+    """A kept data_path says what it chose (``chosen``); a later rung told it (``reuse``) applies the same
+    without measuring, once; a loader whose settings changed since, or a choice this plan may not make
+    (a worker count the rung's options fix otherwise), is measured as usual."""
+    import speedkit.rungs.data_path as data_path_module
+    from speedkit.data.choose import Choice
+    from speedkit.data.settings import LoaderSettings
+
+    measured = []
+
+    def fake_choose(loader, device, **kwargs):  # 2 workers, prefetch 4, measured
+        measured.append(kwargs)
+        current = LoaderSettings.of(loader)
+        chosen = LoaderSettings(2, False, False, 4, None)
+        return Choice(current, chosen, [(current, 1.0), (chosen, 3.0)], [], 4096)
+
+    monkeypatch.setattr(data_path_module, "training_cpus", lambda *, processes=(0, 1): (set(), set(range(8))))
+    monkeypatch.setattr(data_path_module, "choose_settings", fake_choose)
+    first = DataPathRung()
+    handle = first.apply(_state(generator=False))
+    chosen = first.chosen()
+    handle.undo()
+    assert len(measured) == 1 and chosen == {
+        "current": {"num_workers": 0, "pin_memory": False, "persistent_workers": False, "prefetch_factor": None},
+        "settings": {"num_workers": 2, "pin_memory": False, "persistent_workers": False, "prefetch_factor": 4},
+        "batch_bytes": 4096,
+    }
+    again = DataPathRung()
+    again.reuse(chosen)
+    state = _state(generator=False)
+    handle = again.apply(state)
+    plan = again.plan(state)
+    assert len(measured) == 1 and plan.rebuild == LoaderSettings(2, False, False, 4, None)
+    assert any("not measured again" in line for line in handle.changes), handle.changes
+    assert again.chosen() == chosen  # a decision made again from it keeps the same
+    handle.undo()
+    changed = DataPathRung()  # the user's loader has a worker since: measured again
+    changed.reuse(chosen)
+    changed.check(_state(workers=1, generator=False))
+    assert len(measured) == 2
+    fixed = DataPathRung(data_path_module.DataPathOptions(workers=3))  # options that exclude the cached count
+    fixed.reuse(chosen)
+    fixed.check(_state(generator=False))
+    assert len(measured) == 3

@@ -1919,6 +1919,61 @@ def test_a_cached_decision_slower_than_when_decided_is_timed_against_the_baselin
     ladder.revert()
 
 
+class ChoosingRung(SpeedRung):
+    """A SpeedRung that measures something at apply (``measured`` counts it) unless told what an
+    earlier fit chose (``reuse``), as data_path does with the loader's settings."""
+
+    def __init__(self, name, time, base, change):
+        super().__init__(name, time, base, change)
+        self.measured, self.reused = 0, None
+
+    def apply(self, state):
+        if self.reused is None:
+            self.measured += 1
+        return super().apply(state)
+
+    def chosen(self):
+        return {"workers": 4}
+
+    def reuse(self, chosen):
+        self.reused = chosen
+
+
+def test_a_climb_without_a_final_check_keeps_its_final_figure_and_what_its_rungs_chose_for_the_recheck(tmp_path):
+    """The first fit ends without a final check (``final_check: false``, as when the budget leaves none):
+    the entry keeps the final configuration's figure, the headline's speedup and what the rung chose by
+    measuring; the re-check applies what was chosen without measuring, re-times the final configuration
+    against that figure alone (no paired check against the baseline) and reports that fit's figures."""
+    from speedkit.engine.cache import DecisionCache
+
+    cache = DecisionCache(tmp_path)
+    runs = []
+    for _ in range(2):
+        time = VirtualTime(noise=0.005, seed=0)
+        rungs = [ChoosingRung("x", time, 0.02, -0.3)]
+        ladder = Ladder(
+            timed_state(time, 0.02),
+            rungs,
+            {**FAST, "switches_floor": False, "final_check": False},
+            clock=time.clock(),
+            host_clock=time,
+            cache=cache,
+        )
+        runs.append((ladder.run(), rungs[0]))
+        ladder.revert()
+    (first, x1), (second, x2) = runs
+    assert first.final_check is None and x1.measured >= 1
+    (entry,) = cache.entries()
+    assert entry.final_check is None and entry.chosen == {"x": {"workers": 4}}
+    assert entry.final["step_ms"] == first.final_measurement.step_ms and entry.speedup == first.headline()[2]
+    note = second.run["cache"]
+    assert note["held"] is True and x2.measured == 0 and x2.reused == {"workers": 4}
+    assert note["retimed"]["holds"] and note["retimed"]["decided_step_ms"] == entry.final["step_ms"]
+    assert second.final_check is None and second.headline()[2] == pytest.approx(entry.speedup)
+    assert second.to_dict()["summary"]["figures_from"].startswith("the fit that made the cached decision: ")
+    assert "no final check" in second.kept[0].reason and isinstance(note["compile_caches"], dict)
+
+
 def test_the_baseline_is_timed_in_windows_sized_by_time():
     # a 200 ms step: windows of min_window_steps (3), not `steps` (10): 0.2 s each is what a comparison's window is
     for base, steps in ((0.2, 3), (0.01, 10)):

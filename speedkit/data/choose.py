@@ -118,6 +118,8 @@ class Choice:
         return next((r for s, r in self.rates if s == settings), None)
 
     def lines(self) -> list[str]:
+        if not self.rates:  # taken from an earlier measurement (its notes say which)
+            return list(self.notes)
         measured = "; ".join(f"{s.describe()}: {r:.1f}" for s, r in self.rates)
         return [
             f"loader settings measured (batches/s over a warmed-up window of host batches"

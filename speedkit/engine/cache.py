@@ -93,7 +93,7 @@ class CachedDecision:
 
     key: str
     kept: list[str]  # the kept rungs, in the order the ladder applies them
-    speedup: float | None = None  # the final configuration against the baseline (the final check)
+    speedup: float | None = None  # the final configuration against the baseline (the headline figure)
     vs_switches: float | None = None  # against the user's switches, where measured
     trials_s: float | None = None  # what the climb that decided it took
     created: float = 0.0  # time.time() when stored
@@ -106,6 +106,12 @@ class CachedDecision:
     #: the final check (a PairedResult's fields, its A and B windows among them): the headline a re-check
     #: reports, and the final configuration's step time it re-times
     final_check: dict[str, Any] | None = None
+    #: where the climb ended without a final check: the final configuration's measurement it reported
+    #: (a Measurement's fields; ``speedup`` is then the kept rungs' comparisons' product), re-timed instead
+    final: dict[str, Any] | None = None
+    #: what kept rungs chose by measuring (:meth:`speedkit.rungs.base.Rung.chosen`), per rung name: a
+    #: re-check applies the same (:meth:`~speedkit.rungs.base.Rung.reuse`) without measuring again
+    chosen: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CACHE_FORMAT, **dataclasses.asdict(self)}
@@ -127,6 +133,8 @@ class CachedDecision:
                 calibration=_mapping(data.get("calibration")),
                 baseline=_mapping(data.get("baseline")),
                 final_check=_mapping(data.get("final_check")),
+                final=_mapping(data.get("final")),
+                chosen=_mapping(data.get("chosen")),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -71,6 +71,7 @@ from speedkit.measure.stats import describe, not_slower
 from speedkit.results import (
     SCHEMA_VERSION,
     LadderResult,
+    Measurement,
     PairedResult,
     RungResult,
 )
@@ -430,13 +431,16 @@ class Ladder:
         names = {r.name for r in self.rungs}
         # the switches that apply on the baseline: asked before the cached rungs go in
         floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
-        t0, compiled_before = self.host_clock(), compat.compile_seconds()
+        t0, compiled_before, caches_before = self.host_clock(), compat.compile_seconds(), compat.compile_cache_counts()
+        final_then: Measurement | None = None  # the climb's figure for the final configuration, where it had no final check
         seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, timing
         try:
             unknown = [n for n in entry.kept if n not in names]
             if unknown:
                 raise RungProblem(f"the cached rungs {unknown} are not in this ladder")
             for rung in [r for r in self.rungs if r.name in entry.kept]:
+                if entry.chosen and isinstance(entry.chosen.get(rung.name), dict):  # what it measured then
+                    rung.reuse(entry.chosen[rung.name])
                 self.stack.insert_at_place(rung)
             self.stack.all_on()
             seconds["apply"] = round(self.host_clock() - t0, 2)
@@ -455,11 +459,15 @@ class Ladder:
                 t0 = self.host_clock()
                 self.phase = "the final check"
                 decided = PairedResult.from_dict(entry.final_check) if entry.final_check else None
-                if decided is not None and decided.b is not None and not self._retimed_holds(decided, note):
-                    decided = None
-                if decided is not None:
-                    decided.measured_in = f"the fit that made the cached decision (key {key[:8]}, {_date(entry.created)})"
-                    result.final_check = decided
+                # the final configuration's figure then: its final check's windows, else (the climb ended
+                # without one) the figure it reported from the kept rungs' comparisons
+                then = decided.b if decided is not None else Measurement.from_dict(entry.final) if entry.final else None
+                if then is not None and self._retimed_holds(then, note):
+                    if decided is not None:
+                        decided.measured_in = f"the fit that made the cached decision (key {key[:8]}, {_date(entry.created)})"
+                        result.final_check = decided
+                    else:
+                        final_then = then
                 else:
                     self._final_check()
                     check = result.final_check
@@ -485,8 +493,10 @@ class Ladder:
             return False
         check = result.final_check
         group = tuple(s.rung.name for s in self.slots)
-        for slot in self.slots:
-            self.decisions[slot.rung.name] = (group, check.speedup if check is not None else None)
+        speedup = check.speedup if check is not None else entry.speedup if final_then is not None else None
+        for i, slot in enumerate(self.slots):
+            self.decisions[slot.rung.name] = (group, speedup)
+            last = i == len(self.slots) - 1
             result.rungs.append(
                 RungResult(
                     slot.rung.name,
@@ -501,12 +511,20 @@ class Ladder:
                             f"; {'its final check' if check.measured_in else 're-checked together against the baseline'}: "
                             f"{describe(check)}"
                             if check is not None
+                            else f"; the final configuration re-timed within the noise of its figure then "
+                            f"({speedup:.3f}x the baseline from the kept rungs' comparisons, no final check)"
+                            if final_then is not None and speedup is not None
                             else ""
                         )
                     ),
+                    # the headline's figures where that fit had no final check: the last kept row's
+                    measurement=final_then if last else None,
+                    gain_vs_baseline=speedup if last and final_then is not None else None,
                 )
             )
         seconds["compiling"] = round(compat.compile_seconds() - compiled_before, 2)  # within apply, parity and timing
+        # the compiled graphs' caches over the re-check (hits, misses: a miss compiles from scratch)
+        note["compile_caches"] = compat.compile_cache_counts(since=caches_before)
         note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
         self.on_event(
@@ -514,16 +532,15 @@ class Ladder:
         )
         return True
 
-    def _retimed_holds(self, decided: PairedResult, note: dict[str, Any]) -> bool:
+    def _retimed_holds(self, then: Measurement, note: dict[str, Any]) -> bool:
         """The final configuration timed alone (``repeats`` windows of the comparisons' length) against its
-        step time in ``decided``, the final check of the fit that made the cached decision: whether it is
+        step time in ``then``, its figure in the fit that made the cached decision: whether it is
         no slower than that by more than the two figures' noise (three times the larger spread, at least
         ``cache_slack``, at most half: slower, the paired check decides). Recorded in ``note["retimed"]``."""
-        assert self.timing is not None and decided.b is not None
+        assert self.timing is not None
         cfg = self.cfg
         with distributed.together():
             now = self.timing.alone(self.timing.window_steps, cfg.repeats)
-        then = decided.b
         spreads = [x for x in (now.spread, then.spread) if math.isfinite(x)]
         # a noisy host widens it, up to half the step: beyond that only a paired comparison can tell
         slack = max(cfg.cache_slack, min(0.5, 3 * max(spreads, default=0.0)))
@@ -578,10 +595,12 @@ class Ladder:
         assert self.result is not None
         versus = self.result.vs_switches()
         check, baseline = self.result.final_check, self.result.baseline
+        checked = check is not None and check.b is not None
+        final = self.result.final_measurement if self.slots and not checked else None
         entry = CachedDecision(
             key=self.cache_key,
             kept=[s.rung.name for s in self.slots],
-            speedup=check.speedup if check is not None else None,
+            speedup=check.speedup if checked else self.result.headline()[2] if final is not None else None,
             vs_switches=versus[0] if versus else None,
             trials_s=trials_s,
             speedkit=self.result.environment.get("speedkit"),
@@ -589,7 +608,9 @@ class Ladder:
             baseline={"measurement": asdict(baseline.measurement), "noise": dict(self.result.run.get("noise") or {})}
             if baseline is not None and baseline.measurement is not None
             else None,
-            final_check=asdict(check) if check is not None and check.b is not None else None,
+            final_check=asdict(check) if checked else None,
+            final=asdict(final) if final is not None else None,
+            chosen={s.rung.name: c for s in self.slots if (c := s.rung.chosen()) is not None} or None,
         )
         try:
             path = self.cache.store(entry)

@@ -121,6 +121,15 @@ class Rung:
     def apply(self, state: TrainState) -> Handle:
         raise NotImplementedError
 
+    def chosen(self) -> dict[str, Any] | None:
+        """What its apply chose by measuring (loader settings, ...), as plain data kept with a cached
+        decision, so that a re-check applies the same without measuring again; None: nothing measured."""
+        return None
+
+    def reuse(self, chosen: dict[str, Any]) -> None:
+        """Take ``chosen`` (what :meth:`chosen` returned in the fit that made a cached decision) for its
+        next apply instead of measuring; where it no longer fits, the rung measures as usual."""
+
     def parity_steps_needed(self) -> int:
         """Optimizer steps a parity trajectory needs to exercise the change (0: any number): the
         ladder runs every trajectory at least this long, so the steps compared are the changed ones."""

@@ -321,6 +321,27 @@ class DataPathRung(Rung):
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
         self._plans: dict[tuple[int, str], Plan] = {}
+        #: the plan of the latest apply (what :meth:`chosen` keeps with a cached decision)
+        self._applied: Plan | None = None
+        #: what a cached decision's fit chose by measuring (:meth:`reuse`), taken where it still fits
+        self._reused: dict[str, Any] | None = None
+
+    def chosen(self) -> dict[str, Any] | None:
+        """The loader settings the latest apply chose by measuring (and the loader's settings it chose
+        them for, and the largest batch's bytes that size the ring); None where it measured none."""
+        choice = self._applied.choice if self._applied is not None else None
+        if choice is None:
+            return None
+        fields = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        return {
+            "current": {k: getattr(choice.current, k) for k in fields},
+            "settings": {k: getattr(choice.settings, k) for k in fields},
+            "batch_bytes": choice.batch_bytes,
+        }
+
+    def reuse(self, chosen: dict[str, Any]) -> None:
+        self._reused = dict(chosen) if isinstance(chosen, dict) else None
+        self._plans.clear()
 
     def check(self, state: TrainState) -> str | None:
         if state.data is None:
@@ -415,7 +436,16 @@ class DataPathRung(Rung):
                 if keep_factor is not None:
                     notes.append(keep_factor)
                 try:
-                    choice = choose_settings(
+                    choice = self._reused_choice(
+                        loader,
+                        vary=vary,
+                        workers=workers,
+                        pin=pin,
+                        exact=opts.exact,
+                        same_side=same_side,
+                        worker_cpus=tuple(sorted(rest)) if kept else None,
+                        factors=factors,
+                    ) or choose_settings(
                         loader,
                         device,
                         vary_workers=vary,
@@ -432,15 +462,63 @@ class DataPathRung(Rung):
                     choice = None
                 if choice is not None and len(choice.rates) == 1:  # only the current settings were candidates
                     choice = None
-                elif choice is not None and not choice.changed:
+                elif choice is not None and not choice.changed and choice.rates:
                     notes.append(f"the loader's own settings ({choice.current.describe()}) were the fastest measured")
         settings = choice.settings if choice is not None else None
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
         ring = plan_ring(choice if choice is not None and choice.changed else None, opts, notes) if prefetch else None
         return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes, ring)
 
+    def _reused_choice(
+        self,
+        loader: Any,
+        *,
+        vary: bool,
+        workers: int | None,
+        pin: bool | None,
+        exact: bool,
+        same_side: bool,
+        worker_cpus: tuple[int, ...] | None,
+        factors: tuple[int, ...],
+    ) -> Choice | None:
+        """The settings a cached decision's fit chose (:meth:`reuse`), where the loader is as it was then
+        and they are among what this plan may choose (the same rules as :func:`choose_settings`'s
+        candidates); None: measure."""
+        cached, self._reused = self._reused, None  # once: a later plan (another loader) measures
+        if not cached:
+            return None
+        current = LoaderSettings.of(loader)
+        try:
+            then, chosen = cached["current"], cached["settings"]
+            n, factor, pinned = int(chosen["num_workers"]), chosen["prefetch_factor"], bool(chosen["pin_memory"])
+            batch_bytes = cached.get("batch_bytes")
+            if {k: getattr(current, k) for k in then} != then:
+                return None
+        except (KeyError, TypeError, ValueError):
+            return None
+        fits = (
+            (workers is None or n == workers)
+            and (pin is None or pinned == pin)
+            and (vary or workers is not None or n == current.num_workers)
+            and (not same_side or (n > 0) == (current.num_workers > 0))
+            and (n == 0 or factor in factors or (n == current.num_workers and factor == current.prefetch_factor))
+            and (worker_cpus is None or n <= len(worker_cpus))
+            and not (exact and current.persistent_workers and n == 0)
+        )
+        if not fits:
+            return None
+        settings = LoaderSettings(
+            n,
+            pinned,
+            (current.persistent_workers if exact else True) and n > 0,
+            factor if n > 0 else None,
+            worker_cpus if n > 0 else None,
+        )
+        note = f"{settings.describe()}: chosen by measuring in the fit that made the cached decision (not measured again)"
+        return Choice(current, settings, [], [note], int(batch_bytes) if batch_bytes else None)
+
     def apply(self, state: TrainState) -> Handle:
-        plan = self.plan(state)
+        plan = self._applied = self.plan(state)
         handle = Handle(self.name)
         source = DataPathSource(state.data, plan)  # type: ignore[arg-type]
         changes = []
