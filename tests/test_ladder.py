@@ -1083,6 +1083,34 @@ def test_where_nothing_pays_on_top_of_the_switches_the_result_is_the_switches():
     assert result.final_check.speedup == pytest.approx(40 / 22, rel=0.03)
     assert result.vs_switches() == (1.0, 1.0, 1.0)
     assert "the final configuration is the switches" in result.switches.reason
+    # the final configuration is the floor: its comparison against the baseline is the final check, not timed again
+    floor = next(r for r in result.rungs if r.name == "autocast").comparison
+    assert (result.final_check.a, result.final_check.b, result.final_check.speedup) == (floor.a, floor.b, floor.speedup)
+    assert "the final check" not in result.run["budget"]["phases"]
+    assert "the floor's comparison against the baseline" in result.to_dict()["summary"]["figures_from"]
+
+
+def test_the_closing_phases_are_held_for_at_the_floors_pace_once_the_floor_is_timed():
+    """A 400 ms baseline whose switches run at 100 ms: what is held back for the closing phases (the
+    final configuration against the switches and the baseline, the profile) is sized at the floor's
+    step once it is measured, less than at the baseline's, and the rungs get the difference."""
+    from speedkit.engine.budget import TrialBudget
+
+    cfg = MeasureConfig.from_dict({**FAST, "budget_s": 120.0, "trials_budget_s": 120.0, "profile": True})
+    budget = TrialBudget(cfg, lambda: 0.0)
+    from speedkit.results import Measurement
+
+    budget.plan(Measurement(400.0, 0.01, [400.0], 1, 3, 1.0, "samples/s", 1), None)
+    at_baseline = budget.reserve_s
+    held = budget.at_the_floor(400.0, 100.0)
+    assert held == budget.reserve_s < at_baseline
+    assert held == pytest.approx(
+        budget.comparison_s(100.0, 100.0)
+        + budget.comparison_s(400.0, 100.0)
+        + 6 * 1.0
+        + (cfg.profile_steps + 1) * (0.4 + 5 * 0.1)
+    )
+    assert budget.at_the_floor(400.0, float("nan")) == held  # nothing measured: as it was
 
 
 def test_a_switch_stays_as_the_user_runs_it_where_a_rung_on_top_pays_more():

@@ -104,11 +104,7 @@ class TrialBudget:
         step_s = step_ms / 1e3
         self.window_steps = window_steps or cfg.steps
         comparison_s = self.comparison_s(step_ms, step_ms)
-        # the profile: a window of the baseline, one per kept rung and the final configuration, each with
-        # the profiler's own start and stop (on an H200, 7 windows of a 3 ms step took 8.6 s, not 0.1 s)
-        profile_s = PROFILE_WINDOWS * (PROFILE_WINDOW_OVERHEAD_S + (cfg.profile_steps + 1) * step_s) if cfg.profile else 0.0
-        closing = int(cfg.switches_floor) + int(cfg.final_check)
-        self.reserve_s = min(0.5 * size, closing * comparison_s + profile_s)
+        self.reserve_s = self._closing_s(step_ms, step_ms)
         self.min_trial_s = comparison_s + 2 * (parity_steps or cfg.parity_steps) * step_s
         return {
             "budget_s": round(self.budget_s, 1),
@@ -116,6 +112,33 @@ class TrialBudget:
             "held_for_closing_s": round(self.reserve_s, 1),
             "skipped": [],
         }
+
+    def _closing_s(self, base_ms: float, pace_ms: float) -> float:
+        """Seconds held back for the closing phases, at most half the budget: the final configuration
+        against the switches (both at ``pace_ms``, the floor's step) and against the baseline
+        (``base_ms``) at their fewest blocks, and the profile's windows (the baseline's, the rest at the
+        floor's pace), each with the profiler's own start and stop (on an H200, 7 windows of a 3 ms step
+        took 8.6 s, not 0.1 s)."""
+        cfg = self.cfg
+        closing = (cfg.switches_floor and self.comparison_s(pace_ms, pace_ms)) + (
+            cfg.final_check and self.comparison_s(base_ms, pace_ms)
+        )
+        steps = cfg.profile_steps + 1
+        profile_s = (
+            PROFILE_WINDOWS * PROFILE_WINDOW_OVERHEAD_S + steps * (base_ms + (PROFILE_WINDOWS - 1) * pace_ms) / 1e3
+            if cfg.profile
+            else 0.0
+        )
+        return min(0.5 * self.budget_s, closing + profile_s)
+
+    def at_the_floor(self, base_ms: float, pace_ms: float) -> float:
+        """Hold back for the closing phases at the floor's step time ``pace_ms`` (the user's switches,
+        measured), not the baseline's: they time the final configuration, which is at most as slow
+        (a 340 ms fp32 step whose switches run at 53 ms had 60 s held where 26 s is what they take).
+        Returns the seconds now held."""
+        if math.isfinite(base_ms) and math.isfinite(pace_ms) and 0 < pace_ms < base_ms:
+            self.reserve_s = self._closing_s(base_ms, pace_ms)
+        return self.reserve_s
 
     def comparison_s(self, a_ms: float, b_ms: float) -> float:
         """Seconds a comparison at the fewest blocks takes between steps of ``a_ms`` and ``b_ms``: its

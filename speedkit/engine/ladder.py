@@ -41,6 +41,7 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -302,6 +303,9 @@ class Ladder:
             self._floor_row, reference, floor_m = switches.apply_floor(self, reference, base_m)
             pace = floor_m or base_m
             self._steps_ms = (base_m.step_ms, pace.step_ms)
+            if floor_m is not None:  # the closing phases time the final configuration: at most the floor's step
+                held = self.budget.at_the_floor(base_m.step_ms, floor_m.step_ms)
+                result.run["budget"]["held_for_closing_s"] = round(held, 1)
         self.phase = "the diagnosis"
         self.diagnosis = diagnose_baseline(self, pace)
         self.phase = "the plan"
@@ -640,7 +644,11 @@ class Ladder:
                     f"{self._floor_row.reason}; the final configuration against them not measured within the "
                     "budget: the rungs on top stay on their own decided gains"
                 )
-        if cfg.final_check and self.slots:
+        floor_check = self._floor_comparison()
+        if cfg.final_check and floor_check is not None:  # the final configuration is the floor: timed already
+            result.final_check = floor_check
+            self.on_event(f"final check: the final configuration is the user's switches alone, {describe(floor_check)}")
+        elif cfg.final_check and self.slots:
             if not self._closing_affordable("the final check", base_ms, pace_ms):
                 self.on_event("final check: not measured; the speedup is the product of the kept rungs' paired speedups")
             else:
@@ -653,6 +661,22 @@ class Ladder:
                         "the speedup is the product of the kept rungs' paired speedups"
                     )
         self._scaling_and_profile()
+
+    def _floor_comparison(self) -> PairedResult | None:
+        """Where the final configuration is the user's switches alone (every kept rung is of the floor),
+        the floor's comparison against the baseline, made at the start of the climb: the same two
+        configurations, interleaved, so the final check itself (the headline; not timed again). None
+        otherwise, or where the floor was not timed."""
+        if not self.slots or any(s.rung.name not in self.floor for s in self.slots):
+            return None
+        row = self.entry(self.slots[0].rung.name)
+        paired = row.comparison if row is not None else None
+        if paired is None or paired.a is None or paired.b is None:
+            return None
+        return dataclasses.replace(
+            paired,
+            measured_in="the floor's comparison against the baseline at the start of the climb (the final configuration is the user's switches alone)",
+        )
 
     def _closing_affordable(self, what: str, a_ms: float, b_ms: float) -> bool:
         """Whether the budget left holds a closing comparison between steps of ``a_ms`` and ``b_ms`` at its
