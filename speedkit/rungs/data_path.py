@@ -44,7 +44,9 @@ made before the trials — is made again from the RNG and generator states Light
 user's own loader, only prefetched, keeps the iterator Lightning made, prefetched as it is), so the
 fit sees the same samples in the same order as without speedkit. A fit that reloads its train
 loader (``reload_dataloaders_every_n_epochs``) has each new loader served the same way. The report
-gives data wait and copy time per step.
+gives data wait and copy time per step. The settings chosen are kept with a cached decision
+(``chosen``); a later fit re-checking it applies them without measuring again (``reuse``), where
+the user's loader is as it was.
 """
 
 from __future__ import annotations
