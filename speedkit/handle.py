@@ -13,6 +13,8 @@ This module depends on nothing else in speedkit, so any layer (rewrites, steps, 
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,17 @@ def configuration_changes() -> int:
 
 
 _in_place_changes = 0
+
+#: handles whose changes alter what a compiled forward traces (``Handle.traced``), and each one's serial
+_traced_handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+_serials = itertools.count()
+
+
+def traced_configuration() -> frozenset[int]:
+    """The changes in effect now that alter what a compiled forward traces (the serials of the handles
+    marked ``traced``, applied and not suspended): a compiled forward keeps one compiled function per
+    such configuration (see :class:`speedkit.rungs.compile.GuardedForward`)."""
+    return frozenset(h.serial for h in list(_traced_handles) if h.active and not h.suspended)
 
 
 def changed_in_place() -> None:
@@ -92,6 +105,23 @@ class Handle:
         self.settle_steps = 0
         self.steps_before_effect: Callable[[], int] = lambda: 0
         self.rewrite: Any = None
+        self.serial = next(_serials)
+        self._traced = False
+
+    @property
+    def traced(self) -> bool:
+        """Its changes alter what a compiled forward traces (a rewrite, a module's forward wrapped, a
+        layout or a precision: the rung's ``recompiles``): a compiled forward above it traces anew for
+        each configuration of such changes, as a fresh process applying them first would."""
+        return self._traced
+
+    @traced.setter
+    def traced(self, value: bool) -> None:
+        self._traced = bool(value)
+        if self._traced:
+            _traced_handles.add(self)
+        else:
+            _traced_handles.discard(self)
 
     def record(
         self,

@@ -353,3 +353,66 @@ def test_rung_checks_draw_nothing_from_the_global_rng():
         if rung.check(state) is None:
             rung.apply(state).undo()
         assert torch.equal(torch.get_rng_state(), before), name
+
+
+class _MaskedTransformer(nn.Module):
+    """nn.Transformer called with a causal mask and no hint: its decoder asks whether the mask is the
+    causal one (``.all()`` on the host), a graph break inside the submodule under compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16, dropout=0.0)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(0))
+        return self.t(x, x, tgt_mask=mask).sum()
+
+
+def test_a_change_beneath_compile_that_alters_the_trace_is_traced_from_the_top_as_a_fresh_process_would():
+    """Compiled first, the model's frame breaks inside the decoder and Dynamo's guards see nothing past
+    the break: a submodule wrapper put in beneath afterwards (as explicit_mask does) ran the old split
+    graphs, where a process applying it first traces one graph. A handle marked ``traced`` makes the
+    compiled forward compile a copy of it for that configuration, traced from the top: no graph break
+    then, and switching the change off and on again runs what each configuration compiled, nothing anew."""
+    from torch._dynamo.utils import counters
+
+    from speedkit import compat
+    from speedkit.handle import Handle, set_attr
+    from speedkit.rungs.explicit_mask import MaskAsGiven
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _MaskedTransformer(), torch.randn(5, 2, 16)
+    eager = model.forward
+    traced = []  # the graphs Dynamo hands to the backend, as the code they run
+
+    def record(gm, example_inputs):
+        traced.append(gm.code)
+        return gm.forward
+
+    guarded = GuardedForward(eager, lambda fn: torch.compile(fn, backend=record), max_recompiles=8)
+    model.forward = guarded
+    expected = eager(x)
+
+    def breaks() -> int:
+        return sum(counters["graph_break"].values())
+
+    assert torch.allclose(model(x), expected) and breaks() > 0  # compiled first: split at the decoder's check
+    handle = Handle("mask")
+    decoder = model.t.decoder
+    set_attr(handle, decoder, "forward", MaskAsGiven(decoder.forward, nn.TransformerDecoder))
+    handle.traced = True
+    guarded.use(eager)  # what compile's handle does when the stack switches it on again above the change
+    before, graphs = breaks(), compat.graph_count()
+    assert torch.allclose(model(x), expected, atol=1e-6)
+    whole = traced[-1]  # one graph from the mask to the loss: the model's frame traced anew from the top
+    assert "triu" in whole and "sum" in whole and "linear" in whole, whole
+    assert breaks() == before and compat.graph_count() == graphs + 1 and guarded.variants == 2
+    graphs = compat.graph_count()
+    for on in (False, True, False, True):  # each configuration runs what it compiled
+        handle.resume() if on else handle.suspend()
+        guarded.use(eager)
+        assert torch.allclose(model(x), expected, atol=1e-6)
+    assert compat.graph_count() == graphs and guarded.variants == 2
+    handle.undo()
+    model.forward = eager

@@ -39,6 +39,7 @@ def agreed_apply(rung: Rung, state: TrainState) -> Handle:
             handle.undo()
         raise
     assert handle is not None
+    handle.traced = rung.recompiles  # a compiled forward above it traces anew per configuration of such changes
     return handle
 
 

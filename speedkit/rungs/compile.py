@@ -38,6 +38,7 @@ import functools
 import inspect
 import logging
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from torch import nn
 
 from speedkit import compat
 from speedkit.errors import first_line
-from speedkit.handle import configuration_changes
+from speedkit.handle import configuration_changes, traced_configuration
 from speedkit.rewrite.source import is_user_function, parse_function
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
 from speedkit.training.state import TrainState
@@ -125,10 +126,24 @@ class GuardedForward(AttributeWrapper):
         functools.update_wrapper(self, eager)
 
     def use(self, eager: Any) -> None:
-        """Compile (once) and run ``eager``, the forward now in effect beneath this one."""
-        key = (id(getattr(eager, "__func__", eager)), id(getattr(eager, "__self__", None)))
+        """Compile (once per configuration) and run ``eager``, the forward now in effect beneath this one.
+
+        A configuration is that forward and the changes in effect that alter what it traces
+        (:func:`speedkit.handle.traced_configuration`: rewrites, wrapped submodule forwards, layouts,
+        precisions). Dynamo keeps its compiled code per code object, and a frame whose graph broke
+        inside a submodule guards nothing of what lies past the break: a change there (a submodule's
+        forward wrapped so that it no longer breaks) would run the frame's old, split graphs, where a
+        fresh process applying the same change first traces one graph (the demo Transformer's cached
+        re-check compiled its whole-model graph from scratch every time, 0 of 4 from Inductor's cache,
+        because the climb had kept running the split one). So each configuration after the first
+        compiles a copy of the forward with a code object of its own, traced from the top; switching
+        back to a configuration runs what it compiled."""
+        func, owner = getattr(eager, "__func__", eager), getattr(eager, "__self__", None)
+        key = (id(func), id(owner), traced_configuration())
         if key not in self._variants:
-            self._variants[key] = _Variant(eager, self._compile_fn(eager))
+            seen = any(k[:2] == key[:2] for k in self._variants)
+            traced = _with_own_code(eager) if seen else eager
+            self._variants[key] = _Variant(eager, self._compile_fn(traced))
         self._variant = self._variants[key]
         self.eager = self._variant.eager
 
@@ -196,6 +211,21 @@ class GuardedForward(AttributeWrapper):
     def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
         self.fallback_reason = reason
         warnings.warn(f"speedkit compile: {reason}; running the eager forward from now on", stacklevel=stacklevel)
+
+
+def _with_own_code(fn: Any) -> Any:
+    """``fn`` (a function or a bound method) with a copy of its code object: the same function, whose
+    compiled code Dynamo keeps apart from the original's. ``fn`` itself where it is neither."""
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType):
+        return fn
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__dict__.update(func.__dict__)
+    copy.__qualname__ = func.__qualname__
+    copy.__module__ = func.__module__
+    owner = getattr(fn, "__self__", None)
+    return types.MethodType(copy, owner) if owner is not None and fn is not func else copy
 
 
 @dataclass
