@@ -99,6 +99,21 @@ def _endless(loader: Iterable[Any]) -> Iterator[Any]:
             compat.shutdown_iterator(it)
 
 
+#: the settings a choice keeps (:meth:`Choice.kept`): the CPUs its workers ran on are the machine's, not the choice's
+_KEPT_FIELDS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+
+
+def _taken(reuse: dict[str, Any], current: LoaderSettings, candidates: list[LoaderSettings]) -> LoaderSettings | None:
+    """The candidate ``reuse`` (:meth:`Choice.kept`) chose, where ``current`` is what it was chosen for; else None."""
+    try:
+        if {k: getattr(current, k) for k in reuse["current"]} != reuse["current"]:
+            return None
+        chosen = {k: reuse["settings"][k] for k in _KEPT_FIELDS}
+    except (KeyError, TypeError):
+        return None
+    return next((c for c in candidates if {k: getattr(c, k) for k in _KEPT_FIELDS} == chosen), None)
+
+
 @dataclasses.dataclass
 class Choice:
     """The settings chosen and what was measured (batches/s per candidate)."""
@@ -113,6 +128,15 @@ class Choice:
     @property
     def changed(self) -> bool:
         return self.settings != self.current
+
+    def kept(self) -> dict[str, Any]:
+        """What to keep of it for ``choose_settings(reuse=...)``: the settings chosen, the loader's
+        settings they were chosen for, and the largest batch's bytes (which size a ring)."""
+        return {
+            "current": {k: getattr(self.current, k) for k in _KEPT_FIELDS},
+            "settings": {k: getattr(self.settings, k) for k in _KEPT_FIELDS},
+            "batch_bytes": self.batch_bytes,
+        }
 
     def rate(self, settings: LoaderSettings) -> float | None:
         return next((r for s, r in self.rates if s == settings), None)
@@ -144,6 +168,7 @@ def choose_settings(
     clock: Clock = time.perf_counter,
     max_s: float = 2.0,
     factors: tuple[int, ...] = (2, 4),
+    reuse: dict[str, Any] | None = None,
 ) -> Choice:
     """Choose ``loader``'s loading settings by measuring candidates.
 
@@ -160,6 +185,10 @@ def choose_settings(
     ``tolerance`` (default: ``loader.tolerance`` in ``configs/defaults.yaml``) of the best allowed rate
     wins. The RNG and generator states (the process's, the loader's, and those its dataset, samplers and
     collate_fn keep of their own) are put back afterwards.
+
+    ``reuse``: what an earlier choice chose (:meth:`Choice.kept`, kept with a cached decision). Where the
+    loader's settings are those it was chosen for and its settings are among these candidates and
+    allowed, they are taken without measuring (the CPUs the workers run on are this call's).
     """
     device = torch.device(device)
     if tolerance is None:
@@ -216,6 +245,13 @@ def choose_settings(
                 "new base seed every epoch and change the shuffle (exact mode)",
             )
         counts.remove(0)
+    if reuse is not None:
+        candidates = [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]
+        candidates += [settings(n, f) for n in counts if n > 0 for f in factors]
+        taken = _taken(reuse, current, [c for c in candidates if allowed(c)])
+        if taken is not None:
+            note = f"{taken.describe()}: chosen by measuring in the fit that made the cached decision (not measured again)"
+            return Choice(current, taken, [], [note], reuse.get("batch_bytes"))
     # the process RNGs, the loader's generators and those its dataset (read here without workers), samplers and
     # collate_fn keep of their own
     saved = RngState.capture(loader_generators(loader), owners=loader_rng_owners(loader))

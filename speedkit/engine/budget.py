@@ -120,8 +120,8 @@ class TrialBudget:
         floor's pace), each with the profiler's own start and stop (on an H200, 7 windows of a 3 ms step
         took 8.6 s, not 0.1 s)."""
         cfg = self.cfg
-        closing = (cfg.switches_floor and self.comparison_s(pace_ms, pace_ms)) + (
-            cfg.final_check and self.comparison_s(base_ms, pace_ms)
+        closing = (self.comparison_s(pace_ms, pace_ms) if cfg.switches_floor else 0.0) + (
+            self.comparison_s(base_ms, pace_ms) if cfg.final_check else 0.0
         )
         steps = cfg.profile_steps + 1
         profile_s = (

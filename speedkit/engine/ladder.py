@@ -41,11 +41,10 @@ change, restores the snapshot, keeps the rungs finished so far in ``ladder.resul
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -673,7 +672,7 @@ class Ladder:
         paired = row.comparison if row is not None else None
         if paired is None or paired.a is None or paired.b is None:
             return None
-        return dataclasses.replace(
+        return replace(
             paired,
             measured_in="the floor's comparison against the baseline at the start of the climb (the final configuration is the user's switches alone)",
         )

@@ -329,17 +329,9 @@ class DataPathRung(Rung):
         self._reused: dict[str, Any] | None = None
 
     def chosen(self) -> dict[str, Any] | None:
-        """The loader settings the latest apply chose by measuring (and the loader's settings it chose
-        them for, and the largest batch's bytes that size the ring); None where it measured none."""
+        """The loader settings the latest apply chose by measuring (:meth:`Choice.kept`); None where it measured none."""
         choice = self._applied.choice if self._applied is not None else None
-        if choice is None:
-            return None
-        fields = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-        return {
-            "current": {k: getattr(choice.current, k) for k in fields},
-            "settings": {k: getattr(choice.settings, k) for k in fields},
-            "batch_bytes": choice.batch_bytes,
-        }
+        return choice.kept() if choice is not None else None
 
     def reuse(self, chosen: dict[str, Any]) -> None:
         self._reused = dict(chosen) if isinstance(chosen, dict) else None
@@ -438,16 +430,8 @@ class DataPathRung(Rung):
                 if keep_factor is not None:
                     notes.append(keep_factor)
                 try:
-                    choice = self._reused_choice(
-                        loader,
-                        vary=vary,
-                        workers=workers,
-                        pin=pin,
-                        exact=opts.exact,
-                        same_side=same_side,
-                        worker_cpus=tuple(sorted(rest)) if kept else None,
-                        factors=factors,
-                    ) or choose_settings(
+                    reuse, self._reused = self._reused, None  # once: a later plan (another loader) measures
+                    choice = choose_settings(
                         loader,
                         device,
                         vary_workers=vary,
@@ -458,6 +442,7 @@ class DataPathRung(Rung):
                         worker_cpus=tuple(sorted(rest)) if kept else None,
                         cpus=None if kept else len(rest),
                         factors=factors,
+                        reuse=reuse,
                     )
                 except ConfigError as exc:  # a loader that yields no batch, settings it refuses: left as it is
                     notes.append(f"the loader is left as it is: {exc}")
@@ -470,54 +455,6 @@ class DataPathRung(Rung):
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
         ring = plan_ring(choice if choice is not None and choice.changed else None, opts, notes) if prefetch else None
         return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes, ring)
-
-    def _reused_choice(
-        self,
-        loader: Any,
-        *,
-        vary: bool,
-        workers: int | None,
-        pin: bool | None,
-        exact: bool,
-        same_side: bool,
-        worker_cpus: tuple[int, ...] | None,
-        factors: tuple[int, ...],
-    ) -> Choice | None:
-        """The settings a cached decision's fit chose (:meth:`reuse`), where the loader is as it was then
-        and they are among what this plan may choose (the same rules as :func:`choose_settings`'s
-        candidates); None: measure."""
-        cached, self._reused = self._reused, None  # once: a later plan (another loader) measures
-        if not cached:
-            return None
-        current = LoaderSettings.of(loader)
-        try:
-            then, chosen = cached["current"], cached["settings"]
-            n, factor, pinned = int(chosen["num_workers"]), chosen["prefetch_factor"], bool(chosen["pin_memory"])
-            batch_bytes = cached.get("batch_bytes")
-            if {k: getattr(current, k) for k in then} != then:
-                return None
-        except (KeyError, TypeError, ValueError):
-            return None
-        fits = (
-            (workers is None or n == workers)
-            and (pin is None or pinned == pin)
-            and (vary or workers is not None or n == current.num_workers)
-            and (not same_side or (n > 0) == (current.num_workers > 0))
-            and (n == 0 or factor in factors or (n == current.num_workers and factor == current.prefetch_factor))
-            and (worker_cpus is None or n <= len(worker_cpus))
-            and not (exact and current.persistent_workers and n == 0)
-        )
-        if not fits:
-            return None
-        settings = LoaderSettings(
-            n,
-            pinned,
-            (current.persistent_workers if exact else True) and n > 0,
-            factor if n > 0 else None,
-            worker_cpus if n > 0 else None,
-        )
-        note = f"{settings.describe()}: chosen by measuring in the fit that made the cached decision (not measured again)"
-        return Choice(current, settings, [], [note], int(batch_bytes) if batch_bytes else None)
 
     def apply(self, state: TrainState) -> Handle:
         plan = self._applied = self.plan(state)
