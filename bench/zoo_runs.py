@@ -32,6 +32,10 @@ lane runs its model's runs one after the other. Rows are appended to ``--results
 ``--out`` (default ``$OUT``): ``zoo_runs.jsonl``, ``zoo_runs.txt`` and ``zoo_runs_logs.tgz`` (logs and
 reports; in the device's ``$OUT``, which brings back a few files only, in that file alone).
 
+With ``ZOO_RUNS_STACKS=1`` in the environment each fit's main thread is sampled (bench/stack_sampler.py):
+where its wall time went, by the ladder's phase, in ``logs/<model>_run<k>_<variant>_stacks.txt`` (and
+``.collapsed``), with Dynamo's compile times.
+
 A whole zoo takes longer than one device call: ``--detach`` starts the run in a session of its own
 (it outlives the call) and returns; ``--collect SECONDS`` in a later call waits for its ``done`` and
 packs ``--out`` into ``$OUT/zoo_runs.tgz``.
@@ -257,6 +261,15 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
         # the ladder first: its on_train_batch_end (the fit's steps it times, its report) runs before the timer's
         callbacks=[*([ladder] if ladder else []), timer, Deadline(args.time_guard_s)],
     )
+    sampler = None
+    if os.environ.get("ZOO_RUNS_STACKS"):  # where the wall time goes, by phase: <out>/logs/<model>_run<k>_<variant>_stacks.txt
+        from bench.stack_sampler import StackSampler
+
+        def phase() -> str:
+            engine = getattr(ladder, "_ladder", None)
+            return f"{engine.phase} (trials)" if engine is not None and ladder.result is None else "setup and fit"
+
+        sampler = StackSampler(label=phase if ladder is not None else None).start()
     t0 = time.perf_counter()
     if variant == "switches":
         with tf32_matmuls():
@@ -264,6 +277,18 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
     else:
         trainer.fit(module, train_dataloaders=loader)
     wall_s = time.perf_counter() - t0
+    if sampler is not None and args.out:
+        sampler.stop()
+        (Path(args.out) / "logs").mkdir(parents=True, exist_ok=True)
+        stacks = Path(args.out) / "logs" / f"{name}_run{args.run}_{variant}_stacks.txt"
+        sampler.write(stacks)
+        try:  # Dynamo's own account of its compile phases, in this process so far
+            from torch._dynamo.utils import compile_times
+
+            with stacks.open("a") as f:
+                f.write("\n== torch._dynamo.utils.compile_times()\n" + str(compile_times(repr="str")) + "\n")
+        except Exception as exc:
+            print(f"compile_times: {first_line(exc)}", flush=True)
     fields: dict[str, Any] = (
         {
             "kept": None,

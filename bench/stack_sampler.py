@@ -1,0 +1,93 @@
+"""Where a run's wall time goes, by sampling one thread's Python stack (a benchmark diagnostic).
+
+A background thread reads the watched thread's frame every ``interval_s`` (``sys._current_frames``)
+and counts each stack it sees, under a label the caller gives (e.g. the ladder's phase). Unlike
+cProfile it costs the watched thread nothing but the GIL for a moment, and it counts time spent
+waiting in C (a CUDA synchronize, a compile's worker pool, a DataLoader's queue) where it is spent.
+Each sample stands for ``interval_s`` of wall time (the sampler's own lateness aside: the report says
+how many samples were taken against how many the wall time would hold).
+
+``write(path)`` writes, per label, the functions by inclusive seconds (a function counted once per
+sample however deep it recurs) and the most frequent stacks, innermost last; beside it (``.collapsed``)
+every stack with its count, as flame-graph tools read them.
+
+    sampler = StackSampler(label=lambda: ladder_phase())
+    sampler.start(); ...; sampler.stop(); sampler.write("stacks.txt")
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class StackSampler:
+    def __init__(self, interval_s: float = 0.01, label: Callable[[], str] | None = None, depth: int = 60) -> None:
+        self.interval_s, self.label, self.depth = interval_s, label, depth
+        self.target = threading.get_ident()  # the thread that makes the sampler: the one watched
+        self.stacks: collections.Counter[tuple[str, tuple[str, ...]]] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.began = self.ended = 0.0
+
+    def _frame_names(self) -> tuple[str, ...] | None:
+        frame = sys._current_frames().get(self.target)
+        names = []
+        while frame is not None:
+            code = frame.f_code
+            names.append(f"{Path(code.co_filename).name}:{code.co_name}")
+            frame = frame.f_back
+        return tuple(reversed(names)) if names else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            names = self._frame_names()
+            if names is None:
+                continue
+            try:
+                label = self.label() if self.label is not None else ""
+            except Exception:
+                label = "?"
+            self.stacks[(str(label), names)] += 1
+
+    def start(self) -> StackSampler:
+        self.began = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.ended = time.monotonic()
+
+    def write(self, path: str | Path, top_functions: int = 60, top_stacks: int = 25) -> None:
+        wall = (self.ended or time.monotonic()) - self.began
+        taken = sum(self.stacks.values())
+        lines = [f"{taken} samples every {self.interval_s * 1000:.0f} ms over {wall:.1f} s of wall time ({wall / self.interval_s:.0f} possible)"]
+        by_label: dict[str, collections.Counter[tuple[str, ...]]] = collections.defaultdict(collections.Counter)
+        for (label, names), n in self.stacks.items():
+            by_label[label][names] += n
+        order = sorted(by_label, key=lambda k: -sum(by_label[k].values()))
+        for label in order:
+            stacks = by_label[label]
+            total = sum(stacks.values())
+            lines += ["", f"== {label or '(no label)'}: {total * self.interval_s:.1f} s"]
+            inclusive: collections.Counter[str] = collections.Counter()
+            for names, n in stacks.items():
+                for fn in set(names):
+                    inclusive[fn] += n
+            for fn, n in inclusive.most_common(top_functions):
+                lines.append(f"  {n * self.interval_s:8.2f} s  {fn}")
+            lines.append("  -- stacks (innermost last, the last 12 frames)")
+            for names, n in stacks.most_common(top_stacks):
+                lines.append(f"  {n * self.interval_s:8.2f} s  " + " > ".join(names[-12:]))
+        Path(path).write_text("\n".join(lines) + "\n")
+        # every stack, as flame-graph tools read them ("label;outer;...;inner count"), for a closer look
+        collapsed = [f"{label};{';'.join(names)} {n}" for (label, names), n in self.stacks.most_common()]
+        Path(path).with_suffix(".collapsed").write_text("\n".join(collapsed) + "\n")
