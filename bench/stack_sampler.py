@@ -69,7 +69,9 @@ class StackSampler:
     def write(self, path: str | Path, top_functions: int = 60, top_stacks: int = 25) -> None:
         wall = (self.ended or time.monotonic()) - self.began
         taken = sum(self.stacks.values())
-        lines = [f"{taken} samples every {self.interval_s * 1000:.0f} ms over {wall:.1f} s of wall time ({wall / self.interval_s:.0f} possible)"]
+        lines = [
+            f"{taken} samples every {self.interval_s * 1000:.0f} ms over {wall:.1f} s of wall time ({wall / self.interval_s:.0f} possible)"
+        ]
         by_label: dict[str, collections.Counter[tuple[str, ...]]] = collections.defaultdict(collections.Counter)
         for (label, names), n in self.stacks.items():
             by_label[label][names] += n
