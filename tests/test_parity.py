@@ -12,13 +12,17 @@ short and their verdicts are not asserted.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speedkit import compat
 from speedkit.data import BatchSource
 from speedkit.engine.ladder import Ladder
 from speedkit.handle import Handle, set_attr
@@ -478,3 +482,53 @@ def test_a_change_that_needs_steps_before_it_acts_is_judged_on_a_trajectory_wher
     assert entry.parity.passed and entry.parity.max_rel_diff == 0.0, entry.parity
     # 6 steps first, then every parity step and every timed one acted
     assert rung.step.acted == rung.step.taken - 6 >= QUICK["parity_steps"], (rung.step.taken, rung.step.acted)
+
+
+class _AttentionWithDropout(torch.nn.Module):
+    """Attention handing its dropout rate, a float, to SDPA itself (as Hugging Face models do), and an
+    nn.Dropout after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.attention_dropout = 0.1
+        self.dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        rate = self.attention_dropout if self.training else 0.0
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=rate)
+        return self.dropout(out.transpose(1, 2).reshape(2, 5, 32)).sum()
+
+
+def test_a_compile_with_dropout_off_leaves_the_rates_constants_for_the_fits_graph():
+    """Parity compiles the forward with every rate at 0 first; the fit's graph, with the rates back, must
+    compile them as constants. Changed and put back plainly, Dynamo marks the rate dynamic and, as SDPA
+    cannot take it as a tensor, traces the frame twice (on an H200 a GPT-2's cached re-check lost 9.6 s
+    of its 29.5 s to that second trace)."""
+    import torch._dynamo
+
+    from speedkit.engine.parity import dropout_off as _dropout_off
+
+    x = torch.randn(2, 5, 32, requires_grad=True)
+
+    def restarts_after_rates_at_zero_then_back(off: Any) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _AttentionWithDropout().train()
+        compiled = torch.compile(model.forward, backend="aot_eager")
+        before = compat.dynamo_restarts()
+        with off(model):
+            compiled(x).backward()
+        compiled(x).backward()
+        return compat.dynamo_restarts() - before
+
+    @contextlib.contextmanager
+    def plainly(model: Any) -> Iterator[None]:
+        model.attention_dropout, model.dropout.p = 0.0, 0.0
+        yield
+        model.attention_dropout, model.dropout.p = 0.1, 0.1
+
+    if restarts_after_rates_at_zero_then_back(plainly) == 0:
+        pytest.skip(f"torch {torch.__version__} does not make a changed float dynamic: nothing to avoid")
+    assert restarts_after_rates_at_zero_then_back(_dropout_off) == 0

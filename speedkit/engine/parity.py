@@ -305,13 +305,16 @@ def reduction_length(module: torch.nn.Module) -> int:
 @contextlib.contextmanager
 def dropout_off(model: torch.nn.Module) -> Iterator[None]:
     """Every dropout rate of ``model`` at 0 inside the block (:func:`active_dropouts`: dropout modules,
-    code reading ``dropout.p`` too, and the float rates a model passes to its kernels itself)."""
+    code reading ``dropout.p`` too, and the float rates a model passes to its kernels itself). Compiled
+    inside the block, the rates are constants (:func:`speedkit.compat.floats_as_constants`): the change
+    does not make them dynamic in the graphs compiled after it, with the rates put back."""
     saved = [(m, name, getattr(m, name)) for m, name in active_dropouts(model)]
     for m, name, _ in saved:
         setattr(m, name, 0.0)
     changed_in_place()  # a compiled forward guards on the rates (its graphs compile once for 0); a captured graph captures again
     try:
-        yield
+        with compat.floats_as_constants():
+            yield
     finally:
         for m, name, rate in saved:
             setattr(m, name, rate)
