@@ -283,10 +283,17 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
         stacks = Path(args.out) / "logs" / f"{name}_run{args.run}_{variant}_stacks.txt"
         sampler.write(stacks)
         try:  # Dynamo's own account of its compile phases, in this process so far
-            from torch._dynamo.utils import compile_times
+            from torch._dynamo.utils import compile_times, get_compilation_metrics
 
+            restarts = [
+                f"  {m.co_name} ({m.co_filename}:{m.co_firstlineno}): {m.dynamo_time_before_restart_s:.2f} s before a restart: "
+                + "; ".join(sorted(m.restart_reasons or []))
+                for m in get_compilation_metrics()
+                if m.restart_reasons
+            ]
             with stacks.open("a") as f:
                 f.write("\n== torch._dynamo.utils.compile_times()\n" + str(compile_times(repr="str")) + "\n")
+                f.write("\n== frames Dynamo traced again from the start, and why\n" + "\n".join(restarts) + "\n")
         except Exception as exc:
             print(f"compile_times: {first_line(exc)}", flush=True)
     fields: dict[str, Any] = (
