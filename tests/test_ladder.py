@@ -2000,6 +2000,7 @@ def test_a_climb_without_a_final_check_keeps_its_final_figure_and_what_its_rungs
     assert second.final_check is None and second.headline()[2] == pytest.approx(entry.speedup)
     assert second.to_dict()["summary"]["figures_from"].startswith("the fit that made the cached decision: ")
     assert "no final check" in second.kept[0].reason and isinstance(note["compile_caches"], dict)
+    assert note["traced_again"] == 0  # nothing compiled here
 
 
 def test_the_baseline_is_timed_in_windows_sized_by_time():

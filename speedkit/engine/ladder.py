@@ -435,6 +435,7 @@ class Ladder:
         # the switches that apply on the baseline: asked before the cached rungs go in
         floor_only = self.cfg.switches_floor and set(entry.kept) <= {r.name for r in switches.applicable_switches(self)[0]}
         t0, compiled_before, caches_before = self.host_clock(), compat.compile_seconds(), compat.compile_cache_counts()
+        restarts_before = compat.dynamo_restarts()
         final_then: Measurement | None = None  # the climb's figure for the final configuration, where it had no final check
         seconds = note["seconds"] = {}  # where the re-check's time went: applying, parity, timing
         try:
@@ -528,6 +529,8 @@ class Ladder:
         seconds["compiling"] = round(compat.compile_seconds() - compiled_before, 2)  # within apply, parity and timing
         # the compiled graphs' caches over the re-check (hits, misses: a miss compiles from scratch)
         note["compile_caches"] = compat.compile_cache_counts(since=caches_before)
+        # frames Dynamo traced again from their start (at a graph break, or for a float it had to specialize)
+        note["traced_again"] = compat.dynamo_restarts() - restarts_before
         note.update(held=True, kept=list(entry.kept), vs_switches=entry.vs_switches, decided_in_s=entry.trials_s)
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
         self.on_event(
