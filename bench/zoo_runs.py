@@ -38,7 +38,9 @@ where its wall time went, by the ladder's phase, in ``logs/<model>_run<k>_<varia
 
 A whole zoo takes longer than one device call: ``--detach`` starts the run in a session of its own
 (it outlives the call) and returns; ``--collect SECONDS`` in a later call waits for its ``done`` and
-packs ``--out`` into ``$OUT/zoo_runs.tgz``.
+packs ``--out`` into ``$OUT/zoo_runs.tgz``. Keep each call well inside the device's per-call limit
+(``--collect 500`` in a 600 s call): twice on 2026-11-29 a call that ended within a second of its limit
+came back with its files, but the next call found a fresh machine, the detached run gone with the old one.
 
 Usage: PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 [--models a,b] [--runs 3]
        PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 --cache fresh --cached-runs 1   # runs 1-3 climb, run 4 re-checks
