@@ -134,17 +134,25 @@ def static_batch_shapes() -> Iterator[None]:
     off) inside the block: a batch-size sweep times every size on the kernels a fit at that size
     gets, not the first size on static kernels and the others on one graph made dynamic by the
     second; each size is compiled once and found again in the cache. Put back after."""
+    with _dynamo_setting("automatic_dynamic_shapes", False):
+        yield
+
+
+@contextlib.contextmanager
+def _dynamo_setting(name: str, value: Any) -> Iterator[None]:
+    """Dynamo's config ``name`` at ``value`` inside the block, put back after; where this torch has
+    no such setting, nothing changes."""
     import torch._dynamo.config as dynamo_config
 
-    before = getattr(dynamo_config, "automatic_dynamic_shapes", None)
+    before = getattr(dynamo_config, name, None)
     if before is None:
         yield
         return
-    dynamo_config.automatic_dynamic_shapes = False
+    setattr(dynamo_config, name, value)
     try:
         yield
     finally:
-        dynamo_config.automatic_dynamic_shapes = before
+        setattr(dynamo_config, name, before)
 
 
 @contextlib.contextmanager
@@ -156,17 +164,8 @@ def floats_as_constants() -> Iterator[None]:
     dropout rate passed to a fused attention) makes Dynamo trace the frame again from the start with it
     specialized (``TensorifyScalarRestartAnalysis``): on an H200 a GPT-2's forward traced twice, 9.6 s
     of its 29.5 s cached re-check. Put back after; where the setting is missing, nothing changes."""
-    import torch._dynamo.config as dynamo_config
-
-    before = getattr(dynamo_config, "specialize_float", None)
-    if before is None:
+    with _dynamo_setting("specialize_float", True):
         yield
-        return
-    dynamo_config.specialize_float = True
-    try:
-        yield
-    finally:
-        dynamo_config.specialize_float = before
 
 
 def dynamo_restarts() -> int:

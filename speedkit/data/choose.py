@@ -245,9 +245,10 @@ def choose_settings(
                 "new base seed every epoch and change the shuffle (exact mode)",
             )
         counts.remove(0)
+    # each worker count at the loader's own prefetch factor (where the count is its own) or the default
+    by_count = [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]
     if reuse is not None:
-        candidates = [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]
-        candidates += [settings(n, f) for n in counts if n > 0 for f in factors]
+        candidates = by_count + [settings(n, f) for n in counts if n > 0 for f in factors]
         taken = _taken(reuse, current, [c for c in candidates if allowed(c)])
         if taken is not None:
             note = f"{taken.describe()}: chosen by measuring in the fit that made the cached decision (not measured again)"
@@ -257,7 +258,7 @@ def choose_settings(
     saved = RngState.capture(loader_generators(loader), owners=loader_rng_owners(loader))
     rates: dict[LoaderSettings, float] = {}
     try:
-        for s in [current, *(settings(n, current.prefetch_factor if n == current.num_workers else None) for n in counts)]:
+        for s in by_count:
             if s not in rates:
                 rates[s] = run(s)
         best_count = max((s for s in rates if allowed(s)), key=rates.__getitem__).num_workers
