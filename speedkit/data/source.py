@@ -55,6 +55,10 @@ class BatchSource:
         device: where the step runs.
     """
 
+    #: set while the trials read, untimed, what the workers made ahead (``Timing.drain``): a source that
+    #: records its waits leaves those reads out
+    reading_ahead: bool = False
+
     def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
         self.loader = loader
         self.device = torch.device(device)
@@ -102,6 +106,14 @@ class BatchSource:
     def release(self) -> None:
         """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""
         compat.shutdown_workers(self.iterable)
+
+    def buffered_at_most(self) -> int:
+        """The most batches this source's workers can have made ahead while nobody reads it (a
+        DataLoader's workers times its prefetch factor; 0 without workers): a window that begins after
+        slower steps or another source's windows may read that many without waiting for any."""
+        workers = int(getattr(self.iterable, "num_workers", 0) or 0)
+        factor = getattr(self.iterable, "prefetch_factor", None)
+        return workers * (int(factor) if factor else 2) if workers > 0 else 0
 
     def fit_serving(self) -> BatchSource | None:
         """The source whose loading a ``fit`` that iterates its own loader must take over for this

@@ -261,6 +261,11 @@ class Ladder:
                     pass
             self.stack.undo_all()
         if self.timing is not None:
+            if self.timing.drained_batches:  # what its windows did not time, said
+                result.run["loader_read_ahead"] = {
+                    "batches": self.timing.drained_batches,
+                    "seconds": round(self.timing.drained_s, 3),
+                }
             self.timing.close()
         result.run["trials_s"] = round(self.budget.elapsed(), 3)
         if "budget" in result.run:

@@ -396,6 +396,13 @@ def _run(d: dict[str, Any]) -> list[str]:
         phases = budget.get("phases") or {}
         if phases:
             lines += ["- Time per phase: " + ", ".join(f"{_escape(k)} {_num(v, '.1f')} s" for k, v in phases.items()) + "."]
+    read_ahead = run.get("loader_read_ahead")
+    if read_ahead:
+        lines += [
+            f"- Loader: before each window the batches its workers had made ahead were read untimed "
+            f"({read_ahead.get('batches', MISSING)} in all, {_num(read_ahead.get('seconds'), '.1f')} s), so that every "
+            "window ran at the pace the loader keeps up, as the fit does."
+        ]
     if run.get("first_tried"):
         lines += [f"- Plan: {_escape(run['first_tried'])}."]
     if run.get("trial_order"):

@@ -175,6 +175,12 @@ class DataPathSource(SourceWrapper):
         self._live = batches if ring is not None else None
         return self._timed(batches)
 
+    def buffered_at_most(self) -> int:
+        """What its loader's workers queue (:meth:`BatchSource.buffered_at_most`), or, with a ring, what the
+        ring's slots hold where that is more, and the batch copied ahead."""
+        ring = self.plan.ring[0] * self.plan.ring[1] if self.plan.ring is not None and self.rebuilt is not None else 0
+        return max(super().buffered_at_most(), ring) + (self.plan.lookahead if self.plan.prefetch else 0)
+
     def _prefetched_epochs(self, ring: BatchRing | None, epochs: int | None = None) -> Generator[Any, None, None]:
         """Device batches epoch after epoch (``epochs`` of them, or without end), each epoch prefetched as a fit's is (a
         :class:`PrefetchingLoader`) and made when the loop asks for its first batch: the lookahead
@@ -210,7 +216,8 @@ class DataPathSource(SourceWrapper):
                 batch = next(batches)
             except StopIteration:
                 return
-            self.waits.append((time.perf_counter() - t0) * 1e3)
+            if not self.reading_ahead:
+                self.waits.append((time.perf_counter() - t0) * 1e3)
             yield self.inner.to_device(batch)
 
     def release(self) -> None:
