@@ -26,11 +26,12 @@ from speedkit.rungs.base import Rung
 class ProducingSource(BatchSource):
     """Its loader's batches, made in the background one every ``period_s`` of virtual time from when
     an iterator is made, up to ``capacity`` ready at once: a batch read while one is ready costs
-    nothing, else the reader waits (virtual time passes) until the next is made."""
+    ``read_s`` (taking it: 1 ms for a large batch from data_path's ring), else the reader waits (virtual
+    time passes) until the next is made."""
 
-    def __init__(self, inner: BatchSource, time: VirtualTime, period_s: float, capacity: int) -> None:
+    def __init__(self, inner: BatchSource, time: VirtualTime, period_s: float, capacity: int, read_s: float = 0.0) -> None:
         super().__init__(inner.loader, inner.device)
-        self.time, self.period_s, self.capacity = time, period_s, capacity
+        self.time, self.period_s, self.capacity, self.read_s = time, period_s, capacity, read_s
 
     def buffered_at_most(self) -> int:
         return self.capacity
@@ -57,6 +58,7 @@ class ProducingSource(BatchSource):
                 time.now = since = since + period
                 ready = 1
             ready -= 1
+            time.now += self.read_s
             yield batch
 
 
@@ -66,25 +68,26 @@ class FasterLoaderRung(Rung):
 
     name = "faster_loader"
 
-    def __init__(self, time: VirtualTime, period_s: float, capacity: int) -> None:
+    def __init__(self, time: VirtualTime, period_s: float, capacity: int, read_s: float = 0.0) -> None:
         super().__init__()
-        self.time, self.period_s, self.capacity = time, period_s, capacity
+        self.time, self.period_s, self.capacity, self.read_s = time, period_s, capacity, read_s
 
     def apply(self, state: Any) -> Handle:
         handle = Handle(self.name)
-        source = ProducingSource(state.data, self.time, self.period_s, self.capacity)
+        source = ProducingSource(state.data, self.time, self.period_s, self.capacity, self.read_s)
         set_attr(handle, state, "data", source, f"workers making a batch every {self.period_s * 1e3:.0f} ms")
         return handle
 
 
-def test_a_loader_bound_configuration_is_timed_at_its_loaders_pace():
+@pytest.mark.parametrize("read_ms", [0.0, 1.5])  # 1.5: each batch taken from the buffer costs that (a ring's)
+def test_a_loader_bound_configuration_is_timed_at_its_loaders_pace(read_ms):
     from conftest import mlp_state
 
     time = VirtualTime()
     state = mlp_state()
     state.step = CostStep(state.step, time, 0.02)  # the step's compute: 20 ms
     state.data = ProducingSource(state.data, time, period_s=0.4, capacity=2)  # the user's loader: 400 ms a batch
-    rung = FasterLoaderRung(time, period_s=0.04, capacity=60)  # 40 ms a batch, 60 ready at most
+    rung = FasterLoaderRung(time, period_s=0.04, capacity=60, read_s=read_ms / 1e3)  # 40 ms a batch, 60 ready at most
     _, result = _run(state, [rung], time, **{**FAST, "steps": 5})
     (entry,) = [r for r in result.rungs if r.name == "faster_loader"]
     assert entry.status == "kept"  # ten times the loader: kept whatever the clock says
