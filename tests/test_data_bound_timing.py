@@ -99,6 +99,9 @@ def test_a_loader_bound_configuration_is_timed_at_its_loaders_pace(read_ms):
 
     read_ahead = result.run["loader_read_ahead"]
     assert read_ahead["batches"] > 60  # at least the faster loader's full buffer, once
+    # only a window after a change of configuration reads ahead: about half of the A B B A windows
+    timed = [m for paired in (entry.comparison, result.final_check) for m in (paired.a, paired.b)]
+    assert read_ahead["windows"] <= 0.7 * sum(len(m.window_ms) for m in timed)
     assert f"({read_ahead['batches']} in all" in render_markdown(result.to_dict())
 
 

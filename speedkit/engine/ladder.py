@@ -263,6 +263,7 @@ class Ladder:
         if self.timing is not None:
             if self.timing.drained_batches:  # what its windows did not time, said
                 result.run["loader_read_ahead"] = {
+                    "windows": self.timing.drains,
                     "batches": self.timing.drained_batches,
                     "seconds": round(self.timing.drained_s, 3),
                 }

@@ -55,8 +55,9 @@ class Timing:
         self.window_steps = cfg.steps
         self.noise: float | None = None
         self._iterators: dict[int, Iterator[Any]] = {}
-        #: batches read untimed before windows, and the host seconds that took (:meth:`drain`)
-        self.drained_batches, self.drained_s = 0, 0.0
+        #: the windows that began by reading, untimed, what the source held ahead; the batches that took,
+        #: and its host seconds (:meth:`drain`)
+        self.drains, self.drained_batches, self.drained_s = 0, 0, 0.0
         #: per data source: its quickest read in :meth:`drain` that did not wait (taking a batch made ahead)
         self._quickest_read: dict[int, float] = {}
 
@@ -118,6 +119,7 @@ class Timing:
             return False
         batches, clock = self._unmapped_iterator(data), self.host_clock
         start, key = clock(), id(data)
+        self.drains += 1
         outer = self.state.data
         outer.reading_ahead = data.reading_ahead = True
         try:
@@ -189,13 +191,24 @@ class Timing:
                 f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}"
             )
 
+        # the configuration in effect, and the one the last window ran: a window right after another of
+        # the same configuration finds the source as that configuration's steps leave it, nothing to drain
+        side: dict[str, bool | None] = {"on": False, "last_window": None}
+
+        def switch(candidate: bool) -> None:
+            set_candidate(candidate)
+            side["on"] = candidate
+
         def window() -> Any:
-            if shared is None and self.drain():  # read from the source at its sustained pace, not from its
-                session.warm(self.runner(), 1)  # buffer; one step begins the window in that pace's rhythm
+            # read from the source at its sustained pace, not from what it buffered meanwhile; one step
+            # then begins the window in that pace's rhythm
+            if shared is None and side["last_window"] is not side["on"] and self.drain():
+                session.warm(self.runner(), 1)
+            side["last_window"] = side["on"]
             return session.window(self.runner(shared), self.window_steps)
 
         paired = compare(
-            set_candidate,
+            switch,
             window,
             cfg,
             budget_s=budget,

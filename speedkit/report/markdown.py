@@ -399,9 +399,10 @@ def _run(d: dict[str, Any]) -> list[str]:
     read_ahead = run.get("loader_read_ahead")
     if read_ahead:
         lines += [
-            f"- Loader: before each window the batches its workers had made ahead were read untimed "
-            f"({read_ahead.get('batches', MISSING)} in all, {_num(read_ahead.get('seconds'), '.1f')} s), so that every "
-            "window ran at the pace the loader keeps up, as the fit does."
+            f"- Loader: before {read_ahead.get('windows', MISSING)} windows (each after a change of configuration) the "
+            f"batches its workers had made ahead meanwhile were read untimed ({read_ahead.get('batches', MISSING)} in all, "
+            f"{_num(read_ahead.get('seconds'), '.1f')} s), so that every window ran at the pace the loader keeps up, "
+            "as the fit does."
         ]
     if run.get("first_tried"):
         lines += [f"- Plan: {_escape(run['first_tried'])}."]
