@@ -55,7 +55,7 @@ class BatchSource:
         device: where the step runs.
     """
 
-    #: set while the trials read, untimed, what the workers made ahead (``Timing.drain``): a source that
+    #: set while the trials read batches untimed to measure its pace (``Timing.loader_pace_ms``): a source that
     #: records its waits leaves those reads out
     reading_ahead: bool = False
 
@@ -107,11 +107,16 @@ class BatchSource:
         """After the trials: stop the workers the trials' copy of a persistent-workers loader started."""
         compat.shutdown_workers(self.iterable)
 
+    def workers(self) -> int:
+        """The processes making this source's batches side by side (a DataLoader's workers; 0: the reader
+        makes each itself, within the step)."""
+        return int(getattr(self.iterable, "num_workers", 0) or 0)
+
     def buffered_at_most(self) -> int:
         """The most batches this source's workers can have made ahead while nobody reads it (a
         DataLoader's workers times its prefetch factor; 0 without workers): a window that begins after
         slower steps or another source's windows may read that many without waiting for any."""
-        workers = int(getattr(self.iterable, "num_workers", 0) or 0)
+        workers = self.workers()
         factor = getattr(self.iterable, "prefetch_factor", None)
         return workers * (int(factor) if factor else 2) if workers > 0 else 0
 

@@ -261,12 +261,8 @@ class Ladder:
                     pass
             self.stack.undo_all()
         if self.timing is not None:
-            if self.timing.drained_batches:  # what its windows did not time, said
-                result.run["loader_read_ahead"] = {
-                    "windows": self.timing.drains,
-                    "batches": self.timing.drained_batches,
-                    "seconds": round(self.timing.drained_s, 3),
-                }
+            if self.timing.paces:  # the loaders' paces its windows were bounded by
+                result.run["loader_pace"] = self.timing.paces
             self.timing.close()
         result.run["trials_s"] = round(self.budget.elapsed(), 3)
         if "budget" in result.run:

@@ -22,8 +22,10 @@ from speedkit.results import Measurement, PairedResult
 from speedkit.training.snapshot import Snapshot
 from speedkit.training.state import TrainState
 
-#: a read of a data source that took longer waited for its batch to be made (:meth:`Timing.drain`)
-READ_WAITED_S = 0.003
+#: rounds of a loader's workers read for its pace (:meth:`Timing.loader_pace_ms`), after its buffer and one round
+PACE_ROUNDS = 2
+#: ... and at least this many reads
+PACE_READS = 8
 
 
 class Timing:
@@ -55,11 +57,10 @@ class Timing:
         self.window_steps = cfg.steps
         self.noise: float | None = None
         self._iterators: dict[int, Iterator[Any]] = {}
-        #: the windows that began by reading, untimed, what the source held ahead; the batches that took,
-        #: and its host seconds (:meth:`drain`)
-        self.drains, self.drained_batches, self.drained_s = 0, 0, 0.0
-        #: per data source: its quickest read in :meth:`drain` that did not wait (taking a batch made ahead)
-        self._quickest_read: dict[int, float] = {}
+        #: per data source with workers: the pace it sustains, ms per batch (:meth:`loader_pace_ms`), and
+        #: what measuring it read (for the report)
+        self._pace_ms: dict[int, float] = {}
+        self.paces: list[dict[str, Any]] = []
 
     def close(self) -> None:
         """Forget the data sources' iterators (the trials are over)."""
@@ -95,47 +96,54 @@ class Timing:
             self._iterators[id(data)] = data.iterator()
         return self._iterators[id(data)]
 
-    def drain(self) -> bool:
-        """Before a window that reads the data source in effect: read, untimed and without stepping, what
-        its workers made ahead while slower steps or the other configuration's windows ran, until a read
-        waits for its batch (at most what the source can hold, :meth:`BatchSource.buffered_at_most`,
-        and one more). The window then runs at the pace the loader sustains behind this configuration's
-        steps, as the fit's steps do, not on a buffer: on an H200 a ResNet-18 whose loader makes a batch
-        every 40.5 ms was timed at 22.6 ms per step on batches data_path's ring had filled while the
-        baseline's windows ran; its fit ran 50-57 ms. A source without workers holds nothing ahead.
-        Returns whether it read any (the next step then waits for a batch being made).
+    def loader_pace_ms(self) -> float:
+        """The least ms per optimizer step the data source in effect allows: the pace its loader's workers
+        sustain, measured once per source, times the batches a step reads (0 for a source without
+        workers: the reader makes each batch within the step, which the window times).
 
-        A read waited where it took over :data:`READ_WAITED_S` and over three times this source's quickest
-        read that did not wait: taking a batch made ahead costs about the same each time, well under a
-        millisecond from a worker's queue, about one for a large batch from data_path's ring (a 77 MiB
-        slot on an H200). A shorter wait goes unseen, and the reads go on (at most to the cap, each
-        waiting that little)."""
+        Workers keep making batches while nobody reads their source (while the other configuration's
+        windows run, or slower steps), and a window then reads that buffer: on an H200 data_path's
+        ResNet-18 (14 workers, a batch every 41.8 ms) was timed at 22.6 ms per step against a fit of
+        50-57 ms. Reading the buffer away before each window did not help: read all at once, the
+        workers start their next batches together, and the next window waits for their round (3-step
+        windows then read 13.6-27.8 ms and 20-147 ms in a stand-in whose loader sustains 40.1). So each
+        window is bounded below by the pace measured here: every batch the source holds and one round of
+        its workers read and let go, then :data:`PACE_ROUNDS` rounds (at least :data:`PACE_READS`
+        batches) read back to back, timed."""
         data = self.state.data
         if data is None:
-            return False
+            return 0.0
         data, _ = data.unmapped()
-        most = data.buffered_at_most()
-        if most <= 0:
-            return False
-        batches, clock = self._unmapped_iterator(data), self.host_clock
-        start, key = clock(), id(data)
-        self.drains += 1
-        outer = self.state.data
-        outer.reading_ahead = data.reading_ahead = True
-        try:
-            for _ in range(most + 1):
-                before = clock()
-                next(batches)
-                took = clock() - before
-                self.drained_batches += 1
-                quickest = self._quickest_read.get(key, float("inf"))
-                if took > max(READ_WAITED_S, 3 * quickest if quickest < float("inf") else 0.0):
-                    break
-                self._quickest_read[key] = min(quickest, took)
-        finally:
-            outer.reading_ahead = data.reading_ahead = False
-            self.drained_s += clock() - start
-        return True
+        workers = data.workers()
+        if workers <= 0:
+            return 0.0
+        key = id(data)
+        if key not in self._pace_ms:
+            batches, clock = self._unmapped_iterator(data), self.host_clock
+            settle, timed = data.buffered_at_most() + workers, max(PACE_READS, PACE_ROUNDS * workers)
+            outer = self.state.data
+            outer.reading_ahead = data.reading_ahead = True  # a source recording its waits leaves these out
+            try:
+                began = clock()
+                for _ in range(settle):
+                    next(batches)
+                start = clock()
+                for _ in range(timed):
+                    next(batches)
+                end = clock()
+            finally:
+                outer.reading_ahead = data.reading_ahead = False
+            self._pace_ms[key] = (end - start) / timed * 1e3
+            self.paces.append(
+                {
+                    "source": type(data).__name__,
+                    "workers": workers,
+                    "ms_per_batch": round(self._pace_ms[key], 3),
+                    "batches": settle + timed,
+                    "seconds": round(end - began, 3),
+                }
+            )
+        return self._pace_ms[key] * self.state.step.accumulate
 
     def block_batches(self, same_source: bool) -> list[Any] | None:
         """The batches every window of the next A/B block runs, drawn once (untimed) from the data
@@ -151,8 +159,10 @@ class Timing:
         configuration): ``repeats`` windows of ``steps`` steps (default: the configured ones)."""
         cfg = self.cfg
         self.snapshot.restore(rng=False)
-        self.drain()
-        return self.session.measure(self.runner(), warmup=cfg.warmup, steps=steps or cfg.steps, repeats=repeats or cfg.repeats)
+        floor = self.loader_pace_ms()
+        return self.session.measure(
+            self.runner(), warmup=cfg.warmup, steps=steps or cfg.steps, repeats=repeats or cfg.repeats, floor_ms=floor
+        )
 
     def compare(
         self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float], shared_batches: bool = True
@@ -191,24 +201,11 @@ class Timing:
                 f"[{verdict.low:.3f}, {verdict.high:.3f}] {verdict.verdict.replace('_', ' ')}"
             )
 
-        # the configuration in effect, and the one the last window ran: a window right after another of
-        # the same configuration finds the source as that configuration's steps leave it, nothing to drain
-        side: dict[str, bool | None] = {"on": False, "last_window": None}
-
-        def switch(candidate: bool) -> None:
-            set_candidate(candidate)
-            side["on"] = candidate
-
-        def window() -> Any:
-            # read from the source at its sustained pace, not from what it buffered meanwhile; one step
-            # then begins the window in that pace's rhythm
-            if shared is None and side["last_window"] is not side["on"] and self.drain():
-                session.warm(self.runner(), 1)
-            side["last_window"] = side["on"]
-            return session.window(self.runner(shared), self.window_steps)
+        def window() -> Any:  # no faster than the loader in effect sustains (loader_pace_ms)
+            return session.window(self.runner(shared), self.window_steps, floor_ms=self.loader_pace_ms())
 
         paired = compare(
-            switch,
+            set_candidate,
             window,
             cfg,
             budget_s=budget,

@@ -48,6 +48,8 @@ class Window:
     steps: int  # steps in the window
     peak_memory_bytes: int | None = None
     compiled_graphs: int = 0  # graphs torch.compile compiled during it (its time is in the window's)
+    #: the least ``ms`` could be (the pace of the loader feeding it); ``ms`` is at least this
+    floor_ms: float = 0.0
     #: under DDP (a session ``across_ranks``): each rank's own (ms, data_wait_ms, host_ms, peak bytes),
     #: the fields above being the slowest rank's (the largest of each)
     ranks: list[tuple[float, float, float, int | None]] | None = None
@@ -135,10 +137,11 @@ class MeasureSession:
         if steps and self._cuda:
             torch.cuda.synchronize(self.device)
 
-    def window(self, run_one: Callable[[], None], steps: int) -> Window:
+    def window(self, run_one: Callable[[], None], steps: int, floor_ms: float = 0.0) -> Window:
         """Time ``steps`` steps; one host wait for the device, at the end. Python's garbage collector
         runs as it does in training (its full passes are part of a host-bound step's cost, which the
-        ``gc_freeze`` rung cuts)."""
+        ``gc_freeze`` rung cuts). ``floor_ms``: the least a step can take in steady state (its loader's
+        pace): a window whose steps read batches made ahead is timed at that."""
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._data_wait = self._host = 0.0
@@ -150,7 +153,8 @@ class MeasureSession:
         times = self.clock.stop()
         return self._across(
             Window(
-                ms=sum(times) / len(times),
+                ms=max(sum(times) / len(times), floor_ms),
+                floor_ms=floor_ms,
                 data_wait_ms=self._data_wait / steps * 1e3,
                 host_ms=self._host / steps * 1e3,
                 steps=steps,
@@ -184,6 +188,7 @@ class MeasureSession:
             steps=window.steps,
             peak_memory_bytes=max(peaks) if window.peak_memory_bytes is not None else None,
             compiled_graphs=int(max(r[4] for r in rows)),
+            floor_ms=window.floor_ms,
             ranks=[(r[0], r[1], r[2], (int(r[3]) if window.peak_memory_bytes is not None else None)) for r in rows],
         )
 
@@ -199,11 +204,14 @@ class MeasureSession:
         self.warm(run_one, warmup)
         return [self.window(run_one, steps).ms for _ in range(repeats)]
 
-    def measure(self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int) -> Measurement:
-        """Warm up, then ``repeats`` windows of ``steps`` steps, with telemetry: one configuration alone."""
+    def measure(
+        self, run_one: Callable[[], None], *, warmup: int, steps: int, repeats: int, floor_ms: float = 0.0
+    ) -> Measurement:
+        """Warm up, then ``repeats`` windows of ``steps`` steps, with telemetry: one configuration alone
+        (``floor_ms``: see :meth:`window`)."""
         self.warm(run_one, warmup)
         with self.sampling() as telemetry:
-            windows = [self.window(run_one, steps) for _ in range(repeats)]
+            windows = [self.window(run_one, steps, floor_ms) for _ in range(repeats)]
         summary = telemetry.get("summary")
         if self.across_ranks:  # decisions read it (a host-bound step): every rank reads rank 0's
             summary = distributed.broadcast(summary)

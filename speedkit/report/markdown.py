@@ -396,13 +396,12 @@ def _run(d: dict[str, Any]) -> list[str]:
         phases = budget.get("phases") or {}
         if phases:
             lines += ["- Time per phase: " + ", ".join(f"{_escape(k)} {_num(v, '.1f')} s" for k, v in phases.items()) + "."]
-    read_ahead = run.get("loader_read_ahead")
-    if read_ahead:
+    for pace in run.get("loader_pace") or []:
         lines += [
-            f"- Loader: before {read_ahead.get('windows', MISSING)} windows (each after a change of configuration) the "
-            f"batches its workers had made ahead meanwhile were read untimed ({read_ahead.get('batches', MISSING)} in all, "
-            f"{_num(read_ahead.get('seconds'), '.1f')} s), so that every window ran at the pace the loader keeps up, "
-            "as the fit does."
+            f"- Loader pace: {_escape(pace.get('source'))} with {pace.get('workers', MISSING)} workers sustains "
+            f"{_num(pace.get('ms_per_batch'), '.2f')} ms a batch (measured once, {pace.get('batches', MISSING)} batches, "
+            f"{_num(pace.get('seconds'), '.1f')} s); no window that reads it is timed faster than that per batch, "
+            "as the fit's steps cannot be (its workers buffer batches while the other configuration's windows run)."
         ]
     if run.get("first_tried"):
         lines += [f"- Plan: {_escape(run['first_tried'])}."]
