@@ -121,8 +121,7 @@ class Timing:
         if key not in self._pace_ms:
             batches, clock = self._unmapped_iterator(data), self.host_clock
             settle, timed = data.buffered_at_most() + workers, max(PACE_READS, PACE_ROUNDS * workers)
-            outer = self.state.data
-            outer.reading_ahead = data.reading_ahead = True  # a source recording its waits leaves these out
+            data.reading_ahead = True  # a source recording its waits leaves these reads out
             try:
                 began = clock()
                 for _ in range(settle):
@@ -132,7 +131,7 @@ class Timing:
                     next(batches)
                 end = clock()
             finally:
-                outer.reading_ahead = data.reading_ahead = False
+                data.reading_ahead = False
             self._pace_ms[key] = (end - start) / timed * 1e3
             self.paces.append(
                 {
