@@ -1374,6 +1374,35 @@ def test_comparison_windows_are_sized_by_time_and_the_report_names_the_noise():
     assert short.run["noise"]["window_steps"] == 3  # never under `min_window_steps`
 
 
+def test_windows_are_sized_again_by_time_once_a_kept_rung_makes_the_step_faster():
+    """Sized once from the baseline, a climb that made the step ten times faster timed ten times shorter
+    windows (3 steps of 35 ms on an H200 ResNet-18 whose baseline took 345 ms). Each comparison's
+    windows are sized from the step last measured for the configuration in effect."""
+    from speedkit.report.markdown import render_markdown
+
+    time = VirtualTime(noise=0.02, seed=5)
+    rungs = [SpeedRung("ten_x", time, 0.1, -0.9), SpeedRung("small", time, 0.1, -0.005)]
+    _, result = _run(timed_state(time, 0.1), rungs, time, window_s=0.5, repeats=5)
+    assert result.run["noise"]["window_steps"] == 5  # 0.5 s of the baseline's 100 ms step
+    ten_x, small = result.rungs[1], result.rungs[2]
+    assert ten_x.status == "kept" and ten_x.comparison.a.steps == 5
+    # the next comparison runs on the 10 ms step: 0.5 s is 50 steps
+    assert small.comparison.a.steps == small.comparison.b.steps == 50
+    resized, *closing = result.run["noise"]["resized"]
+    assert resized["before"] == "small" and resized["from_steps"] == 5 and resized["window_steps"] == 50
+    assert resized["step_ms"] == pytest.approx(10, rel=0.05)
+    # the final check's A is the baseline: its windows are sized by its 100 ms step again
+    assert [(r["before"], r["window_steps"]) for r in closing] == [("final", 5)]
+    assert "sized again by time for the step in effect: 50 steps at 10.0" in render_markdown(result.to_dict())
+
+
+def test_windows_sized_again_stay_within_their_bounds():
+    time = VirtualTime(noise=0.0)
+    rungs = [SpeedRung("ten_x", time, 0.1, -0.9), SpeedRung("small", time, 0.1, -0.05)]
+    _, result = _run(timed_state(time, 0.1), rungs, time, window_s=0.5, max_window_steps=20)
+    assert result.rungs[2].comparison.a.steps == 20  # 50 by time, capped
+
+
 def test_the_trials_budget_is_a_rule_of_the_step_time_and_the_planned_fit():
     # a 20 ms step: the base budget; a known fit: at most its share, never under the minimum
     result = _budget_run(None, trials_budget_s=45.0)

@@ -263,6 +263,8 @@ class Ladder:
         if self.timing is not None:
             if self.timing.paces:  # the loaders' paces its windows were bounded by
                 result.run["loader_pace"] = self.timing.paces
+            if self.timing.resized:  # windows sized again by time as the step got faster (or slower)
+                result.run.setdefault("noise", {})["resized"] = self.timing.resized
             self.timing.close()
         result.run["trials_s"] = round(self.budget.elapsed(), 3)
         if "budget" in result.run:

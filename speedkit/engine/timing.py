@@ -6,6 +6,7 @@ A B B A blocks (:func:`speedkit.measure.compare.compare`); a heartbeat for long 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +34,8 @@ class Timing:
     ``snapshot`` (weights and schedule; the RNG runs on).
 
     ``window_steps``: optimizer steps per window of the A/B comparisons (sized by time from the
-    baseline, :func:`speedkit.engine.budget.window_steps`); ``noise``: the planned noise of one block's
+    baseline, :func:`speedkit.engine.budget.window_steps`, then for each comparison again from the
+    step time last measured for the configuration in effect: :meth:`size_windows`); ``noise``: the planned noise of one block's
     log gain (the baseline's window spread), which sizes each comparison's design; ``shapes_vary``: batches differ in shape
     (padded to each batch's longest sequence): each A/B block then times both configurations on the
     same batches, whose work would otherwise differ more between windows than most rungs change it.
@@ -61,6 +63,10 @@ class Timing:
         #: what measuring it read (for the report)
         self._pace_ms: dict[int, float] = {}
         self.paces: list[dict[str, Any]] = []
+        #: ms per step last measured for each configuration of the stack (the names of the rungs on)
+        self._step_ms: dict[tuple[str, ...], float] = {}
+        #: each time the windows were sized again for a comparison (for the report)
+        self.resized: list[dict[str, Any]] = []
 
     def close(self) -> None:
         """Forget the data sources' iterators (the trials are over)."""
@@ -144,6 +150,34 @@ class Timing:
             )
         return self._pace_ms[key] * self.state.step.accumulate
 
+    def in_effect(self) -> tuple[str, ...]:
+        """The configuration in effect: the names of the stack's rungs that are on."""
+        return tuple(slot.rung.name for slot in self.stack.slots if slot.on)
+
+    def note_step_ms(self, step_ms: float | None, configuration: tuple[str, ...] | None = None) -> None:
+        """Remember ``step_ms`` as the step time of ``configuration`` (default: the one in effect)."""
+        if step_ms is not None and math.isfinite(step_ms) and step_ms > 0:
+            self._step_ms[self.in_effect() if configuration is None else configuration] = step_ms
+
+    def size_windows(self, label: str) -> None:
+        """Windows sized by time for the comparison about to run: ``window_s`` at the step time last
+        measured for the configuration in effect (its A), within ``min_window_steps`` and
+        ``max_window_steps``. Sized once from the baseline, a climb that made the step 10x faster
+        timed 10x shorter windows: 3 steps of 35 ms for a ResNet-18 whose baseline took 345 ms, 10
+        steps of 2.4 ms for a Transformer sized at 24 ms, where one host hiccup is a large share of
+        a window. A configuration not yet measured keeps the windows as they are."""
+        step_ms = self._step_ms.get(self.in_effect())
+        if step_ms is None:
+            return
+        cfg = self.cfg
+        steps = max(cfg.min_window_steps, min(cfg.max_window_steps, math.ceil(cfg.window_s * 1e3 / step_ms)))
+        if steps != self.window_steps:
+            self.resized.append(
+                {"before": label, "step_ms": round(step_ms, 3), "from_steps": self.window_steps, "window_steps": steps}
+            )
+            self.on_event(f"  {label}: windows of {steps} steps (~{steps * step_ms / 1e3:.2f} s at {step_ms:.2f} ms a step)")
+            self.window_steps = steps
+
     def block_batches(self, same_source: bool) -> list[Any] | None:
         """The batches every window of the next A/B block runs, drawn once (untimed) from the data
         source, where batch shapes vary and both configurations read the same source; else None
@@ -159,9 +193,11 @@ class Timing:
         cfg = self.cfg
         self.snapshot.restore(rng=False)
         floor = self.loader_pace_ms()
-        return self.session.measure(
+        measured = self.session.measure(
             self.runner(), warmup=cfg.warmup, steps=steps or cfg.steps, repeats=repeats or cfg.repeats, floor_ms=floor
         )
+        self.note_step_ms(measured.step_ms)
+        return measured
 
     def compare(
         self, set_candidate: Callable[[bool], None], label: str, budget_s: Callable[[], float], shared_batches: bool = True
@@ -177,11 +213,13 @@ class Timing:
         self.snapshot.restore(rng=False)
         start = self.host_clock()
         set_candidate(True)
-        source_b = self.state.data
+        source_b, configuration_b = self.state.data, self.in_effect()
         with heartbeat(self.on_event, f"  {label}: warm-up"):
             session.warm(self.runner(), max(cfg.warmup, self.settle()))
         set_candidate(False)
         same_source = self.state.data is source_b
+        configuration_a = self.in_effect()
+        self.size_windows(label)
         session.warm(self.runner(), self.settle())
         budget = budget_s()
         shared: list[Any] | None = None
@@ -215,12 +253,15 @@ class Timing:
             on_look=look,
         )
         design = paired.design
+        a_m, b_m = session.measurement(paired.a, warmup=cfg.warmup), session.measurement(paired.b, warmup=cfg.warmup)
+        self.note_step_ms(a_m.step_ms, configuration_a)
+        self.note_step_ms(b_m.step_ms, configuration_b)
         return PairedResult(
             **asdict(paired.comparison),
             planned_blocks=design.final if design is not None else None,
             stopped_by_budget=paired.stopped_by_budget,
-            a=session.measurement(paired.a, warmup=cfg.warmup),
-            b=session.measurement(paired.b, warmup=cfg.warmup),
+            a=a_m,
+            b=b_m,
             seconds=self.host_clock() - start,
         )
 

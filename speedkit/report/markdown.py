@@ -383,7 +383,17 @@ def _run(d: dict[str, Any]) -> list[str]:
     if noise:
         lines += [
             f"- Noise: the baseline's windows vary by {format_percent(noise.get('baseline_spread'))} (likely source: "
-            f"{_escape(noise.get('source'))}); the comparisons timed windows of {noise.get('window_steps', MISSING)} steps."
+            f"{_escape(noise.get('source'))}); the comparisons timed windows of {noise.get('window_steps', MISSING)} steps"
+            + (
+                ", sized again by time for the step in effect: "
+                + ", ".join(
+                    f"{r.get('window_steps', MISSING)} steps at {_num(r.get('step_ms'), '.2f')} ms (from {_escape(r.get('before'))})"
+                    for r in noise["resized"]
+                )
+                if noise.get("resized")
+                else ""
+            )
+            + "."
         ]
     budget = run.get("budget")
     if budget or run.get("trials_s") is not None:
