@@ -2199,6 +2199,26 @@ def test_the_remedy_is_tried_together_and_then_member_by_member(monkeypatch):
     assert result.final_check.speedup == pytest.approx(2.0, rel=0.03)
 
 
+def test_the_remedys_members_are_judged_after_the_rest_of_the_order(monkeypatch):
+    """On an H200 the demo Transformer's leave-one-out of its remedy (16 s) came before data_path and
+    gc_freeze, a quarter of its step, and left them no budget: the rungs after the remedy are tried
+    first, then its members one by one."""
+    _diagnosed(monkeypatch, gemm=15.0)
+    base = {_on(): 0.040, _on("a"): 0.040, _on("b"): 0.040, _on("c"): 0.041, _on("a", "b"): 0.020}
+    base.update({_on("a", "c"): 0.041, _on("b", "c"): 0.041, _on("a", "b", "c"): 0.024})
+    costs = {**base, **{key | {"d"}: cost * 0.8 for key, cost in base.items()}}  # d: 20% off any step
+    state, time, flags = _switch_state(costs, names=("a", "b", "c", "d"))
+    rungs = [TargetedFlagRung(n, ("gemm",)) for n in ("a", "b", "c")] + [FlagRung("d", recheck=False)]
+    events: list[str] = []
+    ladder = Ladder(state, rungs, FAST, clock=time.clock(), host_clock=time, on_event=events.append)
+    result = ladder.run()
+    tried_d = next(i for i, e in enumerate(events) if e.endswith("] d"))
+    first_out = next(i for i, e in enumerate(events) if e.startswith("leave-one-out:"))
+    assert events.index("remedy: a + b + c together") < tried_d < first_out, events
+    assert [s.rung.name for s in ladder.slots] == ["a", "b", "d"]  # c still left out: it slows the group
+    assert "the remedy's members" in result.run["budget"]["phases"]
+
+
 class GraphLikeRung(TargetedFlagRung):
     """A stand-in for cuda_graph: it cannot work without ``unsync`` (``requires``); a step run with it
     on and ``unsync`` off stops it for good, which its handle reports as its problem."""

@@ -1,6 +1,7 @@
 """The diagnosed bottleneck's remedy tried as one configuration: its rungs together, each at its place,
-judged against the configuration before them (:func:`try_remedy`), then member by member (leave one
-out, :func:`speedkit.engine.second_look.leave_one_out`), so that nothing rides along that slows the step.
+judged against the configuration before them (:func:`try_remedy`), then, once the ladder has tried the
+rest of its order, member by member (leave one out, :func:`speedkit.engine.second_look.leave_one_out`),
+so that nothing rides along that slows the step.
 
 One at a time, a remedy's rungs hide each other's gains: on Lightning's demo Transformer (host-bound)
 the progress bar's sync removal measured 0.99x on the compiled step and 1.31x once a CUDA graph
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.second_look import judge_inserted, leave_one_out
+from speedkit.engine.second_look import judge_inserted
 from speedkit.engine.stack import RungProblem, agreed_problem, kept_entry
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -28,8 +29,8 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
     """Apply the rungs of ``group`` that apply (at least two; else nothing is tried) at their places in
     the configuration in effect, check their parity against ``reference`` (also with the precision
     rungs off for a rewrite) and time them together against the configuration without them. Kept:
-    each gets its entry, kept with the bundle and its figure, and the bundle is then judged member by
-    member (a member whose leaving out is decided faster is removed). Not kept (undecided, slower,
+    each gets its entry, kept with the bundle and its figure; the ladder judges it member by member
+    (:func:`leave_one_out`) once the rest of its order is tried. Not kept (undecided, slower,
     failed): all are undone, and each is tried on its own afterwards. Returns the names kept and the
     reference trajectory from then on."""
     result = ladder.result
@@ -118,8 +119,7 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
     ladder.judged.add((names, tuple(s.rung.name for s in ladder.slots if s.rung not in tried)))
     row.seconds = ladder.host_clock() - t0
     ladder.on_event(f"remedy: {label} kept together ({why}); each judged within it")
-    removed = leave_one_out(ladder, list(names))
     for entry in result.rungs:
         if entry.name in names and entry.status == "kept":
             entry.seconds = (ladder.host_clock() - t0) / len(names)
-    return [n for n in names if n not in removed], losses
+    return list(names), losses
