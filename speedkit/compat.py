@@ -506,6 +506,37 @@ def shutdown_iterator(iterator: Any) -> None:
         shutdown()
 
 
+def quiet_dead_workers() -> int:
+    """Stop every live DataLoader iterator one of whose worker processes is dead (killed by a signal sent
+    to the process group), first taking its workers out of torch's SIGCHLD check: that check raises
+    "DataLoader worker (pid ...) is killed by signal" in the main thread wherever it is when a child
+    exits, once per dead worker (in the middle of undoing the trials, or of Lightning's teardown).
+    Returns the iterators stopped. Uses torch's private iterator class and worker-pid registry."""
+    import gc
+
+    from torch.utils.data._utils import signal_handling
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    # by type, not isinstance: isinstance reads __class__, which a dead weak proxy raises on and some
+    # deprecated module attributes warn on
+    iterators = [o for o in gc.get_objects() if issubclass(type(o), _MultiProcessingDataLoaderIter)]
+    stopped = 0
+    for it in iterators:
+        if getattr(it, "_shutdown", True):
+            continue
+        workers = list(getattr(it, "_workers", []) or [])
+        if not any(not w.is_alive() for w in workers):
+            continue
+        if getattr(it, "_worker_pids_set", False):
+            with contextlib.suppress(Exception):
+                signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        with contextlib.suppress(Exception):
+            it._shutdown_workers()
+        stopped += 1
+    return stopped
+
+
 @contextlib.contextmanager
 def outside_worker() -> Iterator[None]:
     """Inside a DataLoader worker, ``get_worker_info()`` returns None for the duration (torch's

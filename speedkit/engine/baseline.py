@@ -85,7 +85,11 @@ def baseline_reference(ladder: Trials) -> list[float]:
         host_clock=ladder.decision_clock,
         on_event=ladder.on_event,
         shapes_vary=shapes_vary,
+        # alone, a process stops at its next step; several stop together between phases (a collective)
+        poll=ladder.stop.check if distributed.world_size() == 1 else (lambda: None),
     )
+    if distributed.world_size() == 1:
+        ladder.parity.poll = ladder.stop.check
 
     ladder.on_event("baseline: parity reference")
     ladder.baseline_started = ladder.host_clock()
@@ -204,6 +208,7 @@ def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
     except ProfileUnavailable as exc:
         note = f"no profile: {first_line(exc)}"
     except Exception as exc:  # the step clock's figures still diagnose; nothing is lost but the categories
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         note = f"no profile: {type(exc).__name__}: {first_line(exc)}"
     finally:
         ladder.snapshot.restore()

@@ -43,6 +43,7 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
             )
             status, why = ladder.decide(paired)
         except Exception as exc:  # put the configuration back and say why the check failed
+            ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
         finally:
             ladder.snapshot.restore()

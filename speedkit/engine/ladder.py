@@ -60,6 +60,7 @@ from speedkit.engine.diagnose import Diagnosis
 from speedkit.engine.parity import ParityCheck, dropout_off
 from speedkit.engine.profile_run import profile_configurations
 from speedkit.engine.stack import RungProblem, Slot, Stack, agreed_check, agreed_problem
+from speedkit.engine.stop import StopRequests, loader_died
 from speedkit.engine.timing import Timing, heartbeat
 from speedkit.errors import first_line
 from speedkit.fork_safety import protect_forked_children
@@ -124,6 +125,8 @@ class Ladder:
         cache: DecisionCache | None = None,
     ) -> None:
         self.state = state
+        #: the signals that stop the trials at their next safe point, noted while they run
+        self.stop = StopRequests()
         #: where decisions are kept (None: the trials climb every time and keep nothing)
         self.cache = cache
         #: the key of this run's decision in the cache (set after the baseline where there is a cache)
@@ -198,6 +201,7 @@ class Ladder:
 
     @phase.setter
     def phase(self, value: str) -> None:
+        self.stop.check(collective=True)  # a safe point every process reaches together: a signal stops the trials here
         self._phase = value
         self.budget.enter("the rungs" if any(r.name == value for r in self.rungs) else value)
 
@@ -236,15 +240,21 @@ class Ladder:
         self.snapshot = self.parity.snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
         completed = False
         try:
-            with state.step.trial():
+            with self.stop.listening(), state.step.trial():
                 self._climb()
             completed = True
         except BaseException as exc:
-            self.result.interrupted = f"{type(exc).__name__} during {self.phase}"
+            stopped = self.stop.stopping(exc) if not isinstance(exc, (KeyboardInterrupt, SystemExit)) else None
+            what = f"stopped by {stopped.signal_name or 'its data loader'}" if stopped is not None else type(exc).__name__
+            self.result.interrupted = f"{what} during {self.phase}"
+            if stopped is not None:
+                self.result.run["stopped"] = {"by": stopped.signal_name or "loader", "why": stopped.why, "phase": self.phase}
             if self._current is not None:  # the rung being tried when it happened: undone, said so
                 self._current.status = "interrupted"
-                self._current.reason = f"{type(exc).__name__} while trying it; undone"
+                self._current.reason = f"{what} while trying it; undone"
                 self.result.rungs.append(self._current)
+            if stopped is not None and stopped is not exc:
+                raise stopped from exc
             raise
         finally:
             self._close_run(completed)
@@ -256,6 +266,7 @@ class Ladder:
         state, result, snapshot = self.state, self.result, self.snapshot
         assert result is not None and snapshot is not None
         if not completed:  # nothing of the ladder may stay on the user's model
+            _quiet_dead_loaders()  # workers killed with the process group: their errors never cut the undoing short
             if self._candidate is not None:
                 try:
                     self._candidate.undo()
@@ -495,6 +506,7 @@ class Ladder:
                         )
                 seconds["timing"] = round(self.host_clock() - t0, 2)
         except Exception as exc:
+            self.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             self.stack.undo_all()
             self.snapshot.restore()
             result.final_check = None
@@ -671,6 +683,7 @@ class Ladder:
                 try:
                     self._final_check()
                 except Exception as exc:  # the rungs were judged already; only the headline figure is missing
+                    self.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
                     self.on_event(
                         f"final check failed ({type(exc).__name__}: {first_line(exc)}); "
                         "the speedup is the product of the kept rungs' paired speedups"
@@ -721,6 +734,7 @@ class Ladder:
             self.stack.configure([i < place for i in range(len(self.slots))])
             reason = agreed_check(rung, state)
         except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
+            self.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             reason = None
             entry.status, entry.reason = "failed", f"check raised {type(exc).__name__}: {first_line(exc)}"
         if reason is not None or entry.status == "failed":
@@ -776,6 +790,7 @@ class Ladder:
                 if not rung.memory_comparable:
                     entry.changes.append("note: peak memory is not compared: " + rung.memory_note)
         except Exception as exc:
+            self.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             entry.status = "failed"
             self.failed_beneath[rung.name] = tuple(s.rung.name for s in self.slots if s is not slot)
             if isinstance(exc, torch.OutOfMemoryError):
@@ -926,6 +941,7 @@ class Ladder:
             )
             self.on_event(f"scaling: efficiency {entry['efficiency']:.2f}")
         except Exception as exc:  # the decisions stand; only the scaling figure is missing
+            self.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             entry["note"] = f"{type(exc).__name__}: {first_line(exc)}"
         finally:
             step.gradient_sync(True)
@@ -949,6 +965,19 @@ class Ladder:
         finally:
             self.stack.configure([True] * n)
             self.snapshot.restore()
+
+
+def _quiet_dead_loaders() -> None:
+    """Stop the loaders whose workers died (:func:`compat.quiet_dead_workers`), so that their errors,
+    raised in the main thread as each worker's exit is noticed, cannot interrupt the undoing of the trials
+    (one such error may still land while this runs: it is tried again)."""
+    for _ in range(3):
+        try:
+            compat.quiet_dead_workers()
+            return
+        except Exception as exc:
+            if not loader_died(exc):
+                raise
 
 
 def _date(created: float) -> str:

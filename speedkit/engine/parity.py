@@ -10,7 +10,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ class ParityCheck:
         self.batches: list[Any] = []
         self.reference: list[float] = []
         self.calibration: dict[str, dict[str, float]] = {}
+        #: called before each parity step: raises where the trials must stop (a signal came)
+        self.poll: Callable[[], None] = lambda: None
 
     def judge(self, losses: list[float], reference: list[float]) -> Parity:
         """The loss trajectory against the reference, step by step within the envelope of the numerics
@@ -128,6 +130,7 @@ class ParityCheck:
         """Parity step ``i`` on its host-kept batches (its micro-batches), moved to the device; its loss."""
         n, data = self.state.step.accumulate, self.state.data
         assert data is not None
+        self.poll()
         return self.state.step([data.to_device(b) for b in self.batches[i * n : (i + 1) * n]], i)
 
     def _ready_changes(self) -> None:

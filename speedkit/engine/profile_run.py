@@ -91,6 +91,7 @@ def profile_configurations(ladder: Trials, edges_only: str | None = None) -> Non
     except ProfileUnavailable as exc:
         profile["note"] = f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {first_line(exc)}"
     except Exception as exc:  # the decisions stand; only the picture of where the time goes is missing
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         profile["note"] = (
             f"profile stopped at {len(profile['windows'])} of {n + 1} windows: {type(exc).__name__}: {first_line(exc)}"
         )

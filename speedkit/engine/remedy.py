@@ -42,7 +42,8 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
         except RungProblem:  # does not apply here: tried (and said why) on its own
             ladder.stack.all_on()
             continue
-        except Exception:  # its apply raised: its own trial says so
+        except Exception as exc:  # its apply raised: its own trial says so
+            ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             ladder.stack.all_on()
             continue
         inserted = [i + (i >= place) for i in inserted] + [place]
@@ -75,6 +76,7 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
                 raise RungProblem(problem)
         status, why = ladder.decide(paired, all(r.memory_comparable for r in tried))
     except Exception as exc:
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         status, why = "failed", str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         ladder.stack.all_on()

@@ -186,6 +186,7 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired
     except Exception as exc:  # a rung's own report of a problem is said as it is, as in the climb
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         why = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
         paired, status = None, "failed"
     finally:
@@ -291,6 +292,7 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
                 shared_batches=ladder.stack.shares_batches(),
             )
         except Exception as exc:  # a member the others need (a graph without its sync removal): it stays
+            ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             entry.reason = f"{entry.reason}; left out of its group it failed ({type(exc).__name__}: {first_line(exc)}): stays"
             continue
         finally:

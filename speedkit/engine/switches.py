@@ -108,6 +108,7 @@ def apply_floor(
         ladder.stack.all_on()
         why_untimed = str(untimed)
     except Exception as exc:
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         ladder.stack.undo_all()
         why = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
         row.reason = f"{row.reason}; no floor ({why}): the climb starts from the baseline, each switch judged as a rung"
@@ -200,6 +201,7 @@ def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
             shared_batches=ladder.stack.shares_batches(),
         )
     except Exception as exc:  # the rungs on top were each decided on their own: they stay, said why
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         row.reason = f"{row.reason}; the final configuration against them not measured ({type(exc).__name__}: {first_line(exc)})"
         return
     finally:

@@ -52,10 +52,13 @@ class Timing:
         host_clock: Callable[[], float],
         on_event: Callable[[str], None],
         shapes_vary: bool,
+        poll: Callable[[], None] = lambda: None,
     ) -> None:
         self.state, self.cfg, self.session, self.stack, self.snapshot = state, cfg, session, stack, snapshot
         self.host_clock, self.on_event = host_clock, on_event
         self.shapes_vary = shapes_vary
+        #: called before each step it runs: raises where the trials must stop (a signal came)
+        self.poll = poll
         self.window_steps = cfg.steps
         self.noise: float | None = None
         self._iterators: dict[int, Iterator[Any]] = {}
@@ -79,9 +82,14 @@ class Timing:
     def runner(self, batches: list[Any] | None = None) -> Callable[[], None]:
         """One step of the current configuration, fed by the current data source's iterator, or by
         ``batches`` (the block's own, see ``shapes_vary``) where given."""
-        state = self.state
+        state, poll = self.state, self.poll
         source = iter(batches) if batches is not None else self.source_iterator()
-        return self.session.runner(lambda micro, i: state.step(micro, i), source, state.step.accumulate)
+
+        def step(micro: Any, i: int) -> Any:
+            poll()  # inside a measurement too: a signal stops the trials within a step, not a comparison
+            return state.step(micro, i)
+
+        return self.session.runner(step, source, state.step.accumulate)
 
     def source_iterator(self) -> Iterator[Any]:
         """The current data source's iterator, made on first use and kept across windows. Beneath

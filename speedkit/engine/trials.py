@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only: none of these imports the ladder
     from speedkit.engine.diagnose import Diagnosis
     from speedkit.engine.parity import ParityCheck
     from speedkit.engine.stack import Slot, Stack
+    from speedkit.engine.stop import StopRequests
     from speedkit.engine.timing import Timing
     from speedkit.measure.clock import StepClock
     from speedkit.measure.config import MeasureConfig
@@ -42,6 +43,7 @@ class Trials(Protocol):
     timing: Timing | None
     session: MeasureSession | None
     budget: TrialBudget
+    stop: StopRequests
     clock: StepClock
     host_clock: Callable[[], float]
     decision_clock: Callable[[], float]
