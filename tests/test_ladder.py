@@ -1023,6 +1023,24 @@ def _on(*names):
     return frozenset(names)
 
 
+def test_without_a_final_check_the_headline_counts_the_floors_gain():
+    """On an H200 a GPT-2 whose switches ran 9.95x the baseline and a CUDA graph 1.21x on top was headlined
+    1.21x where the budget left no final check: the kept rungs' figures against the baseline start from the
+    floor's."""
+    costs = {_on(): 0.040, _on("x"): 0.036, _on("autocast"): 0.042, _on("compile"): 0.041}
+    costs.update({_on("x", "autocast"): 0.038, _on("x", "compile"): 0.037, _on("autocast", "compile"): 0.020})
+    costs[_on("x", "autocast", "compile")] = 0.010
+    state, time, flags = _switch_state(costs)
+    rungs = [FlagRung("x", recheck=False), FlagRung("autocast", recheck=False), FlagRung("compile", recheck=False)]
+    ladder, result = _run(state, rungs, time, final_check=False)
+    assert result.final_check is None
+    names = {r.name: r for r in result.rungs}
+    assert names["x"].status == "kept" and names["x"].gain_vs_previous == pytest.approx(2.0, rel=0.03)
+    assert names["x"].gain_vs_baseline == pytest.approx(4.0, rel=0.05)  # 2x the floor's 2x
+    _, _, speedup, source, _ = result.headline()
+    assert speedup == pytest.approx(4.0, rel=0.05) and "no final check" in source
+
+
 def test_the_switches_are_the_floor_and_the_other_rungs_are_judged_on_top_of_them():
     """bf16 alone slower in eager NCHW, compile alone a little slower: judged one by one from the baseline,
     neither would be kept, while together (the user's switches) they are 1.8x. The switches go in first,
