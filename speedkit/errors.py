@@ -121,7 +121,9 @@ def failure_in_user_code(exc: BaseException, during: str) -> SpeedkitError | Non
     hooks = [f.f_code for f, _ in user if f.f_code.co_name in _DATA_HOOKS]
     if hooks:
         hook = getattr(hooks[-1], "co_qualname", hooks[-1].co_name)
-        return ConfigError("data", f"{hook}() raised {what} ({where})")
+        empty = "num_samples=0" in what  # torch's RandomSampler over an empty dataset
+        fix = "; its dataset is empty (0 samples): check the path, split or filter that builds it" if empty else ""
+        return ConfigError("data", f"{hook}() raised {what} ({where}){fix}")
     if _in_demos(frame):
         return ConfigError(
             "model",

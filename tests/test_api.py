@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import speedkit
 from speedkit.demos import LaunchBoundMLP
+from speedkit.errors import ConfigError
 
 
 def _plain():
@@ -144,3 +146,29 @@ def test_batches_end_with_the_epoch_and_group_micro_batches():
         assert len(list(sk.batches(epochs=2))) == 6  # groups never span the epoch's end
         endless = sk.batches(epochs=None)  # without end, grouped the same way
         assert [len(next(endless)) for _ in range(7)] == [2, 2, 1, 2, 2, 1, 2]
+
+
+def test_a_plain_model_without_loss_fn_is_told_to_give_one():
+    """A forward taking the inputs alone, batches of (inputs, targets): the default loss calls
+    model(*batch); a raw TypeError named nothing to fix."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    applied = speedkit.apply(model, optimizer, loader, rungs=[])
+    with pytest.raises(ConfigError, match=r"^loss_fn: .*does not take the batch's 2 items; give loss_fn=") as raised:
+        applied.step(next(iter(loader)))
+    assert "\n" not in str(raised.value)
+    # a forward that takes the batch but returns logits: the same fix named
+    inputs_only = DataLoader(torch.randn(8, 4), batch_size=4)
+    with pytest.raises(ConfigError, match=r"returned Tensor of shape \(4, 2\); give loss_fn="):
+        speedkit.apply(model, optimizer, inputs_only, rungs=[]).step(next(iter(inputs_only)))
+
+    # a TypeError raised inside a forward that takes the batch is the model's own, as it was
+    class Broken(nn.Module):
+        def forward(self, x, y):
+            raise TypeError("the model's own")
+
+    with pytest.raises(TypeError, match="the model's own"):
+        speedkit.apply(Broken(), torch.optim.SGD(model.parameters(), lr=0.1), rungs=[]).step(next(iter(loader)))

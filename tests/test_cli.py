@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -304,6 +305,11 @@ class NoBatches(SyntheticTokens):
         return torch.utils.data.DataLoader(list(range(8)), batch_size=0)
 
 
+class EmptyDataset(SyntheticTokens):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([], batch_size=4, shuffle=True)
+
+
 class SmallerThanABatch(SyntheticTokens):
     def train_dataloader(self):
         return torch.utils.data.DataLoader(list(range(3)), batch_size=4, drop_last=True)
@@ -347,6 +353,14 @@ def test_a_data_module_that_cannot_build_its_loader_is_one_line(user_recipe, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("speedkit: error:") and "data: NoBatches.train_dataloader() raised ValueError" in err[-1], err
     assert "Traceback" not in "\n".join(err)
+
+
+def test_an_empty_dataset_is_named_with_its_fix(user_recipe, tmp_path, capsys):
+    path = user_recipe("none", data="{class_path: speedkit_test_user_code.EmptyDataset}")
+    assert main(["optimize", str(path), "--out", str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "data: EmptyDataset.train_dataloader() raised ValueError" in last and "num_samples=0" in last
+    assert last.endswith("its dataset is empty (0 samples): check the path, split or filter that builds it"), last
 
 
 def test_a_loader_without_batches_is_named(user_recipe, tmp_path, capsys):
@@ -428,6 +442,10 @@ def test_rungs_lists_every_rung(capsys):
     out = capsys.readouterr().out
     for name in ("tf32", "autocast", "fused_optimizer", "compile", "sdpa", "batched"):
         assert name in out
+    # plain text for a terminal: no reST markup, no name said twice
+    assert "``" not in out and not re.search(r":[a-z]+:`", out), out
+    assert "compile            torch.compile what the training step runs" in out
+    assert not any(line.split()[1].rstrip(":") == line.split()[0] for line in out.splitlines() if len(line.split()) > 1)
 
 
 @pytest.mark.parametrize(

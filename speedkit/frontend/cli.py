@@ -27,6 +27,7 @@ and writes the files; every rank exits 0 on success. Another rank's error line n
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import typing
 from pathlib import Path
@@ -272,8 +273,16 @@ def _rungs(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
     for name in rungs.names():
         doc = (sys.modules[rungs.get(name).__module__].__doc__ or "").strip().splitlines()
-        print(f"{name:18s} {doc[0] if doc else ''}")
+        line = _plain(doc[0]) if doc else ""
+        print(f"{name:18s} {line.removeprefix(f'{name}: ')}")
     return 0
+
+
+def _plain(rest: str) -> str:
+    """A line of a docstring as plain text for a terminal: reST roles (:class:`~a.B`) by their last
+    name, literals (``x``) without their quotes."""
+    rest = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).split(".")[-1] if "~" in m.group(0) else m.group(1), rest)
+    return rest.replace("``", "")
 
 
 def _report(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:

@@ -52,12 +52,40 @@ def default_loss_fn(model: nn.Module, batch: Any, batch_idx: int) -> torch.Tenso
     A plain ``nn.Module`` is called on the batch (a tuple/list is unpacked) and must return the loss.
     """
     if hasattr(model, "training_step"):
-        out = model.training_step(batch, batch_idx)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
+        return loss_of(model.training_step(batch, batch_idx))
+    args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    try:
+        out = model(*args)
+    except TypeError:
+        if _takes(model, len(args)):  # raised inside the forward: the model's own error
+            raise
+        raise ConfigError(
+            "loss_fn",
+            f"without one, each batch is passed to the model as model(*batch) and its output taken as the loss, but "
+            f"{type(model).__name__}.forward does not take the batch's {len(args)} items; give "
+            "loss_fn=lambda model, batch, batch_idx: <the loss>, e.g. F.cross_entropy(model(batch[0]), batch[1])",
+        ) from None
+    if not (isinstance(out, torch.Tensor) and out.dim() == 0) and not (isinstance(out, dict) and "loss" in out):
+        raise ConfigError(
+            "loss_fn",
+            f"without one, the model's output is taken as the loss, but {type(model).__name__} returned "
+            f"{type(out).__name__}{f' of shape {tuple(out.shape)}' if isinstance(out, torch.Tensor) else ''}; give "
+            "loss_fn=lambda model, batch, batch_idx: <the loss>, e.g. F.cross_entropy(model(batch[0]), batch[1])",
+        )
     return loss_of(out)
+
+
+def _takes(model: nn.Module, n: int) -> bool:
+    """Whether ``model.forward`` can be called with ``n`` positional arguments."""
+    import inspect
+
+    try:
+        inspect.signature(model.forward).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: assume it does
+        return True
+    return True
 
 
 def loss_of(out: Any) -> torch.Tensor:
