@@ -411,3 +411,23 @@ def test_the_zoo_imports_without_the_model_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_zoo_model_whose_library_is_missing_names_how_to_install_it(monkeypatch):
+    """The demo's install has torch alone: the shipped tv-resnet50-ddp recipe met a bare "No module
+    named 'torchvision'"."""
+    import importlib
+
+    from speedkit.demos.zoo import TorchvisionResNet50
+    from speedkit.errors import ConfigError
+
+    real = importlib.import_module
+
+    def without_torchvision(name, *args, **kwargs):
+        if name == "torchvision":
+            raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", without_torchvision)
+    with pytest.raises(ConfigError, match=r"^model: TorchvisionResNet50 is built with torchvision, which is not installed"):
+        TorchvisionResNet50(size="tiny")

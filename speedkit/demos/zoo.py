@@ -50,6 +50,26 @@ def _check_size(size: str) -> None:
         raise ValueError(f"size must be 'full' or 'tiny', found {size!r}")
 
 
+def _library(name: str, model: str) -> Any:
+    """The zoo library ``name`` that ``model`` is built with, or one ConfigError naming how to install it
+    (the demo's install has torch alone; the shipped tv-resnet50-ddp recipe met "No module named
+    'torchvision'" there)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        from speedkit.errors import ConfigError
+
+        raise ConfigError(
+            "model",
+            f"{model} is built with {name}, which is not installed here: install the zoo's libraries with "
+            "`make test` (or `pip install -e '.[test]'`; torchvision must match the installed torch's version)",
+        ) from None
+
+
 # -- data -------------------------------------------------------------------------------------------
 
 
@@ -685,8 +705,7 @@ class _TimmClassifier(_ImageClassifier):
 
     def __init__(self, size: Size, classes: int, lr: float) -> None:
         super().__init__()
-        import timm
-
+        timm = _library("timm", type(self).__name__)
         _check_size(size)
         dims = {} if size == "full" else self.tiny
         self.model = timm.create_model(self.arch, pretrained=False, num_classes=classes, **dims)
@@ -771,7 +790,7 @@ class TorchvisionResNet50(_ImageClassifier):
 
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1) -> None:
         super().__init__()
-        import torchvision
+        torchvision = _library("torchvision", type(self).__name__)
         from torchvision.models.resnet import Bottleneck, ResNet
 
         _check_size(size)
@@ -793,7 +812,7 @@ class TorchvisionResNet18(_ImageClassifier):
 
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1) -> None:
         super().__init__()
-        import torchvision
+        torchvision = _library("torchvision", type(self).__name__)
         from torchvision.models.resnet import BasicBlock, ResNet
 
         _check_size(size)
