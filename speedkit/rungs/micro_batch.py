@@ -113,7 +113,10 @@ class MergedStep(StepWrapper):
         return self.inner.group(merged)
 
     def report(self) -> list[str]:
-        lines = [f"steps with merged micro-batches: {self.merged_steps}"]
+        # bound into a Lightning fit, the steps counted here are the trials' (a fit of 80 optimizer steps
+        # said 1409): the fit's loop merges its own batches, counted apart (fit_unmerged)
+        where = "steps of the trials" if self.fit_bound else "steps"
+        lines = [f"{where} with merged micro-batches: {self.merged_steps}"]
         if self.unmerged_steps:
             lines.append(f"steps run unmerged: {self.unmerged_steps} ({self.why_unmerged})")
         if self.fit_unmerged:
