@@ -20,6 +20,7 @@ import contextlib
 import copy
 import functools
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -504,6 +505,49 @@ def shutdown_iterator(iterator: Any) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+
+
+#: lines the profiler's C++ library (kineto) writes to the process's stderr on its own at each start and
+#: stop, on CPU builds of torch: "USDT:... SyncActivityProfilerHandler.cpp:39] profiler_start", "ERROR:...
+#: DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"
+_KINETO_LINE = re.compile(rb"^(USDT|ERROR|WARNING|INFO):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def kineto_lines_dropped() -> Iterator[None]:
+    """For the duration, the process's stderr (its file descriptor 2) passes through a filter that drops
+    the lines kineto writes itself (:data:`_KINETO_LINE`) and forwards every other line as it comes: a
+    profile window's start and stop printed them into the user's console, where they say nothing to
+    act on. Where stderr has no descriptor to filter, nothing is changed."""
+    import threading
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not _KINETO_LINE.match(line):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, name="speedkit-stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: the filter reads to its end and stops
+        thread.join(timeout=0.5)
+        if not thread.is_alive():  # else a process started meanwhile holds the pipe: the filter forwards on
+            os.close(saved)
 
 
 def quiet_dead_workers() -> int:

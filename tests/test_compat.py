@@ -270,3 +270,21 @@ def test_compile_seconds_and_cache_counts_read_dynamos_own_figures():
     again = compat.compile_cache_counts()
     fn(x).backward()
     assert compat.compile_cache_counts(since=again) == dict.fromkeys(again, 0)
+
+
+def test_the_profilers_own_stderr_lines_are_dropped_and_the_rest_pass(capfd):
+    """kineto prints "USDT:... profiler_start" (and a CUDA probe's ERROR on a CPU) at each profile
+    window's start and stop, straight to file descriptor 2, into the user's console."""
+    import os
+
+    from speedkit import compat
+
+    with compat.kineto_lines_dropped():
+        os.write(2, b"USDT:2026-11-29 08:07:21 15956:15956 SyncActivityProfilerHandler.cpp:39] profiler_start\n")
+        os.write(2, b"ERROR:2026-11-29 08:07:21 15956:15956 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")
+        os.write(2, b"the user's own line\n")
+        os.write(2, b"ERROR: a line of the user's that only looks alike\n")
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err
+    assert err == "the user's own line\nERROR: a line of the user's that only looks alike\nafter\n", err

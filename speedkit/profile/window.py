@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
+from speedkit import compat
 from speedkit.errors import ConfigError, SpeedkitError, first_line
 from speedkit.profile.categories import CATEGORIES, categorize
 
@@ -159,16 +160,17 @@ def profile_window(
     cuda = device.type == "cuda"
     recorded = _Recorded()
     profiler = _new_profiler(cuda, steps, warmup, _trace_handler(recorded, trace_path, max_trace_bytes))
-    _start(profiler)
-    try:
-        started, ended = _run_steps(run_one, profiler, steps=steps, warmup=warmup, device=device)
-    except BaseException:
-        recorded.abandoned = True
-        with contextlib.suppress(Exception):
-            profiler.stop()
-        raise
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    _stop(profiler)
+    with compat.kineto_lines_dropped():  # what the profiler's library prints at its start and stop
+        _start(profiler)
+        try:
+            started, ended = _run_steps(run_one, profiler, steps=steps, warmup=warmup, device=device)
+        except BaseException:
+            recorded.abandoned = True
+            with contextlib.suppress(Exception):
+                profiler.stop()
+            raise
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+        _stop(profiler)
     if recorded.error is not None:
         reason = first_line(recorded.error, type(recorded.error).__name__)
         raise ProfileUnavailable(f"the profiler's results could not be read: {reason}") from recorded.error
