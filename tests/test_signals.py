@@ -87,7 +87,13 @@ def test_sigterm_after_the_trials_ends_the_fit_as_lightning_does_without_speedki
     after = _after_signal(output)
     assert "trials done" in output.split("=== SIGNAL SENT ===")[0], output
     assert seconds < 10, output
-    assert "ON EXCEPTION SIGTERMException" in after and "FIT RAISED SIGTERMException" in after, output
+    # Lightning's own path (speedkit's handlers are gone): SIGTERMException through on_exception, and out of
+    # fit either it or, as without speedkit in 2 of 3 tries here, the dead worker's error torch raises while
+    # Lightning ends the fit
+    assert "ON EXCEPTION SIGTERMException" in after, output
+    assert "FIT RAISED SIGTERMException" in after or (
+        "FIT RAISED RuntimeError" in after and "DataLoader worker" in after and "is killed by signal" in after
+    ), output
     assert "the trials were stopped" not in after
 
 

@@ -238,9 +238,16 @@ class Ladder:
         self.budget.start()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
         self.snapshot = self.parity.snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
+        with self.stop.listening():  # signals are noted (not acted on) until the trials are undone
+            self._run_noted(state)
+        return self.result
+
+    def _run_noted(self, state: TrainState) -> None:
+        """The climb, then the undoing and release of whatever the trials held (:meth:`_close_run`)."""
+        assert self.result is not None
         completed = False
         try:
-            with self.stop.listening(), state.step.trial():
+            with state.step.trial():
                 self._climb()
             completed = True
         except BaseException as exc:
@@ -258,7 +265,6 @@ class Ladder:
             raise
         finally:
             self._close_run(completed)
-        return self.result
 
     def _close_run(self, completed: bool) -> None:
         """Undo every change of a run that did not complete, restore the snapshot, release what the

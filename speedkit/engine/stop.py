@@ -40,6 +40,10 @@ class TrialsStopped(BaseException):
         self.why, self.signal_name = why, signal_name
 
 
+def _ignore(signum: int, frame: Any) -> None:
+    """A handler that does nothing (unlike ``SIG_IGN``, which changes how children are reaped)."""
+
+
 def loader_died(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says a data loader can serve no more batches: a worker
     process killed or gone ("DataLoader worker (pid ...) is killed by signal", "... exited
@@ -61,6 +65,7 @@ class StopRequests:
         #: the first stopping signal's name, once one came
         self.received: str | None = None
         self._deferred: list[tuple[Callable[..., Any], int]] = []
+        self._sigchld: Any = None  # SIGCHLD's handler, set aside while the trials stop
 
     @contextlib.contextmanager
     def listening(self) -> Iterator[None]:
@@ -82,6 +87,10 @@ class StopRequests:
         try:
             yield
         finally:
+            if self._sigchld is not None:  # the dead workers are quieted by now: torch's check comes back
+                with contextlib.suppress(OSError, ValueError, TypeError):
+                    signal.signal(signal.SIGCHLD, self._sigchld)
+                self._sigchld = None
             for signum, handler in previous.items():
                 with contextlib.suppress(OSError, ValueError, TypeError):
                     signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -95,8 +104,24 @@ class StopRequests:
                     self._deferred.append((previous, signum))
             if self.received is None:
                 self.received = name
+                if when != _AFTER:
+                    self._mute_worker_check()
 
         return noted
+
+    def _mute_worker_check(self) -> None:
+        """Set torch's SIGCHLD handler aside while the trials stop: a signal sent to the process group kills
+        the loaders' workers, and that handler raises "DataLoader worker ... is killed by signal" wherever
+        the main thread is as each one's exit is noticed (inside logging's lock, inside the undoing). Put
+        back when :meth:`listening` ends, once the ladder has quieted the dead workers. Runs in the stopping
+        signal's handler, which Python runs before SIGCHLD's (lower numbers first)."""
+        sigchld = getattr(signal, "SIGCHLD", None)
+        if sigchld is None or self._sigchld is not None:
+            return
+        handler = signal.getsignal(sigchld)
+        if callable(handler):  # never SIG_IGN: children would then be reaped behind multiprocessing's back
+            self._sigchld = handler
+            signal.signal(sigchld, _ignore)
 
     def check(self, collective: bool = False) -> None:
         """Raise :class:`TrialsStopped` where a stopping signal came. ``collective``: at a point every

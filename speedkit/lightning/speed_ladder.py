@@ -25,6 +25,7 @@ The callback is a layer of hooks; the ladder, the rungs and the measurement know
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -39,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from speedkit import config
+from speedkit import compat, config
 from speedkit import rungs as rung_registry
 from speedkit.engine.baseline import TrialsNotRun
 from speedkit.engine.cache import DecisionCache
@@ -233,6 +234,9 @@ class SpeedLadder(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.exception = exception
         self._join_report()
+        if isinstance(exception, (SIGTERMException, KeyboardInterrupt)):  # its workers died with the process group:
+            with contextlib.suppress(Exception):  # the fit's teardown then meets no "worker killed" error
+                compat.quiet_dead_workers()
         if self._probe is not None:
             self._probe.close()
         self._probe = None
