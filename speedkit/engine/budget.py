@@ -187,11 +187,17 @@ def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> 
     number the comparison's design sizes from the baseline's spread (returned as ``baseline_spread``,
     the planned noise). Also the spread's likely source."""
     step_s = baseline.step_ms / 1e3 if baseline.step_ms and math.isfinite(baseline.step_ms) else 0.0
-    by_time = math.ceil(cfg.window_s / step_s) if step_s > 0 else cfg.steps
-    steps = max(cfg.min_window_steps, min(cfg.max_window_steps, by_time))
+    steps = steps_for_window(step_s * 1e3, cfg)
     return {
         "baseline_spread": baseline.spread,
         "window_steps": steps,
         "window_s": round(steps * step_s, 3),
         "source": noise_source(baseline, cfg.host_bound_share, cfg.busy_util),
     }
+
+
+def steps_for_window(step_ms: float, cfg: MeasureConfig) -> int:
+    """Steps in a window of at least ``window_s`` at ``step_ms`` a step, within ``min_window_steps`` and
+    ``max_window_steps`` (``steps`` where the step time is unknown: 0)."""
+    by_time = math.ceil(cfg.window_s * 1e3 / step_ms) if step_ms > 0 else cfg.steps
+    return max(cfg.min_window_steps, min(cfg.max_window_steps, by_time))

@@ -97,7 +97,7 @@ class StopRequests:
 
     def _handler(self, name: str, previous: Any, when: str) -> Callable[[int, Any], None]:
         def noted(signum: int, frame: Any) -> None:
-            if callable(previous) and previous not in (signal.default_int_handler,):
+            if callable(previous) and previous is not signal.default_int_handler:
                 if when == _AT_ONCE:
                     previous(signum, frame)
                 elif when == _AFTER:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from speedkit.data.source import BatchSource
+from speedkit.engine.budget import steps_for_window
 from speedkit.engine.stack import Stack
 from speedkit.measure.compare import compare
 from speedkit.measure.config import MeasureConfig
@@ -177,8 +178,7 @@ class Timing:
         step_ms = self._step_ms.get(self.in_effect())
         if step_ms is None:
             return
-        cfg = self.cfg
-        steps = max(cfg.min_window_steps, min(cfg.max_window_steps, math.ceil(cfg.window_s * 1e3 / step_ms)))
+        steps = steps_for_window(step_ms, self.cfg)
         if steps != self.window_steps:
             self.resized.append(
                 {"before": label, "step_ms": round(step_ms, 3), "from_steps": self.window_steps, "window_steps": steps}
