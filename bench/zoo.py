@@ -203,8 +203,9 @@ def channels_last_as_a_user_would(module: pl.LightningModule) -> pl.LightningMod
 
 
 def compile_as_a_user_would(module: pl.LightningModule, backend: str) -> pl.LightningModule:
-    """``self.model = torch.compile(self.model)`` where the module wraps a library model; else
-    ``torch.compile`` of the LightningModule itself (Lightning unwraps it in ``fit``).
+    """``self.model = torch.compile(self.model)`` where the module wraps a library model; a GAN's
+    ``self.generator`` and ``self.discriminator`` each; else ``torch.compile`` of the LightningModule
+    itself (Lightning unwraps it in ``fit``).
 
     The word-language LSTM (lstm-lm) is compiled the same way, as its user would: Dynamo stops at
     ``nn.LSTM`` (``torch._dynamo.config.allow_rnn`` is off by default) and runs the rest of that forward
@@ -212,6 +213,11 @@ def compile_as_a_user_would(module: pl.LightningModule, backend: str) -> pl.Ligh
     on an H200: 16.9 against 13.3 ms a step in this variant."""
     if isinstance(getattr(module, "model", None), nn.Module):
         module.model = torch.compile(module.model, backend=backend)
+        return module
+    nets = [n for n in ("generator", "discriminator") if isinstance(getattr(module, n, None), nn.Module)]
+    if len(nets) == 2:  # a GAN: both nets its step calls, as its user compiles them
+        for name in nets:
+            setattr(module, name, torch.compile(getattr(module, name), backend=backend))
         return module
     return torch.compile(module, backend=backend)  # type: ignore[return-value]
 

@@ -611,7 +611,7 @@ def test_a_fit_too_short_to_time_says_so(no_interpreter):
     assert ladder.result.holds.fit is None and "needs 8" in ladder.result.holds.note
 
 
-def test_one_callback_serves_two_fits_and_refuses_manual_optimization(no_interpreter):
+def test_one_callback_serves_two_fits_then_a_manual_optimization_one(no_interpreter):
     ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
     for _ in range(2):  # the second fit runs its own trials; nothing of the first is applied again
         model, _ = _fit_user_model(ladder, max_steps=2)
@@ -629,9 +629,12 @@ def test_one_callback_serves_two_fits_and_refuses_manual_optimization(no_interpr
             opt.step()
             opt.zero_grad()
 
-    with pytest.warns(UserWarning, match="automatic_optimization = False"):
-        _trainer([ladder], max_steps=2).fit(Manual())
-    assert ladder.result is None and "automatic_optimization" in ladder.not_run
+    model = Manual()
+    _trainer([ladder], max_steps=2).fit(model)  # its own trials, of its whole training_step
+    assert ladder.not_run is None and ladder.result is not None and ladder.result.run["optimization"] == "manual"
+    fused = next(r for r in ladder.result.rungs if r.name == "fused_optimizer")
+    assert fused.status in ("kept", "reverted") and fused.parity.passed, fused.reason  # one optimizer: its flags
+    assert model.opt.param_groups[0]["fused"] is None  # undone after the fit
 
 
 def test_optimizer_rungs_say_why_a_fit_has_no_single_optimizer(no_interpreter):

@@ -396,12 +396,26 @@ class HFGPT2(_HFCausalLM):
         )
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """The library's activation-checkpointing switch, as its users turn it on: ``activation_checkpointing_enable()``
+    (transformers >= 5.2x) or ``gradient_checkpointing_enable()`` (earlier; deprecated since), its defaults
+    (every decoder layer recomputed in the backward through ``torch.utils.checkpoint``, non-reentrant)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 class HFLlama(_HFCausalLM):
     """transformers' ``LlamaForCausalLM``: 400M parameters at ``size="full"`` (12 layers of width 1536,
-    12 heads over 4 key-value heads, SwiGLU 4096, vocabulary 32000); 2 layers of width 64 at ``"tiny"``."""
+    12 heads over 4 key-value heads, SwiGLU 4096, vocabulary 32000); 2 layers of width 64 at ``"tiny"``.
+    ``checkpointing``: the library's activation checkpointing on (:func:`enable_activation_checkpointing`)."""
 
     def __init__(
-        self, size: Size = "full", vocab_size: int | None = None, attn_implementation: str | None = None, lr: float = 3e-4
+        self,
+        size: Size = "full",
+        vocab_size: int | None = None,
+        attn_implementation: str | None = None,
+        lr: float = 3e-4,
+        checkpointing: bool = False,
     ) -> None:
         _check_size(size)
         super().__init__(vocab_size or (32000 if size == "full" else 512), lr)
@@ -427,6 +441,8 @@ class HFLlama(_HFCausalLM):
             )
         )
         self.model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=self.vocab_size, attn_implementation=attn_implementation))
+        if checkpointing:
+            enable_activation_checkpointing(self.model)
 
 
 class _HFDictBatches(pl.LightningModule):
@@ -667,6 +683,112 @@ class LSTMLanguageModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch", "monitor": "train_loss"}}
 
 
+# -- a GAN trained by hand ---------------------------------------------------------------------------
+
+
+def _dcgan_init(module: nn.Module) -> None:
+    """DCGAN's initialisation: convolutions from N(0, 0.02), batch-norm scales from N(1, 0.02)."""
+    if isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)):
+        nn.init.normal_(module.weight, 0.0, 0.02)
+    elif isinstance(module, nn.BatchNorm2d):
+        nn.init.normal_(module.weight, 1.0, 0.02)
+        nn.init.zeros_(module.bias)
+
+
+def dcgan_generator(latent: int, width: int, image_size: int) -> nn.Sequential:
+    """DCGAN's generator: a latent vector (B, latent, 1, 1) up to (B, 3, S, S) images in [-1, 1] by
+    4x4 transposed convolutions doubling the side, batch norm and ReLU between them."""
+    doublings = int(math.log2(image_size)) - 3  # 4 -> ... -> S/2 in the middle, the last layer to S
+    mult = 2**doublings
+    layers: list[nn.Module] = [
+        nn.ConvTranspose2d(latent, width * mult, 4, 1, 0, bias=False),
+        nn.BatchNorm2d(width * mult),
+        nn.ReLU(True),
+    ]
+    for _ in range(doublings):
+        layers += [
+            nn.ConvTranspose2d(width * mult, width * mult // 2, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(width * mult // 2),
+            nn.ReLU(True),
+        ]
+        mult //= 2
+    layers += [nn.ConvTranspose2d(width, 3, 4, 2, 1, bias=False), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def dcgan_discriminator(width: int, image_size: int) -> nn.Sequential:
+    """DCGAN's discriminator: 4x4 strided convolutions halving the side, batch norm and leaky ReLU,
+    down to one logit per image (B,)."""
+    halvings = int(math.log2(image_size)) - 3
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True)]
+    mult = 1
+    for _ in range(halvings):
+        layers += [
+            nn.Conv2d(width * mult, width * mult * 2, 4, 2, 1, bias=False),
+            nn.BatchNorm2d(width * mult * 2),
+            nn.LeakyReLU(0.2, True),
+        ]
+        mult *= 2
+    layers += [nn.Conv2d(width * mult, 1, 4, 1, 0, bias=False), nn.Flatten(0)]
+    return nn.Sequential(*layers)
+
+
+class DCGAN(pl.LightningModule):
+    """The DCGAN of PyTorch's examples (``dcgan/main.py``: 64 px images, a 100-d latent, 64 filters,
+    Adam at 2e-4 with beta1 0.5 for both nets), trained as Lightning's GAN example trains one: manual
+    optimization (``automatic_optimization = False``), the generator's and then the discriminator's
+    optimizer toggled, stepped and zeroed by hand in ``training_step``, both losses logged. The losses
+    take logits (``binary_cross_entropy_with_logits``; the example's ``Sigmoid`` + ``BCELoss`` cannot
+    run under autocast). At ``size="tiny"``: 16 px, an 8-d latent, 8 filters."""
+
+    def __init__(self, size: Size = "full", lr: float = 2e-4) -> None:
+        super().__init__()
+        _check_size(size)
+        self.automatic_optimization = False
+        self.image_size, self.latent, width = (64, 100, 64) if size == "full" else (16, 8, 8)
+        self.lr = lr
+        self.generator = dcgan_generator(self.latent, width, self.image_size)
+        self.discriminator = dcgan_discriminator(width, self.image_size)
+        self.generator.apply(_dcgan_init)
+        self.discriminator.apply(_dcgan_init)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, _ = batch
+        real = images.float().div(127.5).sub(1.0)  # uint8 to [-1, 1], the generator's range
+        opt_g, opt_d = self.optimizers()
+        n = real.shape[0]
+        z = torch.randn(n, self.latent, 1, 1, device=self.device)
+        ones, zeros = torch.ones(n, device=self.device), torch.zeros(n, device=self.device)
+
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(z)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)
+        real_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+        fake_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros)
+        d_loss = (real_loss + fake_loss) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, prog_bar=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        betas = (0.5, 0.999)
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=self.lr, betas=betas),
+            torch.optim.Adam(self.discriminator.parameters(), lr=self.lr, betas=betas),
+        ]
+
+
 # -- vision models ----------------------------------------------------------------------------------
 
 
@@ -900,6 +1022,16 @@ def _bert_classifier(size: Size, batch_size: int, seed: int, **options: Any) -> 
     return module, text_classification_loader(batch_size, min_len, max_len, module.vocab_size, module.num_labels, workers, seed)
 
 
+def _checkpointed_llama(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    return _causal_lm(HFLlama)(size, batch_size, seed, checkpointing=True, **options)
+
+
+def _dcgan(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    module = DCGAN(size, **options)
+    workers = IMAGE_WORKERS if size == "full" else 0
+    return module, image_loader(batch_size, module.image_size, 10, workers, seed)
+
+
 def _vision(cls: type[pl.LightningModule]) -> Builder:
     def make(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
         classes = options.pop("classes", 1000 if size == "full" else 10)
@@ -930,6 +1062,8 @@ ZOO: dict[str, ZooModel] = {
     for m in (
         ZooModel("hf-gpt2", "transformers", "tokens", {"full": 16, "tiny": 4}, _causal_lm(HFGPT2), _HF_SDPA),
         ZooModel("hf-llama", "transformers", "tokens", {"full": 8, "tiny": 4}, _causal_lm(HFLlama), _HF_SDPA),
+        # the same with the library's activation checkpointing on, at twice the batch it frees memory for
+        ZooModel("hf-llama-ckpt", "transformers", "tokens", {"full": 16, "tiny": 4}, _checkpointed_llama, _HF_SDPA),
         ZooModel("hf-bert-mlm", "transformers", "tokens", {"full": 16, "tiny": 4}, _bert, _HF_SDPA),
         ZooModel("timm-vit", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmViT)),
         ZooModel("timm-convnext", "timm", "samples", {"full": 64, "tiny": 4}, _vision(TimmConvNeXt)),
@@ -952,5 +1086,7 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4}, _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
         # data-bound: every image decoded and augmented in the training process (its loader has no workers)
         ZooModel("tv-resnet18-augment", "torchvision", "samples", {"full": 128, "tiny": 4}, _augmented_resnet18),
+        # manual optimization: two optimizers stepped inside training_step (the DCGAN example's batch is 64)
+        ZooModel("dcgan", "torch", "samples", {"full": 128, "tiny": 4}, _dcgan),
     )
 }

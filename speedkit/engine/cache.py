@@ -48,9 +48,12 @@ def model_structure(model: nn.Module) -> list[Any]:
 
 
 def optimizer_settings(optimizer: Any) -> Any:
-    """The optimizer's class and the settings that choose its implementation (not its learning rate)."""
+    """The optimizer's class and the settings that choose its implementation (not its learning rate);
+    of each, for a list of several (a manual-optimization step's)."""
     if optimizer is None:
         return None
+    if isinstance(optimizer, (list, tuple)):
+        return [optimizer_settings(o) for o in optimizer]
     flags = ("fused", "foreach", "capturable", "differentiable", "amsgrad", "nesterov", "maximize")
     groups = [{k: repr(g.get(k)) for k in flags if k in g} for g in getattr(optimizer, "param_groups", [])]
     return [f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", groups]

@@ -237,7 +237,7 @@ class Ladder:
         state.model.train()
         self.budget.start()
         # the snapshot comes first: even starting a DataLoader iterator draws from the RNG
-        self.snapshot = self.parity.snapshot = Snapshot(state.model, state.optimizer, state.step, state.data)
+        self.snapshot = self.parity.snapshot = Snapshot(state.model, _optimizers(state), state.step, state.data)
         with self.stop.listening():  # signals are noted (not acted on) until the trials are undone
             self._run_noted(state)
         return self.result
@@ -397,7 +397,7 @@ class Ladder:
         assert self.result is not None
         parts = key_parts(
             self.state.model,
-            self.state.optimizer,
+            _optimizers(self.state) if self.state.optimizer is None else self.state.optimizer,
             batch_signature_of(self.parity.batches[0]) if self.parity.batches else None,
             self.result.environment,
             self.settings,
@@ -992,3 +992,11 @@ def _quiet_dead_loaders() -> None:
 def _date(created: float) -> str:
     """When a cached decision was stored, for the report ("an unknown date" where not recorded)."""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else "an unknown date"
+
+
+def _optimizers(state: TrainState) -> list[torch.optim.Optimizer]:
+    """Every optimizer of the run: the state's, and those its step steps (a manual-optimization GAN's two)."""
+    found = list(state.step.all_optimizers())
+    if state.optimizer is not None and all(o is not state.optimizer for o in found):
+        found.insert(0, state.optimizer)
+    return found

@@ -3,7 +3,8 @@
 ``SpeedLadder()`` runs **trials**: at ``on_train_start`` — the strategy, precision plugin,
 optimizers, schedulers and train loader set up, before the first real training step — the ladder
 climbs its rungs on the Trainer's own step (:class:`~speedkit.lightning.step.LightningStep`: the
-user's strategy, precision, clipping, accumulation, hooks) fed by the Trainer's own loader. It keeps
+user's strategy, precision, clipping, accumulation, hooks; under manual optimization the module's whole
+``training_step``, :mod:`speedkit.lightning.manual_step`) fed by the Trainer's own loader. It keeps
 what pays, puts weights, optimizer state, schedulers, grad scaler, RNG states and the data order
 back exactly, and lets Lightning train with the kept configuration. The next real steps are timed
 on the same clock, and the report says whether the ladder's figure held.
@@ -51,7 +52,8 @@ from speedkit.fork_safety import collect_garbage
 from speedkit.handle import Handle
 from speedkit.lightning.data import bind_source, watch_fit_iterator_start
 from speedkit.lightning.hook_timer import HookTimer
-from speedkit.lightning.step import LightningSource, LightningStep
+from speedkit.lightning.manual_step import fit_step
+from speedkit.lightning.step import LightningSource
 from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.holds import judge_holds, left_out_at_most
@@ -184,7 +186,7 @@ class SpeedLadder(Callback):
         self._fit = (trainer, pl_module) if stage == "fit" else None
         if stage != "fit" or self.trials:
             return
-        step = LightningStep(trainer, pl_module)
+        step = fit_step(trainer, pl_module)
         self._state = TrainState(model=pl_module, optimizer=None, device=step.device, step=step)
         self._apply_stage("setup")
 
@@ -203,8 +205,11 @@ class SpeedLadder(Callback):
             self._apply_train_start(trainer, pl_module)
             return
         self.result, self.not_run = None, None
-        if not pl_module.automatic_optimization:
-            self.not_run = "trials run automatic-optimization steps; this LightningModule sets automatic_optimization = False"
+        if not pl_module.automatic_optimization and trainer.world_size > 1:
+            self.not_run = (
+                f"manual optimization across {trainer.world_size} processes: the trials run a manual-optimization "
+                "training_step in one process only (their DDP guards need to hold the optimizer step)"
+            )
         if self.not_run is not None:
             self._warn_not_run()
             return
@@ -319,13 +324,13 @@ class SpeedLadder(Callback):
         if self._fit is None:
             return
         trainer, pl_module = self._fit
-        step = LightningStep(trainer, pl_module)
+        step = fit_step(trainer, pl_module)
         self._state = TrainState(model=pl_module, optimizer=None, device=step.device, step=step)
         self._apply_stage("setup")
 
     # -- trials ----------------------------------------------------------------------------
     def _run_trials(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = LightningStep(trainer, pl_module)
+        step = fit_step(trainer, pl_module)
         source = LightningSource(trainer, pl_module)
         state = TrainState(model=pl_module, optimizer=step.optimizer, device=step.device, step=step, data=source)
         run_info = {
@@ -335,7 +340,8 @@ class SpeedLadder(Callback):
             "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
             "strategy": type(trainer.strategy).__name__,
             "world_size": trainer.world_size,
-            "optimizer": type(step.optimizer).__name__ if step.optimizer else None,
+            "optimization": "automatic" if pl_module.automatic_optimization else "manual",
+            "optimizer": ", ".join(type(o).__name__ for o in step.all_optimizers()) or None,
             "lr_schedulers": [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs],
         }
         self._state = state

@@ -26,15 +26,15 @@ CONVENTION = (
 
 
 def count_step_flops(step: Any, batch: Any, batch_idx: int = 0) -> int | None:
-    """FLOPs of one forward + backward of ``step.forward_loss(batch)``; gradients are cleared after.
+    """FLOPs of one forward + backward of ``batch`` (``step.counted_pass``: ``step.forward_loss(batch)``
+    and its backward; a manual-optimization step's whole ``training_step``); gradients are cleared after.
 
     None when the step cannot be counted (an op FlopCounterMode does not know raises, or the step
     returns no loss for this batch): MFU is then not reported, nothing else changes.
     """
     try:
         with FlopCounterMode(display=False) as counter:
-            loss = step.forward_loss(batch, batch_idx)
-            loss.backward()
+            step.counted_pass(batch, batch_idx)
     except Exception:
         return None
     finally:

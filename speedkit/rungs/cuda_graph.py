@@ -99,6 +99,9 @@ class CudaGraphRung(Rung):
     )
 
     def check(self, state: TrainState) -> str | None:
+        held = state.step.optimizer_step_blocker()  # the graph captures the whole step, its optimizer step too
+        if held is not None:
+            return held
         blockers = scan_step(state.model)
         if blockers:
             more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""

@@ -248,6 +248,9 @@ class MicroBatchRung(Rung):
     new_shape_cost = True  # the merged micro-batch is a new shape to a compiled model
 
     def check(self, state: TrainState) -> str | None:
+        held = state.step.optimizer_step_blocker()  # merging micro-batches changes when the optimizer steps
+        if held is not None:
+            return held
         a = state.step.accumulate
         if a < 2:
             return (

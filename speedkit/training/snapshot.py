@@ -181,7 +181,7 @@ class Snapshot:
     """A copy of the training state; ``restore()`` puts it back in place, any number of times.
 
     Args:
-        model, optimizer: what to save.
+        model, optimizer: what to save (``optimizer``: one, several in a list (a GAN's two), or None).
         step: the training step (its schedulers and grad scaler are saved), or None.
         data: the batch source (the generators its iteration advances), or None.
         device: where to keep the copy ("cpu" keeps GPU memory figures honest; None = same device).
@@ -190,13 +190,15 @@ class Snapshot:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
         step: Any = None,
         data: Any = None,
         device: torch.device | str | None = "cpu",
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = (
+            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer is not None else []
+        )
         self.step = step
         self.data = data
         self.device = torch.device(device) if device is not None else None
@@ -217,20 +219,23 @@ class Snapshot:
         self.restored_attributes: set[str] = set()
         #: attributes of the user's modules of other kinds that steps rebound and a restore did not put back
         self.unrestored: set[str] = set()
-        self.opt_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        self.opt_groups: list[dict[str, Any]] = []
-        if optimizer is not None:
-            for p, st in optimizer.state.items():
-                self.opt_state.append(
-                    (p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()})
-                )
-            self.opt_groups = [
-                {k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS}
-                for g in optimizer.param_groups
-            ]
+        #: per optimizer: its per-parameter state and its groups' hyper-parameters
+        self.opt_saved = [self._save_optimizer(opt) for opt in self.optimizers]
         self.step_state = step.state_dict() if step is not None else None
         self.data_state = data.state_dict() if data is not None else None
         self.rng = RngState.capture()  # the process RNGs
+
+    def _save_optimizer(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[dict[str, Any]]]:
+        state = [
+            (p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()})
+            for p, st in optimizer.state.items()
+        ]
+        groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params" and k not in _IMPL_FLAGS} for g in optimizer.param_groups
+        ]
+        return state, groups
 
     @torch.no_grad()
     def restore(self, rng: bool = True) -> None:
@@ -243,11 +248,10 @@ class Snapshot:
         changed, rebound = self.attributes.restore()
         self.restored_attributes.update(changed)
         self.unrestored.update(rebound)
-        opt = self.optimizer
-        if opt is not None:
+        for opt, (opt_state, opt_groups) in zip(self.optimizers, self.opt_saved):
             opt.state.clear()
             flags = {id(p): g for g in opt.param_groups for p in g["params"]}
-            for p, st in self.opt_state:
+            for p, st in opt_state:
                 group = flags.get(id(p), {})
                 restored = {}
                 for k, v in st.items():
@@ -257,7 +261,7 @@ class Snapshot:
                     else:
                         restored[k] = copy.deepcopy(v)
                 opt.state[p] = restored
-            for group, saved in zip(opt.param_groups, self.opt_groups):
+            for group, saved in zip(opt.param_groups, opt_groups):
                 group.update(copy.deepcopy(saved))
             opt.zero_grad(set_to_none=True)
         if self.step is not None and self.step_state is not None:

@@ -199,6 +199,20 @@ class Step:
         """Why this step cannot run an optimizer that unscales its own gradients (a fused one), if so."""
         return None
 
+    def optimizer_step_blocker(self) -> str | None:
+        """Why a rung cannot run this step's optimizer step itself (a CUDA graph of the whole step, merged
+        micro-batches), if so: the user's own code steps the optimizers (Lightning's manual optimization)."""
+        return None
+
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer the step steps (a snapshot saves them all): :attr:`optimizer`, or several."""
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def counted_pass(self, batch: Any, batch_idx: int = 0) -> None:
+        """One forward and backward of ``batch`` whose FLOPs count as the step's
+        (:func:`speedkit.measure.flops.count_step_flops`); the state is restored after it."""
+        self.forward_loss(batch, batch_idx).backward()
+
     def oom_fallback(self) -> Any | None:
         """The out-of-memory fallback this step runs its batches through
         (:class:`speedkit.training.accumulate.MicroBatcher`), if any: a CUDA graph captures its split."""
@@ -350,6 +364,15 @@ class StepWrapper(Step):
 
     def why_no_optimizer(self) -> str | None:
         return self.inner.why_no_optimizer()
+
+    def optimizer_step_blocker(self) -> str | None:
+        return self.inner.optimizer_step_blocker()
+
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.inner.all_optimizers()
+
+    def counted_pass(self, batch: Any, batch_idx: int = 0) -> None:
+        self.inner.counted_pass(batch, batch_idx)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:  # type: ignore[override]
