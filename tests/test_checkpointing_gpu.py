@@ -24,12 +24,14 @@ pytestmark = pytest.mark.gpu
 class _Checkpointed(nn.Module):
     def __init__(self, reentrant: bool, dropout: float) -> None:
         super().__init__()
+        self.stem = nn.Linear(64, 64)  # the checkpointed blocks' input needs gradients, as after an embedding
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(dropout), nn.Linear(256, 64)) for _ in range(3)
         )
         self.head, self.reentrant = nn.Linear(64, 10), reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
         for block in self.blocks:
             x = x + checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(x)
@@ -37,7 +39,7 @@ class _Checkpointed(nn.Module):
 
 def _loss(model: nn.Module, batch, batch_idx: int) -> torch.Tensor:
     x, y = batch
-    return F.cross_entropy(model(x.requires_grad_() if model.reentrant else x), y)
+    return F.cross_entropy(model(x), y)
 
 
 def _run(graphed: bool, reentrant: bool, dropout: float, steps: int = 12):
@@ -134,6 +136,7 @@ def test_the_zoo_llama_with_the_librarys_checkpointing_goes_through_compile_and_
         assert ".py:" in graph.stopped, graph.stopped
         return
     assert graph.replays > 0, graph.report()
+    print(f"hf-llama-ckpt {'+'.join(given)}: captured, {graph.replays} replays")
     # capturable AdamW (the graph needs it) rounds its bias correction on the device; compiled kernels reorder sums
     tolerance = 1e-4 if given == ["cuda_graph"] else 2e-3
     for a, b in zip(record.losses, eager.losses):

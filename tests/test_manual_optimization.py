@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from speedkit.handle import Handle, set_attr
 from speedkit.lightning import SpeedLadder
 from speedkit.lightning.manual_step import USER_STEPS_OPTIMIZERS
+from speedkit.rungs.base import Rung
 
 QUICK = {
     "warmup": 1,
@@ -178,3 +180,33 @@ def test_manual_optimization_parity_reads_every_backpropagated_loss():
     )
     trainer.fit(GAN())
     assert seen[0] == pytest.approx(seen[1], rel=1e-6)
+
+
+class _BreaksTheDiscriminator(Rung):
+    """A rung whose discriminator raises on its first call: inside the generator's phase, after
+    ``toggle_optimizer(opt_g)`` turned the discriminator's gradients off and before its untoggle."""
+
+    name = "breaks_the_discriminator"
+
+    def apply(self, state):
+        handle = Handle(self.name)
+        net = state.model.discriminator
+
+        def forward(x):
+            raise RuntimeError("the discriminator broke")
+
+        set_attr(handle, net, "forward", forward, "discriminator.forward raises")
+        return handle
+
+
+def test_a_rung_failing_between_toggle_and_untoggle_leaves_the_fit_training_as_without_speedkit():
+    """Found on an H200 (DCGAN): a rung combination that failed inside the generator's phase left the
+    discriminator's parameters without gradients (its untoggle never ran), and the fit after the trials
+    failed with "element 0 of tensors does not require grad". The snapshot puts requires_grad back."""
+    plain, _ = _fit(SpeedLadder(rungs=[]))
+    ladder = SpeedLadder(rungs=[_BreaksTheDiscriminator()], trials=True, measure=QUICK, cache=False)
+    tried, _ = _fit(ladder)
+    entry = next(r for r in ladder.result.rungs if r.name == "breaks_the_discriminator")
+    assert entry.status == "failed" and "the discriminator broke" in entry.reason
+    assert all(p.requires_grad for p in tried.parameters())
+    assert tried.losses == plain.losses

@@ -1,8 +1,8 @@
 """Save and restore the training state around trial steps, so that trials never leak.
 
-A snapshot keeps, by object identity, a copy of every parameter and buffer of the model, the
-optimizer's per-parameter state and hyper-parameters, the state the step owns (learning-rate
-schedulers, grad scaler), the generators iterating the data advances, and the RNG states (torch,
+A snapshot keeps, by object identity, a copy of every parameter and buffer of the model (and whether
+each parameter requires gradients), every optimizer's per-parameter state and hyper-parameters, the
+state the step owns (learning-rate schedulers, grad scaler), the generators iterating the data advances, and the RNG states (torch,
 CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (never replaces them),
 so the optimizer, Lightning and any rung still point at the live parameters. The accumulated
 states of the model's torchmetrics metrics (which a ``training_step`` updates, and which are
@@ -213,6 +213,9 @@ class Snapshot:
             if pin and t.is_cuda:
                 saved = saved.pin_memory()
             self.tensors.append((t, saved))
+        #: which parameters need gradients: a step toggling them (Lightning's ``toggle_optimizer`` in a GAN's
+        #: step) and failing before it untoggles leaves them off, and every later step trains nothing there
+        self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         self.metrics = [_save_metric(m) for m in _metrics(model)]
         self.attributes = UserAttributes(model)
         #: the user's plain attributes that steps since the snapshot changed and a restore put back
@@ -243,6 +246,9 @@ class Snapshot:
             live.copy_(saved, non_blocking=True)
             if isinstance(live, nn.Parameter) or live.requires_grad:
                 live.grad = None
+        for param, needs_grad in self.requires_grad:
+            if param.requires_grad != needs_grad:
+                param.requires_grad_(needs_grad)
         for metric, state, count in self.metrics:
             _restore_metric(metric, state, count)
         changed, rebound = self.attributes.restore()
