@@ -637,7 +637,7 @@ def test_one_callback_serves_two_fits_then_a_manual_optimization_one(no_interpre
     assert model.opt.param_groups[0]["fused"] is None  # undone after the fit
 
 
-def test_optimizer_rungs_say_why_a_fit_has_no_single_optimizer(no_interpreter):
+def test_optimizer_rungs_with_no_optimizer_or_several(no_interpreter):
     class TwoOptimizers(UserModel):
         def __init__(self):
             super().__init__()
@@ -658,15 +658,26 @@ def test_optimizer_rungs_say_why_a_fit_has_no_single_optimizer(no_interpreter):
         def configure_optimizers(self):
             return None
 
-    for module, reason in (
-        (TwoOptimizers(), "the Trainer has 2 optimizers"),
-        (NoOptimizer(), "configure_optimizers returned None"),
-    ):
-        ladder = SpeedLadder(rungs=["fused_optimizer"])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Lightning's warning that the fit has no optimizer
-            _trainer([ladder], max_steps=2).fit(module)
-        assert ladder.applied == [] and reason in ladder.skipped["fused_optimizer"], ladder.skipped
+    ladder = SpeedLadder(rungs=["fused_optimizer"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's warning that the fit has no optimizer
+        _trainer([ladder], max_steps=2).fit(NoOptimizer())
+    assert ladder.applied == [] and "configure_optimizers returned None" in ladder.skipped["fused_optimizer"], ladder.skipped
+
+    # several optimizers stepped by the user's own step: each switched, and the cuda_graph rung says why not
+    ladder, seen = SpeedLadder(rungs=["fused_optimizer", "cuda_graph"]), []
+
+    class Flags(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append([g["fused"] for opt in trainer.optimizers for g in opt.param_groups])
+
+    module = TwoOptimizers()
+    _trainer([ladder, Flags()], max_steps=2).fit(module)
+    changes = ladder.applied_changes["fused_optimizer"]
+    assert [c.split(":")[0] for c in changes[:2]] == ["optimizer 0 of 2", "optimizer 1 of 2"], changes
+    assert seen and all(flags == [True, True] for flags in seen)  # both fused in the fit
+    assert "steps the optimizers itself" in ladder.skipped["cuda_graph"]
+    assert all(g["fused"] is None for opt in module.trainer.optimizers for g in opt.param_groups)  # undone
 
 
 def test_state_dict_round_trip_tolerates_missing_keys():

@@ -127,7 +127,10 @@ def test_a_manual_optimization_gan_keeps_a_measured_rung_and_trains_as_with_it_g
     assert batched.comparison is not None and batched.gain_vs_previous > 1.0
     for name in ("cuda_graph", "micro_batch"):  # they run the optimizer step themselves: each says why not
         assert statuses[name].status == "not_applicable" and statuses[name].reason == USER_STEPS_OPTIMIZERS
-    assert "2 optimizers" in statuses["fused_optimizer"].reason
+    fused = statuses["fused_optimizer"]  # both Adams switched, each from the user's flags
+    assert fused.status in ("kept", "reverted") and fused.parity.passed, fused.reason
+    assert any(c.startswith("optimizer 0 of 2: Adam: ") for c in fused.changes), fused.changes
+    assert any(c.startswith("optimizer 1 of 2: Adam: ") for c in fused.changes), fused.changes
     assert len(model.losses) == 8 and trainer.global_step == 16  # the trials took no real step (two optimizers a batch)
 
     kept = [{"name": r.name, "options": r.options} for r in result.kept]
@@ -138,6 +141,7 @@ def test_a_manual_optimization_gan_keeps_a_measured_rung_and_trains_as_with_it_g
     for a, b in zip(model.parameters(), replayed.parameters()):
         assert torch.equal(a, b)
     assert "forward" not in model.discriminator.__dict__  # everything undone after the fit
+    assert all(g["fused"] is None for opt in trainer.optimizers for g in opt.param_groups)
 
 
 def test_the_trials_put_both_optimizers_back():

@@ -17,7 +17,7 @@ generator and discriminator losses), else the loss it returns. The snapshot save
 What a rung cannot do here it says (:meth:`optimizer_step_blocker`): a CUDA graph of the step, merged
 micro-batches and the out-of-memory fallback need to run the optimizer step themselves. Rungs that change
 the model, the precision plugin, process flags or the data source work as in automatic optimization;
-fused_optimizer works on a single optimizer. Manual optimization across several processes runs no
+fused_optimizer switches each optimizer. Manual optimization across several processes runs no
 trials (the DDP guards average gradients around the optimizer step, which the user's code holds).
 """
 

@@ -21,7 +21,8 @@ dtype and number of dims. ``fused`` is chosen where it runs, else ``foreach``.
 The switch is made in place on the user's optimizer object (its ``param_groups`` flags, and its
 defaults for groups added later), so the optimizer state, hyper-parameters, LR schedulers and
 Lightning's references all stay valid; undo puts the flags back exactly (a flag the optimizer
-does not have is never added).
+does not have is never added). A step that steps several optimizers itself (Lightning's manual
+optimization: a GAN's generator and discriminator) gets each of them switched.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import nn
 
 from speedkit import compat
 from speedkit.errors import first_line
-from speedkit.rungs.base import Handle, Rung
+from speedkit.rungs.base import Handle, Rung, nested
 from speedkit.training.saved_optimizer import SavedAsUser
 from speedkit.training.state import TrainState
 
@@ -216,21 +217,45 @@ class FusedOptimizerRung(Rung):
     Options = FusedOptimizerOptions
     lightning_stage = "fit_start"  # Lightning builds optimizers in strategy.setup, after `setup`
 
-    def _choose(self, state: TrainState) -> tuple[str | None, str | None]:
-        missing = state.why_no_optimizer()
-        if missing is not None:
-            return None, missing
-        assert state.optimizer is not None
-        return choose_implementation(
-            state.optimizer, self.options.implementation, state.step.fused_optimizer_blocker(), state.model
-        )
+    def _choose(self, state: TrainState) -> list[tuple[torch.optim.Optimizer, str | None, str | None]]:
+        """Per optimizer the step steps: ``(optimizer, implementation, why not fused)``, the implementation
+        None where none applies (the reason then says why). Several where the user's step steps several
+        (a manual-optimization GAN's two); none where the run has none (:meth:`check` says why)."""
+        several = [o for o in state.step.all_optimizers() if not compat.lightning_no_optimizer(o)]
+        if state.optimizer is None and len(several) > 1:
+            optimizers = several
+        else:
+            if state.why_no_optimizer() is not None:
+                return []
+            assert state.optimizer is not None
+            optimizers = [state.optimizer]
+        blocker = state.step.fused_optimizer_blocker()
+        return [(o, *choose_implementation(o, self.options.implementation, blocker, state.model)) for o in optimizers]
 
     def check(self, state: TrainState) -> str | None:
-        implementation, reason = self._choose(state)
-        return reason if implementation is None else None
+        chosen = self._choose(state)
+        if not chosen:
+            return state.why_no_optimizer() or "the run has no optimizer"
+        if all(implementation is None for _, implementation, _ in chosen):
+            if len(chosen) == 1:
+                return chosen[0][2]
+            return "; ".join(f"optimizer {i} ({type(o).__name__}): {why}" for i, (o, _, why) in enumerate(chosen))
+        return None
 
     def apply(self, state: TrainState) -> Handle:
-        implementation, reason = self._choose(state)
-        if implementation is None:
-            raise RuntimeError(reason)
-        return apply_fused_optimizer(state.optimizer, implementation, reason)
+        chosen = self._choose(state)
+        if len(chosen) == 1:
+            optimizer, implementation, reason = chosen[0]
+            if implementation is None:
+                raise RuntimeError(reason or "no implementation applies")
+            return apply_fused_optimizer(optimizer, implementation, reason)
+        handle = Handle(self.name)
+        for i, (optimizer, implementation, reason) in enumerate(chosen):
+            if implementation is None:
+                handle.record(f"note: optimizer {i} ({type(optimizer).__name__}) left as it is: {reason}")
+                continue
+            inner = apply_fused_optimizer(optimizer, implementation, reason)
+            nested(handle, inner, f"optimizer {i} of {len(chosen)}: {inner.changes[0]}")
+            for line in inner.changes[1:]:
+                handle.record(f"optimizer {i}: {line}")
+        return handle
