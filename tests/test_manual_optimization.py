@@ -214,3 +214,16 @@ def test_a_rung_failing_between_toggle_and_untoggle_leaves_the_fit_training_as_w
     assert entry.status == "failed" and "the discriminator broke" in entry.reason
     assert all(p.requires_grad for p in tried.parameters())
     assert tried.losses == plain.losses
+
+
+def test_manual_optimization_across_processes_runs_no_trials_and_says_why():
+    """The DDP guards average gradients around an optimizer step the user's code holds: one warning,
+    nothing applied, the fit goes on as set up."""
+    from types import SimpleNamespace
+
+    ladder = SpeedLadder(cache=False)
+    module = GAN()
+    trainer = SimpleNamespace(world_size=2)
+    with pytest.warns(UserWarning, match="manual optimization across 2 processes"):
+        ladder.on_train_start(trainer, module)
+    assert ladder.result is None and ladder.handles == [] and "one process only" in ladder.not_run
