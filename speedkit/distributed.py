@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -45,6 +46,23 @@ def rank() -> int:
     """This process's rank in the default group (0 without one)."""
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (FSDP2's sharded parameters, their gradients and
+    the optimizer state made from them; a view: writing into it writes the DTensor), else ``t`` itself."""
+    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return t.to_local() if kind is not None and isinstance(t, kind) else t
+
+
+def shard_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``like`` is: a DTensor of ``like``'s mesh and placements where ``like`` is one (``local``
+    being this rank's shard of it), else ``local``."""
+    if local_shard(like) is like:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
 def any_rank(flag: bool) -> bool:

@@ -217,7 +217,10 @@ def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
         import torch
 
         capacity = torch.cuda.get_device_properties(state.device).total_memory
-    diagnosis = diagnose(baseline, window, syncs, memory_capacity_bytes=capacity)
+    # one diagnosis for every rank (rank 0's): each rank profiled its own step, and under sharding their
+    # categories differ (one rank's profile shows its wait in a collective as communication, another's not),
+    # which would plan each rank's trials differently and leave their collectives out of step
+    diagnosis, note = distributed.broadcast((diagnose(baseline, window, syncs, memory_capacity_bytes=capacity), note))
     # the step the rungs will be judged on: the user's switches where they are the floor
     of = f"the switches' step ({' + '.join(s.rung.name for s in ladder.slots)})" if ladder.slots else "the baseline's step"
     result.run["diagnosis"] = {**diagnosis.to_dict(), "summary": diagnosis.summary(), "note": note, "of": of}

@@ -230,10 +230,11 @@ class RoundingNoise:
         self.kernels: list[str] = []
 
     def _noisy(self, t: torch.Tensor, relative: float) -> torch.Tensor:
-        if t.device not in self._generators:
-            self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
-        signs = torch.randint(0, 2, t.shape, generator=self._generators[t.device], device=t.device, dtype=t.dtype)
-        return t * signs.mul_(2 * relative).add_(1 - relative)
+        local = distributed.local_shard(t)  # a sharded (FSDP2) weight or gradient: this rank's shard
+        if local.device not in self._generators:
+            self._generators[local.device] = torch.Generator(device=local.device).manual_seed(self.seed)
+        signs = torch.randint(0, 2, local.shape, generator=self._generators[local.device], device=local.device, dtype=local.dtype)
+        return distributed.shard_like(local * signs.mul_(2 * relative).add_(1 - relative), t)
 
     def _kernel_precision(self, module: torch.nn.Module) -> tuple[float, str | None]:
         """The relative rounding of ``module``'s kernels, and why where coarser than ``relative``."""

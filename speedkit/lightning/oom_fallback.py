@@ -50,6 +50,7 @@ from speedkit.distributed import any_rank, average_gradients, largest
 from speedkit.errors import ConfigError
 from speedkit.files import write_text_atomic
 from speedkit.handle import Handle, set_attr
+from speedkit.lightning.sharded import sharding
 from speedkit.training.accumulate import MicroBatcher, check_probe_after, stop_on_out_of_memory
 from speedkit.training.step import loss_of
 
@@ -86,6 +87,12 @@ class OOMFallback(Callback):
         self.not_applied = None
         if not pl_module.automatic_optimization:
             self.not_applied = "manual optimization: the module runs its own backward and optimizer step"
+        elif trainer.world_size > 1 and sharding(trainer.strategy) is not None:
+            self.not_applied = (
+                f"{sharding(trainer.strategy)} over several processes: it gathers the parameters and reduces the "
+                "gradients inside every forward and backward, so a rank running out of memory mid-step would leave "
+                "the others waiting in that collective (under DDP the split batch runs outside the reducer)"
+            )
         elif trainer.world_size > 1 and not isinstance(trainer.strategy.model, DistributedDataParallel):
             self.not_applied = (
                 f"{type(trainer.strategy).__name__} over several processes: only DDP is supported "

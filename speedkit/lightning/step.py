@@ -36,6 +36,7 @@ from speedkit.data.source import BatchSource
 from speedkit.handle import Handle
 from speedkit.lightning import ddp
 from speedkit.lightning.data import overridden_transfer_hooks
+from speedkit.lightning.sharded import sharding
 from speedkit.training.step import NUMERICS, LogCall, ScheduleGuard, Step, loss_of, restore_scaler
 
 _MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -133,7 +134,12 @@ class LightningStep(Step):
         losses: list[torch.Tensor] = []
         every_micro = getattr(self.strategy, "handles_gradient_accumulation", False)
         # a static-graph DDP wrapper's first iteration runs through it, unguarded (see compat)
-        guard = self._guarded and self.world_size() > 1 and not compat.ddp_static_graph_pending(self.strategy.model)
+        guard = (
+            self._guarded
+            and self.world_size() > 1
+            and sharding(self.strategy) is None  # FSDP reduces inside its own backward hooks (sharded.py)
+            and not compat.ddp_static_graph_pending(self.strategy.model)
+        )
         for k, batch in enumerate(batches):
             idx = batch_idx * n + k
 
@@ -196,6 +202,12 @@ class LightningStep(Step):
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             ddp.require_backward_grad_sync = on
 
+    def gradient_sync_fixed(self) -> str | None:
+        sharded = sharding(self.strategy)
+        if sharded is not None and self.world_size() > 1:
+            return f"{sharded} reduces the gradients inside its backward hooks: no switch takes that out of a step"
+        return None
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[LogCall]]:
         """``self.log``/``self.log_dict`` recorded instead of made, the trials' metric computation
@@ -241,6 +253,11 @@ class LightningStep(Step):
         precision = str(self.trainer.precision_plugin.precision)
         if precision not in ("32-true", "32"):
             return f"the Trainer already runs precision={precision!r}; speedkit leaves it as chosen"
+        if sharding(self.strategy) == "FSDP (FSDPStrategy)":
+            return (
+                "FSDPStrategy sets its precision when it wraps the module (its FSDPPrecision plugin's mixed-precision "
+                "policy): a precision plugin swapped in afterwards would not reach it"
+            )
         return None
 
     def why_no_optimizer(self) -> str | None:

@@ -1,10 +1,11 @@
 """Save and restore the training state around trial steps, so that trials never leak.
 
-A snapshot keeps, by object identity, a copy of every parameter and buffer of the model (and whether
-each parameter requires gradients), every optimizer's per-parameter state and hyper-parameters, the
-state the step owns (learning-rate schedulers, grad scaler), the generators iterating the data advances, and the RNG states (torch,
-CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (never replaces them),
-so the optimizer, Lightning and any rung still point at the live parameters. The accumulated
+A snapshot keeps, by object identity, a copy of every parameter and buffer of the model (of a
+DTensor, FSDP2's sharded parameter, this rank's shard) and whether each parameter requires
+gradients, every optimizer's per-parameter state and hyper-parameters, the state the step owns
+(learning-rate schedulers, grad scaler), the generators iterating the data advances, and the RNG
+states (torch, CUDA, Python, NumPy). Restoring copies values back *into the same tensors* (never
+replaces them), so the optimizer, Lightning and any rung still point at the live parameters. The accumulated
 states of the model's torchmetrics metrics (which a ``training_step`` updates, and which are
 neither parameters nor buffers) are saved and put back too: otherwise the trials' batches would
 count in the first epoch's metric (``self.log("acc", self.acc, on_epoch=True)``). So are the plain
@@ -29,12 +30,31 @@ from torch import nn
 
 from speedkit import compat
 from speedkit.data.rng import RngState
+from speedkit.distributed import local_shard
 
 _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _clone(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    return t.detach().to(device if device is not None else t.device, copy=True)
+    local = local_shard(t.detach())
+    return local.to(device if device is not None else local.device, copy=True)
+
+
+class _ShardedState:
+    """A DTensor optimizer state tensor (FSDP2's) as saved: the DTensor itself and a copy of this rank's
+    shard, put back into that same DTensor (its mesh and placements stay the optimizer's)."""
+
+    def __init__(self, live: torch.Tensor, device: torch.device | None) -> None:
+        self.live, self.shard = live, _clone(live, device)
+
+    def restore(self) -> torch.Tensor:
+        local_shard(self.live).copy_(self.shard)
+        return self.live
+
+
+def _saved_state_tensor(v: torch.Tensor, device: torch.device | None) -> Any:
+    """An optimizer state tensor as saved: a copy, or a :class:`_ShardedState`."""
+    return _ShardedState(v, device) if local_shard(v) is not v else _clone(v, device)
 
 
 def _metrics(model: nn.Module) -> list[nn.Module]:
@@ -210,7 +230,7 @@ class Snapshot:
                 continue  # tied weights
             seen.add(id(t))
             saved = _clone(t, self.device)
-            if pin and t.is_cuda:
+            if pin and saved.device.type == "cpu" and local_shard(t).is_cuda:
                 saved = saved.pin_memory()
             self.tensors.append((t, saved))
         #: which parameters need gradients: a step toggling them (Lightning's ``toggle_optimizer`` in a GAN's
@@ -232,7 +252,13 @@ class Snapshot:
         self, optimizer: torch.optim.Optimizer
     ) -> tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[dict[str, Any]]]:
         state = [
-            (p, {k: (_clone(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()})
+            (
+                p,
+                {
+                    k: (_saved_state_tensor(v, self.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                    for k, v in st.items()
+                },
+            )
             for p, st in optimizer.state.items()
         ]
         groups = [
@@ -243,7 +269,7 @@ class Snapshot:
     @torch.no_grad()
     def restore(self, rng: bool = True) -> None:
         for live, saved in self.tensors:
-            live.copy_(saved, non_blocking=True)
+            local_shard(live).copy_(saved, non_blocking=True)
             if isinstance(live, nn.Parameter) or live.requires_grad:
                 live.grad = None
         for param, needs_grad in self.requires_grad:
@@ -261,7 +287,9 @@ class Snapshot:
                 group = flags.get(id(p), {})
                 restored = {}
                 for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
+                    if isinstance(v, _ShardedState):
+                        restored[k] = v.restore()
+                    elif isinstance(v, torch.Tensor):
                         target = compat.step_counter_device(group, p) if k == "step" else p.device
                         restored[k] = v.to(target, copy=True)
                     else:

@@ -1,0 +1,184 @@
+"""SpeedLadder under Lightning's ModelParallelStrategy (FSDP2: ``fully_shard`` in ``configure_model``,
+each rank holding its shard of every parameter and of the optimizer state) on 2 CPU processes (gloo),
+issue 58. Lightning's FSDPStrategy (FSDP1) refuses a CPU accelerator ("requires a GPU accelerator"):
+it is tried on GPUs only.
+
+The two ranks run, in the same processes: a fit without speedkit; a fit with trials whose decisions are
+forced to keep (real rungs on, real restores); the same fit given the kept rungs by hand; and a fit whose
+trials meet a rung that fails on rank 1 alone. They must: end the trials with both ranks' shards and
+optimizer state as before them (the fit with trials trains exactly as the fit given its kept rungs, and
+as the plain fit within fp32 rounding), take one decision on both ranks, revert a one-rank failure on
+both, and never hang (the spawn is timeout-guarded). SpeedProfiler times both ranks' fits and writes one
+report holding both; OOMFallback says why it stays out (a rank running out of memory inside FSDP's
+collectives would strand the others)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from ranks import spawn_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from speedkit import distributed
+from speedkit.handle import Handle
+from speedkit.lightning import OOMFallback, SpeedLadder, SpeedProfiler
+from speedkit.rungs.base import Rung
+
+STEPS = 6
+QUICK = {
+    "warmup": 1,
+    "steps": 2,
+    "repeats": 2,
+    "parity_steps": 2,
+    "min_blocks": 2,
+    "max_blocks": 2,
+    "budget_s": 60.0,
+    "holds_windows": 1,
+    "telemetry": False,
+    "profile": False,
+    "switches_floor": False,
+}
+
+
+class Sharded(pl.LightningModule):
+    """An MLP sharded as FSDP2's users shard a model: each block, then the root (``configure_model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+        self.params_after: list[list[torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]  # the whole 2-D mesh would replicate over it (HSDP)
+        for layer in self.model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.params_after.append([distributed.local_shard(p).detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class FailsOnRankOne(Rung):
+    """A rung whose apply raises on rank 1 only."""
+
+    name = "fails_on_rank_one"
+
+    def apply(self, state):
+        if distributed.rank() == 1:
+            raise RuntimeError("broke on rank 1")
+        return Handle(self.name)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g))
+    return DataLoader(data, batch_size=16, shuffle=True)
+
+
+def _fit(callbacks: list) -> Sharded:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.manual_seed(0)
+    module = Sharded()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    pl.seed_everything(0, verbose=False)
+    trainer.fit(module, train_dataloaders=_loader())
+    assert trainer.global_step == STEPS
+    return module
+
+
+def fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
+    from speedkit.engine.ladder import Ladder
+
+    plain = _fit([])
+    results: dict = {"plain": plain.params_after}
+    results["shards"] = [(type(p).__name__, tuple(distributed.local_shard(p).shape), tuple(p.shape)) for p in plain.parameters()]
+    decide = Ladder.decide
+    Ladder.decide = lambda self, paired, *rest: ("kept", "forced by the test")  # real rungs stay on
+    try:
+        tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure=QUICK, cache=False)
+        results["tried"] = _fit([tried]).params_after
+    finally:
+        Ladder.decide = decide
+    result = tried.result
+    results["kept"] = [r.name for r in result.kept]
+    results["strategy"] = result.run["strategy"]
+    results["scaling"] = result.run.get("scaling")
+    by_hand = SpeedLadder(rungs=[{"name": r.name, "options": r.options} for r in result.kept])
+    results["by_hand"] = _fit([by_hand]).params_after
+    results["by_hand_applied"] = sorted(by_hand.applied_changes)
+
+    failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials=True, measure=QUICK, cache=False)
+    results["failing"] = _fit([failing]).params_after
+    entry = next(r for r in failing.result.rungs if r.name == "fails_on_rank_one")
+    results["failing_entry"] = (entry.status, entry.reason)
+    profiler, fallback = SpeedProfiler(report_dir=Path(out) / "profile", nvml=False), OOMFallback()
+    results["profiled"] = _fit([profiler, fallback]).params_after
+    results["fallback_not_applied"] = fallback.not_applied
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], rel: float) -> bool:
+    return all(float((x - y).abs().max()) <= rel * max(float(y.abs().max()), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path):
+    spawn_ranks(fsdp_worker, str(tmp_path), timeout_s=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, got in enumerate(ranks):
+        assert got["strategy"] == "ModelParallelStrategy"
+        assert got["kept"] == ["gc_freeze", "fused_optimizer"] and got["by_hand_applied"] == sorted(got["kept"]), got["kept"]
+        assert len(got["tried"]) == len(got["by_hand"]) == len(got["plain"]) == STEPS
+        # the trials put back this rank's shards and its optimizer state: the fit after them is the fit
+        # given the kept rungs by hand, exactly, and the plain fit's within the fused update's rounding
+        for step, (a, b) in enumerate(zip(got["tried"], got["by_hand"], strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, step)
+        for step, (a, b) in enumerate(zip(got["tried"], got["plain"], strict=True)):
+            assert _close(a, b, 1e-5), (rank, step)
+        # a rung failing on rank 1 alone failed on both, and nothing of it stayed
+        status, reason = got["failing_entry"]
+        assert status == "failed" and "rank 1" in reason and "broke on rank 1" in reason, reason
+        for step, (a, b) in enumerate(zip(got["failing"], got["plain"], strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, step)
+        # SpeedProfiler times both ranks' fits and changes nothing; OOMFallback says why it stays out
+        for step, (a, b) in enumerate(zip(got["profiled"], got["plain"], strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, step)
+        assert "FSDP2 (ModelParallelStrategy) over several processes" in got["fallback_not_applied"]
+    profile = json.loads((tmp_path / "profile" / "speed_profile.json").read_text())
+    assert [r["rank"] for r in profile["ranks"]] == [0, 1]
+    assert all(r["steps"] == STEPS and r["step_ms_median"] > 0 for r in profile["ranks"])
+    assert ranks[0]["kept"] == ranks[1]["kept"]
+    # each rank holds its own shard (half of each parameter's rows), and the two ranks' shards differ
+    assert all(kind == "DTensor" and local[0] * 2 == full[0] for kind, local, full in ranks[0]["shards"]), ranks[0]["shards"]
+    assert not all(torch.equal(x, y) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))
