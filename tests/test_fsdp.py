@@ -73,6 +73,16 @@ class Sharded(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.params_after.append([distributed.local_shard(p).detach().clone() for p in self.parameters()])
 
+    def on_train_end(self) -> None:
+        """This rank's shard of every optimizer state tensor (AdamW's moments, its step counts)."""
+        opt = self.trainer.optimizers[0]
+        self.opt_state = [
+            distributed.local_shard(v).detach().clone()
+            for p in self.parameters()
+            for _, v in sorted(opt.state[p].items())
+            if isinstance(v, torch.Tensor)
+        ]
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
@@ -127,7 +137,8 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     Ladder.decide = lambda self, paired, *rest: ("kept", "forced by the test")  # real rungs stay on
     try:
         tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure=QUICK, cache=False)
-        results["tried"] = _fit([tried]).params_after
+        tried_module = _fit([tried])
+        results["tried"], results["tried_opt"] = tried_module.params_after, tried_module.opt_state
     finally:
         Ladder.decide = decide
     result = tried.result
@@ -135,7 +146,8 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results["strategy"] = result.run["strategy"]
     results["scaling"] = result.run.get("scaling")
     by_hand = SpeedLadder(rungs=[{"name": r.name, "options": r.options} for r in result.kept])
-    results["by_hand"] = _fit([by_hand]).params_after
+    by_hand_module = _fit([by_hand])
+    results["by_hand"], results["by_hand_opt"] = by_hand_module.params_after, by_hand_module.opt_state
     results["by_hand_applied"] = sorted(by_hand.applied_changes)
 
     failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials=True, measure=QUICK, cache=False)
@@ -164,6 +176,8 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
         # given the kept rungs by hand, exactly, and the plain fit's within the fused update's rounding
         for step, (a, b) in enumerate(zip(got["tried"], got["by_hand"], strict=True)):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, step)
+        assert len(got["tried_opt"]) == 18  # step, exp_avg, exp_avg_sq of 6 parameters
+        assert all(torch.equal(x, y) for x, y in zip(got["tried_opt"], got["by_hand_opt"], strict=True)), rank
         for step, (a, b) in enumerate(zip(got["tried"], got["plain"], strict=True)):
             assert _close(a, b, 1e-5), (rank, step)
         # a rung failing on rank 1 alone failed on both, and nothing of it stayed

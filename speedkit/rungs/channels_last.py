@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from speedkit import compat
+from speedkit import compat, distributed
 from speedkit.data.source import SourceWrapper
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts, set_attr
 from speedkit.training.state import TrainState
@@ -198,6 +198,12 @@ class ChannelsLastRung(Rung):
             )
         if not _convertible(state.model):
             return "the model's 4-D parameters and buffers are already channels_last (none is left contiguous)"
+        sharded = next((t for t in _convertible(state.model) if distributed.local_shard(t) is not t), None)
+        if sharded is not None:
+            return (
+                "the model's 4-D parameters are sharded (FSDP2's DTensors): each rank holds a flat shard FSDP gathers "
+                "into its own layout, not a layout this rung can set"
+            )
         return None
 
     def apply(self, state: TrainState) -> Handle:

@@ -287,8 +287,9 @@ def _distributed_blocker(step: Step) -> str | None:
     options = step.ddp_options()
     if options is None:
         return (
-            f"training across {world} processes without Lightning's DDP strategy: only DistributedDataParallel's "
-            "step, set up by the strategy, is captured"
+            f"training across {world} processes without Lightning's DDP strategy (FSDP gathers and frees the "
+            "parameters from the host around every block): only DistributedDataParallel's step, set up by the "
+            "strategy, is captured"
         )
     backend = options.get("backend")
     if backend != "nccl":
