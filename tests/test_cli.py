@@ -401,6 +401,22 @@ def test_top_level_keys_are_overrides_too(tmp_path, capsys):
 
 
 def test_optimize_on_a_model_the_trials_cannot_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "speedkit_test_nan.py").write_text(
+        "from speedkit.demos import NaiveGPT\n\n\nclass NanGPT(NaiveGPT):\n"
+        "    def training_step(self, batch, batch_idx):\n        return super().training_step(batch, batch_idx) * float('nan')\n"
+    )
+    recipe = tmp_path / "nan.yaml"
+    recipe.write_text(
+        "model: {class_path: speedkit_test_nan.NanGPT, init_args: {size: tiny}}\n"
+        "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
+        "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1}\n"
+    )
+    assert main(["optimize", str(recipe), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not run its trials" in err[0] and "nan at step 1 of the baseline" in err[0], err
+
+
+def test_optimize_runs_the_trials_of_a_manual_optimization_model(tmp_path, capsys):
     (tmp_path / "speedkit_test_manual.py").write_text(
         "from speedkit.demos import NaiveGPT\n\n\nclass ManualGPT(NaiveGPT):\n"
         "    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self.automatic_optimization = False\n\n"
@@ -411,11 +427,12 @@ def test_optimize_on_a_model_the_trials_cannot_run_is_one_line(tmp_path, capsys)
     recipe.write_text(
         "model: {class_path: speedkit_test_manual.ManualGPT, init_args: {size: tiny}}\n"
         "data: {synthetic: tokens, batch_size: 2, seq_len: 16, length: 64}\ntrainer: {accelerator: cpu}\n"
-        "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1}\n"
+        "ladder: [fused_optimizer]\nmeasure: {warmup: 1, steps: 2, holds_windows: 1, profile: false}\n"
     )
-    assert main(["optimize", str(recipe), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "could not run its trials" in err[0] and "automatic_optimization" in err[0]
+    assert main(["optimize", str(recipe), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["run"]["optimization"] == "manual"
+    assert [r["name"] for r in report["rungs"]][:1] == ["baseline"] and len(report["rungs"]) >= 2
 
 
 def test_version_and_overrides(tmp_path, capsys):

@@ -30,18 +30,20 @@ QUICK = {
 
 
 class Discriminator(nn.Module):
-    """Shared features, then an ensemble of linear heads whose scores are averaged (written one head
-    at a time, as a multi-head discriminator often is: the batched rung's kind of model)."""
+    """Shared features, then an ensemble of linear heads (one weight tensor, a slice per head) whose
+    scores are averaged, computed one head at a time in a Python loop: the batched rung's kind of model."""
 
-    def __init__(self, dim: int, width: int = 64, heads: int = 48) -> None:
+    def __init__(self, dim: int, width: int = 64, heads: int = 128) -> None:
         super().__init__()
         self.features = nn.Sequential(nn.Linear(dim, width), nn.LeakyReLU(0.2))
-        self.heads = nn.ModuleList(nn.Linear(width, 1) for _ in range(heads))
+        self.heads = nn.Parameter(torch.randn(heads, width, 1) / width**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.features(x)
-        scores = [head(h) for head in self.heads]
-        return torch.cat(scores, dim=1).mean(dim=1)
+        scores = []
+        for i in range(self.heads.shape[0]):
+            scores.append(h @ self.heads[i])
+        return torch.stack(scores).mean(dim=0).squeeze(-1)
 
 
 class GAN(pl.LightningModule):

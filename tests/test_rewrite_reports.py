@@ -16,8 +16,12 @@ def captured():
     return capture()
 
 
+#: zoo models added after the golden copy was captured: no earlier behaviour to compare with
+ADDED_SINCE = {"zoo:dcgan", "zoo:hf-llama-ckpt"}
+
+
 def test_the_same_models_are_compared(captured):
-    assert sorted(captured) == sorted(json.loads(GOLDEN.read_text()))
+    assert sorted(set(captured) - ADDED_SINCE) == sorted(json.loads(GOLDEN.read_text()))
 
 
 @pytest.mark.parametrize("label", sorted(json.loads(GOLDEN.read_text())))
