@@ -116,7 +116,7 @@ def _fit(ladder: SpeedLadder, max_steps: int = 8) -> tuple[GAN, pl.Trainer]:
 def test_a_manual_optimization_gan_keeps_a_measured_rung_and_trains_as_with_it_given_by_hand(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ladder = SpeedLadder(
-        rungs=["batched", "gc_freeze", "cuda_graph", "micro_batch", "fused_optimizer"], trials=True, measure=QUICK, cache=False
+        rungs=["batched", "cuda_graph", "micro_batch", "fused_optimizer"], trials=True, measure=QUICK, cache=False
     )
     model, trainer = _fit(ladder)
     result = ladder.result

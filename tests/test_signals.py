@@ -89,8 +89,10 @@ def test_sigterm_after_the_trials_ends_the_fit_as_lightning_does_without_speedki
     assert seconds < 10, output
     # Lightning's own path (speedkit's handlers are gone): SIGTERMException through on_exception, and out of
     # fit either it or, as without speedkit in 2 of 3 tries here, the dead worker's error torch raises while
-    # Lightning ends the fit
-    assert "ON EXCEPTION SIGTERMException" in after, output
+    # Lightning ends the fit; or, where torch's SIGCHLD check meets the dead worker before Lightning's loop
+    # reads its SIGTERM flag (once in a CI run), that error through on_exception and out of fit
+    dead_worker = "DataLoader worker" in after and "is killed by signal" in after
+    assert "ON EXCEPTION SIGTERMException" in after or ("ON EXCEPTION RuntimeError" in after and dead_worker), output
     assert "FIT RAISED SIGTERMException" in after or (
         "FIT RAISED RuntimeError" in after and "DataLoader worker" in after and "is killed by signal" in after
     ), output
