@@ -87,9 +87,9 @@ class OOMFallback(Callback):
         self.not_applied = None
         if not pl_module.automatic_optimization:
             self.not_applied = "manual optimization: the module runs its own backward and optimizer step"
-        elif trainer.world_size > 1 and sharding(trainer.strategy) is not None:
+        elif trainer.world_size > 1 and (sharded := sharding(trainer.strategy)) is not None:
             self.not_applied = (
-                f"{sharding(trainer.strategy)} over several processes: it gathers the parameters and reduces the "
+                f"{sharded} over several processes: it gathers the parameters and reduces the "
                 "gradients inside every forward and backward, so a rank running out of memory mid-step would leave "
                 "the others waiting in that collective (under DDP the split batch runs outside the reducer)"
             )

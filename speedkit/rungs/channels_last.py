@@ -196,10 +196,10 @@ class ChannelsLastRung(Rung):
                 f"the model has one 2-d convolution only ({type(convolutions[0]).__name__}, a stem or patch embedding): "
                 "the rest of it does not read a convolution's layout"
             )
-        if not _convertible(state.model):
+        convertible = _convertible(state.model)
+        if not convertible:
             return "the model's 4-D parameters and buffers are already channels_last (none is left contiguous)"
-        sharded = next((t for t in _convertible(state.model) if distributed.local_shard(t) is not t), None)
-        if sharded is not None:
+        if any(distributed.local_shard(t) is not t for t in convertible):
             return (
                 "the model's 4-D parameters are sharded (FSDP2's DTensors): each rank holds a flat shard FSDP gathers "
                 "into its own layout, not a layout this rung can set"
