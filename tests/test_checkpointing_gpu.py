@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cuda_graph_gpu import _Record
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -86,20 +87,6 @@ def test_a_checkpointed_step_with_dropout_trains_as_the_same_model_without_check
     assert worst <= 1e-5, worst
 
 
-class _Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.step = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer, pl_module):
-        for cb in trainer.callbacks:
-            if isinstance(cb, SpeedLadder) and cb._state is not None:
-                self.step = cb._state.step
-
-
 @pytest.mark.parametrize("given", [["cuda_graph"], ["compile", "cuda_graph"]], ids=["graph", "compile+graph"])
 def test_the_zoo_llama_with_the_librarys_checkpointing_goes_through_compile_and_cuda_graph_or_says_why(given):
     from speedkit.demos.zoo import ZOO
@@ -107,10 +94,10 @@ def test_the_zoo_llama_with_the_librarys_checkpointing_goes_through_compile_and_
     torch._dynamo.reset()
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    def fit(callbacks: list) -> _Losses:
+    def fit(callbacks: list) -> _Record:
         pl.seed_everything(0, verbose=False)
         module, loader = ZOO["hf-llama-ckpt"].build("tiny")
-        record = _Losses()
+        record = _Record()  # the losses, and the step the ladder left in effect (the graph)
         trainer = pl.Trainer(
             max_steps=12,
             accelerator="gpu",
@@ -133,7 +120,7 @@ def test_the_zoo_llama_with_the_librarys_checkpointing_goes_through_compile_and_
         print("hf-llama-ckpt cuda_graph:", ladder.skipped["cuda_graph"])
         assert ladder.skipped["cuda_graph"]
         return
-    graph = record.step
+    graph = record.graph
     assert isinstance(graph, GraphedStep)
     if graph.stopped is not None:  # a sync in the step: named with its file and line
         print("hf-llama-ckpt cuda_graph stopped:", graph.stopped)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from ranks import spawn_ranks
+from test_lightning import QUICK as LIGHTNING_QUICK
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -32,19 +33,8 @@ from speedkit.lightning import OOMFallback, SpeedLadder, SpeedProfiler
 from speedkit.rungs.base import Rung
 
 STEPS = 6
-QUICK = {
-    "warmup": 1,
-    "steps": 2,
-    "repeats": 2,
-    "parity_steps": 2,
-    "min_blocks": 2,
-    "max_blocks": 2,
-    "budget_s": 60.0,
-    "holds_windows": 1,
-    "telemetry": False,
-    "profile": False,
-    "switches_floor": False,
-}
+#: test_lightning's quick settings; no floor of the user's switches (compile would be its only one)
+QUICK = {**LIGHTNING_QUICK, "switches_floor": False}
 
 
 class Sharded(pl.LightningModule):
