@@ -1197,3 +1197,127 @@ def ddp_static_graph_pending(ddp: Any) -> bool:
     if enqueued is not None:
         return not enqueued
     return _ddp_logged_iterations(ddp) == 0
+
+
+# -- FSDP2 (``fully_shard``) internals --------------------------------------------------------------
+# FSDP2's public methods set prefetching and resharding at run time; its mixed-precision policy is fixed
+# when ``fully_shard`` runs (a user's ``configure_model``). The entries below read each FSDP module's
+# state (``FSDPModule._get_fsdp_state()``: its ``_fsdp_param_groups``, each with ``fsdp_params``) and
+# set the policy after the fact the way ``fully_shard`` sets it; where a torch lacks a name they answer
+# "not available" and the rungs that need them say why they do not apply.
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` sharded (FSDP2's ``FSDPModule``), in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _fsdp2_groups(module: nn.Module) -> list[Any]:
+    """The parameter groups of one FSDP2 module (one per ``fully_shard`` call; none where it holds none)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch 2.6-2.8 kept one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def fsdp2_policy_settable(model: nn.Module) -> str | None:
+    """Why FSDP2's mixed-precision policy cannot be set after ``fully_shard`` on this torch (None: it can)."""
+    for module in fsdp2_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        if not hasattr(state, "_mp_policy"):
+            return "this torch's FSDP2 keeps its mixed-precision policy elsewhere (no FSDPState._mp_policy)"
+        for group in _fsdp2_groups(module):
+            if not (hasattr(group, "mp_policy") and hasattr(group, "_init_mp_dtypes")):
+                return "this torch's FSDP2 parameter groups set their dtypes elsewhere (no _init_mp_dtypes)"
+            for param in group.fsdp_params:
+                if not (hasattr(param, "all_gather_outputs") and hasattr(param, "init_dtype_attrs")):
+                    return "this torch's FSDP2 parameters keep their all-gather buffers elsewhere"
+    return None
+
+
+def fsdp2_policies(model: nn.Module) -> list[Any]:
+    """Each FSDP2 module's mixed-precision policy (``MixedPrecisionPolicy``), in module order."""
+    return [m._get_fsdp_state()._mp_policy for m in fsdp2_modules(model)]  # type: ignore[operator]
+
+
+def fsdp2_set_policies(model: nn.Module, policies: list[Any]) -> None:
+    """Give each FSDP2 module of ``model`` its policy (``policies`` as :func:`fsdp2_policies` lists them),
+    as ``fully_shard(mp_policy=...)`` would have: the state's policy (it casts the root's inputs), each
+    parameter group's (its dtypes for the all-gather, the unsharded parameters and the gradient
+    reduction), and the unsharded parameters and all-gather buffers dropped, so that the next all-gather
+    makes them in the new dtype. Only between steps: every module resharded, no gradient pending."""
+    modules = fsdp2_modules(model)
+    if len(policies) != len(modules):
+        raise ValueError(f"{len(policies)} policies for {len(modules)} FSDP modules")
+    for module, policy in zip(modules, policies, strict=True):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        state._mp_policy = policy
+        for group in _fsdp2_groups(module):
+            group.mp_policy = policy
+            for param in group.fsdp_params:
+                param.mp_policy = policy  # read again by a torch that re-inits the param's dtypes itself
+                param.all_gather_outputs = []
+                if hasattr(param, "_unsharded_param"):
+                    del param._unsharded_param
+            group._init_mp_dtypes()
+
+
+def fsdp2_reshard_after_forward(model: nn.Module) -> list[tuple[list[Any], Any]]:
+    """Each FSDP2 module's resharding after forward as it stands: per module, its groups' post-forward
+    mesh (None: the parameters stay unsharded until the backward) and its "auto" flag (the root's
+    default), for :func:`fsdp2_restore_reshard_after_forward`."""
+    saved = []
+    for module in fsdp2_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        meshes = [group.post_forward_mesh_info for group in _fsdp2_groups(module)]
+        saved.append((meshes, getattr(state, "_auto_reshard_after_forward", None)))
+    return saved
+
+
+def fsdp2_restore_reshard_after_forward(model: nn.Module, saved: list[tuple[list[Any], Any]]) -> None:
+    """Put back what :func:`fsdp2_reshard_after_forward` read (``set_reshard_after_forward`` also clears
+    the root's "auto" flag, which no public method sets again)."""
+    for module, (meshes, auto) in zip(fsdp2_modules(model), saved, strict=True):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        for group, mesh in zip(_fsdp2_groups(module), meshes, strict=True):
+            group.post_forward_mesh_info = mesh
+        if auto is not None:
+            state._auto_reshard_after_forward = auto
+
+
+def fsdp2_resharded_after_forward(module: nn.Module) -> bool:
+    """Whether one FSDP2 module frees its unsharded parameters after its forward (and gathers them
+    again in the backward)."""
+    return any(group.post_forward_mesh_info is not None for group in _fsdp2_groups(module))
+
+
+def fsdp2_prefetch(module: nn.Module) -> tuple[list[Any] | None, list[Any] | None]:
+    """One FSDP2 module's explicit forward and backward prefetch lists (None: FSDP's implicit order)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    return getattr(state, "_states_to_forward_prefetch", None), getattr(state, "_states_to_backward_prefetch", None)
+
+
+def fsdp2_set_prefetch(module: nn.Module, forward: list[Any] | None, backward: list[Any] | None) -> None:
+    """Put back one FSDP2 module's prefetch lists as :func:`fsdp2_prefetch` read them."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    if forward is not None:
+        state._states_to_forward_prefetch = list(forward)
+    if backward is not None:
+        state._states_to_backward_prefetch = list(backward)
+
+
+def fsdp2_unsharded_bytes(module: nn.Module) -> int:
+    """The bytes one FSDP2 module's parameters take unsharded in the dtype its all-gather makes them
+    (the policy's ``param_dtype``, else their own); its own parameters only, not its FSDP submodules'."""
+    total = 0
+    for group in _fsdp2_groups(module):
+        for param in group.fsdp_params:
+            dtype = getattr(param, "param_dtype", None) or param.orig_dtype
+            total += param._orig_size.numel() * dtype.itemsize
+    return total

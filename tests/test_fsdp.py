@@ -186,3 +186,108 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     # each rank holds its own shard (half of each parameter's rows), and the two ranks' shards differ
     assert all(kind == "DTensor" and local[0] * 2 == full[0] for kind, local, full in ranks[0]["shards"]), ranks[0]["shards"]
     assert not all(torch.equal(x, y) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))
+
+
+# -- the sharding rungs (fsdp_mixed_precision, fsdp_reshard, fsdp_prefetch) and regional compile ----------
+
+SHARDING_RUNGS = ["fsdp_mixed_precision", "fsdp_reshard", "fsdp_prefetch"]
+#: regional compile on the CPU without Inductor's C++ build (the same graphs, traced and run by AOTAutograd)
+COMPILE = {"name": "compile", "options": {"backend": "aot_eager"}}
+
+
+class Recorded(Sharded):
+    """The sharded MLP recording, as its fit ends, the FSDP2 settings in effect then."""
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        from speedkit import compat
+
+        self.settings = {
+            "param_dtypes": [str(p.param_dtype) for p in compat.fsdp2_policies(self)],
+            "resharded": [compat.fsdp2_resharded_after_forward(m) for m in compat.fsdp2_modules(self)],
+            "prefetch": [len(compat.fsdp2_prefetch(m)[0] or []) for m in compat.fsdp2_modules(self)],
+        }
+
+
+def _recorded_fit(callbacks: list) -> Recorded:
+    global Sharded
+    made, Sharded = Sharded, Recorded  # _fit builds the module it fits by this name
+    try:
+        return _fit(callbacks)  # type: ignore[return-value]
+    finally:
+        Sharded = made
+
+
+def fsdp_rungs_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
+    os.environ["SPEEDKIT_CPU_BF16"] = "1"  # fsdp_mixed_precision applies on any CPU (the test times nothing)
+    from speedkit.engine.ladder import Ladder
+
+    results: dict = {}
+    plain = _recorded_fit([])
+    results["plain"], results["plain_settings"] = plain.params_after, plain.settings
+    decide = Ladder.decide
+    for verdict in ("reverted", "kept"):
+        Ladder.decide = lambda self, paired, *rest, v=verdict: (v, "forced by the test")
+        try:
+            tried = SpeedLadder(rungs=[*SHARDING_RUNGS, COMPILE], trials=True, measure=QUICK, cache=False)
+            module = _recorded_fit([tried])
+        finally:
+            Ladder.decide = decide
+        results[verdict] = (module.params_after, module.opt_state, module.settings)
+        results[f"{verdict}_entries"] = {r.name: (r.status, r.reason, list(r.changes)) for r in tried.result.rungs}
+        results[f"{verdict}_kept"] = [{"name": r.name, "options": r.options} for r in tried.result.kept]
+    by_hand = SpeedLadder(rungs=results["kept_kept"])
+    module = _recorded_fit([by_hand])
+    results["by_hand"] = (module.params_after, module.opt_state, module.settings)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_sharding_rungs_keep_and_revert_exactly_on_both_ranks(tmp_path):
+    """Under FSDP2 on 2 gloo ranks: the three sharding rungs and compile (block by block) kept by the
+    trials give the fit those rungs give by hand, exactly (each rank's shards every step, its optimizer
+    state, and FSDP2's settings: bf16 gathers, no resharding after forward, prefetching two ahead); all
+    reverted, the fit is the plain fit exactly, FSDP2's settings as the user left them."""
+    spawn_ranks(fsdp_rungs_worker, str(tmp_path), timeout_s=300)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        plain = got["plain_settings"]
+        assert plain["param_dtypes"] == ["None"] * 4 and plain["prefetch"] == [0] * 4
+        assert plain["resharded"] == [False, True, True, True]  # the root keeps its parameters (FSDP2's default)
+        kept = got["kept_entries"]
+        assert [e["name"] for e in got["kept_kept"]] == [*SHARDING_RUNGS, "compile"] or sorted(
+            e["name"] for e in got["kept_kept"]
+        ) == sorted([*SHARDING_RUNGS, "compile"]), kept
+        compile_changes = " ".join(kept["compile"][2])
+        assert "sharded blocks are compiled one by one" in compile_changes, compile_changes
+        assert "model.0 (FSDPLinear).forward" in compile_changes, compile_changes
+        params, opt, settings = got["kept"]
+        by_hand_params, by_hand_opt, by_hand_settings = got["by_hand"]
+        assert settings == by_hand_settings, (settings, by_hand_settings)
+        assert settings["param_dtypes"] == ["torch.bfloat16"] * 4 and settings["resharded"] == [False] * 4
+        assert settings["prefetch"] == [0, 2, 1, 0]  # the root, then three blocks: two ahead
+        for step, (a, b) in enumerate(zip(params, by_hand_params, strict=True)):
+            assert _equal(a, b), (rank, step)
+        assert _equal(opt, by_hand_opt), rank
+        assert not _equal(params[-1], got["plain"][-1])  # the bf16 gathers did change the arithmetic
+        # reverted: the user's FSDP2 settings back, and the fit the plain fit exactly
+        params, _, settings = got["reverted"]
+        assert settings == plain, settings
+        assert all(got["reverted_entries"][n][0] == "reverted" for n in SHARDING_RUNGS), got["reverted_entries"]
+        for step, (a, b) in enumerate(zip(params, got["plain"], strict=True)):
+            assert _equal(a, b), (rank, step)
+
+
+def test_sharding_rungs_say_why_not_without_fsdp2():
+    from speedkit import rungs
+    from speedkit.training.state import TrainState
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    for name in SHARDING_RUNGS:
+        assert "not sharded with FSDP2's fully_shard" in rungs.make(name).check(state), name

@@ -53,6 +53,7 @@ from speedkit.handle import Handle
 from speedkit.lightning.data import bind_source, watch_fit_iterator_start
 from speedkit.lightning.hook_timer import HookTimer
 from speedkit.lightning.manual_step import fit_step
+from speedkit.lightning.sharded import sharding
 from speedkit.lightning.step import LightningSource
 from speedkit.lightning.steps import OptimizerSteps
 from speedkit.measure.config import MeasureConfig
@@ -528,8 +529,11 @@ class SpeedLadder(Callback):
     def _apply_stage(self, stage: str) -> None:
         state = self._state
         assert state is not None
+        sharded = self._fit is not None and sharding(self._fit[0].strategy) is not None
         for rung in self.rungs:
-            if rung.lightning_stage != stage:
+            # under a sharding strategy the model is sharded after setup (configure_model): a rung that
+            # must see the sharded modules (compile, block by block) applies as the fit starts
+            if (rung.lightning_stage_sharded if sharded and rung.lightning_stage_sharded else rung.lightning_stage) != stage:
                 continue
             reason = rung.check(state)
             if reason is not None:

@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress', 'fsdp_mixed_precision', 'fsdp_reshard', 'fsdp_prefetch']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -28,6 +28,9 @@ from speedkit.rungs.ddp_bucket_size import DDPBucketSizeRung
 from speedkit.rungs.ddp_bucket_view import DDPBucketViewRung
 from speedkit.rungs.ddp_static_graph import DDPStaticGraphRung
 from speedkit.rungs.explicit_mask import ExplicitMaskRung
+from speedkit.rungs.fsdp_mixed_precision import FSDPMixedPrecisionRung
+from speedkit.rungs.fsdp_prefetch import FSDPPrefetchRung
+from speedkit.rungs.fsdp_reshard import FSDPReshardRung
 from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 from speedkit.rungs.gc_freeze import GcFreezeRung
 from speedkit.rungs.micro_batch import MicroBatchRung
@@ -67,6 +70,9 @@ for _cls in (
     DDPStaticGraphRung,
     DDPBucketSizeRung,
     DDPBf16CompressRung,
+    FSDPMixedPrecisionRung,
+    FSDPReshardRung,
+    FSDPPrefetchRung,
 ):
     register(_cls)
 

@@ -54,6 +54,9 @@ class Rung:
     #: the strategy wraps the model), "fit_start" (once the optimizers exist) or "train_start" (once
     #: the train loader exists, before the first step)
     lightning_stage: ClassVar[str] = "setup"
+    #: its stage where the fit's strategy shards the model (FSDP) when that differs: a rung that must see
+    #: the sharded modules applies once ``configure_model`` sharded them ("fit_start"); None: ``lightning_stage``
+    lightning_stage_sharded: ClassVar[str | None] = None
     #: re-judged by the ladder's closing check once later rungs are kept on top of it (its gain may
     #: depend on them: a fused kernel pays in eager and may not under torch.compile)
     recheck: ClassVar[bool] = False

@@ -13,7 +13,9 @@ What is compiled is what the training step calls, read from its source: a Lightn
 ``self.model(...)`` (or ``self.backbone(...)`` and ``self.head(...)``, also through helper methods
 and local aliases) gets those modules' forwards compiled. A plain module's forward is compiled.
 Each is compiled the way Lightning does it (the module's ``forward`` replaced by its compiled
-version, the module itself untouched), so state dicts, hooks and optimizers see the same modules.
+version, the module itself untouched), so state dicts, hooks and optimizers see the same modules. Under FSDP2 (``fully_shard`` on each block of a
+module, Lightning's ``ModelParallelStrategy``) that module's repeated blocks are compiled one by one
+instead (regional compilation: one graph for all of them, FSDP's collectives in its hooks outside it).
 
 Once trial steps ran, the report lists per compiled forward its calls, graphs and recompiles, and
 the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
@@ -52,6 +54,7 @@ from speedkit.errors import first_line
 from speedkit.handle import configuration_changes, traced_configuration
 from speedkit.rewrite.source import is_user_function, parse_function
 from speedkit.rungs.base import AttributeWrapper, Handle, Rung, active_dropouts
+from speedkit.rungs.fsdp_knob import sharded_blocks
 from speedkit.training.state import TrainState
 
 
@@ -362,6 +365,29 @@ def step_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[st
     return list(found.values()), notes
 
 
+def compile_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """The modules whose forwards the rung compiles (:func:`step_modules`), where one holds blocks that
+    FSDP2's ``fully_shard`` sharded one by one (:func:`~speedkit.rungs.fsdp_knob.sharded_blocks`: a
+    transformer's layers) those blocks instead, each compiled on its own (regional compilation, as
+    torchtitan compiles under FSDP2): each block's all-gather and reduce-scatter run in FSDP's hooks
+    around its compiled forward, outside the graph, and the blocks share one compiled graph (one
+    compile for all of them); the rest of that module (embeddings, head, loss) runs eagerly."""
+    targets, notes = step_modules(model)
+    regional: list[tuple[str, nn.Module]] = []
+    for name, module in targets:
+        blocks = sharded_blocks(module)
+        if not blocks:
+            regional.append((name, module))
+            continue
+        names = {id(m): n for n, m in module.named_modules()}
+        regional += [(f"{name}.{names[id(b)]}" if name else names[id(b)], b) for b in blocks]
+        notes.append(
+            f"{name or type(module).__name__} is sharded with FSDP2: its {len(blocks)} sharded blocks are compiled one by "
+            "one (FSDP's gathers and reductions around them, eager), the rest of it runs eagerly"
+        )
+    return regional, notes
+
+
 def _label(model: nn.Module, name: str, module: nn.Module) -> str:
     return f"{type(model).__name__}.forward" if not name else f"{name} ({type(module).__name__}).forward"
 
@@ -373,7 +399,7 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
         return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
     if compat.is_compiled_module(model):
         return "the model is already a torch.compile'd module"
-    targets, notes = step_modules(model)
+    targets, notes = compile_targets(model)
     if not targets:
         return "the training step calls no module with parameters" + (f" ({'; '.join(notes)})" if notes else "")
     for name, module in targets:
@@ -440,7 +466,7 @@ def _room_for_configurations(handle: Handle) -> None:
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
     """Compile the forwards the training step runs; the handle reports what ran once steps did."""
     handle = Handle("compile")
-    targets, notes = step_modules(model)
+    targets, notes = compile_targets(model)
     labels = [(_label(model, name, module), module) for name, module in targets]
     guards = [(label, _compile_forward(handle, module, label, options)) for label, module in labels]
     for note in notes:
@@ -493,6 +519,7 @@ class CompileRung(Rung):
     targets = ("elementwise", "normalization", "loss", "memcpy", "host", "memory")
     cuts_host_work = True
     new_shape_cost = True  # a new shape compiles again (or once more, dynamic)
+    lightning_stage_sharded = "fit_start"  # block by block, once configure_model sharded them
     Options = CompileOptions
 
     def check(self, state: TrainState) -> str | None:
