@@ -33,6 +33,8 @@ from speedkit.lightning import OOMFallback, SpeedLadder, SpeedProfiler
 from speedkit.rungs.base import Rung
 
 STEPS = 6
+#: the workers' accelerator: test_fsdp_gpu.py runs them on GPUs (NCCL)
+ACCELERATOR = "cpu"
 #: test_lightning's quick settings; no floor of the user's switches (compile would be its only one)
 QUICK = {**LIGHTNING_QUICK, "switches_floor": False}
 
@@ -100,7 +102,7 @@ def _fit(callbacks: list) -> Sharded:
     torch.manual_seed(0)
     module = Sharded()
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=STEPS,
@@ -135,6 +137,7 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results["kept"] = [r.name for r in result.kept]
     results["strategy"] = result.run["strategy"]
     results["scaling"] = result.run.get("scaling")
+    results["communication"] = result.run.get("ranks_communication")
     by_hand = SpeedLadder(rungs=[{"name": r.name, "options": r.options} for r in result.kept])
     by_hand_module = _fit([by_hand])
     results["by_hand"], results["by_hand_opt"] = by_hand_module.params_after, by_hand_module.opt_state
@@ -183,6 +186,16 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     assert [r["rank"] for r in profile["ranks"]] == [0, 1]
     assert all(r["steps"] == STEPS and r["step_ms_median"] > 0 for r in profile["ranks"])
     assert ranks[0]["kept"] == ranks[1]["kept"]
+    # the report's communication share of each rank's profiled step, and the scaling bound it gives
+    from speedkit.report.ranks import communication_lines, scaling_line
+
+    scaling, communication = ranks[0]["scaling"], ranks[0]["communication"]
+    assert [r["rank"] for r in communication["ranks"]] == [0, 1]
+    assert all(0 < r["share"] < 1 and r["communication_ms"] > 0 for r in communication["ranks"]), communication
+    assert scaling["efficiency"] is None and "bench/fsdp.py" in scaling["note"], scaling
+    assert scaling["efficiency_at_least"] == round(1 - max(r["share"] for r in communication["ranks"]), 4)
+    report = {"run": {"scaling": scaling, "ranks_communication": communication}}
+    assert "at least" in scaling_line(report) and len(communication_lines(report)) == 3
     # each rank holds its own shard (half of each parameter's rows), and the two ranks' shards differ
     assert all(kind == "DTensor" and local[0] * 2 == full[0] for kind, local, full in ranks[0]["shards"]), ranks[0]["shards"]
     assert not all(torch.equal(x, y) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from speedkit import compat, config, distributed
 from speedkit.data.batch import count_items
@@ -220,12 +220,26 @@ def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
     # one diagnosis for every rank (rank 0's): each rank profiled its own step, and under sharding their
     # categories differ (one rank's profile shows its wait in a collective as communication, another's not),
     # which would plan each rank's trials differently and leave their collectives out of step
-    diagnosis, note = distributed.broadcast((diagnose(baseline, window, syncs, memory_capacity_bytes=capacity), note))
+    own = diagnose(baseline, window, syncs, memory_capacity_bytes=capacity)
     # the step the rungs will be judged on: the user's switches where they are the floor
     of = f"the switches' step ({' + '.join(s.rung.name for s in ladder.slots)})" if ladder.slots else "the baseline's step"
+    if distributed.world_size() > 1:  # each rank's own share of its profiled step in collectives, for the report
+        result.run["ranks_communication"] = {"of": of, "ranks": distributed.gather(rank_communication(own))}
+    diagnosis, note = distributed.broadcast((own, note))
     result.run["diagnosis"] = {**diagnosis.to_dict(), "summary": diagnosis.summary(), "note": note, "of": of}
     ladder.on_event(f"diagnosis: {diagnosis.summary()} (of {of})" + (f" ({note})" if note else ""))
     return diagnosis
+
+
+def rank_communication(diagnosis: Diagnosis) -> dict[str, Any]:
+    """This rank's device time in collectives (the profile's "communication" category: NCCL's or gloo's
+    all-reduces, all-gathers and reduce-scatters) in its profiled step, and its share of that step.
+    Collectives run beside the compute on their own stream: the share is what they took, of which the
+    step waited for some part at most; None where the profile did not run."""
+    comm = diagnosis.breakdown_ms.get("communication") if diagnosis.breakdown_ms else None
+    step = diagnosis.profile_step_ms or diagnosis.step_ms
+    share = round(comm / step, 4) if comm is not None and step else None
+    return {"rank": distributed.rank(), "communication_ms": comm, "step_ms": step, "share": share}
 
 
 def trial_order(

@@ -932,7 +932,12 @@ class Ladder:
         entry: dict[str, Any] = {"world_size": world, "efficiency": None}
         fixed = step.gradient_sync_fixed()
         if fixed is not None:  # the same on every rank: the graph stopped on all of them or on none
-            entry["note"] = f"the all-reduce cannot be switched off: {fixed}; bench/ddp.py measures scaling against one GPU"
+            bench = "" if "bench/" in fixed else "; bench/ddp.py measures scaling against one GPU"
+            entry["note"] = f"the all-reduce cannot be switched off: {fixed}{bench}"
+            shares = [r["share"] for r in (self.result.run.get("ranks_communication") or {}).get("ranks", [])]
+            if shares and all(s is not None for s in shares):
+                # were every collective's time exposed, one GPU would run the step without it
+                entry["efficiency_at_least"] = round(1 - max(shares), 4)
             self.on_event(f"scaling: not measured: {entry['note']}")
             self.result.run["scaling"] = entry
             return

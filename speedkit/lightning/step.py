@@ -205,7 +205,10 @@ class LightningStep(Step):
     def gradient_sync_fixed(self) -> str | None:
         sharded = sharding(self.strategy)
         if sharded is not None and self.world_size() > 1:
-            return f"{sharded} reduces the gradients inside its backward hooks: no switch takes that out of a step"
+            return (
+                f"{sharded} reduces the gradients inside its backward hooks: no switch takes that out of a step; "
+                "bench/fsdp.py measures scaling against one GPU"
+            )
         return None
 
     @contextlib.contextmanager

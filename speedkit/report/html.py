@@ -57,7 +57,7 @@ from speedkit.report.plots import (
     load_matplotlib,
     ms_text,
 )
-from speedkit.report.ranks import HEADERS, rank_rows, scaling_line
+from speedkit.report.ranks import HEADERS, communication_lines, rank_rows, scaling_line
 
 __all__ = ["NO_MATPLOTLIB", "SECTIONS", "render_html"]
 
@@ -284,7 +284,13 @@ def _ranks(d: dict[str, Any]) -> str:
         [_e(label), _e(rank), f"{step:.2f}", f"{wait:.2f}", f"{host:.2f}", _e(format_bytes(peak)) if peak else MISSING]
         for label, rank, step, wait, host, peak in rows
     ]
-    return (f"<p>{_e(line)}</p>" if line else "") + _table([_e(h) for h in HEADERS], cells, numeric=(2, 3, 4, 5))
+    communication = communication_lines(d)
+    comm_html = (
+        f"<p>{_e(communication[0])}</p><ul>" + "".join(f"<li>{_e(c)}</li>" for c in communication[1:]) + "</ul>"
+        if communication
+        else ""
+    )
+    return (f"<p>{_e(line)}</p>" if line else "") + comm_html + _table([_e(h) for h in HEADERS], cells, numeric=(2, 3, 4, 5))
 
 
 def _environment(d: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from speedkit.report.ranks import HEADERS, rank_rows, scaling_line
+from speedkit.report.ranks import HEADERS, communication_lines, rank_rows, scaling_line
 
 MISSING = "—"
 
@@ -219,6 +219,9 @@ def _ranks(d: dict[str, Any]) -> list[str]:
     line = scaling_line(d)
     if line:
         lines += [line, ""]
+    communication = communication_lines(d)
+    if communication:
+        lines += [communication[0], "", *(f"- {c}" for c in communication[1:]), ""]
     lines += [
         "Each window's figures are the slowest rank's (a DDP step waits for it); each rank's own medians:",
         "",

@@ -40,9 +40,34 @@ def scaling_line(d: dict[str, Any]) -> str | None:
     if not s:
         return None
     if s.get("efficiency") is None:
-        return f"Scaling efficiency: not measured ({s.get('note', 'no reason recorded')})"
+        bound = s.get("efficiency_at_least")
+        at_least = (
+            f"; at least {bound:.2f} from the profile (1 - the largest rank's share of its step in collectives: "
+            "what one GPU would save were every collective exposed)"
+            if bound is not None
+            else ""
+        )
+        return f"Scaling efficiency: not measured ({s.get('note', 'no reason recorded')}){at_least}"
     return (
         f"Scaling efficiency over {s['world_size']} ranks: {s['efficiency']:.2f} (the final configuration's step "
         f"with DDP's gradient all-reduce, {s['step_ms_synced']:.2f} ms, against the same step without it, "
         f"{s['step_ms_unsynced']:.2f} ms: what one GPU runs with this per-rank batch; {s['note']})"
     )
+
+
+def communication_lines(d: dict[str, Any]) -> list[str]:
+    """Each rank's share of its profiled step in collectives (the diagnosis's profile window), one line
+    a rank; [] where the run had one process or no profile."""
+    found = (d.get("run") or {}).get("ranks_communication")
+    if not found:
+        return []
+    lines = []
+    for r in found["ranks"]:
+        if r.get("share") is None:
+            lines.append(f"rank {r['rank']}: no profile of collectives")
+        else:
+            lines.append(
+                f"rank {r['rank']}: {r['communication_ms']:.2f} ms of collectives in a {r['step_ms']:.2f} ms step "
+                f"({r['share']:.0%}; they overlap the compute, so the step waits for part of it at most)"
+            )
+    return [f"Communication ({found['of']}, from the profile):", *lines]

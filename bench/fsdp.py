@@ -1,0 +1,333 @@
+"""A Llama-class model (1.1B parameters, TinyLlama's shape) sharded with FSDP2 under Lightning's
+``ModelParallelStrategy``: ``SpeedLadder()`` with its defaults against the user's own switches, in the
+same processes, and the scaling against one GPU at the same per-GPU batch (issue 58).
+
+The model: transformers' ``LlamaForCausalLM`` (22 layers of width 2048, SwiGLU 5632, 32 heads over 4
+key-value heads, vocabulary 32000; 1.10B parameters), random tokens, 4 sequences of 2048 tokens per GPU
+(8192 tokens a GPU, torchtitan's Llama default), AdamW. Sharded as FSDP2's users shard it, in the
+LightningModule's ``configure_model``: ``fully_shard`` on each decoder layer, then on the whole model,
+over the data-parallel mesh.
+
+Variants, one after the other in the same processes (``--variants``):
+
+  switches  the user's own switches: ``Trainer(precision="bf16-mixed")``, TF32 matmuls, the library's
+            attention switch (``attn_implementation="sdpa"``) and ``torch.compile`` of each decoder layer
+            before it is sharded (``layer.compile()``, as torchtitan and Lightning's FSDP2 examples compile)
+  speedkit  ``SpeedLadder()`` with its defaults in an fp32 Trainer, the model as built (no compile, the
+            library's default attention); with ``--kept a,b`` instead those rungs given by hand, no trials
+            (the 2-GPU run's decision on one GPU, for the scaling at the same configuration)
+
+Each variant is timed on the fit's own optimizer steps by wall clock (bench/zoo_runs.py's
+``WallClockWindow``: ``--steps`` steps after ``--warmup`` more once the fit is ready: for speedkit after
+its trials, the fit's steps it times after them and its report); each rank times its own window, and the
+throughput is all ranks' tokens over the slowest rank's window (FSDP's collectives keep them in step).
+
+Rows (bench "fsdp"), written by rank 0: variant "<variant>_<N>gpu", metric "throughput" (tokens/s, with
+per_gpu_batch, seq_len, params, step_ms, each rank's figures, peak memory, model TFLOP/s a GPU, kept and
+trials_s for speedkit); metric "vs_switches" (speedkit's throughput over the switches' in the same call);
+and, where this results file holds the other GPU count's row of the same variant and commit,
+"scaling_efficiency": N-GPU throughput / (N x 1-GPU throughput).
+
+Usage (the device machine, from the repository root; the launcher starts the other ranks):
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 2 --commit C --out $OUT
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 1 --commit C --kept tf32,autocast,compile
+    PYTHONPATH=. python bench/fsdp.py --tiny --devices 2    # CPU smoke test (gloo), rows to a temporary file
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import Results  # noqa: E402
+from bench.zoo import tf32_matmuls  # noqa: E402
+from bench.zoo_runs import WallClockWindow  # noqa: E402
+from speedkit.demos.zoo import _HFCausalLM  # noqa: E402
+from speedkit.lightning import SpeedLadder  # noqa: E402
+
+#: TinyLlama-1.1B's shape; "tiny" for the CPU smoke test
+SHAPES = {
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        vocab_size=512,
+    ),
+}
+
+
+class ShardedLlama(_HFCausalLM):
+    """transformers' Llama sharded with FSDP2 in ``configure_model`` (each decoder layer, then the whole
+    model, over the data-parallel mesh); ``compile_layers``: each layer compiled first (the user's switch)."""
+
+    def __init__(self, shape: str, attn_implementation: str | None, compile_layers: bool, device: torch.device) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        dims = SHAPES[shape]
+        super().__init__(dims["vocab_size"], lr=3e-4)
+        self.compile_layers = compile_layers
+        with device:  # built where it trains: 4.4 GB of fp32 weights, not initialized on the host
+            self.model = LlamaForCausalLM(LlamaConfig(**dims, attn_implementation=attn_implementation))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            if self.compile_layers:
+                layer.compile()
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--variants", default="switches,speedkit", help="comma-separated, run in this order")
+    p.add_argument("--kept", default=None, help="the speedkit variant: these rungs given by hand, no trials")
+    p.add_argument("--batch", type=int, default=None, help="sequences per GPU (default 4; tiny 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048; tiny 32)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps timed (default 30; tiny 3)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before the window once ready (default 8; tiny 2)")
+    p.add_argument("--tiny", action="store_true", help="the tiny Llama on CPU processes (gloo)")
+    p.add_argument("--commit", default=None, help="the commit the rows name (the device's copy has no .git)")
+    p.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
+    p.add_argument("--out", default=None, help="a folder for the speedkit reports and each rank's figures")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> argparse.Namespace:
+    tiny = args.tiny
+    for name, full, small in (("batch", 4, 2), ("seq_len", 2048, 32), ("steps", 30, 3), ("warmup", 8, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if tiny else full)
+    return args
+
+
+def _loader(args: argparse.Namespace, vocab: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (args.batch * args.devices * steps, args.seq_len), generator=g)
+    return DataLoader(
+        TensorDataset(tokens, tokens),
+        batch_size=args.batch,
+        shuffle=True,
+        num_workers=0 if args.tiny else 2,
+        pin_memory=not args.tiny,
+    )
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """One fit until its window is timed; this rank's figures and, for speedkit, its decisions."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    pl.seed_everything(0, verbose=False)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    switches = variant == "switches"
+    ladder = None
+    if variant == "speedkit":
+        began = time.monotonic()
+
+        def on_event(line: str) -> None:
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                print(f"  [speedkit {time.monotonic() - began:6.1f}s] {line}", flush=True)
+
+        if args.kept:
+            ladder = SpeedLadder(rungs=args.kept.split(","))
+        elif args.tiny:
+            ladder = SpeedLadder(
+                [{"name": "compile", "options": {"backend": "eager"}}, "fsdp_reshard", "fsdp_prefetch", "fused_optimizer"],
+                trials=True,
+                on_event=on_event,
+                cache=False,
+            )
+        else:
+            ladder = SpeedLadder(on_event=on_event, cache=False)
+    module = ShardedLlama("tiny" if args.tiny else "1b", "sdpa" if switches else None, switches and not args.tiny, device)
+    params = sum(p.numel() for p in module.parameters())
+    timer = WallClockWindow(args.steps, args.warmup, "tokens", ladder)
+    trainer = pl.Trainer(
+        accelerator="cpu" if args.tiny else "gpu",
+        devices=args.devices,
+        strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+        precision="bf16-mixed" if switches else "32-true",
+        max_steps=100_000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*([ladder] if ladder else []), timer],  # the ladder first: its batch end runs before the timer's
+    )
+    loader = _loader(args, SHAPES["tiny" if args.tiny else "1b"]["vocab_size"], steps=400)
+    t0 = time.perf_counter()
+    if switches:
+        with tf32_matmuls():
+            trainer.fit(module, train_dataloaders=loader)
+    else:
+        trainer.fit(module, train_dataloaders=loader)
+    figures = timer.figures() or {}
+    mine = {
+        "rank": trainer.global_rank,
+        "items": timer.items,
+        "elapsed_s": timer.elapsed,
+        "step_ms": figures.get("step_ms"),
+        "step_ms_median": figures.get("step_ms_median"),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
+        "fit_wall_s": round(time.perf_counter() - t0, 1),
+    }
+    out: dict[str, Any] = {"variant": variant, "params": params, "ranks": _gather(mine)}
+    if ladder is not None and ladder.result is not None:
+        result = ladder.result
+        out.update(
+            kept=[r.name for r in result.kept],
+            trials_s=result.run.get("trials_s"),
+            scaling=result.run.get("scaling"),
+            communication=result.run.get("ranks_communication"),
+            failed_rungs=[{"rung": r.name, "reason": r.reason} for r in result.rungs[1:] if r.status == "failed"],
+            ladder_vs_switches=(result.to_dict()["summary"].get("vs_switches") or [None])[0],
+        )
+        if args.out and trainer.is_global_zero:
+            from speedkit.report import write_report
+
+            folder = Path(args.out) / f"report_{args.devices}gpu"
+            write_report(result, folder, formats=("json", "md"))
+    elif ladder is not None:
+        out.update(kept=sorted(ladder.applied_changes), not_run=ladder.not_run, skipped=dict(ladder.skipped))
+    del trainer, module, ladder
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _flops_per_token(shape: dict[str, int], params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x parameters (embedding included, as torchtitan counts) plus attention's
+    12 x layers x width x sequence (forward and backward of the scores and their product with the values)."""
+    return 6 * params + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq_len
+
+
+def write_rows(args: argparse.Namespace, fits: list[dict[str, Any]], res: Results) -> None:
+    shape = SHAPES["tiny" if args.tiny else "1b"]
+    n = args.devices
+    throughput: dict[str, float] = {}
+    for fit in fits:
+        ranks = fit["ranks"]
+        if any(r["elapsed_s"] is None for r in ranks):
+            res.add(f"{fit['variant']}_{n}gpu", "status", None, "", status="window not reached", ranks=ranks)
+            continue
+        value = sum(r["items"] for r in ranks) / max(r["elapsed_s"] for r in ranks)
+        throughput[fit["variant"]] = value
+        extra = {k: v for k, v in fit.items() if k not in ("variant", "ranks")}
+        res.add(
+            f"{fit['variant']}_{n}gpu",
+            "throughput",
+            round(value, 1),
+            "tokens/s",
+            gpus=n,
+            per_gpu_batch=args.batch,
+            seq_len=args.seq_len,
+            step_ms=max(r["step_ms"] for r in ranks),
+            model_tflops_per_gpu=round(value / n * _flops_per_token(shape, fit["params"], args.seq_len) / 1e12, 1),
+            ranks=ranks,
+            **extra,
+        )
+    if "switches" in throughput and "speedkit" in throughput:
+        res.add(
+            f"speedkit_{n}gpu",
+            "vs_switches",
+            round(throughput["speedkit"] / throughput["switches"], 4),
+            "x",
+            gpus=n,
+            kept=next(f.get("kept") for f in fits if f["variant"] == "speedkit"),
+            by_hand=bool(args.kept),
+        )
+    # the scaling, where this file holds the other GPU count's throughput of a variant at this commit
+    try:
+        earlier = [json.loads(line) for line in res.path.read_text().splitlines() if line.strip()]
+    except OSError:
+        earlier = []
+    for variant, value in throughput.items():
+        for row in reversed(earlier):
+            other = row.get("gpus")
+            if (
+                row.get("bench") == "fsdp"
+                and row.get("metric") == "throughput"
+                and row.get("commit") == res.commit
+                and row.get("variant") == f"{variant}_{other}gpu"
+                and other not in (None, n)
+                and row.get("per_gpu_batch") == args.batch
+            ):
+                many, one = (value, row["value"]) if n > other else (row["value"], value)
+                res.add(
+                    f"{variant}_{max(n, other)}gpu",
+                    "scaling_efficiency",
+                    round(many / (max(n, other) * one), 4),
+                    "ratio",
+                    gpus=max(n, other),
+                    against=f"{variant}_1gpu" if min(n, other) == 1 else f"{variant}_{min(n, other)}gpu",
+                    per_gpu_batch=args.batch,
+                )
+                break
+
+
+def main() -> None:
+    args = _settings(_parser().parse_args())
+    if args.commit:
+        os.environ["SPEEDKIT_BENCH_COMMIT"] = args.commit
+    fits = [fit_variant(args, v) for v in args.variants.split(",")]
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0 or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "fsdp.jsonl" if args.tiny else None)
+    res = Results("fsdp", out=out, model="llama-1.1b" if not args.tiny else "llama-tiny")
+    if args.commit:
+        res.commit = args.commit
+    write_rows(args, fits, res)
+    for row in res.rows:
+        shown = {k: row[k] for k in ("variant", "metric", "value", "unit") if k in row}
+        shown.update({k: row[k] for k in ("kept", "trials_s", "step_ms", "model_tflops_per_gpu") if row.get(k) is not None})
+        print(json.dumps(shown), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"fsdp_{args.devices}gpu.json").write_text(json.dumps(fits, indent=1, default=str))
+    print(f"rows in {res.path}")
+
+
+if __name__ == "__main__":
+    main()
