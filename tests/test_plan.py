@@ -142,12 +142,18 @@ def test_a_data_bound_step_tries_data_path_first():
     assert first_configuration(_shipped(), d) == ["data_path"]
 
 
-def test_a_host_bound_step_tries_compile_the_sync_removers_and_cuda_graph_with_its_needs():
+def test_a_host_bound_step_tries_compile_the_fused_optimizer_the_sync_removers_and_cuda_graph_with_its_needs():
     profile = _window(30.0, busy=0.15, gemm=2.5, elementwise=2.0, host_idle=25.5)
     d = diagnose(_measurement(24.4, wait=0.3, host=23.9, util=32.0), profile, syncs=[])
     assert d.kind == "host-bound"
     applicable = [r for r in _shipped() if r.name != "micro_batch"]  # no gradient accumulation: not applicable
-    assert first_configuration(applicable, d) == ["explicit_mask", "compile", "async_progress_bar", "cuda_graph"]
+    assert first_configuration(applicable, d) == [
+        "fused_optimizer",
+        "explicit_mask",
+        "compile",
+        "async_progress_bar",
+        "cuda_graph",
+    ]
     # with accumulation, cuda_graph needs the micro-batches merged into one
     assert "micro_batch" in first_configuration(_shipped(), d)
 

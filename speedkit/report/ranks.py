@@ -42,8 +42,8 @@ def scaling_line(d: dict[str, Any]) -> str | None:
     if s.get("efficiency") is None:
         bound = s.get("efficiency_at_least")
         at_least = (
-            f"; at least {bound:.2f} from the profile (1 - the largest rank's share of its step in collectives: "
-            "what one GPU would save were every collective exposed)"
+            f"; at least {bound:.2f} from the profile (1 - the share of its step the rank the others wait for spent "
+            "in collectives: what one GPU would save were every collective exposed)"
             if bound is not None
             else ""
         )
