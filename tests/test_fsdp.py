@@ -163,7 +163,8 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, got in enumerate(ranks):
         assert got["strategy"] == "ModelParallelStrategy"
-        assert got["kept"] == ["gc_freeze", "fused_optimizer"] and got["by_hand_applied"] == sorted(got["kept"]), got["kept"]
+        # in the plan's order: a host-bound step (a GPU's) tries the fused optimizer first
+        assert sorted(got["kept"]) == ["fused_optimizer", "gc_freeze"] == got["by_hand_applied"], got["kept"]
         assert len(got["tried"]) == len(got["by_hand"]) == len(got["plain"]) == STEPS
         # the trials put back this rank's shards and its optimizer state: the fit after them is the fit
         # given the kept rungs by hand, exactly, and the plain fit's within the fused update's rounding
