@@ -199,7 +199,7 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     assert "at least" in scaling_line(report) and len(communication_lines(report)) == 3
     # each rank holds its own shard (half of each parameter's rows), and the two ranks' shards differ
     assert all(kind == "DTensor" and local[0] * 2 == full[0] for kind, local, full in ranks[0]["shards"]), ranks[0]["shards"]
-    assert not all(torch.equal(x, y) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))
+    assert not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))
 
 
 # -- the sharding rungs (fsdp_mixed_precision, fsdp_reshard, fsdp_prefetch) and regional compile ----------
