@@ -32,6 +32,7 @@ Usage (the device machine, from the repository root; the launcher starts the oth
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 2 --commit C --out $OUT
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 1 --commit C --kept tf32,autocast,compile
     PYTHONPATH=. python bench/fsdp.py --tiny --devices 2    # CPU smoke test (gloo), rows to a temporary file
+    python bench/fsdp.py --pair-commits A,B --results FILE   # scaling rows across two calls' commits (same speedkit/)
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", default=None, help="the commit the rows name (the device's copy has no .git)")
     p.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     p.add_argument("--out", default=None, help="a folder for the speedkit reports and each rank's figures")
+    p.add_argument(
+        "--pair-commits",
+        default=None,
+        help="A,B: no fit; the scaling rows of --results's rows at commit B against those at A, where speedkit/ is "
+        "the same code at both (git diff; on this machine)",
+    )
     return p
 
 
@@ -280,36 +287,72 @@ def write_rows(args: argparse.Namespace, fits: list[dict[str, Any]], res: Result
             by_hand=bool(args.kept),
         )
     # the scaling, where this file holds the other GPU count's throughput of a variant at this commit
+    mine = [r for r in res.rows if r["metric"] == "throughput"]
+    scaling_rows(mine, _rows(res.path), res, commits={res.commit})
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
     try:
-        earlier = [json.loads(line) for line in res.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except OSError:
-        earlier = []
-    for variant, value in throughput.items():
-        for row in reversed(earlier):
-            other = row.get("gpus")
+        return []
+
+
+def scaling_rows(new: list[dict[str, Any]], earlier: list[dict[str, Any]], res: Results, commits: set[str]) -> None:
+    """A "scaling_efficiency" row for each throughput row in ``new`` whose variant ``earlier`` holds at
+    another GPU count, the same per-GPU batch and one of ``commits``: N-GPU / (N x fewer-GPU) throughput
+    (the latest such row)."""
+    for row in new:
+        variant, n = row["variant"].rsplit("_", 1)[0], row["gpus"]
+        for other in reversed(earlier):
+            m = other.get("gpus")
             if (
-                row.get("bench") == "fsdp"
-                and row.get("metric") == "throughput"
-                and row.get("commit") == res.commit
-                and row.get("variant") == f"{variant}_{other}gpu"
-                and other not in (None, n)
-                and row.get("per_gpu_batch") == args.batch
+                other.get("bench") == "fsdp"
+                and other.get("metric") == "throughput"
+                and other.get("commit") in commits
+                and other.get("variant") == f"{variant}_{m}gpu"
+                and m not in (None, n)
+                and other.get("per_gpu_batch") == row["per_gpu_batch"]
             ):
-                many, one = (value, row["value"]) if n > other else (row["value"], value)
+                (many, k), (few, j) = sorted([(row["value"], n), (other["value"], m)], key=lambda t: -t[1])
                 res.add(
-                    f"{variant}_{max(n, other)}gpu",
+                    f"{variant}_{k}gpu",
                     "scaling_efficiency",
-                    round(many / (max(n, other) * one), 4),
+                    round(many / (k / j * few), 4),
                     "ratio",
-                    gpus=max(n, other),
-                    against=f"{variant}_1gpu" if min(n, other) == 1 else f"{variant}_{min(n, other)}gpu",
-                    per_gpu_batch=args.batch,
+                    gpus=k,
+                    against=f"{variant}_{j}gpu",
+                    measured_at={f"{n}gpu": row["commit"], f"{m}gpu": other["commit"]},  # each throughput's commit
+                    per_gpu_batch=row["per_gpu_batch"],
+                    device=row["device"],
                 )
                 break
 
 
+def pair_commits(path: Path, first: str, second: str) -> None:
+    """Scaling rows from the throughput rows ``path`` holds at two commits whose ``speedkit/`` is the same
+    code (``git diff --quiet``; the bench's own fixes between them allowed): the rows of ``second``
+    paired with those of ``first``, written to ``path``, named ``second``."""
+    import subprocess
+
+    same = subprocess.run(["git", "diff", "--quiet", first, second, "--", "speedkit"], cwd=REPO).returncode == 0
+    if not same:
+        raise SystemExit(f"speedkit/ differs between {first} and {second}: their rows measure different code")
+    rows = _rows(path)
+    res = Results("fsdp", out=path, model=next((r.get("model") for r in rows if r.get("bench") == "fsdp"), None))
+    res.commit = second
+    new = [r for r in rows if r.get("bench") == "fsdp" and r.get("metric") == "throughput" and r.get("commit") == second]
+    scaling_rows(new, rows, res, commits={first})
+    for row in res.rows:
+        print(json.dumps({k: row[k] for k in ("variant", "metric", "value", "against", "measured_at")}))
+
+
 def main() -> None:
     args = _settings(_parser().parse_args())
+    if args.pair_commits:
+        first, second = args.pair_commits.split(",")
+        pair_commits(Path(args.results), first, second)
+        return
     if args.commit:
         os.environ["SPEEDKIT_BENCH_COMMIT"] = args.commit
     fits = [fit_variant(args, v) for v in args.variants.split(",")]

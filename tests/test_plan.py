@@ -195,7 +195,15 @@ def test_a_memory_bound_step_tries_the_rungs_that_free_memory():
         Measurement(100.0, 0.02, [100.0], 1, 10, 1.0, "samples/s", 1, peak_memory_bytes=78 * gb, clock="cuda_events"),
         memory_capacity_bytes=80 * gb,
     )
-    assert first_configuration(_shipped(), d) == ["autocast", "sdpa", "triton_layers", "ddp_bucket_view", "compile"]
+    assert first_configuration(_shipped(), d) == [
+        "autocast",
+        "sdpa",
+        "triton_layers",
+        "ddp_bucket_view",
+        "fsdp_mixed_precision",
+        "activation_checkpointing",
+        "compile",
+    ]
 
 
 @pytest.mark.parametrize("name", rungs.names())

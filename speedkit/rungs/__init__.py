@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress', 'fsdp_mixed_precision', 'fsdp_reshard', 'fsdp_prefetch']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress', 'fsdp_mixed_precision', 'fsdp_reshard', 'fsdp_prefetch', 'activation_checkpointing']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 from speedkit.errors import ConfigError
 from speedkit.handle import Handle
 from speedkit.options import parse_options
+from speedkit.rungs.activation_checkpointing import ActivationCheckpointingRung
 from speedkit.rungs.aligned_linear import AlignedLinearRung
 from speedkit.rungs.async_progress_bar import AsyncProgressBarRung
 from speedkit.rungs.autocast import AutocastRung
@@ -73,6 +74,7 @@ for _cls in (
     FSDPMixedPrecisionRung,
     FSDPReshardRung,
     FSDPPrefetchRung,
+    ActivationCheckpointingRung,
 ):
     register(_cls)
 
