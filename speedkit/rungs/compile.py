@@ -39,6 +39,7 @@ import ast
 import functools
 import inspect
 import logging
+import re
 import sys
 import types
 import warnings
@@ -413,12 +414,14 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
     return None
 
 
-def _compile_forward(handle: Handle, module: nn.Module, label: str, options: CompileOptions) -> GuardedForward:
+def _compile_forward(handle: Handle, module: nn.Module, shown: str, options: CompileOptions) -> GuardedForward:
+    """Compile ``module``'s forward, said on ``handle`` as ``shown`` (nothing where it is ""; a block of a
+    list its group says)."""
     kwargs = options.compile_kwargs()
     guarded = GuardedForward(module.forward, lambda fn: torch.compile(fn, **kwargs), options.max_recompiles)
     # redo binds the compiled function of the forward then in effect: switching compile off and on
     # recompiles nothing; switching a rung beneath it compiles that forward once
-    _wrap_forward(handle, module, guarded, f"{label} = torch.compile(forward, {options.describe()})")
+    _wrap_forward(handle, module, guarded, f"{shown} = torch.compile(forward, {options.describe()})" if shown else "")
     return guarded
 
 
@@ -463,12 +466,48 @@ def _room_for_configurations(handle: Handle) -> None:
     )
 
 
+_INDEXED = re.compile(r"^(?P<prefix>.*)\.(?P<index>\d+) \((?P<cls>[^)]*)\)\.forward$")
+
+
+def _grouped(labels: list[str]) -> list[tuple[str, list[int]]]:
+    """The labels of consecutive blocks of one list (``layers.0 (Block).forward``, ``layers.1 (Block).forward``,
+    ...) as one (``layers.0-21 (22 Block blocks).forward``), each with the indices of its labels; any
+    other label alone."""
+    groups: list[tuple[str, list[int]]] = []
+    run: list[int] = []
+    key: tuple[str, str] | None = None
+
+    def close() -> None:
+        if len(run) > 1:
+            first, last = (_INDEXED.match(labels[i]) for i in (run[0], run[-1]))
+            assert first is not None and last is not None and key is not None
+            groups.append((f"{key[0]}.{first['index']}-{last['index']} ({len(run)} {key[1]} blocks).forward", list(run)))
+        elif run:
+            groups.append((labels[run[0]], list(run)))
+
+    for i, label in enumerate(labels):
+        m = _INDEXED.match(label)
+        this = (m["prefix"], m["cls"]) if m else None
+        if this is None or this != key:
+            close()
+            run, key = [], this
+        if this is None:
+            groups.append((label, [i]))
+        else:
+            run.append(i)
+    close()
+    return groups
+
+
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
-    """Compile the forwards the training step runs; the handle reports what ran once steps did."""
+    """Compile the forwards the training step runs; the handle reports what ran once steps did (a list
+    of blocks compiled one by one in one line)."""
     handle = Handle("compile")
     targets, notes = compile_targets(model)
     labels = [(_label(model, name, module), module) for name, module in targets]
-    guards = [(label, _compile_forward(handle, module, label, options)) for label, module in labels]
+    groups = _grouped([label for label, _ in labels])
+    firsts = {indices[0]: group for group, indices in groups}
+    guards = [(label, _compile_forward(handle, module, firsts.get(i, ""), options)) for i, (label, module) in enumerate(labels)]
     for note in notes:
         handle.record(f"note: {note}")
     _skip_library_logging(handle, [module for _, module in targets])
@@ -484,16 +523,20 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
         return None
 
     def report() -> list[str]:
-        lines = [
-            f"ran {label}: {g.calls} calls, {g.graphs} graphs compiled, {g.recompiles} recompiles"
-            + (f" ({g.switch_graphs} graphs for configurations other rungs switched)" if g.switch_graphs else "")
-            + (
-                " (its graphs were already in this process's compile cache)"
-                if g.calls and not g.graphs and not g.fallback_reason
-                else ""
+        lines = []
+        for label, indices in groups:
+            members = [guards[i][1] for i in indices]
+            calls, graphs = sum(g.calls for g in members), sum(g.graphs for g in members)
+            recompiles, switch_graphs = sum(g.recompiles for g in members), sum(g.switch_graphs for g in members)
+            lines.append(
+                f"ran {label}: {calls} calls, {graphs} graphs compiled, {recompiles} recompiles"
+                + (f" ({switch_graphs} graphs for configurations other rungs switched)" if switch_graphs else "")
+                + (
+                    " (its graphs were already in this process's compile cache)"
+                    if calls and not graphs and not any(g.fallback_reason for g in members)
+                    else ""
+                )
             )
-            for label, g in guards
-        ]
         after = compat.graph_breaks()
         new = {reason: n - breaks_before.get(reason, 0) for reason, n in after.items() if n > breaks_before.get(reason, 0)}
         if not new:
