@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -98,15 +99,17 @@ def _loader() -> DataLoader:
     return DataLoader(data, batch_size=16, shuffle=True)
 
 
-def _fit(callbacks: list) -> Sharded:
+def _fit(callbacks: list, make: type[Sharded] | None = None, strategy: Any = None) -> Sharded:
+    """The 2-rank fit of ``make()`` (default :class:`Sharded`) under ``strategy`` (default FSDP2's
+    ``ModelParallelStrategy`` over the two ranks), ``STEPS`` steps."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     torch.manual_seed(0)
-    module = Sharded()
+    module = (make or Sharded)()
     trainer = pl.Trainer(
         accelerator=ACCELERATOR,
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=strategy or ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -226,12 +229,7 @@ class Recorded(Sharded):
 
 
 def _recorded_fit(callbacks: list) -> Recorded:
-    global Sharded
-    made, Sharded = Sharded, Recorded  # _fit builds the module it fits by this name
-    try:
-        return _fit(callbacks)  # type: ignore[return-value]
-    finally:
-        Sharded = made
+    return _fit(callbacks, make=Recorded)  # type: ignore[return-value]
 
 
 def fsdp_rungs_worker(rank: int, port: int, out: str) -> None:

@@ -44,12 +44,13 @@ def test_fsdp2_sharding_rungs_keep_and_revert_exactly_on_gpus(tmp_path, monkeypa
 def fsdp1_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
-    import lightning.pytorch as pl
+    import test_fsdp
     from lightning.pytorch.strategies import FSDPStrategy
-    from test_fsdp import QUICK, STEPS, FailsOnRankOne, Sharded, _loader
+
+    test_fsdp.ACCELERATOR = "gpu"
+    from test_fsdp import QUICK, FailsOnRankOne, Sharded, _fit
     from torch import nn
 
-    from speedkit import distributed
     from speedkit.engine.ladder import Ladder
     from speedkit.lightning import OOMFallback, SpeedLadder
 
@@ -57,27 +58,8 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
         def configure_model(self) -> None:  # FSDPStrategy wraps the module itself (its auto-wrap policy)
             pass
 
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            self.params_after.append([distributed.local_shard(p).detach().clone() for p in self.parameters()])
-
     def fit(callbacks: list) -> Wrapped:
-        torch.manual_seed(0)
-        module = Wrapped()
-        trainer = pl.Trainer(
-            accelerator="gpu",
-            devices=2,
-            strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}),
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
-        pl.seed_everything(0, verbose=False)
-        trainer.fit(module, train_dataloaders=_loader())
-        assert trainer.global_step == STEPS
-        return module
+        return _fit(callbacks, make=Wrapped, strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}))  # type: ignore[return-value]
 
     results: dict = {"plain": fit([]).params_after}
     decide = Ladder.decide
