@@ -306,3 +306,12 @@ def test_sharding_rungs_say_why_not_without_fsdp2():
     state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
     for name in SHARDING_RUNGS:
         assert "not sharded with FSDP2's fully_shard" in rungs.make(name).check(state), name
+
+
+def test_the_default_ladder_tries_fsdp2s_choices_before_compile():
+    """SpeedLadder() climbs them (they say why not where nothing is sharded), beneath compile: it then
+    compiles the blocks at the gathered parameters' dtype."""
+    from speedkit import config
+
+    ladder = config.default_ladder()
+    assert all(ladder.index(name) < ladder.index("compile") for name in [*SHARDING_RUNGS, "activation_checkpointing"])
