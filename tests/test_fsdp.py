@@ -14,8 +14,10 @@ collectives would strand the others)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,21 +125,32 @@ def _fit(callbacks: list, make: type[Sharded] | None = None, strategy: Any = Non
     return module
 
 
-def fsdp_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
+@contextlib.contextmanager
+def forced(verdict: str) -> Iterator[None]:
+    """Every decision of the trials forced to ``verdict`` ("kept": the real rungs stay on): the ladder's
+    own and the leave-one-out of a group kept together, which would otherwise time each member out of
+    it (on a CPU compile by aot_eager was timed slower than without it in one run of three)."""
+    from speedkit.engine import second_look
     from speedkit.engine.ladder import Ladder
 
+    decide, leave_one_out = Ladder.decide, second_look.leave_one_out
+    Ladder.decide = lambda self, paired, *rest: (verdict, "forced by the test")
+    second_look.leave_one_out = lambda ladder, names: []
+    try:
+        yield
+    finally:
+        Ladder.decide, second_look.leave_one_out = decide, leave_one_out
+
+
+def fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
     plain = _fit([])
     results: dict = {"plain": plain.params_after}
     results["shards"] = [(type(p).__name__, tuple(distributed.local_shard(p).shape), tuple(p.shape)) for p in plain.parameters()]
-    decide = Ladder.decide
-    Ladder.decide = lambda self, paired, *rest: ("kept", "forced by the test")  # real rungs stay on
-    try:
+    with forced("kept"):  # real rungs stay on
         tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure=QUICK, cache=False)
         tried_module = _fit([tried])
         results["tried"], results["tried_opt"] = tried_module.params_after, tried_module.opt_state
-    finally:
-        Ladder.decide = decide
     result = tried.result
     results["kept"] = [r.name for r in result.kept]
     results["strategy"] = result.run["strategy"]
@@ -235,19 +248,13 @@ def _recorded_fit(callbacks: list) -> Recorded:
 def fsdp_rungs_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0", LOCAL_RANK=str(rank))
     os.environ["SPEEDKIT_CPU_BF16"] = "1"  # fsdp_mixed_precision applies on any CPU (the test times nothing)
-    from speedkit.engine.ladder import Ladder
-
     results: dict = {}
     plain = _recorded_fit([])
     results["plain"], results["plain_settings"] = plain.params_after, plain.settings
-    decide = Ladder.decide
     for verdict in ("reverted", "kept"):
-        Ladder.decide = lambda self, paired, *rest, v=verdict: (v, "forced by the test")
-        try:
+        with forced(verdict):
             tried = SpeedLadder(rungs=[*SHARDING_RUNGS, COMPILE], trials=True, measure=QUICK, cache=False)
             module = _recorded_fit([tried])
-        finally:
-            Ladder.decide = decide
         results[verdict] = (module.params_after, module.opt_state, module.settings)
         results[f"{verdict}_entries"] = {r.name: (r.status, r.reason, list(r.changes)) for r in tried.result.rungs}
         results[f"{verdict}_kept"] = [{"name": r.name, "options": r.options} for r in tried.result.kept]

@@ -48,10 +48,9 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
     test_fsdp.ACCELERATOR = "gpu"
-    from test_fsdp import QUICK, FailsOnRankOne, Sharded, _fit
+    from test_fsdp import QUICK, FailsOnRankOne, Sharded, _fit, forced
     from torch import nn
 
-    from speedkit.engine.ladder import Ladder
     from speedkit.lightning import OOMFallback, SpeedLadder
 
     class Wrapped(Sharded):
@@ -62,9 +61,7 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
         return _fit(callbacks, make=Wrapped, strategy=FSDPStrategy(auto_wrap_policy={nn.Linear}))  # type: ignore[return-value]
 
     results: dict = {"plain": fit([]).params_after}
-    decide = Ladder.decide
-    Ladder.decide = lambda self, paired, *rest: ("kept", "forced by the test")
-    try:
+    with forced("kept"):
         tried = SpeedLadder(  # QUICK: no minimum gain, every rung timed (the forced decision keeps what is timed)
             rungs=["gc_freeze", "fused_optimizer", "fsdp_mixed_precision", "fsdp_reshard"],
             trials=True,
@@ -72,8 +69,6 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
             cache=False,
         )
         results["tried"] = fit([tried]).params_after
-    finally:
-        Ladder.decide = decide
     results["kept"] = [r.name for r in tried.result.kept]
     results["reasons"] = {r.name: r.reason for r in tried.result.rungs if r.status == "not_applicable"}
     results["strategy"] = tried.result.run["strategy"]
