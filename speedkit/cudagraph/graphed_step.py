@@ -450,7 +450,10 @@ class GraphedStep(StepWrapper):
 
     def gradient_sync_fixed(self) -> str | None:
         if self.stopped is None and self.inner.world_size() > 1:
-            return "the step replays a CUDA graph that holds DDP's gradient all-reduce (a replay cannot leave it out)"
+            return (
+                "the step replays a CUDA graph that holds DDP's gradient all-reduce (a replay cannot leave it out); "
+                "bench/ddp.py measures scaling against one GPU"
+            )
         return self.inner.gradient_sync_fixed()
 
     def memory_outside_peak(self) -> int:

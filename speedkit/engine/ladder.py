@@ -932,8 +932,7 @@ class Ladder:
         entry: dict[str, Any] = {"world_size": world, "efficiency": None}
         fixed = step.gradient_sync_fixed()
         if fixed is not None:  # the same on every rank: the graph stopped on all of them or on none
-            bench = "" if "bench/" in fixed else "; bench/ddp.py measures scaling against one GPU"
-            entry["note"] = f"the all-reduce cannot be switched off: {fixed}{bench}"
+            entry["note"] = f"the all-reduce cannot be switched off: {fixed}"
             shares = [r["share"] for r in (self.result.run.get("ranks_communication") or {}).get("ranks", [])]
             if shares and all(s is not None for s in shares):
                 # were every collective's time exposed, one GPU would run the step without it; the rank whose

@@ -533,7 +533,7 @@ class SpeedLadder(Callback):
         for rung in self.rungs:
             # under a sharding strategy the model is sharded after setup (configure_model): a rung that
             # must see the sharded modules (compile, block by block) applies as the fit starts
-            if (rung.lightning_stage_sharded if sharded and rung.lightning_stage_sharded else rung.lightning_stage) != stage:
+            if ((sharded and rung.lightning_stage_sharded) or rung.lightning_stage) != stage:
                 continue
             reason = rung.check(state)
             if reason is not None:

@@ -13,9 +13,10 @@ What is compiled is what the training step calls, read from its source: a Lightn
 ``self.model(...)`` (or ``self.backbone(...)`` and ``self.head(...)``, also through helper methods
 and local aliases) gets those modules' forwards compiled. A plain module's forward is compiled.
 Each is compiled the way Lightning does it (the module's ``forward`` replaced by its compiled
-version, the module itself untouched), so state dicts, hooks and optimizers see the same modules. Under FSDP2 (``fully_shard`` on each block of a
-module, Lightning's ``ModelParallelStrategy``) that module's repeated blocks are compiled one by one
-instead (regional compilation: one graph for all of them, FSDP's collectives in its hooks outside it).
+version, the module itself untouched), so state dicts, hooks and optimizers see the same modules.
+Under FSDP2 (``fully_shard`` on each block of a module, Lightning's ``ModelParallelStrategy``) that
+module's repeated blocks are compiled one by one instead (regional compilation: one graph for all of
+them, FSDP's collectives in its hooks outside it).
 
 Once trial steps ran, the report lists per compiled forward its calls, graphs and recompiles, and
 the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
@@ -39,7 +40,6 @@ import ast
 import functools
 import inspect
 import logging
-import re
 import sys
 import types
 import warnings
@@ -366,27 +366,42 @@ def step_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[st
     return list(found.values()), notes
 
 
-def compile_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-    """The modules whose forwards the rung compiles (:func:`step_modules`), where one holds blocks that
-    FSDP2's ``fully_shard`` sharded one by one (:func:`~speedkit.rungs.fsdp_knob.sharded_blocks`: a
-    transformer's layers) those blocks instead, each compiled on its own (regional compilation, as
+#: what the rung compiles, in groups said as one: (label, [(name, module), ...])
+Targets = list[tuple[str, list[tuple[str, nn.Module]]]]
+
+
+def compile_targets(model: nn.Module) -> tuple[Targets, list[str]]:
+    """The modules whose forwards the rung compiles (:func:`step_modules`), each its own group, where one
+    holds blocks that FSDP2's ``fully_shard`` sharded one by one (:func:`~speedkit.rungs.fsdp_knob.sharded_blocks`:
+    a transformer's layers) those blocks instead, each compiled on its own (regional compilation, as
     torchtitan compiles under FSDP2): each block's all-gather and reduce-scatter run in FSDP's hooks
     around its compiled forward, outside the graph, and the blocks share one compiled graph (one
-    compile for all of them); the rest of that module (embeddings, head, loss) runs eagerly."""
+    compile for all of them); the rest of that module (embeddings, head, loss) runs eagerly. The blocks
+    of one list and class are one group (``layers.0-21 (22 Block blocks).forward``)."""
     targets, notes = step_modules(model)
-    regional: list[tuple[str, nn.Module]] = []
+    groups: Targets = []
     for name, module in targets:
         blocks = sharded_blocks(module)
         if not blocks:
-            regional.append((name, module))
+            groups.append((_label(model, name, module), [(name, module)]))
             continue
         names = {id(m): n for n, m in module.named_modules()}
-        regional += [(f"{name}.{names[id(b)]}" if name else names[id(b)], b) for b in blocks]
+        lists: dict[tuple[str, type], list[tuple[str, nn.Module]]] = {}
+        for block in blocks:
+            full = f"{name}.{names[id(block)]}" if name else names[id(block)]
+            lists.setdefault((full.rpartition(".")[0], type(block)), []).append((full, block))
+        for (parent, cls), members in lists.items():
+            if len(members) == 1:
+                groups.append((_label(model, *members[0]), members))
+                continue
+            first, last = (members[i][0].rpartition(".")[2] for i in (0, -1))
+            where = f"{parent}.{first}-{last}" if parent else f"{first}-{last}"
+            groups.append((f"{where} ({len(members)} {cls.__name__} blocks).forward", members))
         notes.append(
             f"{name or type(module).__name__} is sharded with FSDP2: its {len(blocks)} sharded blocks are compiled one by "
             "one (FSDP's gathers and reductions around them, eager), the rest of it runs eagerly"
         )
-    return regional, notes
+    return groups, notes
 
 
 def _label(model: nn.Module, name: str, module: nn.Module) -> str:
@@ -400,10 +415,10 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
         return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
     if compat.is_compiled_module(model):
         return "the model is already a torch.compile'd module"
-    targets, notes = compile_targets(model)
-    if not targets:
+    groups, notes = compile_targets(model)
+    if not groups:
         return "the training step calls no module with parameters" + (f" ({'; '.join(notes)})" if notes else "")
-    for name, module in targets:
+    for name, module in (member for _, members in groups for member in members):
         forward = module.__dict__.get("forward")
         if compat.is_compiled_module(module):
             return f"{_label(model, name, module)} is already compiled (torch.compile by the user); left as is"
@@ -466,51 +481,21 @@ def _room_for_configurations(handle: Handle) -> None:
     )
 
 
-_INDEXED = re.compile(r"^(?P<prefix>.*)\.(?P<index>\d+) \((?P<cls>[^)]*)\)\.forward$")
-
-
-def _grouped(labels: list[str]) -> list[tuple[str, list[int]]]:
-    """The labels of consecutive blocks of one list (``layers.0 (Block).forward``, ``layers.1 (Block).forward``,
-    ...) as one (``layers.0-21 (22 Block blocks).forward``), each with the indices of its labels; any
-    other label alone."""
-    groups: list[tuple[str, list[int]]] = []
-    run: list[int] = []
-    key: tuple[str, str] | None = None
-
-    def close() -> None:
-        if len(run) > 1:
-            first, last = (_INDEXED.match(labels[i]) for i in (run[0], run[-1]))
-            assert first is not None and last is not None and key is not None
-            groups.append((f"{key[0]}.{first['index']}-{last['index']} ({len(run)} {key[1]} blocks).forward", list(run)))
-        elif run:
-            groups.append((labels[run[0]], list(run)))
-
-    for i, label in enumerate(labels):
-        m = _INDEXED.match(label)
-        this = (m["prefix"], m["cls"]) if m else None
-        if this is None or this != key:
-            close()
-            run, key = [], this
-        if this is None:
-            groups.append((label, [i]))
-        else:
-            run.append(i)
-    close()
-    return groups
-
-
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
     """Compile the forwards the training step runs; the handle reports what ran once steps did (a list
     of blocks compiled one by one in one line)."""
     handle = Handle("compile")
-    targets, notes = compile_targets(model)
-    labels = [(_label(model, name, module), module) for name, module in targets]
-    groups = _grouped([label for label, _ in labels])
-    firsts = {indices[0]: group for group, indices in groups}
-    guards = [(label, _compile_forward(handle, module, firsts.get(i, ""), options)) for i, (label, module) in enumerate(labels)]
+    groups, notes = compile_targets(model)
+    targets = [module for _, members in groups for _, module in members]
+    # each group said once: on its first member's change line, and in one line of the report
+    guards = [
+        (_label(model, name, module), _compile_forward(handle, module, label if i == 0 else "", options))
+        for label, members in groups
+        for i, (name, module) in enumerate(members)
+    ]
     for note in notes:
         handle.record(f"note: {note}")
-    _skip_library_logging(handle, [module for _, module in targets])
+    _skip_library_logging(handle, targets)
     _room_for_configurations(handle)
     breaks_before = compat.graph_breaks()
 
@@ -523,9 +508,10 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
         return None
 
     def report() -> list[str]:
-        lines = []
-        for label, indices in groups:
-            members = [guards[i][1] for i in indices]
+        lines, done = [], 0
+        for label, group in groups:
+            members = [g for _, g in guards[done : done + len(group)]]
+            done += len(group)
             calls, graphs = sum(g.calls for g in members), sum(g.graphs for g in members)
             recompiles, switch_graphs = sum(g.recompiles for g in members), sum(g.switch_graphs for g in members)
             lines.append(
@@ -550,7 +536,7 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     handle.problem = problem
     handle.report = report
     # Inductor draws dropout masks from its own generator: the same function, other masks
-    handle.draws_differently = any(active_dropouts(module) for _, module in targets)
+    handle.draws_differently = any(active_dropouts(module) for module in targets)
     return handle, guards
 
 

@@ -273,7 +273,8 @@ class Step:
         step one GPU would run with the same per-rank batch) or back on. One process: nothing to do."""
 
     def gradient_sync_fixed(self) -> str | None:
-        """Why :meth:`gradient_sync` would not take the all-reduce out of this step's work (None: it would)."""
+        """Why :meth:`gradient_sync` would not take the all-reduce out of this step's work, and where scaling
+        is measured instead (None: it would)."""
         return None
 
     def bind_fit(self, trainer: Any, module: Any) -> Handle | None:
