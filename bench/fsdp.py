@@ -16,6 +16,11 @@ Variants, one after the other in the same processes (``--variants``):
   speedkit  ``SpeedLadder()`` with its defaults in an fp32 Trainer, the model as built (no compile, the
             library's default attention); with ``--kept a,b`` instead those rungs given by hand, no trials
             (the 2-GPU run's decision on one GPU, for the scaling at the same configuration)
+  kept=a+b  the speedkit variant with the rungs a and b given by hand (no trials): several such variants
+            in one call measure rungs by hand side by side with the switches
+
+``--profile-host DIR``: each variant's rank 0 profiles 3 steps of its warm-up (host and device ops, the
+warm-up's 3rd to 5th step; the window opens after them) and writes the ops by host time to DIR.
 
 Each variant is timed on the fit's own optimizer steps by wall clock (bench/zoo_runs.py's
 ``WallClockWindow``: ``--steps`` steps after ``--warmup`` more once the fit is ready: for speedkit after
@@ -107,6 +112,35 @@ class ShardedLlama(_HFCausalLM):
         fully_shard(self.model, mesh=mesh)
 
 
+class HostProfile(pl.Callback):
+    """Rank 0's ops by host time over 3 steps of the timer's warm-up (its 3rd to 5th step after the fit is
+    ready), written to ``folder/<variant>.txt``; the window opens after them."""
+
+    def __init__(self, timer: WallClockWindow, folder: Path, variant: str) -> None:
+        self.timer, self.folder, self.variant, self.prof = timer, folder, variant, None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        ready = self.timer.ready_step
+        if trainer.global_rank == 0 and ready is not None and self.prof is None and trainer.global_step == ready + 2:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        prof = self.prof
+        if prof is None or trainer.global_step != self.timer.ready_step + 5 or self.folder is None:
+            return
+        prof.__exit__(None, None, None)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=70)
+        self_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+        name = self.variant.replace("=", "_").replace("+", "-")
+        (self.folder / f"{name}.txt").write_text(f"3 steps, by total host time\n{table}\n\nby self host time\n{self_table}\n")
+        self.folder = None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
@@ -116,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048; tiny 32)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps timed (default 30; tiny 3)")
     p.add_argument("--warmup", type=int, default=None, help="steps before the window once ready (default 8; tiny 2)")
+    p.add_argument("--profile-host", default=None, help="a folder: each variant's ops by host time (3 warm-up steps)")
     p.add_argument("--tiny", action="store_true", help="the tiny Llama on CPU processes (gloo)")
     p.add_argument("--commit", default=None, help="the commit the rows name (the device's copy has no .git)")
     p.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
@@ -168,16 +203,17 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
     switches = variant == "switches"
+    kept = variant.split("=", 1)[1].replace("+", ",") if variant.startswith("kept=") else args.kept
     ladder = None
-    if variant == "speedkit":
+    if variant == "speedkit" or variant.startswith("kept="):
         began = time.monotonic()
 
         def on_event(line: str) -> None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
                 print(f"  [speedkit {time.monotonic() - began:6.1f}s] {line}", flush=True)
 
-        if args.kept:
-            ladder = SpeedLadder(rungs=args.kept.split(","))
+        if kept:
+            ladder = SpeedLadder(rungs=kept.split(","))
         elif args.tiny:
             ladder = SpeedLadder(
                 [{"name": "compile", "options": {"backend": "eager"}}, "fsdp_reshard", "fsdp_prefetch", "fused_optimizer"],
@@ -190,7 +226,8 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     module = ShardedLlama("tiny" if args.tiny else "1b", "sdpa" if switches else None, switches and not args.tiny, device)
     params = sum(p.numel() for p in module.parameters())
     # rungs given by hand: the fit is ready at once (the timer waits for trials only where there are some)
-    timer = WallClockWindow(args.steps, args.warmup, "tokens", None if args.kept else ladder)
+    timer = WallClockWindow(args.steps, args.warmup, "tokens", None if kept else ladder)
+    profiler = [HostProfile(timer, Path(args.profile_host), variant)] if args.profile_host and args.warmup >= 6 else []
     trainer = pl.Trainer(
         accelerator="cpu" if args.tiny else "gpu",
         devices=args.devices,
@@ -201,7 +238,7 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*([ladder] if ladder else []), timer],  # the ladder first: its batch end runs before the timer's
+        callbacks=[*([ladder] if ladder else []), timer, *profiler],  # the ladder first: its batch end runs before the timer's
     )
     loader = _loader(args, SHAPES["tiny" if args.tiny else "1b"]["vocab_size"], steps=400)
     t0 = time.perf_counter()
@@ -237,7 +274,7 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             folder = Path(args.out) / f"report_{args.devices}gpu"
             write_report(result, folder, formats=("json", "md"))
     elif ladder is not None:
-        out.update(kept=sorted(ladder.applied_changes), not_run=ladder.not_run, skipped=dict(ladder.skipped))
+        out.update(kept=sorted(ladder.applied_changes), by_hand=True, not_run=ladder.not_run, skipped=dict(ladder.skipped))
     del trainer, module, ladder
     gc.collect()
     if device.type == "cuda":

@@ -1318,6 +1318,7 @@ def fsdp2_unsharded_bytes(module: nn.Module) -> int:
     total = 0
     for group in _fsdp2_groups(module):
         for param in group.fsdp_params:
-            dtype = getattr(param, "param_dtype", None) or param.orig_dtype
+            # orig_dtype is set at FSDP's lazy init (the first forward): before it, the shard's own dtype
+            dtype = getattr(param, "param_dtype", None) or getattr(param, "orig_dtype", None) or param.sharded_param.dtype
             total += param._orig_size.numel() * dtype.itemsize
     return total

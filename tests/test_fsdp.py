@@ -261,6 +261,9 @@ def fsdp_rungs_worker(rank: int, port: int, out: str) -> None:
     by_hand = SpeedLadder(rungs=results["kept_kept"])
     module = _recorded_fit([by_hand])
     results["by_hand"] = (module.params_after, module.opt_state, module.settings)
+    # alone, given before FSDP has run a forward (its lazy init not yet done): it applies all the same
+    module = _recorded_fit([SpeedLadder(rungs=["fsdp_reshard"])])
+    results["reshard_alone"] = module.settings
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
@@ -303,6 +306,7 @@ def test_sharding_rungs_keep_and_revert_exactly_on_both_ranks(tmp_path):
         assert all(got["reverted_entries"][n][0] == "reverted" for n in SHARDING_RUNGS), got["reverted_entries"]
         for step, (a, b) in enumerate(zip(params, got["plain"], strict=True)):
             assert _equal(a, b), (rank, step)
+        assert got["reshard_alone"]["resharded"] == [False] * 4, got["reshard_alone"]
 
 
 def test_sharding_rungs_say_why_not_without_fsdp2():
