@@ -326,3 +326,73 @@ def test_the_default_ladder_tries_fsdp2s_choices_before_compile():
 
     ladder = config.default_ladder()
     assert all(ladder.index(name) < ladder.index("compile") for name in [*SHARDING_RUNGS, "activation_checkpointing"])
+
+
+# -- regional compile of a transformers model's layers: all of them compiled, one graph ----------------
+
+COUNTED: dict[str, int] = {"graphs": 0, "runs": 0}
+
+
+def _counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A Dynamo backend that runs the traced graph as is and counts its graphs and their runs."""
+    COUNTED["graphs"] += 1
+
+    def run(*args: Any) -> Any:
+        COUNTED["runs"] += 1
+        return gm.forward(*args)
+
+    return run
+
+
+def regional_llama_worker(rank: int, port: int, out: str) -> None:
+    from torch._dynamo import register_backend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speedkit.rungs.compile import CompileOptions, apply_compile
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=1)
+    register_backend(_counting_backend, name="speedkit_test_counting")
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    config = LlamaConfig(**dims, num_hidden_layers=12, max_position_embeddings=32, attn_implementation="sdpa")
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    # the user's own compile of each layer of another model, as users write it: the layers specialize on
+    # their index through the KV cache, and Dynamo gives the class's forward up after 8 of them
+    other = LlamaForCausalLM(config)
+    for layer in other.model.layers:
+        layer.compile(backend="eager")
+    other(input_ids=tokens, labels=tokens).loss.backward()
+    model = LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle, guards = apply_compile(model, CompileOptions(backend="speedkit_test_counting"))
+    results: dict[str, Any] = {"use_cache_on": model.config.use_cache, "changes": list(handle.changes)}
+    for _ in range(2):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    results.update(COUNTED, calls=[g.calls for _, g in guards], fallbacks=[g.fallback_reason for _, g in guards])
+    handle.undo()
+    results["use_cache_after_undo"] = model.config.use_cache
+    results["forwards_after_undo"] = ["forward" in layer.__dict__ for layer in model.model.layers]
+    torch.save(results, Path(out) / "regional.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_regional_compile_runs_every_layer_of_a_transformers_model_compiled(tmp_path):
+    """A transformers Llama of 12 layers sharded with FSDP2, in a process where the user's own compile
+    of another such model's layers used up Dynamo's entries for the layer class's forward: compile
+    runs all 12 layers' compiled graph (one graph for all of them: the KV cache, which keyed each
+    layer's keys and values by its index, is off for the fit), and undo puts the cache back."""
+    pytest.importorskip("transformers")
+    spawn_ranks(regional_llama_worker, str(tmp_path), nprocs=1, timeout_s=300)
+    got = torch.load(tmp_path / "regional.pt", weights_only=False)
+    assert got["use_cache_on"] is False and got["use_cache_after_undo"] is True, got
+    assert any("config.use_cache = False (was True)" in c for c in got["changes"]), got["changes"]
+    assert got["fallbacks"] == [None] * 12 and got["calls"] == [2] * 12, got
+    assert got["graphs"] == 1, got  # one graph for the 12 layers
+    assert got["runs"] == 2 * 12, got  # each layer's forward ran the compiled graph, in both steps
+    assert got["forwards_after_undo"] == [False] * 12

@@ -146,7 +146,8 @@ def test_a_host_bound_step_tries_compile_the_fused_optimizer_the_sync_removers_a
     profile = _window(30.0, busy=0.15, gemm=2.5, elementwise=2.0, host_idle=25.5)
     d = diagnose(_measurement(24.4, wait=0.3, host=23.9, util=32.0), profile, syncs=[])
     assert d.kind == "host-bound"
-    applicable = [r for r in _shipped() if r.name != "micro_batch"]  # no gradient accumulation: not applicable
+    # no gradient accumulation, no FSDP2: micro_batch and the sharding rungs do not apply
+    applicable = [r for r in _shipped() if r.name != "micro_batch" and not r.name.startswith("fsdp_")]
     assert first_configuration(applicable, d) == [
         "fused_optimizer",
         "explicit_mask",
@@ -156,6 +157,10 @@ def test_a_host_bound_step_tries_compile_the_fused_optimizer_the_sync_removers_a
     ]
     # with accumulation, cuda_graph needs the micro-batches merged into one
     assert "micro_batch" in first_configuration(_shipped(), d)
+    # under FSDP2: the blocks kept gathered from forward to backward (one all-gather a block, not two)
+    sharded = [r for r in _shipped() if r.name != "micro_batch"]
+    assert "fsdp_reshard" in first_configuration(sharded, d)
+    assert not {"fsdp_mixed_precision", "fsdp_prefetch"} & set(first_configuration(sharded, d))
 
 
 def test_cuda_graphs_needs_come_with_it_where_they_apply():

@@ -16,7 +16,11 @@ Each is compiled the way Lightning does it (the module's ``forward`` replaced by
 version, the module itself untouched), so state dicts, hooks and optimizers see the same modules.
 Under FSDP2 (``fully_shard`` on each block of a module, Lightning's ``ModelParallelStrategy``) that
 module's repeated blocks are compiled one by one instead (regional compilation: one graph for all of
-them, FSDP's collectives in its hooks outside it).
+them, FSDP's collectives in its hooks outside it). The blocks of one list share one copy of their
+forward per configuration (an earlier compile of the class's forward, the user's own, cannot have used
+up Dynamo's entries for it), and a transformers model's KV cache is off for the fit: a training forward
+fills it and nothing reads it, and since each layer stores into it by its index Dynamo compiled one graph
+per layer (8 at its default limit, the other layers eagerly), not one for all.
 
 Once trial steps ran, the report lists per compiled forward its calls, graphs and recompiles, and
 the graph breaks with their reasons. Guards: a compilation failure falls back to the eager forward
@@ -114,8 +118,13 @@ class GuardedForward(AttributeWrapper):
     forward: when another rung switches the forward it wraps (a rewritten one, or the class's own),
     compile follows, and switching back reuses what was compiled, so it is never compiled twice."""
 
-    def __init__(self, eager: Any, compile_fn: Callable[[Any], Any], max_recompiles: int) -> None:
+    def __init__(
+        self, eager: Any, compile_fn: Callable[[Any], Any], max_recompiles: int, codes: dict[Any, Any] | None = None
+    ) -> None:
         self._compile_fn = compile_fn
+        #: a group's blocks share this: one copy of the forward's function per configuration, bound to
+        #: each block (see :meth:`use`); None: the function's own code first, a copy for each other
+        self._codes = codes
         self._variants: dict[tuple[int, int], _Variant] = {}
         self.max_recompiles = max_recompiles
         self.fallback_reason: str | None = None
@@ -145,8 +154,15 @@ class GuardedForward(AttributeWrapper):
         func, owner = getattr(eager, "__func__", eager), getattr(eager, "__self__", None)
         key = (id(func), id(owner), traced_configuration())
         if key not in self._variants:
-            seen = any(k[:2] == key[:2] for k in self._variants)
-            traced = _with_own_code(eager) if seen else eager
+            if self._codes is not None:
+                # a group of blocks (one class's forward): the copy of each configuration is the group's,
+                # so the blocks share its compiled entries, and none made before (the user's own compile of
+                # the class's forward, an earlier fit's) uses up Dynamo's entries for it
+                shared = self._codes.setdefault((id(func), key[2]), _with_own_code(func))
+                traced = types.MethodType(shared, owner) if owner is not None and eager is not func else shared
+            else:
+                seen = any(k[:2] == key[:2] for k in self._variants)
+                traced = _with_own_code(eager) if seen else eager
             self._variants[key] = _Variant(eager, self._compile_fn(traced))
         self._variant = self._variants[key]
         self.eager = self._variant.eager
@@ -429,11 +445,13 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
     return None
 
 
-def _compile_forward(handle: Handle, module: nn.Module, shown: str, options: CompileOptions) -> GuardedForward:
+def _compile_forward(
+    handle: Handle, module: nn.Module, shown: str, options: CompileOptions, codes: dict[Any, Any] | None = None
+) -> GuardedForward:
     """Compile ``module``'s forward, said on ``handle`` as ``shown`` (nothing where it is ""; a block of a
-    list its group says)."""
+    list its group says); ``codes``: its group's shared copies of the forward (:class:`GuardedForward`)."""
     kwargs = options.compile_kwargs()
-    guarded = GuardedForward(module.forward, lambda fn: torch.compile(fn, **kwargs), options.max_recompiles)
+    guarded = GuardedForward(module.forward, lambda fn: torch.compile(fn, **kwargs), options.max_recompiles, codes)
     # redo binds the compiled function of the forward then in effect: switching compile off and on
     # recompiles nothing; switching a rung beneath it compiles that forward once
     _wrap_forward(handle, module, guarded, f"{shown} = torch.compile(forward, {options.describe()})" if shown else "")
@@ -464,21 +482,47 @@ def _skip_library_logging(handle: Handle, modules: list[nn.Module]) -> None:
 CONFIGURATION_ENTRIES = 64
 
 
-def _room_for_configurations(handle: Handle) -> None:
+def _room_for_configurations(handle: Handle, blocks: int = 1) -> None:
     """Raise Dynamo's per-frame entry limit to :data:`CONFIGURATION_ENTRIES` (recorded, undone with
     the handle): past its default of 8, Dynamo would run a frame eagerly for good once the ladder has
     switched enough rungs beneath compile, while each entry is compiled once and reused. Recompiles
-    that are no configuration's stay bounded by ``max_recompiles`` (:class:`GuardedForward`)."""
-    limit = compat.dynamo_recompile_limit()
-    if limit is None or limit >= CONFIGURATION_ENTRIES:
+    that are no configuration's stay bounded by ``max_recompiles`` (:class:`GuardedForward`).
+    ``blocks``: the largest group of blocks sharing a forward; blocks that specialize (an integer
+    attribute each reads, its index) take an entry each, and at least twice that many are allowed."""
+    limit, entries = compat.dynamo_recompile_limit(), max(CONFIGURATION_ENTRIES, 2 * blocks)
+    if limit is None or limit >= entries:
         return
-    compat.set_dynamo_recompile_limit(CONFIGURATION_ENTRIES)
+    compat.set_dynamo_recompile_limit(entries)
     handle.record(
-        f"Dynamo's compiled entries per frame: at most {CONFIGURATION_ENTRIES} (was {limit}): each configuration "
-        "of the rungs beneath compile is one entry, compiled once",
+        f"Dynamo's compiled entries per frame: at most {entries} (was {limit}): each configuration "
+        "of the rungs beneath compile is one entry, compiled once"
+        + (f", and each of {blocks} blocks that specializes on its own attributes one more" if blocks > 1 else ""),
         functools.partial(compat.set_dynamo_recompile_limit, limit),
-        functools.partial(compat.set_dynamo_recompile_limit, CONFIGURATION_ENTRIES),
+        functools.partial(compat.set_dynamo_recompile_limit, entries),
     )
+
+
+def _training_without_kv_cache(handle: Handle, model: nn.Module) -> None:
+    """Turn transformers' KV cache off for the fit (``config.use_cache = False`` on each transformers
+    model under ``model`` whose config has it on), recorded on ``handle`` with its undo and redo. In a
+    training forward the cache only stores each layer's keys and values (nothing reads them: the loss is
+    the same), and it does so by the layer's index, which Dynamo specializes on: blocks compiled one by
+    one then compile one graph each (8 at Dynamo's default limit, the rest run eagerly) instead of one
+    for all."""
+    configs: dict[int, tuple[str, Any]] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if type(module).__module__.startswith("transformers.") and getattr(config, "use_cache", None) is True:
+            configs.setdefault(id(config), (type(module).__name__, config))
+    for owner, config in configs.values():
+        config.use_cache = False
+        handle.record(
+            f"{owner}.config.use_cache = False (was True): the KV cache, which a training forward fills and "
+            "nothing reads, keyed each layer's keys and values by its index, and Dynamo compiled one graph per "
+            "layer on it; without it the layers share one",
+            functools.partial(setattr, config, "use_cache", True),
+            functools.partial(setattr, config, "use_cache", False),
+        )
 
 
 def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, list[tuple[str, GuardedForward]]]:
@@ -488,15 +532,20 @@ def apply_compile(model: nn.Module, options: CompileOptions) -> tuple[Handle, li
     groups, notes = compile_targets(model)
     targets = [module for _, members in groups for _, module in members]
     # each group said once: on its first member's change line, and in one line of the report
-    guards = [
-        (_label(model, name, module), _compile_forward(handle, module, label if i == 0 else "", options))
-        for label, members in groups
-        for i, (name, module) in enumerate(members)
-    ]
+    regional = [members for _, members in groups if len(members) > 1]
+    if regional:  # before the forwards are compiled: what they trace reads it
+        _training_without_kv_cache(handle, model)
+    guards = []
+    for label, members in groups:
+        codes: dict[Any, Any] | None = {} if len(members) > 1 else None
+        for i, (name, module) in enumerate(members):
+            guards.append(
+                (_label(model, name, module), _compile_forward(handle, module, label if i == 0 else "", options, codes))
+            )
     for note in notes:
         handle.record(f"note: {note}")
     _skip_library_logging(handle, targets)
-    _room_for_configurations(handle)
+    _room_for_configurations(handle, max((len(members) for members in regional), default=1))
     breaks_before = compat.graph_breaks()
 
     def problem() -> str | None:
