@@ -1108,7 +1108,7 @@ def test_where_nothing_pays_on_top_of_the_switches_the_result_is_the_switches():
     assert "the floor's comparison against the baseline" in result.to_dict()["summary"]["figures_from"]
 
 
-def test_the_closing_phases_are_held_for_at_the_floors_pace_once_the_floor_is_timed():
+def test_the_closing_phases_and_a_rungs_fewest_steps_are_sized_at_the_floors_pace_once_it_is_timed():
     """A 400 ms baseline whose switches run at 100 ms: what is held back for the closing phases (the
     final configuration against the switches and the baseline, the profile) is sized at the floor's
     step once it is measured, less than at the baseline's, and the rungs get the difference."""
@@ -1119,9 +1119,12 @@ def test_the_closing_phases_are_held_for_at_the_floors_pace_once_the_floor_is_ti
     from speedkit.results import Measurement
 
     budget.plan(Measurement(400.0, 0.01, [400.0], 1, 3, 1.0, "samples/s", 1), None)
-    at_baseline = budget.reserve_s
+    at_baseline, fewest_at_baseline = budget.reserve_s, budget.min_trial_s
     held = budget.at_the_floor(400.0, 100.0)
     assert held == budget.reserve_s < at_baseline
+    # a rung is tried on the floor's step: its fewest seconds are the floor's, a quarter of the baseline's
+    assert budget.min_trial_s == pytest.approx(fewest_at_baseline / 4)
+    assert budget.min_trial_s == pytest.approx(budget.comparison_s(100.0, 100.0) + 2 * cfg.parity_steps * 0.1)
     assert held == pytest.approx(
         budget.comparison_s(100.0, 100.0)
         + budget.comparison_s(400.0, 100.0)

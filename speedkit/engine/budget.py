@@ -37,6 +37,7 @@ class TrialBudget:
         self.reserve_s = 0.0
         #: the fewest seconds a rung's trial takes (set by :meth:`plan`)
         self.min_trial_s = 0.0
+        self._parity_steps = cfg.parity_steps  # a rung's parity trajectory (set by :meth:`plan`)
         #: the comparisons' window length in steps (set by :meth:`plan`)
         self.window_steps: int | None = None
         #: seconds per phase, in the order first entered
@@ -101,11 +102,10 @@ class TrialBudget:
                 f"at least {cfg.trials_min_s:.0f} s"
             )
         self.budget_s = size
-        step_s = step_ms / 1e3
         self.window_steps = window_steps or cfg.steps
-        comparison_s = self.comparison_s(step_ms, step_ms)
+        self._parity_steps = parity_steps or cfg.parity_steps
         self.reserve_s = self._closing_s(step_ms, step_ms)
-        self.min_trial_s = comparison_s + 2 * (parity_steps or cfg.parity_steps) * step_s
+        self.min_trial_s = self._fewest_trial_s(step_ms)
         return {
             "budget_s": round(self.budget_s, 1),
             "rule": rule,
@@ -131,13 +131,22 @@ class TrialBudget:
         )
         return min(0.5 * self.budget_s, closing + profile_s)
 
+    def _fewest_trial_s(self, pace_ms: float) -> float:
+        """A rung's fewest seconds at ``pace_ms`` a step: its parity trajectory (with and without it) and
+        a comparison at the fewest blocks."""
+        return self.comparison_s(pace_ms, pace_ms) + 2 * self._parity_steps * pace_ms / 1e3
+
     def at_the_floor(self, base_ms: float, pace_ms: float) -> float:
         """Hold back for the closing phases at the floor's step time ``pace_ms`` (the user's switches,
         measured), not the baseline's: they time the final configuration, which is at most as slow
         (a 340 ms fp32 step whose switches run at 53 ms had 60 s held where 26 s is what they take).
+        A rung's fewest steps (:attr:`min_trial_s`) are then the floor's too, on which the rungs are
+        tried: at the baseline's, a 1.5 s fp32 step whose switches ran at 163 ms on two H200s counted
+        114 s for a trial that takes 12, and no rung was begun with 110 s of the budget left.
         Returns the seconds now held."""
         if math.isfinite(base_ms) and math.isfinite(pace_ms) and 0 < pace_ms < base_ms:
             self.reserve_s = self._closing_s(base_ms, pace_ms)
+            self.min_trial_s = self._fewest_trial_s(pace_ms)
         return self.reserve_s
 
     def comparison_s(self, a_ms: float, b_ms: float) -> float:
