@@ -141,6 +141,54 @@ class HostProfile(pl.Callback):
         self.folder = None
 
 
+class GcWatch(pl.Callback):
+    """Python's garbage collections during the timed window (count and seconds per generation, the
+    longest) and the objects the collector tracks when the window opens: a stall of the fit's steps
+    that no hook owns is often a full collection over a large heap."""
+
+    def __init__(self, timer: WallClockWindow) -> None:
+        self.timer = timer
+        self.times: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.tracked_at_window: int | None = None
+        self._t0 = 0.0
+        self.between_ms: list[float] = []  # from a batch's end to the next one's start, in the window
+        self._ended: float | None = None
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if self.timer.start is None or self.timer.elapsed is not None:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.times[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        gc.callbacks.append(self._callback)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._ended is not None and self.timer.start is not None and self.timer.elapsed is None:
+            self.between_ms.append(round((time.perf_counter() - self._ended) * 1e3, 1))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.timer.start is not None and self.tracked_at_window is None:
+            self.tracked_at_window = len(gc.get_objects())
+        self._ended = time.perf_counter()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "tracked_objects_at_window": self.tracked_at_window,
+            "frozen_objects": gc.get_freeze_count(),
+            "between_steps_ms": self.between_ms,
+            **{
+                f"gc_gen{g}": [len(t), round(sum(t) * 1e3, 1), round(max(t, default=0.0) * 1e3, 1)] for g, t in self.times.items()
+            },
+        }
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2)
@@ -228,6 +276,7 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     # rungs given by hand: the fit is ready at once (the timer waits for trials only where there are some)
     timer = WallClockWindow(args.steps, args.warmup, "tokens", None if kept else ladder)
     profiler = [HostProfile(timer, Path(args.profile_host), variant)] if args.profile_host and args.warmup >= 6 else []
+    gc_watch = GcWatch(timer)
     trainer = pl.Trainer(
         accelerator="cpu" if args.tiny else "gpu",
         devices=args.devices,
@@ -238,7 +287,12 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*([ladder] if ladder else []), timer, *profiler],  # the ladder first: its batch end runs before the timer's
+        callbacks=[
+            *([ladder] if ladder else []),
+            timer,
+            gc_watch,
+            *profiler,
+        ],  # the ladder first: its batch end runs before the timer's
     )
     loader = _loader(args, SHAPES["tiny" if args.tiny else "1b"]["vocab_size"], steps=400)
     t0 = time.perf_counter()
@@ -256,6 +310,10 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "step_ms_median": figures.get("step_ms_median"),
         "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
         "fit_wall_s": round(time.perf_counter() - t0, 1),
+        "step_ms_each": [round((b - a) * 1e3, 1) for a, b in zip([timer.start, *timer.step_ends], timer.step_ends)]
+        if timer.start is not None
+        else None,
+        **gc_watch.figures(),  # [collections, ms in all, longest ms] per generation in the window
     }
     out: dict[str, Any] = {"variant": variant, "params": params, "ranks": _gather(mine)}
     if ladder is not None and ladder.result is not None:

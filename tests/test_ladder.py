@@ -2383,3 +2383,35 @@ def test_beneath_compile_the_rungs_that_compile_anew_are_tried_after_those_that_
     recompiling = {name for name in default_ladder() if get_rung(name).recompiles}
     assert {"sdpa", "batched", "triton_layers", "aligned_linear", "explicit_mask", "channels_last"} <= recompiling
     assert not recompiling & {"fused_optimizer", "async_progress_bar", "cuda_graph", "gc_freeze", "data_path", "cudnn_benchmark"}
+
+
+class GarbageRung(SpeedRung):
+    """A faster step whose apply leaves a cycle of garbage behind (as tracing and profiling do)."""
+
+    def apply(self, state):
+        import weakref
+
+        class Node:
+            pass
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        self.left_behind = weakref.ref(a)
+        return super().apply(state)
+
+
+def test_the_trials_garbage_is_collected_before_the_fit_goes_on():
+    """With the collector idle (as it is between its thresholds), a cycle a trial left behind is gone
+    once the trials end, in one collection they count, not one that runs during the fit's own steps."""
+    import gc
+
+    time = VirtualTime()
+    rung = GarbageRung("fast", time, 0.01, -0.3)
+    gc.collect()
+    gc.disable()
+    try:
+        _, result = _run(timed_state(time), [rung], time)
+        assert rung.left_behind() is None
+    finally:
+        gc.enable()
+    assert result.run["trials_garbage"]["objects"] >= 2, result.run["trials_garbage"]
