@@ -20,6 +20,11 @@ new learning rate. Without ``effective`` they are the user's size times powers o
 (ties to the smaller: less memory) where it is shown faster than the user's, else the user's.
 :class:`SweepResult` holds every trial as a table row and a plot-ready series for the report.
 
+**Checkpointed where it must be.** With :func:`checkpointing_where_needed` a size that does not fit is
+measured again with the model's repeated blocks checkpointed (the activation_checkpointing rung),
+and the larger sizes after it so: the memory checkpointing frees is judged by the micro-batch it
+lets fit and that size's throughput, against the fastest size without it.
+
 **Decided, or yours.** A size other than the user's is chosen only where it is *shown* faster by
 ``min_gain`` (:func:`compare_sizes`): the fastest size the search measured is compared with the
 user's from their timed windows' throughputs (one-sided Welch t-test on their logarithms at
@@ -38,7 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from speedkit.errors import ConfigError
@@ -75,6 +80,9 @@ class SweepTrial:
     untimed_steps: int = 0
     compiled_steps: int = 0  # optimizer steps in which torch.compile compiled a graph (none of them timed)
     measured: int = 1  # times this size was measured (the user's: twice where a size is compared with it)
+    #: measured with the model's repeated blocks checkpointed (activation_checkpointing): the size did
+    #: not fit without (:func:`checkpointing_where_needed`)
+    checkpointed: bool = False
 
     @property
     def spread(self) -> float | None:
@@ -165,6 +173,7 @@ class SweepResult:
             "throughput": [t.throughput for t in rows],
             "peak_memory_gb": [t.peak_memory_bytes / 1e9 if t.peak_memory_bytes is not None else None for t in rows],
             "fits": [t.fits for t in rows],
+            "checkpointed": [t.checkpointed for t in rows],
         }
 
     def table(self) -> list[str]:
@@ -177,7 +186,8 @@ class SweepResult:
             rate = f"{t.throughput:,.0f}" if t.throughput else "-"
             if t.throughput and t.spread is not None:
                 rate += f" ±{t.spread:.0%}" + (f" ({t.measured} fits)" if t.measured > 1 else "")
-            lines.append(f"| {t.size}{mark} | {t.accumulate} | {rate} | {peak} | {'yes' if t.fits else 'no: ' + t.reason} |")
+            fits = ("yes" if t.fits else "no: " + t.reason) + (", blocks checkpointed" if t.checkpointed else "")
+            lines.append(f"| {t.size}{mark} | {t.accumulate} | {rate} | {peak} | {fits} |")
         return lines
 
     def lr_scaling(self, accumulate: int = 1) -> dict[str, Any] | None:
@@ -258,6 +268,49 @@ def candidates(start: int, *, effective: int | None = None, max_size: int = MAX_
     return sorted(s for s in sizes if 1 <= s <= max_size)
 
 
+def fits_in_memory(trial: SweepTrial, memory_bytes: int | None, margin: float) -> SweepTrial:
+    """``trial`` as :func:`sweep` judges it: one that ran but leaves less than ``margin`` of
+    ``memory_bytes`` free does not fit (where both are known)."""
+    if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
+        free = 1 - trial.peak_memory_bytes / memory_bytes
+        if free < margin:
+            return replace(trial, fits=False, reason=f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin")
+    return trial
+
+
+def checkpointing_where_needed(
+    measure: Callable[[int, bool], SweepTrial],
+    *,
+    memory_bytes: int | None = None,
+    margin: float = MARGIN,
+    on_event: Callable[[str], None] = lambda line: None,
+) -> Callable[[int], SweepTrial]:
+    """A ``measure(size)`` for :func:`sweep` from ``measure(size, checkpointed)``: each size as it
+    fits, without activation checkpointing where it fits so (checkpointing only costs a second forward
+    of the blocks), with it where only the memory it frees makes the size fit (out of memory, or less
+    than ``margin`` left free); from the first size that needed it on, larger sizes are measured with it
+    directly. The sweep's choice is then the fastest size with or without (the trial says which)."""
+    needed_from: list[int] = []
+
+    def checkpointed(size: int) -> SweepTrial:
+        return replace(measure(size, True), checkpointed=True)
+
+    def measure_size(size: int) -> SweepTrial:
+        if needed_from and size >= needed_from[0]:
+            return checkpointed(size)
+        plain = fits_in_memory(measure(size, False), memory_bytes, margin)
+        if plain.fits or not (plain.reason.startswith("out of memory") or "device memory free" in plain.reason):
+            return plain
+        on_event(f"sweep: micro-batch {size} does not fit ({plain.reason}); measuring it with the blocks checkpointed")
+        checked = fits_in_memory(checkpointed(size), memory_bytes, margin)
+        if checked.fits:
+            needed_from[:] = [size]
+            return checked
+        return replace(checked, reason=f"{checked.reason} (without checkpointing: {plain.reason})")
+
+    return measure_size
+
+
 def sweep(
     measure: Callable[[int], SweepTrial],
     start: int,
@@ -306,17 +359,7 @@ def sweep(
 
     def run(size: int) -> SweepTrial:
         on_progress(len(result.trials), max_trials, f"micro-batch {size}")
-        trial = measure(size)
-        if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
-            free = 1 - trial.peak_memory_bytes / memory_bytes
-            if free < margin:
-                trial = SweepTrial(
-                    **{
-                        **asdict(trial),
-                        "fits": False,
-                        "reason": f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin",
-                    }
-                )
+        trial = fits_in_memory(measure(size), memory_bytes, margin)
         result.trials.append(trial)
         on_progress(len(result.trials), max_trials, f"micro-batch {size} measured")
         timed = f"{trial.throughput:,.0f} {trial.unit}" if trial.fits and trial.throughput else ""

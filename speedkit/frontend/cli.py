@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let the effective batch grow with the micro-batch (default: keep it through accumulation)",
     )
+    swp.add_argument(
+        "--checkpointing",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: a size that does not fit is measured again with the model's repeated blocks checkpointed (default)",
+    )
     swp.add_argument("--margin", type=float, default=None, help="share of device memory left free (default 0.10)")
     swp.add_argument("--max-trials", type=int, default=None, help="sizes measured at most (default 8)")
     val = sub.add_parser("validate", help="check a recipe and build its model and data, without training")
@@ -239,6 +245,7 @@ def _sweep(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
             recipe,
             out,
             keep_effective=not args.change_effective_batch,
+            checkpointing=args.checkpointing,
             margin=args.margin,
             max_trials=args.max_trials,
             on_event=lambda line: console.print(line, highlight=False),

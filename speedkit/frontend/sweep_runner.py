@@ -262,6 +262,23 @@ def timed_fit_trial(
     )
 
 
+#: the activation_checkpointing rung as the sweep gives it: at any accumulation (the sweep chooses the batch)
+CHECKPOINTING = {"name": "activation_checkpointing", "options": {"without_accumulation": True}}
+
+
+def with_checkpointing(ladder: list[Any]) -> list[Any]:
+    """``ladder`` (rung names or ``{name, options}`` entries) with the blocks checkpointed: the
+    activation_checkpointing rung beneath compile (which then compiles the checkpointed blocks), at
+    the end where there is no compile; in place of the recipe's own entry where it has one."""
+
+    def name(entry: Any) -> str:
+        return entry if isinstance(entry, str) else str(entry.get("name"))
+
+    rest = [entry for entry in ladder if name(entry) != "activation_checkpointing"]
+    at = next((i for i, entry in enumerate(rest) if name(entry) == "compile"), len(rest))
+    return [*rest[:at], CHECKPOINTING, *rest[at:]]
+
+
 def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
     """A recipe's batch size (its dotted key and value) and ``trial(size, accumulate, *, windows=None (``sweep.windows``),
     warmup=None, window=None)``: :func:`timed_fit_trial` of the recipe at that micro-batch, seeded as
@@ -277,9 +294,18 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
     measured: list[int] = []
 
     def trial(
-        size: int, accumulate: int, *, windows: int | None = None, warmup: int | None = None, window: int | None = None
+        size: int,
+        accumulate: int,
+        *,
+        windows: int | None = None,
+        warmup: int | None = None,
+        window: int | None = None,
+        checkpointed: bool = False,
     ) -> Any:
         sized = load_recipe(recipe.raw, overrides=[(key, size)])
+        ladder = list(sized.ladder) if recipe.ladder_given else []
+        if checkpointed:
+            ladder = with_checkpointing(ladder)
 
         def build() -> tuple[Any, dict[str, Any]]:
             seed_everything(recipe.seed, verbose=False)
@@ -294,7 +320,7 @@ def recipe_trials(recipe: Recipe) -> tuple[str, int, Callable[..., Any]]:
             window=recipe.measure.steps if window is None else window,
             windows=windows,
             quiet_notes=bool(measured),
-            callbacks=lambda: [SpeedLadder(rungs=sized.ladder)] if recipe.ladder_given else [],
+            callbacks=lambda: [SpeedLadder(rungs=ladder)] if ladder else [],
         )
         measured.append(size)
         return result
@@ -307,6 +333,7 @@ def sweep_recipe(
     out_dir: Path | None = None,
     *,
     keep_effective: bool = True,
+    checkpointing: str = "auto",
     margin: float | None = None,
     max_trials: int | None = None,
     on_event: Callable[[str], None] | None = None,
@@ -318,7 +345,9 @@ def sweep_recipe(
     does), seeded as the recipe says, timed by speedkit's step clock after warm-up steps
     (:func:`timed_fit_trial`); an out-of-memory error is a size that does not fit. With
     ``keep_effective`` the recipe's effective batch (micro-batch x ``accumulate_grad_batches``) is
-    kept through the accumulation. Writes ``sweep.json`` (table rows and a plot-ready series) and
+    kept through the accumulation. ``checkpointing``: "auto" measures a size that does not fit again with
+    the model's repeated blocks checkpointed (and the larger ones so:
+    :func:`~speedkit.engine.sweep.checkpointing_where_needed`), "off" never. Writes ``sweep.json`` (table rows and a plot-ready series) and
     ``sweep.md`` to ``out_dir`` when given; returns the :class:`~speedkit.engine.sweep.SweepResult`.
     """
     import torch
@@ -340,17 +369,27 @@ def sweep_recipe(
     check_model_takes_data(recipe)
     memory = torch.cuda.get_device_properties(0).total_memory if _on_cuda(recipe.trainer) else None
 
-    def measure(size: int) -> sweeping.SweepTrial:
-        return trial(size, effective // size if effective else 1)
+    if checkpointing not in ("auto", "off"):
+        raise ConfigError("checkpointing", f"expected 'auto' or 'off', found {checkpointing!r}")
+
+    def measure(size: int, checkpointed: bool = False) -> sweeping.SweepTrial:
+        return trial(size, effective // size if effective else 1, checkpointed=checkpointing == "auto" and checkpointed)
 
     kwargs: dict[str, Any] = {}
     if margin is not None:
         kwargs["margin"] = margin
+    sized_measure = (
+        sweeping.checkpointing_where_needed(
+            measure, memory_bytes=memory, margin=sweeping.MARGIN if margin is None else margin, on_event=events
+        )
+        if checkpointing == "auto"
+        else measure
+    )
     if max_trials is not None:
         kwargs["max_trials"] = max_trials
     if on_progress is not None:
         kwargs["on_progress"] = on_progress
-    result = sweeping.sweep(measure, start, effective=effective, memory_bytes=memory, on_event=events, **kwargs)
+    result = sweeping.sweep(sized_measure, start, effective=effective, memory_bytes=memory, on_event=events, **kwargs)
     if out_dir is not None:
         import json
 
@@ -375,6 +414,12 @@ def sweep_recipe(
             gain = "yours, the fastest measured"
         else:
             gain = "yours did not fit"
+        chosen = result.trial(result.chosen)
+        if chosen is not None and chosen.checkpointed:
+            gain += (
+                "; it fits with the model's blocks checkpointed: add {name: activation_checkpointing, options: "
+                "{without_accumulation: true}} to the recipe's ladder with it"
+            )
         md = [
             f"# Batch-size sweep{' of ' + recipe.path.name if recipe.path else ''}",
             "",

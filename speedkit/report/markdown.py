@@ -223,7 +223,7 @@ def _ranks(d: dict[str, Any]) -> list[str]:
     if communication:
         lines += [communication[0], "", *(f"- {c}" for c in communication[1:]), ""]
     lines += [
-        "Each window's figures are the slowest rank's (a DDP step waits for it); each rank's own medians:",
+        "Each window's figures are the slowest rank's (the ranks' collectives keep them in step: each step waits for the slowest); each rank's own medians:",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "---|" * len(HEADERS),

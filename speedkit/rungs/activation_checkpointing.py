@@ -8,7 +8,8 @@ fits at all. The ladder judges it alone on memory (kept where it frees memory an
 as it is slower alone, again with ``micro_batch`` in its second look.
 Does not help: a step with memory to spare and no accumulation to merge.
 Costs: about one more forward of the blocks per step (a third more arithmetic for a transformer).
-Needs: gradient accumulation (the micro-batches the freed memory merges); a model built of repeated blocks (a ``ModuleList`` of one block class, as a transformer's layers;
+Needs: gradient accumulation (the micro-batches the freed memory merges; ``without_accumulation``, which
+``speedkit sweep`` sets, applies it without); a model built of repeated blocks (a ``ModuleList`` of one block class, as a transformer's layers;
 under FSDP2 the blocks ``fully_shard`` sharded one by one), none checkpointed already (the library's
 own switch, a ``checkpoint_wrapper``).
 Numerics: unchanged. The recomputation runs the same ops, dropout with the random state of the forward
@@ -24,6 +25,7 @@ and once for its backward's recomputation, as ``checkpoint_wrapper`` applied bef
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,15 +69,25 @@ def _checkpointed_already(block: nn.Module) -> str | None:
     return None
 
 
+@dataclass
+class ActivationCheckpointingOptions:
+    """Options of the activation_checkpointing rung."""
+
+    #: apply where the run accumulates no gradients too: set by ``speedkit sweep``, which measures a
+    #: micro-batch that fits only with the blocks checkpointed (the batch is what it chooses)
+    without_accumulation: bool = False
+
+
 class ActivationCheckpointingRung(Rung):
     name = "activation_checkpointing"
+    Options = ActivationCheckpointingOptions
     targets = ("memory",)
     recompiles = True  # beneath a kept compile, its trial compiles the checkpointed forward anew
     # alone it is slower by its recomputation; with the micro-batch its memory buys it may pay
     partners = ("micro_batch",)
 
     def check(self, state: TrainState) -> str | None:
-        if state.step.accumulate <= 1:
+        if state.step.accumulate <= 1 and not self.options.without_accumulation:
             return (
                 "the run accumulates no gradients: no micro-batches for the freed memory to merge (a larger batch "
                 "changes the effective batch: `speedkit sweep --change-effective-batch`)"
