@@ -148,7 +148,8 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results: dict = {"plain": plain.params_after}
     results["shards"] = [(type(p).__name__, tuple(distributed.local_shard(p).shape), tuple(p.shape)) for p in plain.parameters()]
     with forced("kept"):  # real rungs stay on
-        tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure=QUICK, cache=False)
+        # profiled: the final configuration's profile, each rank's collectives in it
+        tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure={**QUICK, "profile": True}, cache=False)
         tried_module = _fit([tried])
         results["tried"], results["tried_opt"] = tried_module.params_after, tried_module.opt_state
     result = tried.result
@@ -156,6 +157,7 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results["strategy"] = result.run["strategy"]
     results["scaling"] = result.run.get("scaling")
     results["communication"] = result.run.get("ranks_communication")
+    results["communication_final"] = result.run.get("ranks_communication_final")
     by_hand = SpeedLadder(rungs=[{"name": r.name, "options": r.options} for r in result.kept])
     by_hand_module = _fit([by_hand])
     results["by_hand"], results["by_hand_opt"] = by_hand_module.params_after, by_hand_module.opt_state
@@ -215,6 +217,12 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     assert scaling["efficiency_at_least"] == round(1 - min(r["share"] for r in communication["ranks"]), 4)
     report = {"run": {"scaling": scaling, "ranks_communication": communication}}
     assert "at least" in scaling_line(report) and len(communication_lines(report)) == 3
+    # and the final configuration's own profile, each rank's
+    final = ranks[0]["communication_final"]
+    assert final["of"] == "the final configuration's step" and [r["rank"] for r in final["ranks"]] == [0, 1], final
+    assert all(0 < r["share"] < 1 for r in final["ranks"]), final
+    lines = communication_lines({"run": {"ranks_communication_final": final}}, "ranks_communication_final")
+    assert lines[0].startswith("Communication (the final configuration's step") and len(lines) == 3
     # each rank holds its own shard (half of each parameter's rows), and the two ranks' shards differ
     assert all(kind == "DTensor" and local[0] * 2 == full[0] for kind, local, full in ranks[0]["shards"]), ranks[0]["shards"]
     assert not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(ranks[0]["plain"][-1], ranks[1]["plain"][-1], strict=True))

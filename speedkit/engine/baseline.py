@@ -19,6 +19,7 @@ from speedkit.engine.budget import window_steps
 from speedkit.engine.cache import CachedDecision
 from speedkit.engine.diagnose import Diagnosis, diagnose
 from speedkit.engine.plan import first_configuration, prune
+from speedkit.engine.profile_run import rank_communication_of
 from speedkit.engine.timing import Timing
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
@@ -232,14 +233,10 @@ def diagnose_baseline(ladder: Trials, baseline: Measurement) -> Diagnosis:
 
 
 def rank_communication(diagnosis: Diagnosis) -> dict[str, Any]:
-    """This rank's device time in collectives (the profile's "communication" category: NCCL's or gloo's
-    all-reduces, all-gathers and reduce-scatters) in its profiled step, and its share of that step.
-    Collectives run beside the compute on their own stream: the share is what they took, of which the
-    step waited for some part at most; None where the profile did not run."""
+    """This rank's device time in collectives in the diagnosis's profiled step, and its share of that
+    step (:func:`speedkit.engine.profile_run.rank_communication_of`)."""
     comm = diagnosis.breakdown_ms.get("communication") if diagnosis.breakdown_ms else None
-    step = diagnosis.profile_step_ms or diagnosis.step_ms
-    share = round(comm / step, 4) if comm is not None and step else None
-    return {"rank": distributed.rank(), "communication_ms": comm, "step_ms": step, "share": share}
+    return rank_communication_of(comm, diagnosis.profile_step_ms or diagnosis.step_ms)
 
 
 def trial_order(

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from speedkit.engine.trials import Trials
 
 
+def rank_communication_of(communication_ms: float | None, step_ms: float | None) -> dict[str, Any]:
+    """This rank's device time in collectives (a profile's "communication" category: NCCL's or gloo's
+    all-reduces, all-gathers and reduce-scatters) in its profiled step, and its share of that step.
+    Collectives run beside the compute on their own stream: the share is what they took, of which the
+    step waited for some part at most; None where the profile did not run."""
+    share = round(communication_ms / step_ms, 4) if communication_ms is not None and step_ms else None
+    return {"rank": distributed.rank(), "communication_ms": communication_ms, "step_ms": step_ms, "share": share}
+
+
 def profile_configurations(ladder: Trials, edges_only: str | None = None) -> None:
     """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
     of each prefix of the final configuration's rungs (the last one the final configuration),
@@ -84,6 +93,12 @@ def profile_configurations(ladder: Trials, edges_only: str | None = None) -> Non
             if trace is not None and window.get("trace"):
                 window["trace"] = f"{ladder.trace_dir.name}/{trace.name}"  # beside the report
             profile["windows"].append(window)
+            if k == n and distributed.world_size() > 1:  # every rank reaches it (a failed window raised on all)
+                own = rank_communication_of(window["breakdown_ms"].get("communication"), window["step_ms"])
+                result.run["ranks_communication_final"] = {
+                    "of": "the final configuration's step",
+                    "ranks": distributed.gather(own),
+                }
             if edge and state.device.type == "cuda" and distributed.world_size() == 1:
                 profile["host_syncs"][label] = find_host_syncs(run_one, state.device)
                 if k == 0 and n == 0:

@@ -284,12 +284,11 @@ def _ranks(d: dict[str, Any]) -> str:
         [_e(label), _e(rank), f"{step:.2f}", f"{wait:.2f}", f"{host:.2f}", _e(format_bytes(peak)) if peak else MISSING]
         for label, rank, step, wait, host, peak in rows
     ]
-    communication = communication_lines(d)
-    comm_html = (
-        f"<p>{_e(communication[0])}</p><ul>" + "".join(f"<li>{_e(c)}</li>" for c in communication[1:]) + "</ul>"
-        if communication
-        else ""
-    )
+    comm_html = ""
+    for key in ("ranks_communication", "ranks_communication_final"):
+        communication = communication_lines(d, key)
+        if communication:
+            comm_html += f"<p>{_e(communication[0])}</p><ul>" + "".join(f"<li>{_e(c)}</li>" for c in communication[1:]) + "</ul>"
     return (f"<p>{_e(line)}</p>" if line else "") + comm_html + _table([_e(h) for h in HEADERS], cells, numeric=(2, 3, 4, 5))
 
 

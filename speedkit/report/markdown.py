@@ -219,9 +219,10 @@ def _ranks(d: dict[str, Any]) -> list[str]:
     line = scaling_line(d)
     if line:
         lines += [line, ""]
-    communication = communication_lines(d)
-    if communication:
-        lines += [communication[0], "", *(f"- {c}" for c in communication[1:]), ""]
+    for key in ("ranks_communication", "ranks_communication_final"):
+        communication = communication_lines(d, key)
+        if communication:
+            lines += [communication[0], "", *(f"- {c}" for c in communication[1:]), ""]
     lines += [
         "Each window's figures are the slowest rank's (the ranks' collectives keep them in step: each step waits for the slowest); each rank's own medians:",
         "",

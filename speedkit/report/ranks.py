@@ -55,10 +55,11 @@ def scaling_line(d: dict[str, Any]) -> str | None:
     )
 
 
-def communication_lines(d: dict[str, Any]) -> list[str]:
-    """Each rank's share of its profiled step in collectives (the diagnosis's profile window), one line
-    a rank; [] where the run had one process or no profile."""
-    found = (d.get("run") or {}).get("ranks_communication")
+def communication_lines(d: dict[str, Any], key: str = "ranks_communication") -> list[str]:
+    """Each rank's share of its profiled step in collectives, one line a rank: ``key``
+    "ranks_communication" the diagnosis's profile window (the step the rungs were judged on),
+    "ranks_communication_final" the final configuration's; [] where the run had one process or no profile."""
+    found = (d.get("run") or {}).get(key)
     if not found:
         return []
     lines = []
