@@ -92,6 +92,10 @@ def tiny_gpt_state(batch_size: int = 4, seq_len: int = 32, device: str = "cpu", 
     )
 
 
+#: a Trainer's arguments that keep a test's fit quiet and on its own: no logger, checkpoints, progress bar or summary
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
 def mlp_state(device: str = "cpu", **kwargs):
     from speedkit.data import BatchSource
     from speedkit.demos import LaunchBoundMLP, SyntheticVectors

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import QUIET_TRAINER
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -130,10 +131,7 @@ def _lightning_fit(callbacks: list) -> StackModule:
         accelerator="cpu",
         max_steps=4,
         accumulate_grad_batches=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=callbacks,
     )
     pl.seed_everything(0, verbose=False)

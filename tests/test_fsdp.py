@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import QUIET_TRAINER
 from ranks import spawn_ranks
 from test_lightning import QUICK as LIGHTNING_QUICK
 from torch import nn
@@ -113,10 +114,7 @@ def _fit(callbacks: list, make: type[Sharded] | None = None, strategy: Any = Non
         devices=2,
         strategy=strategy or ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=callbacks,
     )
     pl.seed_everything(0, verbose=False)

@@ -488,7 +488,7 @@ def test_a_size_that_fits_only_checkpointed_is_measured_so_and_can_be_chosen():
         calls.append((size, checkpointed))
         per_sample = 3 if checkpointed else 8
         if size * per_sample * GB > 80 * GB:
-            return SweepTrial(size, 1, None, "samples/s", None, False, "out of memory: simulated")
+            return SweepTrial(size, 1, None, "samples/s", None, False, "out of memory: simulated", short_of_memory=True)
         rate = 100.0 * size / (1.25 if checkpointed else 1.0)
         return timed(size, [rate * f for f in (0.99, 1.0, 1.01)], size * per_sample * GB)
 

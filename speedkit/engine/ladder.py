@@ -303,8 +303,9 @@ class Ladder:
         # graphs), in cycles most of it, collected now in one pass counted as the trials' time: left to the
         # collector, full collections over it ran during the fit's own steps (a 2-GPU FSDP fit whose
         # trials' steps took 161 ms measured its own at 253 ms on average, 161 by the median)
+        before = self.budget.elapsed()
         collected = gc.collect()
-        result.run["trials_garbage"] = {"objects": collected, "seconds": round(self.budget.elapsed() - result.run["trials_s"], 3)}
+        result.run["trials_garbage"] = {"objects": collected, "seconds": round(self.budget.elapsed() - before, 3)}
         if state.device.type == "cuda":  # the trials reset the peak-memory counter per window; what
             torch.cuda.reset_peak_memory_stats(state.device)  # the user reads later is their training's
 

@@ -83,6 +83,8 @@ class SweepTrial:
     #: measured with the model's repeated blocks checkpointed (activation_checkpointing): the size did
     #: not fit without (:func:`checkpointing_where_needed`)
     checkpointed: bool = False
+    #: it does not fit for want of device memory: it ran out, or left less than the margin free
+    short_of_memory: bool = False
 
     @property
     def spread(self) -> float | None:
@@ -274,7 +276,12 @@ def fits_in_memory(trial: SweepTrial, memory_bytes: int | None, margin: float) -
     if trial.fits and memory_bytes and trial.peak_memory_bytes is not None:
         free = 1 - trial.peak_memory_bytes / memory_bytes
         if free < margin:
-            return replace(trial, fits=False, reason=f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin")
+            return replace(
+                trial,
+                fits=False,
+                short_of_memory=True,
+                reason=f"leaves {free:.0%} of device memory free, under the {margin:.0%} margin",
+            )
     return trial
 
 
@@ -299,7 +306,7 @@ def checkpointing_where_needed(
         if needed_from and size >= needed_from[0]:
             return checkpointed(size)
         plain = fits_in_memory(measure(size, False), memory_bytes, margin)
-        if plain.fits or not (plain.reason.startswith("out of memory") or "device memory free" in plain.reason):
+        if not plain.short_of_memory:
             return plain
         on_event(f"sweep: micro-batch {size} does not fit ({plain.reason}); measuring it with the blocks checkpointed")
         checked = fits_in_memory(checkpointed(size), memory_bytes, margin)

@@ -202,6 +202,7 @@ def timed_fit_trial(
     kwargs["callbacks"] = [*callbacks(), *(kwargs.get("callbacks") or []), timer]
     t0 = time.perf_counter()
     failed: str | None = None
+    out_of_memory = False
     trainer = None
     input_note = "the loader's batches"
     if cuda:
@@ -216,7 +217,7 @@ def timed_fit_trial(
                 warnings.simplefilter("ignore", UserWarning)
             trainer.fit(module, **data)
     except torch.OutOfMemoryError as exc:
-        failed = f"out of memory: {first_line(exc)[:120]}"
+        failed, out_of_memory = f"out of memory: {first_line(exc)[:120]}", True
     optimizer = type(trainer.optimizers[0]).__name__ if trainer is not None and trainer.optimizers else ""
     trainer = module = data = None  # noqa: F841 (what the fit held, freed before the next size)
     gc.collect()
@@ -244,6 +245,7 @@ def timed_fit_trial(
             input_note,
             untimed_steps=timer.untimed_steps,
             compiled_steps=timer.compiled_steps,
+            short_of_memory=out_of_memory,
         )
     return SweepTrial(
         size,

@@ -57,7 +57,7 @@ from speedkit.report.plots import (
     load_matplotlib,
     ms_text,
 )
-from speedkit.report.ranks import HEADERS, communication_lines, rank_rows, scaling_line
+from speedkit.report.ranks import COMMUNICATION_KEYS, HEADERS, communication_lines, rank_rows, scaling_line
 
 __all__ = ["NO_MATPLOTLIB", "SECTIONS", "render_html"]
 
@@ -285,7 +285,7 @@ def _ranks(d: dict[str, Any]) -> str:
         for label, rank, step, wait, host, peak in rows
     ]
     comm_html = ""
-    for key in ("ranks_communication", "ranks_communication_final"):
+    for key in COMMUNICATION_KEYS:
         communication = communication_lines(d, key)
         if communication:
             comm_html += f"<p>{_e(communication[0])}</p><ul>" + "".join(f"<li>{_e(c)}</li>" for c in communication[1:]) + "</ul>"

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from speedkit.report.ranks import HEADERS, communication_lines, rank_rows, scaling_line
+from speedkit.report.ranks import COMMUNICATION_KEYS, HEADERS, communication_lines, rank_rows, scaling_line
 
 MISSING = "—"
 
@@ -219,7 +219,7 @@ def _ranks(d: dict[str, Any]) -> list[str]:
     line = scaling_line(d)
     if line:
         lines += [line, ""]
-    for key in ("ranks_communication", "ranks_communication_final"):
+    for key in COMMUNICATION_KEYS:
         communication = communication_lines(d, key)
         if communication:
             lines += [communication[0], "", *(f"- {c}" for c in communication[1:]), ""]

@@ -55,6 +55,11 @@ def scaling_line(d: dict[str, Any]) -> str | None:
     )
 
 
+#: the run's per-rank communication figures, in the report's order: the floor's profile (the step the
+#: rungs were judged on), then the final configuration's
+COMMUNICATION_KEYS = ("ranks_communication", "ranks_communication_final")
+
+
 def communication_lines(d: dict[str, Any], key: str = "ranks_communication") -> list[str]:
     """Each rank's share of its profiled step in collectives, one line a rank: ``key``
     "ranks_communication" the diagnosis's profile window (the step the rungs were judged on),

@@ -158,7 +158,10 @@ class GuardedForward(AttributeWrapper):
                 # a group of blocks (one class's forward): the copy of each configuration is the group's,
                 # so the blocks share its compiled entries, and none made before (the user's own compile of
                 # the class's forward, an earlier fit's) uses up Dynamo's entries for it
-                shared = self._codes.setdefault((id(func), key[2]), _with_own_code(func))
+                code_key = (id(func), key[2])
+                if code_key not in self._codes:
+                    self._codes[code_key] = _with_own_code(func)
+                shared = self._codes[code_key]
                 traced = types.MethodType(shared, owner) if owner is not None and eager is not func else shared
             else:
                 seen = any(k[:2] == key[:2] for k in self._variants)
