@@ -118,6 +118,17 @@ def _let_host_group_go() -> None:
     _HOST_GROUP[:] = [None, None]
 
 
+def end_process_group() -> None:
+    """The default process group destroyed, where this process has one: for a process that owns its
+    run (the command line after its fit). Lightning leaves the group to the interpreter's teardown,
+    where gloo's worker threads may still hold work whose tensors need the GIL of an interpreter going
+    away: the rank aborts (SIGABRT) after a fit that succeeded, now and then; NCCL warns of it."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        _let_host_group_go()
+        dist.destroy_process_group()
+
+
 def host_group() -> Any:
     """A process group over the default group's ranks whose collectives run on the host (gloo): the
     default group itself where it is gloo, else one made on the first call for this default group.

@@ -86,6 +86,18 @@ def test_all_shipped_recipes_validate(capsys):
         assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
 
 
+def test_a_command_that_succeeded_ends_its_process_group(tmp_path, monkeypatch):
+    """Under ``strategy: ddp`` each process runs the command line; it ends the process group its fit
+    began, not the interpreter's teardown (where a gloo rank aborted now and then)."""
+    import speedkit.distributed
+
+    ended: list[bool] = []
+    monkeypatch.setattr(speedkit.distributed, "end_process_group", lambda: ended.append(True))
+    assert main(["validate", str(REPO / "recipes" / "tiny-cpu.yaml")]) == 0
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2  # a refusal: nothing began, nothing to end
+    assert ended == [True]
+
+
 def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     """The embedded default end to end: every rung reported, reports written, optimized.yaml trains."""
     out = tmp_path / "run"

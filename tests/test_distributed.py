@@ -81,8 +81,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     finally:
         torch.distributed.get_backend = real
     seen["after"] = distributed.gather(rank)  # the ranks are still in step after it
+    distributed.end_process_group()
+    distributed.end_process_group()  # a second call: nothing left to end
+    seen["ended"] = not torch.distributed.is_initialized() and distributed._HOST_GROUP == [None, None]
     torch.save(seen, f"{out}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
 
 
 def test_agreements_on_two_ranks(tmp_path):
@@ -103,6 +105,7 @@ def test_agreements_on_two_ranks(tmp_path):
     assert r0["host"] == r1["host"] == [False, True]  # agreed on the host: every rank, or not
     assert r0["host_made"] == r1["host_made"] == [False, True] and r0["host_group"] and r1["host_group"]
     assert r0["after"] == r1["after"] == [0, 1]
+    assert r0["ended"] and r1["ended"]  # the group and the host group it made let go before the interpreter
 
 
 def test_one_process_is_a_no_op():

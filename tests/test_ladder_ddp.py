@@ -12,7 +12,7 @@ import pytest
 import test_lightning
 import torch
 import torch.nn.functional as F
-from ranks import run_in_process
+from ranks import EndProcessGroupAtExit, run_in_process
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,6 +140,7 @@ def ddp_fit(out: str, trials: bool, resume: str | None = None, all_three: bool =
             *([SpeedProfiler(), ladder, OOMFallback()] if all_three else [ladder] if trials else []),
             Saver(out),
             ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=6, save_top_k=-1),
+            EndProcessGroupAtExit(),
         ],
     )
     trainer.fit(Net(), ckpt_path=resume)

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from ranks import run_in_process, spawn_ranks
+from ranks import EndProcessGroupAtExit, run_in_process, spawn_ranks
 from torch import nn
 from torch.nn import functional as F
 
@@ -456,7 +456,7 @@ def lightning_ddp_fit(out: str, oom: bool) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[OOMFallback()] if oom else [],
+        callbacks=[EndProcessGroupAtExit(), *([OOMFallback()] if oom else [])],
     )
     trainer.fit(module, train_dataloaders=loader())
 

@@ -349,6 +349,7 @@ def _cache(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from speedkit.distributed import end_process_group
     from speedkit.frontend.runner import rank_label
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -376,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(extra[0], "unexpected argument; overrides look like --trainer.max_steps 50")
         if overrides and args.command in ("rungs", "report", "compare", "cache"):
             raise ConfigError(f"--{overrides[0][0]}", f"speedkit {args.command} takes no overrides")
-        return handler(args, overrides)
+        code = handler(args, overrides)
+        end_process_group()  # this process's run is over: its process group too (under strategy: ddp)
+        return code
     except UserCodeError as exc:
         print("Traceback of your code (most recent call last):\n" + "".join(exc.frames).rstrip(), file=sys.stderr)
         print(f"{error}{exc}".replace("\n", " "), file=sys.stderr)
