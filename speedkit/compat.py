@@ -120,6 +120,22 @@ def dynamo_recompile_limit() -> int | None:
     return int(getattr(dynamo_config, name)) if name else None
 
 
+def dynamo_skips_as_top_frame(fn: Any) -> bool:
+    """Whether ``torch.compile(fn)`` would not trace ``fn``'s own frame: Dynamo skips the files of torch
+    itself (``nn.Sequential.forward``, ``nn.TransformerEncoderLayer.forward``) and compiles such a
+    function inside a wrapper frame whose code every such compile in the process shares
+    (``torch._dynamo.external_utils.wrap_inline``), as it does every ``torch.compile(module)``: its
+    compiled entries count against one limit for all of them (``torch._dynamo.trace_rules.check``,
+    private; without it, whether ``fn`` is torch's own)."""
+    func = getattr(fn, "__func__", fn)
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(func))
+    except Exception:
+        return str(getattr(func, "__module__", "")).startswith("torch.")
+
+
 def set_dynamo_recompile_limit(limit: int) -> None:
     """Set what :func:`dynamo_recompile_limit` reads (where it exists)."""
     import torch._dynamo.config as dynamo_config

@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import run_in_process
 from torch import nn
 
 from speedkit.rungs.compile import CompileOptions, CompileRung, GuardedForward, step_modules
@@ -266,3 +268,58 @@ def test_plain_models_leave_dynamos_logging_alone():
     assert set(compat.dynamo_ignored_logging() or ()) == before and not any("logger" in c for c in handle.changes)
     assert getattr(logging.Logger, "warning_once", None) not in (compat.dynamo_ignored_logging() or ())
     handle.undo()
+
+
+COUNTED = {"graphs": 0, "runs": 0}
+
+
+def _counting_backend(gm, example_inputs):
+    COUNTED["graphs"] += 1
+
+    def run(*args):
+        COUNTED["runs"] += 1
+        return gm.forward(*args)
+
+    return run
+
+
+def compile_after_the_process_used_dynamos_entries_up(out: str) -> None:
+    """In a process of its own (Dynamo's entries are the process's): ten ``torch.compile(module)`` of
+    the user's, which share one wrapper frame of Dynamo's, use its entries up; then speedkit's compile
+    of a plain ``nn.Sequential`` and of a stack of torch's own ``nn.TransformerEncoderLayer`` blocks."""
+    from torch._dynamo import register_backend
+
+    from speedkit.rungs.compile import apply_compile
+
+    register_backend(_counting_backend, name="speedkit_test_counting")
+    for k in range(10):  # each another module: another entry of the one frame, given up after 8
+        torch.compile(nn.Sequential(*[nn.Linear(4, 4) for _ in range(k + 1)]), backend="eager")(torch.randn(2, 4))
+    results = {}
+    layer = dict(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    models = {
+        "sequential": (nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3)), torch.randn(5, 4)),
+        "torch blocks": (nn.Sequential(*[nn.TransformerEncoderLayer(**layer) for _ in range(3)]), torch.randn(2, 5, 8)),
+    }
+    for name, (model, x) in models.items():
+        COUNTED.update(graphs=0, runs=0)
+        handle, guards = apply_compile(model, CompileOptions(backend="speedkit_test_counting"))
+        for _ in range(2):
+            model(x).sum().backward()
+        results[name] = dict(COUNTED, calls=sum(g.calls for _, g in guards), targets=[label for label, _ in guards])
+        handle.undo()
+    (Path(out) / "counted.json").write_text(json.dumps(results))
+
+
+def test_compile_runs_torchs_own_modules_compiled_where_the_process_used_dynamos_shared_frame_up(tmp_path):
+    """torch's own forwards (``nn.Sequential``'s) are compiled by Dynamo in a wrapper frame that every
+    ``torch.compile(module)`` in the process shares; once earlier compiles used its entries up, Dynamo
+    ran speedkit's compile of such a model eagerly, compiling nothing (in the test suite's process, a
+    Sequential model's compile then measured nothing). Each configuration now traces a frame of its own."""
+    run_in_process(
+        "test_compile_reach", f"compile_after_the_process_used_dynamos_entries_up({str(tmp_path)!r})", 240, "the process"
+    )
+    counted = json.loads((tmp_path / "counted.json").read_text())
+    assert counted["sequential"]["targets"] == ["Sequential.forward"], counted
+    assert counted["sequential"]["graphs"] == 1 and counted["sequential"]["runs"] == counted["sequential"]["calls"] == 2
+    blocks = counted["torch blocks"]
+    assert blocks["graphs"] >= 1 and blocks["runs"] == blocks["calls"] > 0, blocks  # every call compiled code

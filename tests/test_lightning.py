@@ -145,7 +145,9 @@ def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_
     statuses = {r.name: r.status for r in result.rungs[1:]}
     assert statuses["autocast"] == "not_applicable"  # the user chose bf16-mixed
     if forced:
-        assert {"fused_optimizer", "compile"} <= {r.name for r in result.kept}
+        assert {"fused_optimizer", "compile"} <= {r.name for r in result.kept}, [
+            (r.name, r.status, r.reason) for r in result.rungs
+        ]
     # trials took no real step; merged micro-batches (micro_batch kept: all 4 of a step in one, on a CPU) are
     # fewer, larger batches to the fit loop
     merged = 4 if "micro_batch" in {r.name for r in result.kept} else 1

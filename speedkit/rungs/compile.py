@@ -123,7 +123,7 @@ class GuardedForward(AttributeWrapper):
     ) -> None:
         self._compile_fn = compile_fn
         #: a group's blocks share this: one copy of the forward's function per configuration, bound to
-        #: each block (see :meth:`use`); None: the function's own code first, a copy for each other
+        #: each block (see :meth:`use`); None: a copy of this module's own for each configuration
         self._codes = codes
         self._variants: dict[tuple[int, int], _Variant] = {}
         self.max_recompiles = max_recompiles
@@ -148,9 +148,12 @@ class GuardedForward(AttributeWrapper):
         forward wrapped so that it no longer breaks) would run the frame's old, split graphs, where a
         fresh process applying the same change first traces one graph (the demo Transformer's cached
         re-check compiled its whole-model graph from scratch every time, 0 of 4 from Inductor's cache,
-        because the climb had kept running the split one). So each configuration after the first
-        compiles a copy of the forward with a code object of its own, traced from the top; switching
-        back to a configuration runs what it compiled."""
+        because the climb had kept running the split one). So each configuration compiles a copy of
+        the forward with a code object of its own, traced from the top; switching back to a
+        configuration runs what it compiled. The first configuration too: the function's own code is
+        every instance's (``nn.Sequential.forward``: every Sequential's in the process), and where the
+        process's earlier compiles have used up Dynamo's entries for it (the user's, an earlier fit's),
+        Dynamo runs it eagerly, compiling nothing."""
         func, owner = getattr(eager, "__func__", eager), getattr(eager, "__self__", None)
         key = (id(func), id(owner), traced_configuration())
         if key not in self._variants:
@@ -163,9 +166,8 @@ class GuardedForward(AttributeWrapper):
                     self._codes[code_key] = _with_own_code(func)
                 shared = self._codes[code_key]
                 traced = types.MethodType(shared, owner) if owner is not None and eager is not func else shared
-            else:
-                seen = any(k[:2] == key[:2] for k in self._variants)
-                traced = _with_own_code(eager) if seen else eager
+            else:  # a copy for each configuration, the first too: see the class's doc
+                traced = _with_own_code(eager)
             self._variants[key] = _Variant(eager, self._compile_fn(traced))
         self._variant = self._variants[key]
         self.eager = self._variant.eager
@@ -237,18 +239,31 @@ class GuardedForward(AttributeWrapper):
 
 
 def _with_own_code(fn: Any) -> Any:
-    """``fn`` (a function or a bound method) with a copy of its code object: the same function, whose
-    compiled code Dynamo keeps apart from the original's. ``fn`` itself where it is neither."""
+    """``fn`` (a function or a bound method) with a code object of its own, which Dynamo traces as
+    its top frame: the same function, whose compiled entries Dynamo keeps apart from every other's.
+    A copy of its code; where Dynamo would not trace ``fn``'s own frame (torch's own forwards:
+    :func:`speedkit.compat.dynamo_skips_as_top_frame`), a copy of a frame of speedkit's that calls it
+    (Dynamo traces into torch's modules from there), so that it is not compiled in the wrapper frame
+    every such compile in the process shares. ``fn`` itself where it is neither."""
     func = getattr(fn, "__func__", fn)
     if not isinstance(func, types.FunctionType):
         return fn
+    if compat.dynamo_skips_as_top_frame(func):
+        inner = func
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs)
+
+        functools.update_wrapper(forward, inner)
+        del forward.__wrapped__  # Dynamo would unwrap it back to torch's frame
+        func = forward
     copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     copy.__kwdefaults__ = func.__kwdefaults__
     copy.__dict__.update(func.__dict__)
     copy.__qualname__ = func.__qualname__
     copy.__module__ = func.__module__
     owner = getattr(fn, "__self__", None)
-    return types.MethodType(copy, owner) if owner is not None and fn is not func else copy
+    return types.MethodType(copy, owner) if owner is not None and fn is not getattr(fn, "__func__", fn) else copy
 
 
 @dataclass
