@@ -44,6 +44,20 @@ def dynamo_supported() -> bool:
         return False
 
 
+def dynamo_disabled() -> bool:
+    """Dynamo is switched off in this process (``TORCHDYNAMO_DISABLE=1`` in the environment, which
+    ``torch.compile`` reads on each call, or ``torch._dynamo.config.disable``, which
+    ``TORCH_COMPILE_DISABLE=1`` sets): ``torch.compile`` then returns functions that run eagerly."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return True
+    try:
+        import torch._dynamo.config as dynamo_config
+
+        return bool(getattr(dynamo_config, "disable", False))
+    except Exception:
+        return False
+
+
 def dynamo_counters() -> dict[str, Any]:
     """Dynamo's global counters (``torch._dynamo.utils.counters``): graphs, graph breaks, frames.
 

@@ -108,6 +108,24 @@ def test_a_compile_the_step_never_runs_fails_with_that_reason():
     handle.undo()
 
 
+@pytest.mark.parametrize("switch", ["config", "environment"])
+def test_with_dynamo_off_in_the_process_compile_says_it_does_not_apply(switch, monkeypatch):
+    """Dynamo switched off makes every ``torch.compile`` run eagerly: timing it would compare eager with
+    eager and call compile not faster."""
+    import torch._dynamo.config as dynamo_config
+
+    rung = CompileRung(CompileOptions(backend="eager"))
+    assert rung.check(_state(Wrapped())) is None
+    if switch == "environment":
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+        assert "Dynamo is off in this process" in rung.check(_state(Wrapped()))
+    else:
+        with dynamo_config.patch(disable=True):
+            assert "Dynamo is off in this process" in rung.check(_state(Wrapped()))
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    assert rung.check(_state(Wrapped())) is None
+
+
 def test_already_compiled_inner_models_are_left_as_the_user_compiled_them():
     wrapped = Wrapped()
     wrapped.model = torch.compile(wrapped.model, backend="eager")
