@@ -446,7 +446,7 @@ def check_compile(model: nn.Module, device: torch.device, backend: str = "induct
     if not compat.dynamo_supported():
         return f"torch.compile does not support Python {sys.version_info.major}.{sys.version_info.minor} with torch {torch.__version__}"
     if compat.dynamo_disabled():
-        return "Dynamo is off in this process (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable): torch.compile would run eagerly"
+        return "Dynamo is off in this process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1): torch.compile would run eagerly"
     if compat.user_compiled(model):
         return "the model was compiled by the user (torch.compile before trainer.fit); left as is"
     if compat.is_compiled_module(model):
