@@ -392,7 +392,6 @@ def _ddp_worker(rank: int, port: int, world: int, fallback: bool, out: str) -> N
         },
         f"{out}/rank{rank}.pt",
     )
-    dist.destroy_process_group()
 
 
 def _run_ranks(fallback: bool, out, timeout_s: float = 120.0) -> list[dict]:

@@ -248,22 +248,23 @@ def _with_own_code(fn: Any) -> Any:
     func = getattr(fn, "__func__", fn)
     if not isinstance(func, types.FunctionType):
         return fn
+    traced = func
     if compat.dynamo_skips_as_top_frame(func):
-        inner = func
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return inner(*args, **kwargs)
+            return func(*args, **kwargs)
 
-        functools.update_wrapper(forward, inner)
+        functools.update_wrapper(forward, func)
         del forward.__wrapped__  # Dynamo would unwrap it back to torch's frame
-        func = forward
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__, func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__
-    copy.__dict__.update(func.__dict__)
-    copy.__qualname__ = func.__qualname__
-    copy.__module__ = func.__module__
+        traced = forward
+    code = traced.__code__.replace()
+    copy = types.FunctionType(code, traced.__globals__, traced.__name__, traced.__defaults__, traced.__closure__)
+    copy.__kwdefaults__ = traced.__kwdefaults__
+    copy.__dict__.update(traced.__dict__)
+    copy.__qualname__ = traced.__qualname__
+    copy.__module__ = traced.__module__
     owner = getattr(fn, "__self__", None)
-    return types.MethodType(copy, owner) if owner is not None and fn is not getattr(fn, "__func__", fn) else copy
+    return types.MethodType(copy, owner) if owner is not None and fn is not func else copy
 
 
 @dataclass
