@@ -6,14 +6,10 @@ The JSON schema (``SCHEMA_VERSION``) is documented field by field in ``speedkit/
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 3
-#: how far the headline's paired speedup and the ratio of its two median step times may differ
-#: before the headline says so (their windows are the same; they differ only through noise)
-HEADLINE_AGREEMENT = 0.03
+SCHEMA_VERSION = 4
 
 #: "closing": the final configuration re-measured after the rungs changed it: by the closing check,
 #: which reverted a kept rung that no longer paid with the later rungs on top of it, or by a second
@@ -111,12 +107,42 @@ class RungResult:
     precision: str = "fp32"  # effective numerics with this rung applied
     measurement: Measurement | None = None  # this configuration (B's windows of its comparison)
     parity: Parity | None = None
-    comparison: PairedResult | None = None
-    gain_vs_previous: float | None = None  # paired speedup over the configuration before it
-    gain_vs_baseline: float | None = None  # product of the paired speedups of the kept rungs up to here
+    comparison: PairedResult | None = None  # its last comparison (raw: its figure is the account's, ``figures``)
     seconds: float = 0.0  # wall time spent trying this rung (compile included)
     #: what a source-rewriting rung rewrote and left alone (``RewriteReport.as_dict``); None for other rungs
     rewrite: dict[str, Any] | None = None
+
+
+def comparison_figure(paired: PairedResult, power: int = 1, label: str = "") -> dict[str, Any]:
+    """What a decision records of a paired comparison: its speedup (B over A), interval, blocks and
+    verdict; ``power`` -1 where it measured the opposite direction of the figure it enters (a member
+    left out of its group: the group without it over the group)."""
+    return {
+        "speedup": paired.speedup,
+        "low": paired.low,
+        "high": paired.high,
+        "confidence": paired.confidence,
+        "blocks": paired.blocks,
+        "verdict": paired.verdict,
+        "min_gain": paired.min_gain,
+        "power": power,
+        "label": label,
+    }
+
+
+@dataclass
+class Decision:
+    """One decision of the trials, as recorded in the ledger (``LadderResult.ledger``): appended, never
+    edited. ``names`` were kept (``kept``) or dropped together by ``phase``; ``comparisons`` (each
+    :func:`comparison_figure`) are the paired comparisons whose product is their figure, none where the
+    decision stands on an earlier one's (a member that stays within its group) or was not timed; ``why``
+    says it in a line. :func:`speedkit.figures.account.account` derives every printed figure from these."""
+
+    phase: str
+    names: list[str]
+    kept: bool
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
+    why: str = ""
 
 
 @dataclass
@@ -154,8 +180,12 @@ class LadderResult:
     #: where the step's time goes: torch.profiler windows of the baseline, of each kept rung added in
     #: the final order and of the final configuration, and host syncs (speedkit.profile); None: not profiled
     profile: dict[str, Any] | None = None
-    #: each kept rung's share of the total and the categories it moved (speedkit.engine.attribution)
-    attribution: dict[str, Any] | None = None
+    #: every decision of the trials, in the order taken (:class:`Decision`): what the figures are derived from
+    ledger: list[Decision] = field(default_factory=list)
+    #: the kept rungs in the final configuration's order (bottom first)
+    final_order: list[str] = field(default_factory=list)
+    #: the user's switches kept as the floor every other rung was judged on (empty: no floor)
+    floor: list[str] = field(default_factory=list)
     #: NVML samples over the profile windows (utilization, power against its limit, SM clock, reasons)
     telemetry_timeline: dict[str, Any] | None = None
     #: SpeedProfiler's figures of the fit so far, where one watched it (speedkit.measure.monitor)
@@ -171,93 +201,90 @@ class LadderResult:
 
     @property
     def switches(self) -> RungResult | None:
-        """The user's switches measured against the final configuration (None: not measured)."""
+        """The row of the user's switches (None: the ladder had none)."""
         return next((r for r in self.rungs if r.status == "switches"), None)
 
-    def vs_switches(self) -> tuple[float, float, float] | None:
-        """The final configuration's speedup over the switches and its interval, from their paired
-        comparison (A the switches, B the final configuration; None where the switches were not timed
-        against it)."""
-        row = self.switches
-        if row is None:
-            return None
-        if row.comparison is None:  # the final configuration is the switches, or they were not timed
-            return (1.0, 1.0, 1.0) if row.gain_vs_previous == 1.0 else None
-        c = row.comparison
-        return c.speedup, c.low, c.high
+    def decide(self, phase: str, names: Any, kept: bool, comparisons: list[dict[str, Any]] | None = None, why: str = "") -> None:
+        """Append a decision to the ledger (:class:`Decision`)."""
+        self.ledger.append(Decision(phase, list(names), kept, list(comparisons or []), why))
+
+    def figures(self) -> dict[str, Any]:
+        """Every figure of the run, from the ledger (:func:`speedkit.figures.account.account`)."""
+        from speedkit.figures.account import account
+
+        return account(dataclasses.asdict(self))
+
+    @property
+    def attribution(self) -> dict[str, Any] | None:
+        """What each kept rung bought, from the profile windows at the chain's figures (the account's)."""
+        return self.figures().get("attribution")
+
+    def vs_switches(self) -> tuple[float, float | None, float | None] | None:
+        """The final configuration's speedup over the user's switches and its interval, from the chain (None
+        where the floor was not kept, or nothing went on top of it)."""
+        v = self.figures()["vs_switches"]
+        return (v["speedup"], v["low"], v["high"]) if v and v.get("speedup") is not None else None
 
     @property
     def final(self) -> RungResult:
-        """The configuration that stayed: the closing check's re-measurement if it changed it, else
-        the last kept rung, else the baseline."""
-        for r in reversed(self.rungs):
-            if r.status in ("kept", "closing"):
-                return r
-        return self.baseline
+        """The last kept rung's row (the baseline's where none was kept)."""
+        kept = {r.name: r for r in self.kept}
+        for name in reversed(self.final_order):
+            if name in kept:
+                return kept[name]
+        return self.kept[-1] if self.kept else self.baseline
 
     @property
     def final_measurement(self) -> Measurement | None:
-        """The ladder's figure for the final configuration: its windows in the final check when
-        there was one, else its last comparison's."""
-        if self.final_check is not None and self.final_check.b is not None:
-            return self.final_check.b
-        return self.final.measurement
-
-    def headline(self) -> tuple[Measurement | None, Measurement | None, float, str, str | None]:
-        """The run's headline: the baseline's and the final configuration's measurements, the speedup,
-        where they come from, and a note where they disagree.
-
-        With a final check, all three come from it: the baseline's and the final configuration's
-        windows of the same interleaved blocks, and the paired speedup over those blocks, so the
-        throughputs, step times and speedup describe one measurement (the baseline timed alone at the
-        start, minutes earlier, is the table's first row, not the headline's). Where the ratio of the
-        two median step times and the paired speedup still differ by more than
-        :data:`HEADLINE_AGREEMENT`, the note says so: the windows varied or drifted within the blocks."""
-        check = self.final_check
-        if check is not None and check.a is not None and check.b is not None:
-            base, final, speedup, source = check.a, check.b, check.speedup, "the final check (interleaved A B B A blocks)"
-            if check.measured_in:
-                source = f"the final check of {check.measured_in} (interleaved A B B A blocks)"
-        else:
-            base, final = self.baseline.measurement, self.final_measurement
-            speedup = self.final.gain_vs_baseline or 1.0
-            source = (
-                "the baseline timed alone and the kept rungs' comparisons (no final check)"
-                if self.kept
-                else "the baseline timed alone"
-            )
-            if not self.kept:
-                final = base
-            elif (self.run.get("cache") or {}).get("held"):  # a re-checked decision: that fit's figures
-                source = f"the fit that made the cached decision: {source}"
-        note = None
-        if base is not None and final is not None and final.step_ms > 0 and speedup > 0:
-            ratio = base.step_ms / final.step_ms
-            if abs(math.log(ratio / speedup)) > math.log1p(HEADLINE_AGREEMENT):
-                note = (
-                    f"the paired speedup ({speedup:.2f}x, per block) and the ratio of the median step times "
-                    f"({ratio:.2f}x) differ by more than {HEADLINE_AGREEMENT:.0%}: the step time varied or drifted "
-                    "while they were timed; the paired figure is the one decisions use"
-                )
-        return base, final, speedup, source, note
+        """The ladder's figure for the final configuration: the account's step time (the baseline's over
+        the chain's product), with the host's split of it (data wait, host time) and the peak memory from
+        its measured windows (the final check's where there was one, else its last kept rung's)."""
+        base = self.baseline.measurement
+        if base is None:
+            return None
+        if not self.kept:
+            return base
+        measured = self.final_check.b if self.final_check is not None and self.final_check.b is not None else None
+        measured = measured or self.final.measurement or base
+        headline = self.figures()["headline"]
+        step = headline.get("step_ms")
+        if not step:
+            return measured
+        return dataclasses.replace(
+            measured,
+            step_ms=step,
+            throughput=headline.get("throughput") or measured.throughput,
+            mfu=headline.get("mfu"),
+            items_per_step=base.items_per_step,
+            throughput_unit=base.throughput_unit,
+        )
 
     def to_dict(self) -> dict[str, Any]:
+        """The report's JSON: the record, and the figures derived from it (``figures``, ``summary`` and
+        ``attribution``, all :func:`speedkit.figures.account.account`'s; each row's ``figure`` its one figure)."""
+        from speedkit.figures.account import account
+
         d = dataclasses.asdict(self)
-        base, final, speedup, source, note = self.headline()
-        switches, versus = self.switches, self.vs_switches()
+        figures = d["figures"] = account(d)
+        d["attribution"] = figures.get("attribution")
+        for row in d["rungs"]:
+            f = figures["rungs"].get(row["name"]) if row["status"] in ("kept", "reverted", "failed", "skipped") else None
+            row["figure"] = f["text"] if f else None
+        base, head, versus, check = figures["baseline"], figures["headline"], figures["vs_switches"], figures["check"]
         d["summary"] = {
-            "baseline_step_ms": base.step_ms if base else None,
-            "final_step_ms": final.step_ms if final else None,
-            "speedup": speedup,
-            "speedup_ci": [self.final_check.low, self.final_check.high] if self.final_check is not None else None,
-            "kept": [r.name for r in self.kept],
-            "throughput_unit": base.throughput_unit if base else None,
-            "baseline_throughput": base.throughput if base else None,
-            "final_throughput": final.throughput if final else None,
-            "figures_from": source,
-            "note": note,
-            "vs_switches": list(versus) if versus else None,
-            "switches_throughput": switches.measurement.throughput if switches is not None and switches.measurement else None,
+            "baseline_step_ms": base["step_ms"],
+            "final_step_ms": head["step_ms"],
+            "speedup": head["speedup"],
+            "speedup_ci": [head["low"], head["high"]] if head["low"] is not None else None,
+            "shown": head["shown"],
+            "kept": list(self.final_order) or [r.name for r in self.kept],
+            "throughput_unit": figures["unit"],
+            "baseline_throughput": base["throughput"],
+            "final_throughput": head["throughput"],
+            "figures_from": head["from"],
+            "vs_switches": [versus["speedup"], versus["low"], versus["high"]] if versus else None,
+            "switches_are_final": figures["switches_are_final"],
+            "check": check,
             "interrupted": self.interrupted,
         }
         return d

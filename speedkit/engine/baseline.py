@@ -18,8 +18,9 @@ from speedkit.data.static import signature
 from speedkit.engine.budget import window_steps
 from speedkit.engine.cache import CachedDecision
 from speedkit.engine.diagnose import Diagnosis, diagnose
-from speedkit.engine.plan import first_configuration, prune
+from speedkit.engine.plan import first_configuration, gain_bound, prune
 from speedkit.engine.profile_run import rank_communication_of
+from speedkit.engine.stack import agreed_check
 from speedkit.engine.timing import Timing
 from speedkit.errors import SpeedkitError, first_line
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
@@ -167,8 +168,6 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
             precision=state.precision,
             measurement=base_m,
             parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
-            gain_vs_previous=1.0,
-            gain_vs_baseline=1.0,
             seconds=ladder.host_clock() - t0,
             reason=f"measured in {measured_in}" if measured_in else None,
         ),
@@ -271,6 +270,22 @@ def trial_order(
     for rung, reason in pruned:
         ladder.on_event(f"plan: {rung.name} not timed: {reason}")
     return order, pruned
+
+
+def planned_bounds(ladder: Trials, order: list[Rung], diagnosis: Diagnosis | None) -> dict[str, float | None]:
+    """The rungs of ``order`` the plan will time, each with its bound (:func:`speedkit.engine.plan.gain_bound`
+    on the step once fed, where the diagnosis names a data wait; None: not bounded): those that apply on
+    the configuration in effect now (a rung that does not apply takes no share of the budget)."""
+    bounds: dict[str, float | None] = {}
+    fed = _once_fed(diagnosis) if diagnosis is not None else None
+    for rung in order:
+        try:
+            if agreed_check(rung, ladder.state) is not None:
+                continue
+        except Exception:  # its trial says why
+            continue
+        bounds[rung.name] = gain_bound(rung.targets, fed)[0] if fed is not None else None
+    return bounds
 
 
 def _cheap_first(ladder: Trials, order: list[Rung]) -> list[Rung]:

@@ -4,7 +4,8 @@ One budget covers everything the trials do after :meth:`TrialBudget.start`: the 
 diagnosis, every rung's parity, (re)compiles and comparison, the second looks, the switches, the final
 check and the profile. Its size is a rule of the baseline's step time (:meth:`TrialBudget.plan`);
 a share of it is held back for the closing phases (the switches, the final check, the profile), and
-the rest is split among the comparisons still to come. Once the share for the rungs is spent, no
+the rest is split among the rungs the plan will time, weighted by their bounds (:meth:`TrialBudget.plan_rungs`:
+a rung that does not apply takes no share). Once the share for the rungs is spent, no
 further rung is begun (each says it was not tried, and why), second looks stop, and the closing
 phases run on what is held back for them. The time each phase took is recorded (``phases``).
 """
@@ -42,6 +43,10 @@ class TrialBudget:
         self.window_steps: int | None = None
         #: seconds per phase, in the order first entered
         self.phases: dict[str, float] = {}
+        #: the rungs the plan will time and their weights in the split of the rungs' time (:meth:`plan_rungs`)
+        self.weights: dict[str, float] = {}
+        #: the rungs tried already (their weight has left the split)
+        self.done: set[str] = set()
         self._phase: str | None = None
         self._phase_from = 0.0
 
@@ -83,6 +88,23 @@ class TrialBudget:
         baseline's step time; a compile on top is not known in advance)."""
         cfg = self.cfg
         step_ms = baseline.step_ms if baseline.step_ms and math.isfinite(baseline.step_ms) else 0.0
+        size, rule = self.size(step_ms, planned_steps, explain=True)
+        self.budget_s = size
+        self.window_steps = window_steps or cfg.steps
+        self._parity_steps = parity_steps or cfg.parity_steps
+        self.reserve_s = self._closing_s(step_ms, step_ms)
+        self.min_trial_s = self._fewest_trial_s(step_ms)
+        return {
+            "budget_s": round(self.budget_s, 1),
+            "rule": rule,
+            "held_for_closing_s": round(self.reserve_s, 1),
+            "skipped": [],
+        }
+
+    def size(self, step_ms: float, planned_steps: int | None, explain: bool = False) -> Any:
+        """The budget's size for a step of ``step_ms`` in a fit of ``planned_steps`` (:meth:`plan`'s rule);
+        with ``explain``, ``(seconds, the rule in words)``."""
+        cfg = self.cfg
         by_step = cfg.trials_budget_s * max(1.0, step_ms / cfg.budget_step_ms)
         size = min(cfg.trials_budget_max_s, by_step)
         if step_ms > cfg.budget_step_ms:
@@ -101,17 +123,7 @@ class TrialBudget:
                 f"; {cfg.trials_share:.0%} of the fit's planned {planned_s:.0f} s ({planned_steps} steps), "
                 f"at least {cfg.trials_min_s:.0f} s"
             )
-        self.budget_s = size
-        self.window_steps = window_steps or cfg.steps
-        self._parity_steps = parity_steps or cfg.parity_steps
-        self.reserve_s = self._closing_s(step_ms, step_ms)
-        self.min_trial_s = self._fewest_trial_s(step_ms)
-        return {
-            "budget_s": round(self.budget_s, 1),
-            "rule": rule,
-            "held_for_closing_s": round(self.reserve_s, 1),
-            "skipped": [],
-        }
+        return (size, rule) if explain else size
 
     def _closing_s(self, base_ms: float, pace_ms: float) -> float:
         """Seconds held back for the closing phases, at most half the budget: the final configuration
@@ -175,15 +187,68 @@ class TrialBudget:
         second look taken."""
         return self.left_for_rungs() < self.min_trial_s
 
-    def for_comparison(self, comparisons_left: int) -> float:
-        """Seconds the next comparison of the rungs may take: its share of the rungs' time left among the
-        ``comparisons_left`` still to come (itself included), never more than ``budget_s``."""
-        return min(self.cfg.budget_s, max(0.0, self.left_for_rungs()) / max(1, comparisons_left))
+    def plan_rungs(self, bounds: dict[str, float | None]) -> dict[str, float]:
+        """Weigh the rungs the plan will time (those that apply, not pruned) by their bound (the most each
+        can gain: :func:`speedkit.engine.plan.gain_bound`; None where the diagnosis cannot bound it): the
+        rungs' time is split among them by these weights (:meth:`for_comparison`), so that a rung that
+        can gain 30% gets more blocks than one bounded at 2%, and a rung that does not apply gets none.
+        Returns the weights."""
+        self.weights = {name: rung_weight(bound) for name, bound in bounds.items()}
+        self.done = set()
+        return dict(self.weights)
+
+    def done_with(self, *names: str) -> None:
+        """``names`` were tried (or found not to apply): their weight leaves the split."""
+        self.done.update(names)
+
+    def for_comparison(self, name: str | None, whole: bool = False) -> float:
+        """Seconds the comparison deciding rung ``name`` may take: its weight's share of the rungs' time left
+        among the rungs the plan will still time, itself included (a rung the plan did not weigh, or a
+        comparison of several, weighs as one unbounded rung); ``whole``: all of it. Never more than
+        ``budget_s``."""
+        left = max(0.0, self.left_for_rungs())
+        if whole:
+            return min(self.cfg.budget_s, left)
+        remaining = {n: w for n, w in self.weights.items() if n not in self.done}
+        own = remaining.get(name, rung_weight(None)) if name is not None else rung_weight(None)
+        total = sum(remaining.values()) + (0.0 if name in remaining else own)
+        return min(self.cfg.budget_s, left * own / total) if total > 0 else min(self.cfg.budget_s, left)
+
+    def for_group(self, names: list[str]) -> float:
+        """Seconds the comparison of several rungs together may take (the remedy's bundle): their weights'
+        share of the rungs' time left; the rungs are tried then (their weight leaves the split)."""
+        left = max(0.0, self.left_for_rungs())
+        remaining = {n: w for n, w in self.weights.items() if n not in self.done}
+        own = sum(remaining.get(n, 0.0) for n in names) or rung_weight(None)
+        total = sum(remaining.values()) + (0.0 if any(n in remaining for n in names) else own)
+        self.done_with(*names)
+        return min(self.cfg.budget_s, left * own / total) if total > 0 else min(self.cfg.budget_s, left)
+
+    def for_floor(self) -> float:
+        """Seconds the user's switches' comparison against the baseline may take: the share of a heavily
+        weighted rung among the few a plan usually times (a third of the rungs' time), never more than
+        ``budget_s``."""
+        return min(self.cfg.budget_s, max(0.0, self.left_for_rungs()) / 3)
 
     def for_closing(self, phases_left: int) -> float:
         """Seconds a closing phase's comparison may take: its share of the whole budget left among the
         ``phases_left`` closing comparisons (itself included), never more than ``budget_s``."""
         return min(self.cfg.budget_s, max(0.0, self.remaining()) / max(1, phases_left))
+
+
+#: the bound at which a rung weighs as one (an unbounded rung's weight), and the range of weights
+WEIGHT_AT_BOUND = 1.10
+WEIGHT_RANGE = (0.25, 2.0)
+
+
+def rung_weight(bound: float | None) -> float:
+    """A rung's weight in the split of the comparisons' time: ``ln(bound) / ln(1.10)`` within
+    :data:`WEIGHT_RANGE` (a rung bounded at 30% weighs 2, one at 2% a quarter); one where it is not
+    bounded."""
+    if bound is None or not math.isfinite(bound) or bound <= 1.0:
+        return 1.0 if bound is None or not math.isfinite(bound) else WEIGHT_RANGE[0]
+    low, high = WEIGHT_RANGE
+    return max(low, min(high, math.log(bound) / math.log(WEIGHT_AT_BOUND)))
 
 
 def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speedkit.engine.comparison import compare, decide, record
 from speedkit.errors import first_line
 from speedkit.results import RungResult
 
@@ -36,12 +37,13 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
             closing.precision = ladder.state.precision
             if not closing.parity.passed:  # the configuration without it must be the same function
                 raise RuntimeError("the configuration without it changes numerics")
-            paired = ladder.compare(
+            paired = compare(
+                ladder,
                 lambda on: ladder.stack.configure([True] * len(ladder.slots) if on else without),
                 slot.rung.name,
                 shared_batches=ladder.stack.shares_batches(),
             )
-            status, why = ladder.decide(paired)
+            status, why = decide(ladder.cfg, paired)
         except Exception as exc:  # put the configuration back and say why the check failed
             ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"
@@ -52,8 +54,8 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
             ladder.judged.add(((slot.rung.name,), tuple(s.rung.name for s in ladder.slots)))
             entry.status = "reverted"
             entry.reason = f"reverted by the closing check: with {names} on top, {why}; before them: {entry.reason}"
+            record(ladder, "the closing check", [slot.rung.name, *with_it], False, paired, why)
             for name in with_it:
-                ladder.decisions.pop(name, None)
                 dependent = ladder.entry(name)
                 if dependent is not None:
                     dependent.status = "reverted"
@@ -66,8 +68,9 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
             reference = losses
             continue
         ladder.stack.all_on()
-        if status == "kept" and paired is not None:  # its gain in the final order, measured
-            ladder.decisions[slot.rung.name] = ((slot.rung.name,), paired.speedup)
+        # it stands on the figure it was kept with (the chain telescopes through the kept set's changes: its
+        # gain with the later rungs on top is another link's figure), re-checked here
+        record(ladder, "the closing check", [slot.rung.name], True, None, f"re-checked with {names} on top: {why}")
         note = f"closing check with {names} on top: {why}" + (", kept" if status == "kept" else ", kept as it was")
         entry.reason = f"{entry.reason}; {note}" if entry.reason else note
         ladder.on_event(f"closing check: {slot.rung.name} kept")

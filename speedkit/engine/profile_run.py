@@ -1,7 +1,7 @@
 """The ladder's profile: where the time goes in the baseline and each prefix of the final
-configuration's rungs (:mod:`speedkit.profile`), NVML sampled across them, then each kept rung's
-attribution (:mod:`speedkit.engine.attribution`). A verb of the ladder, taking the
-:class:`~speedkit.engine.trials.Trials` (the ladder).
+configuration's rungs (:mod:`speedkit.profile`), NVML sampled across them; each kept rung's attribution
+is derived from these windows with the other figures (:mod:`speedkit.figures.attribution`). A verb of
+the ladder, taking the :class:`~speedkit.engine.trials.Trials` (the ladder).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def rank_communication_of(communication_ms: float | None, step_ms: float | None)
 def profile_configurations(ladder: Trials, edges_only: str | None = None) -> None:
     """Where the time goes (:mod:`speedkit.profile`): a short profiler window of the baseline and
     of each prefix of the final configuration's rungs (the last one the final configuration),
-    host syncs and traces of the first and the last, NVML sampled across them; then each kept
-    rung's attribution (:mod:`speedkit.engine.attribution`). Never fails the run: a window that cannot
+    host syncs and traces of the first and the last, NVML sampled across them (each kept rung's
+    attribution is the account's, from these windows). Never fails the run: a window that cannot
     be taken leaves the profile's ``note``.
 
     Within the budget: after the baseline's window, the prefixes' windows are taken only where what
@@ -37,7 +37,6 @@ def profile_configurations(ladder: Trials, edges_only: str | None = None) -> Non
     which had run the trials past their 120 s); else the final configuration's alone, and the note
     says so. ``edges_only``: the reason to take the baseline's and the final configuration's alone
     (a cached decision: its prefixes are in the report of the fit that made it)."""
-    from speedkit.engine.attribution import attribute
     from speedkit.measure.nvml import NvmlSampler, timeline
     from speedkit.profile import CATEGORIES, CATEGORY_LABELS, ProfileUnavailable, find_host_syncs, profile_window
 
@@ -118,9 +117,3 @@ def profile_configurations(ladder: Trials, edges_only: str | None = None) -> Non
         ladder.snapshot.restore()
     if skipped is not None and n > 1 and profile["note"] is None:
         profile["note"] = f"the baseline and the final configuration profiled, not the {n - 1} rungs' prefixes between: {skipped}"
-    if len(profile["windows"]) == n + 1 and n:
-        measured = result.final_check.speedup if result.final_check is not None else None
-        base = result.headline()[0]  # the baseline's paired step time: the final check's A where there is one
-        result.attribution = attribute(
-            names, ladder.decisions, profile["windows"], measured, CATEGORY_LABELS, baseline_ms=base.step_ms if base else None
-        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speedkit.engine.comparison import compare, decide, record
 from speedkit.engine.second_look import judge_inserted
 from speedkit.engine.stack import RungProblem, agreed_problem, kept_entry
 from speedkit.errors import first_line
@@ -65,16 +66,18 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
         if problem:
             raise RungProblem(problem)
         without = [i not in inserted for i in range(n)]
-        paired = ladder.compare(
+        paired = compare(
+            ladder,
             lambda on: ladder.stack.configure([True] * n if on else without),
             "remedy",
             shared_batches=ladder.stack.shares_batches(),
+            grant=lambda: ladder.budget.for_group([r.name for r in tried]),
         )
         for i in inserted:  # a change that stopped working while timed: not what was timed
             problem = agreed_problem(ladder.slots[i].handle)
             if problem:
                 raise RungProblem(problem)
-        status, why = ladder.decide(paired, all(r.memory_comparable for r in tried))
+        status, why = decide(ladder.cfg, paired, all(r.memory_comparable for r in tried))
     except Exception as exc:
         ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         status, why = "failed", str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
@@ -89,9 +92,9 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
         parity=parity,
         comparison=paired,
         measurement=paired.b if paired is not None else None,
-        gain_vs_previous=paired.speedup if paired is not None else None,
         reason=f"the diagnosed bottleneck's remedy together: {why}",
     )
+    record(ladder, "the remedy", [r.name for r in tried], status == "kept", paired, why)
     if status != "kept":
         for i in sorted(inserted, reverse=True):
             ladder.stack.remove(i)
@@ -105,7 +108,6 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
     names = tuple(r.name for r in tried)
     for rung in tried:
         slot = next(s for s in ladder.slots if s.rung is rung)
-        ladder.decisions[rung.name] = (names, paired.speedup)
         result.rungs.append(
             kept_entry(
                 slot,
@@ -114,7 +116,6 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
                 parity=parity,
                 comparison=paired,
                 measurement=paired.b,
-                gain_vs_previous=paired.speedup,
             )
         )
         ladder.last_comparison[rung.name] = paired

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speedkit.engine.comparison import compare, decide, record
 from speedkit.engine.stack import RungProblem, agreed_problem
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -172,7 +173,8 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
         if problem:
             raise RuntimeError(problem)
         without = [i not in inserted for i in range(n)]
-        paired = ladder.compare(
+        paired = compare(
+            ladder,
             lambda on: ladder.stack.configure([True] * n if on else without),
             label,
             shared_batches=ladder.stack.shares_batches(),
@@ -182,7 +184,7 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
             problem = agreed_problem(ladder.slots[i].handle)
             if problem:
                 raise RuntimeError(problem)
-        status, why = ladder.decide(paired, all(r.memory_comparable for r in group))
+        status, why = decide(ladder.cfg, paired, all(r.memory_comparable for r in group))
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired
     except Exception as exc:  # a rung's own report of a problem is said as it is, as in the climb
@@ -192,10 +194,10 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
     finally:
         ladder.snapshot.restore()
     together = f" together with {', '.join(r.name for r in group[1:])}" if len(group) > 1 else ""
+    if status != "failed":
+        record(ladder, "the second look", [r.name for r in group], status == "kept", paired, why)
     if status == "kept":  # its entry keeps its first figures; the row after says what changed
         assert paired is not None
-        for rung in group:
-            ladder.decisions[rung.name] = (tuple(r.name for r in group), paired.speedup)
         for rung, entry in zip(group, entries):
             assert entry is not None
             slot = next(s for s in ladder.slots if s.rung is rung)
@@ -216,7 +218,6 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
                 parity=parity,
                 comparison=paired,
                 measurement=paired.b,
-                gain_vs_previous=paired.speedup,
                 reason=f"final configuration with {label}",
                 seconds=ladder.host_clock() - t0,
             )
@@ -263,11 +264,14 @@ def judge_inserted(ladder: Trials, inserted: list[int], reference: list[float]) 
 
 
 def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
-    """Judge a group kept together member by member: the final configuration (A) against it without one
-    member (B), each member in turn, last in the ladder's order first, while the rungs' share of the
-    budget lasts. A member whose leaving out is decided faster slowed the group: it is removed and
-    reverted, said why; one whose leaving out is undecided or slower stays, kept with its group (its
-    entry says how it was judged). Returns the members removed."""
+    """Judge a group kept together member by member: the final configuration with the member (B) against
+    it without (A), each member in turn, last in the ladder's order first, while the rungs' share of the
+    budget lasts. A member stays only where the group without it is decided slower (it earns its place:
+    B decided faster by the minimum gain); undecided or not faster, it is removed and reverted, said
+    why, and the group's figure becomes the group's less it (the account's chain: the removal's comparison
+    goes to the rest of the group). Returns the
+    members removed. Where the budget is spent before a member's turn, it and the rest stay on the
+    group's figure, and the report says so."""
     removed: list[str] = []
     order = {r.name: i for i, r in enumerate(ladder.rungs)}
     for name in sorted(names, key=lambda n: order.get(n, 0), reverse=True):
@@ -286,9 +290,11 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
         with_needing = f" (and {', '.join(needing)}, which cannot work without it)" if needing else ""
         ladder.on_event(f"leave-one-out: {' + '.join(names)} without {name}{with_needing}")
         try:
-            paired = ladder.compare(
-                lambda on, without=without, n=n: ladder.stack.configure(without if on else [True] * n),
-                f"without {name}",
+            ladder.stack.configure(without)  # A: the group without it; B: with it
+            paired = compare(
+                ladder,
+                lambda on, without=without, n=n: ladder.stack.configure([True] * n if on else without),
+                f"with {name}",
                 shared_batches=ladder.stack.shares_batches(),
             )
         except Exception as exc:  # a member the others need (a graph without its sync removal): it stays
@@ -299,23 +305,28 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
             ladder.stack.all_on()
             ladder.snapshot.restore()
         if paired.verdict == "faster":
+            record(ladder, "leave-one-out", [name], True, None, f"the group without it is slower ({paired.speedup:.3f}x with it)")
+            entry.reason = (
+                f"{entry.reason}; judged within its group: with it against the group without it{with_needing}: "
+                f"{describe(paired)}, so it stays"
+            )
+        else:
             with_it = ladder.stack.remove(index)
             ladder.stack.all_on()
-            for gone in [name, *with_it]:
-                ladder.decisions.pop(gone, None)
+            gone_names = [name, *with_it]
+            why = f"with it against the group without it{with_needing}: {describe(paired)}, not shown to earn its place"
+            record(ladder, "leave-one-out", gone_names, False, paired, why)
+            for gone in gone_names:
                 # judged on the configuration that stays: a second look would time the same pair again
                 ladder.judged.add(((gone,), tuple(s.rung.name for s in ladder.slots)))
                 gone_entry = ladder.entry(gone)
                 if gone_entry is not None:
                     gone_entry.status = "reverted"
                     gone_entry.reason = (
-                        f"{gone_entry.reason}; left out of its group: the group without it{with_needing} is faster ({describe(paired)})"
+                        f"{gone_entry.reason}; left out of its group: {why}"
                         if gone == name
-                        else f"{gone_entry.reason}; left out of its group with {name}, which it cannot work without: "
-                        f"the group without them is faster ({describe(paired)})"
+                        else f"{gone_entry.reason}; left out of its group with {name}, which it cannot work without ({why})"
                     )
                 removed.append(gone)
-        else:
-            entry.reason = f"{entry.reason}; judged within its group: without it{with_needing} {describe(paired)}, so it stays"
         ladder.on_event(f"leave-one-out: {name} {'removed' if name in removed else 'stays'} ({describe(paired)})")
     return removed

@@ -15,10 +15,12 @@ floor where it is decided not faster than it.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from speedkit import config
 from speedkit.engine.budget import window_steps
+from speedkit.engine.comparison import compare, record
 from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem, kept_entry
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -93,10 +95,12 @@ def apply_floor(
                 "where a faster compute cannot show"
             )
         ladder.stack.configure([False] * n)  # A: the baseline; B: the switches
-        paired = ladder.compare(
+        paired = compare(
+            ladder,
             lambda on: ladder.stack.configure([on] * n),
             "the switches",
             shared_batches=not any(s.rung.new_shape_cost for s in ladder.slots),
+            grant=ladder.budget.for_floor,
         )
         ladder.stack.all_on()
         problem = next((p for p in (agreed_problem(s.handle) for s in ladder.slots) if p), None)
@@ -113,12 +117,14 @@ def apply_floor(
         why = str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"
         row.reason = f"{row.reason}; no floor ({why}): the climb starts from the baseline, each switch judged as a rung"
         row.seconds = ladder.host_clock() - t0
+        record(ladder, "the floor", [r.name for r in switches], False, paired, why)
         ladder.on_event(f"floor: {row.reason}")
         return row, reference, None
     finally:
         ladder.snapshot.restore()
     group = tuple(r.name for r in switches)
     ladder.floor = set(group)
+    result.floor = list(group)
     if paired is None:
         return _untimed_floor(ladder, row, switches, parity, why_untimed, t0), losses, None
     floor_m = paired.b
@@ -128,10 +134,10 @@ def apply_floor(
         if floor_m.spread == floor_m.spread:  # not NaN
             ladder.timing.noise = max(0.005, floor_m.spread)
         result.run.setdefault("noise", {})["on_the_floor"] = noise
-    row.gain_vs_baseline, row.measurement = paired.speedup, paired.b
+    row.comparison, row.measurement = paired, paired.b
     row.reason = f"{row.reason}; the floor, as the user runs them: against the baseline {describe(paired)}"
+    record(ladder, "the floor", group, True, paired, f"the user's switches, the floor: {describe(paired)}")
     for slot in ladder.slots:
-        ladder.decisions[slot.rung.name] = (group, paired.speedup)
         result.rungs.append(
             kept_entry(
                 slot,
@@ -141,8 +147,6 @@ def apply_floor(
                 parity=parity,
                 comparison=paired,
                 measurement=paired.b,
-                gain_vs_previous=paired.speedup,
-                gain_vs_baseline=paired.speedup,
             )
         )
     row.seconds = ladder.host_clock() - t0
@@ -161,8 +165,8 @@ def _untimed_floor(ladder: Trials, row: RungResult, switches: list[Rung], parity
     label = " + ".join(r.name for r in switches)
     group = tuple(r.name for r in switches)
     row.reason = f"{row.reason}; the floor, as the user runs them: {why}"
+    record(ladder, "the floor", group, True, None, f"the user's switches, the floor, untimed: {why}")
     for slot in ladder.slots:
-        ladder.decisions[slot.rung.name] = (group, None)
         result.rungs.append(
             kept_entry(
                 slot,
@@ -177,16 +181,14 @@ def _untimed_floor(ladder: Trials, row: RungResult, switches: list[Rung], parity
 
 
 def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
-    """After the climb: the final configuration (B) against the floor (A, the rungs on top off). Where
-    it is decided not faster than the floor, the rungs on top are reverted (the tie goes to the floor);
-    where it is faster or undecided, they stay on their own decided gains, and the row says which.
-    Sets the row's comparison (its ``vs_switches``)."""
+    """After the climb: the final configuration (B) against the floor (A, the rungs on top off). The rungs
+    on top stay only where it is decided faster than the floor; undecided or not faster, they are
+    reverted (the tie goes to the floor) and the decision recorded. Sets the row's comparison."""
     if row is None or not ladder.floor:
         return
     t0 = ladder.host_clock()
     on_top = [s.rung.name not in ladder.floor for s in ladder.slots]
     if not any(on_top):
-        row.comparison, row.gain_vs_previous = None, 1.0
         row.reason = f"{row.reason}; nothing paid on top of them: the final configuration is the switches"
         return
     n = len(ladder.slots)
@@ -195,7 +197,8 @@ def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
     ladder.on_event(f"switches: the final configuration against them ({', '.join(names)} on top)")
     try:
         ladder.stack.configure(mask_floor)  # A: the floor; B: the final configuration
-        paired = ladder.compare(
+        paired = compare(
+            ladder,
             lambda on: ladder.stack.configure([True] * n if on else mask_floor),
             "switches",
             shared_batches=ladder.stack.shares_batches(),
@@ -206,31 +209,22 @@ def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
         return
     finally:
         ladder.stack.all_on()
+        assert ladder.snapshot is not None
         ladder.snapshot.restore()
-    row.comparison, row.gain_vs_previous = paired, paired.speedup
-    row.measurement = paired.a
-    if paired.verdict == "not_faster":  # the tie goes to the floor
-        for j in reversed(range(n)):
-            if on_top[j]:
-                ladder.stack.remove(j)
-        ladder.stack.all_on()
-        for name in names:
-            ladder.decisions.pop(name, None)
-            entry = ladder.entry(name)
-            if entry is not None:
-                entry.status = "reverted"
-                entry.reason = (
-                    f"{entry.reason}; the final configuration with it was not faster than the switches "
-                    f"({describe(paired)}): the tie goes to the floor"
-                )
-        row.comparison, row.gain_vs_previous = None, 1.0
+    assert ladder.result is not None
+    ladder.result.run["switches_check"] = asdict(paired)  # the final configuration against the floor
+    if paired.verdict != "faster":  # the tie goes to the floor
+        from speedkit.engine.confirm import revert
+
+        why = f"the final configuration with them on top was not shown faster than the switches ({describe(paired)})"
+        revert(ladder, names, "the switches", f"{why}: the tie goes to the floor", paired)
         row.reason = (
             f"{row.reason}; the final configuration with {', '.join(names)} on top against them: {describe(paired)}, "
-            "not faster: the tie goes to the floor, the final configuration is the switches"
+            "not shown faster: the tie goes to the floor, the final configuration is the switches"
         )
-        ladder.on_event(f"switches: the rungs on top are {paired.speedup:.3f}x them, not faster: ending on the switches")
+        ladder.on_event(f"switches: the rungs on top are {paired.speedup:.3f}x them, not shown faster: ending on the switches")
     else:
-        each = " (each rung on top decided faster on its own)" if paired.verdict == "undecided" else ""
-        row.reason = f"{row.reason}; the final configuration against them ({', '.join(names)} on top): {describe(paired)}{each}"
-        ladder.on_event(f"switches: the final configuration is {paired.speedup:.3f}x them ({paired.verdict})")
+        record(ladder, "the switches", names, True, None, f"the final configuration against the switches: {describe(paired)}")
+        row.reason = f"{row.reason}; the final configuration against them ({', '.join(names)} on top): {describe(paired)}"
+        ladder.on_event(f"switches: the final configuration is {paired.speedup:.3f}x them (faster)")
     row.seconds = (row.seconds or 0.0) + ladder.host_clock() - t0

@@ -1,10 +1,12 @@
 """What the ladder's phases read and call on the ladder: :class:`Trials`, a protocol the
 :class:`~speedkit.engine.ladder.Ladder` satisfies.
 
-The phases (:mod:`~speedkit.engine.baseline`, :mod:`~speedkit.engine.closing_check`,
-:mod:`~speedkit.engine.second_look`, :mod:`~speedkit.engine.switches`,
-:mod:`~speedkit.engine.profile_run`) are verbs of the ladder, run in the order it runs them
-(diagnose, plan, decide, confirm). They type against this protocol, not the ladder's class: the
+The phases (:mod:`~speedkit.engine.baseline`, :mod:`~speedkit.engine.cache_check`,
+:mod:`~speedkit.engine.switches`, :mod:`~speedkit.engine.climb`, :mod:`~speedkit.engine.trial`,
+:mod:`~speedkit.engine.remedy`, :mod:`~speedkit.engine.closing_check`, :mod:`~speedkit.engine.second_look`,
+:mod:`~speedkit.engine.confirm`, :mod:`~speedkit.engine.profile_run`) are verbs of the ladder, run in the
+order it runs them (diagnose, plan, decide, confirm); :mod:`~speedkit.engine.comparison` times, judges
+and records their decisions. They type against this protocol, not the ladder's class: the
 ladder imports its phases and no phase imports the ladder, for running or for type checking.
 """
 
@@ -15,7 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: none of these imports the ladder
+    import torch
+
     from speedkit.engine.budget import TrialBudget
+    from speedkit.engine.cache import DecisionCache
     from speedkit.engine.diagnose import Diagnosis
     from speedkit.engine.parity import ParityCheck
     from speedkit.engine.stack import Slot, Stack
@@ -50,13 +55,19 @@ class Trials(Protocol):
     on_event: Callable[[str], None]
     trace_dir: Path | None
     planned_steps: int | None
-    decisions: dict[str, tuple[tuple[str, ...], float | None]]
     last_comparison: dict[str, PairedResult]
     judged: set[tuple[tuple[str, ...], tuple[str, ...]]]
     failed_beneath: dict[str, tuple[str, ...]]
     remedy: set[str]
     floor: set[str]
+    floor_row: RungResult | None
+    steps_ms: tuple[float, float]
     diagnosis: Diagnosis | None
+    trial_compile_s: float
+    cache: DecisionCache | None
+    cache_key: str | None
+    settings: dict[str, object]
+    on_progress: Callable[[int, int, str], None]
 
     @property
     def phase(self) -> str: ...
@@ -69,10 +80,8 @@ class Trials(Protocol):
 
     def entry(self, name: str) -> RungResult | None: ...
 
-    def decide(self, paired: PairedResult, memory_comparable: bool = True) -> tuple[str, str]: ...
+    def trying(self, entry: RungResult | None, slot: Slot | None = None) -> None: ...
 
-    def compare(
-        self, set_candidate: Callable[[bool], None], label: str, shared_batches: bool = True, whole_budget: bool = False
-    ) -> PairedResult: ...
+    def optimizers(self) -> list[torch.optim.Optimizer]: ...
 
     def note_budget(self, what: str) -> None: ...

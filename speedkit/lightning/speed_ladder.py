@@ -79,7 +79,10 @@ class SpeedLadder(Callback):
     Args:
         rungs: rung names, ``{name, options}`` mappings or Rung instances, in order. None: the
             default ladder of ``configs/defaults.yaml``, with trials.
-        trials: measure each rung and keep what pays (default: True when ``rungs`` is None).
+        trials: measure each rung and keep what pays (default: True when ``rungs`` is None). A fit too
+            short to pay back its trials (its planned time under ten times their budget) runs none: it
+            applies a cached decision where there is one, else trains as set up, and says so in one line;
+            ``"always"``: trials whatever the fit's length.
         measure: overrides of ``configs/defaults.yaml``'s ``measure:`` (steps per window, confidence...).
         report_dir: write ``report.json`` and ``report.md`` there once the fit's own steps are timed.
         stop_after_holds: stop the fit once its own steps are timed (``speedkit optimize`` does).
@@ -102,7 +105,7 @@ class SpeedLadder(Callback):
         self,
         rungs: Sequence[str | dict | Rung] | None = None,
         *,
-        trials: bool | None = None,
+        trials: bool | str | None = None,
         measure: dict[str, Any] | MeasureConfig | None = None,
         report_dir: str | Path | None = None,
         stop_after_holds: bool = False,
@@ -114,8 +117,11 @@ class SpeedLadder(Callback):
             raise ConfigError("cache", f"expected True, False or a folder path, found {type(cache).__name__} {cache!r}")
         #: where decisions are kept: True the default folder, a path that folder, False none
         self.cache = cache
-        if trials is not None and not isinstance(trials, bool):
-            raise ConfigError("trials", f"expected True, False or None (trials when no rungs are given), found {trials!r}")
+        if trials is not None and not isinstance(trials, bool) and trials != "always":
+            raise ConfigError(
+                "trials",
+                f'expected True, False, "always" or None (trials when no rungs are given), found {trials!r}',
+            )
         if on_event is not None and not callable(on_event):
             raise ConfigError("on_event", f"expected a function taking one line of text, found {type(on_event).__name__}")
         if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
@@ -126,7 +132,9 @@ class SpeedLadder(Callback):
                 "False applies the rungs given, without measuring them, and none were given; pass "
                 "rungs=[...] (e.g. the kept rungs of optimized.yaml), or leave trials on to try the default ladder",
             )
-        self.trials = rungs is None if trials is None else trials
+        self.trials = rungs is None if trials is None else bool(trials)
+        #: a fit too short to pay back its trials runs none (False: ``trials="always"``)
+        self.short_fit = trials != "always"
         self.rungs = rung_registry.make_all(rungs if rungs is not None else list(config.default_ladder()), "rungs")
         #: the checkpoint's key: the callback as constructed (a resume that switches to the kept rungs keeps it)
         self._key = self._generate_state_key(rungs=[r.name for r in self.rungs], trials=self.trials)
@@ -357,6 +365,7 @@ class SpeedLadder(Callback):
             trace_dir=trace_dir if trainer.is_global_zero else None,
             on_progress=self.on_progress if trainer.is_global_zero else None,
             cache=None if self.cache is False else DecisionCache(None if self.cache is True else self.cache),
+            short_fit=self.short_fit,
         )
         try:
             self.result = self._ladder.run()
@@ -511,6 +520,7 @@ class SpeedLadder(Callback):
                 "note": f"the fit's first {trainer.global_step} optimizer steps (SpeedProfiler), when this report was written",
             }
         holds = self.result.holds
+        back = self._back_to_the_floor(holds)  # on every rank alike: each timed the same windows
         if not trainer.is_global_zero:  # every rank timed the fit's steps together; rank 0 reports them
             if self.stop_after_holds:
                 trainer.should_stop = True
@@ -521,9 +531,66 @@ class SpeedLadder(Callback):
                 f"the fit's own steps: {holds.fit.step_ms:.2f} ms/step against the ladder's "  # type: ignore[union-attr]
                 f"{holds.ladder.step_ms:.2f} ({holds.gap:+.1%}): {verdict}" + (f" ({holds.note})" if holds.note else "")  # type: ignore[union-attr]
             )
+        if back is not None:
+            self._say(back)
         self._write_report_beside_the_fit()
         if self.stop_after_holds:
             trainer.should_stop = True
+
+    def _back_to_the_floor(self, holds: Any) -> str | None:
+        """Where the fit's own steps ran slower than the floor did in the trials (the user's switches'
+        figure, beyond the threshold of the fit check and three times the measured noise), the rungs on top
+        of the floor are undone inside the fit, through their handles (the weights and the optimizer state
+        stay as they are: training goes on from them), the decision recorded and said. Returns the line
+        to say (None: the final configuration stays)."""
+        result = self.result
+        if result is None or holds is None or holds.fit is None or not result.floor:
+            return None
+        figures = result.figures()
+        links = figures["links"]
+        floor_link = links[0] if links and links[0]["floor"] else None
+        on_top = [n for link in links[1:] for n in link["names"]] if floor_link is not None else []
+        floor_ms = floor_link["step_ms"] if floor_link is not None else None
+        if not on_top or not floor_ms:
+            return None
+        spreads = [
+            x for x in (holds.fit.spread, (figures["baseline"] or {}).get("spread")) if isinstance(x, float) and math.isfinite(x)
+        ]
+        threshold = max(self.measure.holds_threshold, 3 * max(spreads, default=0.0))
+        gap = holds.fit.step_ms / floor_ms - 1
+        result.run["fit_check_vs_floor"] = {
+            "floor_step_ms": floor_ms,
+            "fit_step_ms": holds.fit.step_ms,
+            "gap": gap,
+            "threshold": threshold,
+        }
+        if gap <= threshold:
+            return None
+        undone, failed = [], []
+        for handle in reversed(list(self.handles)):
+            if handle.rung not in on_top:
+                continue
+            try:
+                handle.undo()
+                undone.append(handle.rung)
+            except Exception as exc:  # keep undoing the rest; the fit goes on
+                failed.append(f"{handle.rung}: {type(exc).__name__}: {exc}")
+            self.handles.remove(handle)
+        why = (
+            f"the fit's own steps ran {holds.fit.step_ms:.2f} ms against the floor's {floor_ms:.2f} in the trials "
+            f"({gap:+.1%}, beyond {threshold:.1%})"
+        )
+        result.decide("the fit check", on_top, False, [], why)
+        for row in result.rungs:
+            if row.name in on_top and row.status == "kept":
+                row.status = "reverted"
+                row.reason = f"{row.reason}; reverted in the fit: {why}"
+        result.final_order = [n for n in result.final_order if n not in on_top]
+        result.run["fit_check_vs_floor"].update(back_to_the_floor=True, undone=sorted(set(undone)), failed=failed)
+        return (
+            f"back to the floor: {why}; {', '.join(on_top)} undone inside the fit, training goes on from the same state "
+            f"with {', '.join(result.final_order)}" + (f" (undo failed: {'; '.join(failed)})" if failed else "")
+        )
 
     # -- given rungs, no trials ------------------------------------------------------------------
     def _apply_stage(self, stage: str) -> None:

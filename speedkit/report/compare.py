@@ -17,6 +17,7 @@ from speedkit.report.html_sections import configurations
 from speedkit.report.markdown import (
     MISSING,
     STATUS_LABELS,
+    figures_of,
     format_bytes,
     format_gain,
     format_percent,
@@ -243,15 +244,17 @@ def _label(d: dict[str, Any], fallback: str) -> str:
 
 
 def _figures(d: dict[str, Any]) -> dict[str, Any]:
-    s = d.get("summary") or {}
+    figures = figures_of(d)
     confs = configurations(d)
     final = confs[-1]["measurement"] if confs else {}
+    head, base = figures.get("headline") or {}, figures.get("baseline") or {}
+    kept = bool(figures.get("links"))
     return {
-        "speedup": s.get("speedup"),
-        "baseline_step_ms": s.get("baseline_step_ms"),
-        "final_step_ms": s.get("final_step_ms"),
-        "throughput": s.get("final_throughput"),
-        "unit": s.get("throughput_unit") or final.get("throughput_unit"),
+        "speedup": head.get("speedup") if kept else 1.0,
+        "baseline_step_ms": base.get("step_ms"),
+        "final_step_ms": head.get("step_ms") if kept else base.get("step_ms"),
+        "throughput": head.get("throughput") if kept else base.get("throughput"),
+        "unit": figures.get("unit") or final.get("throughput_unit"),
         "mfu": final.get("mfu"),
         "peak": final.get("peak_memory_bytes"),
     }
@@ -319,8 +322,8 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any], a_name: str = "", b_na
             n,
             (ra.get(n) or {}).get("status"),
             (rb.get(n) or {}).get("status"),
-            (ra.get(n) or {}).get("gain_vs_previous"),
-            (rb.get(n) or {}).get("gain_vs_previous"),
+            ((figures_of(a).get("rungs") or {}).get(n) or {}).get("speedup"),
+            ((figures_of(b).get("rungs") or {}).get(n) or {}).get("speedup"),
         )
         for n in names
     ]

@@ -13,8 +13,8 @@ from speedkit.report.markdown import (
     TABLE_COLUMNS,
     diagnosis_line,
     holds_line,
-    rung_cells,
     summary_line,
+    table_rows,
 )
 
 STATUS_STYLES = {
@@ -38,10 +38,10 @@ def render_console(d: dict[str, Any], console: Console | None = None) -> None:
     table = Table(title=title, title_justify="left")
     for i, column in enumerate(TABLE_COLUMNS):
         table.add_column(column, justify="left" if i < 2 or i == len(TABLE_COLUMNS) - 1 else "right")
-    for rung in d.get("rungs") or []:
+    for rung, cells in table_rows(d):
         style = STATUS_STYLES.get(rung.get("status"), "")
         # Text, not markup strings: a reason or a name with "[...]" must print as written.
-        table.add_row(*(Text(cell) for cell in rung_cells(rung)), style=style)
+        table.add_row(*(Text(cell) for cell in cells), style=style)
     console.print(table)
     diagnosis = (d.get("run") or {}).get("diagnosis")
     if diagnosis:

@@ -43,13 +43,17 @@ from speedkit.report.markdown import (
     MISSING,
     STATUS_LABELS,
     TABLE_COLUMNS,
+    check_text,
     diagnosis_line,
+    figures_of,
     format_bytes,
     format_gain,
     format_percent,
     format_throughput,
+    headline_text,
     holds_line,
-    rung_cells,
+    switches_text,
+    table_rows,
 )
 from speedkit.report.plots import (
     NO_MATPLOTLIB,
@@ -70,30 +74,22 @@ _NOT_APPLIED = ("not_applicable", "skipped", "reverted", "failed", "interrupted"
 
 def _headline(d: dict[str, Any]) -> str:
     s = d.get("summary") or {}
-    fc = d.get("final_check") or {}
-    unit = s.get("throughput_unit")
-    ci = s.get("speedup_ci")
-    conf = fc.get("confidence") if known(fc.get("confidence")) else (d.get("measure") or {}).get("confidence")
-    ci_text = (
-        f"{_num(conf * 100 if known(conf) else None, '.0f', '%')} interval {ci[0]:.2f}–{ci[1]:.2f}×"
-        if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci)
-        else "no interval"
-    )
+    figures = figures_of(d)
+    head = figures.get("headline") or {}
+    unit = figures.get("unit")
     base, final = _baseline_measurement(d), _final_measurement(d)
-    speed = s.get("speedup")
-    # an interval that holds 1.0 shows nothing: the card says so
-    not_shown = isinstance(ci, (list, tuple)) and len(ci) == 2 and all(known(c) for c in ci) and ci[0] <= 1.0 <= ci[1]
+    versus, check = switches_text(figures), check_text(figures)
     cards = [
         (
             "speedup vs baseline",
-            ("not shown: " if not_shown else "") + format_gain(speed),
-            f"{ci_text}; {_e(s.get('figures_from'))}",
+            headline_text(figures).removesuffix(" the baseline"),
+            _e(head.get("from")) + (f"; {_e(versus)}" if versus else ""),
         ),
-        ("step time", f"{ms_text(s.get('final_step_ms'))}", f"from {ms_text(s.get('baseline_step_ms'))}"),
+        ("step time", f"{ms_text(final.get('step_ms'))}", f"from {ms_text(base.get('step_ms'))}"),
         (
             "throughput" + (f" ({unit})" if unit else ""),
-            format_throughput(s.get("final_throughput")),
-            f"from {format_throughput(s.get('baseline_throughput'), unit)}",
+            format_throughput(final.get("throughput")),
+            f"from {format_throughput(base.get('throughput'), unit)}",
         ),
         ("MFU", format_percent(final.get("mfu")), f"from {format_percent(base.get('mfu'))}"),
         ("peak memory", format_bytes(final.get("peak_memory_bytes")), f"from {format_bytes(base.get('peak_memory_bytes'))}"),
@@ -105,19 +101,19 @@ def _headline(d: dict[str, Any]) -> str:
             f'<div class="sub">{sub}</div></div>'
         )
     out.append("</div>")
-    kept = s.get("kept") or []
+    kept = [n for link in figures.get("links") or [] for n in link.get("names") or []]
     out.append(
-        f"<p><b>Kept rungs</b> ({len(kept)}, in the order tried): "
+        f"<p><b>Kept rungs</b> ({len(kept)}, in the chain's order): "
         + (", ".join(f"<code>{_e(k)}</code>" for k in kept) or "none")
         + "</p>"
     )
+    if check:
+        out.append(f'<p class="note"><b>Final check:</b> {_e(check)}.</p>')
     if s.get("interrupted") or d.get("interrupted"):
         out.append(
             f'<p class="warn"><b>Interrupted:</b> {_e(s.get("interrupted") or d.get("interrupted"))}; '
             "the rungs are those finished before it.</p>"
         )
-    if s.get("note"):
-        out.append(f'<p class="warn"><b>Note:</b> {_e(s["note"])}</p>')
     diagnosis = (d.get("run") or {}).get("diagnosis")
     if diagnosis:
         out.append(f'<p class="note"><b>Diagnosis:</b> {_e(diagnosis_line(diagnosis))}</p>')
@@ -125,13 +121,6 @@ def _headline(d: dict[str, Any]) -> str:
     if holds:
         klass = "warn" if (d.get("holds") or {}).get("flagged") else "note"
         out.append(f'<p class="{klass}"><b>In training:</b> {_e(holds)}</p>')
-    vs = s.get("vs_switches")
-    if isinstance(vs, (list, tuple)) and len(vs) == 3 and all(known(v) for v in vs):
-        shown = "" if not vs[1] <= 1.0 <= vs[2] or vs[1] == vs[2] else " Not shown: the interval holds 1.0."
-        out.append(
-            f'<p class="note">Against the switches a user would flip by hand: {vs[0]:.2f}× '
-            f"(interval {vs[1]:.2f}–{vs[2]:.2f}×).{shown}</p>"
-        )
     return "\n".join(out)
 
 
@@ -157,7 +146,7 @@ def _attribution(d: dict[str, Any]) -> str:
         rows.append(
             [
                 f"<code>{_e(r.get('name'))}</code>{together}",
-                format_gain(r.get("speedup")),
+                _e(r.get("figure") or MISSING),
                 _signed_ms(r.get("ms_per_step")),
                 format_percent(r.get("share")),
                 moved,
@@ -166,15 +155,15 @@ def _attribution(d: dict[str, Any]) -> str:
         )
     out = [
         _table(
-            ["rung", "speedup", "ms per step", "share of the gain", "categories moved", "peak memory"], rows, numeric=(1, 2, 3, 5)
+            ["rung", "its figure", "ms per step", "share of the gain", "categories moved", "peak memory"], rows, numeric=(2, 3, 5)
         )
     ]
     product, measured = a.get("product"), a.get("measured")
     agrees = a.get("agrees")
-    verdict = "agree" if agrees else ("do not agree" if agrees is False else "—")
+    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else "no final check to compare")
     out.append(
-        f'<p class="{"note" if agrees else "warn"}"><b>Check:</b> the kept rungs\' speedups multiply to '
-        f"{format_gain(product)}; the final check measured {format_gain(measured)}: they {verdict}.</p>"
+        f'<p class="{"note" if agrees is not False else "warn"}"><b>Check:</b> the kept rungs\' figures multiply to '
+        f"{format_gain(product)}, the headline; the final check measured {format_gain(measured)}: {verdict}.</p>"
     )
     if a.get("interaction"):
         out.append(f'<p class="warn"><b>Interaction:</b> {_e(a["interaction"])}</p>')
@@ -373,14 +362,15 @@ def _rungs(d: dict[str, Any]) -> str:
     rungs = d.get("rungs") or []
     if not rungs:
         return _note("No rungs.")
-    cells = [[_e(c) for c in rung_cells(r)] for r in rungs]
+    ordered = table_rows(d)
+    cells = [[_e(c) for c in row_cells] for _, row_cells in ordered]
     for row in cells:  # the parity cell breaks before its tolerance, not inside "3e-02"
         row[-1] = row[-1].replace(" (tol ", "<br>(tol ")
     table = _table(
         [_e(c) for c in TABLE_COLUMNS],
         cells,
         numeric=range(2, len(TABLE_COLUMNS) - 1),
-        row_classes=[f"st-{_e(r.get('status'))}" for r in rungs],
+        row_classes=[f"st-{_e(r.get('status'))}" for r, _ in ordered],
         cls="rungs",
     )
     details = []

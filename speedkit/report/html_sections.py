@@ -15,6 +15,7 @@ from typing import Any
 
 from speedkit.report.markdown import (
     MISSING,
+    figures_of,
     format_bytes,
     format_percent,
     format_throughput,
@@ -95,23 +96,25 @@ def _section(sid: str, title: str, body: str) -> str:
 
 
 def _final_measurement(d: dict[str, Any]) -> dict[str, Any]:
-    fc = d.get("final_check") or {}
-    if fc.get("b"):
-        return fc["b"]
-    for rung in reversed(d.get("rungs") or []):
-        if rung.get("status") in ("kept", "closing") and rung.get("measurement"):
-            return rung["measurement"]
-    return {}
+    """The final configuration's figures: the account's step time, throughput and MFU, with its measured
+    peak memory and spread (the final check's windows, else its last kept rung's)."""
+    figures = figures_of(d)
+    measured: dict[str, Any] = dict((d.get("final_check") or {}).get("b") or {})
+    if not measured:
+        kept = {r.get("name"): r for r in d.get("rungs") or [] if r.get("status") == "kept"}
+        last = next((kept[n] for n in reversed(d.get("final_order") or list(kept)) if n in kept), None)
+        measured = dict((last or {}).get("measurement") or {})
+    if not figures.get("links"):
+        return _baseline_measurement(d)
+    head = figures.get("headline") or {}
+    return {**measured, **{k: head.get(k) for k in ("step_ms", "throughput", "mfu")}}
 
 
 def _baseline_measurement(d: dict[str, Any]) -> dict[str, Any]:
-    fc = d.get("final_check") or {}
-    if fc.get("a"):
-        return fc["a"]
-    for rung in d.get("rungs") or []:
-        if rung.get("status") == "baseline":
-            return rung.get("measurement") or {}
-    return {}
+    """The baseline's figures: the account's (its own measurement, timed alone), the one baseline."""
+    figures = figures_of(d)
+    row = next((r for r in d.get("rungs") or [] if r.get("status") == "baseline"), {})
+    return {**(row.get("measurement") or {}), **{k: v for k, v in (figures.get("baseline") or {}).items() if k != "source"}}
 
 
 #: what a profile window's times are
@@ -122,25 +125,31 @@ PROFILED_CAVEAT = (
 
 
 def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
-    """The configurations the ladder went through: the baseline, each kept rung (the configuration
-    with it, from its comparison, in the order tried) and the final one (the final check's).
+    """The configurations of the chain: the baseline, each kept link (a rung, or a group decided together,
+    with the rungs before it) and the final one, each with the account's figures.
 
-    Each: ``label``, ``kind`` (``"baseline"``, ``"kept"``, ``"final"``) and ``measurement`` (a dict,
-    empty when not measured). The baseline and the final configuration are the final check's
-    measurements when there is one, so their figures match the headline."""
-    s = d.get("summary") or {}
-    base = dict(_baseline_measurement(d))
-    if known(s.get("baseline_step_ms")):
-        base["step_ms"] = s["baseline_step_ms"]
-    out = [{"label": "baseline", "kind": "baseline", "measurement": base}]
-    for rung in d.get("rungs") or []:
-        if rung.get("status") == "kept":
-            out.append({"label": str(rung.get("name")), "kind": "kept", "measurement": rung.get("measurement") or {}})
-    if len(out) > 1 or (d.get("final_check") or {}).get("b"):
-        final = dict(_final_measurement(d))
-        if known(s.get("final_step_ms")):
-            final["step_ms"] = s["final_step_ms"]
-        out.append({"label": "final", "kind": "final", "measurement": final})
+    Each: ``label``, ``kind`` (``"baseline"``, ``"kept"``, ``"final"``) and ``measurement`` (a dict:
+    ``step_ms``, ``throughput``, ``mfu``; peak memory from its measured windows)."""
+    figures = figures_of(d)
+    rows = {r.get("name"): r for r in d.get("rungs") or [] if isinstance(r, dict)}
+    out = [{"label": "baseline", "kind": "baseline", "measurement": _baseline_measurement(d)}]
+    for link in figures.get("links") or []:
+        names = link.get("names") or []
+        memory = ((rows.get(names[-1]) or {}).get("measurement") or {}).get("peak_memory_bytes") if names else None
+        out.append(
+            {
+                "label": " + ".join(names),
+                "kind": "kept",
+                "measurement": {
+                    "step_ms": link.get("step_ms"),
+                    "throughput": link.get("throughput"),
+                    "mfu": link.get("mfu"),
+                    "peak_memory_bytes": memory,
+                },
+            }
+        )
+    if len(out) > 1:
+        out.append({"label": "final", "kind": "final", "measurement": _final_measurement(d)})
     return out
 
 
@@ -168,24 +177,8 @@ class _Plots:
 # -- the plotted sections --------------------------------------------------------------------------
 
 
-def _paired_chain(d: dict[str, Any]) -> list[tuple[str, float]] | None:
-    """The kept rungs' bars from the attribution: the baseline's step time divided by the paired
-    speedups in the final order (a group once, under its members' names), so that the waterfall, the
-    table and the attribution give one figure per rung; None where the attribution has none."""
-    rungs = [r for r in (d.get("attribution") or {}).get("rungs") or [] if isinstance(r, dict)]
-    chain = [
-        (" + ".join(r.get("group") or [str(r.get("name"))]), r["step_ms"])
-        for r in rungs
-        if r.get("speedup") and known(r.get("step_ms"))
-    ]
-    return chain or None
-
-
 def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
     rows = [(c["label"], c["measurement"].get("step_ms")) for c in configurations(d)]
-    chain = _paired_chain(d) if len(rows) > 2 else None
-    if chain is not None:
-        rows = [rows[0], *chain, rows[-1]]
     rows = [(label, ms) for label, ms in rows if known(ms) and ms > 0]
     if len(rows) < 2:
         return _note(f"Step time per configuration: {NOT_MEASURED} (no rung was kept).")
@@ -198,30 +191,13 @@ def _waterfall(d: dict[str, Any], plots: _Plots) -> str:
         ],
         numeric=(1, 2, 3),
     )
-    final, kept = rows[-1][1], [ms for label, ms in rows[1:-1]]
-    spread = _final_measurement(d).get("spread")
-    odd = ""
-    if rows[-1][0] == "final" and kept and final > min(kept) * 1.03:
-        odd = _note(
-            f"<b>The final bar is slower than a kept rung's:</b> the rungs' bars come from their paired "
-            f"decisions, the final one from the final check, in which the step time varied by "
-            f"{format_percent(spread)} (window to window); where the rungs' gains overlap they do not multiply "
-            "(the attribution's check). The speedup uses paired blocks, not these bars."
-        )
     return (
         plots("step time per configuration", plot_waterfall, rows)
-        + odd
         + _note(
-            "Each kept rung's bar is the step time with it (and the rungs kept before it): "
-            + (
-                "the baseline's step time divided by the paired speedups of the rungs kept up to it, in the final "
-                "order (the figures of the table and the attribution)"
-                if chain is not None
-                else "the median of its own paired comparison (no profile: no attribution to chain them)"
-            )
-            + "; the light segment is what it removed (green) or added (red, hatched). "
-            "× is the baseline's step time over this one. Baseline and final are the final check's "
-            "interleaved measurements."
+            "Each kept bar is the step time with it and the links before it: the baseline's step time divided "
+            "by the kept rungs' decided gains in the chain's order (a group decided together is one bar), the "
+            "figures of the table and the attribution; the final bar is the chain's end, the headline. The light "
+            "segment is what it removed (green) or added (red, hatched). × is the baseline's step time over this one."
         )
         + "<details><summary>as a table</summary>"
         + table

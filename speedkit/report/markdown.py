@@ -1,9 +1,11 @@
 """``report.md``: the ladder as one table plus a details section per rung.
 
 Renders the dict of :meth:`speedkit.results.LadderResult.to_dict` (or a loaded ``report.json``),
-never the dataclasses, so an old report renders the same way as a fresh one. The cell formatting
-(:data:`TABLE_COLUMNS`, :func:`rung_cells`) is shared with the console table. Missing values render
-as "—".
+never the dataclasses, so an old report renders the same way as a fresh one. Every figure comes from
+the report's ``figures`` (:func:`speedkit.figures.account.account`, derived once from the ledger): the
+table's rows (:func:`table_rows`: the baseline, the kept rungs in the chain's order, then the others in
+the order tried), the summary line, the attribution. The cell formatting (:data:`TABLE_COLUMNS`,
+:func:`table_rows`) is shared with the console table and the HTML page. Missing values render as "—".
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import math
 from typing import Any
 
+from speedkit.figures.account import account
 from speedkit.report.ranks import COMMUNICATION_KEYS, HEADERS, communication_lines, rank_rows, scaling_line
 
 MISSING = "—"
@@ -83,13 +86,11 @@ def format_gain(gain: Any) -> str:
     return f"{gain:.2f}×" if _known(gain) else MISSING
 
 
-def format_paired(rung: dict[str, Any]) -> str:
-    """``1.14× [1.01–1.28]``: the paired speedup over the previous configuration and its interval."""
-    c = rung.get("comparison") or {}
-    gain = format_gain(rung.get("gain_vs_previous"))
-    if _known(c.get("low")) and _known(c.get("high")) and math.isfinite(c["high"]):
-        return f"{gain} [{c['low']:.2f}–{c['high']:.2f}]"
-    return gain
+def figures_of(d: dict[str, Any]) -> dict[str, Any]:
+    """The report's figures: its ``figures``, or derived now for a report written before they were
+    (:func:`speedkit.figures.account.account` reads its rows' comparisons)."""
+    figures = d.get("figures")
+    return figures if isinstance(figures, dict) and "headline" in figures else account(d)
 
 
 def format_parity(parity: dict[str, Any] | None) -> str:
@@ -104,46 +105,139 @@ def format_parity(parity: dict[str, Any] | None) -> str:
     return f"{mark} {diff_text}{tol_text}"
 
 
-def rung_cells(rung: dict[str, Any]) -> list[str]:
-    """One table row, in the order of :data:`TABLE_COLUMNS`."""
-    m = rung.get("measurement") or {}
-    return [
-        str(rung.get("name", MISSING)),
-        STATUS_LABELS.get(rung.get("status"), str(rung.get("status", MISSING))),
-        format_step(m.get("step_ms"), m.get("spread")),
-        format_throughput(m.get("throughput"), m.get("throughput_unit")),
-        format_percent(m.get("mfu")),
-        format_bytes(m.get("peak_memory_bytes")),
-        format_paired(rung),
-        format_gain(rung.get("gain_vs_baseline")),
-        format_parity(rung.get("parity")),
-    ]
+#: the rows of a rung of the ladder (not a closing phase's, the switches' or the baseline's)
+RUNG_STATUSES = ("kept", "reverted", "not_applicable", "skipped", "failed", "interrupted")
+
+
+def table_rows(d: dict[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The ladder table: each row with its cells, in the order of :data:`TABLE_COLUMNS`: the baseline; the
+    kept rungs in the chain's order (the user's switches first), each with its one figure, the step time,
+    throughput and MFU of the configuration after its link, and the chain's product so far; then the
+    rungs not kept, in the order tried, each with its last comparison's figure and no step time (its
+    configuration was not kept)."""
+    figures = figures_of(d)
+    rows = [r for r in d.get("rungs") or [] if isinstance(r, dict)]
+    unit = figures.get("unit")
+    out: list[tuple[dict[str, Any], list[str]]] = []
+    base_row = next((r for r in rows if r.get("status") == "baseline"), None)
+    if base_row is not None:
+        b = figures["baseline"]
+        m = base_row.get("measurement") or {}
+        out.append(
+            (
+                base_row,
+                [
+                    "baseline",
+                    STATUS_LABELS["baseline"],
+                    format_step(b.get("step_ms"), b.get("spread")),
+                    format_throughput(b.get("throughput"), unit),
+                    format_percent(b.get("mfu")),
+                    format_bytes(m.get("peak_memory_bytes")),
+                    MISSING,
+                    format_gain(1.0) if _known(b.get("step_ms")) else MISSING,
+                    format_parity(base_row.get("parity")),
+                ],
+            )
+        )
+    by_name = {r.get("name"): r for r in rows if r.get("status") in RUNG_STATUSES}
+    links = figures.get("links") or []
+    for link in links:
+        for name in link.get("names") or []:
+            row = by_name.get(name) or {"name": name, "status": "kept"}
+            m = row.get("measurement") or {}
+            out.append(
+                (
+                    row,
+                    [
+                        str(name),
+                        STATUS_LABELS["kept"],
+                        format_step(link.get("step_ms")),
+                        format_throughput(link.get("throughput"), unit),
+                        format_percent(link.get("mfu")),
+                        format_bytes(m.get("peak_memory_bytes")),
+                        (figures.get("rungs") or {}).get(name, {}).get("text", MISSING),
+                        format_gain(link.get("vs_baseline")),
+                        format_parity(row.get("parity")),
+                    ],
+                )
+            )
+    chained = {n for link in links for n in link.get("names") or []}
+    for row in rows:
+        if row.get("status") not in RUNG_STATUSES or row.get("name") in chained:
+            continue
+        figure = (figures.get("rungs") or {}).get(row.get("name")) or {}
+        out.append(
+            (
+                row,
+                [
+                    str(row.get("name", MISSING)),
+                    STATUS_LABELS.get(row.get("status"), str(row.get("status", MISSING))),
+                    MISSING,
+                    MISSING,
+                    MISSING,
+                    MISSING,
+                    figure.get("text", MISSING) if row.get("status") != "kept" else MISSING,
+                    MISSING,
+                    format_parity(row.get("parity")),
+                ],
+            )
+        )
+    return out
+
+
+def headline_text(figures: dict[str, Any]) -> str:
+    """``1.86× [1.62–2.14] the baseline``, ``not shown: 1.04× [0.97–1.11] the baseline`` where the
+    interval holds 1.0, or what was kept where nothing was."""
+    head = figures.get("headline") or {}
+    if not figures.get("links"):
+        return "nothing kept: the baseline"
+    if head.get("speedup") is None:
+        return "not measured (a kept rung has no figure)"
+    return f"{'' if head.get('shown') else 'not shown: '}{head.get('text')} the baseline"
+
+
+def switches_text(figures: dict[str, Any]) -> str | None:
+    """``1.21× [1.10–1.33] the switches`` (the links on top of the user's switches), ``the user's
+    switches alone`` where nothing went on top of them, None where they were not the floor."""
+    if figures.get("switches_are_final"):
+        return "the user's switches alone"
+    v = figures.get("vs_switches")
+    if not v or v.get("speedup") is None:
+        return None
+    crosses = v.get("low") is not None and v.get("high") is not None and v["low"] <= 1.0 <= v["high"]
+    return f"{'not shown: ' if crosses or v.get('low') is None else ''}{v.get('text')} the switches"
+
+
+def check_text(figures: dict[str, Any]) -> str | None:
+    """The final check, a check of the chain: ``checked against the baseline in one interleaved
+    comparison: 1.84× [1.80–1.88], faster``; None where none was made."""
+    c = figures.get("check")
+    if not c:
+        return None
+    where = f" (in {c['measured_in']})" if c.get("measured_in") else ""
+    verdict = str(c.get("verdict") or MISSING).replace("_", " ")
+    return f"checked against the baseline in one interleaved comparison{where}: {c.get('text')}, {verdict}"
 
 
 def summary_line(d: dict[str, Any]) -> str:
-    """``44.8k → 580.0k tokens/s (12.95× [12.8–13.1] the baseline); kept: tf32, compile``."""
+    """``44.8k → 580.0k tokens/s (12.95× [12.8–13.1] the baseline, 1.21× [1.1–1.3] the switches; step
+    98.1 → 7.58 ms); kept: tf32, compile; checked against the baseline ...``: the account's figures."""
+    figures = figures_of(d)
+    unit = figures.get("unit")
+    base, head = figures.get("baseline") or {}, figures.get("headline") or {}
+    kept = ", ".join(n for link in figures.get("links") or [] for n in link.get("names") or []) or "none"
+    before = format_throughput(base.get("throughput"))
+    after = format_throughput(head.get("throughput") if figures.get("links") else base.get("throughput"), unit)
+    final_ms = head.get("step_ms") if figures.get("links") else base.get("step_ms")
+    steps = f"step {format_step(base.get('step_ms'))} → {format_step(final_ms)} ms"
+    versus = switches_text(figures)
+    line = f"{before} → {after} ({headline_text(figures)}{f', {versus}' if versus else ''}; {steps}); kept: {kept}"
+    check = check_text(figures)
+    if check:
+        line += f"; {check}"
     s = d.get("summary") or {}
-    unit = s.get("throughput_unit")
-    before = format_throughput(s.get("baseline_throughput"))
-    after = format_throughput(s.get("final_throughput"), unit)
-    kept = ", ".join(s.get("kept") or []) or "none"
-    steps = f"step {format_step(s.get('baseline_step_ms'))} → {format_step(s.get('final_step_ms'))} ms"
-    ci = s.get("speedup_ci")
-    interval = f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci and all(_known(c) for c in ci) else ""
-    # an interval that holds 1.0 shows nothing: said so before the figure
-    shown = "" if not interval or not ci[0] <= 1.0 <= ci[1] else "not shown: "
-    versus = s.get("vs_switches")
-    switches = (
-        f", {'not shown: ' if versus[1] <= 1.0 <= versus[2] and versus[1] < versus[2] else ''}"
-        f"{format_gain(versus[0])} [{versus[1]:.2f}–{versus[2]:.2f}] the switches"
-        if versus and all(_known(v) and math.isfinite(v) for v in versus)
-        else ""
-    )
-    line = f"{before} → {after} ({shown}{format_gain(s.get('speedup'))}{interval} the baseline{switches}; {steps}); kept: {kept}"
-    if s.get("note"):
-        line += f" (note: {s['note']})"
-    if s.get("interrupted"):
-        line = f"INTERRUPTED ({s['interrupted']}); rungs finished before it: " + line
+    if s.get("interrupted") or d.get("interrupted"):
+        line = f"INTERRUPTED ({s.get('interrupted') or d.get('interrupted')}); rungs finished before it: " + line
     return line
 
 
@@ -195,7 +289,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines += _flops(d)
     lines += _measure(d)
     lines += ["## Ladder", ""]
-    lines += _table(d.get("rungs") or [])
+    lines += _table(d)
     lines += [""]
     lines += _ranks(d)
     lines += _profile_sections(d)
@@ -299,13 +393,13 @@ def _attribution(a: dict[str, Any], p: dict[str, Any]) -> list[str]:
     if not rows:
         return lines + [f"Attribution: {NOT_MEASURED}.", ""]
     for r in rows:
-        line = r.get("line") or (f"{r.get('name')}: {format_gain(r.get('speedup'))}, {_ms(r.get('ms_per_step'))} ms per step")
+        line = r.get("line") or f"{r.get('name')}: {r.get('figure') or MISSING}"
         lines.append(f"- {_escape(line)}")
     agrees = a.get("agrees")
-    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else MISSING)
+    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else "no final check to compare")
     lines += [
         "",
-        f"Check: the kept rungs' speedups multiply to {format_gain(a.get('product'))}; the final check "
+        f"Check: the kept rungs' figures multiply to {format_gain(a.get('product'))}, the headline; the final check "
         f"measured {format_gain(a.get('measured'))}: {verdict}.",
     ]
     if a.get("interaction"):
@@ -450,19 +544,22 @@ def _measure(d: dict[str, Any]) -> list[str]:
         "Step time is the median over timed windows of the mean step time in a window; "
         "± is the measured noise of the window means (`spread`, relative to the median). "
         "Each rung was timed against the configuration before it in interleaved A B B A blocks of windows, "
-        'in the same period; "vs previous" is the paired speedup with its confidence interval, and a rung '
-        "is kept only when the whole interval clears the minimum gain.",
+        'in the same period; "vs previous" is its one figure: a kept rung\'s decided gain (its own, or its '
+        "group's, naming the group), with its confidence interval, or a rung not kept's last comparison. A "
+        "rung is kept only when the whole interval clears the minimum gain. The kept rungs are listed in the "
+        "chain's order: their step times are the baseline's divided by the figures so far, and the chain's "
+        "product is the headline; the final check against the baseline checks it.",
         "",
     ]
 
 
-def _table(rungs: list[dict[str, Any]]) -> list[str]:
+def _table(d: dict[str, Any]) -> list[str]:
     lines = [
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(TABLE_COLUMNS) - 3) + ["---"]) + "|",
     ]
-    for rung in rungs:
-        lines.append("| " + " | ".join(_escape(c) for c in rung_cells(rung)) + " |")
+    for _, cells in table_rows(d):
+        lines.append("| " + " | ".join(_escape(c) for c in cells) + " |")
     return lines
 
 

@@ -1,26 +1,24 @@
-"""Attribution: each kept rung's share of the run's speedup and the step-time categories it moved.
+"""Attribution: what each kept rung bought, and the step-time categories it moved.
 
-Inputs are plain data: the kept rungs in the final configuration's order, the paired decision that
-kept each (its speedup over the configuration without it, measured when it was kept: alone, or
-with partners on a second look), the baseline's step time, and the profile windows
-(:mod:`speedkit.profile`) of the baseline and of each prefix of that order (the last one the final
-configuration). Per rung:
+Inputs are plain data: the kept rungs in the final configuration's order, each with its figure from the
+account (:func:`speedkit.figures.account.account`: its link's speedup on the first rung of its link,
+the step time before and after that link), and the profile windows (:mod:`speedkit.profile`) of the
+baseline and of each prefix of that order (the last one the final configuration). Per rung:
 
-* ``speedup`` — the decision's paired speedup (a group kept together carries it once, on its first
-  rung; its partners name the group); ``share`` — its log-share of the product of all decisions;
-* ``step_ms`` and ``ms_per_step`` — the step time with it and its change, from the paired decisions
-  alone: the baseline's step time divided by the speedups in the final order, so a kept gain is never
-  shown as a loss and the waterfall, the table and this line give one figure per rung (a profile
-  window of a host-bound step measures the profiler as much as the step);
+* ``speedup`` and ``figure`` — the account's: its own decided gain, or its group's (carried once, on
+  the group's first rung; the figure names the group);
+* ``step_ms`` and ``ms_per_step`` — the step time after its link and the change, the account's chain:
+  the waterfall, the table and this line give one figure per rung (a profile window of a host-bound
+  step measures the profiler as much as the step);
 * ``moved`` — the categories that changed most between the windows before and after it, each
-  window's categories scaled to the paired step time of its configuration (the profile explains
+  window's categories scaled to the chain's step time of its configuration (the profile explains
   the figure, it does not make it); ``peak_memory_delta_bytes`` from the same windows;
-* ``line`` — one sentence: ``sdpa: 1.41x, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``.
+* ``line`` — one sentence: ``sdpa: 1.41×, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``.
 
-The decisions' speedups multiply to ``product``; the final configuration's measured speedup over the
+The chain's product is ``product`` (the headline); the final check's measured speedup over the
 baseline is ``measured``. Where they differ by more than :data:`AGREEMENT` the gains are not
-independent and ``interaction`` names the rung whose decision differs most from what it gives in the
-final order (the ratio of its windows).
+independent and ``interaction`` names the group whose decision differs most from what it gives in
+the final order's windows (the ratio of its windows).
 """
 
 from __future__ import annotations
@@ -40,64 +38,57 @@ MOVED_MAX = 3
 
 
 def attribute(
-    order: Sequence[str],
-    decisions: Mapping[str, tuple[Sequence[str], float | None]],
+    rungs: Sequence[Mapping[str, Any]],
     windows: Sequence[Mapping[str, Any]],
+    product: float | None,
     measured: float | None,
     labels: Mapping[str, str] | None = None,
-    baseline_ms: float | None = None,
 ) -> dict[str, Any]:
-    """The attribution (module docstring). ``windows`` has ``len(order) + 1`` entries (baseline,
-    then one per prefix of ``order``), each with ``step_ms``, ``breakdown_ms`` and
-    ``peak_memory_bytes``; ``decisions[name]`` is (the names kept together, their paired speedup);
-    ``baseline_ms``: the baseline's paired step time (the final check's), else the baseline window's."""
-    if len(windows) != len(order) + 1:
-        raise ValueError(f"expected {len(order) + 1} profile windows (baseline and one per kept rung), found {len(windows)}")
+    """The attribution (module docstring). ``rungs``: in the final order, each ``name``, ``group`` (the
+    names decided together, or None), ``speedup`` (its link's, on the link's first rung; else None),
+    ``figure`` (its one figure's text), ``step_before`` and ``step_after`` (ms: the chain before and
+    after its link). ``windows`` has ``len(rungs) + 1`` entries (baseline, then one per prefix), each
+    with ``step_ms``, ``breakdown_ms`` and ``peak_memory_bytes``."""
+    if len(windows) != len(rungs) + 1:
+        raise ValueError(f"expected {len(rungs) + 1} profile windows (baseline and one per kept rung), found {len(windows)}")
     labels = labels or {}
-    rungs: list[dict[str, Any]] = []
-    counted: set[tuple[str, ...]] = set()
-    paired = baseline_ms if baseline_ms else windows[0].get("step_ms")  # the step time before the next rung
-    for k, name in enumerate(order, 1):
+    out: list[dict[str, Any]] = []
+    for k, rung in enumerate(rungs, 1):
         before, after = windows[k - 1], windows[k]
-        group, speedup = decisions.get(name, ((name,), None))
-        group = tuple(group)
-        first_of_group = group not in counted
-        counted.add(group)
-        gain = speedup if first_of_group and speedup else None
-        with_it = paired / gain if paired and gain else None
+        step_before, step_after = rung.get("step_before"), rung.get("step_after")
+        first = rung.get("speedup") is not None
         memory = _delta(after.get("peak_memory_bytes"), before.get("peak_memory_bytes"))
-        moved = moved_categories(
-            _scaled(before, paired), _scaled(after, with_it if with_it else paired), paired or before.get("step_ms")
-        )
+        # a group's later rungs: the chain does not move at them (the group's figure is on its first)
+        at_after = step_after if first else step_before
+        moved = moved_categories(_scaled(before, step_before), _scaled(after, at_after), step_before or before.get("step_ms"))
         entry = {
-            "name": name,
-            "group": list(group) if len(group) > 1 else None,
-            "speedup": speedup if first_of_group else None,
+            "name": rung["name"],
+            "group": list(rung["group"]) if rung.get("group") else None,
+            "speedup": rung.get("speedup"),
+            "figure": rung.get("figure"),
             "window_ratio": _ratio(before.get("step_ms"), after.get("step_ms")),
-            "step_ms": with_it if with_it else paired,
-            "ms_per_step": with_it - paired if with_it and paired else None,
+            "step_ms": at_after,
+            "ms_per_step": at_after - step_before if first and at_after and step_before else None,
             "share": None,
             "moved": moved,
             "peak_memory_delta_bytes": int(memory) if memory is not None else None,
         }
         entry["line"] = rung_line(entry, labels)
-        rungs.append(entry)
-        paired = entry["step_ms"]
-    decided = [r["speedup"] for r in rungs if r["speedup"]]
-    product = math.prod(decided) if decided else None
+        out.append(entry)
+    decided = [r["speedup"] for r in out if r["speedup"]]
     total_log = sum(math.log(s) for s in decided) if decided else 0.0
-    for r in rungs:
+    for r in out:
         if r["speedup"] and total_log:
             r["share"] = math.log(r["speedup"]) / total_log
     agrees = None
     if product and measured:
         agrees = abs(math.log(product / measured)) <= math.log1p(AGREEMENT)
     return {
-        "rungs": rungs,
+        "rungs": out,
         "product": product,
         "measured": measured,
         "agrees": agrees,
-        "interaction": None if agrees in (True, None) else interaction(rungs, product, measured),
+        "interaction": None if agrees in (True, None) else interaction(out, product, measured),
         "agreement": AGREEMENT,
     }
 
@@ -115,10 +106,11 @@ def moved_categories(before: Mapping[str, float], after: Mapping[str, float], st
 
 
 def rung_line(entry: Mapping[str, Any], labels: Mapping[str, str]) -> str:
-    """``sdpa: −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``."""
+    """``sdpa: 1.41×, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``: the rung's one
+    figure (its own, or its group's, naming the group), then what the profile shows it moved."""
     parts = []
-    if entry.get("speedup"):
-        parts.append(f"{entry['speedup']:.2f}x")
+    if entry.get("figure") and entry["figure"] != "—":
+        parts.append(str(entry["figure"]))
     if entry.get("ms_per_step") is not None:
         parts.append(f"{_signed(entry['ms_per_step'])} ms per step")
     for m in entry.get("moved") or []:
@@ -126,11 +118,7 @@ def rung_line(entry: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     memory = entry.get("peak_memory_delta_bytes")
     if memory and abs(memory) >= 5e6:  # under 0.01 GB: not a change worth a word
         parts.append(f"peak memory {_signed(memory / 1e9)} GB")
-    group = entry.get("group")
-    if group and not entry.get("speedup"):
-        parts.insert(0, f"in {group[0]}'s figure")
-    name = entry["name"] + (f" (kept with {', '.join(g for g in group if g != entry['name'])})" if group else "")
-    return f"{name}: {', '.join(parts)}" if parts else f"{name}: not profiled"
+    return f"{entry['name']}: {', '.join(parts)}" if parts else f"{entry['name']}: not profiled"
 
 
 def interaction(rungs: Sequence[Mapping[str, Any]], product: float, measured: float) -> str:
@@ -152,8 +140,8 @@ def interaction(rungs: Sequence[Mapping[str, Any]], product: float, measured: fl
         if g["speedup"] and g["known"] and g["ratio"] > 0
     ]
     head = (
-        f"the kept rungs' gains, each measured when it was kept, multiply to {product:.2f}x against "
-        f"{measured:.2f}x measured for the final configuration: they are not independent"
+        f"the kept rungs' gains, each measured when it was kept, multiply to {product:.2f}× against "
+        f"{measured:.2f}× in the final check: they are not independent"
     )
     if not scored:
         return head
@@ -165,7 +153,7 @@ def interaction(rungs: Sequence[Mapping[str, Any]], product: float, measured: fl
         else "it pays more with the rungs kept after it"
     )
     return (
-        f"{head}; most in {name}: {g['speedup']:.2f}x when it was kept, {g['ratio']:.2f}x in the final "
+        f"{head}; most in {name}: {g['speedup']:.2f}× when it was kept, {g['ratio']:.2f}× in the final "
         f"order's profile windows ({how})"
     )
 
