@@ -27,7 +27,7 @@ LAYERS = [
     "training",
     "data | rewrite",
     "measure | kernels",
-    "errors : compat : config : files : handle : options : fork_safety : results : distributed",
+    "errors : compat : config : files : handle : options : fork_safety : results : distributed : figures",
 ]
 #: the package's entry points, above every layer
 ENTRY = {"speedkit", "speedkit.__main__"}

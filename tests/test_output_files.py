@@ -104,7 +104,7 @@ def test_optimize_on_a_full_disk_prints_the_results_one_line_and_leaves_nothing_
     for name in before:
         assert (out / name).stat().st_size > 0
     if "report.json" in before:
-        assert json.loads((out / "report.json").read_text())["schema_version"] == 3
+        assert json.loads((out / "report.json").read_text())["schema_version"] == 4
     monkeypatch.undo()
     assert main(["optimize", str(recipe), "--out", str(out)]) == 0  # the next run into that folder is not refused
     assert _files(out) == ["optimized.yaml", "report.html", "report.json", "report.md"]
@@ -117,7 +117,7 @@ def test_an_empty_report_left_by_an_earlier_version_does_not_block_the_next_run(
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(FAST_RECIPE)
     assert main(["optimize", str(recipe), "--out", str(out)]) == 0
-    assert json.loads((out / "report.json").read_text())["schema_version"] == 3
+    assert json.loads((out / "report.json").read_text())["schema_version"] == 4
 
 
 @contextlib.contextmanager

@@ -14,7 +14,16 @@ from speedkit.report import load_report, to_json_safe, write_report
 from speedkit.report.console import render_console
 from speedkit.report.environment import collect_environment
 from speedkit.report.markdown import MISSING, render_markdown
-from speedkit.results import SCHEMA_VERSION, LadderResult, Measurement, Parity, RungResult
+from speedkit.results import (
+    SCHEMA_VERSION,
+    Decision,
+    LadderResult,
+    Measurement,
+    PairedResult,
+    Parity,
+    RungResult,
+    comparison_figure,
+)
 
 CONVENTION = "FLOPs per step = what torch.utils.flop_counter counts; MFU against the bf16 peak."
 
@@ -73,8 +82,6 @@ def result() -> LadderResult:
         "baseline",
         "baseline",
         measurement=_measurement(365.9, telemetry=telemetry),
-        gain_vs_previous=None,
-        gain_vs_baseline=1.0,
         seconds=12.0,
     )
     tf32 = RungResult(
@@ -85,8 +92,7 @@ def result() -> LadderResult:
         precision="tf32",
         measurement=_measurement(139.7, mfu=None),
         parity=_parity(True, 1.2e-3),
-        gain_vs_previous=2.62,
-        gain_vs_baseline=2.62,
+        comparison=PairedResult(2.62, 2.55, 2.69, 0.95, 6, "faster", 0.01),
         seconds=5.0,
     )
     fused = RungResult(
@@ -97,8 +103,7 @@ def result() -> LadderResult:
         precision="tf32",
         measurement=_measurement(139.2, memory=None),
         parity=_parity(True, 0.0),
-        gain_vs_previous=1.004,
-        gain_vs_baseline=2.63,
+        comparison=PairedResult(1.004, 0.99, 1.018, 0.95, 8, "undecided", 0.01),
         seconds=4.0,
     )
     autocast = RungResult(
@@ -127,6 +132,11 @@ def result() -> LadderResult:
         },
         measure={"warmup": 3, "steps": 10, "repeats": 3, "peak_tflops": None},
         rungs=[baseline, tf32, fused, autocast, compile_],
+        ledger=[
+            Decision("the climb", ["tf32"], True, [comparison_figure(tf32.comparison)], "faster"),
+            Decision("the climb", ["fused_optimizer"], False, [comparison_figure(fused.comparison)], "undecided"),
+        ],
+        final_order=["tf32"],
     )
 
 
@@ -143,7 +153,7 @@ def test_write_report_writes_both_files_and_json_round_trips(result, tmp_path):
     assert d["summary"]["kept"] == ["tf32"]
     assert d["summary"]["speedup"] == pytest.approx(2.62)
     assert d["summary"]["baseline_step_ms"] == pytest.approx(365.9)
-    assert d["summary"]["final_step_ms"] == pytest.approx(139.7)
+    assert d["summary"]["final_step_ms"] == pytest.approx(365.9 / 2.62)  # the one baseline over the chain
     assert d["summary"]["throughput_unit"] == "tokens/s"
     # NaN is not JSON: it is written as null, and the file is strict JSON.
     assert d["rungs"][4]["parity"]["max_rel_diff"] is None
@@ -171,9 +181,9 @@ def test_markdown_has_every_rung_status_missing_value_and_convention(result):
     assert "| reverted |" in rows["fused_optimizer"]
     assert "| n/a |" in rows["autocast"]
     assert "| failed |" in rows["compile"]
-    # tf32 has no MFU, fused_optimizer no peak memory, autocast no measurement at all.
-    assert rows["tf32"].split(" | ")[4] == MISSING
-    assert rows["fused_optimizer"].split(" | ")[5] == MISSING
+    # a kept rung: the chain's step time, throughput and MFU after it; a rung not kept: only its own figure
+    assert rows["tf32"].split(" | ")[2] == "139.7" and rows["tf32"].split(" | ")[7] == "2.62×"
+    assert rows["fused_optimizer"].split(" | ")[2:8] == [MISSING] * 4 + ["1.00× [0.99–1.02]", MISSING]
     assert rows["autocast"].split(" | ")[2:8] == [MISSING] * 6
     assert "365.9 ± 1.2%" in rows["baseline"] and "44.8k tokens/s" in rows["baseline"]
     assert "2.62×" in rows["tf32"] and "✓ 1.2e-03 (tol 1e-02)" in rows["tf32"]
@@ -182,7 +192,7 @@ def test_markdown_has_every_rung_status_missing_value_and_convention(result):
     assert "already runs in bf16 \\| nothing to do" in md
     assert "[graph break] second line" in md
     assert CONVENTION in md and "measured bf16 GEMM ceiling" in md
-    assert "44.8k → 117.3k tokens/s (2.62× the baseline" in md and "kept: tf32" in md
+    assert "44.8k → 117.3k tokens/s (2.62× [2.55–2.69] the baseline" in md and "kept: tf32" in md
     assert "sw_power_cap" in md and "97.5% mean" in md  # telemetry details
     assert "| 1 | 10.500000 | 10.512600 | 1.20e-03 |" in md  # parity losses
 
@@ -373,24 +383,32 @@ def test_the_headline_is_one_measurement_under_drift_and_noise(seed):
         "budget_s": 1e9,
     }
     result = Ladder(timed_state(time), [SpeedRung("x", time, 0.01, -1 / 3)], measure, clock=time.clock(), host_clock=time).run()
-    s = result.to_dict()["summary"]
-    assert s["kept"] == ["x"] and s["figures_from"].startswith("the final check")
-    assert s["baseline_step_ms"] / s["final_step_ms"] == pytest.approx(s["speedup"], rel=0.03)
-    assert s["final_throughput"] / s["baseline_throughput"] == pytest.approx(s["speedup"], rel=0.03)
+    d = result.to_dict()
+    s = d["summary"]
+    assert s["kept"] == ["x"] and d["figures"]["baseline"]["source"] == "the final check's baseline windows"
+    # one baseline, the final check's (the latest): every figure of the report is derived from it and the chain
+    assert s["baseline_step_ms"] == result.final_check.a.step_ms
+    assert s["baseline_step_ms"] / s["final_step_ms"] == pytest.approx(s["speedup"], rel=1e-9)
+    assert s["final_throughput"] / s["baseline_throughput"] == pytest.approx(s["speedup"], rel=1e-9)
+    assert s["speedup"] == pytest.approx(result.final_check.speedup, rel=0.05)  # the chain, checked
     assert s["baseline_step_ms"] > result.baseline.measurement.step_ms * 1.05  # the run drifted since the baseline
-    assert s["note"] is None and "note:" not in summary_line(result.to_dict())
+    assert "note:" not in summary_line(d) and "checked against the baseline in one interleaved comparison" in summary_line(d)
 
 
-def test_a_headline_whose_figures_disagree_says_so(result):
+def test_the_final_check_is_printed_as_the_chains_check_never_as_a_second_headline(result):
     from speedkit.report.markdown import summary_line
     from speedkit.results import PairedResult
 
     result.final_check = PairedResult(1.2, 1.1, 1.3, 0.95, 6, "faster", 0.01, a=_measurement(300.0), b=_measurement(200.0))
     d = result.to_dict()
     s = d["summary"]
-    assert (s["baseline_step_ms"], s["final_step_ms"], s["speedup"]) == (300.0, 200.0, 1.2)
-    assert "paired speedup (1.20x, per block) and the ratio of the median step times (1.50x)" in s["note"]
-    assert "(note: the paired speedup" in summary_line(d)
-    result.final_check = None  # no final check: the baseline alone and the kept rung's comparison, named so
-    s = result.to_dict()["summary"]
-    assert s["figures_from"].startswith("the baseline timed alone and the kept rungs") and s["note"] is None
+    # one baseline (the final check's, the latest), one figure (the chain's): the final check is its check
+    assert (s["baseline_step_ms"], s["speedup"]) == (300.0, 2.62) and s["final_step_ms"] == pytest.approx(300.0 / 2.62)
+    line = summary_line(d)
+    assert "(2.62× [2.55–2.69] the baseline;" in line
+    assert "checked against the baseline in one interleaved comparison: 1.20× [1.10–1.30], faster" in line
+    assert s["check"]["speedup"] == 1.2
+    result.final_check = None  # no final check: the baseline timed alone, and no check printed
+    d = result.to_dict()
+    assert d["figures"]["baseline"]["source"] == "the baseline timed alone" and d["summary"]["check"] is None
+    assert "checked against" not in summary_line(d)

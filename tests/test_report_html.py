@@ -16,7 +16,7 @@ from speedkit.report import FORMATS, html_sections, load_report, plots, write_re
 from speedkit.report import html as html_report
 from speedkit.report.html import NO_MATPLOTLIB, SECTIONS, render_html
 from speedkit.report.html_sections import NOT_MEASURED
-from speedkit.report.markdown import render_markdown
+from speedkit.report.markdown import figures_of, format_step, render_markdown, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "report_v3.json"
@@ -72,16 +72,16 @@ def test_v3_page_is_one_file_with_every_section(v3_page):
     # every section has its content: nothing says "not measured" on a v3 report with every key
     assert NOT_MEASURED not in v3_page
     for text in (
-        "10.11×",
-        "7.70–13.29×",
-        "174.3 ms",
-        "188.0k",
-        "44.3%",  # headline
+        "8.58× [6.08–12.11]",  # the headline: the chain's product
+        "10.11× [7.70–13.29]",  # the final check, its check
+        "205.8 ms",
+        "159.2k",
+        "37.5%",  # headline
         "GEMM",
         "host-bound idle GPU",
         "1,290.0 ms",
         "−1,197.0 ms",  # breakdown table
-        "8.41×",
+        "8.58×",
         "do not agree",
         "Interaction:",  # attribution check
         "modeling_llama.py:612",
@@ -207,9 +207,9 @@ def test_markdown_has_the_schema_3_sections():
         assert heading in md
     assert md.index("## Ladder") < md.index("## Where the time goes") < md.index("## Details")
     assert "| GEMM | 1,290.0 | 93.0 | -1,197.0 |" in md
-    for r in _v3()["attribution"]["rungs"]:
+    for r in figures_of(_v3())["attribution"]["rungs"]:  # the account's, derived from the record
         assert f"- {r['line']}" in md
-    assert "multiply to 8.41×" in md and "do not agree" in md
+    assert "multiply to 8.58×, the headline" in md and "do not agree" in md
     assert "`self._result.loss.item()`" in md and "https://ui.perfetto.dev" in md
 
 
@@ -219,14 +219,14 @@ def test_markdown_of_a_schema_2_report_says_the_sections_were_not_measured():
     assert "## Attribution" not in md
     d = copy.deepcopy(_v3())
     d["profile"]["host_syncs"] = {}
-    d["attribution"] = None
+    d["profile"]["windows"] = [d["profile"]["windows"][0], d["profile"]["windows"][-1]]  # no prefix: no attribution
     md = render_markdown(d)
     assert "## Where the time goes" in md and f"Attribution: {NOT_MEASURED}." in md and f"Host syncs: {NOT_MEASURED}." in md
 
 
-def test_load_report_reads_schema_2_and_3_only(tmp_path):
+def test_load_report_reads_schema_2_3_and_4_only(tmp_path):
     d = _v3()
-    for version, ok in ((2, True), (3, True), (1, False), (4, False), ("3", False), (3.0, False), (True, False)):
+    for version, ok in ((2, True), (3, True), (4, True), (1, False), (5, False), ("3", False), (3.0, False), (True, False)):
         d["schema_version"] = version
         (tmp_path / "report.json").write_text(json.dumps(d))
         if ok:
@@ -245,30 +245,29 @@ def test_plots_survive_odd_names_groups_and_gaps(tmp_path):
         if r["name"] == "compile":
             r["name"] = "compile$x_1"
     d["summary"]["kept"] = [k.replace("compile", "compile$x_1") for k in d["summary"]["kept"]]
-    d["attribution"]["rungs"][-1]["group"] = ["compile", "async_progress_bar"]
-    d["attribution"]["rungs"][-1]["speedup"] = None
-    d["attribution"]["rungs"][-1]["share"] = None
+    # compile and async_progress_bar kept together on a second look: one group, one figure
+    d["rungs"].append(
+        {
+            "name": "second look: compile$x_1 + async_progress_bar beneath nothing",
+            "status": "closing",
+            "comparison": {"speedup": 1.3, "low": 1.2, "high": 1.4, "verdict": "faster", "blocks": 6},
+        }
+    )
     for s in d["telemetry_timeline"]["samples"][:10]:
         s["power_w"] = s["power_limit_w"] = s["sm_clock_mhz"] = None
     d["telemetry_timeline"]["marks"][6]["label"] = "$weird$ <mark>"
     page = render_html(d, tmp_path)
     assert "could not be drawn" not in page
     assert page.count('src="data:image/png;base64,') == 6
-    assert "kept with compile" in page and "&lt;mark&gt;" in page
+    assert "with its group (compile$x_1 + async_progress_bar)" in page and "&lt;mark&gt;" in page
 
 
 @pytest.mark.skipif(not HAS_MPL, reason="the waterfall's rows are read where its plot is drawn (matplotlib)")
 def test_the_waterfall_the_table_and_the_attribution_give_one_figure_per_rung(monkeypatch, tmp_path):
-    # each kept rung's bar is the baseline's step time divided by the paired speedups kept up to it:
-    # the attribution's step_ms, the table's paired gain; never the rung's own windows' median
-    from speedkit.engine.attribution import attribute
-
+    # each kept link's bar is the baseline's step time divided by the figures kept up to it: the account's
+    # chain, the table's step times and figures, the attribution's; never a rung's own windows' median
     d = _v3()
-    order = [r["name"] for r in d["attribution"]["rungs"]]
-    base = d["summary"]["baseline_step_ms"]
-    decisions = {name: ((name,), 1.2 + 0.1 * i) for i, name in enumerate(order)}
-    windows = [{"step_ms": 10.0 + i, "breakdown_ms": {}, "peak_memory_bytes": 0} for i in range(len(order) + 1)]
-    d["attribution"] = attribute(order, decisions, windows, measured=None, baseline_ms=base)
+    figures = figures_of(d)
     seen = {}
 
     def capture(mpl, rows):
@@ -279,12 +278,17 @@ def test_the_waterfall_the_table_and_the_attribution_give_one_figure_per_rung(mo
     monkeypatch.setattr(html_sections, "_img", lambda png, alt: "")
     render_html(d, tmp_path)
     rows = seen["rows"]
-    assert [label for label, _ in rows] == ["baseline", *order, "final"]
-    expected, ms = [], base
-    for name in order:
-        ms /= decisions[name][1]
+    links = figures["links"]
+    assert [label for label, _ in rows] == ["baseline", *(" + ".join(link["names"]) for link in links), "final"]
+    base, ms, expected = figures["baseline"]["step_ms"], figures["baseline"]["step_ms"], []
+    for link in links:
+        ms /= link["speedup"]
         expected.append(ms)
-    assert [ms for _, ms in rows[1:-1]] == pytest.approx(expected)
-    assert [r["ms_per_step"] for r in d["attribution"]["rungs"]] == pytest.approx(
-        [b - a for a, b in zip([base, *expected], expected, strict=False)]
-    )
+    assert rows[0][1] == base and [ms for _, ms in rows[1:-1]] == pytest.approx(expected)
+    assert rows[-1][1] == pytest.approx(expected[-1]) == pytest.approx(figures["headline"]["step_ms"])
+    table = {r[0]["name"]: r[1] for r in table_rows(d)}
+    for link in links:
+        for name in link["names"]:
+            assert table[name][2] == format_step(link["step_ms"]) and table[name][6] == figures["rungs"][name]["text"]
+    for r in figures["attribution"]["rungs"]:
+        assert r["figure"] == figures["rungs"][r["name"]]["text"] and r["line"].startswith(f"{r['name']}: {r['figure']}")

@@ -93,3 +93,22 @@ def link_of(ladder: Trials, name: str) -> dict | None:
     assert ladder.result is not None
     figures = ladder.result.figures()
     return next((link for link in figures["links"] if name in link["names"]), None)
+
+
+def revert(ladder: Trials, names: list[str], phase: str, why: str, paired: PairedResult | None) -> list[str]:
+    """Undo the kept rungs ``names`` (and those that cannot work without them), their rows reverted, said
+    why, the decision recorded. Returns every name undone."""
+    gone: list[str] = []
+    for name in reversed([s.rung.name for s in ladder.slots if s.rung.name in names]):
+        index = next((i for i, s in enumerate(ladder.slots) if s.rung.name == name), None)
+        if index is None:  # undone already, with a rung it needs
+            continue
+        gone += [name, *ladder.stack.remove(index)]
+    ladder.stack.all_on()
+    for name in gone:
+        entry = ladder.entry(name)
+        if entry is not None:
+            entry.status = "reverted"
+            entry.reason = f"{entry.reason}; reverted by {phase}: {why}"
+    record(ladder, phase, gone, False, paired, why)
+    return gone

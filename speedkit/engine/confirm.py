@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from speedkit.engine import switches
-from speedkit.engine.comparison import compare, link_of, record
+from speedkit.engine.comparison import compare, link_of, record, revert
 from speedkit.engine.profile_run import profile_configurations
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -132,25 +132,6 @@ def fall_back(ladder: Trials, check: PairedResult) -> None:
     revert(ladder, floor + on_top, "the final check", f"{why}; ending on the baseline, what the user runs", None)
     result.final_check = None
     ladder.on_event(f"final check: {why}: ending on the baseline, every rung undone")
-
-
-def revert(ladder: Trials, names: list[str], phase: str, why: str, paired: PairedResult | None) -> list[str]:
-    """Undo the kept rungs ``names`` (and those that cannot work without them), their rows reverted, said
-    why, the decision recorded. Returns every name undone."""
-    gone: list[str] = []
-    for name in reversed([s.rung.name for s in ladder.slots if s.rung.name in names]):
-        index = next((i for i, s in enumerate(ladder.slots) if s.rung.name == name), None)
-        if index is None:  # undone already, with a rung it needs
-            continue
-        gone += [name, *ladder.stack.remove(index)]
-    ladder.stack.all_on()
-    for name in gone:
-        entry = ladder.entry(name)
-        if entry is not None:
-            entry.status = "reverted"
-            entry.reason = f"{entry.reason}; reverted by {phase}: {why}"
-    record(ladder, phase, gone, False, paired, why)
-    return gone
 
 
 def _untimed_floor(ladder: Trials) -> bool:

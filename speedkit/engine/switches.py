@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from speedkit import config
 from speedkit.engine.budget import window_steps
-from speedkit.engine.comparison import compare, record
+from speedkit.engine.comparison import compare, record, revert
 from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem, kept_entry
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -214,8 +214,6 @@ def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
     assert ladder.result is not None
     ladder.result.run["switches_check"] = asdict(paired)  # the final configuration against the floor
     if paired.verdict != "faster":  # the tie goes to the floor
-        from speedkit.engine.confirm import revert
-
         why = f"the final configuration with them on top was not shown faster than the switches ({describe(paired)})"
         revert(ladder, names, "the switches", f"{why}: the tie goes to the floor", paired)
         row.reason = (

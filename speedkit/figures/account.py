@@ -6,7 +6,8 @@ rungs one decision kept or dropped together, and the paired comparisons whose pr
 group's figure less a member left out of it). :func:`account` reads that ledger once the decisions
 are final and derives:
 
-* **one baseline**: the baseline's own measurement (timed alone, at the start);
+* **one baseline**: the final check's baseline windows (timed beside the final configuration, the latest)
+  where there was a final check, else the baseline's own measurement (timed alone, at the start);
 * **the chain**: the kept rungs grouped by the decision that stands for each (the last decision with
   comparisons that kept it), the user's switches (the floor) first, then the others in the final
   configuration's order; each link's figure is its decision's, with its interval (the comparisons'
@@ -174,7 +175,11 @@ def account(d: Mapping[str, Any]) -> dict[str, Any]:
     rows = [r for r in d.get("rungs") or [] if isinstance(r, Mapping)]
     ledger = [x for x in d.get("ledger") or [] if isinstance(x, Mapping)] if "ledger" in d else _rows_ledger(rows)
     base_row = rows[0] if rows and rows[0].get("status") == "baseline" else None
-    base = dict((base_row or {}).get("measurement") or {})
+    check_in = d.get("final_check") if isinstance(d.get("final_check"), Mapping) else None
+    # the one baseline: the final check's, timed beside the final configuration (the latest, in the period the
+    # fit follows), else the baseline timed alone at the start
+    from_check = bool(check_in and isinstance(check_in.get("a"), Mapping) and _finite(check_in["a"].get("step_ms")))
+    base = dict(check_in["a"] if from_check else (base_row or {}).get("measurement") or {})
     base_ms = base.get("step_ms") if _finite(base.get("step_ms")) else None
     items, unit = base.get("items_per_step"), base.get("throughput_unit")
     flops = d.get("flops") or {}
@@ -268,7 +273,11 @@ def account(d: Mapping[str, Any]) -> dict[str, Any]:
     final_ms = base_ms / headline if base_ms and headline else None
     out = {
         "version": FIGURES_VERSION,
-        "baseline": {**_at(base_ms, items, unit, flops), "spread": base.get("spread"), "source": "the baseline timed alone"},
+        "baseline": {
+            **_at(base_ms, items, unit, flops),
+            "spread": base.get("spread"),
+            "source": "the final check's baseline windows" if from_check else "the baseline timed alone",
+        },
         "links": links,
         "rungs": rung_figures,
         "headline": {
@@ -306,12 +315,22 @@ _RUNG_STATUSES = ("kept", "reverted", "not_applicable", "skipped", "failed", "in
 
 
 def _rows_ledger(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A report written before the ledger (schema 3 and older): each rung row with a comparison, decided on it."""
-    return [
-        {"phase": "the climb", "names": [r.get("name")], "kept": r.get("status") == "kept", "comparisons": [r["comparison"]]}
-        for r in rows
-        if r.get("status") in ("kept", "reverted") and isinstance(r.get("comparison"), Mapping)
-    ]
+    """A report written before the ledger (schema 3 and older), its decisions read back from its rows: each
+    rung row with a comparison decided on it; a remedy's or a second look's row (``remedy: a + b``,
+    ``second look: a + b beneath c``) keeping its rungs together on its comparison."""
+    ledger: list[dict[str, Any]] = []
+    for r in rows:
+        c, name, status = r.get("comparison"), str(r.get("name") or ""), r.get("status")
+        if not isinstance(c, Mapping):
+            continue
+        if status in ("kept", "reverted"):
+            ledger.append({"phase": "the climb", "names": [name], "kept": status == "kept", "comparisons": [c]})
+        elif status == "closing" and name.startswith(("second look: ", "remedy: ")):
+            label = name.split(": ", 1)[1]
+            for where in (" beneath ", " on top of ", " on the baseline"):
+                label = label.split(where, 1)[0]
+            ledger.append({"phase": name.split(":")[0], "names": label.split(" + "), "kept": True, "comparisons": [c]})
+    return ledger
 
 
 def _at(step_ms: float | None, items: Any, unit: Any, flops: Mapping[str, Any]) -> dict[str, Any]:

@@ -306,7 +306,8 @@ def optimize(
     title = recipe.report.get("title") or (f"speedkit ladder: {recipe.path.name}" if recipe.path else "speedkit ladder")
     formats = tuple(recipe.report.get("formats", ("json", "md", "html")))
     measure = recipe.measure
-    ladder = SpeedLadder(rungs=recipe.ladder, trials=True, measure=measure, stop_after_holds=True, on_event=on_event)
+    # an explicit request for trials: they run whatever the planned run's length (it is the run to be made fast)
+    ladder = SpeedLadder(rungs=recipe.ladder, trials="always", measure=measure, stop_after_holds=True, on_event=on_event)
     planned = recipe.trainer.get("max_steps")  # the run the recipe describes, not this short fit
     ladder.planned_steps = planned if isinstance(planned, int) and planned > 0 else None
     ladder.trace_dir = out_dir / "traces"  # the profile's traces of the baseline and the final configuration, beside the report

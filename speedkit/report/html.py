@@ -125,7 +125,7 @@ def _headline(d: dict[str, Any]) -> str:
 
 
 def _attribution(d: dict[str, Any]) -> str:
-    a = d.get("attribution")
+    a = figures_of(d).get("attribution")
     rows_in = [r for r in (a or {}).get("rungs") or [] if isinstance(r, dict)]
     if not rows_in:
         return _note(f"Attribution: {NOT_MEASURED}.")

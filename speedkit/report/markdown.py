@@ -337,7 +337,7 @@ def _profile_sections(d: dict[str, Any]) -> list[str]:
     report without them (schema 2, or a run that did not profile) gets one line saying so."""
     p = d.get("profile") or {}
     windows = [w for w in p.get("windows") or [] if isinstance(w, dict)]
-    attribution = d.get("attribution") or {}
+    attribution = figures_of(d).get("attribution") or {}
     syncs = p.get("host_syncs") if isinstance(p.get("host_syncs"), dict) else {}
     if not windows and not attribution.get("rungs") and not syncs:
         note = f" ({_escape(p['note'])})" if p.get("note") else ""
