@@ -265,12 +265,12 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         elif args.tiny:
             ladder = SpeedLadder(
                 [{"name": "compile", "options": {"backend": "eager"}}, "fsdp_reshard", "fsdp_prefetch", "fused_optimizer"],
-                trials=True,
+                trials="always",
                 on_event=on_event,
                 cache=False,
             )
         else:
-            ladder = SpeedLadder(on_event=on_event, cache=False)
+            ladder = SpeedLadder(trials="always", on_event=on_event, cache=False)
     module = ShardedLlama("tiny" if args.tiny else "1b", "sdpa" if switches else None, switches and not args.tiny, device)
     params = sum(p.numel() for p in module.parameters())
     # rungs given by hand: the fit is ready at once (the timer waits for trials only where there are some)

@@ -53,7 +53,7 @@ def ladder_report(name: str, out: Path) -> None:
     folder = out / name
     ladder = SpeedLadder(
         plan.ladder(),
-        trials=True,
+        trials="always",
         measure=plan.measure,
         report_dir=folder,
         on_event=lambda line: print(f"  [{name}] {line}", flush=True),

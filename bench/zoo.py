@@ -243,7 +243,10 @@ def fit_variant(entry: ZooModel, variant: str, plan: Plan, res: Results) -> tupl
     ladder = None
     if variant == "speedkit":
         ladder = SpeedLadder(
-            plan.ladder(), trials=True, measure=plan.measure, on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True)
+            plan.ladder(),
+            trials="always",
+            measure=plan.measure,
+            on_event=lambda line: print(f"  [{entry.name}] {line}", flush=True),
         )
     elif variant == "rungs":
         ladder = SpeedLadder(

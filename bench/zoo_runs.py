@@ -620,8 +620,8 @@ def main() -> None:
         "--max-steps",
         type=int,
         default=None,
-        help="the Trainer's max_steps, what the fit plans (the trials' budget reads it; the fit stops once timed) "
-        "(default 1000; --tiny 200)",
+        help="the Trainer's max_steps, what the fit plans (the trials' budget reads it, and a fit under ten times the "
+        "budget runs no trials; the fit stops once timed) (default 100000: a fit of hours, as these models are trained)",
     )
     parser.add_argument(
         "--time-guard-s", type=float, default=300.0, help="wall seconds a fit may run after its train start (default 300)"
@@ -650,7 +650,7 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (4 if args.tiny else 50)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
-    args.max_steps = args.max_steps or (200 if args.tiny else 1000)
+    args.max_steps = args.max_steps or 100_000
     names = args.models.split(",")
     unknown = [n for n in names if n not in ZOO]
     if unknown:

@@ -63,7 +63,7 @@ def main() -> None:
     before = BeforeTrials()
     callbacks: list[pl.Callback] = [before]
     if "--no-speedkit" not in sys.argv:
-        ladder = SpeedLadder(measure={**QUICK, "budget_s": 60.0}, report_dir=report_dir, cache=False)
+        ladder = SpeedLadder(trials="always", measure={**QUICK, "budget_s": 60.0}, report_dir=report_dir, cache=False)
 
         def on_event(line: str) -> None:  # the signal is sent once a line is read: look before printing it
             if RUNG_BEGINS.match(line) and ladder._ladder is not None and ladder._ladder.stop.received:

@@ -147,7 +147,7 @@ def test_with_micro_batch_the_trials_train_as_both_given_by_hand():
     from test_fsdp import QUICK, forced
 
     with forced("kept"):
-        tried = SpeedLadder(rungs=["micro_batch", "activation_checkpointing"], trials=True, measure=QUICK, cache=False)
+        tried = SpeedLadder(rungs=["micro_batch", "activation_checkpointing"], trials="always", measure=QUICK, cache=False)
         trained = _lightning_fit([tried])
     kept = [{"name": r.name, "options": r.options} for r in tried.result.kept]
     assert sorted(k["name"] for k in kept) == ["activation_checkpointing", "micro_batch"], tried.result.rungs

@@ -377,7 +377,7 @@ def test_trials_in_a_lightning_fit_then_training_matches(forced, monkeypatch):
         monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
     plain, trained = Probe(), Probe()
     _fit([plain], max_steps=6)
-    ladder = SpeedLadder(rungs=[ChannelsLastRung()], trials=True, measure=QUICK)
+    ladder = SpeedLadder(rungs=[ChannelsLastRung()], trials="always", measure=QUICK)
     model, _ = _fit([ladder, trained], max_steps=6)
     entry = ladder.result.rungs[1]
     assert entry.name == "channels_last" and entry.status in ("kept", "reverted"), (entry.status, entry.reason)

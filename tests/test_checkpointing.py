@@ -97,7 +97,7 @@ def _fresh_dynamo(monkeypatch):
 
 
 def test_a_checkpointed_model_keeps_compile_and_trains_as_with_it_given_by_hand():
-    ladder = SpeedLadder(rungs=["compile"], trials=True, measure=QUICK, cache=False)
+    ladder = SpeedLadder(rungs=["compile"], trials="always", measure=QUICK, cache=False)
     _, losses = _fit(ladder)
     entry = next(r for r in ladder.result.rungs if r.name == "compile")
     assert entry.status == "kept", entry.reason
@@ -114,7 +114,9 @@ def test_a_reentrant_checkpoint_is_compiled_too_and_what_dynamo_did_is_reported(
     """The reentrant form (an autograd.Function whose backward runs the forward again): Dynamo traces
     it (torch 2.14; a version that cannot breaks the graph there, and the report names the break);
     compile applies, numerics as eager, its graphs and breaks reported."""
-    ladder = SpeedLadder(rungs=[{"name": "compile", "options": {"backend": "eager"}}], trials=True, measure=QUICK, cache=False)
+    ladder = SpeedLadder(
+        rungs=[{"name": "compile", "options": {"backend": "eager"}}], trials="always", measure=QUICK, cache=False
+    )
     _fit(ladder, reentrant=True, max_steps=2)
     entry = next(r for r in ladder.result.rungs if r.name == "compile")
     assert entry.status in ("kept", "reverted") and entry.parity.passed, entry.reason

@@ -108,7 +108,7 @@ def ddp_graph_fit(out: str, mode: str) -> None:
         "trials": [
             SpeedLadder(
                 rungs=["ddp_static_graph", "cuda_graph"],
-                trials=True,
+                trials="always",
                 measure={"warmup": 2, "steps": 4, "repeats": 2, "parity_steps": 3, "budget_s": 60},
                 report_dir=f"{out}/report",
             )

@@ -655,7 +655,7 @@ def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
     spec = {"name": "data_path", "options": {"workers": workers}}
     if mode == "trials":
         monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
-        return SpeedLadder(rungs=[spec], trials=True, measure=QUICK)
+        return SpeedLadder(rungs=[spec], trials="always", measure=QUICK)
     return SpeedLadder(rungs=[spec])
 
 

@@ -147,7 +147,9 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results["shards"] = [(type(p).__name__, tuple(distributed.local_shard(p).shape), tuple(p.shape)) for p in plain.parameters()]
     with forced("kept"):  # real rungs stay on
         # profiled: the final configuration's profile, each rank's collectives in it
-        tried = SpeedLadder(rungs=["gc_freeze", "fused_optimizer"], trials=True, measure={**QUICK, "profile": True}, cache=False)
+        tried = SpeedLadder(
+            rungs=["gc_freeze", "fused_optimizer"], trials="always", measure={**QUICK, "profile": True}, cache=False
+        )
         tried_module = _fit([tried])
         results["tried"], results["tried_opt"] = tried_module.params_after, tried_module.opt_state
     result = tried.result
@@ -161,7 +163,7 @@ def fsdp_worker(rank: int, port: int, out: str) -> None:
     results["by_hand"], results["by_hand_opt"] = by_hand_module.params_after, by_hand_module.opt_state
     results["by_hand_applied"] = sorted(by_hand.applied_changes)
 
-    failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials=True, measure=QUICK, cache=False)
+    failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials="always", measure=QUICK, cache=False)
     results["failing"] = _fit([failing]).params_after
     entry = next(r for r in failing.result.rungs if r.name == "fails_on_rank_one")
     results["failing_entry"] = (entry.status, entry.reason)
@@ -259,7 +261,7 @@ def fsdp_rungs_worker(rank: int, port: int, out: str) -> None:
     results["plain"], results["plain_settings"] = plain.params_after, plain.settings
     for verdict in ("reverted", "kept"):
         with forced(verdict):
-            tried = SpeedLadder(rungs=[*SHARDING_RUNGS, COMPILE], trials=True, measure=QUICK, cache=False)
+            tried = SpeedLadder(rungs=[*SHARDING_RUNGS, COMPILE], trials="always", measure=QUICK, cache=False)
             module = _recorded_fit([tried])
         results[verdict] = (module.params_after, module.opt_state, module.settings)
         results[f"{verdict}_entries"] = {r.name: (r.status, r.reason, list(r.changes)) for r in tried.result.rungs}

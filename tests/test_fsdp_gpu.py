@@ -64,7 +64,7 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
     with forced("kept"):
         tried = SpeedLadder(  # QUICK: no minimum gain, every rung timed (the forced decision keeps what is timed)
             rungs=["gc_freeze", "fused_optimizer", "fsdp_mixed_precision", "fsdp_reshard"],
-            trials=True,
+            trials="always",
             measure=QUICK,
             cache=False,
         )
@@ -73,7 +73,7 @@ def fsdp1_worker(rank: int, port: int, out: str) -> None:
     results["reasons"] = {r.name: r.reason for r in tried.result.rungs if r.status == "not_applicable"}
     results["strategy"] = tried.result.run["strategy"]
     results["by_hand"] = fit([SpeedLadder(rungs=results["kept"])]).params_after
-    failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials=True, measure=QUICK, cache=False)
+    failing = SpeedLadder(rungs=[FailsOnRankOne(), "gc_freeze"], trials="always", measure=QUICK, cache=False)
     results["failing"] = fit([failing]).params_after
     entry = next(r for r in failing.result.rungs if r.name == "fails_on_rank_one")
     results["failing_entry"] = (entry.status, entry.reason)

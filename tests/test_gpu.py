@@ -168,7 +168,7 @@ def test_trials_in_a_trainer_on_cuda_restore_everything_and_time_the_fit():
     torch.manual_seed(0)
     model = NaiveGPT("mini")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ladder = SpeedLadder(measure={**FAST, "holds_windows": 2, "telemetry": True})
+    ladder = SpeedLadder(trials="always", measure={**FAST, "holds_windows": 2, "telemetry": True})
     trainer = pl.Trainer(
         accelerator="gpu",
         devices=1,

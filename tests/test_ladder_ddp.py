@@ -124,7 +124,7 @@ def ddp_fit(out: str, trials: bool, resume: str | None = None, all_three: bool =
 
     ladder = SpeedLadder(
         rungs=["gc_freeze"] if all_three else ["gc_freeze", FailsOnRank1(), OutOfMemoryOnRank1()],
-        trials=True,
+        trials="always",
         measure=QUICK,
         report_dir=f"{out}/report",
     )

@@ -136,7 +136,7 @@ def _explicit(result):
 def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_explicitly(forced, monkeypatch, no_interpreter):
     if forced:  # real trials and restores; only the keep decision is fixed, so real rungs stay on
         monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
-    with_trials, recorded = SpeedLadder(measure=QUICK), Recorder()
+    with_trials, recorded = SpeedLadder(trials="always", measure=QUICK), Recorder()
     model, trainer = _fit_user_model(with_trials, recorded)
     result = with_trials.result
     assert result is not None and result.interrupted is None
@@ -166,7 +166,7 @@ def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_
 def test_trials_leave_the_data_order_of_a_persistent_workers_loader(no_interpreter):
     plain, with_trials = Recorder(), Recorder()
     _fit_user_model(SpeedLadder(rungs=[]), plain, workers=1, max_steps=3)
-    _fit_user_model(SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK), with_trials, workers=1, max_steps=3)
+    _fit_user_model(SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK), with_trials, workers=1, max_steps=3)
     assert all(torch.equal(a, b) for a, b in zip(plain.first_rows, with_trials.first_rows)) and len(plain.first_rows) == 12
 
 
@@ -215,7 +215,7 @@ def test_trials_put_back_the_generators_of_every_combined_loader():
         return model.losses[-trainer.global_step :]
 
     plain = fit([])
-    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)])
+    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK)])
     assert len(plain) == 16 and with_trials == plain
 
 
@@ -250,7 +250,7 @@ def test_trials_on_padded_batches_time_both_configurations_on_the_same_batches(n
     from speedkit.report import write_report
 
     ladder = SpeedLadder(
-        rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True}, report_dir=tmp_path / "report"
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "profile": True}, report_dir=tmp_path / "report"
     )
     _trainer([ladder, SpeedProfiler()], max_steps=4).fit(_PaddedSequences())
     assert ladder.result is not None and "same batches" in ladder.result.run["batch_shapes"]
@@ -287,7 +287,9 @@ class StepWallTimes(pl.Callback):
 def test_the_report_is_written_beside_the_fit_and_no_step_after_the_trials_stalls(tmp_path):
     """On an H200 the report, written inside the step where the fit check ended, stopped the fit 1.4-3.6 s
     (0.3 s on a CPU, most of it matplotlib). It is written on a thread of its own; the fit ends with it whole."""
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "profile": True}, report_dir=tmp_path / "r")
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "profile": True}, report_dir=tmp_path / "r"
+    )
     walls = StepWallTimes(ladder)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a stall, not two intra-op threads spinning against the report's process on 2 cores
@@ -345,7 +347,7 @@ def test_nothing_is_left_behind(when, error, raised, no_interpreter, monkeypatch
     before = _model_fingerprint(model)
     sigterm_before = signal.getsignal(signal.SIGTERM)
     ladder = SpeedLadder(
-        rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}], trials=True, measure=QUICK
+        rungs=["fused_optimizer", {"name": "compile", "options": {"backend": "eager"}}], trials="always", measure=QUICK
     )
 
     class RaiseInTraining(pl.Callback):
@@ -437,7 +439,9 @@ def test_user_compile_is_left_alone():
 
 
 def test_the_fit_check_times_the_real_steps_after_the_trials(no_interpreter):
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2}
+    )
     _fit_user_model(ladder, max_steps=8)
     holds = ladder.result.holds
     assert holds is not None and holds.fit is not None and len(holds.fit.window_ms) == 2
@@ -467,7 +471,9 @@ def test_the_fit_check_leaves_out_windows_in_which_torch_compile_compiled(monkey
     """On the H100 a compiled Hugging Face GPT-2 met, in the fit, a sequence length outside the
     range its graphs covered: one compilation of about 25 s in the check's first windows read as a
     step 57x slower than the trials. Such a window is left out and another timed in its place."""
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2}
+    )
     compiles = _Compiles(monkeypatch, at={9})  # 4 micro-batches a step: warm-up step 1, windows (2, 3) (4, 5) (6, 7)
     _fit_user_model(ladder, compiles, max_steps=12)
     holds = ladder.result.holds
@@ -478,7 +484,9 @@ def test_the_fit_check_leaves_out_windows_in_which_torch_compile_compiled(monkey
 
 
 def test_the_fit_check_names_compilation_where_every_window_compiled(monkeypatch, no_interpreter):
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2}
+    )
     compiles = _Compiles(monkeypatch, at=None)
     _fit_user_model(ladder, compiles, max_steps=12)
     holds = ladder.result.holds
@@ -491,7 +499,9 @@ def test_the_fit_check_names_compilation_where_every_window_compiled(monkeypatch
 
 
 def test_a_fit_that_ends_in_a_compiling_window_does_not_call_it_every_window(monkeypatch, no_interpreter):
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 1})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 1}
+    )
     compiles = _Compiles(monkeypatch, at={5})
     _fit_user_model(ladder, compiles, max_steps=3)  # warm-up step 1, one window (2, 3): it compiled
     holds = ladder.result.holds
@@ -528,7 +538,9 @@ def test_the_fit_check_names_the_hook_that_takes_the_time_between_steps(user_pro
 
     slow = _SlowBatchEnd()
     monkeypatch.setattr(_HoldsProbe, "host_clock", staticmethod(slow.clock))
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2}
+    )
     profiler = SimpleProfiler() if user_profiler else None
     _, trainer = _fit_user_model(ladder, slow, max_steps=8, profiler=profiler)
     holds = ladder.result.holds
@@ -560,7 +572,9 @@ def test_the_fit_check_counts_the_steps_lightning_takes_at_an_epochs_short_end(m
         return ended(self, step_done)
 
     monkeypatch.setattr(_HoldsProbe, "batch_ended", record)
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 3})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 3}
+    )
     _fit_user_model(ladder, Steps(), max_steps=12, limit_train_batches=7)
     assert len(seen) >= 8
     steps = [global_step for _, global_step in seen]
@@ -578,7 +592,9 @@ def test_the_fit_check_gives_the_profiler_back_when_the_fit_fails(monkeypatch, n
             if trainer.global_step >= 2:
                 raise RuntimeError("the user's callback failed")
 
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2})
+    ladder = SpeedLadder(
+        rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2, "holds_windows": 2}
+    )
     pl.seed_everything(0, verbose=False)
     trainer = _trainer([ladder, Fails()], max_steps=8, **USER_RUN)
     with pytest.raises(RuntimeError, match="the user's callback failed"):
@@ -601,20 +617,20 @@ def test_the_fit_check_waits_out_the_warm_up_kept_rungs_need_in_the_fit(monkeypa
         return handle
 
     monkeypatch.setattr(FusedOptimizerRung, "apply", settling)
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 1, "steps": 2})
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 1, "steps": 2})
     _fit_user_model(ladder, max_steps=5)
     assert ladder.result.holds.fit is None
     assert "needs 6 (the kept rungs' warm-up + measure.steps)" in ladder.result.holds.note
 
 
 def test_a_fit_too_short_to_time_says_so(no_interpreter):
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure={**QUICK, "warmup": 3, "steps": 5})
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always", measure={**QUICK, "warmup": 3, "steps": 5})
     _fit_user_model(ladder, max_steps=2)
     assert ladder.result.holds.fit is None and "needs 8" in ladder.result.holds.note
 
 
 def test_one_callback_serves_two_fits_then_a_manual_optimization_one(no_interpreter):
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK)
     for _ in range(2):  # the second fit runs its own trials; nothing of the first is applied again
         model, _ = _fit_user_model(ladder, max_steps=2)
         assert ladder.result is not None and ladder.applied == [] and model.opt.param_groups[0]["fused"] is None
@@ -692,7 +708,10 @@ def test_state_dict_round_trip_tolerates_missing_keys():
 def test_the_callback_pickles_for_strategies_that_spawn_their_processes():
     """``strategy="ddp_spawn"`` pickles the Trainer's callbacks into each process it starts (a
     lambda as the default progress log made that fail before the fit began)."""
-    for ladder in (SpeedLadder(), SpeedLadder(rungs=["tf32", {"name": "compile", "options": {"mode": "default"}}])):
+    for ladder in (
+        SpeedLadder(trials="always"),
+        SpeedLadder(rungs=["tf32", {"name": "compile", "options": {"mode": "default"}}]),
+    ):
         copy = pickle.loads(pickle.dumps(ladder))
         assert [r.name for r in copy.rungs] == [r.name for r in ladder.rungs] and copy.trials == ladder.trials
         assert copy.on_event is ladder.on_event  # the module-level default, by reference
@@ -702,7 +721,7 @@ def test_bad_arguments_fail_at_construction():
     with pytest.raises(ConfigError, match=r"rungs\[0\]"):
         SpeedLadder(rungs=["warp_drive"])
     with pytest.raises(ConfigError, match=r"measure\.steps"):
-        SpeedLadder(measure={"steps": 0})
+        SpeedLadder(trials="always", measure={"steps": 0})
 
 
 def test_step_timer_times_windows_after_warmup():
@@ -895,7 +914,7 @@ def test_trials_leave_a_torchmetrics_metric_updated_in_training_step_as_it_was(m
         return model.updates_at_epoch_end, float(trainer.callback_metrics["acc_epoch"])
 
     plain = fit([])
-    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK)])
+    with_trials = fit([SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK)])
     assert plain[0] == [5, 5] and with_trials == plain
 
 
@@ -903,7 +922,7 @@ def test_a_callback_serving_a_second_fit_reports_that_fits_rungs_only(monkeypatc
     """A rung kept in the first fit and reverted in the second was still listed as applied (in
     ``applied_changes`` and in the checkpoint's ``state_dict()``) after the second fit. Without the
     decision cache: with it, the second fit re-checks the first fit's decision instead of deciding."""
-    ladder = SpeedLadder(rungs=["fused_optimizer"], trials=True, measure=QUICK, cache=False)
+    ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK, cache=False)
     for decision in ("kept", "reverted"):
         monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest, d=decision: (d, "forced by the test"))
         _fit_user_model(ladder, max_steps=2)

@@ -116,7 +116,7 @@ def _fit(ladder: SpeedLadder, max_steps: int = 8) -> tuple[GAN, pl.Trainer]:
 def test_a_manual_optimization_gan_keeps_a_measured_rung_and_trains_as_with_it_given_by_hand(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ladder = SpeedLadder(
-        rungs=["batched", "cuda_graph", "micro_batch", "fused_optimizer"], trials=True, measure=QUICK, cache=False
+        rungs=["batched", "cuda_graph", "micro_batch", "fused_optimizer"], trials="always", measure=QUICK, cache=False
     )
     model, trainer = _fit(ladder)
     result = ladder.result
@@ -150,7 +150,7 @@ def test_the_trials_put_both_optimizers_back():
     """Trials step both Adams many times; the fit after them starts from the state before them: its
     losses are those of a fit without speedkit."""
     plain, _ = _fit(SpeedLadder(rungs=[]))
-    tried, _ = _fit(SpeedLadder(rungs=["gc_freeze"], trials=True, measure=QUICK, cache=False))
+    tried, _ = _fit(SpeedLadder(rungs=["gc_freeze"], trials="always", measure=QUICK, cache=False))
     assert plain.losses == tried.losses and len(plain.losses) == 8
 
 
@@ -210,7 +210,7 @@ def test_a_rung_failing_between_toggle_and_untoggle_leaves_the_fit_training_as_w
     discriminator's parameters without gradients (its untoggle never ran), and the fit after the trials
     failed with "element 0 of tensors does not require grad". The snapshot puts requires_grad back."""
     plain, _ = _fit(SpeedLadder(rungs=[]))
-    ladder = SpeedLadder(rungs=[_BreaksTheDiscriminator()], trials=True, measure=QUICK, cache=False)
+    ladder = SpeedLadder(rungs=[_BreaksTheDiscriminator()], trials="always", measure=QUICK, cache=False)
     tried, _ = _fit(ladder)
     entry = next(r for r in ladder.result.rungs if r.name == "breaks_the_discriminator")
     assert entry.status == "failed" and "the discriminator broke" in entry.reason
@@ -223,7 +223,7 @@ def test_manual_optimization_across_processes_runs_no_trials_and_says_why():
     nothing applied, the fit goes on as set up."""
     from types import SimpleNamespace
 
-    ladder = SpeedLadder(cache=False)
+    ladder = SpeedLadder(trials="always", cache=False)
     module = GAN()
     trainer = SimpleNamespace(world_size=2)
     with pytest.warns(UserWarning, match="manual optimization across 2 processes"):

@@ -243,7 +243,7 @@ def test_the_ladder_judges_merged_micro_batches_and_the_fit_keeps_its_samples():
         "final_check": False,
         "switches_floor": False,
     }
-    ladder = SpeedLadder(rungs=["micro_batch"], trials=True, measure=measure)
+    ladder = SpeedLadder(rungs=["micro_batch"], trials="always", measure=measure)
     got, trainer = _fit([ladder])
     entry = next(r for r in ladder.result.rungs if r.name == "micro_batch")
     assert entry.status in ("kept", "reverted"), entry.reason  # it passed parity: a decision on speed

@@ -563,7 +563,7 @@ def test_with_merged_micro_batches_the_fallback_splits_them_and_trains_like_the_
         assert _close(a, b), step
     trials = SpeedLadder(
         rungs=["micro_batch"],
-        trials=True,
+        trials="always",
         measure={
             "warmup": 1,
             "steps": 2,

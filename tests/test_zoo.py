@@ -340,7 +340,7 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
     module, loader = entry.build("tiny", **expect.options)
     before, attrs_before, flags_before = _model_fingerprint(module), _library_attrs(module), _global_flags()
     pickled_before = _pickles(module)  # a library's own hook may hold a closure (transformers' checkpointing does)
-    ladder, probe = SpeedLadder(LADDER, trials=True, measure=QUICK), Probe()
+    ladder, probe = SpeedLadder(LADDER, trials="always", measure=QUICK), Probe()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=MAX_STEPS,
