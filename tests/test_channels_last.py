@@ -264,7 +264,7 @@ def test_the_source_wrapper_delegates_all_but_the_layout():
 
 def test_a_plain_ladder_with_state_already_there_keeps_parity(monkeypatch):
     """The ladder restores a snapshot with optimizer state (contiguous) between trials: parity holds."""
-    monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+    monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
     state = _state("fused")
     source = state.data
     ladder = Ladder(state, [ChannelsLastRung()], QUICK)
@@ -374,7 +374,7 @@ def test_given_rung_in_a_lightning_fit_converts_inputs_and_is_undone_at_teardown
 @pytest.mark.parametrize("forced", [True, False], ids=["kept-forced", "real-decision"])
 def test_trials_in_a_lightning_fit_then_training_matches(forced, monkeypatch):
     if forced:
-        monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
     plain, trained = Probe(), Probe()
     _fit([plain], max_steps=6)
     ladder = SpeedLadder(rungs=[ChannelsLastRung()], trials="always", measure=QUICK)

@@ -24,7 +24,6 @@ from speedkit.data.choose import choose_settings, loader_rate
 from speedkit.data.prefetch import DevicePrefetcher, PrefetchingLoader
 from speedkit.data.settings import LoaderSettings, rebuild_loader
 from speedkit.data.workers import worker_dependence
-from speedkit.engine.ladder import Ladder
 from speedkit.errors import ConfigError
 from speedkit.lightning import SpeedLadder
 from speedkit.lightning import data as lightning_data
@@ -654,7 +653,7 @@ def data_path_ladder(mode: str, workers: int, monkeypatch) -> SpeedLadder:
     "trials" runs real trials and restores, only the keep decision fixed."""
     spec = {"name": "data_path", "options": {"workers": workers}}
     if mode == "trials":
-        monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
         return SpeedLadder(rungs=[spec], trials="always", measure=QUICK)
     return SpeedLadder(rungs=[spec])
 

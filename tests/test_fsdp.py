@@ -128,16 +128,15 @@ def forced(verdict: str) -> Iterator[None]:
     """Every decision of the trials forced to ``verdict`` ("kept": the real rungs stay on): the ladder's
     own and the leave-one-out of a group kept together, which would otherwise time each member out of
     it (on a CPU compile by aot_eager was timed slower than without it in one run of three)."""
-    from speedkit.engine import second_look
-    from speedkit.engine.ladder import Ladder
+    from speedkit.engine import comparison, second_look
 
-    decide, leave_one_out = Ladder.decide, second_look.leave_one_out
-    Ladder.decide = lambda self, paired, *rest: (verdict, "forced by the test")
+    decide, leave_one_out = comparison.decide, second_look.leave_one_out
+    comparison.decide = lambda cfg, paired, *rest: (verdict, "forced by the test")
     second_look.leave_one_out = lambda ladder, names: []
     try:
         yield
     finally:
-        Ladder.decide, second_look.leave_one_out = decide, leave_one_out
+        comparison.decide, second_look.leave_one_out = decide, leave_one_out
 
 
 def fsdp_worker(rank: int, port: int, out: str) -> None:

@@ -2126,7 +2126,9 @@ def test_a_rewrite_is_judged_at_full_precision_with_the_rungs_that_compile_or_ca
     """Beneath compile each configuration of the full-precision check compiled anew (on an H200, 20 s a
     graph): the check runs the rewrite's arithmetic alone, the precision rungs and those that compile
     or replay the step (``off_at_full_precision``) off, with the rewrite on, then off."""
-    monkeypatch.setattr("speedkit.engine.trial.decide", lambda cfg, paired, memory_comparable=True: ("kept", "kept by the test"))
+    monkeypatch.setattr(
+        "speedkit.engine.comparison.decide", lambda cfg, paired, memory_comparable=True: ("kept", "kept by the test")
+    )
     time, flags, log = VirtualTime(), SimpleNamespace(), []
     state = timed_state(time)
     state.step = LogStep(state.step, flags, log)

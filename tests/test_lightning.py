@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from speedkit.demos import NaiveGPT, SyntheticTokens
-from speedkit.engine.ladder import Ladder
 from speedkit.errors import ConfigError
 from speedkit.lightning import SpeedLadder, StepTimer
 from speedkit.rungs.compile import GuardedForward
@@ -135,7 +134,7 @@ def _explicit(result):
 @pytest.mark.parametrize("forced", [True, False], ids=["kept-rungs-forced", "real-decisions"])
 def test_trials_in_the_users_trainer_then_training_matches_the_kept_rungs_given_explicitly(forced, monkeypatch, no_interpreter):
     if forced:  # real trials and restores; only the keep decision is fixed, so real rungs stay on
-        monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+        monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
     with_trials, recorded = SpeedLadder(trials="always", measure=QUICK), Recorder()
     model, trainer = _fit_user_model(with_trials, recorded)
     result = with_trials.result
@@ -341,7 +340,7 @@ def _assert_untouched(model, before, values=True):
     ids=["exception-in-trial", "ctrl-c-in-trial", "sigterm-in-trial", "exception-in-training"],
 )
 def test_nothing_is_left_behind(when, error, raised, no_interpreter, monkeypatch):
-    monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+    monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
     pl.seed_everything(0, verbose=False)
     model = UserModel()
     before = _model_fingerprint(model)
@@ -608,7 +607,7 @@ def test_the_fit_check_waits_out_the_warm_up_kept_rungs_need_in_the_fit(monkeypa
     read as +230%); the check's warm-up is the longer of measure.warmup and the kept rungs' settle."""
     from speedkit.rungs.fused_optimizer import FusedOptimizerRung
 
-    monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("kept", "forced by the test"))
+    monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
     apply = FusedOptimizerRung.apply
 
     def settling(self, state):
@@ -889,7 +888,7 @@ def test_trials_leave_a_torchmetrics_metric_updated_in_training_step_as_it_was(m
     nor a buffer: the trials' batches accumulated into its state and counted in the first epoch's
     value (train_acc_epoch 0.256 against the plain fit's 0.300)."""
     torchmetrics = pytest.importorskip("torchmetrics")
-    monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest: ("reverted", "forced by the test"))
+    monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("reverted", "forced by the test"))
 
     class WithAccuracy(UserModel):
         def __init__(self):
@@ -924,7 +923,7 @@ def test_a_callback_serving_a_second_fit_reports_that_fits_rungs_only(monkeypatc
     decision cache: with it, the second fit re-checks the first fit's decision instead of deciding."""
     ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always", measure=QUICK, cache=False)
     for decision in ("kept", "reverted"):
-        monkeypatch.setattr(Ladder, "decide", lambda self, paired, *rest, d=decision: (d, "forced by the test"))
+        monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest, d=decision: (d, "forced by the test"))
         _fit_user_model(ladder, max_steps=2)
         assert [r.name for r in ladder.result.kept] == (["fused_optimizer"] if decision == "kept" else [])
         assert list(ladder.applied_changes) == list(ladder.state_dict()["applied"]) == [r.name for r in ladder.result.kept]

@@ -296,7 +296,9 @@ def _linear_without_bias(module: nn.Linear):
 
 def _keep_every_rung(monkeypatch):
     """Decisions on timing are not what these tests are about: every measured rung is kept."""
-    monkeypatch.setattr(Ladder, "decide", lambda self, paired, memory_comparable=True: ("kept", "kept by the test"))
+    monkeypatch.setattr(
+        "speedkit.engine.comparison.decide", lambda cfg, paired, memory_comparable=True: ("kept", "kept by the test")
+    )
 
 
 def _rungs_under(under: str, rung: Rung) -> list[Rung]:

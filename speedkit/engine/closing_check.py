@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.comparison import compare, decide, record
+from speedkit.engine import comparison
+from speedkit.engine.comparison import compare, record
 from speedkit.errors import first_line
 from speedkit.results import RungResult
 
@@ -43,7 +44,7 @@ def closing_check(ladder: Trials, reference: list[float]) -> list[float]:
                 slot.rung.name,
                 shared_batches=ladder.stack.shares_batches(),
             )
-            status, why = decide(ladder.cfg, paired)
+            status, why = comparison.decide(ladder.cfg, paired)
         except Exception as exc:  # put the configuration back and say why the check failed
             ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
             paired, status, why = None, "failed", f"{type(exc).__name__}: {first_line(exc)}"

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from speedkit.engine import switches
+from speedkit.engine import comparison, switches
 from speedkit.engine.comparison import compare, link_of, record, revert
 from speedkit.engine.profile_run import profile_configurations
 from speedkit.errors import first_line
@@ -62,7 +62,7 @@ def confirm(ladder: Trials, base_ms: float, pace_ms: float) -> None:
     check = result.final_check
     if check is None:
         _without_a_check(ladder)
-    elif check.verdict != "faster":
+    elif comparison.decide(ladder.cfg, check)[0] != "kept":
         fall_back(ladder, check)
     elif _untimed_floor(ladder):
         _floor_from_the_check(ladder, check)

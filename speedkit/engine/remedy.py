@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.comparison import compare, decide, record
+from speedkit.engine import comparison
+from speedkit.engine.comparison import compare, record
 from speedkit.engine.second_look import judge_inserted
 from speedkit.engine.stack import RungProblem, agreed_problem, kept_entry
 from speedkit.errors import first_line
@@ -77,7 +78,7 @@ def try_remedy(ladder: Trials, group: list[Rung], reference: list[float]) -> tup
             problem = agreed_problem(ladder.slots[i].handle)
             if problem:
                 raise RungProblem(problem)
-        status, why = decide(ladder.cfg, paired, all(r.memory_comparable for r in tried))
+        status, why = comparison.decide(ladder.cfg, paired, all(r.memory_comparable for r in tried))
     except Exception as exc:
         ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         status, why = "failed", str(exc) if isinstance(exc, RungProblem) else f"{type(exc).__name__}: {first_line(exc)}"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from speedkit.engine.comparison import compare, decide, record
+from speedkit.engine import comparison
+from speedkit.engine.comparison import compare, record
 from speedkit.engine.stack import RungProblem, agreed_problem
 from speedkit.errors import first_line
 from speedkit.measure.stats import describe
@@ -184,7 +185,7 @@ def look_again(ladder: Trials, group: list[Rung], reference: list[float], whole_
             problem = agreed_problem(ladder.slots[i].handle)
             if problem:
                 raise RuntimeError(problem)
-        status, why = decide(ladder.cfg, paired, all(r.memory_comparable for r in group))
+        status, why = comparison.decide(ladder.cfg, paired, all(r.memory_comparable for r in group))
         if len(group) == 1:
             ladder.last_comparison[group[0].name] = paired
     except Exception as exc:  # a rung's own report of a problem is said as it is, as in the climb
@@ -304,7 +305,7 @@ def leave_one_out(ladder: Trials, names: list[str]) -> list[str]:
         finally:
             ladder.stack.all_on()
             ladder.snapshot.restore()
-        if paired.verdict == "faster":
+        if comparison.decide(ladder.cfg, paired)[0] == "kept":  # shown to earn its place
             record(ladder, "leave-one-out", [name], True, None, f"the group without it is slower ({paired.speedup:.3f}x with it)")
             entry.reason = (
                 f"{entry.reason}; judged within its group: with it against the group without it{with_needing}: "

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from speedkit import config
+from speedkit.engine import comparison
 from speedkit.engine.budget import window_steps
 from speedkit.engine.comparison import compare, record, revert
 from speedkit.engine.stack import RungProblem, agreed_check, agreed_problem, kept_entry
@@ -213,7 +214,7 @@ def confirm_floor(ladder: Trials, row: RungResult | None) -> None:
         ladder.snapshot.restore()
     assert ladder.result is not None
     ladder.result.run["switches_check"] = asdict(paired)  # the final configuration against the floor
-    if paired.verdict != "faster":  # the tie goes to the floor
+    if comparison.decide(ladder.cfg, paired)[0] != "kept":  # not shown faster: the tie goes to the floor
         why = f"the final configuration with them on top was not shown faster than the switches ({describe(paired)})"
         revert(ladder, names, "the switches", f"{why}: the tie goes to the floor", paired)
         row.reason = (

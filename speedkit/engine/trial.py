@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speedkit.engine.comparison import compare, decide, record
+from speedkit.engine import comparison
+from speedkit.engine.comparison import compare, record
 from speedkit.engine.parity import dropout_off
 from speedkit.engine.stack import RungProblem, Slot, agreed_check, agreed_problem
 from speedkit.engine.timing import heartbeat
@@ -91,7 +92,7 @@ def try_rung(ladder: Trials, rung: Rung, reference: list[float]) -> tuple[RungRe
             ladder.last_comparison[rung.name] = paired
             ladder.judged.add(((rung.name,), tuple(s.rung.name for s in ladder.slots if s is not slot)))
             entry.measurement = paired.b
-            entry.status, entry.reason = decide(ladder.cfg, paired, rung.memory_comparable)
+            entry.status, entry.reason = comparison.decide(ladder.cfg, paired, rung.memory_comparable)
             if not rung.memory_comparable:
                 entry.changes.append("note: peak memory is not compared: " + rung.memory_note)
     except Exception as exc:
