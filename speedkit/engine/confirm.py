@@ -164,13 +164,15 @@ def _floor_from_the_check(ladder: Trials, check: PairedResult) -> None:
 
 
 def _floor_against_the_baseline(ladder: Trials) -> PairedResult | None:
-    """The floor's comparison with the baseline: the one made at the start, else timed now (the rungs on
-    top off), within the budget; its figure recorded as the floor's. None where it cannot be timed."""
+    """The floor's comparison with the baseline: the one made at the start where it decided the floor
+    faster, else timed now (the rungs on top off: an untimed floor, or one the start left undecided),
+    within the budget; its figure recorded as the floor's. None where it cannot be timed."""
     assert ladder.result is not None and ladder.snapshot is not None
     floor = [s.rung.name for s in ladder.slots if s.rung.name in ladder.floor]
     row = ladder.entry(floor[0]) if floor else None  # a switch's row: the floor's comparison against the baseline
-    if row is not None and row.comparison is not None and row.comparison.b is not None:
-        return row.comparison
+    earlier = row.comparison if row is not None else None
+    if earlier is not None and earlier.b is not None and comparison.decide(ladder.cfg, earlier)[0] == "kept":
+        return earlier  # decided faster at the start: as measured
     if not affordable(ladder, "the floor against the baseline", *ladder.steps_ms):
         return None
     ladder.phase = "the floor against the baseline"

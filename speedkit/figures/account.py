@@ -98,8 +98,8 @@ def chain_links(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     change belongs to: the rest of the same group where it survives, else the earliest link kept after
     the removed one (decided while it was in effect), else the first; a removal measured by no such
     comparison (the final check's, the fit's) leaves the others' figures as they are. So the links'
-    product telescopes through every change of the kept set. Where one link is left, and it was the first
-    kept (measured against the baseline itself), its own figure stands. Each link: ``names``, ``order``
+    product telescopes through every change of the kept set. Where one link is left, whole as it was kept,
+    and it was the first kept (measured against the baseline itself), its own figure stands. Each link: ``names``, ``order``
     (when kept), ``comparisons`` (its figure's factors), ``phase``."""
     links: list[dict[str, Any]] = []
     member: dict[str, dict[str, Any]] = {}
@@ -112,11 +112,11 @@ def chain_links(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 continue  # stands on the figure it has
             held = {id(member[n]) for n in kept}
             if kept and len(kept) == len(names) and len(held) == 1 and set(member[kept[0]]["names"]) == set(names):
-                member[kept[0]].update(comparisons=comparisons, own=comparisons, phase=decision.get("phase"))
+                member[kept[0]].update(comparisons=comparisons, own=comparisons, phase=decision.get("phase"), as_kept=list(names))
                 continue  # a whole link's figure, restated
             for n in kept:  # regrouped: they leave their links
                 _leave(links, member, n)
-            link = {"names": list(names), "order": i, "comparisons": comparisons, "own": comparisons}
+            link = {"names": list(names), "order": i, "comparisons": comparisons, "own": comparisons, "as_kept": list(names)}
             link["phase"] = decision.get("phase")
             links.append(link)
             for n in names:
@@ -141,9 +141,9 @@ def chain_links(ledger: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         target = survivors[0] if survivors else next((x for x in links if x["order"] > first_order), links[0] if links else None)
         if target is not None:
             target["comparisons"] = target["comparisons"] + residual
-    if len(links) == 1 and links[0]["order"] == min((x["order"] for x in links), default=0) and links[0].get("own"):
+    if len(links) == 1 and links[0].get("own") and set(links[0]["names"]) == set(links[0]["as_kept"]):
         first_kept = next((i for i, d in enumerate(ledger) if d.get("kept") and d.get("comparisons")), None)
-        if first_kept == links[0]["order"]:
+        if first_kept == links[0]["order"]:  # the whole link, as kept, measured against the baseline itself
             links[0]["comparisons"] = links[0]["own"]
     return links
 
