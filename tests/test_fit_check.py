@@ -93,7 +93,9 @@ def test_a_final_configuration_slower_in_the_fit_than_the_floor_goes_back_to_it_
     fused = next(r for r in result.rungs if r.name == "fused_optimizer")
     assert fused.status == "reverted" and "reverted in the fit" in fused.reason
     assert any(d.phase == "the fit check" and d.names == ["fused_optimizer"] and not d.kept for d in result.ledger)
-    assert result.run["fit_check_vs_floor"]["back_to_the_floor"] and result.run["fit_check_vs_floor"]["undone"] == ["fused_optimizer"]
+    assert result.run["fit_check_vs_floor"]["back_to_the_floor"] and result.run["fit_check_vs_floor"]["undone"] == [
+        "fused_optimizer"
+    ]
     # inside the same fit: fused in the fit's first steps, plain after the check; every planned step trained
     assert optimizer_fused[0] and not optimizer_fused[-1] and trainer.global_step == 8
     switched = optimizer_fused.index(False)
