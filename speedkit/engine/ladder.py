@@ -344,7 +344,7 @@ class Ladder:
         its planned optimizer steps at the step time of the baseline's parity reference (an upper bound:
         its first steps include first calls) under :data:`PAYBACK` times the trials' budget for that step."""
         planned = self.planned_steps
-        steps = len(self.parity.reference) // max(1, self.state.step.accumulate)
+        steps = len(self.parity.reference)  # optimizer steps (each of ``accumulate`` micro-batches)
         elapsed = self.host_clock() - self.baseline_started
         if not planned or steps <= 0 or elapsed <= 0:
             return None

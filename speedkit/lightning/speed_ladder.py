@@ -383,7 +383,7 @@ class SpeedLadder(Callback):
         self.handles = list(self._ladder.handles)
         # the trials decided every rung again: a record loaded from a resumed checkpoint is not this fit's
         self.applied_changes, self.skipped = {}, {}
-        for entry in self.result.rungs[1:]:
+        for entry in (r for r in self.result.rungs if r.status != "baseline"):
             if entry.status == "kept":
                 self.applied_changes[entry.name] = list(entry.changes)
             elif entry.status in ("not_applicable", "skipped", "failed"):
