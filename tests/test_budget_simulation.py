@@ -31,10 +31,11 @@ GAINS = {"gain5": 0.05, "gain10": 0.10, "none": 0.0}
 
 def _simulate(seed: int) -> dict:
     """One run of the default ladder settings on the virtual clock; what it kept and how long it took."""
-    import speedkit.engine.ladder as ladder_module
-    import speedkit.profile
     from conftest import mlp_state
     from fakes import SpeedRung, VirtualTime
+
+    import speedkit.engine.ladder as ladder_module
+    import speedkit.profile
     from speedkit.engine.ladder import Ladder
     from speedkit.profile import window as window_module
     from speedkit.profile.categories import CATEGORIES
@@ -114,3 +115,57 @@ def test_five_hundred_runs_of_the_default_budget_keep_what_pays_and_end_within_i
     assert share["none"] <= 0.05, share
     over = [run["over_s"] - run["window_s"] for run in runs]
     assert max(over) <= 0.0, f"{sum(o > 0 for o in over)} runs past the budget by more than a window (worst {max(over):.2f} s)"
+
+
+def test_a_two_thirds_of_a_second_step_gets_through_its_baseline_tolerances_and_floor_in_40_s():
+    """A checkpointed LM's fp32 step of 0.66 s spent 72 s on its baseline alone (three precisions' tolerances
+    at three draws each, five windows of three steps): a slow step gets the short forms (one draw, three
+    windows of two steps, comparison windows of two), and the baseline, the tolerances of fp32, tf32 and
+    bf16 and the floor (the user's switches, three times faster, timed against it) take under 40 s."""
+    from conftest import mlp_state
+    from fakes import SpeedRung, VirtualTime
+
+    import speedkit.engine.ladder as ladder_module
+    import speedkit.profile
+    from speedkit.engine.ladder import Ladder
+    from speedkit.profile import window as window_module
+    from speedkit.profile.categories import CATEGORIES
+    from speedkit.profile.window import ProfileWindow
+    from speedkit.training.step import StepWrapper
+
+    step_s = 0.66
+    time = VirtualTime(noise=0.02, seed=0)
+
+    class ConstantLoss(StepWrapper):
+        def __call__(self, batches, batch_idx):
+            time.spend(step_s)
+            time.steps += 1
+            return torch.tensor(1.0)
+
+    def fake_window(run_one, steps=3, label="", **kwargs):
+        time.spend(1.0 + steps * step_s)
+        return ProfileWindow(label or "window", steps, step_s * 1e3, {c: 0.0 for c in CATEGORIES} | {"gemm": 50.0}, "cpu")
+
+    saved = window_module.profile_window, speedkit.profile.profile_window, ladder_module.gc.collect
+    window_module.profile_window = speedkit.profile.profile_window = fake_window
+    ladder_module.gc.collect = lambda *a: 0
+    try:
+        state = mlp_state()
+        state.step = ConstantLoss(state.step)
+        autocast, compile_, tf32 = (
+            SpeedRung(n, time, step_s, c) for n, c in (("autocast", -0.4), ("compile", -0.27), ("tf32", -0.01))
+        )
+        autocast.precision, tf32.precision = "bf16", "tf32"
+        events: list[str] = []
+        ladder = Ladder(
+            state, [tf32, autocast, compile_], {"telemetry": False}, clock=time.clock(), host_clock=time, on_event=events.append
+        )
+        result = ladder.run()
+    finally:
+        window_module.profile_window, speedkit.profile.profile_window, ladder_module.gc.collect = saved
+    phases = result.run["budget"]["phases"]
+    assert set(result.parity_calibration) == {"fp32", "tf32", "bf16"}
+    assert all(c["seeds"] == 1 for c in result.parity_calibration.values())
+    assert result.floor == ["tf32", "autocast", "compile"] and any("a slow step" in e for e in events)
+    assert phases["the baseline"] + phases["the floor"] <= 40.0, phases  # here 12.6 s and 19.4 s
+    assert result.run["noise"]["window_steps"] == 2 and len(result.baseline.measurement.window_ms) == 3

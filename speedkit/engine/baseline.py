@@ -119,6 +119,15 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
     state, cfg, result = ladder.state, ladder.cfg, ladder.result
     assert result is not None and ladder.timing is not None
     t0 = ladder.baseline_started
+    # a slow step (at the parity reference's pace) gets the short forms of the baseline's phases
+    reference_s = (ladder.host_clock() - t0) / max(1, len(reference))
+    slow = reference_s * 1e3 >= cfg.slow_step_ms
+    if slow:
+        ladder.parity.seeds = 1
+        ladder.on_event(
+            f"baseline: a slow step (~{reference_s:.2f} s): one draw per precision for the tolerances, the baseline "
+            "in three windows of two steps"
+        )
     in_play = {"fp32", state.precision, *(r.precision for r in ladder.rungs if r.precision)}
     stored = (cached.calibration or {}) if cached is not None else {}
     reused = sorted(in_play & stored.keys())
@@ -139,10 +148,10 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
         noise = dict(figures.get("noise") or window_steps(base_m, cfg, ladder.clock.name))
         measured_in = "the fit that made the cached decision"
     else:
-        steps = baseline_window_steps(ladder, t0, steps_run)
+        steps = 2 if slow else baseline_window_steps(ladder, t0, steps_run)
         ladder.on_event("baseline: measuring")
-        with distributed.together():
-            base_m = ladder.timing.alone(steps)
+        with distributed.together():  # a slow step's parity trajectories warmed it up already
+            base_m = ladder.timing.alone(steps, 3 if slow else None, warmup=1 if slow else None)
         noise = window_steps(base_m, cfg, ladder.clock.name)
         measured_in = None
     result.run["noise"] = noise

@@ -271,7 +271,9 @@ def window_steps(baseline: Measurement, cfg: MeasureConfig, clock_name: str) -> 
 
 
 def steps_for_window(step_ms: float, cfg: MeasureConfig) -> int:
-    """Steps in a window of at least ``window_s`` at ``step_ms`` a step, within ``min_window_steps`` and
-    ``max_window_steps`` (``steps`` where the step time is unknown: 0)."""
+    """Steps in a window of at least ``window_s`` at ``step_ms`` a step, within ``min_window_steps`` (two at
+    most for a step of ``slow_step_ms`` or more) and ``max_window_steps`` (``steps`` where the step time is
+    unknown: 0)."""
     by_time = math.ceil(cfg.window_s * 1e3 / step_ms) if step_ms > 0 else cfg.steps
-    return max(cfg.min_window_steps, min(cfg.max_window_steps, by_time))
+    fewest = min(cfg.min_window_steps, 2) if step_ms >= cfg.slow_step_ms else cfg.min_window_steps  # a slow step: 2
+    return max(fewest, min(cfg.max_window_steps, by_time))

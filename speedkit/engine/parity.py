@@ -49,6 +49,8 @@ class ParityCheck:
         self.batches: list[Any] = []
         self.reference: list[float] = []
         self.calibration: dict[str, dict[str, float]] = {}
+        #: draws per precision's calibration (None: ``configs/tolerances.yaml``'s ``seeds``; one for a slow step)
+        self.seeds: int | None = None
         #: called before each parity step: raises where the trials must stop (a signal came)
         self.poll: Callable[[], None] = lambda: None
 
@@ -86,7 +88,7 @@ class ParityCheck:
             calibration = config.parity_calibration()
             epsilon = float(calibration["epsilon"][precision])
             safety = float(calibration["safety"])
-            seeds = int(calibration.get("seeds", 1))
+            seeds = self.seeds or int(calibration.get("seeds", 1))
             envelope = [0.0] * self.steps
             kernels: list[str] = []
             for seed in range(seeds):

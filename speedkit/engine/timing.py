@@ -195,14 +195,18 @@ class Timing:
         source = self.source_iterator()
         return [next(source) for _ in range(self.window_steps * self.state.step.accumulate)]
 
-    def alone(self, steps: int | None = None, repeats: int | None = None) -> Measurement:
+    def alone(self, steps: int | None = None, repeats: int | None = None, warmup: int | None = None) -> Measurement:
         """The configuration in effect, measured on its own (the baseline; a cached decision's final
-        configuration): ``repeats`` windows of ``steps`` steps (default: the configured ones)."""
+        configuration): ``repeats`` windows of ``steps`` steps after ``warmup`` (default: the configured ones)."""
         cfg = self.cfg
         self.snapshot.restore(rng=False)
         floor = self.loader_pace_ms()
         measured = self.session.measure(
-            self.runner(), warmup=cfg.warmup, steps=steps or cfg.steps, repeats=repeats or cfg.repeats, floor_ms=floor
+            self.runner(),
+            warmup=cfg.warmup if warmup is None else warmup,
+            steps=steps or cfg.steps,
+            repeats=repeats or cfg.repeats,
+            floor_ms=floor,
         )
         self.note_step_ms(measured.step_ms)
         return measured

@@ -76,6 +76,11 @@ class MeasureConfig:
     """... at least this many steps ..."""
     max_window_steps: int = field(metadata=_range(1))
     """... and at most this many steps."""
+    slow_step_ms: float = field(metadata=_range(0.0, above=True))
+    """A step this long or longer (at the pace of the baseline's parity reference) gets the short forms of
+    the baseline's phases: one draw per precision for the parity tolerances, three windows of two steps
+    for the baseline's measurement, comparison windows of two steps at least (a 0.66 s step's baseline,
+    tolerances and floor in under 40 s: at the full forms, 72 s for the baseline alone)."""
     trials_budget_s: float = field(metadata=_range(0.0, above=True))
     """The trials' one time budget (everything from the baseline to the profile) for a step of up to
     ``budget_step_ms``..."""
