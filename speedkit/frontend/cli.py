@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     opt = sub.add_parser("optimize", help="climb the quick-win ladder in the recipe's Trainer and report each rung")
     opt.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny CPU recipe)")
     opt.add_argument("--out", default=None, help="output folder (default: runs/<recipe name>)")
+    opt.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="climb without the decision cache: no earlier decision re-checked, none kept (default: kept in "
+        "$SPEEDKIT_CACHE_DIR or ~/.cache/speedkit; `speedkit cache clear` forgets them)",
+    )
     fit = sub.add_parser("fit", help="train a recipe with Lightning, its ladder applied without trials")
     fit.add_argument("recipe", help="recipe YAML, e.g. the optimized.yaml written by optimize")
     swp = sub.add_parser("sweep", help="find the micro-batch of highest throughput for a recipe (short timed fits)")
@@ -143,7 +149,7 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
     recipe = _load(args.recipe, overrides)
     if rank_label() is not None:  # another rank, started by Lightning's launcher: it trains in step and says nothing
         try:
-            optimize(recipe, _out_dir(args.out, recipe))
+            optimize(recipe, _out_dir(args.out, recipe), cache=not args.no_cache)
         except Interrupted as exc:  # rank 0 says so
             return exc.exit_code
         return 0
@@ -165,7 +171,7 @@ def _optimize(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int
 
     try:
         with ProgressBar(console, "trials") as bar:
-            result, written = optimize(recipe, out, on_event=on_event, on_progress=bar)
+            result, written = optimize(recipe, out, on_event=on_event, on_progress=bar, cache=not args.no_cache)
     except Interrupted as exc:
         print(f"speedkit: {exc}", file=sys.stderr)
         return exc.exit_code

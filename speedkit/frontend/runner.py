@@ -270,8 +270,10 @@ def optimize(
     out_dir: Path,
     on_event: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    cache: bool = True,
 ) -> tuple[LadderResult, dict[str, Path]]:
-    """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml.
+    """Climb the recipe's ladder inside its Trainer; write report.json, report.md and optimized.yaml
+    (``cache``: re-check and keep decisions in the decision cache, as ``SpeedLadder(cache=...)``).
 
     Under DDP (``trainer: {devices: 2, strategy: ddp}``) Lightning's launcher runs the command again in
     each other process, and this function with it: every rank runs the trials, rank 0 alone checks
@@ -307,7 +309,9 @@ def optimize(
     formats = tuple(recipe.report.get("formats", ("json", "md", "html")))
     measure = recipe.measure
     # an explicit request for trials: they run whatever the planned run's length (it is the run to be made fast)
-    ladder = SpeedLadder(rungs=recipe.ladder, trials="always", measure=measure, stop_after_holds=True, on_event=on_event)
+    ladder = SpeedLadder(
+        rungs=recipe.ladder, trials="always", measure=measure, stop_after_holds=True, on_event=on_event, cache=cache
+    )
     planned = recipe.trainer.get("max_steps")  # the run the recipe describes, not this short fit
     ladder.planned_steps = planned if isinstance(planned, int) and planned > 0 else None
     ladder.trace_dir = out_dir / "traces"  # the profile's traces of the baseline and the final configuration, beside the report
