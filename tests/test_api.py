@@ -104,7 +104,7 @@ def test_speedladder_arguments_that_cannot_work_are_one_line_errors():
         (dict(trials=False), "trials: False applies the rungs given, without measuring them, and none were given"),
     ):
         with pytest.raises(ConfigError, match=words) as raised:
-            SpeedLadder(trials="always", **kwargs)
+            SpeedLadder(**kwargs)
         assert "\n" not in str(raised.value)
     assert SpeedLadder(rungs=[], trials=False).rungs == []  # no rungs, said so: nothing applied
 

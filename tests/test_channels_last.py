@@ -383,7 +383,7 @@ def test_trials_in_a_lightning_fit_then_training_matches(forced, monkeypatch):
     assert entry.name == "channels_last" and entry.status in ("kept", "reverted"), (entry.status, entry.reason)
     assert entry.parity is not None and entry.parity.passed
     kept = entry.status == "kept"
-    assert kept or not forced
+    assert kept or not forced, entry.reason
     fit_inputs = trained.inputs[-6:]  # the trials' forwards come first
     assert fit_inputs == [kept] * 6 and trained.state_layouts == [kept] * 6
     assert_rel_close(torch.tensor(trained.losses), torch.tensor(plain.losses), 1e-5, "losses")

@@ -105,7 +105,7 @@ def test_optimize_tiny_cpu_then_fit_the_optimized_recipe(tmp_path, capsys):
     budget = ["--measure.trials_budget_s", "3000", "--measure.trials_min_s", "3000", "--measure.trials_budget_max_s", "3000"]
     assert main(["optimize", "--out", str(out), "--measure.max_blocks", "4", *budget]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == 3 and report["interrupted"] is None
+    assert report["schema_version"] == 4 and report["interrupted"] is None
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-cpu.yaml").read_text())
     rungs = report["rungs"]
     # every rung reported once, after the baseline (in the order the plan tried them, the rungs it did not time first)

@@ -196,10 +196,15 @@ def _floor_against_the_baseline(ladder: Trials) -> PairedResult | None:
 
 def _without_a_check(ladder: Trials) -> None:
     """No final check was made (turned off, skipped for the budget, or failed): the chain decides. A floor
-    that was never timed, or a chain whose product is estimated under 1.0, is not kept: the baseline."""
+    that was never timed, or a chain whose product is estimated under 1.0, is not kept: the baseline. (The
+    estimate is judged as a decision, :func:`speedkit.engine.comparison.decide`, on a comparison of no
+    width: faster where it is 1.0 or more.)"""
     assert ladder.result is not None
     headline = ladder.result.figures()["headline"]["speedup"]
-    if _untimed_floor(ladder) or headline is None or headline < 1.0:
+    estimate = PairedResult(headline or 0.0, headline or 0.0, headline or 0.0, 1.0, 0, "not_faster", 0.0)
+    if headline is not None and headline >= 1.0:
+        estimate.verdict = "faster"
+    if _untimed_floor(ladder) or comparison.decide(ladder.cfg, estimate)[0] != "kept":
         names = [s.rung.name for s in ladder.slots]
         why = (
             "the user's switches were never timed against the baseline (no final check)"
