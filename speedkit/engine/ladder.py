@@ -781,7 +781,7 @@ class Ladder:
                 raise RungProblem(problem)
             if not entry.parity.passed:
                 entry.status = "reverted"
-                entry.reason = (
+                entry.reason = entry.reason or (  # the batches' parity says why where it failed
                     f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
                     f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}"
                 )
@@ -873,6 +873,14 @@ class Ladder:
         bit_identical = entry.parity.max_rel_diff == 0.0
         if bit_identical and not rung.acts_through_numerics and state.precision != precision_before:
             entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
+        # a change that makes the samples draw other random numbers (another worker count under augmentations):
+        # the loss trajectory runs on parity batches drawn once, so what must hold is read from the loaders
+        batches = rung.batch_parity(state, self.parity.steps * state.step.accumulate)
+        if batches is not None:
+            entry.changes += [f"note: {line}" for line in batches.lines()]
+            if distributed.any_rank(not batches.passed):
+                entry.parity = replace(entry.parity, passed=False)
+                entry.reason = batches.failure or "the batches differ on another rank where they must not"
         return losses
 
     def _keep_or_undo(self, entry: RungResult, slot: Slot | None) -> None:
