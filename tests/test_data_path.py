@@ -1445,3 +1445,62 @@ def test_the_ladder_judges_a_change_of_the_draws_on_the_batches_parity(same, mon
         assert entry.status == "reverted" and not entry.parity.passed
         assert entry.reason.startswith("the batches differ where another worker count must leave them as they were")
         assert "the values of batch[1] differ" in entry.reason
+
+
+class AugmentingWithIndex(Augmenting):
+    """The same, each sample also carrying its index (what a fit's order is read from)."""
+
+    def __getitem__(self, i: int):
+        x, label = super().__getitem__(i)
+        return x, label, i
+
+
+class AugmentingFit(AugmentingModel):
+    def training_step(self, batch, batch_idx):
+        x, label, index = batch
+        return self.layer(x).pow(2).mean() + 0.0 * label.sum()
+
+    def train_dataloader(self):
+        return _augmenting_loader(2, dataset=AugmentingWithIndex())
+
+
+class SeenAugmented(pl.Callback):
+    def __init__(self) -> None:
+        self.indices, self.labels, self.values, self.draws = [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        x, label, index = batch
+        self.indices.append(index.tolist())
+        self.labels.append(label.tolist())
+        self.values.append(x.sum(dim=1).tolist())
+        self.draws.append(torch.rand(()).item())  # the training process's own stream
+
+
+def test_a_fit_with_more_workers_for_augmentations_sees_the_same_samples_in_order_with_other_augmentations(monkeypatch):
+    """The default data_path on a global-RNG dataset, 2 -> 4 workers, in a fit of two epochs: every index in the same
+    order, every label, the training process's own draws as without speedkit; the augmented values differ."""
+    _more_workers_pay(monkeypatch)
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        seen = SeenAugmented()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*callbacks, seen],
+        )
+        trainer.fit(AugmentingFit("global_rng", 2, False))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 4}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("num_workers=4" in c for c in changes) and any(c.startswith("draws that change") for c in changes), changes
+    assert len(plain.indices) == 24 and fast.indices == plain.indices and plain.indices[:12] != plain.indices[12:]
+    assert fast.labels == plain.labels and fast.draws == plain.draws
+    assert fast.values != plain.values  # the augmentations: each of 4 workers draws from its own stream
