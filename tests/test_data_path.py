@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
 from collections import namedtuple
 from collections.abc import Callable
@@ -1504,3 +1505,65 @@ def test_a_fit_with_more_workers_for_augmentations_sees_the_same_samples_in_orde
     assert len(plain.indices) == 24 and fast.indices == plain.indices and plain.indices[:12] != plain.indices[12:]
     assert fast.labels == plain.labels and fast.draws == plain.draws
     assert fast.values != plain.values  # the augmentations: each of 4 workers draws from its own stream
+
+
+class WorkerView(Dataset):
+    """Each sample: what the worker that made it inherited from the training process (its CPUs, niceness, intra-op
+    threads, torch's sharing strategy, Python's profile and trace hooks, the collector's thresholds)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import gc
+        import sys
+
+        return (
+            tuple(sorted(os.sched_getaffinity(0))),
+            os.nice(0),
+            torch.get_num_threads(),
+            torch.multiprocessing.get_sharing_strategy(),
+            sys.getprofile() is None and sys.gettrace() is None,
+            gc.get_threshold(),
+        )
+
+
+def _children() -> set[int]:
+    """The processes whose parent is this one."""
+    from pathlib import Path
+
+    me, found = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc"), reason="Linux")
+def test_after_the_trials_a_loader_worker_inherits_what_it_did_before_and_no_process_of_theirs_is_left(monkeypatch):
+    """What the user's unchanged loader runs with after SpeedLadder's trials (data_path among them, with 4 workers
+    for 2, named shared memory while it is on): its workers inherit the CPUs, niceness, thread count, sharing
+    strategy and hooks a worker forked before the trials did, and no worker or other process the trials started
+    is left running beside the fit."""
+    loader = DataLoader(WorkerView(), batch_size=None, num_workers=2)
+    before_children, before = _children(), {repr(s) for s in loader}
+    monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=lambda s: 100.0 * s.num_workers))
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 4}}], trials=True, measure=QUICK)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder],
+    )
+    trainer.fit(AugmentingModel("global_rng", 2, False))
+    assert any(r.name == "data_path" and r.status != "failed" for r in ladder.result.rungs)
+    assert _children() <= before_children
+    assert {repr(s) for s in loader} == before and len(before) == 1
+    assert _children() <= before_children
