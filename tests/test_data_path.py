@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
 from collections import namedtuple
 from collections.abc import Callable
@@ -392,8 +393,13 @@ def test_apply_serves_the_same_batches_from_the_rebuilt_loader_and_undo_is_exact
 
 def test_check_says_why_not():
     assert "no data source" in DataPathRung().check(TrainState(model=nn.Linear(2, 2), optimizer=None, device=CPU))
+    exact = rungs.make({"name": "data_path", "options": {"exact": True}}).check(_state(RandomCrops()))
+    assert exact.startswith("nothing to change") and "num_workers kept at 0" in exact and "on a CPU" in exact
+    assert "(data_path's exact: true keeps every draw)" in exact
+    # by default the draws may change, not the side they are made on: the training process's own draws would move
     reason = DataPathRung().check(_state(RandomCrops()))
-    assert reason.startswith("nothing to change") and "num_workers kept at 0" in reason and "on a CPU" in reason
+    assert reason.startswith("nothing to change") and "num_workers stays 0" in reason, reason
+    assert "from the training process's RNGs" in reason and "the next epoch's shuffle" in reason, reason
     kept = rungs.make({"name": "data_path", "options": {"workers": "keep"}}).check(_state(generator=False))
     assert kept.startswith("nothing to change")
     # a RandomSampler with a generator: to workers exactly (the fit reads it through StopAtLength), back to none not
@@ -447,10 +453,10 @@ def _mixup(items):
 @pytest.mark.parametrize("workers", [(0, 2), (1, 2), (1, 0)], ids=["0->2", "1->2", "1->0"])
 def test_the_worker_count_is_kept_where_the_collate_fn_draws_random_numbers(workers):
     """Workers run the collate_fn too, each from its own seed: another worker count mixes every batch by
-    other numbers. Before, only the dataset was probed and the rung changed the count."""
+    other numbers, which exact mode keeps. Before, only the dataset was probed and the rung changed the count."""
     loader = DataLoader(Indexed(), batch_size=4, shuffle=True, collate_fn=_mixup, num_workers=workers[0])
     state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(loader, CPU))
-    reason = rungs.make({"name": "data_path", "options": {"workers": workers[1]}}).check(state)
+    reason = rungs.make({"name": "data_path", "options": {"workers": workers[1], "exact": True}}).check(state)
     assert reason.startswith("nothing to change"), reason
     assert (
         f"num_workers kept at {workers[0]}: its collate_fn draws random numbers (calling it draws from the torch RNG)" in reason
@@ -808,12 +814,13 @@ def _measured_factor_4_fastest(monkeypatch) -> None:
 
 @pytest.mark.parametrize("dataset, factor", [(Augmented, 2), (Indexed, 4)], ids=["augmenting", "not-augmenting"])
 def test_persistent_workers_keep_their_prefetch_factor_where_samples_draw_random_numbers(dataset, factor, monkeypatch):
-    """Persistent workers carry what they drew into the next epoch, including for the batches they made
+    """Exact mode. Persistent workers carry what they drew into the next epoch, including for the batches they made
     ahead of an epoch that ended early: where samples draw random numbers, the factor measured fastest
     (4) would change later augmentations, so the loader's own (2) is kept and the note says why."""
     _measured_factor_4_fastest(monkeypatch)
     loader = DataLoader(dataset(), batch_size=4, num_workers=2, persistent_workers=True)
-    plan = DataPathRung(data_path.DataPathOptions(workers="keep", pin_memory=True))._make_plan(BatchSource(loader, CPU), CPU)
+    options = data_path.DataPathOptions(workers="keep", pin_memory=True, exact=True)
+    plan = DataPathRung(options)._make_plan(BatchSource(loader, CPU), CPU)
     assert plan.rebuild is not None and plan.rebuild.pin_memory and plan.rebuild.prefetch_factor == factor
     kept = [
         n
@@ -852,7 +859,7 @@ def test_a_cut_epoch_of_persistent_augmenting_workers_moves_later_draws_with_ano
 
 
 def test_a_fit_with_cut_epochs_sees_the_augmentations_it_would_after_a_rebuild_measured_faster_at_another_factor(monkeypatch):
-    """The rung rebuilds a persistent, augmenting loader (pinned, asked for) where prefetch_factor 4
+    """Exact mode: the rung rebuilds a persistent, augmenting loader (pinned, asked for) where prefetch_factor 4
     measures fastest; with epochs cut by ``limit_train_batches`` the fit still sees every sample, draw
     and augmentation it sees without speedkit (prefetching forced on the CPU: the same pull schedule)."""
     force_prefetch(monkeypatch)
@@ -862,7 +869,7 @@ def test_a_fit_with_cut_epochs_sees_the_augmentations_it_would_after_a_rebuild_m
         return fit_and_see(lambda: AugmentedModel("global_rng", 2, True), callbacks, max_epochs=3, limit_train_batches=3)
 
     plain = fit([])
-    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": True}}])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": True, "exact": True}}])
     fast = fit([ladder])
     assert len(plain.seen) == 9 and fast.seen == plain.seen and fast.draws == plain.draws
     assert fast.values == plain.values and fast.made_by == {0, 1}
@@ -1247,3 +1254,315 @@ def test_settings_chosen_by_measuring_are_reused_by_a_cached_decision_where_the_
     fixed.reuse(chosen)
     fixed.check(_state(generator=False))
     assert len(measured) > count
+
+
+# -- the data-bound class as users write it: augmentations drawn from the global RNG ----------------------------
+
+
+class Augmenting(Dataset):
+    """As a torchvision user writes a dataset: a fixed picture per index, augmented by draws from the global torch
+    RNG (a flip half the time, then noise: no per-sample seed), and its label."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.arange(4, dtype=torch.float32) + i
+        if torch.rand(()) < 0.5:
+            x = x.flip(0)
+        return x + torch.rand(4), i % 5
+
+
+class LabelsByWorker(Augmenting):
+    """The same, its label moved by the worker that made it: what another worker count must not do."""
+
+    def __getitem__(self, i: int):
+        x, label = super().__getitem__(i)
+        info = get_worker_info()
+        return x, label + (info.id + 1 if info is not None else 0)
+
+
+def _augmenting_loader(workers: int = 2, dataset: Dataset | None = None, **kw: Any) -> DataLoader:
+    kw.setdefault("batch_size", 4)
+    return DataLoader(dataset if dataset is not None else Augmenting(), shuffle=True, num_workers=workers, **kw)
+
+
+def _more_workers_pay(monkeypatch, cpus: int = 10) -> list[LoaderSettings]:
+    """Loader paces in which more workers pay up to 6 (batches/s: 100 per worker), and ``cpus`` CPUs of which two
+    stay with the training process; the candidates measured are returned as they are asked for."""
+    asked: list[LoaderSettings] = []
+
+    def measure(s: LoaderSettings) -> float:
+        asked.append(s)
+        return 100.0 * max(1, min(s.num_workers, 6))
+
+    monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=measure))
+    monkeypatch.setattr(data_path, "training_cpus", lambda processes: ({0, 1}, set(range(2, cpus))))
+    return asked
+
+
+def test_more_workers_for_a_dataset_augmenting_from_the_global_rng_and_the_report_says_which_draws_change(monkeypatch):
+    """The default: another worker count changes the augmentations' draws (each worker's own stream), not the order,
+    labels or distributions; the measured pace and the CPUs left to workers decide the count (8 of 10 CPUs here)."""
+    asked = _more_workers_pay(monkeypatch)
+    dependence = worker_dependence(Augmenting())
+    assert dependence.draws == ("torch",) and dependence.worker_seeded
+    state = TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(_augmenting_loader(), CPU))
+    rung = DataPathRung()
+    assert rung.check(state) is None
+    plan = rung.plan(state)
+    assert plan.rebuild == LoaderSettings(8, False, False, 2, tuple(range(2, 10))) and plan.draws_change
+    # the loader's own settings, then 2, 4, 8 workers on the CPUs left to them, then 8 at prefetch_factor 4
+    assert [s.num_workers for s in asked] == [2, 2, 4, 8, 8] and asked[-1].prefetch_factor == 4
+    handle = rung.apply(state)
+    try:
+        draws = [c for c in handle.changes if c.startswith("draws that change")]
+        assert len(draws) == 1, handle.changes
+        assert "what the samples draw from the torch RNG (augmentations" in draws[0]
+        assert "8 workers draw other numbers than 2 did" in draws[0]
+        assert "Unchanged: the sample order, the labels and the distributions drawn from" in draws[0]
+        assert "exact: true keeps every draw" in draws[0]
+    finally:
+        handle.undo()
+    # exact: true keeps the count, and every draw
+    exact = DataPathRung(data_path.DataPathOptions(exact=True))
+    reason = exact.check(
+        TrainState(model=nn.Linear(4, 1), optimizer=None, device=CPU, data=BatchSource(_augmenting_loader(), CPU))
+    )
+    assert reason.startswith("nothing to change") and "num_workers kept at 2: its samples draw random numbers" in reason, reason
+
+
+def test_draws_every_worker_copies_alike_or_in_an_iterable_keep_the_worker_count_by_default(monkeypatch):
+    """Only draws from the RNGs each worker seeds itself may change: a dataset's own generator is copied into every
+    worker, which then draw alike (another distribution of augmentations), and an IterableDataset is split by worker."""
+    _more_workers_pay(monkeypatch)
+    for dataset, why in ((OwnGenerators(), "its own torch.Generator"), (Stream(), "an IterableDataset")):
+        dependence = worker_dependence(dataset)
+        assert not dependence.worker_seeded
+        loader = DataLoader(dataset, batch_size=4, num_workers=2)
+        plan = DataPathRung()._make_plan(BatchSource(loader, CPU), CPU)
+        assert plan.rebuild is None and any(n.startswith("num_workers kept at 2") and why in n for n in plan.notes), plan.notes
+
+
+def test_the_batches_parity_of_another_worker_count_compares_indices_labels_shapes_and_dtypes():
+    """2 -> 4 workers of a dataset augmenting from the global RNG: the same indices in the same order, the same
+    labels, shapes and dtypes, the augmented values not compared (they differ); the RNGs are put back."""
+    from speedkit.data.parity import compare_loaders, read_with_indices
+
+    loader = _augmenting_loader(2)
+    more = rebuild_loader(loader, num_workers=4, pin_memory=False, persistent_workers=False, prefetch_factor=2)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    parity = compare_loaders(loader, more, 3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert parity.passed and parity.failure is None and parity.batches == 3
+    assert parity.compared == (
+        "the sample indices of each batch, in order",
+        "the values of batch[1]",
+        "every leaf's shape and dtype",
+    )
+    assert parity.not_compared == ("batch[0]",)
+    lines = parity.lines()
+    assert "over the first 3 batches from the same RNG state, the same: the sample indices" in lines[0]
+    assert lines[1].startswith("not compared: the values of batch[0] (the augmented samples")
+    # what was not compared did change: each worker count draws its own augmentations
+    torch.manual_seed(3)
+    two = read_with_indices(loader, 3)
+    torch.manual_seed(3)
+    four = read_with_indices(more, 3)
+    assert [i for i, _ in two] == [i for i, _ in four] and all(torch.equal(a[1], b[1]) for (_, a), (_, b) in zip(two, four))
+    assert not all(torch.equal(a[0], b[0]) for (_, a), (_, b) in zip(two, four))
+
+
+@pytest.mark.parametrize(
+    "candidate, difference",
+    [
+        (lambda: _augmenting_loader(4, generator=torch.Generator().manual_seed(1)), "batch 0: sample indices"),
+        (lambda: _augmenting_loader(4, dataset=LabelsByWorker()), "the values of batch[1] differ"),
+        (lambda: _augmenting_loader(4, batch_size=2), "batch 0: sample indices"),
+        (
+            lambda: _augmenting_loader(4, collate_fn=lambda items: [t.double() for t in torch.utils.data.default_collate(items)]),
+            "batch[0] is torch.float64 (4, 4) against torch.float32 (4, 4)",
+        ),
+    ],
+    ids=["order", "label", "batch-size", "dtype"],
+)
+def test_the_batches_parity_fails_where_the_order_a_label_a_shape_or_a_dtype_changes(candidate, difference):
+    from speedkit.data.parity import compare_loaders
+
+    parity = compare_loaders(_augmenting_loader(2), candidate(), 3)
+    assert not parity.passed and difference in parity.difference, parity.difference
+    assert parity.failure.startswith("the batches differ where another worker count must leave them as they were")
+    assert "NOT the same" in parity.lines()[0]
+
+
+class AugmentingModel(Model):
+    """The fit of a dataset augmenting from the global RNG, its loader with 2 workers."""
+
+    def training_step(self, batch, batch_idx):
+        x, label = batch
+        return self.layer(x).pow(2).mean() + 0.0 * label.sum()
+
+    def train_dataloader(self):
+        return _augmenting_loader(2)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["batches-hold", "a-label-moved"])
+def test_the_ladder_judges_a_change_of_the_draws_on_the_batches_parity(same, monkeypatch):
+    """The trials' loss trajectories run on parity batches drawn once: for data_path's new worker count the ladder
+    judges what must not change on the loaders themselves, says what it compared and what not, and reverts the
+    change where a label moved (the loader's parity, not the loss, says why)."""
+    from speedkit.data import parity as batch_parity
+
+    monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=lambda s: 100.0 * s.num_workers))
+    monkeypatch.setattr("speedkit.engine.comparison.decide", lambda cfg, paired, *rest: ("kept", "forced by the test"))
+    if not same:  # the rebuilt loader's batches compared as those of one whose labels move with the worker
+        compare = batch_parity.compare_loaders
+        moved = lambda reference, candidate, n: compare(reference, _augmenting_loader(4, dataset=LabelsByWorker()), n)  # noqa: E731
+        monkeypatch.setattr(data_path, "compare_loaders", moved)
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 4}}], trials="always", measure=QUICK)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder],
+    )
+    trainer.fit(AugmentingModel("global_rng", 2, False))
+    entry = next(r for r in ladder.result.rungs if r.name == "data_path")
+    notes = [c for c in entry.changes if c.startswith("note: the batches' parity")]
+    assert len(notes) == 1 and any(c.startswith("draws that change") for c in entry.changes), entry.changes
+    assert any(c.startswith("note: not compared: the values of batch[0]") for c in entry.changes)
+    if same:
+        assert entry.status == "kept" and entry.parity.passed, entry.reason
+    else:
+        assert entry.status == "reverted" and not entry.parity.passed
+        assert entry.reason.startswith("the batches differ where another worker count must leave them as they were")
+        assert "the values of batch[1] differ" in entry.reason
+
+
+class AugmentingWithIndex(Augmenting):
+    """The same, each sample also carrying its index (what a fit's order is read from)."""
+
+    def __getitem__(self, i: int):
+        x, label = super().__getitem__(i)
+        return x, label, i
+
+
+class AugmentingFit(AugmentingModel):
+    def training_step(self, batch, batch_idx):
+        x, label, index = batch
+        return self.layer(x).pow(2).mean() + 0.0 * label.sum()
+
+    def train_dataloader(self):
+        return _augmenting_loader(2, dataset=AugmentingWithIndex())
+
+
+class SeenAugmented(pl.Callback):
+    def __init__(self) -> None:
+        self.indices, self.labels, self.values, self.draws = [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        x, label, index = batch
+        self.indices.append(index.tolist())
+        self.labels.append(label.tolist())
+        self.values.append(x.sum(dim=1).tolist())
+        self.draws.append(torch.rand(()).item())  # the training process's own stream
+
+
+def test_a_fit_with_more_workers_for_augmentations_sees_the_same_samples_in_order_with_other_augmentations(monkeypatch):
+    """The default data_path on a global-RNG dataset, 2 -> 4 workers, in a fit of two epochs: every index in the same
+    order, every label, the training process's own draws as without speedkit; the augmented values differ."""
+    _more_workers_pay(monkeypatch)
+
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        seen = SeenAugmented()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*callbacks, seen],
+        )
+        trainer.fit(AugmentingFit("global_rng", 2, False))
+        return seen
+
+    plain = fit([])
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 4}}])
+    fast = fit([ladder])
+    changes = ladder.applied_changes["data_path"]
+    assert any("num_workers=4" in c for c in changes) and any(c.startswith("draws that change") for c in changes), changes
+    assert len(plain.indices) == 24 and fast.indices == plain.indices and plain.indices[:12] != plain.indices[12:]
+    assert fast.labels == plain.labels and fast.draws == plain.draws
+    assert fast.values != plain.values  # the augmentations: each of 4 workers draws from its own stream
+
+
+class WorkerView(Dataset):
+    """Each sample: what the worker that made it inherited from the training process (its CPUs, niceness, intra-op
+    threads, torch's sharing strategy, Python's profile and trace hooks, the collector's thresholds)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import gc
+        import sys
+
+        return (
+            tuple(sorted(os.sched_getaffinity(0))),
+            os.nice(0),
+            torch.get_num_threads(),
+            torch.multiprocessing.get_sharing_strategy(),
+            sys.getprofile() is None and sys.gettrace() is None,
+            gc.get_threshold(),
+        )
+
+
+def _children() -> set[int]:
+    """The processes whose parent is this one."""
+    from pathlib import Path
+
+    me, found = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc"), reason="Linux")
+def test_after_the_trials_a_loader_worker_inherits_what_it_did_before_and_no_process_of_theirs_is_left(monkeypatch):
+    """What the user's unchanged loader runs with after SpeedLadder's trials (data_path among them, with 4 workers
+    for 2, named shared memory while it is on): its workers inherit the CPUs, niceness, thread count, sharing
+    strategy and hooks a worker forked before the trials did, and no worker or other process the trials started
+    is left running beside the fit."""
+    loader = DataLoader(WorkerView(), batch_size=None, num_workers=2)
+    before_children, before = _children(), {repr(s) for s in loader}
+    monkeypatch.setattr(data_path, "choose_settings", functools.partial(choose_settings, measure=lambda s: 100.0 * s.num_workers))
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": 4}}], trials="always", measure=QUICK)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ladder],
+    )
+    trainer.fit(AugmentingModel("global_rng", 2, False))
+    assert any(r.name == "data_path" and r.status != "failed" for r in ladder.result.rungs)
+    assert _children() <= before_children
+    assert {repr(s) for s in loader} == before and len(before) == 1
+    assert _children() <= before_children

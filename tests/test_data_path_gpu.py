@@ -111,7 +111,7 @@ def test_a_cuda_fit_with_data_path_sees_the_same_samples_in_the_same_order(mode,
 def _augmented_fits(pin: bool, model: str = "AugmentedModel", **trainer_options):
     """Three CUDA epochs of a loader with two persistent workers whose samples draw random numbers
     (``model``: a module of test_data_path): what the fit sees without speedkit and with the data_path
-    rung (the worker count kept; ``pin``: a pinned copy of the loader), and the SpeedLadder."""
+    rung in exact mode (the worker count kept; ``pin``: a pinned copy of the loader), and the SpeedLadder."""
     import test_data_path
     from test_data_path import fit_and_see
 
@@ -128,7 +128,8 @@ def _augmented_fits(pin: bool, model: str = "AugmentedModel", **trainer_options)
         )
 
     plain = fit([])
-    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin}}])
+    # exact: every augmentation as it was (by default a pinned copy may take another prefetch factor)
+    ladder = SpeedLadder(rungs=[{"name": "data_path", "options": {"workers": "keep", "pin_memory": pin, "exact": True}}])
     return plain, fit([ladder]), ladder
 
 

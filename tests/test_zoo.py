@@ -110,12 +110,14 @@ class Expect:
         check: more assertions on the finished :class:`Fit`.
         bugs: per test of this file (its function's name), a known speedkit bug the model makes it fail
             by: that test is marked ``xfail(strict=True)`` for the model, so a fix shows as an XPASS.
+        workers: the tiny loader's ``num_workers`` (none, but where the loader's workers are the model's point).
     """
 
     options: dict[str, Any] = field(default_factory=dict)
     statuses: dict[str, set[str]] = field(default_factory=dict)
     check: Callable[[Fit], None] | None = None
     bugs: dict[str, str] = field(default_factory=dict)
+    workers: int = 0
 
 
 def _entry(fit: Fit, name: str) -> Any:
@@ -224,6 +226,8 @@ EXPECT: dict[str, Expect] = {
     "lstm-lm": Expect(check=compiled("model (RNNModel)")),
     # data-bound: float images decoded and augmented per sample in the training process (no loader workers)
     "tv-resnet18-augment": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ResNet)")),
+    # data-bound as users write it: torchvision's transforms drawing from the global RNG in the loader's 2 workers
+    "tv-resnet18-randaug": Expect(statuses={"channels_last": {"kept", "reverted"}}, check=compiled("model (ResNet)"), workers=2),
     # the library's activation checkpointing on: compiled whole, the recomputation traced with the layers
     "hf-llama-ckpt": Expect(
         options=_EAGER,
@@ -327,7 +331,7 @@ def test_tiny_build_is_seeded_and_yields_its_batch_size_in_its_unit(name):
     items, unit = count_items(batch, entry.unit)
     assert unit == f"{entry.unit}/s" and count_items(batch)[1] == unit  # the ladder's "auto" counts the same
     assert items % entry.batch_size["tiny"] == 0 and loader.batch_size == entry.batch_size["tiny"]
-    assert loader.num_workers == 0
+    assert loader.num_workers == EXPECT[name].workers
 
 
 @pytest.mark.parametrize("name", _models("test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind"))
@@ -455,6 +459,34 @@ def test_the_augmented_images_are_decoded_per_sample_by_a_hurried_users_loader()
     torch.testing.assert_close(dataset[0], (image, label), rtol=0, atol=0)
     assert not torch.equal(dataset[len(dataset.jpegs)][0], image)  # the same JPEG, another crop, flip and jitter
     assert worker_dependence(dataset) is None
+
+
+def test_the_randaug_images_are_augmented_as_torchvisions_documentation_writes_it():
+    """tv-resnet18-randaug: torchvision's v2 transforms (RandomResizedCrop, RandomHorizontalFlip, ToDtype,
+    Normalize) drawing from the global torch RNG, no per-sample seed, in a loader of 2 workers as torchvision's
+    documentation writes it; so another worker count draws other augmentations (from the RNG each worker seeds)
+    for the same index and the same label, which data_path may choose by default and keeps with exact: true."""
+    pytest.importorskip("torchvision")
+    from torchvision.transforms import v2
+
+    _, loader = ZOO["tv-resnet18-randaug"].build("tiny")
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers) == (2, False, False)
+    dataset = loader.dataset
+    assert [type(t) for t in dataset.transform.transforms] == [
+        v2.RandomResizedCrop,
+        v2.RandomHorizontalFlip,
+        v2.ToDtype,
+        v2.Normalize,
+    ]
+    torch.manual_seed(0)
+    image, label = dataset[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 10
+    again, same_label = dataset[0]  # the RNG moved on: another crop of the same image, the same label
+    assert same_label == label and not torch.equal(again, image)
+    torch.manual_seed(0)
+    assert torch.equal(dataset[0][0], image)  # the global RNG's draws, nothing else
+    dependence = worker_dependence(dataset)
+    assert dependence.draws == ("torch",) and dependence.worker_seeded
 
 
 def test_the_augmented_images_crop_box_is_random_resized_crops():

@@ -24,7 +24,7 @@ Which of those keep every sample *exactly* as it was (``exact`` mode):
   A sampler with a generator of its own is read to its end by workers, and may draw from it once
   more there (:func:`in_process_change_blocker`); where the fit without workers would not read it
   that far, the fit's copy reads it through :class:`StopAtLength` (the one object that is new).
-* ``persistent_workers``: never turned on in exact mode. A persistent iterator does not draw a new
+* ``persistent_workers``: never turned on (by data_path, in either mode). A persistent iterator does not draw a new
   base seed per epoch, which moves every later draw from the loader's generator (or the global RNG):
   the next epoch's shuffle would differ.
 

@@ -1,5 +1,12 @@
 """Whether a loader's samples depend on the worker that makes them (:func:`worker_dependence`): what
-decides, in exact mode, whether the worker count may change (see :mod:`speedkit.data.settings`)."""
+decides, in exact mode, whether the worker count may change (see :mod:`speedkit.data.settings`), and,
+out of it, whether only the draws a worker seeds itself would change (:attr:`WorkerDependence.worker_seeded`).
+
+A dataset whose transforms draw from the global torch RNG (torchvision's, as its documentation writes them)
+is the common case. Every DataLoader worker seeds the torch, Python and NumPy RNGs from the loader's base
+seed and its id, so another worker count draws other augmentations, from the same distributions, for the
+same indices in the same order, with the same labels: what users get when they change ``num_workers``
+themselves."""
 
 from __future__ import annotations
 
@@ -20,6 +27,13 @@ class WorkerDependence:
 
     what: str
     effect: str | None = None
+    #: the process RNGs reading a sample (or collating) draws from, which every worker seeds from the loader's
+    #: base seed and its id ("torch", "python", "numpy"); empty where none is drawn from
+    draws: tuple[str, ...] = ()
+    #: whether those draws are all that depends on the worker: another worker count then draws other numbers
+    #: from the same RNGs for the same samples (not so where the dataset's own generators are drawn from,
+    #: which every worker copies and draws alike, for an IterableDataset, or a probe that failed)
+    worker_seeded: bool = False
 
     def __str__(self) -> str:
         return self.what if self.effect is None else f"{self.what}: {self.effect}"
@@ -97,9 +111,16 @@ def worker_dependence(
         )
         if why is not None:
             owner = "its samples draw" if what == "samples" else "its collate_fn draws"
+            # over the samples and the collate_fn: the process RNGs alone, and nothing that differs without a draw
+            every = [name for names, _ in found.values() for name in names]
+            drawn = tuple(name for name in dict.fromkeys(every) if not name.startswith("its own"))
+            unexplained = any(moved and not names for names, moved in found.values())
+            seeded = bool(drawn) and len(drawn) == len(set(every)) and not unexplained
             return WorkerDependence(
                 f"{owner} random numbers ({why})",
                 "each worker seeds its own RNGs, so another worker count would draw other numbers",
+                draws=drawn,
+                worker_seeded=seeded,
             )
     return None
 

@@ -17,7 +17,7 @@ where its examples use one. Every model has a ``"full"`` size (the benchmark's) 
 
 transformers, timm and torchvision are imported by the builders, so this module imports without them.
 
-Why one module of about 900 lines: it is a catalogue, one short entry per model family (its module,
+Why one module of about 1,150 lines: it is a catalogue, one short entry per model family (its module,
 its data, its builder) read side by side when comparing how each is trained; the entries share the
 loaders and size tables at the top and nothing else.
 """
@@ -39,7 +39,7 @@ from speedkit.demos.gpt2 import NaiveGPT
 
 Size = Literal["full", "tiny"]
 
-#: DataLoader workers of the full-size loaders (tiny loaders use none)
+#: DataLoader workers of the full-size loaders (tiny loaders use none, but tv-resnet18-randaug's: its 2 are its point)
 TOKEN_WORKERS, IMAGE_WORKERS = 2, 8
 #: sequences or images per epoch, in batches
 EPOCH_BATCHES = 4096
@@ -346,6 +346,65 @@ def augmented_image_loader(batch_size: int, size: tuple[int, int], crop: int, cl
     workers, so the training process decodes every image between its steps; pageable memory)."""
     return DataLoader(
         _AugmentedJpegSamples(batch_size * EPOCH_BATCHES, size, crop, classes, seed), batch_size=batch_size, shuffle=True
+    )
+
+
+class _RandAugImages(Dataset):
+    """Sample ``i``: one of ``bank`` decoded images, augmented as torchvision's documentation writes a training
+    set's transforms, ``(image (3, crop, crop) float32, label)``::
+
+        transforms.v2.Compose([RandomResizedCrop(crop, antialias=True), RandomHorizontalFlip(),
+                               ToDtype(torch.float32, scale=True), Normalize(mean, std)])
+
+    Every draw of the crop box and the flip comes from the global torch RNG, as the transforms make it: in a
+    DataLoader worker, that worker's own stream (seeded from the loader's base seed and its id), so another
+    ``num_workers`` draws other augmentations for the same index. The label of each index is drawn once.
+
+    The images (smooth random pictures of ``height`` x ``width`` px, each side drawn from ``size``'s range,
+    uint8 (3, H, W), as ``decode_image`` gives them) are made once, from ``seed``, and held in memory, as a
+    dataset's decoded images in a cache would be: all the per-sample work is the augmentation."""
+
+    def __init__(self, length: int, size: tuple[int, int], crop: int, classes: int, seed: int, bank: int = 64) -> None:
+        from torchvision.transforms import v2
+
+        low, high = size
+        if not 0 < crop <= low <= high:
+            raise ValueError(f"expected 0 < crop <= the decoded sides' range {size}, found crop {crop}")
+        g = torch.Generator().manual_seed(seed)
+        self.images: list[torch.Tensor] = []  # uint8 (3, H, W)
+        for _ in range(bank):
+            h, w = (int(v) for v in torch.randint(low, high + 1, (2,), generator=g))
+            coarse = torch.rand(1, 3, max(2, h // 8), max(2, w // 8), generator=g)
+            pixels = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]  # (3, h, w)
+            self.images.append(pixels.mul(255).round().to(torch.uint8))
+        self.labels = torch.randint(0, classes, (length,), generator=g)
+        self.transform = v2.Compose(
+            [
+                v2.RandomResizedCrop(crop, antialias=True),
+                v2.RandomHorizontalFlip(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+            ]
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.images[index % len(self.images)]), int(self.labels[index])
+
+
+def randaug_image_loader(
+    batch_size: int, size: tuple[int, int], crop: int, classes: int, seed: int = 0, workers: int = 2
+) -> DataLoader:
+    """Batches of ``(images (B, 3, crop, crop) float32, labels (B,))`` augmented per sample by torchvision's
+    transforms drawing from the global RNG (:class:`_RandAugImages`), through a DataLoader as torchvision's
+    documentation writes one: shuffled, ``num_workers=2``, nothing else set."""
+    return DataLoader(
+        _RandAugImages(batch_size * EPOCH_BATCHES, size, crop, classes, seed),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
     )
 
 
@@ -930,7 +989,8 @@ class TorchvisionResNet50(_ImageClassifier):
 class TorchvisionResNet18(_ImageClassifier):
     """torchvision's ``resnet18``; at ``size="tiny"`` its basic blocks, one per stage; SGD with
     momentum as in torchvision's recipe. The zoo feeds it images decoded and augmented per sample
-    on the CPU (:func:`augmented_image_loader`), already floats: ``on_after_batch_transfer`` passes them on."""
+    on the CPU (:func:`augmented_image_loader`, :func:`randaug_image_loader`), already floats:
+    ``on_after_batch_transfer`` passes them on."""
 
     def __init__(self, size: Size = "full", classes: int = 1000, lr: float = 0.1) -> None:
         super().__init__()
@@ -1055,6 +1115,14 @@ def _augmented_resnet18(size: Size, batch_size: int, seed: int, **options: Any) 
     return module, augmented_image_loader(batch_size, decoded, crop, classes, seed)
 
 
+def _randaug_resnet18(size: Size, batch_size: int, seed: int, **options: Any) -> tuple[pl.LightningModule, DataLoader]:
+    classes = options.pop("classes", 1000 if size == "full" else 10)
+    module = TorchvisionResNet18(size, classes=classes, **options)
+    # decoded sides of 256-448 px cropped to 224, as for tv-resnet18-augment; tiny: 36-48 to 32 (both with 2 workers)
+    decoded, crop = ((256, 448), 224) if size == "full" else ((36, 48), 32)
+    return module, randaug_image_loader(batch_size, decoded, crop, classes, seed)
+
+
 _HF_SDPA = {"attn_implementation": "sdpa"}
 
 ZOO: dict[str, ZooModel] = {
@@ -1086,6 +1154,8 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("lstm-lm", "torch", "tokens", {"full": 64, "tiny": 4}, _causal_lm(LSTMLanguageModel, {"full": 35, "tiny": 35})),
         # data-bound: every image decoded and augmented in the training process (its loader has no workers)
         ZooModel("tv-resnet18-augment", "torchvision", "samples", {"full": 128, "tiny": 4}, _augmented_resnet18),
+        # data-bound as users write it: torchvision's transforms drawing from the global RNG, in 2 loader workers
+        ZooModel("tv-resnet18-randaug", "torchvision", "samples", {"full": 128, "tiny": 4}, _randaug_resnet18),
         # manual optimization: two optimizers stepped inside training_step (the DCGAN example's batch is 64)
         ZooModel("dcgan", "torch", "samples", {"full": 128, "tiny": 4}, _dcgan),
     )

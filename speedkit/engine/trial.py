@@ -6,10 +6,12 @@ judged against the configuration before it, timed against that configuration, ke
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from speedkit import distributed
 from speedkit.engine import comparison
 from speedkit.engine.comparison import compare, record
 from speedkit.engine.parity import dropout_off
@@ -72,7 +74,7 @@ def try_rung(ladder: Trials, rung: Rung, reference: list[float]) -> tuple[RungRe
             raise RungProblem(problem)
         if not entry.parity.passed:
             entry.status = "reverted"
-            entry.reason = (
+            entry.reason = entry.reason or (  # the batches' parity says why where it failed
                 f"numerics changed: loss differs by {entry.parity.max_rel_diff:.2e} (relative) > "
                 f"tolerance {entry.parity.tolerance:.0e} for {entry.parity.precision}"
             )
@@ -166,6 +168,14 @@ def judge_parity(
     bit_identical = entry.parity.max_rel_diff == 0.0
     if bit_identical and not rung.acts_through_numerics and state.precision != precision_before:
         entry.changes.append("note: applied but had no numerical effect here (loss trajectory bit-identical)")
+    # a change that makes the samples draw other random numbers (another worker count under augmentations):
+    # the loss trajectory runs on parity batches drawn once, so what must hold is read from the loaders
+    batches = rung.batch_parity(state, parity.steps * state.step.accumulate)
+    if batches is not None:
+        entry.changes += [f"note: {line}" for line in batches.lines()]
+        if distributed.any_rank(not batches.passed):
+            entry.parity = replace(entry.parity, passed=False)
+            entry.reason = batches.failure or "the batches differ on another rank where they must not"
     return losses
 
 

@@ -138,6 +138,15 @@ class Rung:
         ladder runs every trajectory at least this long, so the steps compared are the changed ones."""
         return 0
 
+    def batch_parity(self, state: TrainState, batches: int) -> Any:
+        """Where its change makes the batches' samples draw other random numbers (data_path's worker count
+        under a dataset that augments from the global RNG), what must not change, compared over the first
+        ``batches`` batches of the loaders themselves: an object with ``passed``, ``failure`` (why not) and
+        ``lines()`` (what was compared, and what was not), which the ladder judges beside the loss
+        trajectory, whose parity batches are drawn once and never show the change. None (the default):
+        the change leaves every sample as it was."""
+        return None
+
     def options_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.options)
 

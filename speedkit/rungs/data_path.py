@@ -5,16 +5,28 @@ host-to-device copies on the compute stream). Does not help: a loader already fa
 batches made on the device.
 Needs: a torch ``DataLoader`` to rebuild (any other iterable is only prefetched); a CUDA device for
 pinning and prefetching (on a CPU only the worker count can change).
-Numerics: unchanged. With ``exact`` (the default) every sample and every RNG stream stay as they were.
+Numerics: the same samples in the same order, with the same labels. Their augmentations may draw other
+random numbers: a dataset whose transforms draw from the global torch RNG (torchvision's, as users write
+them) draws, in each worker, from that worker's stream, seeded from the loader's base seed and its id, so
+another worker count draws other augmentations from the same distributions, as when users change
+``num_workers`` themselves; the report says which draws change. ``exact: true`` keeps every draw.
 
 The user's loader is copied (:func:`~speedkit.data.settings.rebuild_loader`: the same dataset,
 sampler, collate_fn, generator, ... objects) with settings chosen by measuring the loader alone
-(:func:`~speedkit.data.choose.choose_settings`). With ``exact`` (the default) only settings that
-leave every sample and every RNG stream as they were are changed: the worker count only when the
-dataset's samples (and its collate_fn) do not draw random numbers (a seeded shuffle,
-``shuffle=True, generator=g``, gains workers with its sampler read no further than the fit without
-them reads it, so the generator draws the same shuffles), the prefetch factor only when they do not
-or the workers are not persistent, persistent workers never (see :mod:`speedkit.data.settings`). On
+(:func:`~speedkit.data.choose.choose_settings`): the worker count from the measured pace and the CPUs
+left to workers. What must not change never does: the sample order and every draw of the training
+process (the sampler's shuffles, dropout). So the worker count stays on its side (workers, or none)
+where the samples draw random numbers (made in the training process, those draws move its own), a
+sampler drawing from a generator of its own gains workers only read no further than the fit without
+them reads it (``shuffle=True, generator=g``, so the generator draws the same shuffles), and persistent
+workers are never turned on (a persistent iterator draws no base seed per epoch, which moves the next
+epoch's shuffle; see :mod:`speedkit.data.settings`). Where the worker count (or a persistent loader's
+prefetch factor) changes the samples' draws, the trials' parity compares what must hold on the loaders
+themselves (:func:`~speedkit.data.parity.compare_loaders`: the sample indices in order, the labels, every
+leaf's shape and dtype) and says what it did not compare (the augmented values), as no loss trajectory
+can match. With ``exact`` only settings that leave every sample and every RNG stream as they were are
+changed: the worker count only when the dataset's samples (and its collate_fn) do not draw random
+numbers, the prefetch factor only when they do not or the workers are not persistent. On
 CUDA, batches are copied by a :class:`~speedkit.data.prefetch.DevicePrefetcher` on a side stream
 (``record_stream``, stream waits), which never reads into the next epoch before the loop asks for it
 (making an epoch's iterator draws its shuffle and its workers' seeds, which the step's own draws,
@@ -63,6 +75,7 @@ import torch
 
 from speedkit import compat
 from speedkit.data.choose import Choice, choose_settings
+from speedkit.data.parity import BatchParity, compare_loaders
 from speedkit.data.prefetch import PrefetchingLoader, TransferTimes
 from speedkit.data.ring import BatchRing, handoff_loader, make_ring, persistent, slot_bytes_for
 from speedkit.data.settings import (
@@ -74,7 +87,7 @@ from speedkit.data.settings import (
 )
 from speedkit.data.source import BatchSource, SourceWrapper, chain_epochs
 from speedkit.data.topology import format_cpu_list, physical_memory, shared_memory_free, training_cpus
-from speedkit.data.workers import worker_dependence
+from speedkit.data.workers import WorkerDependence, worker_dependence
 from speedkit.errors import ConfigError
 from speedkit.rungs.base import Handle, Rung, set_attr
 from speedkit.training.state import TrainState
@@ -90,8 +103,10 @@ class DataPathOptions:
     pin_memory: Literal["auto"] | bool = "auto"
     #: copy the next batch to the device on a side stream while the step runs (CUDA)
     prefetch: bool = True
-    #: change only what leaves every sample and RNG stream as it was (see speedkit.data.settings)
-    exact: bool = True
+    #: True: change only what leaves every sample and RNG stream as it was (see speedkit.data.settings);
+    #: False: the worker count (and a persistent loader's prefetch factor) may also change where that changes
+    #: only the samples' draws from the RNGs every worker seeds (augmentations), never their order or labels
+    exact: bool = False
     #: "auto": workers run off the two cores (and their hyperthreads) left to the training process
     #: (speedkit.data.topology.training_cpus); "any": wherever the process may run
     worker_cpus: Literal["auto", "any"] = "auto"
@@ -123,6 +138,18 @@ class Plan:
     notes: list[str]
     #: the ring the workers write into: (workers, slots per worker, bytes per slot); None: no ring
     ring: tuple[int, int, int] | None = None
+    #: where the settings may change the samples' random draws (``exact`` off): what the samples draw from
+    draws: WorkerDependence | None = None
+
+    @property
+    def draws_change(self) -> bool:
+        """Whether the settings chosen change which random numbers the samples draw: another worker count,
+        or another prefetch factor of persistent workers, of a dataset whose samples draw from the RNGs
+        every worker seeds."""
+        if self.draws is None or self.rebuild is None or self.choice is None:
+            return False
+        now, then = self.rebuild, self.choice.current
+        return now.num_workers != then.num_workers or (then.persistent_workers and now.prefetch_factor != then.prefetch_factor)
 
     @property
     def rebuild(self) -> LoaderSettings | None:
@@ -268,6 +295,28 @@ class DataPathSource(SourceWrapper):
         return self
 
 
+def describe_draws(plan: Plan) -> str | None:
+    """Which random draws the plan's settings change (:attr:`Plan.draws_change`), and what they leave as it was."""
+    if not plan.draws_change:
+        return None
+    draws, now, then = plan.draws, plan.rebuild, plan.choice.current  # type: ignore[union-attr]
+    rngs = " and ".join(draws.draws)  # type: ignore[union-attr]
+    what = "the samples" if draws.what.startswith("its samples") else "the collate_fn"  # type: ignore[union-attr]
+    if now.num_workers != then.num_workers:  # type: ignore[union-attr]
+        how = f"{now.num_workers} workers draw other numbers than {then.num_workers} did"  # type: ignore[union-attr]
+    else:
+        how = (
+            f"prefetch_factor {now.prefetch_factor} (persistent workers) draws other numbers than {then.prefetch_factor} "  # type: ignore[union-attr]
+            "from the first epoch cut short on"
+        )
+    return (
+        f"draws that change: what {what} draw from the {rngs} RNG{'s' if len(draws.draws) > 1 else ''} (augmentations; "  # type: ignore[union-attr]
+        f"each worker draws from its own stream, seeded from the loader's base seed and its worker id): {how}. "
+        "Unchanged: the sample order, the labels and the distributions drawn from (data_path's exact: true keeps "
+        "every draw)"
+    )
+
+
 def plan_ring(choice: Choice | None, options: DataPathOptions, notes: list[str]) -> tuple[int, int, int] | None:
     """The ring for the chosen settings: one slot per batch a worker may have outstanding, plus two."""
     if not options.ring or choice is None or choice.settings.num_workers == 0 or not choice.batch_bytes:
@@ -373,7 +422,7 @@ class DataPathRung(Rung):
             notes.append(f"{', '.join(hooks)} is overridden and expects the host batch: the copy is left to Lightning")
         else:
             prefetch = True
-        choice = None
+        choice, draws = None, None
         why = not_rebuildable(loader)
         if why is not None:
             notes.append(why)
@@ -382,22 +431,26 @@ class DataPathRung(Rung):
             workers = opts.workers if isinstance(opts.workers, int) else None
             vary = opts.workers == "auto"
             count_may_change = vary or (workers is not None and workers != current)
-            # whether its samples depend on the worker's state: decides what exact mode may change
+            # whether its samples depend on the worker's state: decides what may change
             dependence = (
                 worker_dependence(loader.dataset, loader.collate_fn, batched=loader.batch_sampler is not None)
-                if opts.exact and (count_may_change or persistent(loader))
+                if count_may_change or persistent(loader)
                 else None
             )
-            if dependence is not None and count_may_change:
+            # outside exact mode, draws from the RNGs every worker seeds may change (augmentations): nothing else
+            draws = dependence if dependence is not None and dependence.worker_seeded and not opts.exact else None
+            blocking = dependence if draws is None else None
+            if blocking is not None and count_may_change:
                 vary, workers = False, None
-                notes.append(f"num_workers kept at {current}: {dependence}")
+                keeps = " (data_path's exact: true keeps every draw)" if blocking.worker_seeded else ""
+                notes.append(f"num_workers kept at {current}: {blocking}{keeps}")
             factors: tuple[int, ...] = (2, 4)
             keep_factor = None
-            if dependence is not None and persistent(loader):
+            if blocking is not None and persistent(loader):
                 factors = (loader.prefetch_factor,)
                 keep_factor = (
                     f"prefetch_factor kept at {loader.prefetch_factor}: the loader's workers are persistent and "
-                    f"{dependence.what}; an epoch that ends before its loader (limit_train_batches, a break, "
+                    f"{blocking.what}; an epoch that ends before its loader (limit_train_batches, a break, "
                     "on_train_batch_start returning -1) leaves prefetch_factor batches per worker made ahead and "
                     "dropped, which moves what the workers make in every later epoch"
                 )
@@ -405,7 +458,7 @@ class DataPathRung(Rung):
             if pin is None and not cuda:
                 pin = bool(loader.pin_memory)  # pinning serves a copy to a device only
             if vary or workers is not None or pin != bool(loader.pin_memory):
-                if opts.exact and workers == 0 and loader.persistent_workers:
+                if workers == 0 and loader.persistent_workers:
                     notes.append(
                         f"num_workers kept at {current}: the loader's persistent workers draw one base seed per "
                         "fit, a loader without workers one per epoch (another shuffle from the next epoch on)"
@@ -415,7 +468,14 @@ class DataPathRung(Rung):
                     notes.append(f"num_workers kept at {current}: {needs}, which needs num_workers > 0")
                     workers = current
                 same_side = False
-                if opts.exact and (vary or workers is not None) and (side := in_process_change_blocker(loader)) is not None:
+                side = in_process_change_blocker(loader) if vary or workers is not None else None
+                if side is None and draws is not None and (vary or workers is not None):
+                    side = (
+                        f"{draws.what}, from the training process's RNGs: made in workers instead, they would leave "
+                        if current == 0
+                        else f"{draws.what}, from each worker's RNGs: made here instead, they would draw from "
+                    ) + "the training process's RNGs, which moves its own later draws (the next epoch's shuffle, dropout)"
+                if side is not None:
                     same_side = True
                     if workers is not None and (workers > 0) != (current > 0):
                         workers = current
@@ -444,7 +504,9 @@ class DataPathRung(Rung):
                         vary_workers=vary,
                         workers=workers,
                         pin_memory=pin,
-                        exact=opts.exact,
+                        # persistent workers as the loader's: turned on, they draw no base seed per epoch,
+                        # which moves the next epochs' shuffle (in either mode)
+                        exact=True,
                         same_side=same_side,
                         worker_cpus=tuple(sorted(rest)) if kept else None,
                         cpus=None if kept else len(rest),
@@ -461,7 +523,18 @@ class DataPathRung(Rung):
         settings = choice.settings if choice is not None else None
         served_workers = settings.num_workers if settings is not None else getattr(loader, "num_workers", 0)
         ring = plan_ring(choice if choice is not None and choice.changed else None, opts, notes) if prefetch else None
-        return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes, ring)
+        return Plan(choice, prefetch, 1 if served_workers > 0 else 0, notes, ring, draws)
+
+    def batch_parity(self, state: TrainState, batches: int) -> BatchParity | None:
+        """Where the settings applied change the samples' random draws (:attr:`Plan.draws_change`), what must
+        not change, compared between the user's loader and the rebuilt one (:func:`compare_loaders`: the
+        sample indices in order, the labels, the shapes and dtypes); None where every sample is as it was."""
+        source = state.data
+        while source is not None and not isinstance(source, DataPathSource):
+            source = getattr(source, "inner", None)
+        if source is None or source.rebuilt is None or not source.plan.draws_change:
+            return None
+        return compare_loaders(source.loader, source.rebuilt, batches)
 
     def apply(self, state: TrainState) -> Handle:
         plan = self._applied = self.plan(state)
@@ -485,6 +558,8 @@ class DataPathRung(Rung):
                 f"{slot / 2**20:.1f} MiB), read from there by the copy (no pinning thread, no handoff per tensor)"
             )
         set_attr(handle, state, "data", source, "; ".join(changes))
+        if (draws := describe_draws(plan)) is not None:
+            handle.record(draws)
         if plan.rebuild is not None and plan.rebuild.num_workers > 0 and self.options.sharing == "auto":
             share_by_name(handle)
         handle.record("", source.release_rebuilt, persistent=True)  # at undo only: the trials' iterator lives on while suspended
