@@ -306,6 +306,10 @@ def account(d: Mapping[str, Any]) -> dict[str, Any]:
         ),
         "unit": unit,
     }
+    if out["check"] is not None and len(links) == 1 and len(links[0]["comparisons"]) == 1:
+        only = links[0]["comparisons"][0]  # the chain is the check itself (the final configuration is the floor)
+        same = all(only.get(k) == out["check"][k] for k in ("speedup", "low", "high"))
+        out["check"]["is_the_chain"] = same
     out["attribution"] = _attribution(d, links, order, base_ms, out)
     return out
 

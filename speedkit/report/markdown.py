@@ -212,7 +212,7 @@ def check_text(figures: dict[str, Any]) -> str | None:
     """The final check, a check of the chain: ``checked against the baseline in one interleaved
     comparison: 1.84× [1.80–1.88], faster``; None where none was made."""
     c = figures.get("check")
-    if not c:
+    if not c or c.get("is_the_chain"):  # the headline's own comparison: no second line for it
         return None
     where = f" (in {c['measured_in']})" if c.get("measured_in") else ""
     verdict = str(c.get("verdict") or MISSING).replace("_", " ")
