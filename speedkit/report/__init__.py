@@ -7,9 +7,9 @@ infinite float is written as ``null``; tuples become lists; anything else unknow
 that dict alone, so ``speedkit report DIR`` can render them again from a ``report.json``.
 Schema version 3, field by field:
 
-* ``schema_version`` (int) — ``3`` (``2``: a report written before the profile, attribution,
-  telemetry timeline and fit monitor existed; it has none of those keys). :func:`load_report`
-  reads both and refuses any other value.
+* ``schema_version`` (int) — ``4`` (``3``: before the ledger and the figures derived from it, whose
+  figures the renderers derive from its rows; ``2``: before the profile, attribution, telemetry timeline
+  and fit monitor). :func:`load_report` reads all three and refuses any other value.
 * ``recipe`` (str | null) — the recipe's name, or null when the ladder ran without one.
 * ``device`` (str) — the torch device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
 * ``environment`` (object) — :func:`speedkit.report.environment.collect_environment`; every key is
@@ -78,9 +78,10 @@ Schema version 3, field by field:
   - ``parity`` (object | null) — the loss trajectory against the state before the rung, same
     weights, batches and RNG: ``steps``, ``tolerance``, ``precision`` (whose tolerance),
     ``reference_losses``, ``losses``, ``max_rel_diff``, ``passed``;
-  - ``gain_vs_previous`` (float | null) — the paired speedup over the configuration before it;
-  - ``gain_vs_baseline`` (float | null) — the product of the paired speedups of the kept rungs
-    before it and its own;
+  - ``figure`` (str | null, schema 4) — its one figure, the account's (``figures.rungs``): a kept
+    rung's decided gain (``1.12× [1.05–1.19]``, or ``with its group (a + b): 1.53× [...]``), a rung
+    not kept its last comparison's; null for a rung never timed (schema 3: ``gain_vs_previous``,
+    ``gain_vs_baseline``, read no more);
   - ``seconds`` (float) — wall time spent on the rung, compilation included.
 
 * ``final_check`` (object | null) — the final configuration against the baseline, interleaved,
@@ -99,14 +100,32 @@ Schema version 3, field by field:
   ``sensitivity`` (how far the baseline loss trajectory moved under it, relative, worst step),
   ``safety``, ``floor`` (``configs/tolerances.yaml``) and ``tolerance`` (max(floor, safety ·
   sensitivity)).
-* ``summary`` (object) — the headline, every figure from one measurement
-  (:meth:`speedkit.results.LadderResult.headline`): ``baseline_step_ms`` and ``final_step_ms``,
-  ``baseline_throughput`` and ``final_throughput`` (the baseline's and the final configuration's
-  windows in the final check's interleaved blocks; without a final check, the baseline timed alone
-  and the last kept rung's comparison), ``speedup`` (the final check's paired speedup, else the
-  product of the kept rungs'), ``speedup_ci`` (its interval, or null), ``figures_from`` (which
-  measurement that is), ``note`` (null, or why the paired speedup and the ratio of the two step
-  times differ by more than 3%), ``kept`` (names, in order), ``throughput_unit``, ``interrupted``.
+* ``summary`` (object) — the headline, from ``figures``: ``baseline_step_ms`` and ``final_step_ms``,
+  ``baseline_throughput`` and ``final_throughput`` (the one baseline, and it over the chain),
+  ``speedup`` (the chain's product), ``speedup_ci`` (its interval, or null), ``shown`` (false where the
+  interval holds 1.0), ``figures_from``, ``kept`` (names, in the final configuration's order),
+  ``vs_switches`` (``[speedup, low, high]`` of the links on top of the user's switches, or null),
+  ``switches_are_final``, ``check`` (the final check, a check of the chain), ``throughput_unit``,
+  ``interrupted``.
+
+New in schema version 4, where every printed figure comes from (:func:`speedkit.figures.account.account`):
+
+* ``ledger`` (list) — every decision of the trials, in the order taken, never edited: ``phase``,
+  ``names`` (kept or dropped together), ``kept`` (bool), ``comparisons`` (the paired comparisons whose
+  product is their figure: ``speedup``, ``low``, ``high``, ``confidence``, ``blocks``, ``verdict``,
+  ``min_gain``, ``power`` (-1: taken inverted, a member left out of its group), ``label``; empty where the
+  decision stands on an earlier one's), ``why``.
+* ``final_order`` (list of str) — the kept rungs in the final configuration's order.
+* ``floor`` (list of str) — the user's switches kept as the floor.
+* ``figures`` (object) — the account: ``baseline`` (the one baseline: the final check's baseline
+  windows where there was one, else the baseline timed alone; ``step_ms``, ``throughput``, ``mfu``,
+  ``spread``, ``source``), ``links`` (the chain: each ``names``, ``floor``, ``speedup``, ``low``, ``high``,
+  ``verdict``, ``comparisons``, ``text``, ``vs_baseline`` (the product so far), ``step_ms``, ``throughput``,
+  ``mfu``), ``rungs`` (per rung its one figure: ``kept``, ``link``, ``group``, ``speedup``, ``low``,
+  ``high``, ``verdict``, ``text``), ``headline`` (``speedup``, ``low``, ``high``, ``shown``, ``text``,
+  ``from``, ``step_ms``, ``throughput``, ``mfu``), ``vs_switches``, ``switches_are_final``, ``check``
+  (the final check: ``speedup``, ``low``, ``high``, ``verdict``, ``blocks``, ``text``, ``measured_in``,
+  ``is_the_chain``), ``unit``, ``attribution`` (as below, at the chain's figures).
 
 New in schema version 3; each may be absent or null (not measured in this run), and the renderers
 then say so in one line:
@@ -130,13 +149,13 @@ then say so in one line:
     waited for the device: ``where`` (file:line in function), ``code``, ``reason``, ``count`` (per step);
   - ``note`` (str | null) — why profiling was skipped or partial.
 
-* ``attribution`` (object | null) — what each kept rung bought, from the profiled windows:
-  ``rungs`` (each: ``name``, ``speedup`` (its paired gain), ``ms_per_step`` (its change to the step
-  time; negative is faster), ``share`` (of the whole gain, 0..1), ``moved`` (the categories it
-  changed most: ``category``, ``before_ms``, ``after_ms``), ``peak_memory_delta_bytes``, ``line``
-  (all of it in one sentence)), ``product`` (the kept rungs' speedups multiplied), ``measured``
-  (the final check's speedup), ``agrees`` (bool: whether the two agree), ``interaction`` (null, or
-  a sentence naming the rungs that interact).
+* ``attribution`` (object | null) — what each kept rung bought, from the profiled windows, at the
+  account's figures: ``rungs`` (each: ``name``, ``group``, ``speedup`` (its link's, on the link's first
+  rung), ``figure`` (its one figure), ``ms_per_step`` (its link's change to the step time; negative is
+  faster), ``share`` (of the whole gain, 0..1), ``moved`` (the categories it changed most: ``category``,
+  ``before_ms``, ``after_ms``), ``peak_memory_delta_bytes``, ``line`` (all of it in one sentence)),
+  ``product`` (the chain's, the headline), ``measured`` (the final check's speedup), ``agrees`` (bool:
+  whether the two agree), ``interaction`` (null, or a sentence naming the rungs that interact).
 * ``telemetry_timeline`` (object | null) — NVML sampled over one configuration's timed windows:
   ``interval_s``, ``label`` (which configuration), ``samples`` (each: ``t_s``, ``util`` (%),
   ``power_w``, ``power_limit_w``, ``sm_clock_mhz``, ``reasons`` (clock-event reasons in that
@@ -215,7 +234,7 @@ def write_report(
 
 def load_report(path: Path | str) -> dict[str, Any]:
     """Read a ``report.json`` (or the one in a directory) of a schema version in
-    :data:`READS_SCHEMA_VERSIONS` (2 or 3).
+    :data:`READS_SCHEMA_VERSIONS` (2, 3 or 4).
 
     Raises:
         ConfigError: the file is missing, not JSON, not a report, or has another ``schema_version``.
