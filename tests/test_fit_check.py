@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_lightning import QUICK, USER_RUN, Recorder, UserModel, _trainer
 
+from speedkit.engine.cache import DecisionCache
 from speedkit.lightning import SpeedLadder
 from speedkit.lightning.speed_ladder import _HoldsProbe
 from speedkit.results import Measurement, PairedResult
@@ -63,7 +64,6 @@ def test_a_final_configuration_slower_in_the_fit_than_the_floor_goes_back_to_it_
         rungs=["fused_optimizer", COMPILE],
         trials="always",
         measure={**QUICK, "holds_windows": 1},
-        cache=False,
         on_event=lines.append,
         report_dir=tmp_path / "report",
     )
@@ -86,6 +86,7 @@ def test_a_final_configuration_slower_in_the_fit_than_the_floor_goes_back_to_it_
     if not slower:
         assert back == [] and result.final_order == ["fused_optimizer", "compile"]
         assert all(optimizer_fused) and "back_to_the_floor" not in result.run["fit_check_vs_floor"]
+        assert [e.kept for e in DecisionCache().entries()] == [["fused_optimizer", "compile"]]
         return
     assert len(back) == 1 and "fused_optimizer undone inside the fit" in back[0] and "+50.0%" in back[0], lines
     # the decision: recorded, the row reverted, the final configuration the floor

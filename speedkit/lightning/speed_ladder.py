@@ -587,6 +587,11 @@ class SpeedLadder(Callback):
                 row.reason = f"{row.reason}; reverted in the fit: {why}"
         result.final_order = [n for n in result.final_order if n not in on_top]
         result.run["fit_check_vs_floor"].update(back_to_the_floor=True, undone=sorted(set(undone)), failed=failed)
+        ladder = self._ladder  # the decision the trials cached did not hold in the fit: forgotten, a later fit climbs
+        if ladder is not None and ladder.cache is not None and ladder.cache_key is not None and self._rank_zero:
+            with contextlib.suppress(OSError):
+                ladder.cache.forget(ladder.cache_key)
+                result.run["fit_check_vs_floor"]["cache"] = "the decision the trials kept is forgotten"
         return (
             f"back to the floor: {why}; {', '.join(on_top)} undone inside the fit, training goes on from the same state "
             f"with {', '.join(result.final_order)}" + (f" (undo failed: {'; '.join(failed)})" if failed else "")
