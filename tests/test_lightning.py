@@ -954,7 +954,7 @@ def test_trials_put_back_the_plain_attributes_the_users_step_changes(no_interpre
         pl.seed_everything(0, verbose=False)
         model = _KeepsTrackOnSelf()
         seen = model.seen
-        ladder = SpeedLadder(rungs=["fused_optimizer"], trials=trials, measure=QUICK)
+        ladder = SpeedLadder(rungs=["fused_optimizer"], trials="always" if trials else False, measure=QUICK)
         _trainer([ladder], **USER_RUN).fit(model)
         assert model.seen is seen and model.history is model.seen  # put back in place, never replaced
         runs[trials] = (model.calls, list(model.seen), dict(model.tally), ladder)

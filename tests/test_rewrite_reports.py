@@ -17,7 +17,7 @@ def captured():
 
 
 #: zoo models added after the golden copy was captured: no earlier behaviour to compare with
-ADDED_SINCE = {"zoo:dcgan", "zoo:hf-llama-ckpt"}
+ADDED_SINCE = {"zoo:dcgan", "zoo:hf-llama-ckpt", "zoo:tv-resnet18-randaug"}
 
 
 def test_the_same_models_are_compared(captured):
