@@ -260,7 +260,13 @@ def _in_training(d: dict[str, Any]) -> str:
         if fm.get("overhead_note"):
             out.append(_note(_e(fm["overhead_note"])))
     else:
-        out.append(_note(f"Fit monitor: {NOT_MEASURED}."))
+        holds = d.get("holds") or {}
+        aside = (
+            " (SpeedProfiler watches a whole fit; the fit check above timed the fit's own steps after the trials)"
+            if holds.get("fit")
+            else ""
+        )
+        out.append(_note(f"Fit monitor: {NOT_MEASURED}{aside}."))
     return "\n".join(out)
 
 
