@@ -204,15 +204,20 @@ def cross_entropy_forward(
     label_smoothing: float,
     grad_out: Tensor | None = None,
     losses_out: Tensor | None = None,
+    n_valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(per-row losses (N,) fp32, gradient (N, V) in the logits' dtype)`` for ``dL/dloss = 1``."""
+    """``(per-row losses (N,) fp32, gradient (N, V) in the logits' dtype)`` for ``dL/dloss = 1``.
+
+    ``grad_out`` may be ``logits`` itself (each element is read before its gradient is written);
+    ``n_valid`` (a device scalar) is the mean's divisor where these rows are a chunk of a larger batch."""
     N, V = logits.shape
     grad = grad_out if grad_out is not None else torch.empty_like(logits)
     losses = losses_out if losses_out is not None else torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return losses, grad
     # counted on the device: the kernel reads it, the host never does
-    n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
+    if n_valid is None:
+        n_valid = (target != ignore_index).sum() if reduction == "mean" else losses
     block, warps = _block(V)
     _ce_fwd_kernel[(N,)](
         logits,

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from speedkit import compat
 from speedkit.handle import Handle, set_attr
 from speedkit.kernels import layers
+from speedkit.rewrite import lm_head
 
 
 class FusedLMLoss:
@@ -156,6 +157,8 @@ def find(root: nn.Module) -> tuple[list[LossSite], list[str]]:
         if not compat.hf_loss_function_settable(module):
             left_alone.append(f"{name}: transformers {transformers.__version__} has no per-model loss_function to set")
             continue
+        if lm_head.fused(module):
+            continue  # fused_lm_head computes its loss (speedkit.rewrite.lm_head)
         current = module.loss_function
         if isinstance(current, FusedLMLoss):
             continue  # already swapped
