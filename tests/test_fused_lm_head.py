@@ -264,7 +264,7 @@ def test_left_alone_where_the_step_reads_the_logits():
 
 def test_nothing_found_says_so():
     reason = FusedLMHeadRung().check(_state(nn.Sequential(nn.Linear(4, 4))))
-    assert reason is not None and reason.startswith("no Hugging Face causal LM")
+    assert reason is not None and reason.startswith("no LM head and loss found")
 
 
 def test_undo_through_a_handle_restores_the_forward():
@@ -278,3 +278,112 @@ def test_undo_through_a_handle_restores_the_forward():
     ids = torch.randint(0, V, (1, 5))
     assert model.lm(input_ids=ids, labels=ids).logits is not None
     assert F.cross_entropy is torch.nn.functional.cross_entropy
+
+
+# -- hand-written language models: the rewrite ------------------------------------------------------
+
+
+class NanoGPTStyle(nn.Module):
+    """nanoGPT's shape: ``(logits, loss)`` returned, the head tied to the embedding, ``ignore_index=-1``."""
+
+    def __init__(self, vocab: int = 97, width: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        x = self.block(self.wte(idx))
+        if targets is not None:
+            logits = self.lm_head(self.ln_f(x))
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(self.ln_f(x)[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+class ReadsLogitsInForward(NanoGPTStyle):
+    def forward(self, idx, targets=None):
+        logits = self.lm_head(self.ln_f(self.wte(idx)))
+        self.last_max = logits.max()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _naive_gpt():
+    from speedkit.demos.gpt2 import NaiveGPT
+
+    return NaiveGPT(size="tiny", n_layer=1)
+
+
+def test_the_rewrite_fuses_a_hand_written_gpt_to_its_own_loss_and_gradients():
+    """The naive GPT-2 recipe's model (``logits = self.lm_head(self.ln_f(x))`` then
+    ``F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))``, tied weights)."""
+    torch.manual_seed(0)
+    model = _naive_gpt()
+    reference_model = copy.deepcopy(model)
+    rung = FusedLMHeadRung()
+    state = _state(model)
+    assert rung.check(state) is None
+    handle = rung.apply(state)
+    assert handle.rewrite.counts == {"lm_head": 1}
+    assert any("NaiveGPT.forward rewritten: LM head and cross-entropy fused" in c for c in handle.changes)
+    idx = torch.randint(0, 512, (2, 13))
+    targets = torch.randint(0, 512, (2, 13))
+    for m in (model, reference_model):
+        m.train()
+    torch.manual_seed(1)
+    loss = model(idx, targets)
+    loss.backward()
+    torch.manual_seed(1)
+    want = reference_model(idx, targets)
+    want.backward()
+    assert_rel_close(loss, want, TOL, "loss")
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, name)
+    with torch.no_grad():  # no gradients: the head runs as written
+        assert_rel_close(model(idx, targets), reference_model(idx, targets), TOL)
+        assert model(idx).shape == (2, 13, 512)
+    handle.undo()
+    assert "forward" not in model.__dict__
+
+
+def test_the_rewrite_returns_none_logits_while_training_and_keeps_ignore_index():
+    torch.manual_seed(0)
+    model = NanoGPTStyle()
+    reference_model = copy.deepcopy(model)
+    handle = FusedLMHeadRung().apply(_state(model))
+    idx = torch.randint(0, 97, (3, 7))
+    targets = idx.roll(-1, 1)
+    targets[:, -1] = -1
+    torch.manual_seed(2)
+    logits, loss = model(idx, targets)
+    loss.backward()
+    torch.manual_seed(2)
+    want_logits, want = reference_model(idx, targets)
+    want.backward()
+    assert logits is None and want_logits.shape == (3, 7, 97)
+    assert_rel_close(loss, want, TOL, "loss")
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert_rel_close(p.grad, q.grad, TOL)
+    model.eval()
+    reference_model.eval()
+    assert_rel_close(model(idx)[0], reference_model(idx)[0], 0.0)  # generation: as written
+    handle.undo()
+
+
+def test_the_rewrite_leaves_alone_logits_read_elsewhere():
+    reason = FusedLMHeadRung().check(_state(ReadsLogitsInForward()))
+    assert reason is not None and "logits is read at line" in reason
+
+
+def test_the_rewritten_model_compiles_in_one_graph():
+    torch.manual_seed(0)
+    model = NanoGPTStyle()
+    FusedLMHeadRung().apply(_state(model))
+    idx = torch.randint(0, 97, (2, 5))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(idx, idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons

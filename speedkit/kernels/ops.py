@@ -392,3 +392,43 @@ def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     from speedkit.kernels import layers
 
     return layers.silu_mul(gate, up, act)
+
+
+# -- the LM head and its loss (the fused_lm_head rung) ------------------------------------------
+
+
+def lm_head_input(head: nn.Module, x: Any) -> tuple[Any, Any]:
+    """``(x, None)`` where the head and its loss will run fused (the head training, gradients on), else
+    ``(None, head(x))``: the logits as written."""
+    if head.training and torch.is_grad_enabled() and isinstance(x, Tensor):
+        return x, None
+    return None, head(x)
+
+
+def lm_head_loss(
+    hidden: Tensor,
+    head: nn.Linear,
+    target: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """``F.cross_entropy(head(hidden).view(-1, V).float(), target.view(-1), …)`` without the logits."""
+    from speedkit.kernels.linear_cross_entropy import linear_cross_entropy
+
+    width = hidden.shape[-1]
+    if hidden.numel() // width != target.numel():
+        raise ValueError(
+            f"speedkit fused_lm_head: {target.numel()} targets for {hidden.numel() // width} tokens of hidden states "
+            f"{tuple(hidden.shape)}; the cross-entropy as written would have failed too"
+        )
+    return linear_cross_entropy(
+        hidden.reshape(-1, width),
+        head.weight,
+        target.reshape(-1),
+        head.bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
