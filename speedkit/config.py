@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 #: Numerics classes from strictest to loosest; a run's effective precision is the loosest applied.
-PRECISION_ORDER = ("fp32", "tf32", "fp16", "bf16")
+PRECISION_ORDER = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 
 def config_dir() -> Path:

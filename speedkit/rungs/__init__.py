@@ -2,7 +2,7 @@
 
 >>> from speedkit import rungs
 >>> rungs.names()
-['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'fused_lm_head', 'triton_layers', 'aligned_linear', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress', 'fsdp_mixed_precision', 'fsdp_reshard', 'fsdp_prefetch', 'activation_checkpointing']
+['tf32', 'autocast', 'fused_optimizer', 'compile', 'sdpa', 'batched', 'fused_lm_head', 'triton_layers', 'aligned_linear', 'float8', 'channels_last', 'cudnn_benchmark', 'cuda_graph', 'data_path', 'async_progress_bar', 'gc_freeze', 'explicit_mask', 'micro_batch', 'ddp_bucket_view', 'ddp_static_graph', 'ddp_bucket_size', 'ddp_bf16_compress', 'fsdp_mixed_precision', 'fsdp_reshard', 'fsdp_prefetch', 'activation_checkpointing']
 >>> rung = rungs.make({"name": "compile", "options": {"mode": "max-autotune"}})
 """
 
@@ -29,6 +29,7 @@ from speedkit.rungs.ddp_bucket_size import DDPBucketSizeRung
 from speedkit.rungs.ddp_bucket_view import DDPBucketViewRung
 from speedkit.rungs.ddp_static_graph import DDPStaticGraphRung
 from speedkit.rungs.explicit_mask import ExplicitMaskRung
+from speedkit.rungs.float8 import Float8Rung
 from speedkit.rungs.fsdp_mixed_precision import FSDPMixedPrecisionRung
 from speedkit.rungs.fsdp_prefetch import FSDPPrefetchRung
 from speedkit.rungs.fsdp_reshard import FSDPReshardRung
@@ -61,6 +62,7 @@ for _cls in (
     FusedLMHeadRung,
     TritonLayersRung,
     AlignedLinearRung,
+    Float8Rung,
     ChannelsLastRung,
     CudnnBenchmarkRung,
     CudaGraphRung,
