@@ -128,7 +128,7 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
             f"baseline: a slow step (~{reference_s:.2f} s): one draw per precision for the tolerances, the baseline "
             "in three windows of two steps"
         )
-    in_play = {"fp32", state.precision, *(r.precision for r in ladder.rungs if r.precision)}
+    in_play = {"fp32", state.precision, *filter(None, (r.precision_in_play(state) for r in ladder.rungs))}
     stored = (cached.calibration or {}) if cached is not None else {}
     reused = sorted(in_play & stored.keys())
     for precision in reused:

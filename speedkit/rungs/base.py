@@ -121,6 +121,12 @@ class Rung:
         """Return ``None`` if the rung applies to ``state``, else a one-line reason why not."""
         return None
 
+    def precision_in_play(self, state: TrainState) -> str | None:
+        """The precision whose parity tolerance the baseline calibrates for this rung: ``precision``, or
+        None where a cheap look (the device, an installed library) already rules the rung out, so that
+        no calibration trajectory is run for a precision no rung can bring."""
+        return self.precision
+
     def apply(self, state: TrainState) -> Handle:
         raise NotImplementedError
 

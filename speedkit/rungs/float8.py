@@ -124,6 +124,9 @@ class Float8Rung(Rung):
     recompiles = True
     partners = ("compile",)  # the casts pay only where compile fuses them
 
+    def precision_in_play(self, state: TrainState) -> str | None:
+        return None if hardware_reason(state.device) or torchao_missing() else self.precision
+
     def check(self, state: TrainState) -> str | None:
         if self.options.recipe not in ("auto", "rowwise", "tensorwise"):
             return f"recipe must be 'auto', 'rowwise' or 'tensorwise', found {self.options.recipe!r}"
