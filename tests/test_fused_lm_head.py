@@ -387,3 +387,32 @@ def test_the_rewritten_model_compiles_in_one_graph():
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(idx, idx)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_compile_on_top_compiles_the_fused_forward():
+    """As the ladder stacks them: the fused forward first, speedkit's compile on top (it compiles the
+    forward in effect beneath it); the loss and gradients stay the model's own, and undoing compile
+    leaves the fused forward in place."""
+    from speedkit.rungs.compile import CompileOptions, CompileRung
+
+    torch.manual_seed(0)
+    model = Wrapper(gpt2())
+    reference_model = copy.deepcopy(model)
+    state = _state(model)
+    fused = FusedLMHeadRung().apply(state)
+    compiled = CompileRung(CompileOptions(backend="eager")).apply(state)
+    assert type(model.lm.__dict__["forward"]).__name__ == "GuardedForward"
+    ids = torch.randint(0, V, (2, 11))
+    torch.manual_seed(3)
+    out = model.training_step(ids, 0)
+    out.backward()
+    torch.manual_seed(3)
+    want = reference_model.training_step(ids, 0)
+    want.backward()
+    assert_rel_close(out, want, TOL, "loss")
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert_rel_close(p.grad, q.grad, TOL)
+    compiled.undo()
+    assert lm_head.fused(model.lm)
+    fused.undo()
+    assert "forward" not in model.lm.__dict__
