@@ -203,6 +203,7 @@ def test_a_memory_bound_step_tries_the_rungs_that_free_memory():
     assert first_configuration(_shipped(), d) == [
         "autocast",
         "sdpa",
+        "fused_lm_head",
         "triton_layers",
         "ddp_bucket_view",
         "fsdp_mixed_precision",

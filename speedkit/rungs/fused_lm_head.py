@@ -64,7 +64,7 @@ def logits_readers(state: TrainState) -> list[str]:
     candidates: list[tuple[str, Any]] = [
         (f"{type(model).__name__}.training_step", getattr(type(model), "training_step", None)),
         (f"{type(model).__name__}.forward", getattr(type(model), "forward", None)),
-        ("the loss function", getattr(state.step, "loss_fn", None)),
+        ("the loss function", state.step.loss_fn),
     ]
     readers = []
     for name, function in candidates:

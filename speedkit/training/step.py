@@ -121,6 +121,9 @@ class Step:
     scaler: torch.amp.GradScaler | None = None
     #: the Lightning Trainer whose ``fit`` runs the step, None outside a Lightning fit
     trainer: Any = None
+    #: the function the step computes its loss with, ``(model, batch, batch_idx) -> loss``, where it
+    #: takes one (a plain step); None where the model's own ``training_step`` computes it
+    loss_fn: Any = None
 
     @property
     def accumulate(self) -> int:
