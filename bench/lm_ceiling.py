@@ -7,7 +7,8 @@ one process and in this order,
   liger     the switches with Liger-Kernel applied by hand first, as its README shows: Llama through
             ``apply_liger_kernel_to_llama(model=…)`` (RoPE, RMSNorm, SwiGLU and the fused linear
             cross-entropy); GPT-2, which Liger has no patch for, through ``LigerFusedLinearCrossEntropyLoss``
-            over the backbone's hidden states (its forward rebound on the instance). Liger patches
+            over the backbone's hidden states (its forward rebound on the instance; the loss kept out of
+            the compiled graph, where Dynamo failed on it). Liger patches
             transformers' classes for the rest of the process, so it runs last.
 
 Models: ``gpt2`` (transformers' GPT-2 small, 16 × 1024 tokens: the zoo's hf-gpt2) and ``llama-1b``
@@ -93,7 +94,9 @@ def _liger_gpt2(lm: torch.nn.Module) -> None:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-    loss_fn = LigerFusedLinearCrossEntropyLoss()
+    # outside the compiled graph, as a user does once compile fails on it: traced by Dynamo, Liger 0.8.5's loss
+    # raised "unsupported operand type(s) for *: 'torch.dtype' and 'FakeTensor'" (H200, torch 2.11, d03f0c7)
+    loss_fn = torch.compiler.disable(LigerFusedLinearCrossEntropyLoss())
     original = lm.forward
 
     def forward(self: Any, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
