@@ -9,6 +9,7 @@ width 768, vocabulary 50257, the weight an fp32 parameter):
   fused               :func:`speedkit.kernels.linear_cross_entropy.linear_cross_entropy`, eager
   fused_compiled      the same under ``torch.compile`` (one opaque op in the graph)
   fused_chunk<N>      the fused op at another chunk size (``--chunks``)
+  fused_out_dtype     the fused op with dW's chunks from ``torch.mm(…, out_dtype=torch.float32)``
 
 Timed on CUDA events: median of ``--repeats`` windows of ``--steps`` forward+backward passes after
 ``--warmup`` passes; the peak memory over one pass. ``--profile`` adds the fused op's top CUDA kernels
@@ -82,6 +83,24 @@ def main() -> None:
         "fused": linear_cross_entropy,
         "fused_compiled": torch.compile(linear_cross_entropy),
     }
+
+    def with_out_dtype(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The fused op with dW's chunks from ``torch.mm(out_dtype=float32)`` (its accumulation before
+        d03f0c7's successor): is that path what cost the 0.663x?"""
+        from speedkit.kernels import linear_cross_entropy as lce
+
+        original = lce._accumulate
+
+        def accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+        lce._accumulate = accumulate
+        try:
+            return linear_cross_entropy(h, w, t)
+        finally:
+            lce._accumulate = original
+
+    variants["fused_out_dtype"] = with_out_dtype
     for chunk in filter(None, args.chunks.split(",")):
         variants[f"fused_chunk{chunk}"] = lambda h, w, t, c=int(chunk): linear_cross_entropy(h, w, t, chunk=c)
     for name, fn in variants.items():
