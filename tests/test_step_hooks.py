@@ -46,6 +46,7 @@ def test_neutral_defaults_and_explicit_forwarding():
     wrapped = StepWrapper(plain)
     assert plain.memory_outside_peak() == 0 and wrapped.memory_outside_peak() == 0
     assert plain.trainer is None and wrapped.trainer is None
+    assert wrapped.loss_fn is plain.loss_fn is not None  # declared on Step (None), forwarded by the wrapper
     plain.scaler = scaler = torch.amp.GradScaler("cpu", enabled=False)
     assert wrapped.scaler is scaler  # the wrapper's declared default does not shadow the wrapped step's
     calls = []

@@ -386,6 +386,10 @@ class StepWrapper(Step):
     def trainer(self) -> Any:  # type: ignore[override]
         return self.inner.trainer
 
+    @property
+    def loss_fn(self) -> Any:  # type: ignore[override]
+        return self.inner.loss_fn
+
     def optimizer_step(self) -> None:
         self.inner.optimizer_step()
 
