@@ -101,7 +101,8 @@ def _chunk_loss_and_grad(
     return losses
 
 
-def _forward(
+@torch.library.custom_op("speedkit::linear_cross_entropy", mutates_args=())
+def _lce_op(
     h: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -112,7 +113,8 @@ def _forward(
     chunk: int,
     with_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dh, dW, db) for ``dL/dloss = 1``; the gradients are empty without ``with_grad``."""
+    """(loss, dh, dW, db) for ``dL/dloss = 1``; the gradients are empty without ``with_grad``. The op's
+    own arguments: the caller (:func:`linear_cross_entropy`) has cast ``h`` to the compute dtype."""
     N, _ = h.shape
     V = weight.shape[0]
     dtype = h.dtype
@@ -143,21 +145,6 @@ def _forward(
         dw = dw.to(weight.dtype)
         db = db.to(bias.dtype) if bias is not None else db
     return loss, dh, dw, db
-
-
-@torch.library.custom_op("speedkit::linear_cross_entropy", mutates_args=())
-def _lce_op(
-    h: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    target: Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    chunk: int,
-    with_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(h, weight, bias, target, ignore_index, reduction, label_smoothing, chunk, with_grad)
 
 
 @_lce_op.register_fake

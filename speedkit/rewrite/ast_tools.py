@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import os
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,24 @@ def walk(node: ast.AST, skip: tuple[type, ...] = SCOPES) -> Iterator[ast.AST]:
     for child in ast.iter_child_nodes(node):
         if not isinstance(child, skip):
             yield from walk(child, skip)
+
+
+def local_names(parsed: ParsedMethod) -> set[str]:
+    """The names local to a parsed method: its parameters and every name it binds."""
+    a = parsed.tree.args
+    params = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x is not None}
+    return params | (names_stored(parsed.tree) - {parsed.tree.name})
+
+
+def resolve(parsed: ParsedMethod, local: set[str], node: ast.AST) -> Any:
+    """The object a global/closure name or a module attribute chain in ``parsed`` names (``local``: its
+    :func:`local_names`, which name nothing known before it runs), else None."""
+    if isinstance(node, ast.Attribute):
+        base = resolve(parsed, local, node.value)
+        return getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
+    if isinstance(node, ast.Name) and node.id not in local:
+        return global_value(parsed.function, node.id)
+    return None
 
 
 def global_value(function: Any, name: str) -> Any:

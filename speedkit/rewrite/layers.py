@@ -8,7 +8,6 @@ per instance, whether the modules named are the plain PyTorch ones without hooks
 from __future__ import annotations
 
 import ast
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.kernels import layers
-from speedkit.rewrite.ast_tools import SCOPES, call_ops, global_value, names_stored, self_attr, self_attribute, where
+from speedkit.rewrite.ast_tools import SCOPES, call_ops, local_names, resolve, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree
 
@@ -44,9 +43,7 @@ class Sites(ast.NodeTransformer):
     def __init__(self, parsed: ParsedMethod, decisions: tuple[Any, ...] | None = None) -> None:
         self.parsed, self.decisions = parsed, decisions
         self.self_name = parsed.self_name
-        a = parsed.tree.args
-        self.local_names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x is not None}
-        self.local_names |= names_stored(parsed.tree) - {parsed.tree.name}
+        self.local_names = local_names(parsed)
         self.sites: list[Site] = []
         self.notes: list[str] = []
 
@@ -58,12 +55,7 @@ class Sites(ast.NodeTransformer):
     # names ---------------------------------------------------------------------------------------------
     def _resolve(self, node: ast.AST) -> Any:
         """The object a global/closure name or a module attribute chain names, else None."""
-        if isinstance(node, ast.Attribute):
-            base = self._resolve(node.value)
-            return getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
-        if isinstance(node, ast.Name) and node.id not in self.local_names:
-            return global_value(self.parsed.function, node.id)
-        return None
+        return resolve(self.parsed, self.local_names, node)
 
     def _is(self, node: ast.AST, target: Any) -> bool:
         return self._resolve(node) is target

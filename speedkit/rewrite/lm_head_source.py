@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.kernels import layers
-from speedkit.rewrite.ast_tools import SCOPES, call_ops, global_value, name_node, names_stored, self_attr, self_attribute, where
+from speedkit.rewrite.ast_tools import SCOPES, call_ops, local_names, name_node, resolve, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree
 
@@ -73,17 +72,10 @@ class _Reader:
 
     def __init__(self, parsed: ParsedMethod) -> None:
         self.parsed = parsed
-        a = parsed.tree.args
-        self.local_names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x is not None}
-        self.local_names |= names_stored(parsed.tree) - {parsed.tree.name}
+        self.local_names = local_names(parsed)
 
     def resolve(self, node: ast.AST) -> Any:
-        if isinstance(node, ast.Attribute):
-            base = self.resolve(node.value)
-            return getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
-        if isinstance(node, ast.Name) and node.id not in self.local_names:
-            return global_value(self.parsed.function, node.id)
-        return None
+        return resolve(self.parsed, self.local_names, node)
 
     def head_call(self, stmt: ast.stmt) -> tuple[str, str] | None:
         """``(name, head)`` for ``name = self.head(x)`` (one positional argument)."""
@@ -144,6 +136,8 @@ def _sites(parsed: ParsedMethod, tree: ast.FunctionDef) -> tuple[list[tuple[Site
     """The sites of ``tree`` in a deterministic walk (with their head statement and cross-entropy call
     nodes), and the near misses."""
     reader = _Reader(parsed)
+    # what a return statement holds: the logits may be read there (they are None while fused)
+    returns = set().union(*(_within(r) for r in ast.walk(tree) if isinstance(r, ast.Return)))
     sites: list[tuple[Site, ast.stmt, ast.Call]] = []
     notes: list[str] = []
     for block in _blocks(tree):
@@ -164,7 +158,6 @@ def _sites(parsed: ParsedMethod, tree: ast.FunctionDef) -> tuple[list[tuple[Site
             why = reader.cross_entropy(call, name)
             if why is None:
                 allowed = _within(call.args[0])
-                returns = set().union(*(_within(r) for r in ast.walk(tree) if isinstance(r, ast.Return)))
                 stray = [n for n in _loads(tree, name) if id(n) not in allowed and id(n) not in returns]
                 if stray:
                     why = f"{name} is read at line {stray[0].lineno} (besides the loss and the return)"
