@@ -24,7 +24,6 @@ from speedkit.rungs.fused_lm_head import FusedLMHeadRung, logits_readers
 from speedkit.training.state import TrainState
 
 TOL = 1e-5
-TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _grads(loss_fn, *tensors):
@@ -149,26 +148,12 @@ def test_traced_by_compile_in_one_graph():
 # -- the rung on transformers' causal LMs -------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-V = 101
+from test_hf_fused_loss import TOKENS, V, llama  # noqa: E402  (the tiny Llama of the fused-loss tests)
 
 
 def gpt2() -> nn.Module:
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=V, n_positions=64, **TOKENS)
     return transformers.GPT2LMHeadModel(cfg)  # dropout on (its defaults): the probe and the test draw it alike
-
-
-def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=V,
-        max_position_embeddings=64,
-        **TOKENS,
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 class Wrapper(nn.Module):
