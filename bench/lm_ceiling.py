@@ -43,8 +43,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import Results, commit  # noqa: E402
 from bench.fsdp import SHAPES as LLAMA_SHAPES  # noqa: E402
 from bench.zoo import compile_as_a_user_would, first_line, release, tf32_matmuls  # noqa: E402
-from bench.zoo_runs import TINY_MEASURE, WallClockWindow  # noqa: E402
-from speedkit import config  # noqa: E402
+from bench.zoo_runs import TINY_MEASURE, WallClockWindow, tiny_ladder  # noqa: E402
 from speedkit.demos.zoo import ZOO, _HFCausalLM, token_loader  # noqa: E402
 from speedkit.lightning import SpeedLadder  # noqa: E402
 
@@ -125,10 +124,7 @@ def fit(name: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     ladder = None
     if variant == "speedkit":
         if args.tiny:
-            rungs = [
-                {"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()
-            ]
-            ladder = SpeedLadder(rungs, trials=True, measure=TINY_MEASURE, cache=False)
+            ladder = SpeedLadder(tiny_ladder(), trials=True, measure=TINY_MEASURE, cache=False)
         else:
             ladder = SpeedLadder(cache=False)
     module, loader = build(name, args.tiny, switches=variant != "speedkit")

@@ -192,6 +192,11 @@ class WallClockWindow(pl.Callback):
 # -- one run (the worker) ----------------------------------------------------------------------------
 
 
+def tiny_ladder() -> list[Any]:
+    """The default ladder for the CPU smoke tests: compile by Dynamo alone (no C++ code generated)."""
+    return [{"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()]
+
+
 def cache_kwargs(cache: str | None, ladder_class: Any = None, folder: Path | None = None) -> dict[str, Any]:
     """``{"cache": True|False}`` for SpeedLadder where it takes ``cache`` (read from its signature), or with
     ``folder`` (``on`` and ``fresh``) ``{"cache": folder}``: the model's own decisions' folder; ``{}``
@@ -240,12 +245,9 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
         on_event = lambda line: print(  # noqa: E731  # seconds since the fit began, of them compiling
             f"  [{name} run {args.run} {time.monotonic() - began:6.1f}s c{compat.compile_seconds():5.1f}] {line}", flush=True
         )
-        if args.tiny:  # the default ladder on a CPU: compile by Dynamo alone (no C++ code generated), short windows
-            rungs = [
-                {"name": "compile", "options": {"backend": "eager"}} if r == "compile" else r for r in config.default_ladder()
-            ]
+        if args.tiny:
             ladder = SpeedLadder(
-                rungs, trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
+                tiny_ladder(), trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
             )
         else:
             ladder = SpeedLadder(on_event=on_event, **cache_kwargs(args.cache, folder=folder))
