@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,18 +272,40 @@ def main() -> None:
 
 def detach(script: str, out: str | Path, argv: list[str], cwd: Path) -> None:
     """Start ``script`` again with ``argv`` less ``--detach`` in a session of its own (it outlives the
-    device call that started it), its output in ``<out>/launcher.log``; says where to look."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    with open(Path(out) / "launcher.log", "w") as log:
+    device call that started it), its output in ``<out>/launcher.log``; says where to look.
+
+    It runs from a copy of the tree ``cwd`` (``<out>/tree``): each device call lays the working tree
+    (and the paths it carries) down afresh, and on 2026-12-07 a run started from the carried tree lost
+    its working directory at the next call ("getcwd() failed"; one run failed with FileNotFoundError)."""
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tree = out / "tree"
+    if tree.exists():
+        shutil.rmtree(tree)
+    shutil.copytree(
+        cwd, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", ".frozen", ".venv", ".whl", "runs", "results")
+    )
+    (tree / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    copied = tree / Path(script).resolve().relative_to(Path(cwd).resolve())
+    with open(out / "launcher.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, script, *(a for a in argv if a != "--detach")],
+            [sys.executable, str(copied), *(a for a in argv if a != "--detach")],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            cwd=cwd,
+            cwd=tree,
         )
-    print(f"detached: pid {proc.pid}, output in {out} (done when {out}/done exists)", flush=True)
+    print(f"detached: pid {proc.pid}, from a copy of the tree in {tree}, output in {out} (done when {out}/done exists)", flush=True)
+
+
+def without_tree(name: str) -> Callable[[tarfile.TarInfo], tarfile.TarInfo | None]:
+    """A ``tarfile`` filter leaving out ``<name>/tree``, the copy of the code a detached run ran from."""
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if info.name == f"{name}/tree" or info.name.startswith(f"{name}/tree/") else info
+
+    return keep
 
 
 def collect(folder: Path, wait_s: float) -> None:
@@ -293,7 +317,7 @@ def collect(folder: Path, wait_s: float) -> None:
     finished = (folder / "done").exists()
     dest = Path(os.environ.get("OUT", "."))
     with tarfile.open(dest / "zoo_run.tgz", "w:gz") as tar:
-        tar.add(folder, arcname=folder.name)
+        tar.add(folder, arcname=folder.name, filter=without_tree(folder.name))
     table = folder / "zoo_lanes.txt"
     print(table.read_text() if table.exists() else "(no table yet)")
     print(f"{'finished' if finished else 'NOT finished'}; packed {folder} into {dest / 'zoo_run.tgz'}")

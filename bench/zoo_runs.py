@@ -41,6 +41,8 @@ A whole zoo takes longer than one device call: ``--detach`` starts the run in a 
 packs ``--out`` into ``$OUT/zoo_runs.tgz``. Keep each call well inside the device's per-call limit
 (``--collect 500`` in a 600 s call): twice on 2026-11-29 a call that ended within a second of its limit
 came back with its files, but the next call found a fresh machine, the detached run gone with the old one.
+The detached run works from a copy of the tree (``<out>/tree``, left out of the packed files): each
+device call lays the working tree down afresh, which took a run's working directory away on 2026-12-07.
 
 Usage: PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 [--models a,b] [--runs 3]
        PYTHONPATH=. python bench/zoo_runs.py --commit C --lanes 2 --cache fresh --cached-runs 1   # runs 1-3 climb, run 4 re-checks
@@ -77,7 +79,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import RESULTS, Results, commit, gpu_slug  # noqa: E402
 from bench.zoo import TINY_MEASURE as ZOO_TINY_MEASURE  # noqa: E402
 from bench.zoo import Deadline, compile_as_a_user_would, first_line, release, tf32_matmuls  # noqa: E402
-from bench.zoo_lanes import core_blocks, detach, span  # noqa: E402
+from bench.zoo_lanes import core_blocks, detach, span, without_tree  # noqa: E402
 from speedkit import compat, config  # noqa: E402
 from speedkit.data.batch import count_items  # noqa: E402
 from speedkit.demos.zoo import ZOO  # noqa: E402
@@ -582,7 +584,7 @@ def collect(folder: Path, wait_s: float) -> None:
         time.sleep(2.0)
     dest = Path(os.environ.get("OUT", "."))
     with tarfile.open(dest / "zoo_runs.tgz", "w:gz") as tar:
-        tar.add(folder, arcname=folder.name)
+        tar.add(folder, arcname=folder.name, filter=without_tree(folder.name))
     table = folder / "zoo_runs.txt"
     print(table.read_text() if table.exists() else (folder / "launcher.log").read_text()[-4000:])
     print(f"{'finished' if (folder / 'done').exists() else 'NOT finished'}; packed {folder} into {dest / 'zoo_runs.tgz'}")
