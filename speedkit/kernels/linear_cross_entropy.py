@@ -3,7 +3,8 @@
 
 For each chunk of ``C`` rows of ``h`` (N, H), in one pass and in the forward::
 
-    logits = h_c · Wᵀ (+ b)                              (C, V) in the compute dtype (bf16 under autocast)
+    logits = h_c · Wᵀ (+ b)                              (C, V) in the compute dtype (bf16 under autocast),
+                                                          rows padded to a multiple of 64 (:data:`VOCAB_ALIGN`)
     loss_c, g = softmax cross-entropy and its gradient     in fp32 (the chunk's logits overwritten by g)
     dh_c   = g · W                                         (C, H)
     dW    += gᵀ · h_c                                      (V, H), accumulated in fp32
@@ -39,6 +40,18 @@ _REDUCTIONS = ("mean", "sum")
 #: elements of one chunk's logits the op aims for (a quarter GB in bf16): chunks this large keep each
 #: GEMM efficient and the fp32 accumulation of dW to a few passes
 CHUNK_ELEMENTS = 1 << 27
+#: the head's weight copy in the compute dtype has its rows padded with zeros to a multiple of this:
+#: an odd vocabulary (GPT-2's 50257) gives each chunk's logits an odd row stride, and cuBLAS then runs
+#: the three GEMMs on slow unaligned kernels (an H100 took 34.3 ms for GPT-2 small's head and loss,
+#: 91% of it in sm75 "s1688" GEMMs, against 9.5 ms for the model's own code under torch.compile,
+#: whose Inductor pads the logits' stride). The padded columns of the logits are exactly zero and
+#: take no part in the loss: the cross-entropy reads the first ``V`` of each row
+VOCAB_ALIGN = 64
+
+
+def padded_vocab(vocab: int) -> int:
+    """``vocab`` rounded up to a multiple of :data:`VOCAB_ALIGN`."""
+    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
 def chunk_rows(n: int, vocab: int, chunk: int | None = None) -> int:
@@ -60,6 +73,15 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a, b)
     else:
         acc.add_(torch.mm(a, b))
+
+
+def _padded(t: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` with zero rows appended up to ``rows`` (``t`` itself where nothing changes)."""
+    if t.shape[0] == rows:
+        return t.to(dtype)
+    out = t.new_zeros((rows, *t.shape[1:]), dtype=dtype)
+    out[: t.shape[0]].copy_(t)
+    return out
 
 
 def _chunk_loss_and_grad(
@@ -115,35 +137,35 @@ def _lce_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dh, dW, db) for ``dL/dloss = 1``; the gradients are empty without ``with_grad``. The op's
     own arguments: the caller (:func:`linear_cross_entropy`) has cast ``h`` to the compute dtype."""
-    N, _ = h.shape
+    N, H = h.shape
     V = weight.shape[0]
+    Vp = padded_vocab(V)
     dtype = h.dtype
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
+    w, b = _padded(weight, Vp, dtype), _padded(bias, Vp, dtype) if bias is not None else None
     n_valid = (target != ignore_index).sum()
     mean = reduction == "mean"
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if with_grad else h.new_empty(0)
-    dw = torch.zeros(V, weight.shape[1], dtype=torch.float32, device=h.device) if with_grad else h.new_empty(0)
-    db = torch.zeros(V, dtype=torch.float32, device=h.device) if with_grad and bias is not None else h.new_empty(0)
+    dw = torch.zeros(Vp, H, dtype=torch.float32, device=h.device) if with_grad else h.new_empty(0)
+    db = torch.zeros(Vp, dtype=torch.float32, device=h.device) if with_grad and bias is not None else h.new_empty(0)
     rows = chunk_rows(N, V, chunk or None)
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, N, rows):
             h_c = h[start : start + rows]
-            logits = torch.addmm(b, h_c, w.t()) if b is not None else torch.mm(h_c, w.t())
+            logits = torch.addmm(b, h_c, w.t()) if b is not None else torch.mm(h_c, w.t())  # (C, Vp), aligned rows
             losses = _chunk_loss_and_grad(
-                logits, target[start : start + rows], n_valid, mean, ignore_index, label_smoothing, with_grad
+                logits[:, :V], target[start : start + rows], n_valid, mean, ignore_index, label_smoothing, with_grad
             )
             total += losses.sum()
-            if with_grad:
+            if with_grad:  # the padded columns stay zero: no part in dh, zero rows of dW and db
                 torch.mm(logits, w, out=dh[start : start + rows])
                 _accumulate(dw, logits.t(), h_c)
                 if bias is not None:
                     db += logits.float().sum(0)
     loss = total / n_valid if mean else total
     if with_grad:
-        dw = dw.to(weight.dtype)
-        db = db.to(bias.dtype) if bias is not None else db
+        dw = dw[:V].to(weight.dtype)
+        db = db[:V].to(bias.dtype) if bias is not None else db
     return loss, dh, dw, db
 
 
