@@ -296,7 +296,9 @@ def detach(script: str, out: str | Path, argv: list[str], cwd: Path) -> None:
             start_new_session=True,
             cwd=tree,
         )
-    print(f"detached: pid {proc.pid}, from a copy of the tree in {tree}, output in {out} (done when {out}/done exists)", flush=True)
+    print(
+        f"detached: pid {proc.pid}, from a copy of the tree in {tree}, output in {out} (done when {out}/done exists)", flush=True
+    )
 
 
 def without_tree(name: str) -> Callable[[tarfile.TarInfo], tarfile.TarInfo | None]:

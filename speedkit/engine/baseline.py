@@ -23,6 +23,7 @@ from speedkit.engine.profile_run import rank_communication_of
 from speedkit.engine.stack import agreed_check
 from speedkit.engine.timing import Timing
 from speedkit.errors import SpeedkitError, first_line
+from speedkit.measure import layer_shapes
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.noise import host_bound
 from speedkit.measure.session import MeasureSession
@@ -54,7 +55,11 @@ def baseline_reference(ladder: Trials) -> list[float]:
     if shapes_vary:
         result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
     first = state.data.to_device(ladder.parity.batches[0])
-    flops = count_step_flops(state.step, first)
+    # the norms' input shapes, for the kernels' per-shape choice under compile (triton_layers); not in a
+    # model the user compiled (hooks added and removed would make Dynamo compile it twice more)
+    with layer_shapes.recording(state.model, when=not compat.user_compiled(state.model)) as fed:
+        flops = count_step_flops(state.step, first)
+    state.notes[layer_shapes.NOTE] = fed
     snapshot.restore()
     peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
     items, unit = count_items(ladder.parity.batches[0], cfg.throughput_unit)

@@ -64,6 +64,7 @@ from speedkit.engine.timing import Timing
 from speedkit.errors import first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
+from speedkit.measure import kernel_choice
 from speedkit.measure.clock import StepClock
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.session import MeasureSession
@@ -125,6 +126,8 @@ class Ladder:
         self.stop = StopRequests()
         #: where decisions are kept (None: the trials climb every time and keep nothing)
         self.cache = cache
+        # the kernels' per-shape measurements are kept beside the decisions, or nowhere with the cache off
+        state.notes[kernel_choice.NOTE] = cache.root / kernel_choice.STORE_NAME if cache is not None else None
         #: the key of this run's decision in the cache (set after the baseline where there is a cache)
         self.cache_key: str | None = None
         #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)

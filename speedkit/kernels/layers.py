@@ -17,7 +17,9 @@ which an opaque kernel call prevents. Measured on an H200, GPT-2 small (bf16 aut
 tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph cost 10% of the step
 (norms 4.5%, bias+GELU 2.6%, cross-entropy ±0 with 1.5 GB more peak memory) against Inductor's code.
 The exception is :func:`gelu_mlp`, whose GEMMs are cuBLAS's own (with the GELU in their epilogues),
-which Inductor cannot fuse into anyway: it stays under compile.
+which Inductor cannot fuse into anyway: it stays under compile; and the norms of
+:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm whose kernel was measured faster
+than Inductor's code at its shapes (:mod:`speedkit.measure.kernel_choice`).
 Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
 ``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
 """
@@ -97,10 +99,13 @@ def _params_match(x: Tensor, upcast: bool, *params: Tensor | None) -> bool:
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` through :func:`speedkit.kernels.layer_norm` (over one last dim; else PyTorch's)."""
 
+    #: whether the kernel also runs inside code torch.compile traces (see :data:`UNDER_COMPILE`)
+    kernel_under_compile = False
+
     def forward(self, input: Tensor) -> Tensor:
         if (
             len(self.normalized_shape) != 1
-            or not runs_kernels(input)
+            or not runs_kernels(input, under_compile=self.kernel_under_compile)
             or input.dim() == 0
             or input.shape[-1] != self.normalized_shape[0]
         ):
@@ -117,8 +122,15 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` through :func:`speedkit.kernels.rms_norm` (over one last dim; else PyTorch's)."""
 
+    kernel_under_compile = False
+
     def forward(self, x: Tensor) -> Tensor:
-        if len(self.normalized_shape) != 1 or not runs_kernels(x) or x.dim() == 0 or x.shape[-1] != self.normalized_shape[0]:
+        if (
+            len(self.normalized_shape) != 1
+            or not runs_kernels(x, under_compile=self.kernel_under_compile)
+            or x.dim() == 0
+            or x.shape[-1] != self.normalized_shape[0]
+        ):
             return super().forward(x)
         xk, upcast = _norm_input(x, "rms_norm")
         if not _params_match(xk, upcast, self.weight):
@@ -151,6 +163,23 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.RMSNorm: RMSNorm,
     nn.CrossEntropyLoss: CrossEntropyLoss,
 }
+
+
+class LayerNormUnderCompile(LayerNorm):
+    """:class:`LayerNorm` whose kernel also runs where torch.compile traces it: given to a norm whose
+    shape the kernel was measured faster at than Inductor's code (:mod:`speedkit.measure.kernel_choice`)."""
+
+    kernel_under_compile = True
+
+
+class RMSNormUnderCompile(RMSNorm):
+    """:class:`RMSNorm` whose kernel also runs where torch.compile traces it (as :class:`LayerNormUnderCompile`)."""
+
+    kernel_under_compile = True
+
+
+#: the norms' classes that keep their kernel inside compiled code, by the class they stand in for
+UNDER_COMPILE: dict[type[nn.Module], type[nn.Module]] = {LayerNorm: LayerNormUnderCompile, RMSNorm: RMSNormUnderCompile}
 
 
 # -- functions the rewritten code calls ------------------------------------------------------------------

@@ -7,8 +7,10 @@ code upcasts them with ``.float()``), the bias + GELU after a Linear, and SwiGLU
 Does not help: compute-bound models (large GEMMs dominate), small activations, and norms and
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
-call (see :mod:`speedkit.kernels.layers`). The cross-entropy kernel stays under compile (a forward op that
-keeps only the log-sum-exp, a backward op that writes the gradient in one pass).
+call (see :mod:`speedkit.kernels.layers`), except a norm whose kernel was measured faster than
+Inductor's code at each shape it is fed (:mod:`speedkit.measure.kernel_choice`). The cross-entropy
+kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
+gradient in one pass).
 Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors under
 ``TRITON_INTERPRET=1``, for tests).
 Numerics: fp32 statistics. Norms take their mean and variance in fp32 whatever the input's dtype, and
@@ -65,6 +67,7 @@ import torch
 from torch import nn
 
 from speedkit.kernels import cublaslt, kernels_available, layers
+from speedkit.measure import kernel_choice, layer_shapes
 from speedkit.rewrite import hf_loss
 from speedkit.rewrite.layers import LAYERS, decide
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
@@ -97,6 +100,9 @@ class TritonLayersOptions:
     gelu_mlp: bool = True
     #: ``silu(gate) * up``
     swiglu: bool = True
+    #: a norm keeps its kernel inside compiled code where a micro-benchmark at the shape the step feeds
+    #: it measured the kernel faster than Inductor's code (:mod:`speedkit.measure.kernel_choice`)
+    kernel_choice: bool = True
 
 
 # -- 1. module classes ------------------------------------------------------------------------------------
@@ -105,7 +111,7 @@ class TritonLayersOptions:
 def _class_swap(module: nn.Module, options: TritonLayersOptions) -> tuple[type | None, str | None]:
     """(the speedkit class to give ``module``, or None; a left-alone reason, or None)."""
     cls = type(module)
-    if cls in layers.SWAPS.values():
+    if cls in layers.SWAPS.values() or cls in layers.UNDER_COMPILE.values():
         return None, None  # already swapped
     wanted = options.norms if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) else options.cross_entropy
     base = next((b for b in layers.SWAPS if isinstance(module, b)), None)
@@ -208,7 +214,13 @@ def _rms_like(module: nn.Module) -> tuple[str, float] | str | None:
 # -- the plan and the rung ----------------------------------------------------------------------------------
 
 
-_KIND_NAMES = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm", "CrossEntropyLoss": "cross_entropy"}
+_KIND_NAMES = {
+    "LayerNorm": "layer_norm",
+    "RMSNorm": "rms_norm",
+    "CrossEntropyLoss": "cross_entropy",
+    "LayerNormUnderCompile": "layer_norm",
+    "RMSNormUnderCompile": "rms_norm",
+}
 _REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu")
 
 
@@ -250,7 +262,10 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
         targets = [
             (m, "forward")
             for m in model.modules()
-            if is_user_module(m) and id(m) not in rms_modules and type(m) not in layers.SWAPS.values()
+            if is_user_module(m)
+            and id(m) not in rms_modules
+            and type(m) not in layers.SWAPS.values()
+            and type(m) not in layers.UNDER_COMPILE.values()
         ]
         if callable(getattr(model, "training_step", None)):
             targets.append((model, "training_step"))
@@ -274,6 +289,34 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
         plan.left_alone += notes
     plan.left_alone = list(dict.fromkeys(plan.left_alone))
     return plan
+
+
+def choose_under_compile(state: TrainState, plan: RewritePlan, timer: kernel_choice.Timer | None = None) -> list[str]:
+    """Give the plan's norms whose kernel is faster than Inductor's code at every shape the baseline fed
+    them (:mod:`speedkit.measure.layer_shapes`) the class that keeps the kernel under compile; one line
+    per norm and shape saying what was measured or remembered."""
+    fed = state.notes.get(layer_shapes.NOTE) or {}
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(state.precision)
+    store = kernel_choice.store_for(state.notes)
+    lines: list[str] = []
+    for i, (module, new_class) in enumerate(plan.swaps):
+        under = layers.UNDER_COMPILE.get(new_class)
+        if under is None:
+            continue
+        inputs = fed.get(id(module))
+        if not inputs:
+            continue
+        verdicts = []
+        for shape, dtype in inputs:
+            case = kernel_choice.case_of(module, shape, autocast or dtype, autocast)
+            if case is None:
+                break
+            choice = kernel_choice.choose(case, state.device, store, timer)
+            verdicts.append(choice.use_kernel)
+            lines.append(f"{type(module).__name__} at {case.describe()}: {choice.why}")
+        if verdicts and all(verdicts):
+            plan.swaps[i] = (module, under)
+    return list(dict.fromkeys(lines))
 
 
 def _describe(rewrite: MethodRewrite) -> str:
@@ -329,11 +372,19 @@ class TritonLayersRung(RewriteRung):
             return NOTHING_FOUND + (f" (left alone: {'; '.join(plan.left_alone)})" if plan.left_alone else "")
         return None
 
+    #: the micro-benchmark's timer (None: CUDA events on a CUDA device, nothing measured elsewhere)
+    timer: kernel_choice.Timer | None = None
+
     def apply(self, state: TrainState) -> Handle:
         layers.probe_autocast(state.device.type)  # now, not inside the first step (or a CUDA graph capture)
         if state.device.type == "cuda":
             cublaslt.unavailable()  # finds (loads) cuBLASLt now, for the same reason
-        return super().apply(state)
+        plan = self.plan(state.model)
+        chosen = choose_under_compile(state, plan, self.timer) if self.options.kernel_choice and self.options.norms else []
+        handle = self.apply_plan(state.model, plan)
+        for line in chosen:
+            handle.record(line)
+        return handle
 
     def apply_plan(self, model: nn.Module, plan: RewritePlan) -> Handle:
         return apply_triton_layers(model, self.options, plan)

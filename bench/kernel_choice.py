@@ -1,0 +1,54 @@
+"""The norms' kernel against Inductor's code, per shape, as ``triton_layers`` decides it under compile
+(issue 72, deliver 2): :func:`speedkit.measure.kernel_choice.measure` on CUDA events, forward and
+backward of the layer alone, for the zoo's language models' norm shapes under bf16 autocast.
+
+Rows (bench "kernel_choice"): ``variant`` ("kernel", "compiled"), metric "ms" (one forward and backward),
+``case`` (the layer, shape, dtype, autocast), ``choice`` (what :func:`choose` decides at the 3% margin),
+``commit``, ``date``, ``device``.
+
+Usage: PYTHONPATH=. python bench/kernel_choice.py [--results FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import Results  # noqa: E402
+from speedkit.measure.kernel_choice import MARGIN, LayerCase, cuda_timer, measure  # noqa: E402
+
+CASES = {
+    "gpt2-small (B16 x 1024)": LayerCase("layer_norm", (16, 1024, 768), "bfloat16", "bfloat16"),
+    "llama-400m (B8 x 1024)": LayerCase("rms_norm", (8, 1024, 1536), "bfloat16", "bfloat16", bias=False, eps=1e-5),
+    "tinyllama-1.1b (B4 x 2048)": LayerCase("rms_norm", (4, 2048, 2048), "bfloat16", "bfloat16", bias=False, eps=1e-5),
+    "vit-b (B128 x 197)": LayerCase("layer_norm", (128, 197, 768), "bfloat16", "bfloat16"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernel_choice.py needs a CUDA GPU")
+    res = Results("kernel_choice", Path(args.results) if args.results else None)
+    device = torch.device("cuda")
+    for model, case in CASES.items():
+        kernel_ms, compiled_ms = measure(case, device, cuda_timer)
+        choice = "kernel" if kernel_ms <= (1 - MARGIN) * compiled_ms else "compiled"
+        for variant, ms in (("kernel", kernel_ms), ("compiled", compiled_ms)):
+            res.add(variant, "ms", ms, "ms", model=model, case=case.describe(), choice=choice)
+        print(
+            f"{model:28s} {case.describe():45s} kernel {kernel_ms:7.3f} ms  compiled {compiled_ms:7.3f} ms  -> {choice}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""A norm's kernel or Inductor's code under compile, chosen per shape: the micro-benchmark's decision
+with a fake timer (faster by the margin or not), remembered in the store and read back without timing,
+nothing measured without CUDA; the baseline's pass records the shapes each norm is fed; triton_layers
+gives the class that keeps the kernel under compile only to the norms measured faster at every shape
+they are fed, says so per norm, and undo puts the PyTorch class back; under compile that class puts
+the kernel's op in the traced graph and the plain swap does not, both computing the same function."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import assert_rel_close
+from torch import nn
+
+from speedkit.kernels import layers
+from speedkit.measure import kernel_choice, layer_shapes
+from speedkit.measure.kernel_choice import ChoiceStore, LayerCase, choose
+from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung, choose_under_compile, plan_triton_layers
+from speedkit.training.state import TrainState
+
+CASE = LayerCase("layer_norm", (8, 64, 768), "bfloat16", "bfloat16")
+
+
+class FakeTimer:
+    """Milliseconds per call by what is timed and the case's width; counts its calls, runs nothing."""
+
+    def __init__(self, kernel_ms: dict[int, float], compiled_ms: float = 1.0) -> None:
+        self.kernel_ms, self.compiled_ms, self.calls = kernel_ms, compiled_ms, []
+
+    def __call__(self, what, call):
+        self.calls.append(what)
+        return self.compiled_ms if what == "compiled" else self.kernel_ms[self.width]
+
+    width = 768
+
+
+def test_the_kernel_is_chosen_only_where_faster_by_the_margin(tmp_path):
+    store = ChoiceStore(tmp_path / "k.json")
+    assert choose(CASE, torch.device("cpu"), store, FakeTimer({768: 0.90})).use_kernel
+    slower = LayerCase("layer_norm", (8, 64, 512), "bfloat16", "bfloat16")
+    timer = FakeTimer({768: 0.98})
+    timer.width = 512
+    timer.kernel_ms[512] = 0.98  # 2% faster: under the 3% margin
+    choice = choose(slower, torch.device("cpu"), store, timer)
+    assert not choice.use_kernel and "Inductor's code" in choice.why and "3%" in choice.why
+
+
+def test_a_decision_is_remembered_and_read_back_without_timing(tmp_path):
+    path = tmp_path / "k.json"
+    first = choose(CASE, torch.device("cpu"), ChoiceStore(path), FakeTimer({768: 0.5}))
+    assert first.measured and first.use_kernel and "(measured)" in first.why
+    stored = json.loads(path.read_text())
+    assert len(stored) == 1 and next(iter(stored.values())) == {"kernel_ms": 0.5, "compiled_ms": 1.0}
+    again_timer = FakeTimer({768: 5.0})
+    again = choose(CASE, torch.device("cpu"), ChoiceStore(path), again_timer)  # a new store reads the file
+    assert again_timer.calls == [] and again.use_kernel and not again.measured and "(remembered)" in again.why
+    # another dtype is another case
+    other = LayerCase("layer_norm", (8, 64, 768), "float32", None)
+    assert kernel_choice.key(other, torch.device("cpu")) != kernel_choice.key(CASE, torch.device("cpu"))
+
+
+def test_nothing_is_measured_without_cuda(tmp_path):
+    choice = choose(CASE, torch.device("cpu"), ChoiceStore(tmp_path / "k.json"))
+    assert not choice.use_kernel and "CUDA only" in choice.why and choice.kernel_ms is None
+
+
+def test_an_unreadable_store_is_left_alone(tmp_path):
+    path = tmp_path / "k.json"
+    path.write_text("{not json")
+    assert ChoiceStore(path).entries == {}
+
+
+class TwoNorms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.proj, self.narrow = nn.LayerNorm(24), nn.Linear(24, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.narrow(self.proj(self.wide(x)))
+
+
+def test_the_counted_pass_records_what_each_norm_is_fed():
+    model = TwoNorms()
+    with layer_shapes.recording(model) as fed:
+        model(torch.randn(3, 5, 24))
+        model(torch.randn(3, 5, 24))  # the same input again: recorded once
+        model(torch.randn(2, 24))
+    assert fed[id(model.wide)] == [((3, 5, 24), torch.float32), ((2, 24), torch.float32)]
+    assert fed[id(model.narrow)] == [((3, 5, 16), torch.float32), ((2, 16), torch.float32)]
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    with layer_shapes.recording(model, when=False) as nothing:
+        model(torch.randn(3, 5, 24))
+    assert nothing == {}
+
+
+def _state(model, fed, precision="bf16"):
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu")
+    state.notes[layer_shapes.NOTE] = fed
+    state.precision = precision
+    return state
+
+
+class WidthTimer(FakeTimer):
+    """The kernel faster at width 24, slower at 16."""
+
+    def __call__(self, what, call):
+        self.calls.append(what)
+        return 1.0 if what == "compiled" else self.kernel_ms[self.current]
+
+    current = 24
+
+
+def test_triton_layers_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch):
+    model = TwoNorms()
+    with layer_shapes.recording(model) as fed:
+        model(torch.randn(3, 5, 24))
+    timer = WidthTimer({24: 0.8, 16: 1.2})
+    real_case_of = kernel_choice.case_of
+
+    def case_of(module, shape, dtype, autocast):
+        timer.current = shape[-1]
+        return real_case_of(module, shape, dtype, autocast)
+
+    monkeypatch.setattr(kernel_choice, "case_of", case_of)
+    monkeypatch.setattr(TritonLayersRung, "timer", timer)
+    rung = TritonLayersRung()
+    state = _state(model, fed)
+    assert rung.check(state) is None
+    handle = rung.apply(state)
+    assert type(model.wide) is layers.LayerNormUnderCompile and type(model.narrow) is layers.LayerNorm
+    lines = [c for c in handle.changes if "autocast bfloat16" in c]
+    assert any(line.startswith("LayerNorm at layer_norm (3, 5, 24) bfloat16") and ": the kernel" in line for line in lines)
+    assert any("(3, 5, 16)" in line and "Inductor's code" in line for line in lines)
+    handle.undo()
+    assert type(model.wide) is nn.LayerNorm and type(model.narrow) is nn.LayerNorm
+
+
+def test_a_norm_without_recorded_shapes_or_with_the_option_off_keeps_inductors_code(monkeypatch):
+    model = TwoNorms()
+    plan = plan_triton_layers(model, TritonLayersOptions())
+    assert choose_under_compile(_state(model, {}), plan, WidthTimer({24: 0.1, 16: 0.1})) == []
+    assert {cls for _, cls in plan.swaps} == {layers.LayerNorm}
+    monkeypatch.setattr(TritonLayersRung, "timer", WidthTimer({24: 0.1, 16: 0.1}))
+    with layer_shapes.recording(model) as fed:
+        model(torch.randn(2, 24))
+    rung = TritonLayersRung(TritonLayersOptions(kernel_choice=False))
+    handle = rung.apply(_state(model, fed))
+    assert type(model.wide) is layers.LayerNorm
+    handle.undo()
+
+
+def test_under_compile_the_chosen_class_traces_the_kernel_and_computes_the_same():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 24, generator=gen)
+    outputs = {}
+    for cls in (layers.LayerNorm, layers.LayerNormUnderCompile):
+        norm = nn.LayerNorm(24)
+        with torch.no_grad():
+            norm.weight.normal_(generator=gen)
+            norm.bias.normal_(generator=gen)
+        want = norm(x)
+        norm.__class__ = cls
+        torch._dynamo.reset()
+        outputs[cls] = torch.compile(norm, backend=backend)(x)
+        assert_rel_close(outputs[cls], want, 1e-5, cls.__name__)
+    plain, kernel = graphs
+    assert "speedkit" not in plain and "layer_norm" in plain
+    assert "speedkit" in kernel
+
+
+def test_the_ladders_baseline_records_the_norms_inputs():
+    from fakes import VirtualTime, timed_state
+
+    from speedkit.engine.ladder import Ladder
+
+    time = VirtualTime(noise=0.0)
+    state = timed_state(time, 0.01)
+    norm = nn.LayerNorm(32)
+    state.model.net.insert(1, norm)  # after the first Linear: fed (batch, hidden)
+    fast = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "profile": False}
+    Ladder(state, [], fast, clock=time.clock(), host_clock=time).run()
+    assert state.notes[layer_shapes.NOTE][id(norm)] == [((8, 32), torch.float32)]
+    assert state.notes[kernel_choice.NOTE] is None  # no decision cache: the measurements kept in memory
+    assert not norm._forward_pre_hooks
+
+
+def test_the_store_follows_the_ladders_cache(tmp_path):
+    assert kernel_choice.store_for({kernel_choice.NOTE: None}).path is None  # the cache off: memory only
+    assert kernel_choice.store_for({kernel_choice.NOTE: tmp_path / "k.json"}).path == tmp_path / "k.json"
+    assert kernel_choice.store_for({}).path.name == kernel_choice.STORE_NAME  # no ladder: speedkit's cache folder
