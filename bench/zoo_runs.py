@@ -377,6 +377,9 @@ def run_worker(args: argparse.Namespace) -> None:
             continue
         figures = fit.timer.figures()
         extra = {**fit.fields, "wall_s": round(time.perf_counter() - t0, 2), "fit_graphs": compat.graph_count() - graphs_before}
+        status = fit.fields.get("cache_status")
+        if cached and isinstance(status, dict) and not status.get("hit"):
+            extra["cached"] = False  # a run with the cache on that found no decision climbed: a fresh run
         if figures is None:
             reason = (
                 f"the fit ended after {fit.steps_taken} optimizer steps (time guard {args.time_guard_s:.0f} s from the "
