@@ -22,7 +22,6 @@ Usage: PYTHONPATH=. python bench/lm_head_kernel.py [--tokens 16384 --hidden 768 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,26 +34,11 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
 from speedkit.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from speedkit.measure.kernel_choice import cuda_median_ms  # noqa: E402
 
 
 def reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, w).float(), t)
-
-
-def timed(fn: Callable[[], None], warmup: int, steps: int, repeats: int) -> float:
-    """Median milliseconds of one call over ``repeats`` windows of ``steps`` calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -112,7 +96,7 @@ def main() -> None:
             h.grad = w.grad = None
 
         try:
-            ms = timed(step, args.warmup, args.steps, args.repeats)
+            ms = cuda_median_ms(step, args.warmup, args.steps, args.repeats)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

@@ -147,22 +147,27 @@ def store_for(notes: dict[str, Any]) -> ChoiceStore:
     return ChoiceStore(notes[NOTE] if NOTE in notes else default_cache_dir() / STORE_NAME)
 
 
-def cuda_timer(what: str, call: Callable[[], None]) -> float:
-    """Milliseconds per ``call``: the median of :data:`WINDOWS` windows of :data:`STEPS` calls on CUDA
-    events, after :data:`WARMUP` calls (the first compiles and autotunes)."""
-    for _ in range(WARMUP):
+def cuda_median_ms(call: Callable[[], None], warmup: int = WARMUP, steps: int = STEPS, windows: int = WINDOWS) -> float:
+    """Milliseconds per ``call``: the median of ``windows`` windows of ``steps`` calls on CUDA events,
+    after ``warmup`` calls (the first compiles and autotunes)."""
+    for _ in range(warmup):
         call()
     torch.cuda.synchronize()
     times = []
-    for _ in range(WINDOWS):
+    for _ in range(windows):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(STEPS):
+        for _ in range(steps):
             call()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / STEPS)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
     return statistics.median(times)
+
+
+def cuda_timer(what: str, call: Callable[[], None]) -> float:
+    """The micro-benchmark's :data:`Timer` on CUDA: :func:`cuda_median_ms` with its defaults."""
+    return cuda_median_ms(call)
 
 
 def _modules(case: LayerCase, device: torch.device) -> tuple[nn.Module, nn.Module]:
