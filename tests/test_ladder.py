@@ -2432,3 +2432,47 @@ def test_the_trials_garbage_is_collected_before_the_fit_goes_on():
     finally:
         gc.enable()
     assert result.run["trials_garbage"]["objects"] >= 2, result.run["trials_garbage"]
+
+
+class _Compiles(Rung):
+    """A rung that applies anywhere and, with ``recompiles``, is compiled anew beneath compile."""
+
+    def __init__(self, name: str, recompiles: bool) -> None:
+        super().__init__()
+        self.name, self.recompiles = name, recompiles
+
+    def check(self, state):
+        return None
+
+
+def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_expected_compile():
+    """Before any trial compiled, a rung compiled anew beneath the floor's compile is expected to cost
+    ``recompile_prior_s`` (the floor's own compile may have come from Inductor's caches): on an H100,
+    ResNet-50's channels_last trial, begun with 29 s left, compiled for 37 s and ran 15 s past the budget;
+    once a trial has compiled, its time is the expectation, for every rung."""
+    from speedkit.engine.climb import expected_compile_s, no_room_for
+
+    left = {"s": 25.0}
+    budget = SimpleNamespace(spent=lambda: False, left_for_rungs=lambda: left["s"], min_trial_s=3.0, budget_s=120.0)
+    ladder = SimpleNamespace(
+        budget=budget,
+        cfg=SimpleNamespace(recompile_prior_s=30.0),
+        floor={"tf32", "autocast", "compile"},
+        trial_compile_s=0.0,
+        state=SimpleNamespace(model=nn.Linear(2, 2)),
+    )
+    anew, cheap = _Compiles("channels_last", True), _Compiles("gc_freeze", False)
+    assert expected_compile_s(ladder, anew) == 30.0 and expected_compile_s(ladder, cheap) == 0.0
+    reason = no_room_for(ladder, anew)
+    assert reason is not None and "expected 30 s" in reason and "recompile_prior_s" in reason
+    assert no_room_for(ladder, cheap) is None
+    left["s"] = 40.0
+    assert no_room_for(ladder, anew) is None
+    # a trial compiled for 10 s: that is the expectation now, for every rung
+    ladder.trial_compile_s, left["s"] = 10.0, 25.0
+    assert no_room_for(ladder, anew) is None and no_room_for(ladder, cheap) is None
+    left["s"] = 12.0
+    assert "as long as one has here (10 s)" in no_room_for(ladder, cheap)
+    # no compile in effect: nothing is compiled anew
+    ladder.trial_compile_s, ladder.floor, left["s"] = 0.0, {"tf32"}, 5.0
+    assert expected_compile_s(ladder, anew) == 0.0 and no_room_for(ladder, anew) is None

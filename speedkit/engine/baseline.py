@@ -17,6 +17,7 @@ from speedkit.data.batch import count_items
 from speedkit.data.static import signature
 from speedkit.engine.budget import window_steps
 from speedkit.engine.cache import CachedDecision
+from speedkit.engine.climb import compile_in_effect
 from speedkit.engine.diagnose import Diagnosis, diagnose
 from speedkit.engine.plan import first_configuration, gain_bound, prune
 from speedkit.engine.profile_run import rank_communication_of
@@ -309,9 +310,8 @@ def _cheap_first(ladder: Trials, order: list[Rung]) -> list[Rung]:
     device-bound spent its budget compiling two kernel rewrites (56 s, neither paid) and never tried
     the progress bar's sync (1.057x when tried) or a CUDA graph; diagnosed host-bound in another run
     (the GPU 90% busy, at the threshold), it kept both: two kept sets for one model."""
-    compiled = "compile" in ladder.floor or compat.runs_compiled_code(ladder.state.model)
     later = [r for r in order if r.recompiles]
-    if not compiled or not later or len(later) == len(order):
+    if not compile_in_effect(ladder) or not later or len(later) == len(order):
         return order
     cheap = [r for r in order if not r.recompiles]
     if cheap + later != order:

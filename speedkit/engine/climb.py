@@ -43,23 +43,45 @@ def climb(ladder: Trials, order: list[Rung], reference: list[float]) -> list[flo
         compiled_before = compat.compile_seconds()
         entry, reference = try_rung(ladder, rung, reference)
         ladder.budget.done_with(rung.name)
-        compiled = compat.compile_seconds() - compiled_before
-        if compiled > 1.0:  # the most a trial has spent compiling
-            ladder.trial_compile_s = max(ladder.trial_compile_s, compiled)
+        note_trial_compile(ladder, compat.compile_seconds() - compiled_before)
         result.rungs.append(entry)
         ladder.on_event(f"[{i}/{total}] {rung.name}: {entry.status}" + (f" ({entry.reason})" if entry.reason else ""))
     ladder.on_progress(len(order), len(order), "closing check, second look, final check, profile")
     return reference
 
 
+def note_trial_compile(ladder: Trials, seconds: float) -> None:
+    """Keep ``seconds`` a trial (a rung's, or the remedy's together) spent compiling, where it compiled
+    at all: the most any has is what the next trial that compiles anew is expected to cost."""
+    if seconds > 1.0:
+        ladder.trial_compile_s = max(ladder.trial_compile_s, seconds)
+
+
+def compile_in_effect(ladder: Trials) -> bool:
+    """Whether the step runs compiled code (the floor's compile, or the user's own): a rung with
+    ``recompiles`` then compiles anew in its trial."""
+    return "compile" in ladder.floor or compat.runs_compiled_code(ladder.state.model)
+
+
+def expected_compile_s(ladder: Trials, rung: Rung) -> float:
+    """The compiling ``rung``'s trial is expected to cost: as long as a trial has compiled here, or,
+    before any has, ``recompile_prior_s`` for a rung that compiles anew beneath compile (the floor's
+    own compile is no guide: it may have come from Inductor's caches, and a new configuration does not;
+    on an H100 ResNet-50's floor compiled in 4.5 s, its channels_last trial in 37 s, 15 s past the
+    budget's end, and the closing checks were skipped for it)."""
+    if ladder.trial_compile_s > 0:
+        return ladder.trial_compile_s
+    return ladder.cfg.recompile_prior_s if rung.recompiles and compile_in_effect(ladder) else 0.0
+
+
 def no_room_for(ladder: Trials, rung: Rung) -> str | None:
-    """Why ``rung`` is not begun (None: it is): the rungs' share of the budget is spent, or, where a
-    trial has compiled before, what is left of it does not hold the fewest steps of a trial together
-    with as long a compile as a trial has taken (a rung beneath compile is compiled anew, charged to
-    the budget, never timed: on an H200 one such trial compiled for 66 s past the budget's end). A rung
-    that does not apply is let through, to say why."""
+    """Why ``rung`` is not begun (None: it is): the rungs' share of the budget is spent, or what is left
+    of it does not hold the fewest steps of a trial together with the compile the trial is expected to
+    cost (:func:`expected_compile_s`: a rung beneath compile is compiled anew, charged to the budget,
+    never timed: on an H200 one such trial compiled for 66 s past the budget's end). A rung that does
+    not apply is let through, to say why."""
     budget = ladder.budget
-    compiles = ladder.trial_compile_s
+    compiles = expected_compile_s(ladder, rung)
     if not budget.spent() and (compiles <= 0 or budget.left_for_rungs() >= budget.min_trial_s + compiles):
         return None
     try:
@@ -69,7 +91,7 @@ def no_room_for(ladder: Trials, rung: Rung) -> str | None:
         return None
     if budget.spent():
         return f"the trials' time budget ({budget.budget_s:.0f} s) was spent"
-    return (
-        f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial that compiles "
-        f"as long as one has here ({compiles:.0f} s)"
+    measured = ladder.trial_compile_s > 0
+    return f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial that compiles " + (
+        f"as long as one has here ({compiles:.0f} s)" if measured else f"anew (expected {compiles:.0f} s: recompile_prior_s)"
     )

@@ -53,7 +53,7 @@ from speedkit.engine.baseline import (
 )
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.cache import DecisionCache
-from speedkit.engine.climb import climb
+from speedkit.engine.climb import climb, note_trial_compile
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.confirm import confirm, scaling_and_profile
 from speedkit.engine.diagnose import Diagnosis
@@ -327,7 +327,9 @@ class Ladder:
         remedy_kept: list[str] = []
         if len(bundle) > 1 and not self.budget.spent():  # the bottleneck's remedy together, then member by member
             self.phase = "the remedy"
+            compiled_before = compat.compile_seconds()
             remedy_kept, reference = remedy.try_remedy(self, bundle, reference)
+            note_trial_compile(self, compat.compile_seconds() - compiled_before)
             order = [r for r in order if self.entry(r.name) is None]  # the members judged in it are decided
         reference = climb(self, order, reference)
         if remedy_kept:  # judged member by member after the rest of the order: on an H200 the demo

@@ -93,6 +93,10 @@ class MeasureConfig:
     times the baseline's step time) ..."""
     trials_min_s: float = field(metadata=_range(0.0))
     """... but never under this many seconds (:meth:`speedkit.engine.budget.TrialBudget.plan`)."""
+    recompile_prior_s: float = field(metadata=_range(0.0))
+    """Seconds a trial that compiles anew beneath compile is expected to spend compiling before any
+    trial has compiled here: a rung is begun only where the budget left holds its fewest steps and
+    this (:func:`speedkit.engine.climb.expected_compile_s`)."""
     cache_slack: float = field(metadata=_range(0.0))
     """A cached decision holds where its final configuration, timed again, is no slower than in the
     final check that decided it by more than this share (or three times the larger spread)."""
