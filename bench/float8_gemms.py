@@ -4,7 +4,7 @@ deliver 3): the measured table behind the rung's ``min_features`` prior.
 Per shape (M tokens, K in-features, N out-features): one ``nn.Linear(K, N)`` forward and backward on
 (M, K) bf16-autocast inputs, compiled, against the same Linear converted by torchao's
 ``Float8Linear.from_float`` (rowwise scales on compute capability 9.0+, tensorwise below; ``--recipe``),
-compiled; medians of CUDA-event windows after warm-up (:func:`speedkit.measure.kernel_choice.cuda_timer`).
+compiled; medians of CUDA-event windows after warm-up (:func:`speedkit.kernels.choice.cuda_timer`).
 Shapes: GPT-2 small's and TinyLlama's Linears at their zoo batch, a Llama-3-8B MLP, and the two points
 of torchao's own table (M, K, N = 1024, 2048, 1024: 0.80x; 4096, 8192, 16384: 1.39x).
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
-from speedkit.measure.kernel_choice import cuda_timer  # noqa: E402
+from speedkit.kernels.choice import cuda_timer  # noqa: E402
 from speedkit.rungs.float8 import ROWWISE_CAPABILITY, hardware_reason, torchao_missing  # noqa: E402
 
 SHAPES = [

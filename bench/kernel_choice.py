@@ -1,5 +1,5 @@
 """The norms' kernel against Inductor's code, per shape, as ``triton_layers`` decides it under compile
-(issue 72, deliver 2): :func:`speedkit.measure.kernel_choice.measure` on CUDA events, forward and
+(issue 72, deliver 2): :func:`speedkit.kernels.choice.measure` on CUDA events, forward and
 backward of the layer alone, for the zoo's language models' norm shapes under bf16 autocast.
 
 Rows (bench "kernel_choice"): ``variant`` ("kernel", "compiled"), metric "ms" (one forward and backward),
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
-from speedkit.measure.kernel_choice import MARGIN, LayerCase, cuda_timer, measure  # noqa: E402
+from speedkit.kernels.choice import MARGIN, LayerCase, cuda_timer, measure  # noqa: E402
 
 CASES = {
     "gpt2-small (B16 x 1024)": LayerCase("layer_norm", (16, 1024, 768), "bfloat16", "bfloat16"),

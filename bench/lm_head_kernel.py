@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
+from speedkit.kernels.choice import cuda_median_ms  # noqa: E402
 from speedkit.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from speedkit.measure.kernel_choice import cuda_median_ms  # noqa: E402
 
 
 def reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -49,3 +49,12 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def default_cache_dir() -> Path:
+    """speedkit's cache folder where no other is given: its decisions (:mod:`speedkit.engine.cache`) and
+    the kernels' per-shape measurements (:mod:`speedkit.kernels.choice`)."""
+    if os.environ.get("SPEEDKIT_CACHE_DIR"):
+        return Path(os.environ["SPEEDKIT_CACHE_DIR"])
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "speedkit"

@@ -13,9 +13,10 @@ import torch
 from conftest import assert_rel_close
 from torch import nn
 
+from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import layers
-from speedkit.measure import kernel_choice, layer_shapes
-from speedkit.measure.kernel_choice import ChoiceStore, LayerCase, choose
+from speedkit.kernels.choice import ChoiceStore, LayerCase, choose
+from speedkit.measure import layer_shapes
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung, choose_under_compile, plan_triton_layers
 from speedkit.training.state import TrainState
 

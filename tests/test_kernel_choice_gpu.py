@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from speedkit.measure.kernel_choice import ChoiceStore, LayerCase, choose
+from speedkit.kernels.choice import ChoiceStore, LayerCase, choose
 
 pytestmark = pytest.mark.gpu
 

@@ -27,16 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from speedkit.files import default_cache_dir
+
 #: the entry's format; an entry of another is ignored (climbs again)
 CACHE_FORMAT = 2
-
-
-def default_cache_dir() -> Path:
-    """Where decisions are kept when no folder is given."""
-    if os.environ.get("SPEEDKIT_CACHE_DIR"):
-        return Path(os.environ["SPEEDKIT_CACHE_DIR"])
-    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "speedkit"
 
 
 def model_structure(model: nn.Module) -> list[Any]:

@@ -64,7 +64,7 @@ from speedkit.engine.timing import Timing
 from speedkit.errors import first_line
 from speedkit.fork_safety import protect_forked_children
 from speedkit.handle import Handle
-from speedkit.measure import kernel_choice
+from speedkit.kernels import choice as kernel_choice
 from speedkit.measure.clock import StepClock
 from speedkit.measure.config import MeasureConfig
 from speedkit.measure.session import MeasureSession

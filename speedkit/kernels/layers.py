@@ -19,7 +19,7 @@ tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph c
 The exception is :func:`gelu_mlp`, whose GEMMs are cuBLAS's own (with the GELU in their epilogues),
 which Inductor cannot fuse into anyway: it stays under compile; and the norms of
 :data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm whose kernel was measured faster
-than Inductor's code at its shapes (:mod:`speedkit.measure.kernel_choice`).
+than Inductor's code at its shapes (:mod:`speedkit.kernels.choice`).
 Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
 ``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
 """
@@ -167,7 +167,7 @@ SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 class LayerNormUnderCompile(LayerNorm):
     """:class:`LayerNorm` whose kernel also runs where torch.compile traces it: given to a norm whose
-    shape the kernel was measured faster at than Inductor's code (:mod:`speedkit.measure.kernel_choice`)."""
+    shape the kernel was measured faster at than Inductor's code (:mod:`speedkit.kernels.choice`)."""
 
     kernel_under_compile = True
 

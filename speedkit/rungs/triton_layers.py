@@ -8,7 +8,7 @@ Does not help: compute-bound models (large GEMMs dominate), small activations, a
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
 call (see :mod:`speedkit.kernels.layers`), except a norm whose kernel was measured faster than
-Inductor's code at each shape it is fed (:mod:`speedkit.measure.kernel_choice`). The cross-entropy
+Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The cross-entropy
 kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
 gradient in one pass).
 Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors under
@@ -66,8 +66,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import cublaslt, kernels_available, layers
-from speedkit.measure import kernel_choice, layer_shapes
+from speedkit.measure import layer_shapes
 from speedkit.rewrite import hf_loss
 from speedkit.rewrite.layers import LAYERS, decide
 from speedkit.rewrite.pipeline import MethodRewrite, RewritePlan, RewriteReport, apply_plan, plan_rewrites
@@ -101,7 +102,7 @@ class TritonLayersOptions:
     #: ``silu(gate) * up``
     swiglu: bool = True
     #: a norm keeps its kernel inside compiled code where a micro-benchmark at the shape the step feeds
-    #: it measured the kernel faster than Inductor's code (:mod:`speedkit.measure.kernel_choice`)
+    #: it measured the kernel faster than Inductor's code (:mod:`speedkit.kernels.choice`)
     kernel_choice: bool = True
 
 

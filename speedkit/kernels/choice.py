@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from speedkit.engine.cache import default_cache_dir
-from speedkit.files import write_text_atomic
+from speedkit.errors import OutputError
+from speedkit.files import default_cache_dir, write_text_atomic
 
 #: the store's file in speedkit's cache folder
 STORE_NAME = "kernel_choices.json"
@@ -136,14 +136,14 @@ class ChoiceStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
-        except OSError:
+        except (OSError, OutputError):
             pass
 
 
 def store_for(notes: dict[str, Any]) -> ChoiceStore:
     """The store a run's rungs use: the path the ladder left in ``notes`` (beside its decisions; None with
     its cache off: in memory only), else the one in speedkit's cache folder
-    (:func:`speedkit.engine.cache.default_cache_dir`)."""
+    (:func:`speedkit.files.default_cache_dir`)."""
     return ChoiceStore(notes[NOTE] if NOTE in notes else default_cache_dir() / STORE_NAME)
 
 
