@@ -75,7 +75,7 @@ class TrialBudget:
     ) -> dict[str, Any]:
         """The budget's size, by rule:
 
-        - ``trials_budget_s`` (120 s) for a step of up to ``budget_step_ms`` (100 ms);
+        - ``trials_budget_s`` (110 s) for a step of up to ``budget_step_ms`` (100 ms);
         - a longer step: that many seconds per ``budget_step_ms`` of step time (the same number of
           windows and parity steps), up to ``trials_budget_max_s``;
         - where the fit's planned length is known: at most ``trials_share`` of it (its planned steps at
