@@ -140,8 +140,8 @@ def test_triton_layers_keeps_the_kernel_under_compile_only_where_it_was_measured
 def test_a_norm_without_recorded_shapes_or_with_the_option_off_keeps_inductors_code(monkeypatch):
     model = TwoNorms()
     plan = plan_triton_layers(model, TritonLayersOptions())
-    assert choose_under_compile(_state(model, {}), plan, WidthTimer({24: 0.1, 16: 0.1})) == []
-    assert {cls for _, cls in plan.swaps} == {layers.LayerNorm}
+    chosen, lines = choose_under_compile(_state(model, {}), plan, WidthTimer({24: 0.1, 16: 0.1}))
+    assert lines == [] and {cls for _, cls in chosen.swaps} == {layers.LayerNorm}
     monkeypatch.setattr(TritonLayersRung, "timer", WidthTimer({24: 0.1, 16: 0.1}))
     with layer_shapes.recording(model) as fed:
         model(torch.randn(2, 24))
@@ -188,11 +188,31 @@ def test_the_ladders_baseline_records_the_norms_inputs():
     fast = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "profile": False}
     Ladder(state, [], fast, clock=time.clock(), host_clock=time).run()
     assert state.notes[layer_shapes.NOTE][id(norm)] == [((8, 32), torch.float32)]
-    assert state.notes[kernel_choice.NOTE] is None  # no decision cache: the measurements kept in memory
+    assert state.notes[kernel_choice.NOTE].path is None  # no decision cache: the measurements kept in memory
     assert not norm._forward_pre_hooks
 
 
 def test_the_store_follows_the_ladders_cache(tmp_path):
-    assert kernel_choice.store_for({kernel_choice.NOTE: None}).path is None  # the cache off: memory only
-    assert kernel_choice.store_for({kernel_choice.NOTE: tmp_path / "k.json"}).path == tmp_path / "k.json"
-    assert kernel_choice.store_for({}).path.name == kernel_choice.STORE_NAME  # no ladder: speedkit's cache folder
+    in_memory = ChoiceStore(None)
+    assert kernel_choice.store_for({kernel_choice.NOTE: in_memory}) is in_memory  # the ladder's, cache off: memory only
+    notes = {}
+    first = kernel_choice.store_for(notes)  # no ladder: speedkit's cache folder, kept for the run
+    assert first.path.name == kernel_choice.STORE_NAME and kernel_choice.store_for(notes) is first
+
+
+def test_a_case_is_measured_once_a_run_with_the_cache_off_and_the_plan_check_made_stays_as_made(monkeypatch):
+    model = TwoNorms()
+    with layer_shapes.recording(model) as fed:
+        model(torch.randn(3, 5, 24))
+    timer = WidthTimer({24: 0.8, 16: 0.8})
+    monkeypatch.setattr(TritonLayersRung, "timer", timer)
+    state = _state(model, fed)
+    state.notes[kernel_choice.NOTE] = ChoiceStore(None)
+    rung = TritonLayersRung()
+    assert rung.check(state) is None
+    made = rung.plan(model)
+    rung.apply(state).undo()
+    assert timer.calls == ["kernel", "compiled", "kernel", "compiled"]  # two norms, one shape each
+    rung.apply(state).undo()  # tried again in the same run (a second look): remembered, not timed
+    assert len(timer.calls) == 4
+    assert {cls for _, cls in made.swaps} == {layers.LayerNorm}

@@ -38,7 +38,7 @@ from speedkit.files import default_cache_dir, write_text_atomic
 
 #: the store's file in speedkit's cache folder
 STORE_NAME = "kernel_choices.json"
-#: the key in ``TrainState.notes`` of the store's path the ladder gives (None: its cache is off, kept in memory)
+#: the key in ``TrainState.notes`` of the run's :class:`ChoiceStore` (:func:`store_for`)
 NOTE = "kernel_choices"
 #: the kernel must beat Inductor's code by this fraction to be chosen
 MARGIN = 0.03
@@ -141,10 +141,13 @@ class ChoiceStore:
 
 
 def store_for(notes: dict[str, Any]) -> ChoiceStore:
-    """The store a run's rungs use: the path the ladder left in ``notes`` (beside its decisions; None with
-    its cache off: in memory only), else the one in speedkit's cache folder
-    (:func:`speedkit.files.default_cache_dir`)."""
-    return ChoiceStore(notes[NOTE] if NOTE in notes else default_cache_dir() / STORE_NAME)
+    """The one store of a run's rungs, kept in ``notes``: the ladder's (beside its decisions, or in memory
+    only with its cache off), else one in speedkit's cache folder (:func:`speedkit.files.default_cache_dir`)
+    put there by the first call. One object for the run: a case is measured, and the file read, once."""
+    store = notes.get(NOTE)
+    if store is None:
+        store = notes[NOTE] = ChoiceStore(default_cache_dir() / STORE_NAME)
+    return store
 
 
 def cuda_median_ms(call: Callable[[], None], warmup: int = WARMUP, steps: int = STEPS, windows: int = WINDOWS) -> float:

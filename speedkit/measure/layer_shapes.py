@@ -1,5 +1,5 @@
 """The input shapes of the norms in a model, recorded in one eager pass (the baseline's counted
-forward and backward): what :mod:`speedkit.measure.kernel_choice` measures a kernel at before
+forward and backward): what :mod:`speedkit.kernels.choice` measures a kernel at before
 ``torch.compile`` traces the step (inside a trace there is nothing eager to look at).
 
 :func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` (their speedkit classes included) for

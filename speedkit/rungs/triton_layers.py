@@ -55,6 +55,7 @@ not call ``self.loss_function``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import types
@@ -215,13 +216,7 @@ def _rms_like(module: nn.Module) -> tuple[str, float] | str | None:
 # -- the plan and the rung ----------------------------------------------------------------------------------
 
 
-_KIND_NAMES = {
-    "LayerNorm": "layer_norm",
-    "RMSNorm": "rms_norm",
-    "CrossEntropyLoss": "cross_entropy",
-    "LayerNormUnderCompile": "layer_norm",
-    "RMSNormUnderCompile": "rms_norm",
-}
+_KIND_NAMES = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm", "CrossEntropyLoss": "cross_entropy"}
 _REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu")
 
 
@@ -292,32 +287,29 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
     return plan
 
 
-def choose_under_compile(state: TrainState, plan: RewritePlan, timer: kernel_choice.Timer | None = None) -> list[str]:
-    """Give the plan's norms whose kernel is faster than Inductor's code at every shape the baseline fed
-    them (:mod:`speedkit.measure.layer_shapes`) the class that keeps the kernel under compile; one line
-    per norm and shape saying what was measured or remembered."""
+def choose_under_compile(
+    state: TrainState, plan: RewritePlan, timer: kernel_choice.Timer | None = None
+) -> tuple[RewritePlan, list[str]]:
+    """``plan`` with its norms whose kernel is faster than Inductor's code at every shape the baseline fed
+    them (:mod:`speedkit.measure.layer_shapes`) given the class that keeps the kernel under compile (a
+    copy: the plan ``check`` made stays as made), and one line per norm and shape saying what was
+    measured or remembered."""
     fed = state.notes.get(layer_shapes.NOTE) or {}
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(state.precision)
     store = kernel_choice.store_for(state.notes)
+    swaps: list[tuple[nn.Module, type]] = []
     lines: list[str] = []
-    for i, (module, new_class) in enumerate(plan.swaps):
+    for module, new_class in plan.swaps:
         under = layers.UNDER_COMPILE.get(new_class)
-        if under is None:
-            continue
-        inputs = fed.get(id(module))
-        if not inputs:
-            continue
         verdicts = []
-        for shape, dtype in inputs:
+        for shape, dtype in fed.get(id(module), ()) if under is not None else ():
             case = kernel_choice.case_of(module, shape, autocast or dtype, autocast)
-            if case is None:
-                break
+            assert case is not None  # a norm's class is swapped for one of UNDER_COMPILE's
             choice = kernel_choice.choose(case, state.device, store, timer)
             verdicts.append(choice.use_kernel)
             lines.append(f"{type(module).__name__} at {case.describe()}: {choice.why}")
-        if verdicts and all(verdicts):
-            plan.swaps[i] = (module, under)
-    return list(dict.fromkeys(lines))
+        swaps.append((module, under) if verdicts and all(verdicts) else (module, new_class))
+    return dataclasses.replace(plan, swaps=swaps), list(dict.fromkeys(lines))
 
 
 def _describe(rewrite: MethodRewrite) -> str:
@@ -380,8 +372,9 @@ class TritonLayersRung(RewriteRung):
         layers.probe_autocast(state.device.type)  # now, not inside the first step (or a CUDA graph capture)
         if state.device.type == "cuda":
             cublaslt.unavailable()  # finds (loads) cuBLASLt now, for the same reason
-        plan = self.plan(state.model)
-        chosen = choose_under_compile(state, plan, self.timer) if self.options.kernel_choice and self.options.norms else []
+        plan, chosen = self.plan(state.model), []
+        if self.options.kernel_choice and self.options.norms:
+            plan, chosen = choose_under_compile(state, plan, self.timer)
         handle = self.apply_plan(state.model, plan)
         for line in chosen:
             handle.record(line)
