@@ -13,7 +13,8 @@ from torch import nn
 
 from speedkit import config
 from speedkit.rungs import float8 as float8_module
-from speedkit.rungs.float8 import Float8Options, Float8Rung, chosen_linears
+from speedkit.measure import layer_shapes
+from speedkit.rungs.float8 import Float8Options, Float8Rung, Measured, Prior, chosen_linears, prior_for
 from speedkit.training.state import TrainState
 
 
@@ -61,6 +62,62 @@ def test_chooses_the_linears_whose_shapes_pay():
         "1 Linear(s) with features not divisible by 16 (float8 GEMMs need it)",
     ]
     assert chosen_linears(model, Float8Options(min_features=8192))[0] == []
+
+
+def _fed(model: nn.Module, tokens: int) -> dict[int, list]:
+    with layer_shapes.recording(model) as fed:
+        for linear in (model.up, model.down, model.small):
+            linear(torch.zeros(tokens, linear.in_features))
+    return fed
+
+
+#: a made-up table for the tests: float8 wins on many tokens at wide shapes, loses on few
+PRIOR = Prior(
+    "test table",
+    [Measured(1024, 2048, 4096, 0.8), Measured(16384, 2048, 4096, 1.3), Measured(16384, 4096, 2048, 1.25), Measured(16384, 768, 768, 0.7)],
+)
+
+
+def test_the_measured_table_chooses_by_tokens_and_widths():
+    model = Wide()
+    chosen, notes = chosen_linears(model, Float8Options(), _fed(model, 16384), PRIOR)
+    assert [name for _, name, _ in chosen] == ["up", "down"]  # nearest 16384x2048x4096 (1.3x) and 16384x4096x2048
+    assert any("small" in n or "768" in n for n in notes)  # nearest 16384x768x768: 0.70x
+    chosen, notes = chosen_linears(model, Float8Options(), _fed(model, 1024), PRIOR)
+    assert chosen == []
+    assert notes[0].startswith("3 Linear(s) whose GEMM shapes lose or gain under 1.05x in float8: 1024x2048x4096 (nearest measured 1024x2048x4096: 0.80x)")
+    # a Linear whose tokens were not recorded is judged by width, and the note says so
+    chosen, notes = chosen_linears(model, Float8Options(), {}, PRIOR)
+    assert [name for _, name, _ in chosen] == ["up", "down"]
+    assert "3 Linear(s) without recorded tokens judged by width (at least 2048)" in notes
+
+
+def test_every_recorded_input_must_pay():
+    model = Wide()
+    fed = _fed(model, 16384)
+    for k, v in _fed(model, 1024).items():
+        fed[k] += v
+    assert chosen_linears(model, Float8Options(), fed, PRIOR)[0] == []
+
+
+def test_the_table_is_read_per_compute_capability_and_recipe():
+    table = {
+        "measured": [
+            {"device": "NVIDIA H100", "capability": "9.0", "recipe": "rowwise", "commit": "abc", "date": "2026-12-07", "shapes": [[8192, 2048, 5632, 1.12]]}
+        ]
+    }
+    prior = prior_for((9, 0), "rowwise", table)
+    assert prior is not None and prior.rows == [Measured(8192, 2048, 5632, 1.12)]
+    assert prior.source == "NVIDIA H100 at abc, 2026-12-07"
+    assert prior_for((8, 9), "rowwise", table) is None and prior_for((9, 0), "tensorwise", table) is None
+    assert "measured" in __import__("speedkit.config", fromlist=["load"]).load("float8_gemms")  # the shipped table parses
+
+
+def test_layer_shapes_gives_a_linears_gemm_rows():
+    model = Wide()
+    with layer_shapes.recording(model) as fed:
+        model.up(torch.zeros(3, 5, 2048))
+    assert layer_shapes.tokens(fed[id(model.up)]) == [15]
 
 
 def test_float8_is_the_loosest_precision_with_a_calibration_epsilon():

@@ -1,14 +1,17 @@
-"""The input shapes of the norms in a model, recorded in one eager pass (the baseline's counted
-forward and backward): what :mod:`speedkit.kernels.choice` measures a kernel at before
-``torch.compile`` traces the step (inside a trace there is nothing eager to look at).
+"""The input shapes of the norms and Linear layers in a model, recorded in one eager pass (the baseline's
+counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's kernel at before
+``torch.compile`` traces the step (inside a trace there is nothing eager to look at), and the tokens per
+GEMM that the ``float8`` rung's per-shape prior reads.
 
-:func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` (their speedkit classes included) for
-the length of a ``with`` block and yields what they were fed: ``{id(module): [(shape, dtype), ...]}``,
-each distinct input once, in the order seen. The hooks are removed when the block ends.
+:func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` (their subclasses
+included) for the length of a ``with`` block and yields what they were fed:
+``{id(module): [(shape, dtype), ...]}``, each distinct input once, in the order seen. The hooks are
+removed when the block ends. :func:`tokens` reads a Linear's GEMM rows (M) from such a record.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,13 +21,15 @@ from torch import nn
 
 #: the key of the recorded inputs in ``TrainState.notes``
 NOTE = "layer_shapes"
-#: what a norm was fed: its input's shape and dtype
+#: the modules whose inputs are recorded
+RECORDED = (nn.LayerNorm, nn.RMSNorm, nn.Linear)
+#: what a module was fed: its input's shape and dtype
 Fed = tuple[tuple[int, ...], torch.dtype]
 
 
 @contextmanager
 def recording(model: nn.Module, when: bool = True) -> Iterator[dict[int, list[Fed]]]:
-    """Record the inputs of ``model``'s norms while the block runs (see the module doc); nothing
+    """Record the inputs of ``model``'s norms and Linears while the block runs (see the module doc); nothing
     (an empty record) unless ``when``."""
     seen: dict[int, list[Fed]] = {}
     if not when:
@@ -38,9 +43,14 @@ def recording(model: nn.Module, when: bool = True) -> Iterator[dict[int, list[Fe
             if fed not in inputs:
                 inputs.append(fed)
 
-    hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
+    hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, RECORDED)]
     try:
         yield seen
     finally:
         for h in hooks:
             h.remove()
+
+
+def tokens(fed: list[Fed]) -> list[int]:
+    """The rows of each GEMM a Linear ran with these inputs: every dimension but the last, multiplied."""
+    return [math.prod(shape[:-1]) for shape, _ in fed]

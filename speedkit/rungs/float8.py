@@ -8,8 +8,14 @@ Llama-3.1-8B.
 Does not help: narrow models (GPT-2 small's 768-wide Linears lose), steps not set by their GEMMs, and
 eager mode: the casts pay only fused by ``torch.compile``, which it is tried beneath.
 Needs: an NVIDIA GPU of compute capability 8.9 or newer, torchao (``pip install 'speedkit[float8]'``),
-Linear layers whose input and output features are both at least ``min_features`` (2048) and divisible
-by 16.
+Linear layers whose GEMM shapes pay: the tokens each ran with in the baseline's recorded pass (M, from
+:mod:`speedkit.measure.layer_shapes`), its in- and out-features (K, N) looked up in
+``configs/float8_gemms.yaml``, the table ``bench/float8_gemms.py --table`` writes from its measured rows
+(float8 against bf16, both compiled, forward and backward): the nearest measured shape (in log2 of M, K
+and N) on a GPU of the same compute capability with the same scaling must show at least ``min_speedup``.
+Where the table has no rows for the GPU, or a Linear's tokens were not recorded (a model the user
+compiled), both widths at least ``min_features`` (2048) is the rule, and the rung says so. Widths must be
+divisible by 16.
 Numerics: float8 (e4m3). Each GEMM's operands are scaled into float8's range and rounded to 3 mantissa
 bits (rowwise scales on Hopper, one scale per tensor on Ada), accumulated in fp32; the parity tolerance
 is calibrated for float8's rounding on the model, as for the other precisions.
@@ -23,11 +29,15 @@ Left alone, with the reason: Linears below ``min_features`` or not divisible by 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from speedkit import config
+from speedkit.measure import layer_shapes
 from speedkit.rungs.base import Handle, Rung
 from speedkit.training.state import TrainState
 
@@ -46,6 +56,45 @@ class Float8Options:
     min_features: int = 2048
     #: "auto": rowwise scales on compute capability 9.0 and up, tensorwise below; or either by name
     recipe: str = "auto"
+    #: the measured speedup (bf16 ms / float8 ms) a Linear's nearest shape in the table must show
+    min_speedup: float = 1.05
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One row of the table: a GEMM shape and float8's speedup over bf16 there."""
+
+    M: int
+    K: int
+    N: int
+    speedup: float
+
+    def distance(self, M: int, K: int, N: int) -> float:
+        return math.dist((math.log2(self.M), math.log2(self.K), math.log2(self.N)), (math.log2(M), math.log2(K), math.log2(N)))
+
+
+@dataclass
+class Prior:
+    """The table's rows for one GPU kind (compute capability) and scaling recipe."""
+
+    source: str
+    rows: list[Measured] = field(default_factory=list)
+
+    def nearest(self, M: int, K: int, N: int) -> Measured:
+        return min(self.rows, key=lambda row: row.distance(M, K, N))
+
+
+def prior_for(capability: tuple[int, int], recipe: str, table: dict[str, Any] | None = None) -> Prior | None:
+    """The measured rows for GPUs of ``capability`` with ``recipe``'s scaling, or None where the table has
+    none (``table``: the loaded ``configs/float8_gemms.yaml`` unless given)."""
+    table = config.load("float8_gemms") if table is None else table
+    wanted = f"{capability[0]}.{capability[1]}"
+    for entry in table.get("measured") or ():
+        if str(entry["capability"]) == wanted and entry["recipe"] == recipe:
+            rows = [Measured(int(m), int(k), int(n), float(x)) for m, k, n, x in entry["shapes"]]
+            if rows:
+                return Prior(f"{entry['device']} at {entry['commit']}, {entry['date']}", rows)
+    return None
 
 
 def torchao_missing() -> str | None:
@@ -83,24 +132,51 @@ def _output_heads(model: nn.Module) -> set[int]:
     return heads
 
 
-def chosen_linears(model: nn.Module, options: Float8Options) -> tuple[list[tuple[nn.Module, str, nn.Linear]], list[str]]:
-    """The ``(parent, name, linear)`` converted, and what is left alone (counted per reason)."""
+def chosen_linears(
+    model: nn.Module, options: Float8Options, fed: dict[int, list] | None = None, prior: Prior | None = None
+) -> tuple[list[tuple[nn.Module, str, nn.Linear]], list[str]]:
+    """The ``(parent, name, linear)`` converted, and what is left alone (counted per reason). With a
+    ``prior`` a Linear whose recorded inputs (``fed``: :mod:`speedkit.measure.layer_shapes`' record) all
+    land nearest a measured shape of at least ``options.min_speedup`` is converted; without one, or for a
+    Linear with nothing recorded, both widths at least ``options.min_features``."""
     heads = _output_heads(model)
+    fed = fed or {}
     chosen: list[tuple[nn.Module, str, nn.Linear]] = []
-    small = odd = other = 0
+    small = odd = other = unrecorded = 0
+    losing: list[str] = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if not isinstance(child, nn.Linear):
                 continue
+            K, N = child.in_features, child.out_features
+            rows = layer_shapes.tokens(fed.get(id(child), []))
             if type(child) is not nn.Linear or id(child) in heads:
                 other += 1
-            elif min(child.in_features, child.out_features) < options.min_features:
-                small += 1
-            elif child.in_features % 16 or child.out_features % 16:
+            elif K % 16 or N % 16:
                 odd += 1
+            elif prior is not None and rows:
+                nearest = [prior.nearest(M, K, N) for M in rows]
+                worst = min(nearest, key=lambda row: row.speedup)
+                if worst.speedup >= options.min_speedup:
+                    chosen.append((parent, name, child))
+                else:
+                    losing.append(f"{max(rows)}x{K}x{N} (nearest measured {worst.M}x{worst.K}x{worst.N}: {worst.speedup:.2f}x)")
+            elif min(K, N) < options.min_features:
+                small += 1
+                unrecorded += prior is not None
             else:
                 chosen.append((parent, name, child))
+                unrecorded += prior is not None
     notes = []
+    if losing:
+        shapes = list(dict.fromkeys(losing))
+        notes.append(
+            f"{len(losing)} Linear(s) whose GEMM shapes lose or gain under {options.min_speedup:.2f}x in float8: "
+            + "; ".join(shapes[:4])
+            + (f"; {len(shapes) - 4} more shapes" if len(shapes) > 4 else "")
+        )
+    if unrecorded:
+        notes.append(f"{unrecorded} Linear(s) without recorded tokens judged by width (at least {options.min_features})")
     if small:
         notes.append(f"{small} Linear(s) narrower than {options.min_features} features (float8 loses there)")
     if odd:
@@ -133,28 +209,40 @@ class Float8Rung(Rung):
         reason = hardware_reason(state.device) or torchao_missing()
         if reason:
             return reason
-        chosen, notes = chosen_linears(state.model, self.options)
+        chosen, notes, _ = self.choose(state)
         if not chosen:
             return "no Linear whose GEMMs pay in float8" + (f" ({'; '.join(notes)})" if notes else "")
         return None
+
+    def choose(self, state: TrainState) -> tuple[list[tuple[nn.Module, str, nn.Linear]], list[str], str]:
+        """The Linears converted, what is left alone, and what they were judged by."""
+        recipe = _recipe(self.options, state.device)
+        prior = prior_for(torch.cuda.get_device_capability(state.device), recipe)
+        fed = state.notes.get(layer_shapes.NOTE) or {}
+        chosen, notes = chosen_linears(state.model, self.options, fed, prior)
+        if prior is None:
+            judged = f"by width (configs/float8_gemms.yaml has no {recipe} rows for {torch.cuda.get_device_name(state.device)})"
+        else:
+            judged = f"by the measured table ({prior.source}), at least {self.options.min_speedup:.2f}x"
+        return chosen, notes, judged
 
     def apply(self, state: TrainState) -> Handle:
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
 
         recipe = _recipe(self.options, state.device)
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        chosen, notes = chosen_linears(state.model, self.options)
+        float8_config = Float8LinearConfig.from_recipe_name(recipe)
+        chosen, notes, judged = self.choose(state)
         handle = Handle(self.name)
         for parent, name, linear in chosen:
-            converted = Float8Linear.from_float(linear, config=config)
+            converted = Float8Linear.from_float(linear, config=float8_config)
             setattr(parent, name, converted)  # a registered child: nn.Module keeps it in _modules
             handle.record(
                 "",
                 lambda parent=parent, name=name, linear=linear: setattr(parent, name, linear),
                 lambda parent=parent, name=name, converted=converted: setattr(parent, name, converted),
             )
-        handle.record(f"{len(chosen)} Linear(s) in float8 ({recipe} scaling, torchao Float8Linear)")
+        handle.record(f"{len(chosen)} Linear(s) in float8 ({recipe} scaling, torchao Float8Linear), chosen {judged}")
         for note in notes:
             handle.record(f"left alone: {note}")
         return handle
