@@ -68,7 +68,7 @@ class PeakWindow(WallClockWindow):
 
 
 class TinyLlamaShape(_HFCausalLM):
-    """transformers' ``LlamaForCausalLM`` at TinyLlama-1.1B's shape (bench/fsdp.py's ``SHAPES``)."""
+    """transformers' ``LlamaForCausalLM`` at TinyLlama-1.1B's shape (bench/across_gpus.py's ``SHAPES``)."""
 
     def __init__(self, shape: str, attn_implementation: str | None = None) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -212,7 +212,7 @@ def test_trials_under_fsdp2_restore_every_ranks_shards_and_decide_alike(tmp_path
     scaling, communication = ranks[0]["scaling"], ranks[0]["communication"]
     assert [r["rank"] for r in communication["ranks"]] == [0, 1]
     assert all(0 < r["share"] < 1 and r["communication_ms"] > 0 for r in communication["ranks"]), communication
-    assert scaling["efficiency"] is None and "bench/fsdp.py" in scaling["note"], scaling
+    assert scaling["efficiency"] is None and "bench/across_gpus.py" in scaling["note"], scaling
     assert scaling["efficiency_at_least"] == round(1 - min(r["share"] for r in communication["ranks"]), 4)
     report = {"run": {"scaling": scaling, "ranks_communication": communication}}
     assert "at least" in scaling_line(report) and len(communication_lines(report)) == 3

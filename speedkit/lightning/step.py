@@ -207,7 +207,7 @@ class LightningStep(Step):
         if sharded is not None and self.world_size() > 1:
             return (
                 f"{sharded} reduces the gradients inside its backward hooks: no switch takes that out of a step; "
-                "bench/fsdp.py measures scaling against one GPU"
+                "bench/across_gpus.py measures scaling against one GPU"
             )
         return None
 

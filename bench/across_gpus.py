@@ -1,23 +1,33 @@
-"""A Llama-class model (1.1B parameters, TinyLlama's shape) sharded with FSDP2 under Lightning's
-``ModelParallelStrategy``: ``SpeedLadder()`` with its defaults against the user's own switches, in the
-same processes, and the scaling against one GPU at the same per-GPU batch (issue 58).
+"""SpeedLadder() across GPUs against the user's own switches, in the same processes, and the scaling
+against one GPU at the same per-GPU batch (issues 58 and 73). Two workloads (``--model``):
 
-The model: transformers' ``LlamaForCausalLM`` (22 layers of width 2048, SwiGLU 5632, 32 heads over 4
-key-value heads, vocabulary 32000; 1.10B parameters), random tokens, 4 sequences of 2048 tokens per GPU
-(8192 tokens a GPU, torchtitan's Llama default), AdamW. Sharded as FSDP2's users shard it, in the
-LightningModule's ``configure_model``: ``fully_shard`` on each decoder layer, then on the whole model,
-over the data-parallel mesh.
+``llama-1b`` (bench "fsdp"): transformers' ``LlamaForCausalLM`` at TinyLlama-1.1B's shape (22 layers of
+width 2048, SwiGLU 5632, 32 heads over 4 key-value heads, vocabulary 32000; 1.10B parameters), random
+tokens, 4 sequences of 2048 tokens per GPU (torchtitan's Llama default), AdamW; sharded with FSDP2
+under Lightning's ``ModelParallelStrategy`` as FSDP2's users shard it, in the LightningModule's
+``configure_model``: ``fully_shard`` on each decoder layer, then on the whole model.
+
+``resnet50`` (bench "ddp"): the zoo's torchvision ResNet-50 (``speedkit.demos.zoo``'s ``tv-resnet50``:
+``torchvision.models.resnet50``, SGD with momentum, 64 images of 224 px per GPU made by loader workers)
+under Lightning's DDP (``strategy="ddp"``).
 
 Variants, one after the other in the same processes (``--variants``):
 
-  switches  the user's own switches: ``Trainer(precision="bf16-mixed")``, TF32 matmuls, the library's
-            attention switch (``attn_implementation="sdpa"``) and ``torch.compile`` of each decoder layer
-            before it is sharded (``layer.compile()``, as torchtitan and Lightning's FSDP2 examples compile)
+  switches  the user's own switches: ``Trainer(precision="bf16-mixed")``, TF32 matmuls and
+            ``torch.compile``: the Llama's attention switch (``attn_implementation="sdpa"``) and each
+            decoder layer compiled before it is sharded (``layer.compile()``, as torchtitan and
+            Lightning's FSDP2 examples compile); the ResNet's ``self.model = torch.compile(self.model)``
   speedkit  ``SpeedLadder()`` with its defaults in an fp32 Trainer, the model as built (no compile, the
             library's default attention); with ``--kept a,b`` instead those rungs given by hand, no trials
             (the 2-GPU run's decision on one GPU, for the scaling at the same configuration)
   kept=a+b  the speedkit variant with the rungs a and b given by hand (no trials): several such variants
             in one call measure rungs by hand side by side with the switches
+
+``--runs N`` repeats the variants N times in the same processes (rows carry ``run``, from
+``--first-run``). ``--cache off`` (default) runs SpeedLadder(cache=False); ``--cache fresh`` gives each
+run a new, empty decisions' folder (``<out>/cache/<model>/run<k>``: it reads nothing, climbs and keeps its
+decision); ``--cache on`` the folder of run ``--cache-from`` (default: the run before the first), whose
+decision it re-checks; rows carry ``cache_mode`` and ``cache_status``.
 
 ``--profile-host DIR``: each variant's rank 0 profiles 3 steps of its warm-up (host and device ops, the
 warm-up's 3rd to 5th step; the window opens after them) and writes the ops by host time to DIR.
@@ -25,24 +35,26 @@ warm-up's 3rd to 5th step; the window opens after them) and writes the ops by ho
 Each variant is timed on the fit's own optimizer steps by wall clock (bench/zoo_runs.py's
 ``WallClockWindow``: ``--steps`` steps after ``--warmup`` more once the fit is ready: for speedkit after
 its trials, the fit's steps it times after them and its report); each rank times its own window, and the
-throughput is all ranks' tokens over the slowest rank's window (FSDP's collectives keep them in step).
+throughput is all ranks' items over the slowest rank's window (the collectives keep them in step).
 
-Rows (bench "fsdp"), written by rank 0: variant "<variant>_<N>gpu", metric "throughput" (tokens/s, with
-per_gpu_batch, seq_len, params, step_ms, each rank's figures, peak memory, model TFLOP/s a GPU, kept and
-trials_s for speedkit); metric "vs_switches" (speedkit's throughput over the switches' in the same call);
-and, where this results file holds the other GPU count's row of the same variant and commit,
-"scaling_efficiency": N-GPU throughput / (N x 1-GPU throughput).
+Rows (bench "fsdp" or "ddp"), written by rank 0: variant "<variant>_<N>gpu", metric "throughput"
+(tokens/s or samples/s, with per_gpu_batch, step_ms, each rank's figures, peak memory, model TFLOP/s a
+GPU for the Llama, kept and trials_s for speedkit, run); metric "vs_switches" (speedkit's throughput
+over the switches' of the same run); and, where this results file holds the other GPU count's row of the
+same variant and commit, "scaling_efficiency": N-GPU throughput / (N x 1-GPU throughput).
 
 Usage (the device machine, from the repository root; the launcher starts the other ranks):
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 2 --commit C --out $OUT
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/fsdp.py --devices 1 --commit C --kept tf32,autocast,compile
-    PYTHONPATH=. python bench/fsdp.py --tiny --devices 2    # CPU smoke test (gloo), rows to a temporary file
-    python bench/fsdp.py --pair-commits A,B --results FILE   # scaling rows across two calls' commits (same speedkit/)
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/across_gpus.py --model llama-1b --devices 2 --commit C --out $OUT
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/across_gpus.py --model resnet50 --devices 2 --runs 3 --commit C --out $OUT
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/across_gpus.py --model resnet50 --devices 1 --commit C --kept tf32,autocast,compile
+    PYTHONPATH=. python bench/across_gpus.py --tiny --model resnet50 --devices 2    # CPU smoke test (gloo), rows to a temporary file
+    python bench/across_gpus.py --pair-commits A,B --results FILE   # scaling rows across two calls' commits (same speedkit/)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -60,9 +72,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Results  # noqa: E402
-from bench.zoo import tf32_matmuls  # noqa: E402
+from bench.zoo import compile_as_a_user_would, tf32_matmuls  # noqa: E402
 from bench.zoo_runs import WallClockWindow  # noqa: E402
-from speedkit.demos.zoo import _HFCausalLM  # noqa: E402
+from speedkit.demos.zoo import ZOO, _HFCausalLM  # noqa: E402
 from speedkit.lightning import SpeedLadder  # noqa: E402
 
 #: TinyLlama-1.1B's shape; "tiny" for the CPU smoke test
@@ -110,6 +122,51 @@ class ShardedLlama(_HFCausalLM):
                 layer.compile()
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What ``--model`` trains: the module and loader as the variant's user builds them, the strategy, and
+    the rows' names."""
+
+    name: str
+    bench: str  # the rows' bench
+    unit: str  # "tokens" or "samples"
+    defaults: dict[str, tuple[int, int]]  # per setting: (full, tiny)
+
+    def build(self, args: argparse.Namespace, switches: bool, device: torch.device) -> tuple[pl.LightningModule, DataLoader]:
+        if self.name == "llama-1b":
+            shape = "tiny" if args.tiny else "1b"
+            module = ShardedLlama(shape, "sdpa" if switches else None, switches and not args.tiny, device)
+            return module, _loader(args, SHAPES[shape]["vocab_size"], steps=400)
+        module, loader = ZOO["tv-resnet50"].build("tiny" if args.tiny else "full", batch_size=args.batch)
+        if switches:  # the zoo's switches: the library model compiled (no channels_last), TF32 and bf16-mixed around the fit
+            module = compile_as_a_user_would(module, "eager" if args.tiny else "inductor")
+        return module, loader
+
+    def strategy(self, args: argparse.Namespace) -> Any:
+        if self.name == "llama-1b":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        return "ddp" if args.devices > 1 else "auto"
+
+    def model_row(self, args: argparse.Namespace) -> str:
+        return {"llama-1b": "llama-1.1b", "resnet50": "tv-resnet50"}[self.name] + ("-tiny" if args.tiny else "")
+
+    def flops_per_item(self, params: int, args: argparse.Namespace) -> float | None:
+        if self.name != "llama-1b":
+            return None
+        return _flops_per_token(SHAPES["tiny" if args.tiny else "1b"], params, args.seq_len)
+
+
+#: per setting (full, tiny); ``seq_len`` only where the items are tokens
+WORKLOADS = {
+    "llama-1b": Workload(
+        "llama-1b", "fsdp", "tokens", {"batch": (4, 2), "seq_len": (2048, 32), "steps": (30, 3), "warmup": (8, 2)}
+    ),
+    "resnet50": Workload("resnet50", "ddp", "samples", {"batch": (64, 4), "steps": (30, 3), "warmup": (8, 2)}),
+}
 
 
 class HostProfile(pl.Callback):
@@ -191,15 +248,20 @@ class GcWatch(pl.Callback):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-1b", choices=sorted(WORKLOADS), help="what trains (see the module doc)")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--runs", type=int, default=1, help="the variants this many times over, in the same processes")
+    p.add_argument("--first-run", type=int, default=1, help="the first run's number (rows' run)")
+    p.add_argument("--cache", choices=("off", "fresh", "on"), default="off", help="SpeedLadder's decisions (module doc)")
+    p.add_argument("--cache-from", type=int, default=None, help="with --cache on: whose run's folder (default: the run before)")
     p.add_argument("--variants", default="switches,speedkit", help="comma-separated, run in this order")
     p.add_argument("--kept", default=None, help="the speedkit variant: these rungs given by hand, no trials")
-    p.add_argument("--batch", type=int, default=None, help="sequences per GPU (default 4; tiny 2)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048; tiny 32)")
+    p.add_argument("--batch", type=int, default=None, help="sequences or images per GPU (Llama 4, ResNet 64; tiny 2, 4)")
+    p.add_argument("--seq-len", type=int, default=None, help="the Llama's tokens per sequence (default 2048; tiny 32)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps timed (default 30; tiny 3)")
     p.add_argument("--warmup", type=int, default=None, help="steps before the window once ready (default 8; tiny 2)")
     p.add_argument("--profile-host", default=None, help="a folder: each variant's ops by host time (3 warm-up steps)")
-    p.add_argument("--tiny", action="store_true", help="the tiny Llama on CPU processes (gloo)")
+    p.add_argument("--tiny", action="store_true", help="the tiny model on CPU processes (gloo)")
     p.add_argument("--commit", default=None, help="the commit the rows name (the device's copy has no .git)")
     p.add_argument("--results", default=None, help="the JSON-lines file (default: bench/results/<date>_<gpu>.jsonl)")
     p.add_argument("--out", default=None, help="a folder for the speedkit reports and each rank's figures")
@@ -213,11 +275,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
-    tiny = args.tiny
-    for name, full, small in (("batch", 4, 2), ("seq_len", 2048, 32), ("steps", 30, 3), ("warmup", 8, 2)):
+    for name, (full, small) in WORKLOADS[args.model].defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, small if tiny else full)
+            setattr(args, name, small if args.tiny else full)
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be 1 or more, found {args.runs}")
+    if args.cache != "off" and not args.out:
+        raise SystemExit("--cache fresh|on needs --out: the decisions' folders live under <out>/cache")
     return args
+
+
+def cache_folder(args: argparse.Namespace, run: int) -> Path | None:
+    """The run's decisions' folder (``--cache fresh``: its own, new; ``on``: ``--cache-from``'s), or None."""
+    if args.cache == "off":
+        return None
+    owner = run if args.cache == "fresh" else (args.cache_from if args.cache_from is not None else args.first_run - 1)
+    return Path(args.out).resolve() / "cache" / args.model / f"run{owner}"
 
 
 def _loader(args: argparse.Namespace, vocab: int, steps: int) -> DataLoader:
@@ -240,10 +313,9 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+def fit_variant(args: argparse.Namespace, variant: str, run: int = 1) -> dict[str, Any]:
     """One fit until its window is timed; this rank's figures and, for speedkit, its decisions."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
+    workload = WORKLOADS[args.model]
     pl.seed_everything(0, verbose=False)
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu") if args.tiny else torch.device("cuda", local)
@@ -260,27 +332,30 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
                 print(f"  [speedkit {time.monotonic() - began:6.1f}s] {line}", flush=True)
 
+        folder = cache_folder(args, run)
+        cache: Any = str(folder) if folder is not None else False
         if kept:
             ladder = SpeedLadder(rungs=kept.split(","))
         elif args.tiny:
+            knobs = ["fsdp_reshard", "fsdp_prefetch"] if workload.bench == "fsdp" else ["ddp_bucket_view", "ddp_static_graph"]
             ladder = SpeedLadder(
-                [{"name": "compile", "options": {"backend": "eager"}}, "fsdp_reshard", "fsdp_prefetch", "fused_optimizer"],
+                [{"name": "compile", "options": {"backend": "eager"}}, *knobs, "fused_optimizer"],
                 trials="always",
                 on_event=on_event,
-                cache=False,
+                cache=cache,
             )
         else:
-            ladder = SpeedLadder(trials="always", on_event=on_event, cache=False)
-    module = ShardedLlama("tiny" if args.tiny else "1b", "sdpa" if switches else None, switches and not args.tiny, device)
+            ladder = SpeedLadder(trials="always", on_event=on_event, cache=cache)
+    module, loader = workload.build(args, switches, device)
     params = sum(p.numel() for p in module.parameters())
     # rungs given by hand: the fit is ready at once (the timer waits for trials only where there are some)
-    timer = WallClockWindow(args.steps, args.warmup, "tokens", None if kept else ladder)
+    timer = WallClockWindow(args.steps, args.warmup, workload.unit, None if kept else ladder)
     profiler = [HostProfile(timer, Path(args.profile_host), variant)] if args.profile_host and args.warmup >= 6 else []
     gc_watch = GcWatch(timer)
     trainer = pl.Trainer(
         accelerator="cpu" if args.tiny else "gpu",
         devices=args.devices,
-        strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+        strategy=workload.strategy(args),
         precision="bf16-mixed" if switches else "32-true",
         max_steps=100_000,
         logger=False,
@@ -294,7 +369,6 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             *profiler,
         ],  # the ladder first: its batch end runs before the timer's
     )
-    loader = _loader(args, SHAPES["tiny" if args.tiny else "1b"]["vocab_size"], steps=400)
     t0 = time.perf_counter()
     if switches:
         with tf32_matmuls():
@@ -315,7 +389,7 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         else None,
         **gc_watch.figures(),  # [collections, ms in all, longest ms] per generation in the window
     }
-    out: dict[str, Any] = {"variant": variant, "params": params, "ranks": _gather(mine)}
+    out: dict[str, Any] = {"variant": variant, "run": run, "params": params, "ranks": _gather(mine)}
     if ladder is not None and ladder.result is not None:
         result = ladder.result
         out.update(
@@ -325,11 +399,13 @@ def fit_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             communication=result.run.get("ranks_communication"),
             failed_rungs=[{"rung": r.name, "reason": r.reason} for r in result.rungs[1:] if r.status == "failed"],
             ladder_vs_switches=(result.to_dict()["summary"].get("vs_switches") or [None])[0],
+            cache_mode=args.cache,
+            cache_status=result.run.get("cache"),
         )
         if args.out and trainer.is_global_zero:
             from speedkit.report import write_report
 
-            folder = Path(args.out) / f"report_{args.devices}gpu"
+            folder = Path(args.out) / f"report_{args.model}_{args.devices}gpu_run{run}"
             write_report(result, folder, formats=("json", "md"))
     elif ladder is not None:
         out.update(kept=sorted(ladder.applied_changes), by_hand=True, not_run=ladder.not_run, skipped=dict(ladder.skipped))
@@ -347,40 +423,43 @@ def _flops_per_token(shape: dict[str, int], params: int, seq_len: int) -> float:
 
 
 def write_rows(args: argparse.Namespace, fits: list[dict[str, Any]], res: Results) -> None:
-    shape = SHAPES["tiny" if args.tiny else "1b"]
+    workload = WORKLOADS[args.model]
     n = args.devices
-    throughput: dict[str, float] = {}
+    throughput: dict[tuple[int, str], float] = {}
     for fit in fits:
         ranks = fit["ranks"]
         if any(r["elapsed_s"] is None for r in ranks):
-            res.add(f"{fit['variant']}_{n}gpu", "status", None, "", status="window not reached", ranks=ranks)
+            res.add(f"{fit['variant']}_{n}gpu", "status", None, "", status="window not reached", run=fit["run"], ranks=ranks)
             continue
         value = sum(r["items"] for r in ranks) / max(r["elapsed_s"] for r in ranks)
-        throughput[fit["variant"]] = value
+        throughput[fit["run"], fit["variant"]] = value
         extra = {k: v for k, v in fit.items() if k not in ("variant", "ranks")}
+        flops = workload.flops_per_item(fit["params"], args)
         res.add(
             f"{fit['variant']}_{n}gpu",
             "throughput",
             round(value, 1),
-            "tokens/s",
+            f"{workload.unit}/s",
             gpus=n,
             per_gpu_batch=args.batch,
-            seq_len=args.seq_len,
+            **({"seq_len": args.seq_len} if workload.unit == "tokens" else {}),
             step_ms=max(r["step_ms"] for r in ranks),
-            model_tflops_per_gpu=round(value / n * _flops_per_token(shape, fit["params"], args.seq_len) / 1e12, 1),
+            **({"model_tflops_per_gpu": round(value / n * flops / 1e12, 1)} if flops else {}),
             ranks=ranks,
             **extra,
         )
-    if "switches" in throughput and "speedkit" in throughput:
-        res.add(
-            f"speedkit_{n}gpu",
-            "vs_switches",
-            round(throughput["speedkit"] / throughput["switches"], 4),
-            "x",
-            gpus=n,
-            kept=next(f.get("kept") for f in fits if f["variant"] == "speedkit"),
-            by_hand=bool(args.kept),
-        )
+    for run in sorted({run for run, _ in throughput}):
+        if (run, "switches") in throughput and (run, "speedkit") in throughput:
+            res.add(
+                f"speedkit_{n}gpu",
+                "vs_switches",
+                round(throughput[run, "speedkit"] / throughput[run, "switches"], 4),
+                "x",
+                gpus=n,
+                run=run,
+                kept=next(f.get("kept") for f in fits if f["variant"] == "speedkit" and f["run"] == run),
+                by_hand=bool(args.kept),
+            )
     # the scaling, where this file holds the other GPU count's throughput of a variant at this commit
     mine = [r for r in res.rows if r["metric"] == "throughput"]
     scaling_rows(mine, _rows(res.path), res, commits={res.commit})
@@ -402,7 +481,8 @@ def scaling_rows(new: list[dict[str, Any]], earlier: list[dict[str, Any]], res: 
         for other in reversed(earlier):
             m = other.get("gpus")
             if (
-                other.get("bench") == "fsdp"
+                other.get("bench") == res.bench
+                and other.get("model") == row.get("model")
                 and other.get("metric") == "throughput"
                 and other.get("commit") in commits
                 and other.get("variant") == f"{variant}_{m}gpu"
@@ -424,7 +504,7 @@ def scaling_rows(new: list[dict[str, Any]], earlier: list[dict[str, Any]], res: 
                 break
 
 
-def pair_commits(path: Path, first: str, second: str) -> None:
+def pair_commits(path: Path, first: str, second: str, bench: str) -> None:
     """Scaling rows from the throughput rows ``path`` holds at two commits whose ``speedkit/`` is the same
     code (``git diff --quiet``; the bench's own fixes between them allowed): the rows of ``second``
     paired with those of ``first``, written to ``path``, named ``second``."""
@@ -434,9 +514,9 @@ def pair_commits(path: Path, first: str, second: str) -> None:
     if not same:
         raise SystemExit(f"speedkit/ differs between {first} and {second}: their rows measure different code")
     rows = _rows(path)
-    res = Results("fsdp", out=path, model=next((r.get("model") for r in rows if r.get("bench") == "fsdp"), None))
+    res = Results(bench, out=path)
     res.commit = second
-    new = [r for r in rows if r.get("bench") == "fsdp" and r.get("metric") == "throughput" and r.get("commit") == second]
+    new = [r for r in rows if r.get("bench") == bench and r.get("metric") == "throughput" and r.get("commit") == second]
     scaling_rows(new, rows, res, commits={first})
     for row in res.rows:
         print(json.dumps({k: row[k] for k in ("variant", "metric", "value", "against", "measured_at")}))
@@ -446,15 +526,17 @@ def main() -> None:
     args = _settings(_parser().parse_args())
     if args.pair_commits:
         first, second = args.pair_commits.split(",")
-        pair_commits(Path(args.results), first, second)
+        pair_commits(Path(args.results), first, second, WORKLOADS[args.model].bench)
         return
     if args.commit:
         os.environ["SPEEDKIT_BENCH_COMMIT"] = args.commit
-    fits = [fit_variant(args, v) for v in args.variants.split(",")]
+    runs = range(args.first_run, args.first_run + args.runs)
+    fits = [fit_variant(args, v, run) for run in runs for v in args.variants.split(",")]
     if int(os.environ.get("LOCAL_RANK", 0)) != 0 or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
         return
-    out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / "fsdp.jsonl" if args.tiny else None)
-    res = Results("fsdp", out=out, model="llama-1.1b" if not args.tiny else "llama-tiny")
+    workload = WORKLOADS[args.model]
+    out = Path(args.results) if args.results else (Path(tempfile.mkdtemp()) / f"{workload.bench}.jsonl" if args.tiny else None)
+    res = Results(workload.bench, out=out, model=workload.model_row(args))
     if args.commit:
         res.commit = args.commit
     write_rows(args, fits, res)
@@ -464,7 +546,9 @@ def main() -> None:
         print(json.dumps(shown), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"fsdp_{args.devices}gpu.json").write_text(json.dumps(fits, indent=1, default=str))
+        (Path(args.out) / f"{args.model}_{args.devices}gpu_runs{runs.start}-{runs.stop - 1}.json").write_text(
+            json.dumps(fits, indent=1, default=str)
+        )
     print(f"rows in {res.path}")
 
 
