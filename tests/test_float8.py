@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from speedkit import config
-from speedkit.rungs import float8 as float8_module
 from speedkit.measure import layer_shapes
+from speedkit.rungs import float8 as float8_module
 from speedkit.rungs.float8 import Float8Options, Float8Rung, Measured, Prior, chosen_linears, prior_for
 from speedkit.training.state import TrainState
 
@@ -74,7 +74,12 @@ def _fed(model: nn.Module, tokens: int) -> dict[int, list]:
 #: a made-up table for the tests: float8 wins on many tokens at wide shapes, loses on few
 PRIOR = Prior(
     "test table",
-    [Measured(1024, 2048, 4096, 0.8), Measured(16384, 2048, 4096, 1.3), Measured(16384, 4096, 2048, 1.25), Measured(16384, 768, 768, 0.7)],
+    [
+        Measured(1024, 2048, 4096, 0.8),
+        Measured(16384, 2048, 4096, 1.3),
+        Measured(16384, 4096, 2048, 1.25),
+        Measured(16384, 768, 768, 0.7),
+    ],
 )
 
 
@@ -85,7 +90,9 @@ def test_the_measured_table_chooses_by_tokens_and_widths():
     assert any("small" in n or "768" in n for n in notes)  # nearest 16384x768x768: 0.70x
     chosen, notes = chosen_linears(model, Float8Options(), _fed(model, 1024), PRIOR)
     assert chosen == []
-    assert notes[0].startswith("3 Linear(s) whose GEMM shapes lose or gain under 1.05x in float8: 1024x2048x4096 (nearest measured 1024x2048x4096: 0.80x)")
+    assert notes[0].startswith(
+        "3 Linear(s) whose GEMM shapes lose or gain under 1.05x in float8: 1024x2048x4096 (nearest measured 1024x2048x4096: 0.80x)"
+    )
     # a Linear whose tokens were not recorded is judged by width, and the note says so
     chosen, notes = chosen_linears(model, Float8Options(), {}, PRIOR)
     assert [name for _, name, _ in chosen] == ["up", "down"]
@@ -103,7 +110,14 @@ def test_every_recorded_input_must_pay():
 def test_the_table_is_read_per_compute_capability_and_recipe():
     table = {
         "measured": [
-            {"device": "NVIDIA H100", "capability": "9.0", "recipe": "rowwise", "commit": "abc", "date": "2026-12-07", "shapes": [[8192, 2048, 5632, 1.12]]}
+            {
+                "device": "NVIDIA H100",
+                "capability": "9.0",
+                "recipe": "rowwise",
+                "commit": "abc",
+                "date": "2026-12-07",
+                "shapes": [[8192, 2048, 5632, 1.12]],
+            }
         ]
     }
     prior = prior_for((9, 0), "rowwise", table)

@@ -3,7 +3,10 @@ with a fake timer (faster by the margin or not), remembered in the store and rea
 nothing measured without CUDA; the baseline's pass records the shapes each norm is fed; triton_layers
 gives the class that keeps the kernel under compile only to the norms measured faster at every shape
 they are fed, says so per norm, and undo puts the PyTorch class back; under compile that class puts
-the kernel's op in the traced graph and the plain swap does not, both computing the same function."""
+the kernel's op in the traced graph and the plain swap does not, both computing the same function. A
+SwiGLU's ``nn.SiLU`` likewise: its gate's shape recorded, the class that keeps ``silu_mul``'s kernel under
+compile given only where measured faster, the product traced as the kernel's op, and its
+micro-benchmark runs both paths."""
 
 from __future__ import annotations
 
@@ -216,3 +219,80 @@ def test_a_case_is_measured_once_a_run_with_the_cache_off_and_the_plan_check_mad
     rung.apply(state).undo()  # tried again in the same run (a second look): remembered, not timed
     assert len(timer.calls) == 4
     assert {cls for _, cls in made.swaps} == {layers.LayerNorm}
+
+
+class LlamaLikeMLP(nn.Module):
+    """A SwiGLU MLP as transformers writes Llama's: ``down(act_fn(gate(x)) * up(x))``, ``act_fn`` an ``nn.SiLU``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(24, 40), nn.Linear(24, 40), nn.Linear(40, 24)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GateTimer(FakeTimer):
+    """The SwiGLU kernel at ``kernel_ms`` against 1.0 ms compiled; records the cases it was asked for."""
+
+    def __init__(self, kernel_ms: float) -> None:
+        super().__init__({}, 1.0)
+        self.kernel = kernel_ms
+
+    def __call__(self, what, call):
+        self.calls.append(what)
+        return 1.0 if what == "compiled" else self.kernel
+
+
+def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch):
+    for kernel_ms, chosen in ((0.8, True), (0.99, False)):
+        model = LlamaLikeMLP()
+        with layer_shapes.recording(model) as fed:
+            model(torch.randn(3, 5, 24))
+        assert fed[id(model.act_fn)] == [((3, 5, 40), torch.float32)]  # the gate, as the baseline fed it
+        monkeypatch.setattr(TritonLayersRung, "timer", GateTimer(kernel_ms))
+        state = _state(model, fed)
+        state.notes[kernel_choice.NOTE] = ChoiceStore()  # in memory: each case measured afresh
+        handle = TritonLayersRung().apply(state)
+        line = next(c for c in handle.changes if c.startswith("SwiGLU at swiglu (3, 5, 40) bfloat16"))
+        assert (": the kernel" in line) is chosen and ("Inductor's code" in line) is not chosen, line
+        assert type(model.act_fn) is (layers.SiLUUnderCompile if chosen else nn.SiLU)
+        handle.undo()
+        assert type(model.act_fn) is nn.SiLU
+
+
+def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(3, 7, 40, generator=gen), torch.randn(3, 7, 40, generator=gen)
+    want = nn.functional.silu(gate) * up
+    for cls in (nn.SiLU, layers.SiLUUnderCompile):
+        act = cls()
+        torch._dynamo.reset()
+        got = torch.compile(lambda g, u, act=act: layers.silu_mul(g, u, act), backend=backend)(gate, up)
+        assert_rel_close(got, want, 1e-5, cls.__name__)
+        assert_rel_close(act(gate), nn.functional.silu(gate), 1e-6, f"{cls.__name__} alone")
+    plain, kernel = graphs
+    assert "speedkit" not in plain and "silu" in plain
+    assert "speedkit" in kernel
+
+
+def test_the_swiglu_micro_benchmark_times_the_kernel_and_the_compiled_product():
+    seen = []
+
+    def timer(what, call):
+        call()  # one forward and backward: both paths run (the kernel under Triton's interpreter here)
+        seen.append(what)
+        return 1.0
+
+    case = kernel_choice.case_of(nn.SiLU(), (3, 7, 40), torch.float32, torch.bfloat16)
+    assert case == LayerCase("swiglu", (3, 7, 40), "bfloat16", None, affine=False, bias=False, eps=None)
+    torch._dynamo.reset()
+    fp32 = LayerCase("swiglu", (3, 7, 40), "float32", None, affine=False, bias=False, eps=None)
+    assert kernel_choice.measure(fp32, torch.device("cpu"), timer) == (1.0, 1.0) and seen == ["kernel", "compiled"]

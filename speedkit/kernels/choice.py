@@ -1,5 +1,5 @@
-"""Speedkit's kernel or Inductor's code for a norm inside a compiled step, decided per shape by a
-micro-benchmark that runs once per shape and is remembered.
+"""Speedkit's kernel or Inductor's code for a norm or a SwiGLU product inside a compiled step, decided per
+shape by a micro-benchmark that runs once per shape and is remembered.
 
 Inside a region ``torch.compile`` traces, the swapped norms run PyTorch's ops by default and leave the
 fusion to Inductor (:mod:`speedkit.kernels.layers`: on an H200, GPT-2 small's norm kernels inside the
@@ -8,7 +8,9 @@ shape* runs the kernel there too. :func:`choose` decides: the layer alone, forwa
 input shape and dtype the step gives it and under the autocast in effect, timed both ways on the
 device -- PyTorch's module under ``torch.compile`` and speedkit's kernel -- as medians of ``windows``
 windows of ``steps`` calls after a warm-up, on CUDA events. The kernel is chosen where it is faster by
-``margin`` (3%) or more.
+``margin`` (3%) or more. A SwiGLU product (``act(gate) * up`` with an ``nn.SiLU`` ``act``, which
+``triton_layers`` rewrites into :func:`speedkit.kernels.layers.silu_mul`) is timed the same way at its
+gate's shape and dtype: ``speedkit::swiglu`` against the compiled ``F.silu(gate) * up``.
 
 Timed alone, Inductor's code has no neighbours to fuse with (inside the step it folds the residual add
 before a norm into it): the micro-benchmark favours the kernel. So a kernel it picks is still judged by
@@ -50,8 +52,9 @@ Timer = Callable[[str, Callable[[], None]], float]
 
 @dataclass(frozen=True)
 class LayerCase:
-    """One norm at one input shape: ``kind`` ("layer_norm", "rms_norm"), the input's shape and dtype,
-    the autocast dtype in effect (None: off), and the module's own settings."""
+    """One layer at one input shape: ``kind`` ("layer_norm", "rms_norm", "swiglu"), the input's shape and
+    dtype (a SwiGLU's: its gate's), the autocast dtype in effect (None: off; a SwiGLU's product runs in its
+    inputs' dtype under any), and the module's own settings."""
 
     kind: str
     shape: tuple[int, ...]
@@ -80,8 +83,11 @@ class Choice:
 
 
 def case_of(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, autocast: torch.dtype | None) -> LayerCase | None:
-    """The :class:`LayerCase` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (or its speedkit class) fed
-    ``shape`` in ``dtype``; None for another module."""
+    """The :class:`LayerCase` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (or its speedkit class), or of a
+    SwiGLU's ``nn.SiLU``, fed ``shape`` in ``dtype``; None for another module."""
+    if isinstance(module, nn.SiLU):  # a SwiGLU's activation: the product runs in the gate's dtype (a Linear's output)
+        gate_dtype = str(autocast or dtype).removeprefix("torch.")
+        return LayerCase("swiglu", tuple(int(s) for s in shape), gate_dtype, None, affine=False, bias=False, eps=None)
     if isinstance(module, nn.LayerNorm):
         kind, bias = "layer_norm", module.bias is not None
     elif isinstance(module, nn.RMSNorm):
@@ -197,8 +203,31 @@ def _pass(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, autocast: torch.
     return call
 
 
+class _SiluMul(nn.Module):
+    """``silu(gate) * up`` over one input holding both (``x[0]``, ``x[1]``): speedkit's kernel or PyTorch's ops."""
+
+    def __init__(self, kernel: bool) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            from speedkit import kernels
+
+            return kernels.swiglu(x[0], x[1])
+        return nn.functional.silu(x[0]) * x[1]
+
+
 def measure(case: LayerCase, device: torch.device, timer: Timer) -> tuple[float, float]:
     """(kernel ms, compiled ms) per forward and backward of ``case`` on ``device``, timed by ``timer``."""
+    if case.kind == "swiglu":  # gate and up stacked: one input, each a contiguous half
+        dtype = getattr(torch, case.dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn((2, *case.shape), generator=gen, device=device, dtype=dtype).requires_grad_()
+        dy = torch.randn(case.shape, generator=gen, device=device, dtype=dtype)
+        kernel_ms = timer("kernel", _pass(_SiluMul(kernel=True), x, dy, None))
+        compiled_ms = timer("compiled", _pass(torch.compile(_SiluMul(kernel=False)), x, dy, None))
+        return kernel_ms, compiled_ms
     torch_module, kernel_module = _modules(case, device)
     dtype = getattr(torch, case.dtype)
     autocast = getattr(torch, case.autocast) if case.autocast else None

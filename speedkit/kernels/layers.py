@@ -17,9 +17,10 @@ which an opaque kernel call prevents. Measured on an H200, GPT-2 small (bf16 aut
 tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph cost 10% of the step
 (norms 4.5%, bias+GELU 2.6%, cross-entropy ±0 with 1.5 GB more peak memory) against Inductor's code.
 The exception is :func:`gelu_mlp`, whose GEMMs are cuBLAS's own (with the GELU in their epilogues),
-which Inductor cannot fuse into anyway: it stays under compile; and the norms of
-:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm whose kernel was measured faster
-than Inductor's code at its shapes (:mod:`speedkit.kernels.choice`).
+which Inductor cannot fuse into anyway: it stays under compile; and the norms and SwiGLU activations of
+:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm (an ``nn.SiLU`` whose product
+:func:`silu_mul` computes) whose kernel was measured faster than Inductor's code at its shapes
+(:mod:`speedkit.kernels.choice`).
 Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
 ``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
 """
@@ -178,8 +179,21 @@ class RMSNormUnderCompile(RMSNorm):
     kernel_under_compile = True
 
 
-#: the norms' classes that keep their kernel inside compiled code, by the class they stand in for
-UNDER_COMPILE: dict[type[nn.Module], type[nn.Module]] = {LayerNorm: LayerNormUnderCompile, RMSNorm: RMSNormUnderCompile}
+class SiLUUnderCompile(nn.SiLU):
+    """An ``nn.SiLU`` whose product with the up projection (:func:`silu_mul`, SwiGLU) runs speedkit's
+    kernel where torch.compile traces it too: given to a SwiGLU activation whose shape the kernel was
+    measured faster at than Inductor's code. Called alone it is ``nn.SiLU``."""
+
+    kernel_under_compile = True
+
+
+#: the classes that keep their kernel inside compiled code, by the class they stand in for (the norms'
+#: speedkit classes; a SwiGLU's ``nn.SiLU``, which triton_layers swaps for nothing else)
+UNDER_COMPILE: dict[type[nn.Module], type[nn.Module]] = {
+    LayerNorm: LayerNormUnderCompile,
+    RMSNorm: RMSNormUnderCompile,
+    nn.SiLU: SiLUUnderCompile,
+}
 
 
 # -- functions the rewritten code calls ------------------------------------------------------------------
@@ -300,14 +314,15 @@ def _mlp_dtype(proj: nn.Module, fc: nn.Module, x: Any) -> torch.dtype | None:
 
 
 def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
-    """``F.silu(gate) * up`` (``act(gate) * up`` for an ``nn.SiLU`` module ``act``) in one kernel.
+    """``F.silu(gate) * up`` (``act(gate) * up`` for an ``nn.SiLU`` module ``act``) in one kernel; inside
+    compiled code only for a :class:`SiLUUnderCompile` ``act``.
 
     Fused for two tensors of one shape, dtype and device (no broadcasting), else computed as written.
     """
-    if act is not None and (type(act) is not nn.SiLU or act.inplace or hooked(act)):
+    if act is not None and (type(act) not in (nn.SiLU, SiLUUnderCompile) or act.inplace or hooked(act)):
         return act(gate) * up
     if not (
-        runs_kernels(gate)
+        runs_kernels(gate, under_compile=type(act) is SiLUUnderCompile)
         and isinstance(up, Tensor)
         and gate.shape == up.shape
         and gate.dtype == up.dtype

@@ -1,10 +1,10 @@
-"""The input shapes of the norms and Linear layers in a model, recorded in one eager pass (the baseline's
-counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's kernel at before
-``torch.compile`` traces the step (inside a trace there is nothing eager to look at), and the tokens per
-GEMM that the ``float8`` rung's per-shape prior reads.
+"""The input shapes of the norms, Linear layers and SiLU activations in a model, recorded in one eager
+pass (the baseline's counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's kernel at before
+``torch.compile`` traces the step (inside a trace there is nothing eager to look at), a SwiGLU's gate (its
+``nn.SiLU``'s input) likewise, and the tokens per GEMM that the ``float8`` rung's per-shape prior reads.
 
-:func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` (their subclasses
-included) for the length of a ``with`` block and yields what they were fed:
+:func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` / ``nn.SiLU`` (their
+subclasses included) for the length of a ``with`` block and yields what they were fed:
 ``{id(module): [(shape, dtype), ...]}``, each distinct input once, in the order seen. The hooks are
 removed when the block ends. :func:`tokens` reads a Linear's GEMM rows (M) from such a record.
 """
@@ -22,7 +22,7 @@ from torch import nn
 #: the key of the recorded inputs in ``TrainState.notes``
 NOTE = "layer_shapes"
 #: the modules whose inputs are recorded
-RECORDED = (nn.LayerNorm, nn.RMSNorm, nn.Linear)
+RECORDED = (nn.LayerNorm, nn.RMSNorm, nn.Linear, nn.SiLU)
 #: what a module was fed: its input's shape and dtype
 Fed = tuple[tuple[int, ...], torch.dtype]
 

@@ -290,10 +290,10 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
 def choose_under_compile(
     state: TrainState, plan: RewritePlan, timer: kernel_choice.Timer | None = None
 ) -> tuple[RewritePlan, list[str]]:
-    """``plan`` with its norms whose kernel is faster than Inductor's code at every shape the baseline fed
-    them (:mod:`speedkit.measure.layer_shapes`) given the class that keeps the kernel under compile (a
-    copy: the plan ``check`` made stays as made), and one line per norm and shape saying what was
-    measured or remembered."""
+    """``plan`` with its norms and SwiGLU activations whose kernel is faster than Inductor's code at every
+    shape the baseline fed them (:mod:`speedkit.measure.layer_shapes`) given the class that keeps the
+    kernel under compile (a copy: the plan ``check`` made stays as made), and one line per layer and shape
+    saying what was measured or remembered."""
     fed = state.notes.get(layer_shapes.NOTE) or {}
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(state.precision)
     store = kernel_choice.store_for(state.notes)
@@ -309,7 +309,30 @@ def choose_under_compile(
             verdicts.append(choice.use_kernel)
             lines.append(f"{type(module).__name__} at {case.describe()}: {choice.why}")
         swaps.append((module, under) if verdicts and all(verdicts) else (module, new_class))
+    for act in _swiglu_activations(plan):
+        verdicts = []
+        for shape, dtype in fed.get(id(act), ()):
+            case = kernel_choice.case_of(act, shape, dtype, autocast)
+            assert case is not None
+            choice = kernel_choice.choose(case, state.device, store, timer)
+            verdicts.append(choice.use_kernel)
+            lines.append(f"SwiGLU at {case.describe()}: {choice.why}")
+        if verdicts and all(verdicts):
+            swaps.append((act, layers.SiLUUnderCompile))
     return dataclasses.replace(plan, swaps=swaps), list(dict.fromkeys(lines))
+
+
+def _swiglu_activations(plan: RewritePlan) -> list[nn.Module]:
+    """The ``nn.SiLU`` children of the modules whose methods the plan rewrites with a SwiGLU product (the
+    ``act`` that :func:`speedkit.kernels.layers.silu_mul` is given; called alone, its under-compile class
+    is ``nn.SiLU``), each once."""
+    acts: dict[int, nn.Module] = {}
+    for rewrite in plan.rewrites:
+        if "swiglu" in rewrite.done:
+            for child in rewrite.module.children():
+                if type(child) is nn.SiLU and not child.inplace:
+                    acts.setdefault(id(child), child)
+    return list(acts.values())
 
 
 def _describe(rewrite: MethodRewrite) -> str:
@@ -373,7 +396,7 @@ class TritonLayersRung(RewriteRung):
         if state.device.type == "cuda":
             cublaslt.unavailable()  # finds (loads) cuBLASLt now, for the same reason
         plan, chosen = self.plan(state.model), []
-        if self.options.kernel_choice and self.options.norms:
+        if self.options.kernel_choice:
             plan, chosen = choose_under_compile(state, plan, self.timer)
         handle = self.apply_plan(state.model, plan)
         for line in chosen:
