@@ -7,8 +7,8 @@ code upcasts them with ``.float()``), the bias + GELU after a Linear, and SwiGLU
 Does not help: compute-bound models (large GEMMs dominate), small activations, and norms and
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
-call (see :mod:`speedkit.kernels.layers`), except a norm whose kernel was measured faster than
-Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The cross-entropy
+call (see :mod:`speedkit.kernels.layers`), except a norm or a SwiGLU product whose kernel was
+measured faster than Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The cross-entropy
 kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
 gradient in one pass).
 Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors under
