@@ -2,20 +2,15 @@
 
 Speeds up: GEMM-bound training of wide models on GPUs with float8 tensor cores (compute capability 8.9
 and up: Ada, Hopper), where a Linear's GEMMs are large enough that float8's doubled matrix rate
-outweighs the casts and scales around them: torchao's own table has 1.39× at M, K, N = 4096, 8192,
-16384 and 0.80× at 1024, 2048, 1024; torchtitan reports +28% from float8 on top of compile on
-Llama-3.1-8B.
+outweighs the casts and scales around them (torchao's table: 1.39× at M, K, N = 4096, 8192, 16384,
+0.80× at 1024, 2048, 1024).
 Does not help: narrow models (GPT-2 small's 768-wide Linears lose), steps not set by their GEMMs, and
 eager mode: the casts pay only fused by ``torch.compile``, which it is tried beneath.
 Needs: an NVIDIA GPU of compute capability 8.9 or newer, torchao (``pip install 'speedkit[float8]'``),
-Linear layers whose GEMM shapes pay: the tokens each ran with in the baseline's recorded pass (M, from
-:mod:`speedkit.measure.layer_shapes`), its in- and out-features (K, N) looked up in
-``configs/float8_gemms.yaml``, the table ``bench/float8_gemms.py --table`` writes from its measured rows
-(float8 against bf16, both compiled, forward and backward): the nearest measured shape (in log2 of M, K
-and N) on a GPU of the same compute capability with the same scaling must show at least ``min_speedup``.
-Where the table has no rows for the GPU, or a Linear's tokens were not recorded (a model the user
-compiled), both widths at least ``min_features`` (2048) is the rule, and the rung says so. Widths must be
-divisible by 16.
+and Linears whose GEMM shape (M tokens from the baseline's recorded pass, K and N features) lands
+nearest a shape where ``configs/float8_gemms.yaml`` (measured by ``bench/float8_gemms.py``, same compute
+capability and scaling) shows at least ``min_speedup``; without such rows or recorded tokens, both
+widths at least ``min_features`` (2048). Widths divisible by 16.
 Numerics: float8 (e4m3). Each GEMM's operands are scaled into float8's range and rounded to 3 mantissa
 bits (rowwise scales on Hopper, one scale per tensor on Ada), accumulated in fp32; the parity tolerance
 is calibrated for float8's rounding on the model, as for the other precisions.
