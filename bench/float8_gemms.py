@@ -77,8 +77,9 @@ def write_table(rows_file: Path, table: Path) -> None:
     rows = [r for r in rows if r.get("bench") == "float8_gemms" and r.get("variant") == "float8" and r.get("metric") == "ms"]
     if not rows:
         raise SystemExit(f"--from-rows: no float8_gemms float8 rows in {rows_file}")
-    header = [line for line in table.read_text().splitlines() if line.startswith("#")] if table.exists() else []
-    entries = (yaml.safe_load(table.read_text()) or {}).get("measured") or [] if table.exists() else []
+    text = table.read_text() if table.exists() else ""
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    entries = (yaml.safe_load(text) or {}).get("measured") or []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["device"], str(r["capability"]), r["recipe"]), []).append(r)

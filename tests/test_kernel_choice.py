@@ -154,13 +154,19 @@ def test_a_norm_without_recorded_shapes_or_with_the_option_off_keeps_inductors_c
     handle.undo()
 
 
-def test_under_compile_the_chosen_class_traces_the_kernel_and_computes_the_same():
-    graphs = []
+def _graph_keeper(graphs: list[str]):
+    """A torch.compile backend that keeps each traced graph's text in ``graphs`` and runs it as traced."""
 
     def backend(gm, example_inputs):
         graphs.append(str(gm.graph))
         return gm.forward
 
+    return backend
+
+
+def test_under_compile_the_chosen_class_traces_the_kernel_and_computes_the_same():
+    graphs: list[str] = []
+    backend = _graph_keeper(graphs)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 24, generator=gen)
     outputs = {}
@@ -234,7 +240,7 @@ class LlamaLikeMLP(nn.Module):
 
 
 class GateTimer(FakeTimer):
-    """The SwiGLU kernel at ``kernel_ms`` against 1.0 ms compiled; records the cases it was asked for."""
+    """The SwiGLU kernel at ``kernel_ms`` against 1.0 ms compiled; counts its calls, runs nothing."""
 
     def __init__(self, kernel_ms: float) -> None:
         super().__init__({}, 1.0)
@@ -263,12 +269,8 @@ def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_me
 
 
 def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return gm.forward
-
+    graphs: list[str] = []
+    backend = _graph_keeper(graphs)
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(3, 7, 40, generator=gen), torch.randn(3, 7, 40, generator=gen)
     want = nn.functional.silu(gate) * up

@@ -1,7 +1,8 @@
 """The input shapes of the norms, Linear layers and SiLU activations in a model, recorded in one eager
-pass (the baseline's counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's kernel at before
-``torch.compile`` traces the step (inside a trace there is nothing eager to look at), a SwiGLU's gate (its
-``nn.SiLU``'s input) likewise, and the tokens per GEMM that the ``float8`` rung's per-shape prior reads.
+pass (the baseline's counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's
+kernel at before ``torch.compile`` traces the step (inside a trace there is nothing eager to look at), a
+SwiGLU's gate (its ``nn.SiLU``'s input) likewise, and the tokens per GEMM that the ``float8`` rung's
+per-shape prior reads.
 
 :func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` / ``nn.SiLU`` (their
 subclasses included) for the length of a ``with`` block and yields what they were fed:
@@ -29,8 +30,8 @@ Fed = tuple[tuple[int, ...], torch.dtype]
 
 @contextmanager
 def recording(model: nn.Module, when: bool = True) -> Iterator[dict[int, list[Fed]]]:
-    """Record the inputs of ``model``'s norms and Linears while the block runs (see the module doc); nothing
-    (an empty record) unless ``when``."""
+    """Record the inputs of ``model``'s modules of :data:`RECORDED`'s classes while the block runs (see the
+    module doc); nothing (an empty record) unless ``when``."""
     seen: dict[int, list[Fed]] = {}
     if not when:
         yield seen

@@ -150,12 +150,11 @@ def chosen_linears(
             elif K % 16 or N % 16:
                 odd += 1
             elif prior is not None and rows:
-                nearest = [prior.nearest(M, K, N) for M in rows]
-                worst = min(nearest, key=lambda row: row.speedup)
+                M, worst = min(((m, prior.nearest(m, K, N)) for m in rows), key=lambda pair: pair[1].speedup)
                 if worst.speedup >= options.min_speedup:
                     chosen.append((parent, name, child))
                 else:
-                    losing.append(f"{max(rows)}x{K}x{N} (nearest measured {worst.M}x{worst.K}x{worst.N}: {worst.speedup:.2f}x)")
+                    losing.append(f"{M}x{K}x{N} (nearest measured {worst.M}x{worst.K}x{worst.N}: {worst.speedup:.2f}x)")
             elif min(K, N) < options.min_features:
                 small += 1
                 unrecorded += prior is not None

@@ -8,8 +8,8 @@ Does not help: compute-bound models (large GEMMs dominate), small activations, a
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
 call (see :mod:`speedkit.kernels.layers`), except a norm or a SwiGLU product whose kernel was
-measured faster than Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The cross-entropy
-kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
+measured faster than Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The
+cross-entropy kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
 gradient in one pass).
 Needs: Triton and an NVIDIA GPU of compute capability 8.0 or newer (CPU tensors under
 ``TRITON_INTERPRET=1``, for tests).
@@ -299,25 +299,25 @@ def choose_under_compile(
     store = kernel_choice.store_for(state.notes)
     swaps: list[tuple[nn.Module, type]] = []
     lines: list[str] = []
+
+    def kernel_faster(module: nn.Module, label: str) -> bool:
+        """The kernel won at every shape the baseline fed ``module`` (none recorded: it did not)."""
+        verdicts = []
+        for shape, dtype in fed.get(id(module), ()):
+            case = kernel_choice.case_of(module, shape, autocast or dtype, autocast)
+            assert case is not None  # a norm swapped for one of UNDER_COMPILE's classes, or a SwiGLU's nn.SiLU
+            choice = kernel_choice.choose(case, state.device, store, timer)
+            verdicts.append(choice.use_kernel)
+            lines.append(f"{label} at {case.describe()}: {choice.why}")
+        return bool(verdicts) and all(verdicts)
+
     for module, new_class in plan.swaps:
         under = layers.UNDER_COMPILE.get(new_class)
-        verdicts = []
-        for shape, dtype in fed.get(id(module), ()) if under is not None else ():
-            case = kernel_choice.case_of(module, shape, autocast or dtype, autocast)
-            assert case is not None  # a norm's class is swapped for one of UNDER_COMPILE's
-            choice = kernel_choice.choose(case, state.device, store, timer)
-            verdicts.append(choice.use_kernel)
-            lines.append(f"{type(module).__name__} at {case.describe()}: {choice.why}")
-        swaps.append((module, under) if verdicts and all(verdicts) else (module, new_class))
+        swaps.append(
+            (module, under) if under is not None and kernel_faster(module, type(module).__name__) else (module, new_class)
+        )
     for act in _swiglu_activations(plan):
-        verdicts = []
-        for shape, dtype in fed.get(id(act), ()):
-            case = kernel_choice.case_of(act, shape, dtype, autocast)
-            assert case is not None
-            choice = kernel_choice.choose(case, state.device, store, timer)
-            verdicts.append(choice.use_kernel)
-            lines.append(f"SwiGLU at {case.describe()}: {choice.why}")
-        if verdicts and all(verdicts):
+        if kernel_faster(act, "SwiGLU"):
             swaps.append((act, layers.SiLUUnderCompile))
     return dataclasses.replace(plan, swaps=swaps), list(dict.fromkeys(lines))
 
