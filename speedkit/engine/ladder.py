@@ -127,7 +127,9 @@ class Ladder:
         #: where decisions are kept (None: the trials climb every time and keep nothing)
         self.cache = cache
         # the kernels' per-shape measurements are kept beside the decisions, or nowhere with the cache off
-        state.notes[kernel_choice.NOTE] = kernel_choice.ChoiceStore(cache.root / kernel_choice.STORE_NAME if cache else None)
+        state.notes[kernel_choice.NOTE] = kernel_choice.ChoiceStore(
+            cache.root / kernel_choice.STORE_NAME if cache is not None else None
+        )
         #: the key of this run's decision in the cache (set after the baseline where there is a cache)
         self.cache_key: str | None = None
         #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)
