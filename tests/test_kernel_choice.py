@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import assert_rel_close
 from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import layers
+from speedkit.kernels.activation_modules import computes_silu
 from speedkit.kernels.choice import ChoiceStore, LayerCase, choose
 from speedkit.measure import layer_shapes
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung, choose_under_compile, plan_triton_layers
@@ -192,13 +194,15 @@ def test_the_ladders_baseline_records_the_norms_inputs():
 
     time = VirtualTime(noise=0.0)
     state = timed_state(time, 0.01)
-    norm = nn.LayerNorm(32)
+    norm, act = nn.LayerNorm(32), LibrarySiLU()
     state.model.net.insert(1, norm)  # after the first Linear: fed (batch, hidden)
+    state.model.net.insert(2, act)  # a library's own SiLU module: recorded as an nn.SiLU would be
     fast = {"warmup": 1, "steps": 3, "repeats": 3, "parity_steps": 3, "telemetry": False, "profile": False}
     Ladder(state, [], fast, clock=time.clock(), host_clock=time).run()
     assert state.notes[layer_shapes.NOTE][id(norm)] == [((8, 32), torch.float32)]
+    assert state.notes[layer_shapes.NOTE][id(act)] == [((8, 32), torch.float32)]
     assert state.notes[kernel_choice.NOTE].path is None  # no decision cache: the measurements kept in memory
-    assert not norm._forward_pre_hooks
+    assert not norm._forward_pre_hooks and not act._forward_pre_hooks
 
 
 def test_the_store_follows_the_ladders_cache(tmp_path):
@@ -227,13 +231,21 @@ def test_a_case_is_measured_once_a_run_with_the_cache_off_and_the_plan_check_mad
     assert {cls for _, cls in made.swaps} == {layers.LayerNorm}
 
 
-class LlamaLikeMLP(nn.Module):
-    """A SwiGLU MLP as transformers writes Llama's: ``down(act_fn(gate(x)) * up(x))``, ``act_fn`` an ``nn.SiLU``."""
+class LibrarySiLU(nn.Module):
+    """transformers' ``ACT2FN["silu"]`` as the library writes it (``SiLUActivation``): not an ``nn.SiLU``."""
 
-    def __init__(self) -> None:
+    def forward(self, input):
+        return nn.functional.silu(input)
+
+
+class LlamaLikeMLP(nn.Module):
+    """A SwiGLU MLP as transformers writes Llama's: ``down(act_fn(gate(x)) * up(x))``, ``act_fn`` an
+    ``nn.SiLU`` or the library's own SiLU module."""
+
+    def __init__(self, act: type[nn.Module] = nn.SiLU) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = nn.Linear(24, 40), nn.Linear(24, 40), nn.Linear(40, 24)
-        self.act_fn = nn.SiLU()
+        self.act_fn = act()
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -251,10 +263,12 @@ class GateTimer(FakeTimer):
         return 1.0 if what == "compiled" else self.kernel
 
 
-def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch):
+@pytest.mark.parametrize("act", [nn.SiLU, LibrarySiLU])
+def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch, act):
+    eager = layers.SiLU if act is LibrarySiLU else nn.SiLU  # a library's module becomes one silu_mul knows
     for kernel_ms, chosen in ((0.8, True), (0.99, False)):
-        model = LlamaLikeMLP()
-        with layer_shapes.recording(model) as fed:
+        model = LlamaLikeMLP(act)
+        with layer_shapes.recording(model, also=computes_silu) as fed:  # as the baseline records
             model(torch.randn(3, 5, 24))
         assert fed[id(model.act_fn)] == [((3, 5, 40), torch.float32)]  # the gate, as the baseline fed it
         monkeypatch.setattr(TritonLayersRung, "timer", GateTimer(kernel_ms))
@@ -263,9 +277,9 @@ def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_me
         handle = TritonLayersRung().apply(state)
         line = next(c for c in handle.changes if c.startswith("SwiGLU at swiglu (3, 5, 40) bfloat16"))
         assert (": the kernel" in line) is chosen and ("Inductor's code" in line) is not chosen, line
-        assert type(model.act_fn) is (layers.SiLUUnderCompile if chosen else nn.SiLU)
+        assert type(model.act_fn) is (layers.SiLUUnderCompile if chosen else eager)
         handle.undo()
-        assert type(model.act_fn) is nn.SiLU
+        assert type(model.act_fn) is act and (act is nn.SiLU or "inplace" not in vars(model.act_fn))
 
 
 def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same():
@@ -274,15 +288,17 @@ def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(3, 7, 40, generator=gen), torch.randn(3, 7, 40, generator=gen)
     want = nn.functional.silu(gate) * up
-    for cls in (nn.SiLU, layers.SiLUUnderCompile):
-        act = cls()
+    library_act = LibrarySiLU()
+    library_act.__class__ = layers.SiLUUnderCompile  # as triton_layers gives it: no inplace of its own
+    for cls, act in ((nn.SiLU, nn.SiLU()), (layers.SiLUUnderCompile, layers.SiLUUnderCompile()), ("library", library_act)):
         torch._dynamo.reset()
         got = torch.compile(lambda g, u, act=act: layers.silu_mul(g, u, act), backend=backend)(gate, up)
-        assert_rel_close(got, want, 1e-5, cls.__name__)
-        assert_rel_close(act(gate), nn.functional.silu(gate), 1e-6, f"{cls.__name__} alone")
-    plain, kernel = graphs
+        name = getattr(cls, "__name__", cls)
+        assert_rel_close(got, want, 1e-5, name)
+        assert_rel_close(act(gate), nn.functional.silu(gate), 1e-6, f"{name} alone")
+    plain, kernel, library = graphs
     assert "speedkit" not in plain and "silu" in plain
-    assert "speedkit" in kernel
+    assert "speedkit" in kernel and "speedkit" in library
 
 
 def test_the_swiglu_micro_benchmark_times_the_kernel_and_the_compiled_product():

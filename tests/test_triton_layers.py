@@ -328,6 +328,74 @@ def test_swiglu(kernel_calls):
     assert handle.rewrite.counts["swiglu"] == 2 and kernel_calls["swiglu"] == 2
 
 
+class LibrarySiLU(nn.Module):
+    """A library's own SiLU module, as transformers' ``ACT2FN["silu"]`` (``SiLUActivation``) is: not an nn.SiLU."""
+
+    def forward(self, input):
+        return F.silu(input)
+
+
+class NotQuiteSiLU(nn.Module):
+    """Looks like one; computes another function (a cheaper sigmoid in the tails)."""
+
+    def forward(self, input):
+        return input * torch.sigmoid(input.clamp(-10, 10))
+
+
+class LibrarySwiGLU(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (
+            nn.Linear(D, 45, bias=False),
+            nn.Linear(D, 45, bias=False),
+            nn.Linear(45, D),
+        )
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_swiglu_with_a_librarys_own_silu_module(kernel_calls):
+    """transformers' Llama/Mistral/Qwen MLPs call ``ACT2FN["silu"]``, a module of the library's own that
+    computes ``F.silu``: recognised by what it computes, given :class:`layers.SiLU`, and given back."""
+    model = LibrarySwiGLU(LibrarySiLU())
+    handle = _compare(model, [_x(3, 5, D)])
+    assert handle.rewrite.counts["swiglu"] == 1 and kernel_calls["swiglu"] == 1
+    assert type(model.act_fn) is layers.SiLU and model.act_fn.state_dict() == {}
+    handle.undo()
+    assert type(model.act_fn) is LibrarySiLU and "inplace" not in vars(model.act_fn)
+
+
+def test_a_silu_look_alike_that_computes_another_function_is_left_alone(kernel_calls):
+    model = LibrarySwiGLU(NotQuiteSiLU())
+    reason = TritonLayersRung().check(_state(model.to(DEVICE)))
+    assert reason is not None and reason.startswith(NOTHING_FOUND)
+    assert type(model.act_fn) is NotQuiteSiLU
+
+
+def test_transformers_llama_mlp_runs_the_swiglu_kernel(kernel_calls):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=45, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    act_class = type(model.model.layers[0].mlp.act_fn)
+    ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    reference = copy.deepcopy(model)
+    handle = TritonLayersRung().apply(_state(model))
+    assert handle.rewrite.counts["swiglu"] == 1, handle.changes
+    out, expected = model(ids, labels=ids), reference(ids, labels=ids)
+    out.loss.backward()
+    expected.loss.backward()
+    assert kernel_calls["swiglu"] == 1
+    assert_rel_close(out.loss, expected.loss, TOL, "loss")
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
+    handle.undo()
+    assert type(model.model.layers[0].mlp.act_fn) is act_class
+
+
 # -- near misses: left alone, each with its reason -----------------------------------------------------------
 
 

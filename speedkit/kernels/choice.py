@@ -37,6 +37,7 @@ from torch import nn
 
 from speedkit.errors import OutputError
 from speedkit.files import default_cache_dir, write_text_atomic
+from speedkit.kernels.activation_modules import computes_silu
 
 #: the store's file in speedkit's cache folder
 STORE_NAME = "kernel_choices.json"
@@ -84,8 +85,8 @@ class Choice:
 
 def case_of(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, autocast: torch.dtype | None) -> LayerCase | None:
     """The :class:`LayerCase` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (or its speedkit class), or of a
-    SwiGLU's ``nn.SiLU``, fed ``shape`` in ``dtype``; None for another module."""
-    if isinstance(module, nn.SiLU):  # a SwiGLU's activation: the product runs in the gate's dtype (a Linear's output)
+    SwiGLU's ``nn.SiLU`` (or a library's module computing one), fed ``shape`` in ``dtype``; None for another module."""
+    if isinstance(module, nn.SiLU) or computes_silu(module):  # a SwiGLU's activation: the product runs in the gate's dtype
         gate_dtype = str(autocast or dtype).removeprefix("torch.")
         return LayerCase("swiglu", tuple(int(s) for s in shape), gate_dtype, None, affine=False, bias=False, eps=None)
     if isinstance(module, nn.LayerNorm):

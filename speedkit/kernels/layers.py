@@ -179,20 +179,33 @@ class RMSNormUnderCompile(RMSNorm):
     kernel_under_compile = True
 
 
+class SiLU(nn.SiLU):
+    """``nn.SiLU``, given to a library's own SiLU module that a SwiGLU product calls (transformers'
+    ``SiLUActivation``: recognised by what it computes, :mod:`speedkit.kernels.activation_modules`), so
+    that :func:`silu_mul` knows it computes ``F.silu``. Neither has state; the class attribute stands
+    for the ``inplace`` the library's module never had."""
+
+    inplace = False
+
+
 class SiLUUnderCompile(nn.SiLU):
     """An ``nn.SiLU`` whose product with the up projection (:func:`silu_mul`, SwiGLU) runs speedkit's
-    kernel where torch.compile traces it too: given to a SwiGLU activation whose shape the kernel was
-    measured faster at than Inductor's code. Called alone it is ``nn.SiLU``."""
+    kernel where torch.compile traces it too: given to a SwiGLU activation (an ``nn.SiLU``, or a library's
+    module that computes one) whose shape the kernel was measured faster at than Inductor's code. Called
+    alone it is ``nn.SiLU``."""
 
     kernel_under_compile = True
+    inplace = False  # a library's SiLU module has no such attribute; an nn.SiLU's own (False) shadows it
 
 
 #: the classes that keep their kernel inside compiled code, by the class they stand in for (the norms'
-#: speedkit classes; a SwiGLU's ``nn.SiLU``, which triton_layers swaps for nothing else)
+#: speedkit classes; a SwiGLU's ``nn.SiLU``, which triton_layers swaps for nothing else, or the
+#: :class:`SiLU` a library's SiLU module was given)
 UNDER_COMPILE: dict[type[nn.Module], type[nn.Module]] = {
     LayerNorm: LayerNormUnderCompile,
     RMSNorm: RMSNormUnderCompile,
     nn.SiLU: SiLUUnderCompile,
+    SiLU: SiLUUnderCompile,
 }
 
 
@@ -314,12 +327,13 @@ def _mlp_dtype(proj: nn.Module, fc: nn.Module, x: Any) -> torch.dtype | None:
 
 
 def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
-    """``F.silu(gate) * up`` (``act(gate) * up`` for an ``nn.SiLU`` module ``act``) in one kernel; inside
-    compiled code only for a :class:`SiLUUnderCompile` ``act``.
+    """``F.silu(gate) * up`` (``act(gate) * up`` for an ``nn.SiLU`` module ``act``, or the :class:`SiLU` a
+    library's SiLU module was given) in one kernel; inside compiled code only for a
+    :class:`SiLUUnderCompile` ``act``.
 
     Fused for two tensors of one shape, dtype and device (no broadcasting), else computed as written.
     """
-    if act is not None and (type(act) not in (nn.SiLU, SiLUUnderCompile) or act.inplace or hooked(act)):
+    if act is not None and (type(act) not in (nn.SiLU, SiLU, SiLUUnderCompile) or act.inplace or hooked(act)):
         return act(gate) * up
     if not (
         runs_kernels(gate, under_compile=type(act) is SiLUUnderCompile)

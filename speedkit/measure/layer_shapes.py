@@ -5,15 +5,15 @@ SwiGLU's gate (its ``nn.SiLU``'s input) likewise, and the tokens per GEMM that t
 per-shape prior reads.
 
 :func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` / ``nn.SiLU`` (their
-subclasses included) for the length of a ``with`` block and yields what they were fed:
-``{id(module): [(shape, dtype), ...]}``, each distinct input once, in the order seen. The hooks are
-removed when the block ends. :func:`tokens` reads a Linear's GEMM rows (M) from such a record.
+subclasses included), and the modules ``also`` picks (the baseline: a library's module that computes a
+SiLU, transformers' ``SiLUActivation``), for the length of a ``with`` block and yields what they were fed: ``{id(module): [(shape, dtype), ...]}``,
+each distinct input once, in the order seen. The hooks are removed when the block ends. :func:`tokens` reads a Linear's GEMM rows (M) from such a record.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,9 +29,11 @@ Fed = tuple[tuple[int, ...], torch.dtype]
 
 
 @contextmanager
-def recording(model: nn.Module, when: bool = True) -> Iterator[dict[int, list[Fed]]]:
-    """Record the inputs of ``model``'s modules of :data:`RECORDED`'s classes while the block runs (see the
-    module doc); nothing (an empty record) unless ``when``."""
+def recording(
+    model: nn.Module, when: bool = True, also: Callable[[nn.Module], bool] | None = None
+) -> Iterator[dict[int, list[Fed]]]:
+    """Record the inputs of ``model``'s modules of :data:`RECORDED`'s classes, and of those ``also`` picks,
+    while the block runs (see the module doc); nothing (an empty record) unless ``when``."""
     seen: dict[int, list[Fed]] = {}
     if not when:
         yield seen
@@ -44,7 +46,9 @@ def recording(model: nn.Module, when: bool = True) -> Iterator[dict[int, list[Fe
             if fed not in inputs:
                 inputs.append(fed)
 
-    hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, RECORDED)]
+    hooks = [
+        m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, RECORDED) or (also is not None and also(m))
+    ]
     try:
         yield seen
     finally:

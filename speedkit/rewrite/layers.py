@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.kernels import layers
+from speedkit.kernels.activation_modules import computes_silu
 from speedkit.rewrite.ast_tools import SCOPES, call_ops, local_names, resolve, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree
@@ -126,7 +127,8 @@ class Sites(ast.NodeTransformer):
         return Site("cross_entropy", node.lineno)
 
     def _silu(self, node: ast.AST) -> str | None:
-        """ "" for ``F.silu(a)``, "attr" for ``self.attr(a)`` (an nn.SiLU decided per instance), else None."""
+        """ "" for ``F.silu(a)``, "attr" for ``self.attr(a)`` (an nn.SiLU, or a library's module computing
+        one, decided per instance), else None."""
         if not (isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred)):
             return None
         if self._is(node.func, F.silu) and all(
@@ -214,7 +216,7 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, options: Any) 
         elif site.kind == "swiglu" and options.swiglu:
             for side, attr in zip(("left", "right"), site.silu):
                 act = getattr(module, attr, None) if attr else None
-                if attr == "" or (type(act) is nn.SiLU and not act.inplace and not layers.hooked(act)):
+                if attr == "" or (isinstance(act, nn.Module) and computes_silu(act) and not layers.hooked(act)):
                     ok = side
                     break
                 if isinstance(act, nn.SiLU):

@@ -69,6 +69,7 @@ from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import cublaslt, kernels_available, layers
+from speedkit.kernels.activation_modules import computes_silu
 from speedkit.measure import layer_shapes
 from speedkit.rewrite import hf_loss
 from speedkit.rewrite.layers import LAYERS, decide
@@ -278,6 +279,8 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
         plan.left_alone += left_alone
         for rewrite in plan.rewrites:
             plan.counts.update(rewrite.done)
+    # a library's own SiLU module that a SwiGLU product calls becomes layers.SiLU, which silu_mul knows
+    plan.swaps += [(act, layers.SiLU) for act in _swiglu_activations(plan) if type(act) is not nn.SiLU]
     if options.cross_entropy:
         plan.extra, notes = hf_loss.find(model)
         if plan.extra:
@@ -314,23 +317,26 @@ def choose_under_compile(
     for module, new_class in plan.swaps:
         under = layers.UNDER_COMPILE.get(new_class)
         swaps.append(
-            (module, under) if under is not None and kernel_faster(module, type(module).__name__) else (module, new_class)
+            (module, under)
+            if under is not None and kernel_faster(module, "SwiGLU" if new_class is layers.SiLU else type(module).__name__)
+            else (module, new_class)
         )
-    for act in _swiglu_activations(plan):
+    for act in _swiglu_activations(plan, nn.SiLU):
         if kernel_faster(act, "SwiGLU"):
             swaps.append((act, layers.SiLUUnderCompile))
     return dataclasses.replace(plan, swaps=swaps), list(dict.fromkeys(lines))
 
 
-def _swiglu_activations(plan: RewritePlan) -> list[nn.Module]:
-    """The ``nn.SiLU`` children of the modules whose methods the plan rewrites with a SwiGLU product (the
-    ``act`` that :func:`speedkit.kernels.layers.silu_mul` is given; called alone, its under-compile class
-    is ``nn.SiLU``), each once."""
+def _swiglu_activations(plan: RewritePlan, kind: type[nn.Module] | None = None) -> list[nn.Module]:
+    """The SiLU children (an ``nn.SiLU``, or a library's module computing one) of the modules whose
+    methods the plan rewrites with a SwiGLU product (the ``act`` that
+    :func:`speedkit.kernels.layers.silu_mul` is given; called alone, its under-compile class is
+    ``nn.SiLU``), each once; only those of class ``kind`` where given."""
     acts: dict[int, nn.Module] = {}
     for rewrite in plan.rewrites:
         if "swiglu" in rewrite.done:
             for child in rewrite.module.children():
-                if type(child) is nn.SiLU and not child.inplace:
+                if computes_silu(child) and not layers.hooked(child) and (kind is None or type(child) is kind):
                     acts.setdefault(id(child), child)
     return list(acts.values())
 
