@@ -1,8 +1,8 @@
-"""The norms' and the SwiGLU product's kernels against Inductor's code, per shape, as ``triton_layers``
+"""The norms' and the gated products' kernels against Inductor's code, per shape, as ``triton_layers``
 decides it under compile (issue 72, deliver 2): each case through :func:`speedkit.kernels.choice.choose`
 (a fresh in-memory store, so it is measured) on CUDA events, forward and backward of the layer alone: the
-zoo's language models' norm shapes under bf16 autocast, and ``speedkit::swiglu`` against the compiled
-``silu(gate) * up`` at the Llamas' MLP shapes.
+zoo's language models' norm shapes under bf16 autocast, ``speedkit::swiglu`` against the compiled
+``silu(gate) * up`` at the Llamas' MLP shapes, and ``speedkit::geglu`` (tanh) at Gemma-2B's.
 
 Rows (bench "kernel_choice"): ``variant`` ("kernel", "compiled"), metric "ms" (one forward and backward),
 ``case`` (the layer, shape, dtype, autocast), ``choice`` (what :func:`choose` decides at the 3% margin),
@@ -33,6 +33,8 @@ CASES = {
     # the Llamas' MLP products, gate and up of (batch, tokens, intermediate), as kernel_choice.case_of makes them
     "llama-400m MLP (B8 x 1024)": LayerCase("swiglu", (8, 1024, 4096), "bfloat16", None, affine=False, bias=False, eps=None),
     "tinyllama-1.1b MLP (B4 x 2048)": LayerCase("swiglu", (4, 2048, 5632), "bfloat16", None, affine=False, bias=False, eps=None),
+    # Gemma-2B's GeGLU MLP (tanh-GELU gate, intermediate 16384)
+    "gemma-2b MLP (B2 x 2048)": LayerCase("geglu_tanh", (2, 2048, 16384), "bfloat16", None, affine=False, bias=False, eps=None),
 }
 
 

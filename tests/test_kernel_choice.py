@@ -19,7 +19,7 @@ from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import layers
-from speedkit.kernels.activation_modules import computes_silu
+from speedkit.kernels.activation_modules import gates
 from speedkit.kernels.choice import ChoiceStore, LayerCase, choose
 from speedkit.measure import layer_shapes
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung, choose_under_compile, plan_triton_layers
@@ -252,7 +252,7 @@ class LlamaLikeMLP(nn.Module):
 
 
 class GateTimer(FakeTimer):
-    """The SwiGLU kernel at ``kernel_ms`` against 1.0 ms compiled; counts its calls, runs nothing."""
+    """A gated product's kernel at ``kernel_ms`` against 1.0 ms compiled; counts its calls, runs nothing."""
 
     def __init__(self, kernel_ms: float) -> None:
         super().__init__({}, 1.0)
@@ -263,23 +263,43 @@ class GateTimer(FakeTimer):
         return 1.0 if what == "compiled" else self.kernel
 
 
-@pytest.mark.parametrize("act", [nn.SiLU, LibrarySiLU])
-def test_a_swiglu_activation_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch, act):
-    eager = layers.SiLU if act is LibrarySiLU else nn.SiLU  # a library's module becomes one silu_mul knows
+class LibraryGELUTanh(nn.Module):
+    """transformers' ``GELUTanh`` (Gemma's ``ACT2FN["gelu_pytorch_tanh"]``): not an ``nn.GELU``."""
+
+    def forward(self, input):
+        return nn.functional.gelu(input, approximate="tanh")
+
+
+#: a gated MLP's activation -> (the class it has in eager runs, its label and kind in the kernel choice's lines)
+GATED = {
+    nn.SiLU: (nn.SiLU, "SwiGLU at swiglu"),
+    LibrarySiLU: (layers.SiLU, "SwiGLU at swiglu"),
+    nn.GELU: (nn.GELU, "GeGLU at geglu"),
+    LibraryGELUTanh: (layers.GELUTanh, "GeGLU at geglu_tanh"),
+}
+
+
+@pytest.mark.parametrize("act", list(GATED), ids=lambda c: c.__name__)
+def test_a_gated_activation_keeps_the_kernel_under_compile_only_where_it_was_measured_faster(monkeypatch, act):
+    eager, label = GATED[act]  # a library's module becomes one silu_mul / gelu_mul knows
     for kernel_ms, chosen in ((0.8, True), (0.99, False)):
         model = LlamaLikeMLP(act)
-        with layer_shapes.recording(model, also=computes_silu) as fed:  # as the baseline records
+        with layer_shapes.recording(model, also=gates) as fed:  # as the baseline records
             model(torch.randn(3, 5, 24))
         assert fed[id(model.act_fn)] == [((3, 5, 40), torch.float32)]  # the gate, as the baseline fed it
         monkeypatch.setattr(TritonLayersRung, "timer", GateTimer(kernel_ms))
         state = _state(model, fed)
         state.notes[kernel_choice.NOTE] = ChoiceStore()  # in memory: each case measured afresh
         handle = TritonLayersRung().apply(state)
-        line = next(c for c in handle.changes if c.startswith("SwiGLU at swiglu (3, 5, 40) bfloat16"))
+        line = next(c for c in handle.changes if c.startswith(f"{label} (3, 5, 40) bfloat16"))
         assert (": the kernel" in line) is chosen and ("Inductor's code" in line) is not chosen, line
-        assert type(model.act_fn) is (layers.SiLUUnderCompile if chosen else eager)
+        under = layers.UNDER_COMPILE[eager]
+        assert type(model.act_fn) is (under if chosen else eager)
+        assert_rel_close(model.act_fn(torch.linspace(-5, 5, 11)), act()(torch.linspace(-5, 5, 11)), 0.0, "alone")
         handle.undo()
-        assert type(model.act_fn) is act and (act is nn.SiLU or "inplace" not in vars(model.act_fn))
+        assert type(model.act_fn) is act and (
+            act in (nn.SiLU, nn.GELU) or not vars(model.act_fn).keys() & {"inplace", "approximate"}
+        )
 
 
 def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same():
@@ -301,7 +321,12 @@ def test_under_compile_the_chosen_swiglu_traces_the_kernel_and_computes_the_same
     assert "speedkit" in kernel and "speedkit" in library
 
 
-def test_the_swiglu_micro_benchmark_times_the_kernel_and_the_compiled_product():
+@pytest.mark.parametrize(
+    ("act", "kind"),
+    [(nn.SiLU(), "swiglu"), (nn.GELU(), "geglu"), (LibraryGELUTanh(), "geglu_tanh")],
+    ids=["silu", "gelu", "tanh"],
+)
+def test_the_gated_micro_benchmark_times_the_kernel_and_the_compiled_product(act, kind):
     seen = []
 
     def timer(what, call):
@@ -309,8 +334,24 @@ def test_the_swiglu_micro_benchmark_times_the_kernel_and_the_compiled_product():
         seen.append(what)
         return 1.0
 
-    case = kernel_choice.case_of(nn.SiLU(), (3, 7, 40), torch.float32, torch.bfloat16)
-    assert case == LayerCase("swiglu", (3, 7, 40), "bfloat16", None, affine=False, bias=False, eps=None)
+    case = kernel_choice.case_of(act, (3, 7, 40), torch.float32, torch.bfloat16)
+    assert case == LayerCase(kind, (3, 7, 40), "bfloat16", None, affine=False, bias=False, eps=None)
     torch._dynamo.reset()
-    fp32 = LayerCase("swiglu", (3, 7, 40), "float32", None, affine=False, bias=False, eps=None)
+    fp32 = LayerCase(kind, (3, 7, 40), "float32", None, affine=False, bias=False, eps=None)
     assert kernel_choice.measure(fp32, torch.device("cpu"), timer) == (1.0, 1.0) and seen == ["kernel", "compiled"]
+
+
+def test_under_compile_the_chosen_geglu_traces_the_kernel_and_computes_the_same():
+    graphs: list[str] = []
+    backend = _graph_keeper(graphs)
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(3, 7, 40, generator=gen), torch.randn(3, 7, 40, generator=gen)
+    library = LibraryGELUTanh()
+    library.__class__ = layers.GELUTanhUnderCompile  # as triton_layers gives it: no approximate of its own
+    for act in (nn.GELU(approximate="tanh"), layers.GELUTanhUnderCompile(), library):
+        torch._dynamo.reset()
+        got = torch.compile(lambda g, u, act=act: layers.gelu_mul(g, u, act), backend=backend)(gate, up)
+        assert_rel_close(got, nn.functional.gelu(gate, approximate="tanh") * up, 1e-5, type(act).__name__)
+    plain, kernel, from_library = graphs
+    assert "speedkit" not in plain and "gelu" in plain
+    assert "speedkit" in kernel and "speedkit" in from_library

@@ -16,8 +16,15 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_rel_close
 
-from speedkit.kernels import bias_gelu, cross_entropy, kernels_available, layer_norm, rms_norm, swiglu
-from speedkit.kernels.activations import bias_gelu_backward, bias_gelu_forward, swiglu_backward, swiglu_forward
+from speedkit.kernels import bias_gelu, cross_entropy, geglu, kernels_available, layer_norm, rms_norm, swiglu
+from speedkit.kernels.activations import (
+    bias_gelu_backward,
+    bias_gelu_forward,
+    geglu_backward,
+    geglu_forward,
+    swiglu_backward,
+    swiglu_forward,
+)
 from speedkit.kernels.cross_entropy import cross_entropy_forward
 from speedkit.kernels.norms import MAX_FUSED, norm_backward, norm_forward
 
@@ -150,7 +157,13 @@ def test_compiled_functions_use_the_custom_ops():
     logits, target = _rand(3, 9).requires_grad_(), torch.randint(0, 9, (3,)).to(DEVICE)
 
     def step(t, lg):
-        return layer_norm(t, w, b), rms_norm(t, w), bias_gelu(t, b, "tanh"), swiglu(t, t * 2), cross_entropy(lg, target)
+        return (
+            layer_norm(t, w, b),
+            rms_norm(t, w),
+            bias_gelu(t, b, "tanh"),
+            swiglu(t, t * 2) + geglu(t * 3, t, "tanh"),
+            cross_entropy(lg, target),
+        )
 
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -277,15 +290,37 @@ def test_swiglu_launchers(dtype):
     _close(du, rdu, dtype, "du")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_geglu_launchers(dtype, approximate):
+    g, u = _rand(3, 5, 123, dtype=dtype, scale=3.0), _rand(3, 5, 123, dtype=dtype)
+    tanh = approximate == "tanh"
+    y = geglu_forward(g, u, tanh, out=_nan_like(g))
+    dy = _rand(3, 5, 123, dtype=dtype)
+    dg, du = geglu_backward(dy, g, u, tanh, dg_out=_nan_like(g), du_out=_nan_like(u))
+    gl, ul = g.double().requires_grad_(), u.double().requires_grad_()
+    ref = F.gelu(gl, approximate=approximate) * ul
+    rdg, rdu = torch.autograd.grad(ref, (gl, ul), dy.double())
+    _close(y, ref, dtype, "y")
+    _close(dg, rdg, dtype, "dg")
+    _close(du, rdu, dtype, "du")
+
+
+def test_geglu_takes_only_the_two_gelus():
+    with pytest.raises(ValueError, match="approximate"):
+        geglu(_rand(2, 3), _rand(2, 3), "sigmoid")
+
+
 def test_activation_functions_with_autograd_on_3d_inputs():
     x = _rand(3, 5, 33).requires_grad_()
     b = _rand(33).requires_grad_()
     gate, up = _rand(3, 5, 33).requires_grad_(), _rand(3, 5, 33).requires_grad_()
-    out = bias_gelu(x, b, "tanh") + swiglu(gate, up)
+    out = bias_gelu(x, b, "tanh") + swiglu(gate, up) + geglu(up, gate) + geglu(gate, up, "tanh")
     g = _rand(3, 5, 33)
     grads = torch.autograd.grad(out, (x, b, gate, up), g)
     leaves = [t.detach().double().requires_grad_() for t in (x, b, gate, up)]
     ref = F.gelu(leaves[0] + leaves[1], approximate="tanh") + F.silu(leaves[2]) * leaves[3]
+    ref = ref + F.gelu(leaves[3]) * leaves[2] + F.gelu(leaves[2], approximate="tanh") * leaves[3]
     for a, e in zip(grads, torch.autograd.grad(ref, leaves, g.double())):
         assert_rel_close(a, e, 1e-5)
 
@@ -306,6 +341,8 @@ def test_custom_ops_have_fake_implementations():
         assert torch.ops.speedkit.cross_entropy_bwd(x, t, lse, loss, "none", -100, 0.0).shape == (6, 10)
         assert torch.ops.speedkit.bias_gelu(x, w, True).shape == (6, 10)
         assert torch.ops.speedkit.swiglu(x, x).shape == (6, 10)
+        assert torch.ops.speedkit.geglu(x, x, True).shape == (6, 10)
+        assert [t.shape for t in torch.ops.speedkit.geglu_bwd(x, x, x, False)] == [(6, 10), (6, 10)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

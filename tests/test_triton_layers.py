@@ -165,7 +165,7 @@ def _state(model):
 def kernel_calls(monkeypatch):
     """Counts the kernel calls the swapped layers make (the point: not a fallback to PyTorch)."""
     calls = Counter()
-    for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu"):
+    for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu", "geglu"):
 
         def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):  # noqa: B008 (binds the kernel now, by design)
             calls[_name] += 1
@@ -389,6 +389,69 @@ def test_transformers_llama_mlp_runs_the_swiglu_kernel(kernel_calls):
     out.loss.backward()
     expected.loss.backward()
     assert kernel_calls["swiglu"] == 1
+    assert_rel_close(out.loss, expected.loss, TOL, "loss")
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
+    handle.undo()
+    assert type(model.model.layers[0].mlp.act_fn) is act_class
+
+
+class GeGLU(nn.Module):
+    """GeGLU as people write it: a module, ``F.gelu`` exact and tanh, the activation on either side. The
+    gate Linear has a bias, so ``self.act(self.gate(x))`` is also a Linear→GELU pair of its own."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(D, 45), nn.Linear(D, 45, bias=False), nn.Linear(45, D)
+        self.act = act
+
+    def forward(self, x):
+        y = self.down(self.act(self.gate(x)) * self.up(x))
+        y = y + self.down(self.up(x) * F.gelu(self.gate(x), approximate="tanh"))
+        return y + self.down(F.gelu(self.gate(x)) * self.up(x))
+
+
+class LibraryGELUTanh(nn.Module):
+    """transformers' ``GELUTanh`` (Gemma's ``gelu_pytorch_tanh``) as the library writes it: not an nn.GELU."""
+
+    def forward(self, input):
+        return F.gelu(input, approximate="tanh")
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), LibraryGELUTanh()], ids=["exact", "tanh", "library"])
+def test_geglu(kernel_calls, act):
+    model = GeGLU(act)
+    act_class = type(act)
+    handle = _compare(model, [_x(3, 5, D)])
+    assert handle.rewrite.counts["geglu"] == 3 and kernel_calls["geglu"] == 3
+    assert handle.rewrite.counts["gelu"] == 0 and kernel_calls["bias_gelu"] == 0  # the products' operands, left in them
+    assert type(model.act) is (layers.GELUTanh if act_class is LibraryGELUTanh else act_class)
+    handle.undo()
+    assert type(model.act) is act_class and (act_class is nn.GELU or "approximate" not in vars(model.act))
+
+
+def test_transformers_gemma_mlp_runs_the_geglu_kernel(kernel_calls):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GemmaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=45,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    model = transformers.GemmaForCausalLM(config).to(DEVICE)
+    act_class = type(model.model.layers[0].mlp.act_fn)
+    ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    reference = copy.deepcopy(model)
+    handle = TritonLayersRung().apply(_state(model))
+    assert handle.rewrite.counts["geglu"] == 1, handle.changes
+    assert type(model.model.layers[0].mlp.act_fn) is layers.GELUTanh
+    out, expected = model(ids, labels=ids), reference(ids, labels=ids)
+    out.loss.backward()
+    expected.loss.backward()
+    assert kernel_calls["geglu"] == 1
     assert_rel_close(out.loss, expected.loss, TOL, "loss")
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")

@@ -24,7 +24,7 @@ from speedkit.engine.profile_run import rank_communication_of
 from speedkit.engine.stack import agreed_check
 from speedkit.engine.timing import Timing
 from speedkit.errors import SpeedkitError, first_line
-from speedkit.kernels.activation_modules import computes_silu
+from speedkit.kernels.activation_modules import gates
 from speedkit.measure import layer_shapes
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.noise import host_bound
@@ -57,10 +57,10 @@ def baseline_reference(ladder: Trials) -> list[float]:
     if shapes_vary:
         result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
     first = state.data.to_device(ladder.parity.batches[0])
-    # the norms' and SwiGLU activations' input shapes (a library's own SiLU module too), for the kernels'
+    # the norms' and gated products' activations' input shapes (a library's own SiLU/GELU module too), for the kernels'
     # per-shape choice under compile (triton_layers); not in a model the user compiled (hooks added and
     # removed would make Dynamo compile it twice more)
-    with layer_shapes.recording(state.model, when=not compat.user_compiled(state.model), also=computes_silu) as fed:
+    with layer_shapes.recording(state.model, when=not compat.user_compiled(state.model), also=gates) as fed:
         flops = count_step_flops(state.step, first)
     state.notes[layer_shapes.NOTE] = fed
     snapshot.restore()

@@ -1,17 +1,20 @@
-"""Activation modules recognised by what they compute, not by their class: a library's own SiLU module
-(transformers' ``ACT2FN["silu"]`` is ``SiLUActivation``, an ``nn.Module`` that calls ``F.silu``, not an
-``nn.SiLU``) is a SwiGLU's activation as much as ``nn.SiLU`` is.
+"""Activation modules recognised by what they compute, not by their class: a library's own SiLU or GELU
+module (transformers' ``ACT2FN["silu"]`` is ``SiLUActivation``, ``ACT2FN["gelu_pytorch_tanh"]`` is
+``GELUTanh``: ``nn.Module`` subclasses that call ``F.silu`` / ``F.gelu``, not ``nn.SiLU`` / ``nn.GELU``)
+is a SwiGLU's or GeGLU's activation as much as PyTorch's classes are.
 
-:func:`computes_silu` says whether a module is one: ``nn.SiLU`` itself (not in place), or a leaf module
-without parameters, buffers or hooks whose output on fixed probe inputs (fp32 and bf16, odd shapes,
-values across the function's whole range) equals ``F.silu``'s bit for bit, in the same dtype, leaving
-its input as it was. The probe runs once per module instance (remembered weakly), on the CPU, under
-``no_grad`` with autocast off.
+:func:`computes_silu` and :func:`computes_gelu` say whether a module is one: PyTorch's class itself (not
+in place), or a leaf module without parameters, buffers or hooks whose output on fixed probe inputs
+(fp32 and bf16, odd shapes, values across the function's whole range) equals ``F.silu``'s (``F.gelu``'s,
+exact or tanh) bit for bit, in the same dtype, leaving its input as it was. A subclass of PyTorch's
+class is user code and is not one. The probe runs once per module instance (remembered weakly), on the
+CPU, under ``no_grad`` with autocast off.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,19 +22,40 @@ from torch import nn
 
 from speedkit import compat
 
-_SEEN: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+#: what a probed module computes: "silu", "gelu" (exact), "gelu_tanh", or "" (none of them)
+_SEEN: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def computes_silu(module: nn.Module) -> bool:
     """``module`` computes exactly ``F.silu(x)`` of its one input (see the module doc)."""
     if type(module) is nn.SiLU:
         return not module.inplace
-    if isinstance(module, nn.SiLU) or compat.has_hooks(module):  # a subclass of nn.SiLU is user code
-        return False
-    if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
-        return False
-    if next(module.children(), None) is not None:
-        return False
+    return _computes(module) == "silu"
+
+
+def computes_gelu(module: nn.Module) -> str | None:
+    """``"none"`` or ``"tanh"`` (the ``approximate`` of ``F.gelu``) when ``module`` computes exactly that
+    GELU of its one input (see the module doc), else None."""
+    if type(module) is nn.GELU:
+        return module.approximate
+    return {"gelu": "none", "gelu_tanh": "tanh"}.get(_computes(module))
+
+
+def gates(module: nn.Module) -> bool:
+    """``module`` is a SiLU or GELU (of either kind): a gated MLP's activation."""
+    return computes_silu(module) or computes_gelu(module) is not None
+
+
+def _computes(module: nn.Module) -> str:
+    if isinstance(module, (nn.SiLU, nn.GELU)) or compat.has_hooks(module):  # a subclass: user code
+        return ""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()) or any(True for _ in module.children()):
+        return ""
     known = _SEEN.get(module)
     if known is None:
         known = _probe(module)
@@ -39,23 +63,22 @@ def computes_silu(module: nn.Module) -> bool:
     return known
 
 
-def _probe(module: nn.Module) -> bool:
+def _probe(module: nn.Module) -> str:
     gen = torch.Generator().manual_seed(0)
     wide = torch.linspace(-30.0, 30.0, 61)  # the tails, where a cheaper approximation shows
     inputs = [torch.randn(3, 5, 7, generator=gen) * 4, wide]
     inputs += [x.to(torch.bfloat16) for x in inputs]
+    candidates = dict(_FUNCTIONS)
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for x in inputs:
                 before = x.clone()
                 out = module(x)
-                if not (
-                    isinstance(out, torch.Tensor)
-                    and out.dtype == x.dtype
-                    and torch.equal(out, F.silu(before))
-                    and torch.equal(x, before)
-                ):
-                    return False
-    except Exception:  # a module that cannot take the probe is not one
-        return False
-    return True
+                if not (isinstance(out, torch.Tensor) and out.dtype == x.dtype and torch.equal(x, before)):
+                    return ""
+                candidates = {name: fn for name, fn in candidates.items() if torch.equal(out, fn(before))}
+                if not candidates:
+                    return ""
+    except Exception:  # a module that cannot take the probe is none of them
+        return ""
+    return next(iter(candidates))

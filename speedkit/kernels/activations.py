@@ -1,4 +1,4 @@
-"""Fused bias + GELU (exact and tanh) and SwiGLU, forward and backward.
+"""Fused bias + GELU (exact and tanh), SwiGLU and GeGLU, forward and backward.
 
     bias_gelu: z = x + b;  y = gelu(z)
         exact: gelu(z) = z·Φ(z),                      gelu'(z) = Φ(z) + z·φ(z)
@@ -6,6 +6,8 @@
                gelu'(z) = ½(1 + t) + ½z(1 - t²)·k(1 + 3·0.044715z²), t = tanh(u)
     swiglu:    y = silu(g)·u = g·σ(g)·u
         dg = dy·u·σ(g)(1 + g(1 - σ(g))),  du = dy·silu(g)
+    geglu:     y = gelu(g)·u (exact or tanh)
+        dg = dy·u·gelu'(g),  du = dy·gelu(g)
 
 Math in fp32, outputs in the input dtype. The bias gradient (Σ over rows of dz) is reduced in the
 same persistent backward pass, per program in registers, then summed over the programs.
@@ -90,27 +92,45 @@ def _bias_gelu_bwd_kernel(
     tl.store(DB_PART + pid.to(tl.int64) * N + cols, db, mask=col_ok)
 
 
+#: the gated kernels' activation (their ACT constexpr)
+_SILU, _GELU, _GELU_TANH = 0, 1, 2
+
+
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+def _gate_and_grad(g, ACT: tl.constexpr, NEED_GRAD: tl.constexpr):
+    """(act(g), act'(g)) for SwiGLU's SiLU or GeGLU's GELU (the second is act(g) again unless NEED_GRAD)."""
+    if ACT == 0:
+        sig = tl.sigmoid(g)
+        y = g * sig
+        if NEED_GRAD:
+            d = sig * (1.0 + g * (1.0 - sig))
+        else:
+            d = y
+    else:
+        y, d = _gelu_and_grad(g, ACT == 2, NEED_GRAD)
+    return y, d
+
+
+@triton.jit
+def _gated_fwd_kernel(G, U, Y, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+    a, _ = _gate_and_grad(g, ACT, False)
+    tl.store(Y + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
+def _gated_bwd_kernel(DY, G, U, DG, DU, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    tl.store(DG + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=ok)
-    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=ok)
+    a, d = _gate_and_grad(g, ACT, True)
+    tl.store(DG + offs, (dy * u * d).to(DG.dtype.element_ty), mask=ok)
+    tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=ok)
 
 
 # -- launchers ------------------------------------------------------------------------------------------------
@@ -162,24 +182,44 @@ def bias_gelu_backward(dy: Tensor, x: Tensor, bias: Tensor, tanh: bool, dx_out: 
     return dx, db_part.sum(0).to(bias.dtype)
 
 
-def swiglu_forward(g: Tensor, u: Tensor, out: Tensor | None = None) -> Tensor:
+def _gated_forward(g: Tensor, u: Tensor, act: int, out: Tensor | None) -> Tensor:
     y = out if out is not None else torch.empty_like(g)
     n = g.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, 2048),)](g, u, y, n, BLOCK=2048, num_warps=8)
+        _gated_fwd_kernel[(triton.cdiv(n, 2048),)](g, u, y, n, ACT=act, BLOCK=2048, num_warps=8)
     return y
 
 
-def swiglu_backward(
-    dy: Tensor, g: Tensor, u: Tensor, dg_out: Tensor | None = None, du_out: Tensor | None = None
+def _gated_backward(
+    dy: Tensor, g: Tensor, u: Tensor, act: int, dg_out: Tensor | None, du_out: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous()
     dg = dg_out if dg_out is not None else torch.empty_like(g)
     du = du_out if du_out is not None else torch.empty_like(u)
     n = g.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, 2048),)](dy, g, u, dg, du, n, BLOCK=2048, num_warps=8)
+        _gated_bwd_kernel[(triton.cdiv(n, 2048),)](dy, g, u, dg, du, n, ACT=act, BLOCK=2048, num_warps=8)
     return dg, du
+
+
+def swiglu_forward(g: Tensor, u: Tensor, out: Tensor | None = None) -> Tensor:
+    return _gated_forward(g, u, _SILU, out)
+
+
+def swiglu_backward(
+    dy: Tensor, g: Tensor, u: Tensor, dg_out: Tensor | None = None, du_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    return _gated_backward(dy, g, u, _SILU, dg_out, du_out)
+
+
+def geglu_forward(g: Tensor, u: Tensor, tanh: bool, out: Tensor | None = None) -> Tensor:
+    return _gated_forward(g, u, _GELU_TANH if tanh else _GELU, out)
+
+
+def geglu_backward(
+    dy: Tensor, g: Tensor, u: Tensor, tanh: bool, dg_out: Tensor | None = None, du_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    return _gated_backward(dy, g, u, _GELU_TANH if tanh else _GELU, dg_out, du_out)
 
 
 # -- custom ops ------------------------------------------------------------------------------------------------
@@ -252,6 +292,41 @@ def _swiglu_backward(ctx, dy):
 _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
+@torch.library.custom_op("speedkit::geglu", mutates_args=())
+def _geglu_op(gate: Tensor, up: Tensor, tanh: bool) -> Tensor:
+    return geglu_forward(gate, up, tanh)
+
+
+@_geglu_op.register_fake
+def _(gate, up, tanh):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("speedkit::geglu_bwd", mutates_args=())
+def _geglu_bwd_op(dy: Tensor, gate: Tensor, up: Tensor, tanh: bool) -> tuple[Tensor, Tensor]:
+    return geglu_backward(dy, gate, up, tanh)
+
+
+@_geglu_bwd_op.register_fake
+def _(dy, gate, up, tanh):
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _geglu_setup(ctx, inputs, output):
+    gate, up, tanh = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.tanh = tanh
+
+
+def _geglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dg, du = torch.ops.speedkit.geglu_bwd(dy, gate, up, ctx.tanh)
+    return dg, du, None
+
+
+_geglu_op.register_autograd(_geglu_backward, setup_context=_geglu_setup)
+
+
 class _BiasGeluFunction(torch.autograd.Function):
     """The eager path: the launchers without the op dispatcher's overhead."""
 
@@ -278,6 +353,20 @@ class _SwigluFunction(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         return swiglu_backward(dy, gate, up)
+
+
+class _GegluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, tanh):
+        ctx.save_for_backward(gate, up)
+        ctx.tanh = tanh
+        return geglu_forward(gate, up, tanh)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = geglu_backward(dy, gate, up, ctx.tanh)
+        return dg, du, None
 
 
 # -- public functions -----------------------------------------------------------------------------------------
@@ -309,3 +398,17 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.speedkit.swiglu(gate.contiguous(), up.contiguous())
     return _SwigluFunction.apply(gate.contiguous(), up.contiguous())
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """``F.gelu(gate, approximate=approximate) * up`` in one pass (same shapes)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', found {approximate!r}")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, found {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not runs_triton(gate):
+        return torch.nn.functional.gelu(gate, approximate=approximate) * up
+    tanh = approximate == "tanh"
+    if torch.compiler.is_compiling():
+        return torch.ops.speedkit.geglu(gate.contiguous(), up.contiguous(), tanh)
+    return _GegluFunction.apply(gate.contiguous(), up.contiguous(), tanh)

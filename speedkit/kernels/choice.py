@@ -1,4 +1,4 @@
-"""Speedkit's kernel or Inductor's code for a norm or a SwiGLU product inside a compiled step, decided per
+"""Speedkit's kernel or Inductor's code for a norm or a gated product inside a compiled step, decided per
 shape by a micro-benchmark that runs once per shape and is remembered.
 
 Inside a region ``torch.compile`` traces, the swapped norms run PyTorch's ops by default and leave the
@@ -8,9 +8,10 @@ shape* runs the kernel there too. :func:`choose` decides: the layer alone, forwa
 input shape and dtype the step gives it and under the autocast in effect, timed both ways on the
 device -- PyTorch's module under ``torch.compile`` and speedkit's kernel -- as medians of ``windows``
 windows of ``steps`` calls after a warm-up, on CUDA events. The kernel is chosen where it is faster by
-``margin`` (3%) or more. A SwiGLU product (``act(gate) * up`` with an ``nn.SiLU`` ``act``, which
-``triton_layers`` rewrites into :func:`speedkit.kernels.layers.silu_mul`) is timed the same way at its
-gate's shape and dtype: ``speedkit::swiglu`` against the compiled ``F.silu(gate) * up``.
+``margin`` (3%) or more. A gated product (``act(gate) * up`` with a SiLU ``act``, SwiGLU, or a GELU,
+GeGLU, which ``triton_layers`` rewrites into :func:`speedkit.kernels.layers.silu_mul` / ``gelu_mul``) is
+timed the same way at its gate's shape and dtype: ``speedkit::swiglu`` / ``speedkit::geglu`` against the
+compiled ``F.silu(gate) * up`` / ``F.gelu(gate, approximate=…) * up``.
 
 Timed alone, Inductor's code has no neighbours to fuse with (inside the step it folds the residual add
 before a norm into it): the micro-benchmark favours the kernel. So a kernel it picks is still judged by
@@ -37,7 +38,7 @@ from torch import nn
 
 from speedkit.errors import OutputError
 from speedkit.files import default_cache_dir, write_text_atomic
-from speedkit.kernels.activation_modules import computes_silu
+from speedkit.kernels.activation_modules import computes_gelu, computes_silu
 
 #: the store's file in speedkit's cache folder
 STORE_NAME = "kernel_choices.json"
@@ -53,9 +54,9 @@ Timer = Callable[[str, Callable[[], None]], float]
 
 @dataclass(frozen=True)
 class LayerCase:
-    """One layer at one input shape: ``kind`` ("layer_norm", "rms_norm", "swiglu"), the input's shape and
-    dtype (a SwiGLU's: its gate's), the autocast dtype in effect (None: off; a SwiGLU's product runs in its
-    inputs' dtype under any), and the module's own settings."""
+    """One layer at one input shape: ``kind`` ("layer_norm", "rms_norm", or a gated product of
+    :data:`GATED`), the input's shape and dtype (a gated product's: its gate's), the autocast dtype in
+    effect (None: off; a gated product runs in its inputs' dtype under any), and the module's own settings."""
 
     kind: str
     shape: tuple[int, ...]
@@ -86,9 +87,12 @@ class Choice:
 def case_of(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, autocast: torch.dtype | None) -> LayerCase | None:
     """The :class:`LayerCase` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (or its speedkit class), or of a
     SwiGLU's ``nn.SiLU`` (or a library's module computing one), fed ``shape`` in ``dtype``; None for another module."""
-    if isinstance(module, nn.SiLU) or computes_silu(module):  # a SwiGLU's activation: the product runs in the gate's dtype
+    gelu = getattr(module, "approximate", None) if isinstance(module, nn.GELU) else computes_gelu(module)
+    if isinstance(module, nn.SiLU) or computes_silu(module) or gelu is not None:
+        # a gated product's activation: the product runs in the gate's dtype (a Linear's output)
+        kind = "swiglu" if gelu is None else {"none": "geglu", "tanh": "geglu_tanh"}[gelu]
         gate_dtype = str(autocast or dtype).removeprefix("torch.")
-        return LayerCase("swiglu", tuple(int(s) for s in shape), gate_dtype, None, affine=False, bias=False, eps=None)
+        return LayerCase(kind, tuple(int(s) for s in shape), gate_dtype, None, affine=False, bias=False, eps=None)
     if isinstance(module, nn.LayerNorm):
         kind, bias = "layer_norm", module.bias is not None
     elif isinstance(module, nn.RMSNorm):
@@ -204,30 +208,37 @@ def _pass(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, autocast: torch.
     return call
 
 
-class _SiluMul(nn.Module):
-    """``silu(gate) * up`` over one input holding both (``x[0]``, ``x[1]``): speedkit's kernel or PyTorch's ops."""
+#: the gated products' kinds and the activation of each
+GATED = {"swiglu": "silu", "geglu": "none", "geglu_tanh": "tanh"}
 
-    def __init__(self, kernel: bool) -> None:
+
+class _GatedMul(nn.Module):
+    """``act(gate) * up`` over one input holding both (``x[0]``, ``x[1]``), ``act`` the SiLU or GELU of
+    ``kind`` (:data:`GATED`): speedkit's kernel or PyTorch's ops."""
+
+    def __init__(self, kind: str, kernel: bool) -> None:
         super().__init__()
-        self.kernel = kernel
+        self.act, self.kernel = GATED[kind], kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel:
-            from speedkit import kernels
+        from speedkit import kernels
 
-            return kernels.swiglu(x[0], x[1])
-        return nn.functional.silu(x[0]) * x[1]
+        if self.act == "silu":
+            return kernels.swiglu(x[0], x[1]) if self.kernel else nn.functional.silu(x[0]) * x[1]
+        if self.kernel:
+            return kernels.geglu(x[0], x[1], self.act)
+        return nn.functional.gelu(x[0], approximate=self.act) * x[1]
 
 
 def measure(case: LayerCase, device: torch.device, timer: Timer) -> tuple[float, float]:
     """(kernel ms, compiled ms) per forward and backward of ``case`` on ``device``, timed by ``timer``."""
-    if case.kind == "swiglu":  # gate and up stacked: one input, each a contiguous half
+    if case.kind in GATED:  # gate and up stacked: one input, each a contiguous half
         dtype = getattr(torch, case.dtype)
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn((2, *case.shape), generator=gen, device=device, dtype=dtype).requires_grad_()
         dy = torch.randn(case.shape, generator=gen, device=device, dtype=dtype)
-        kernel_ms = timer("kernel", _pass(_SiluMul(kernel=True), x, dy, None))
-        compiled_ms = timer("compiled", _pass(torch.compile(_SiluMul(kernel=False)), x, dy, None))
+        kernel_ms = timer("kernel", _pass(_GatedMul(case.kind, kernel=True), x, dy, None))
+        compiled_ms = timer("compiled", _pass(torch.compile(_GatedMul(case.kind, kernel=False)), x, dy, None))
         return kernel_ms, compiled_ms
     torch_module, kernel_module = _modules(case, device)
     dtype = getattr(torch, case.dtype)

@@ -18,8 +18,8 @@ tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph c
 (norms 4.5%, bias+GELU 2.6%, cross-entropy ±0 with 1.5 GB more peak memory) against Inductor's code.
 The exception is :func:`gelu_mlp`, whose GEMMs are cuBLAS's own (with the GELU in their epilogues),
 which Inductor cannot fuse into anyway: it stays under compile; and the norms and SwiGLU activations of
-:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm (an ``nn.SiLU`` whose product
-:func:`silu_mul` computes) whose kernel was measured faster than Inductor's code at its shapes
+:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm (an ``nn.SiLU`` / ``nn.GELU``
+whose product :func:`silu_mul` / :func:`gelu_mul` computes) whose kernel was measured faster than Inductor's code at its shapes
 (:mod:`speedkit.kernels.choice`).
 Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
 ``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
@@ -198,15 +198,56 @@ class SiLUUnderCompile(nn.SiLU):
     inplace = False  # a library's SiLU module has no such attribute; an nn.SiLU's own (False) shadows it
 
 
+class GELU(nn.GELU):
+    """``nn.GELU`` (exact), given to a library's own GELU module that a GeGLU product calls (as
+    :class:`SiLU`); the class attribute stands for the ``approximate`` the library's module never had."""
+
+    approximate = "none"
+
+
+class GELUTanh(nn.GELU):
+    """``nn.GELU(approximate="tanh")``, given to a library's own tanh-GELU module (transformers'
+    ``GELUTanh``, Gemma's ``gelu_pytorch_tanh``) that a GeGLU product calls."""
+
+    approximate = "tanh"
+
+    def __init__(self, approximate: str = "tanh") -> None:  # made directly, it is what its name says
+        super().__init__(approximate)
+
+
+class GELUUnderCompile(nn.GELU):
+    """An ``nn.GELU`` whose product with the up projection (:func:`gelu_mul`, GeGLU) runs speedkit's
+    kernel where torch.compile traces it too (as :class:`SiLUUnderCompile`): an ``nn.GELU`` keeps its
+    own ``approximate``; a library's exact GELU module reads the class's."""
+
+    kernel_under_compile = True
+    approximate = "none"
+
+
+class GELUTanhUnderCompile(nn.GELU):
+    """:class:`GELUUnderCompile` for a library's tanh-GELU module."""
+
+    kernel_under_compile = True
+    approximate = "tanh"
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__(approximate)
+
+
 #: the classes that keep their kernel inside compiled code, by the class they stand in for (the norms'
-#: speedkit classes; a SwiGLU's ``nn.SiLU``, which triton_layers swaps for nothing else, or the
-#: :class:`SiLU` a library's SiLU module was given)
+#: speedkit classes; a SwiGLU's ``nn.SiLU`` or a GeGLU's ``nn.GELU``, which triton_layers swaps for
+#: nothing else, or the stand-in a library's activation module was given)
 UNDER_COMPILE: dict[type[nn.Module], type[nn.Module]] = {
     LayerNorm: LayerNormUnderCompile,
     RMSNorm: RMSNormUnderCompile,
     nn.SiLU: SiLUUnderCompile,
     SiLU: SiLUUnderCompile,
+    nn.GELU: GELUUnderCompile,
+    GELU: GELUUnderCompile,
+    GELUTanh: GELUTanhUnderCompile,
 }
+#: the GELU classes :func:`gelu_mul` knows compute ``F.gelu(x, approximate=self.approximate)``
+_GELUS = (nn.GELU, GELU, GELUTanh, GELUUnderCompile, GELUTanhUnderCompile)
 
 
 # -- functions the rewritten code calls ------------------------------------------------------------------
@@ -344,6 +385,30 @@ def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     ):
         return F.silu(gate) * up
     return kernels.swiglu(gate, up)
+
+
+def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str = "none") -> Tensor:
+    """``F.gelu(gate, approximate=approximate) * up`` (``act(gate) * up`` for an ``nn.GELU`` module ``act``,
+    or the stand-in a library's GELU module was given) in one kernel; inside compiled code only for a
+    :class:`GELUUnderCompile` / :class:`GELUTanhUnderCompile` ``act``.
+
+    Fused for two tensors of one shape, dtype and device (no broadcasting), else computed as written.
+    """
+    if act is not None:
+        if type(act) not in _GELUS or hooked(act):
+            return act(gate) * up
+        approximate = act.approximate
+    under_compile = type(act) in (GELUUnderCompile, GELUTanhUnderCompile)
+    if not (
+        approximate in ("none", "tanh")
+        and runs_kernels(gate, under_compile=under_compile)
+        and isinstance(up, Tensor)
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.device == up.device
+    ):
+        return F.gelu(gate, approximate=approximate) * up
+    return kernels.geglu(gate, up, approximate)
 
 
 def rms_like_forward(param: str, eps: float, original: Any) -> Any:

@@ -394,6 +394,13 @@ def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     return layers.silu_mul(gate, up, act)
 
 
+def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str = "none") -> Tensor:
+    """``F.gelu(gate, approximate=…) * up`` (or ``act(gate) * up`` for an ``nn.GELU``) in one kernel."""
+    from speedkit.kernels import layers
+
+    return layers.gelu_mul(gate, up, act, approximate)
+
+
 # -- the LM head and its loss (the fused_lm_head rung) ------------------------------------------
 
 

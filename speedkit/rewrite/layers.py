@@ -1,7 +1,8 @@
 """triton_layers' matcher, decisions and emitter for method sources (see :mod:`speedkit.rungs.triton_layers`):
 ``F.cross_entropy(logits[.float()][.view(-1, V)], t, …)``, ``self.proj(self.act(self.fc(x)))`` (a
-Linear→tanh-GELU→Linear MLP), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` (Linear→GELU) and
-``F.silu(g) * u``, found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
+Linear→tanh-GELU→Linear MLP), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` (Linear→GELU),
+``F.silu(g) * u`` (SwiGLU) and ``F.gelu(g) * u`` (GeGLU; either with ``self.act(g)``, an activation
+module decided per instance by what it computes), found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
 per instance, whether the modules named are the plain PyTorch ones without hooks.
 """
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.kernels import layers
-from speedkit.kernels.activation_modules import computes_silu
+from speedkit.kernels.activation_modules import computes_gelu, computes_silu
 from speedkit.rewrite.ast_tools import SCOPES, call_ops, local_names, resolve, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree
@@ -26,7 +27,7 @@ _CE_KEYWORDS = {"input", "target", "reduction", "ignore_index", "label_smoothing
 
 @dataclass
 class Site:
-    kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu"
+    kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu" (a gated product: SwiGLU or GeGLU)
     line: int
     fc: str = ""  # gelu, gelu_mlp: the Linear's attribute
     act: str = ""  # gelu, gelu_mlp: the GELU module's attribute ("" for F.gelu)
@@ -35,6 +36,13 @@ class Site:
     alt: Site | None = None
     #: swiglu, per operand (left, right): "" for ``F.silu(a)``, "attr" for ``self.attr(a)``, None for neither
     silu: tuple[str | None, str | None] = (None, None)
+    #: swiglu, per operand: True for ``F.gelu(a[, approximate=…])``
+    gelu: tuple[bool, bool] = (False, False)
+    #: swiglu, per operand: the index of the site the operand itself is (a Linear→GELU pair,
+    #: ``self.act(self.fc(x))``), left as written when the product is rewritten around it
+    inner: tuple[int | None, int | None] = (None, None)
+    #: swiglu: the operands' nodes while the sites are found (their ``inner`` indices are read from them)
+    operands: tuple[Any, ...] = ()
 
 
 class Sites(ast.NodeTransformer):
@@ -50,7 +58,13 @@ class Sites(ast.NodeTransformer):
 
     def run(self, tree: ast.FunctionDef) -> Sites:
         self.root = tree
+        self.nodes: list[int] = []  # id of each site's node, in site order
         self.visit(tree)
+        index = {node: i for i, node in enumerate(self.nodes)}
+        for site in self.sites:
+            if site.operands:
+                site.inner = (index.get(id(site.operands[0])), index.get(id(site.operands[1])))
+                site.operands = ()
         return self
 
     # names ---------------------------------------------------------------------------------------------
@@ -75,6 +89,7 @@ class Sites(ast.NodeTransformer):
         index = len(self.sites)
         if site is not None:
             self.sites.append(site)
+            self.nodes.append(id(node))
         node = self.generic_visit(node)
         if site is not None and self.decisions is not None and self.decisions[index]:
             node = ast.copy_location(self._emit(node, site, self.decisions[index]), node)
@@ -94,8 +109,9 @@ class Sites(ast.NodeTransformer):
             return gelu
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
             silu = (self._silu(node.left), self._silu(node.right))
-            if silu != (None, None):
-                return Site("swiglu", line, silu=silu)
+            gelu = (self._gelu_call(node.left), self._gelu_call(node.right))
+            if silu != (None, None) or any(gelu):
+                return Site("swiglu", line, silu=silu, gelu=gelu, operands=(node.left, node.right))
         return None
 
     def _match_gelu(self, node: ast.AST) -> Site | None:
@@ -137,6 +153,16 @@ class Sites(ast.NodeTransformer):
             return ""
         return self_attribute(node.func, self.self_name) if not node.keywords else None
 
+    def _gelu_call(self, node: ast.AST) -> bool:
+        """``F.gelu(a)`` or ``F.gelu(a, approximate=…)``."""
+        return (
+            isinstance(node, ast.Call)
+            and len(node.args) == 1
+            and not isinstance(node.args[0], ast.Starred)
+            and self._is(node.func, F.gelu)
+            and all(k.arg == "approximate" for k in node.keywords)
+        )
+
     # emit ----------------------------------------------------------------------------------------------
     def _emit(self, node: Any, site: Site, decision: Any) -> ast.expr:
         if site.kind == "cross_entropy":
@@ -157,13 +183,16 @@ class Sites(ast.NodeTransformer):
             fc_call = gelu.args[0]
             act = gelu.func if site.act else ast.Constant(None)
             return call_ops("gelu_mlp", node.func, act, fc_call.func, fc_call.args[0], keywords=list(gelu.keywords))
-        side = 0 if decision == "left" else 1  # the operand holding the silu
-        silu, other = (node.left, node.right) if side == 0 else (node.right, node.left)
-        gate, up = ast.keyword(arg="gate", value=silu.args[0]), ast.keyword(arg="up", value=other)
+        function, where = decision  # ("silu_mul" | "gelu_mul", "left" | "right"): the operand holding the activation
+        side = 0 if where == "left" else 1
+        act, other = (node.left, node.right) if side == 0 else (node.right, node.left)
+        gate, up = ast.keyword(arg="gate", value=act.args[0]), ast.keyword(arg="up", value=other)
         keywords = [gate, up] if side == 0 else [up, gate]  # keyword arguments evaluate in source order
-        if site.silu[side]:
+        if site.silu[side]:  # self.attr(g): the module is passed, its class read at run time
             keywords.insert(0, ast.keyword(arg="act", value=self_attr(self.self_name, site.silu[side])))
-        return call_ops("silu_mul", keywords=keywords)
+        else:  # F.gelu(g, approximate=…): its keyword goes along
+            keywords += list(act.keywords) if function == "gelu_mul" else []
+        return call_ops(function, keywords=keywords)
 
     def _strip_upcast(self, node: ast.expr) -> tuple[ast.expr, bool]:
         """The logits expression without its ``.float()`` (also under ``.view``/``.reshape``/``.flatten``)."""
@@ -194,11 +223,12 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, options: Any) 
     decisions, done = [], []
     notes = [f"{type(module).__name__}.{parsed.name}: {n}" for n in found.notes]
     inside_mlp = False  # the gelu site right after a gelu_mlp site taken is its inner part
-    for site in found.sites:
+    inside_product: set[int] = set()  # the operands of gated products taken that are sites of their own
+    for index, site in enumerate(found.sites):
         ok: Any = False
         note = None
         kind = site.kind
-        if inside_mlp:
+        if inside_mlp or index in inside_product:
             inside_mlp = False
             decisions.append(False)
             continue
@@ -213,20 +243,48 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, options: Any) 
                 ok, note, kind = ok and "gelu", note or alt_note, "gelu"
         elif site.kind == "gelu" and options.gelu:
             ok, note = _decide_gelu(module, site)
-        elif site.kind == "swiglu" and options.swiglu:
-            for side, attr in zip(("left", "right"), site.silu):
-                act = getattr(module, attr, None) if attr else None
-                if attr == "" or (isinstance(act, nn.Module) and computes_silu(act) and not layers.hooked(act)):
-                    ok = side
-                    break
-                if isinstance(act, nn.SiLU):
-                    note = f"self.{attr}(…) * … (line {site.line}): an nn.SiLU subclass, in place, or with hooks"
+        elif site.kind == "swiglu":
+            ok, kind, note = _decide_gated(module, site, options)
+            if ok:
+                inner = site.inner[0 if ok[1] == "left" else 1]
+                if inner is not None:
+                    inside_product.add(inner)
         decisions.append(ok)
         if ok:
             done.append(kind)
         if note:
             notes.append(f"{type(module).__name__}: {note}")
     return Decided(tuple(decisions), done, notes)
+
+
+def _decide_gated(module: nn.Module, site: Site, options: Any) -> tuple[Any, str, str | None]:
+    """How a gated product of this instance is rewritten: ``(function, side)`` or False; the kind
+    counted ("swiglu" or "geglu"); the reason where it nearly was."""
+    note = None
+    for side, attr, gelu in zip(("left", "right"), site.silu, site.gelu):
+        if gelu:
+            if options.geglu:
+                return ("gelu_mul", side), "geglu", None
+            continue
+        if attr is None:
+            continue
+        if attr == "":
+            if options.swiglu:
+                return ("silu_mul", side), "swiglu", None
+            continue
+        act = getattr(module, attr, None)
+        if not isinstance(act, nn.Module):
+            continue
+        if layers.hooked(act):
+            note = f"self.{attr}(…) * … (line {site.line}): hooks on the activation would be skipped"
+        elif computes_silu(act) and options.swiglu:
+            return ("silu_mul", side), "swiglu", None
+        elif computes_gelu(act) is not None and options.geglu:
+            return ("gelu_mul", side), "geglu", None
+        elif isinstance(act, (nn.SiLU, nn.GELU)):
+            base = "SiLU" if isinstance(act, nn.SiLU) else "GELU"
+            note = f"self.{attr}(…) * … (line {site.line}): an nn.{base} subclass, or in place"
+    return False, "swiglu", note
 
 
 def _decide_gelu(module: nn.Module, site: Site) -> tuple[bool, str | None]:

@@ -38,8 +38,10 @@ What is swapped, in the order it is done, all on one handle:
    Linears with biases around a tanh-GELU (GPT-2's MLP: the GELU and its derivative in cuBLASLt's GEMM
    epilogues, :mod:`speedkit.kernels.cublaslt`, kept under torch.compile; in fp32 without autocast
    it runs as the next form), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` for a Linear with bias
-   and a GELU, and
-   ``F.silu(g) * u`` (or an ``nn.SiLU`` module) become calls to the functions of
+   and a GELU, and the gated products ``F.silu(g) * u`` (SwiGLU) and ``F.gelu(g[, approximate=…]) * u``
+   (GeGLU), with ``self.act(g)`` for PyTorch's module or a library's own one that computes the same
+   (transformers' ``SiLUActivation`` / ``GELUTanh``, given a stand-in class the functions know) become
+   calls to the functions of
    :mod:`speedkit.kernels.layers`, which check at run time that the kernel computes what the code would
    and run the code as written otherwise.
 4. Hugging Face models that compute their causal- or masked-LM loss themselves
@@ -69,7 +71,7 @@ from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import cublaslt, kernels_available, layers
-from speedkit.kernels.activation_modules import computes_silu
+from speedkit.kernels.activation_modules import computes_gelu, computes_silu, gates
 from speedkit.measure import layer_shapes
 from speedkit.rewrite import hf_loss
 from speedkit.rewrite.layers import LAYERS, decide
@@ -80,7 +82,7 @@ from speedkit.training.state import TrainState
 
 NOTHING_FOUND = (
     "nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
-    "Linear→GELU or SwiGLU found"
+    "Linear→GELU, SwiGLU or GeGLU found"
 )
 TAG = "triton_layers"
 
@@ -103,6 +105,8 @@ class TritonLayersOptions:
     gelu_mlp: bool = True
     #: ``silu(gate) * up``
     swiglu: bool = True
+    #: ``gelu(gate) * up`` (exact or tanh)
+    geglu: bool = True
     #: a norm keeps its kernel inside compiled code where a micro-benchmark at the shape the step feeds
     #: it measured the kernel faster than Inductor's code (:mod:`speedkit.kernels.choice`)
     kernel_choice: bool = True
@@ -218,7 +222,7 @@ def _rms_like(module: nn.Module) -> tuple[str, float] | str | None:
 
 
 _KIND_NAMES = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm", "CrossEntropyLoss": "cross_entropy"}
-_REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu")
+_REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu", "geglu")
 
 
 def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> RewritePlan:
@@ -255,7 +259,7 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
                 rms_modules.add(id(module))
             elif found:
                 plan.left_alone.append(found)
-    if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu:
+    if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu or options.geglu:
         targets = [
             (m, "forward")
             for m in model.modules()
@@ -279,8 +283,8 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
         plan.left_alone += left_alone
         for rewrite in plan.rewrites:
             plan.counts.update(rewrite.done)
-    # a library's own SiLU module that a SwiGLU product calls becomes layers.SiLU, which silu_mul knows
-    plan.swaps += [(act, layers.SiLU) for act in _swiglu_activations(plan) if type(act) is not nn.SiLU]
+    # a library's own SiLU / GELU module that a gated product calls gets the stand-in silu_mul / gelu_mul knows
+    plan.swaps += [(act, _stand_in(act)) for act in _gate_activations(plan) if type(act) not in (nn.SiLU, nn.GELU)]
     if options.cross_entropy:
         plan.extra, notes = hf_loss.find(model)
         if plan.extra:
@@ -316,29 +320,37 @@ def choose_under_compile(
 
     for module, new_class in plan.swaps:
         under = layers.UNDER_COMPILE.get(new_class)
-        swaps.append(
-            (module, under)
-            if under is not None and kernel_faster(module, "SwiGLU" if new_class is layers.SiLU else type(module).__name__)
-            else (module, new_class)
-        )
-    for act in _swiglu_activations(plan, nn.SiLU):
-        if kernel_faster(act, "SwiGLU"):
-            swaps.append((act, layers.SiLUUnderCompile))
+        label = _GATED.get(new_class, type(module).__name__)
+        swaps.append((module, under) if under is not None and kernel_faster(module, label) else (module, new_class))
+    for act in _gate_activations(plan, (nn.SiLU, nn.GELU)):
+        if kernel_faster(act, _GATED[type(act)]):
+            swaps.append((act, layers.UNDER_COMPILE[type(act)]))
     return dataclasses.replace(plan, swaps=swaps), list(dict.fromkeys(lines))
 
 
-def _swiglu_activations(plan: RewritePlan, kind: type[nn.Module] | None = None) -> list[nn.Module]:
-    """The SiLU children (an ``nn.SiLU``, or a library's module computing one) of the modules whose
-    methods the plan rewrites with a SwiGLU product (the ``act`` that
-    :func:`speedkit.kernels.layers.silu_mul` is given; called alone, its under-compile class is
-    ``nn.SiLU``), each once; only those of class ``kind`` where given."""
+#: a gated product's label in the kernel choice's lines, by its activation's class
+_GATED = {nn.SiLU: "SwiGLU", layers.SiLU: "SwiGLU", nn.GELU: "GeGLU", layers.GELU: "GeGLU", layers.GELUTanh: "GeGLU"}
+
+
+def _gate_activations(plan: RewritePlan, classes: tuple[type[nn.Module], ...] | None = None) -> list[nn.Module]:
+    """The SiLU and GELU children (PyTorch's modules, or a library's module computing one) of the modules
+    whose methods the plan rewrites with a gated product (the ``act`` that
+    :func:`speedkit.kernels.layers.silu_mul` / ``gelu_mul`` is given; called alone, its under-compile class
+    is PyTorch's), each once; only those of exactly ``classes`` where given."""
     acts: dict[int, nn.Module] = {}
     for rewrite in plan.rewrites:
-        if "swiglu" in rewrite.done:
+        if "swiglu" in rewrite.done or "geglu" in rewrite.done:
             for child in rewrite.module.children():
-                if computes_silu(child) and not layers.hooked(child) and (kind is None or type(child) is kind):
+                if gates(child) and not layers.hooked(child) and (classes is None or type(child) in classes):
                     acts.setdefault(id(child), child)
     return list(acts.values())
+
+
+def _stand_in(act: nn.Module) -> type[nn.Module]:
+    """The class that tells silu_mul / gelu_mul what a library's activation module computes."""
+    if computes_silu(act):
+        return layers.SiLU
+    return layers.GELUTanh if computes_gelu(act) == "tanh" else layers.GELU
 
 
 def _describe(rewrite: MethodRewrite) -> str:
