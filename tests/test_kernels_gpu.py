@@ -23,8 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit.kernels import bias_gelu, cross_entropy, layer_norm, rms_norm, swiglu
-from speedkit.kernels.activations import bias_gelu_backward, bias_gelu_forward, swiglu_backward, swiglu_forward
+from speedkit.kernels import bias_gelu, cross_entropy, geglu, layer_norm, rms_norm, swiglu
+from speedkit.kernels.activations import (
+    bias_gelu_backward,
+    bias_gelu_forward,
+    geglu_backward,
+    geglu_forward,
+    swiglu_backward,
+    swiglu_forward,
+)
 from speedkit.kernels.cross_entropy import cross_entropy_forward
 from speedkit.kernels.norms import norm_backward, norm_forward
 
@@ -254,6 +261,35 @@ def test_swiglu_launchers_and_autograd(dtype, shape):
 
     gl, ul = leaf(gate), leaf(up)
     y = swiglu(gl, ul)
+    y.backward(dy)
+    check(y, ref.detach(), tol, "y")
+    check(gl.grad, gd.grad, tol, "dgate")
+    check(ul.grad, ud.grad, tol, "dup")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_geglu_launchers_and_autograd(dtype, shape, approximate):
+    torch.manual_seed(6)
+    gate, up, dy = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
+    gd, ud = leaf(gate.double()), leaf(up.double())
+    ref = F.gelu(gd, approximate=approximate) * ud
+    ref.backward(dy.double())
+    tol = TOL[dtype]
+
+    tanh = approximate == "tanh"
+    out, dg_out, du_out = nan_like(gate), nan_like(gate), nan_like(up)
+    y = geglu_forward(gate, up, tanh, out=out)
+    dg, du = geglu_backward(dy, gate, up, tanh, dg_out=dg_out, du_out=du_out)
+    torch.cuda.synchronize()
+    assert (y.data_ptr(), dg.data_ptr(), du.data_ptr()) == (out.data_ptr(), dg_out.data_ptr(), du_out.data_ptr())
+    check(y, ref.detach(), tol, "launcher y")
+    check(dg, gd.grad, tol, "launcher dgate")
+    check(du, ud.grad, tol, "launcher dup")
+
+    gl, ul = leaf(gate), leaf(up)
+    y = geglu(gl, ul, approximate)
     y.backward(dy)
     check(y, ref.detach(), tol, "y")
     check(gl.grad, gd.grad, tol, "dgate")
