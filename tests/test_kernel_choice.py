@@ -19,8 +19,8 @@ from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import layers
-from speedkit.kernels.activation_modules import gates
 from speedkit.kernels.choice import ChoiceStore, LayerCase, choose
+from speedkit.kernels.recognise import gates
 from speedkit.measure import layer_shapes
 from speedkit.rungs.triton_layers import TritonLayersOptions, TritonLayersRung, choose_under_compile, plan_triton_layers
 from speedkit.training.state import TrainState

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_rel_close
 
-from speedkit.kernels import bias_gelu, cross_entropy, geglu, kernels_available, layer_norm, rms_norm, swiglu
+from speedkit.kernels import bias_gelu, cross_entropy, geglu, kernels_available, layer_norm, rms_norm, rotary, swiglu
 from speedkit.kernels.activations import (
     bias_gelu_backward,
     bias_gelu_forward,
@@ -309,6 +309,73 @@ def test_geglu_launchers(dtype, approximate):
 def test_geglu_takes_only_the_two_gelus():
     with pytest.raises(ValueError, match="approximate"):
         geglu(_rand(2, 3), _rand(2, 3), "sigmoid")
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("table_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("layout", ["heads-first", "tokens-first"])
+def test_rotary_forward_and_backward(dtype, table_dtype, layout):
+    """A projection viewed as heads and transposed (strided, read in place), odd sizes, the tables
+    broadcast over the heads; bf16/fp16 inputs with fp32 tables give what PyTorch's promotion gives."""
+    B, T, H, Dh = 2, 7, 3, 22
+    tables = torch.float32 if table_dtype == "fp32" else dtype
+    x = _rand(B, T, H, Dh, dtype=dtype)
+    if layout == "heads-first":
+        x, unsqueeze = x.transpose(1, 2), 1  # (B, H, T, Dh), strided
+    else:
+        unsqueeze = 2
+    x.requires_grad_()
+    cos, sin = _rand(B, T, Dh, dtype=tables), _rand(B, T, Dh, dtype=tables)
+    c, s = cos.unsqueeze(unsqueeze), sin.unsqueeze(unsqueeze)
+    y = rotary(x, c, s)
+    assert y.dtype == torch.promote_types(dtype, tables) and y.shape == x.shape and y.stride() == x.stride()
+    dy = _rand(*y.shape, dtype=y.dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert dx.dtype == dtype
+    xl = x.detach().double().requires_grad_()
+    ref = xl * c.double() + _rotate_half(xl) * s.double()
+    (rdx,) = torch.autograd.grad(ref, xl, dy.double())
+    _close(y, ref, dtype, "y")
+    _close(dx, rdx, dtype, "dx")
+
+
+def test_rotary_takes_only_what_it_computes():
+    with pytest.raises(ValueError, match="even last dim"):
+        rotary(_rand(2, 3, 4, 5), _rand(2, 1, 4, 5), _rand(2, 1, 4, 5))
+    with pytest.raises(ValueError, match="one dtype"):
+        rotary(_rand(2, 3, 4, 6), _rand(2, 1, 4, 6), _rand(2, 1, 4, 6, dtype=torch.bfloat16))
+
+
+def test_the_rotary_call_runs_the_models_function_where_the_kernel_does_not_apply():
+    """Tables that need a gradient, a 3-D q, an unknown keyword: the model's function as written."""
+    from speedkit.kernels import layers
+
+    calls = []
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **other):
+        calls.append(other)
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+    q, k, cos, sin = _rand(2, 3, 5, 8), _rand(2, 1, 5, 8), _rand(2, 5, 8), _rand(2, 5, 8)
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    calls.clear()
+    for args, kwargs in (
+        ((q, k, cos.requires_grad_(), sin), {}),
+        ((q[0], k[0], cos.detach(), sin), {}),
+        ((q, k, cos.detach(), sin), {"position_ids": None}),
+    ):
+        layers.rotary_pos_emb(apply_rotary_pos_emb, *args, **kwargs)
+    assert len(calls) == 3
+    got = layers.rotary_pos_emb(apply_rotary_pos_emb, q, k, cos.detach(), sin, 1)  # the kernel: not called
+    assert len(calls) == 3
+    for a, e in zip(got, want):
+        assert_rel_close(a, e, 1e-6)
 
 
 def test_activation_functions_with_autograd_on_3d_inputs():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speedkit.kernels import bias_gelu, cross_entropy, geglu, layer_norm, rms_norm, swiglu
+from speedkit.kernels import bias_gelu, cross_entropy, geglu, layer_norm, rms_norm, rotary, swiglu
 from speedkit.kernels.activations import (
     bias_gelu_backward,
     bias_gelu_forward,
@@ -294,6 +294,25 @@ def test_geglu_launchers_and_autograd(dtype, shape, approximate):
     check(y, ref.detach(), tol, "y")
     check(gl.grad, gd.grad, tol, "dgate")
     check(ul.grad, ud.grad, tol, "dup")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 22])
+def test_rotary_forward_and_backward(dtype, head_dim):
+    """Llama's layout: a projection viewed as heads and transposed, fp32 tables broadcast over the heads."""
+    torch.manual_seed(7)
+    B, T, H = 2, 301, 5
+    x = leaf(rand(B, T, H, head_dim, dtype=dtype).transpose(1, 2))
+    cos, sin = rand(B, T, head_dim).unsqueeze(1), rand(B, T, head_dim).unsqueeze(1)
+    y = rotary(x, cos, sin)
+    dy = rand(*y.shape, dtype=y.dtype)
+    y.backward(dy)
+    xd = leaf(x.detach().double())
+    half = head_dim // 2
+    ref = xd * cos.double() + torch.cat((-xd[..., half:], xd[..., :half]), -1) * sin.double()
+    ref.backward(dy.double())
+    check(y, ref.detach(), TOL[dtype], "y")
+    check(x.grad, xd.grad, TOL[dtype], "dx")
 
 
 # -- (b), (c) a small model of all five ops ---------------------------------------------------------------

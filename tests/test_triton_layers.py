@@ -165,7 +165,7 @@ def _state(model):
 def kernel_calls(monkeypatch):
     """Counts the kernel calls the swapped layers make (the point: not a fallback to PyTorch)."""
     calls = Counter()
-    for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu", "geglu"):
+    for name in ("layer_norm", "rms_norm", "cross_entropy", "bias_gelu", "swiglu", "geglu", "rotary"):
 
         def spy(*args, _name=name, _fn=getattr(kernels, name), **kwargs):  # noqa: B008 (binds the kernel now, by design)
             calls[_name] += 1
@@ -457,6 +457,85 @@ def test_transformers_gemma_mlp_runs_the_geglu_kernel(kernel_calls):
         assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
     handle.undo()
     assert type(model.model.layers[0].mlp.act_fn) is act_class
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' Llama rotary function, as its modeling files copy it."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def apply_rotary_interleaved(q, k, cos, sin):
+    """GPT-J's form: pairs (x₀, x₁), (x₂, x₃)… rotated; another function under a rotary name."""
+
+    def rotate_every_two(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+class RotaryAttention(nn.Module):
+    """A hand-written Llama attention: q/k/v projections viewed as heads, the rotary function on q and k
+    (fp32 tables of (B, T, head dim), as transformers' rotary module gives them), SDPA."""
+
+    def __init__(self, heads: int = 3, kv_heads: int = 1, head_dim: int = 10) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj, self.k_proj = nn.Linear(D, heads * head_dim), nn.Linear(D, kv_heads * head_dim)
+        self.v_proj, self.o_proj = nn.Linear(D, kv_heads * head_dim), nn.Linear(heads * head_dim, D)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x):
+        q, k, v, cos, sin = self.project(x)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.attend(q, k, v)
+
+    def project(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        freqs = torch.arange(t, device=x.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1).expand(b, t, self.head_dim)
+        return q, k, v, emb.cos(), emb.sin()
+
+    def attend(self, q, k, v):
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+class InterleavedRotaryAttention(RotaryAttention):
+    def forward(self, x):
+        q, k, v, cos, sin = self.project(x)
+        q, k = apply_rotary_interleaved(q, k, cos, sin)
+        return self.attend(q, k, v)
+
+
+def test_a_models_rotary_function_runs_the_rotary_kernel(kernel_calls):
+    handle = _compare(RotaryAttention(), [_x(2, 7, D)])
+    assert handle.rewrite.counts["rotary"] == 1 and kernel_calls["rotary"] == 2  # q and k
+
+
+def test_a_rotary_function_of_another_form_is_left_alone(kernel_calls):
+    model = InterleavedRotaryAttention()
+    handle = _compare(model, [_x(2, 7, D)])
+    assert handle.rewrite.counts["rotary"] == 0 and kernel_calls["rotary"] == 0
+    assert any("apply_rotary_interleaved(…)" in c and "other than the rotate-half" in c for c in handle.changes), handle.changes
+
+
+def test_transformers_rotary_function_is_recognised():
+    from speedkit.kernels.recognise import computes_rotary
+
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    assert computes_rotary(llama.apply_rotary_pos_emb) and computes_rotary(apply_rotary_pos_emb)
+    assert not computes_rotary(apply_rotary_interleaved) and not computes_rotary(rotate_half)
 
 
 # -- near misses: left alone, each with its reason -----------------------------------------------------------

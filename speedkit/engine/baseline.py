@@ -24,7 +24,7 @@ from speedkit.engine.profile_run import rank_communication_of
 from speedkit.engine.stack import agreed_check
 from speedkit.engine.timing import Timing
 from speedkit.errors import SpeedkitError, first_line
-from speedkit.kernels.activation_modules import gates
+from speedkit.kernels.recognise import gates
 from speedkit.measure import layer_shapes
 from speedkit.measure.flops import CONVENTION, count_step_flops, peak_tflops
 from speedkit.measure.noise import host_bound

@@ -14,6 +14,7 @@ Functional API (same semantics as the PyTorch functions they stand in for, stati
 * :func:`bias_gelu` ``(x, bias, approximate)`` — ``gelu(x + bias)``, exact or tanh.
 * :func:`swiglu` ``(gate, up)`` — ``silu(gate) * up``.
 * :func:`geglu` ``(gate, up, approximate)`` — ``gelu(gate) * up``, exact or tanh.
+* :func:`rotary` ``(x, cos, sin)`` — ``x * cos + rotate_half(x) * sin`` (rotary position embedding).
 
 Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests). Without
 Triton installed (torch's CPU builds do not bring it) the functions raise, and
@@ -27,11 +28,12 @@ if triton_installed():
     from speedkit.kernels.activations import bias_gelu, geglu, swiglu
     from speedkit.kernels.cross_entropy import cross_entropy
     from speedkit.kernels.norms import layer_norm, rms_norm
+    from speedkit.kernels.rotary import rotary
 else:  # torch's CPU builds come without Triton (its CUDA builds bring their own): nothing here can run
 
     def _no_triton(*args: object, **kwargs: object) -> None:
         raise RuntimeError(kernels_available())
 
-    bias_gelu = geglu = swiglu = cross_entropy = layer_norm = rms_norm = _no_triton  # type: ignore[assignment]
+    bias_gelu = geglu = swiglu = cross_entropy = layer_norm = rms_norm = rotary = _no_triton  # type: ignore[assignment]
 
-__all__ = ["bias_gelu", "cross_entropy", "geglu", "kernels_available", "layer_norm", "rms_norm", "swiglu"]
+__all__ = ["bias_gelu", "cross_entropy", "geglu", "kernels_available", "layer_norm", "rms_norm", "rotary", "swiglu"]

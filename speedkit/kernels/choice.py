@@ -38,7 +38,7 @@ from torch import nn
 
 from speedkit.errors import OutputError
 from speedkit.files import default_cache_dir, write_text_atomic
-from speedkit.kernels.activation_modules import computes_gelu, computes_silu
+from speedkit.kernels.recognise import computes_gelu, computes_silu
 
 #: the store's file in speedkit's cache folder
 STORE_NAME = "kernel_choices.json"

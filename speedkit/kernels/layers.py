@@ -181,7 +181,7 @@ class RMSNormUnderCompile(RMSNorm):
 
 class SiLU(nn.SiLU):
     """``nn.SiLU``, given to a library's own SiLU module that a SwiGLU product calls (transformers'
-    ``SiLUActivation``: recognised by what it computes, :mod:`speedkit.kernels.activation_modules`), so
+    ``SiLUActivation``: recognised by what it computes, :mod:`speedkit.kernels.recognise`), so
     that :func:`silu_mul` knows it computes ``F.silu``. Neither has state; the class attribute stands
     for the ``inplace`` the library's module never had."""
 
@@ -409,6 +409,42 @@ def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str 
     ):
         return F.gelu(gate, approximate=approximate) * up
     return kernels.geglu(gate, up, approximate)
+
+
+def rotary_pos_emb(fn: Any, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(q, k, cos, sin, …)``, a model's rotate-half rotary function (recognised by what it computes:
+    :func:`speedkit.kernels.recognise.computes_rotary`), with both rotations in speedkit's kernel.
+
+    Taken for 4-D ``q``/``k`` with an even head dim the kernels run on, tables of one floating dtype that
+    need no gradient and broadcast to both once unsqueezed at ``unsqueeze_dim`` (a trailing positional
+    argument or keyword, default 1); anything else, and code torch.compile traces (Inductor fuses the
+    rotation into its neighbours), calls ``fn`` as written.
+    """
+    unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+    if (
+        len(args) + len(kwargs) > 1
+        or set(kwargs) - {"unsqueeze_dim"}
+        or type(unsqueeze) is not int
+        or not (runs_kernels(q) and runs_kernels(k))
+        or not (isinstance(cos, Tensor) and isinstance(sin, Tensor))
+        or cos.dtype != sin.dtype
+        or cos.dtype not in _KERNEL_DTYPES
+        or cos.requires_grad
+        or sin.requires_grad
+        or q.dim() != 4
+        or k.dim() != 4
+        or q.shape[-1] % 2
+        or not (q.device == k.device == cos.device == sin.device)
+    ):
+        return fn(q, k, cos, sin, *args, **kwargs)
+    try:
+        c, s = cos.unsqueeze(unsqueeze), sin.unsqueeze(unsqueeze)
+        fits = all(torch.broadcast_shapes(t.shape, x.shape) == x.shape for t in (c, s) for x in (q, k))
+    except (IndexError, RuntimeError):
+        fits = False
+    if not fits:
+        return fn(q, k, cos, sin, *args, **kwargs)
+    return kernels.rotary(q, c, s), kernels.rotary(k, c, s)
 
 
 def rms_like_forward(param: str, eps: float, original: Any) -> Any:

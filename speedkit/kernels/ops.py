@@ -401,6 +401,13 @@ def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str 
     return layers.gelu_mul(gate, up, act, approximate)
 
 
+def rotary_pos_emb(fn: Any, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(q, k, cos, sin, …)`` (a rotate-half rotary function) with both rotations in one kernel each."""
+    from speedkit.kernels import layers
+
+    return layers.rotary_pos_emb(fn, q, k, cos, sin, *args, **kwargs)
+
+
 # -- the LM head and its loss (the fused_lm_head rung) ------------------------------------------
 
 

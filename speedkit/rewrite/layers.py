@@ -2,13 +2,15 @@
 ``F.cross_entropy(logits[.float()][.view(-1, V)], t, …)``, ``self.proj(self.act(self.fc(x)))`` (a
 Linear→tanh-GELU→Linear MLP), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` (Linear→GELU),
 ``F.silu(g) * u`` (SwiGLU) and ``F.gelu(g) * u`` (GeGLU; either with ``self.act(g)``, an activation
-module decided per instance by what it computes), found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
+module decided per instance by what it computes), and ``apply_rotary_pos_emb(q, k, cos, sin)`` (a
+function named for rotary embeddings that computes the rotate-half form), found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
 per instance, whether the modules named are the plain PyTorch ones without hooks.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speedkit.kernels import layers
-from speedkit.kernels.activation_modules import computes_gelu, computes_silu
+from speedkit.kernels.recognise import computes_gelu, computes_rotary, computes_silu
 from speedkit.rewrite.ast_tools import SCOPES, call_ops, local_names, resolve, self_attr, self_attribute, where
 from speedkit.rewrite.pipeline import Decided, Found, Rewriter
 from speedkit.rewrite.source import ParsedMethod, copy_tree
@@ -27,7 +29,7 @@ _CE_KEYWORDS = {"input", "target", "reduction", "ignore_index", "label_smoothing
 
 @dataclass
 class Site:
-    kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu" (a gated product: SwiGLU or GeGLU)
+    kind: str  # "cross_entropy" | "gelu" | "gelu_mlp" | "swiglu" (a gated product: SwiGLU or GeGLU) | "rotary"
     line: int
     fc: str = ""  # gelu, gelu_mlp: the Linear's attribute
     act: str = ""  # gelu, gelu_mlp: the GELU module's attribute ("" for F.gelu)
@@ -43,6 +45,8 @@ class Site:
     inner: tuple[int | None, int | None] = (None, None)
     #: swiglu: the operands' nodes while the sites are found (their ``inner`` indices are read from them)
     operands: tuple[Any, ...] = ()
+    #: rotary: the function called
+    function: Any = None
 
 
 class Sites(ast.NodeTransformer):
@@ -99,6 +103,9 @@ class Sites(ast.NodeTransformer):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Call) and self._is(node.func, F.cross_entropy):
             return self._match_cross_entropy(node)
+        rotary = self._match_rotary(node)
+        if rotary is not None:
+            return rotary
         proj = self._self_call(node)
         if proj is not None:
             inner = self._match_gelu(node.args[0])
@@ -153,6 +160,19 @@ class Sites(ast.NodeTransformer):
             return ""
         return self_attribute(node.func, self.self_name) if not node.keywords else None
 
+    def _match_rotary(self, node: ast.AST) -> Site | None:
+        """``f(q, k, cos, sin[, unsqueeze_dim])`` for a Python function ``f`` named for rotary embeddings
+        (``rotary`` or ``rope`` in its name; what it computes is probed per function when deciding)."""
+        if not (isinstance(node, ast.Call) and not any(isinstance(a, ast.Starred) for a in node.args)):
+            return None
+        if not (4 <= len(node.args) <= 5 and all(k.arg == "unsqueeze_dim" for k in node.keywords)):
+            return None
+        fn = self._resolve(node.func)
+        name = getattr(fn, "__name__", "").lower()
+        if not (inspect.isfunction(fn) and ("rotary" in name or "rope" in name)):
+            return None
+        return Site("rotary", getattr(node, "lineno", 0), function=fn)
+
     def _gelu_call(self, node: ast.AST) -> bool:
         """``F.gelu(a)`` or ``F.gelu(a, approximate=…)``."""
         return (
@@ -174,6 +194,8 @@ class Sites(ast.NodeTransformer):
                 value, upcast = self._strip_upcast(keywords[k].value)
                 keywords[k] = ast.keyword(arg="input", value=value)
             return call_ops("cross_entropy", *args, keywords=[*keywords, ast.keyword(arg="upcast", value=ast.Constant(upcast))])
+        if site.kind == "rotary":
+            return call_ops("rotary_pos_emb", node.func, *node.args, keywords=list(node.keywords))
         if site.kind == "gelu" or decision == "gelu":
             inner = node.args[0]  # self.fc(x)
             act = node.func if site.act else ast.Constant(None)
@@ -234,6 +256,11 @@ def decide(module: nn.Module, parsed: ParsedMethod, found: Found, options: Any) 
             continue
         if site.kind == "cross_entropy":
             ok = options.cross_entropy
+        elif site.kind == "rotary":
+            if options.rotary:
+                ok = computes_rotary(site.function)
+                if not ok:
+                    note = f"{site.function.__name__}(…) (line {site.line}): computes something other than the rotate-half rotary embedding"
         elif site.kind == "gelu_mlp":
             if options.gelu_mlp:
                 ok, note = _decide_gelu_mlp(module, site)

@@ -40,8 +40,9 @@ What is swapped, in the order it is done, all on one handle:
    it runs as the next form), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` for a Linear with bias
    and a GELU, and the gated products ``F.silu(g) * u`` (SwiGLU) and ``F.gelu(g[, approximate=…]) * u``
    (GeGLU), with ``self.act(g)`` for PyTorch's module or a library's own one that computes the same
-   (transformers' ``SiLUActivation`` / ``GELUTanh``, given a stand-in class the functions know) become
-   calls to the functions of
+   (transformers' ``SiLUActivation`` / ``GELUTanh``, given a stand-in class the functions know), and a
+   call of a model's rotate-half rotary function (``apply_rotary_pos_emb(q, k, cos, sin)``, recognised
+   by what it computes; its kernel runs outside compiled code only) become calls to the functions of
    :mod:`speedkit.kernels.layers`, which check at run time that the kernel computes what the code would
    and run the code as written otherwise.
 4. Hugging Face models that compute their causal- or masked-LM loss themselves
@@ -71,7 +72,7 @@ from torch import nn
 
 from speedkit.kernels import choice as kernel_choice
 from speedkit.kernels import cublaslt, kernels_available, layers
-from speedkit.kernels.activation_modules import computes_gelu, computes_silu, gates
+from speedkit.kernels.recognise import computes_gelu, computes_silu, gates
 from speedkit.measure import layer_shapes
 from speedkit.rewrite import hf_loss
 from speedkit.rewrite.layers import LAYERS, decide
@@ -82,7 +83,7 @@ from speedkit.training.state import TrainState
 
 NOTHING_FOUND = (
     "nothing to swap: no nn.LayerNorm/RMSNorm, RMSNorm-like module, cross-entropy, Hugging Face LM loss, "
-    "Linear→GELU, SwiGLU or GeGLU found"
+    "Linear→GELU, SwiGLU, GeGLU or rotary embedding found"
 )
 TAG = "triton_layers"
 
@@ -107,6 +108,8 @@ class TritonLayersOptions:
     swiglu: bool = True
     #: ``gelu(gate) * up`` (exact or tanh)
     geglu: bool = True
+    #: a model's rotate-half rotary function (``apply_rotary_pos_emb(q, k, cos, sin)``), outside compiled code
+    rotary: bool = True
     #: a norm keeps its kernel inside compiled code where a micro-benchmark at the shape the step feeds
     #: it measured the kernel faster than Inductor's code (:mod:`speedkit.kernels.choice`)
     kernel_choice: bool = True
@@ -222,7 +225,7 @@ def _rms_like(module: nn.Module) -> tuple[str, float] | str | None:
 
 
 _KIND_NAMES = {"LayerNorm": "layer_norm", "RMSNorm": "rms_norm", "CrossEntropyLoss": "cross_entropy"}
-_REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu", "geglu")
+_REPORTED = ("layer_norm", "rms_norm", "rms_like", "cross_entropy", "hf_loss", "gelu", "gelu_mlp", "swiglu", "geglu", "rotary")
 
 
 def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> RewritePlan:
@@ -259,7 +262,7 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
                 rms_modules.add(id(module))
             elif found:
                 plan.left_alone.append(found)
-    if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu or options.geglu:
+    if options.cross_entropy or options.gelu or options.gelu_mlp or options.swiglu or options.geglu or options.rotary:
         targets = [
             (m, "forward")
             for m in model.modules()
