@@ -54,6 +54,14 @@ def test_a_final_configuration_slower_in_the_fit_than_the_floor_goes_back_to_it_
 
     def fit_at(self):  # the fit's own steps, as timed, put at 1.5x the floor's figure (or 1.02x)
         holds = judge(self)
+        result, figures = self.result, type(self.result).figures
+
+        def calm(result=result):  # the baseline's measured spread pinned at 1%: a loaded machine's (17% in a
+            out = figures(result)  # CI run) put the threshold, three times it, past the 50% this test sets
+            out["baseline"]["spread"] = 0.01
+            return out
+
+        result.figures = calm
         floor_ms = self.result.figures()["links"][0]["step_ms"]
         fit = dataclasses.replace(holds.fit, step_ms=floor_ms * (1.5 if slower else 1.02), spread=0.01)
         return dataclasses.replace(holds, fit=fit)
