@@ -81,7 +81,9 @@ def _environ_after_exec(pid: int) -> dict[str, str]:
     too early on a loaded machine, it lacked OMP_NUM_THREADS). Read again until it holds the variable the
     report process is given, for at most 30 s (a bound, not a timing)."""
     for _ in range(3000):
-        environ = dict(line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+        environ = dict(
+            line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in line
+        )
         if environ.get("OMP_NUM_THREADS") == "1":
             break
         time.sleep(0.01)
