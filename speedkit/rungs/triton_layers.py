@@ -3,11 +3,12 @@
 Speeds up: layers that read and write whole activations for little arithmetic — LayerNorm and
 RMSNorm (statistics and affine in one pass, a persistent backward), softmax cross-entropy over a
 large vocabulary (the gradient computed in the forward, no fp32 copy of the logits even where the
-code upcasts them with ``.float()``), the bias + GELU after a Linear, and SwiGLU's ``silu(g) * u``.
+code upcasts them with ``.float()``), the bias + GELU after a Linear, the gated MLP products
+(SwiGLU's ``silu(g) * u``, GeGLU's ``gelu(g) * u``) and the rotate-half rotary embedding of q and k.
 Does not help: compute-bound models (large GEMMs dominate), small activations, and norms and
 activations in code that ``torch.compile`` traces: there the swapped layers run PyTorch's ops and
 leave the fusion to Inductor, which fuses them with their neighbours better than an opaque kernel
-call (see :mod:`speedkit.kernels.layers`), except a norm or a SwiGLU product whose kernel was
+call (see :mod:`speedkit.kernels.layers`), except a norm or a gated product whose kernel was
 measured faster than Inductor's code at each shape it is fed (:mod:`speedkit.kernels.choice`). The
 cross-entropy kernel stays under compile (a forward op keeping only the log-sum-exp, a backward op writing the
 gradient in one pass).
