@@ -240,19 +240,25 @@ def test_bias_gelu_launchers_and_autograd(approximate, dtype, shape):
     check(bl.grad, bd.grad, tol, "db")
 
 
+@pytest.mark.parametrize("act", ["silu", "none", "tanh"], ids=["swiglu", "geglu", "geglu-tanh"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_swiglu_launchers_and_autograd(dtype, shape):
+def test_gated_launchers_and_autograd(dtype, shape, act):
     torch.manual_seed(5)
     gate, up, dy = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
     gd, ud = leaf(gate.double()), leaf(up.double())
-    ref = F.silu(gd) * ud
+    ref = (F.silu(gd) if act == "silu" else F.gelu(gd, approximate=act)) * ud
     ref.backward(dy.double())
     tol = TOL[dtype]
 
+    tanh = act == "tanh"
     out, dg_out, du_out = nan_like(gate), nan_like(gate), nan_like(up)
-    y = swiglu_forward(gate, up, out=out)
-    dg, du = swiglu_backward(dy, gate, up, dg_out=dg_out, du_out=du_out)
+    if act == "silu":
+        y = swiglu_forward(gate, up, out=out)
+        dg, du = swiglu_backward(dy, gate, up, dg_out=dg_out, du_out=du_out)
+    else:
+        y = geglu_forward(gate, up, tanh, out=out)
+        dg, du = geglu_backward(dy, gate, up, tanh, dg_out=dg_out, du_out=du_out)
     torch.cuda.synchronize()
     assert (y.data_ptr(), dg.data_ptr(), du.data_ptr()) == (out.data_ptr(), dg_out.data_ptr(), du_out.data_ptr())
     check(y, ref.detach(), tol, "launcher y")
@@ -260,36 +266,7 @@ def test_swiglu_launchers_and_autograd(dtype, shape):
     check(du, ud.grad, tol, "launcher dup")
 
     gl, ul = leaf(gate), leaf(up)
-    y = swiglu(gl, ul)
-    y.backward(dy)
-    check(y, ref.detach(), tol, "y")
-    check(gl.grad, gd.grad, tol, "dgate")
-    check(ul.grad, ud.grad, tol, "dup")
-
-
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_geglu_launchers_and_autograd(dtype, shape, approximate):
-    torch.manual_seed(6)
-    gate, up, dy = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
-    gd, ud = leaf(gate.double()), leaf(up.double())
-    ref = F.gelu(gd, approximate=approximate) * ud
-    ref.backward(dy.double())
-    tol = TOL[dtype]
-
-    tanh = approximate == "tanh"
-    out, dg_out, du_out = nan_like(gate), nan_like(gate), nan_like(up)
-    y = geglu_forward(gate, up, tanh, out=out)
-    dg, du = geglu_backward(dy, gate, up, tanh, dg_out=dg_out, du_out=du_out)
-    torch.cuda.synchronize()
-    assert (y.data_ptr(), dg.data_ptr(), du.data_ptr()) == (out.data_ptr(), dg_out.data_ptr(), du_out.data_ptr())
-    check(y, ref.detach(), tol, "launcher y")
-    check(dg, gd.grad, tol, "launcher dgate")
-    check(du, ud.grad, tol, "launcher dup")
-
-    gl, ul = leaf(gate), leaf(up)
-    y = geglu(gl, ul, approximate)
+    y = swiglu(gl, ul) if act == "silu" else geglu(gl, ul, act)
     y.backward(dy)
     check(y, ref.detach(), tol, "y")
     check(gl.grad, gd.grad, tol, "dgate")

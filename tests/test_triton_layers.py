@@ -374,28 +374,6 @@ def test_a_silu_look_alike_that_computes_another_function_is_left_alone(kernel_c
     assert type(model.act_fn) is NotQuiteSiLU
 
 
-def test_transformers_llama_mlp_runs_the_swiglu_kernel(kernel_calls):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=45, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
-    )
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
-    act_class = type(model.model.layers[0].mlp.act_fn)
-    ids = torch.randint(0, 97, (2, 7), device=DEVICE)
-    reference = copy.deepcopy(model)
-    handle = TritonLayersRung().apply(_state(model))
-    assert handle.rewrite.counts["swiglu"] == 1, handle.changes
-    out, expected = model(ids, labels=ids), reference(ids, labels=ids)
-    out.loss.backward()
-    expected.loss.backward()
-    assert kernel_calls["swiglu"] == 1
-    assert_rel_close(out.loss, expected.loss, TOL, "loss")
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
-    handle.undo()
-    assert type(model.model.layers[0].mlp.act_fn) is act_class
-
-
 class GeGLU(nn.Module):
     """GeGLU as people write it: a module, ``F.gelu`` exact and tanh, the activation on either side. The
     gate Linear has a bias, so ``self.act(self.gate(x))`` is also a Linear→GELU pair of its own."""
@@ -430,9 +408,14 @@ def test_geglu(kernel_calls, act):
     assert type(model.act) is act_class and (act_class is nn.GELU or "approximate" not in vars(model.act))
 
 
-def test_transformers_gemma_mlp_runs_the_geglu_kernel(kernel_calls):
+@pytest.mark.parametrize(
+    ("family", "product", "stand_in"), [("Llama", "swiglu", layers.SiLU), ("Gemma", "geglu", layers.GELUTanh)]
+)
+def test_transformers_gated_mlps_run_the_kernel(kernel_calls, family, product, stand_in):
+    """Llama's MLP calls ``ACT2FN["silu"]`` (``SiLUActivation``), Gemma's ``ACT2FN["gelu_pytorch_tanh"]``
+    (``GELUTanh``): the library's own modules, given the stand-in that says what they compute, and back."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GemmaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=97,
         hidden_size=32,
         intermediate_size=45,
@@ -441,17 +424,17 @@ def test_transformers_gemma_mlp_runs_the_geglu_kernel(kernel_calls):
         num_key_value_heads=2,
         head_dim=8,
     )
-    model = transformers.GemmaForCausalLM(config).to(DEVICE)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to(DEVICE)
     act_class = type(model.model.layers[0].mlp.act_fn)
     ids = torch.randint(0, 97, (2, 7), device=DEVICE)
     reference = copy.deepcopy(model)
     handle = TritonLayersRung().apply(_state(model))
-    assert handle.rewrite.counts["geglu"] == 1, handle.changes
-    assert type(model.model.layers[0].mlp.act_fn) is layers.GELUTanh
+    assert handle.rewrite.counts[product] == 1, handle.changes
+    assert type(model.model.layers[0].mlp.act_fn) is stand_in
     out, expected = model(ids, labels=ids), reference(ids, labels=ids)
     out.loss.backward()
     expected.loss.backward()
-    assert kernel_calls["geglu"] == 1
+    assert kernel_calls[product] == 1
     assert_rel_close(out.loss, expected.loss, TOL, "loss")
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
