@@ -815,3 +815,16 @@ def test_gelu_mlp_on_cublaslt_under_autocast_compile_and_graph():
     assert_rel_close(out, expected, 1e-2, "output")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_rel_close(p.grad, q.grad, 2e-2, f"grad of {name}")
+
+
+def test_recognising_activations_by_what_they_compute_leaves_the_random_state_alone():
+    """The probe calls parameter-free leaf modules; a Dropout among them draws from the global generator."""
+    from speedkit.kernels.recognise import computes_gelu, computes_silu, gates
+
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    dropout = nn.Dropout(0.5).train()
+    assert not gates(dropout) and not computes_silu(dropout) and computes_gelu(dropout) is None
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert computes_silu(LibrarySiLU()) and not computes_silu(nn.SiLU(inplace=True)) and not computes_silu(NotQuiteSiLU())
+    assert computes_gelu(LibraryGELUTanh()) == "tanh" and computes_gelu(nn.GELU()) == "none"

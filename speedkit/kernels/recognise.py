@@ -10,7 +10,7 @@ in place), or a leaf module without parameters, buffers or hooks whose output on
 (fp32 and bf16, odd shapes, values across the function's whole range) equals ``F.silu``'s (``F.gelu``'s,
 exact or tanh) bit for bit, in the same dtype, leaving its input as it was. A subclass of PyTorch's
 class is user code and is not one. The probe runs once per module instance (remembered weakly), on the
-CPU, under ``no_grad`` with autocast off.
+CPU, under ``no_grad`` with autocast off, the global random state put back after it.
 
 Rotary functions: :func:`computes_rotary` says whether a function called as ``f(q, k, cos, sin)`` (a
 model's ``apply_rotary_pos_emb``: Llama, Mistral, Qwen and Gemma each copy it into their modeling file)
@@ -78,8 +78,8 @@ def _probe(module: nn.Module) -> str:
     inputs = [torch.randn(3, 5, 7, generator=gen) * 4, wide]
     inputs += [x.to(torch.bfloat16) for x in inputs]
     candidates = dict(_FUNCTIONS)
-    try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+    try:  # a module that draws random numbers (a Dropout) must not move the user's generator
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
             for x in inputs:
                 before = x.clone()
                 out = module(x)
@@ -127,7 +127,7 @@ def _probe_rotary(fn: Any) -> bool:
     if takes_dim:
         layouts.append((2, (batch, tokens, heads, dim), (batch, tokens, kv_heads, dim)))
     try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
             for unsqueeze, q_shape, k_shape in layouts:
                 q, k = torch.randn(q_shape, generator=gen), torch.randn(k_shape, generator=gen)
                 out = fn(q, k, cos, sin, unsqueeze_dim=unsqueeze) if unsqueeze != 1 else fn(q, k, cos, sin)
