@@ -57,9 +57,9 @@ def baseline_reference(ladder: Trials) -> list[float]:
     if shapes_vary:
         result.run["batch_shapes"] = "vary: each A/B block times both configurations on the same batches"
     first = state.data.to_device(ladder.parity.batches[0])
-    # the norms' and gated products' activations' input shapes (a library's own SiLU/GELU module too), for the kernels'
-    # per-shape choice under compile (triton_layers); not in a model the user compiled (hooks added and
-    # removed would make Dynamo compile it twice more)
+    # the input shapes of the norms and the gated products' activations (a library's own SiLU/GELU module
+    # too), for the kernels' per-shape choice under compile (triton_layers); not in a model the user
+    # compiled (hooks added and removed would make Dynamo compile it twice more)
     with layer_shapes.recording(state.model, when=not compat.user_compiled(state.model), also=gates) as fed:
         flops = count_step_flops(state.step, first)
     state.notes[layer_shapes.NOTE] = fed

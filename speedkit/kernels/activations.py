@@ -343,29 +343,19 @@ class _BiasGeluFunction(torch.autograd.Function):
         return dx, db, None
 
 
-class _SwigluFunction(torch.autograd.Function):
+class _GatedFunction(torch.autograd.Function):
+    """The eager path of SwiGLU and GeGLU (``act``: the kernels' ACT constant)."""
+
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, act):
         ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+        ctx.act = act
+        return _gated_forward(gate, up, act, None)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        return swiglu_backward(dy, gate, up)
-
-
-class _GegluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, tanh):
-        ctx.save_for_backward(gate, up)
-        ctx.tanh = tanh
-        return geglu_forward(gate, up, tanh)
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        dg, du = geglu_backward(dy, gate, up, ctx.tanh)
+        dg, du = _gated_backward(dy, gate, up, ctx.act, None, None)
         return dg, du, None
 
 
@@ -389,26 +379,33 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     return _BiasGeluFunction.apply(x2, bias, approximate == "tanh").view(x.shape)
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """``F.silu(gate) * up`` in one pass (same shapes)."""
+def _same_shape(gate: Tensor, up: Tensor) -> None:
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, found {tuple(gate.shape)} and {tuple(up.shape)}")
+
+
+def _gated(gate: Tensor, up: Tensor, act: int) -> Tensor:
+    """``act(gate) * up`` in one pass: the custom op where torch.compile traces, else the eager path."""
+    if torch.compiler.is_compiling():
+        if act == _SILU:
+            return torch.ops.speedkit.swiglu(gate.contiguous(), up.contiguous())
+        return torch.ops.speedkit.geglu(gate.contiguous(), up.contiguous(), act == _GELU_TANH)
+    return _GatedFunction.apply(gate.contiguous(), up.contiguous(), act)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` in one pass (same shapes)."""
+    _same_shape(gate, up)
     if not runs_triton(gate):
         return torch.nn.functional.silu(gate) * up
-    if torch.compiler.is_compiling():
-        return torch.ops.speedkit.swiglu(gate.contiguous(), up.contiguous())
-    return _SwigluFunction.apply(gate.contiguous(), up.contiguous())
+    return _gated(gate, up, _SILU)
 
 
 def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
     """``F.gelu(gate, approximate=approximate) * up`` in one pass (same shapes)."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', found {approximate!r}")
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape, found {tuple(gate.shape)} and {tuple(up.shape)}")
+    _same_shape(gate, up)
     if not runs_triton(gate):
         return torch.nn.functional.gelu(gate, approximate=approximate) * up
-    tanh = approximate == "tanh"
-    if torch.compiler.is_compiling():
-        return torch.ops.speedkit.geglu(gate.contiguous(), up.contiguous(), tanh)
-    return _GegluFunction.apply(gate.contiguous(), up.contiguous(), tanh)
+    return _gated(gate, up, _GELU_TANH if approximate == "tanh" else _GELU)

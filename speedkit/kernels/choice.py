@@ -86,11 +86,16 @@ class Choice:
 
 def case_of(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, autocast: torch.dtype | None) -> LayerCase | None:
     """The :class:`LayerCase` of an exact ``nn.LayerNorm`` / ``nn.RMSNorm`` (or its speedkit class), or of a
-    SwiGLU's ``nn.SiLU`` (or a library's module computing one), fed ``shape`` in ``dtype``; None for another module."""
-    gelu = getattr(module, "approximate", None) if isinstance(module, nn.GELU) else computes_gelu(module)
-    if isinstance(module, nn.SiLU) or computes_silu(module) or gelu is not None:
+    gated product's activation (an ``nn.SiLU`` / ``nn.GELU``, its speedkit class, or a library's module
+    computing one), fed ``shape`` in ``dtype``; None for another module."""
+    act = (
+        "silu"
+        if isinstance(module, nn.SiLU) or computes_silu(module)
+        else (module.approximate if isinstance(module, nn.GELU) else computes_gelu(module))
+    )
+    if act is not None:
         # a gated product's activation: the product runs in the gate's dtype (a Linear's output)
-        kind = "swiglu" if gelu is None else {"none": "geglu", "tanh": "geglu_tanh"}[gelu]
+        kind = next(k for k, a in GATED.items() if a == act)
         gate_dtype = str(autocast or dtype).removeprefix("torch.")
         return LayerCase(kind, tuple(int(s) for s in shape), gate_dtype, None, affine=False, bias=False, eps=None)
     if isinstance(module, nn.LayerNorm):

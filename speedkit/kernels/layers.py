@@ -17,10 +17,10 @@ which an opaque kernel call prevents. Measured on an H200, GPT-2 small (bf16 aut
 tokens, the kernels of commit 7a74542), kernel calls inside the compiled graph cost 10% of the step
 (norms 4.5%, bias+GELU 2.6%, cross-entropy ±0 with 1.5 GB more peak memory) against Inductor's code.
 The exception is :func:`gelu_mlp`, whose GEMMs are cuBLAS's own (with the GELU in their epilogues),
-which Inductor cannot fuse into anyway: it stays under compile; and the norms and SwiGLU activations of
-:data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm (an ``nn.SiLU`` / ``nn.GELU``
-whose product :func:`silu_mul` / :func:`gelu_mul` computes) whose kernel was measured faster than Inductor's code at its shapes
-(:mod:`speedkit.kernels.choice`).
+which Inductor cannot fuse into anyway: it stays under compile; and the norms and gated products'
+activations of :data:`UNDER_COMPILE`'s classes, given by ``triton_layers`` to a norm or a gated
+product's activation (whose product :func:`silu_mul` / :func:`gelu_mul` computes) whose kernel was
+measured faster than Inductor's code at its shapes (:mod:`speedkit.kernels.choice`).
 Under autocast they see the dtypes PyTorch's own ops would (probed per device: CUDA autocast runs
 ``layer_norm`` in fp32), and ``cross_entropy`` returns an fp32 loss under any autocast.
 """
@@ -376,15 +376,21 @@ def silu_mul(gate: Any, up: Any, act: nn.Module | None = None) -> Tensor:
     """
     if act is not None and (type(act) not in (nn.SiLU, SiLU, SiLUUnderCompile) or act.inplace or hooked(act)):
         return act(gate) * up
-    if not (
-        runs_kernels(gate, under_compile=type(act) is SiLUUnderCompile)
+    if not _gated_operands(gate, up, under_compile=type(act) is SiLUUnderCompile):
+        return F.silu(gate) * up
+    return kernels.swiglu(gate, up)
+
+
+def _gated_operands(gate: Any, up: Any, under_compile: bool) -> bool:
+    """A gated product's kernel takes ``gate`` and ``up``: two tensors of one shape, dtype and device
+    (no broadcasting) that the kernels run on."""
+    return (
+        runs_kernels(gate, under_compile=under_compile)
         and isinstance(up, Tensor)
         and gate.shape == up.shape
         and gate.dtype == up.dtype
         and gate.device == up.device
-    ):
-        return F.silu(gate) * up
-    return kernels.swiglu(gate, up)
+    )
 
 
 def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str = "none") -> Tensor:
@@ -399,14 +405,7 @@ def gelu_mul(gate: Any, up: Any, act: nn.Module | None = None, approximate: str 
             return act(gate) * up
         approximate = act.approximate
     under_compile = type(act) in (GELUUnderCompile, GELUTanhUnderCompile)
-    if not (
-        approximate in ("none", "tanh")
-        and runs_kernels(gate, under_compile=under_compile)
-        and isinstance(up, Tensor)
-        and gate.shape == up.shape
-        and gate.dtype == up.dtype
-        and gate.device == up.device
-    ):
+    if not (approximate in ("none", "tanh") and _gated_operands(gate, up, under_compile)):
         return F.gelu(gate, approximate=approximate) * up
     return kernels.geglu(gate, up, approximate)
 

@@ -1,13 +1,15 @@
-"""The input shapes of the norms, Linear layers and SiLU activations in a model, recorded in one eager
-pass (the baseline's counted forward and backward): what :mod:`speedkit.kernels.choice` measures a norm's
-kernel at before ``torch.compile`` traces the step (inside a trace there is nothing eager to look at), a
-SwiGLU's gate (its ``nn.SiLU``'s input) likewise, and the tokens per GEMM that the ``float8`` rung's
-per-shape prior reads.
+"""The input shapes of the norms, Linear layers and gated MLPs' activations in a model, recorded in one
+eager pass (the baseline's counted forward and backward): what :mod:`speedkit.kernels.choice` measures a
+norm's kernel at before ``torch.compile`` traces the step (inside a trace there is nothing eager to look
+at), a SwiGLU's or GeGLU's gate (its activation's input) likewise, and the tokens per GEMM that the
+``float8`` rung's per-shape prior reads.
 
 :func:`recording` hooks every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Linear`` / ``nn.SiLU`` (their
-subclasses included), and the modules ``also`` picks (the baseline: a library's module that computes a
-SiLU, transformers' ``SiLUActivation``), for the length of a ``with`` block and yields what they were fed: ``{id(module): [(shape, dtype), ...]}``,
-each distinct input once, in the order seen. The hooks are removed when the block ends. :func:`tokens` reads a Linear's GEMM rows (M) from such a record.
+subclasses included), and the modules ``also`` picks (the baseline: every SiLU and GELU, a library's own
+module that computes one too, :func:`speedkit.kernels.recognise.gates`), for the length of a ``with``
+block and yields what they were fed: ``{id(module): [(shape, dtype), ...]}``, each distinct input once,
+in the order seen. The hooks are removed when the block ends. :func:`tokens` reads a Linear's GEMM rows
+(M) from such a record.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Linear→tanh-GELU→Linear MLP), ``self.act(self.fc(x))`` / ``F.gelu(self.fc(x))`` (Linear→GELU),
 ``F.silu(g) * u`` (SwiGLU) and ``F.gelu(g) * u`` (GeGLU; either with ``self.act(g)``, an activation
 module decided per instance by what it computes), and ``apply_rotary_pos_emb(q, k, cos, sin)`` (a
-function named for rotary embeddings that computes the rotate-half form), found and rewritten in one deterministic walk into calls to :mod:`speedkit.kernels.layers`;
-per instance, whether the modules named are the plain PyTorch ones without hooks.
+function named for rotary embeddings that computes the rotate-half form), found and rewritten in one
+deterministic walk into calls to :mod:`speedkit.kernels.layers`; per instance, whether the modules named
+are the plain PyTorch ones without hooks.
 """
 
 from __future__ import annotations

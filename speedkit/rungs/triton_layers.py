@@ -111,8 +111,8 @@ class TritonLayersOptions:
     geglu: bool = True
     #: a model's rotate-half rotary function (``apply_rotary_pos_emb(q, k, cos, sin)``), outside compiled code
     rotary: bool = True
-    #: a norm keeps its kernel inside compiled code where a micro-benchmark at the shape the step feeds
-    #: it measured the kernel faster than Inductor's code (:mod:`speedkit.kernels.choice`)
+    #: a norm or a gated product keeps its kernel inside compiled code where a micro-benchmark at the shape
+    #: the step feeds it measured the kernel faster than Inductor's code (:mod:`speedkit.kernels.choice`)
     kernel_choice: bool = True
 
 
@@ -301,7 +301,7 @@ def plan_triton_layers(model: nn.Module, options: TritonLayersOptions) -> Rewrit
 def choose_under_compile(
     state: TrainState, plan: RewritePlan, timer: kernel_choice.Timer | None = None
 ) -> tuple[RewritePlan, list[str]]:
-    """``plan`` with its norms and SwiGLU activations whose kernel is faster than Inductor's code at every
+    """``plan`` with its norms and gated products' activations whose kernel is faster than Inductor's code at every
     shape the baseline fed them (:mod:`speedkit.measure.layer_shapes`) given the class that keeps the
     kernel under compile (a copy: the plan ``check`` made stays as made), and one line per layer and shape
     saying what was measured or remembered."""
@@ -316,7 +316,7 @@ def choose_under_compile(
         verdicts = []
         for shape, dtype in fed.get(id(module), ()):
             case = kernel_choice.case_of(module, shape, autocast or dtype, autocast)
-            assert case is not None  # a norm swapped for one of UNDER_COMPILE's classes, or a SwiGLU's nn.SiLU
+            assert case is not None  # a norm swapped for one of UNDER_COMPILE's classes, or a gated product's activation
             choice = kernel_choice.choose(case, state.device, store, timer)
             verdicts.append(choice.use_kernel)
             lines.append(f"{label} at {case.describe()}: {choice.why}")
