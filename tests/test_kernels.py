@@ -352,7 +352,7 @@ def test_rotary_takes_only_what_it_computes():
 
 
 def test_the_rotary_call_runs_the_models_function_where_the_kernel_does_not_apply():
-    """Tables that need a gradient, a 3-D q, an unknown keyword: the model's function as written."""
+    """Tables that need a gradient, a 3-D q, an unknown keyword, an odd head dim: the model's function as written."""
     from speedkit.kernels import layers
 
     calls = []
@@ -369,11 +369,12 @@ def test_the_rotary_call_runs_the_models_function_where_the_kernel_does_not_appl
         ((q, k, cos.requires_grad_(), sin), {}),
         ((q[0], k[0], cos.detach(), sin), {}),
         ((q, k, cos.detach(), sin), {"position_ids": None}),
+        ((q, _rand(2, 1, 5, 7), _rand(2, 5, 1), _rand(2, 5, 1)), {}),  # an odd k under tables that broadcast
     ):
         layers.rotary_pos_emb(apply_rotary_pos_emb, *args, **kwargs)
-    assert len(calls) == 3
+    assert len(calls) == 4
     got = layers.rotary_pos_emb(apply_rotary_pos_emb, q, k, cos.detach(), sin, 1)  # the kernel: not called
-    assert len(calls) == 3
+    assert len(calls) == 4
     for a, e in zip(got, want):
         assert_rel_close(a, e, 1e-6)
 

@@ -433,6 +433,7 @@ def rotary_pos_emb(fn: Any, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kw
         or q.dim() != 4
         or k.dim() != 4
         or q.shape[-1] % 2
+        or k.shape[-1] % 2
         or not (q.device == k.device == cos.device == sin.device)
     ):
         return fn(q, k, cos, sin, *args, **kwargs)
