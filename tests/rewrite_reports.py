@@ -78,8 +78,12 @@ def _models() -> list[tuple[str, nn.Module, Any]]:
 
 
 def _names_reached(fn: Any) -> list[str]:
-    """The global and attribute names a compiled function's code (and its nested code) refers to."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    """The global and attribute names a compiled function's code (and its nested code) refers to (the
+    rewritten method's, inside a library's pass-through wrapper)."""
+    fn = getattr(fn, "__func__", fn)
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    code = getattr(fn, "__code__", None)
     if code is None:
         return []
     names: set[str] = set()

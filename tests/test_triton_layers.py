@@ -513,6 +513,38 @@ def test_a_rotary_function_of_another_form_is_left_alone(kernel_calls):
     assert any("apply_rotary_interleaved(…)" in c and "other than the rotate-half" in c for c in handle.changes), handle.changes
 
 
+def test_transformers_llama_attention_runs_the_rotary_kernel_through_its_deprecation_wrapper(kernel_calls):
+    """transformers' attention forwards carry ``@deprecate_kwarg`` (it renames a keyword, then calls the
+    method): the rewrite runs inside a copy of that wrapper, which still renames the keyword."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=45, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    attention = model.model.layers[0].self_attn
+    assert hasattr(type(attention).forward, "__wrapped__")  # the wrapper this test is about
+    ids = torch.randint(0, 97, (2, 7), device=DEVICE)
+    reference = copy.deepcopy(model)
+    handle = TritonLayersRung().apply(_state(model))
+    assert handle.rewrite.counts["rotary"] == 2, handle.changes  # one per layer
+    rewritten = attention.forward.__func__
+    assert "[speedkit:" in rewritten.__wrapped__.__qualname__ and "deprecate_kwarg" in rewritten.__code__.co_qualname
+    out, expected = model(ids, labels=ids), reference(ids, labels=ids)
+    out.loss.backward()
+    expected.loss.backward()
+    assert kernel_calls["rotary"] == 4  # q and k in each layer
+    assert_rel_close(out.loss, expected.loss, TOL, "loss")
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_rel_close(p.grad, q.grad, TOL, f"grad of {name}")
+    # the wrapper still renames the deprecated keyword before the rewritten method sees it
+    hidden = torch.randn(2, 7, 32, device=DEVICE)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(7, device=DEVICE)[None].expand(2, 7))
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        attention(hidden, position_embeddings=(cos, sin), past_key_values=None)
+    handle.undo()
+    assert "forward" not in vars(attention)
+
+
 def test_transformers_rotary_function_is_recognised():
     from speedkit.kernels.recognise import computes_rotary
 

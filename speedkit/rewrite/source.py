@@ -39,6 +39,15 @@ class NotRewritable(Exception):
     """The method cannot be rewritten; the message says why (for the report)."""
 
 
+#: decorators known to call the method they wrap with the same arguments, save for renamed keywords,
+#: and to return what it returns: (the file their wrapper is written in, ends with; the wrapper's
+#: qualified name, starts with). A rewritten method is wrapped again by a copy of the same wrapper.
+_PASS_THROUGH_WRAPPERS = (
+    # transformers' deprecate_kwarg: renames a deprecated keyword, may warn, then calls the method
+    (os.path.join("transformers", "utils", "deprecation.py"), "deprecate_kwarg.<locals>."),
+)
+
+
 # -- whose code -------------------------------------------------------------------------------------
 
 
@@ -133,6 +142,9 @@ class ParsedMethod:
     filename: str
     first_line: int
     name: str = "forward"  # the attribute it is reached by
+    #: pass-through decorators' wrappers around ``function``, outermost first (what the class holds is
+    #: the first, or ``function`` when there are none)
+    wrappers: tuple[Callable[..., Any], ...] = ()
 
     @property
     def self_name(self) -> str:
@@ -150,6 +162,10 @@ def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
     function = owner.__dict__[name] if owner is not None else None
     if not isinstance(function, types.FunctionType):
         raise NotRewritable(f"{label} is not a plain Python function")
+    wrappers: list[Callable[..., Any]] = []
+    while _is_pass_through(function):
+        wrappers.append(function)
+        function = function.__wrapped__
     forward = name == "forward"  # (a forward's refusals are worded as they always were)
     if not forward and not is_user_code(function.__module__ or ""):
         raise NotRewritable(f"{label} is the library's own")
@@ -164,6 +180,9 @@ def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
             else f"source of {label} is not available ({exc})"
         ) from None
     tree = source.node
+    if isinstance(tree, ast.FunctionDef) and wrappers and len(tree.decorator_list) == len(wrappers):
+        tree = copy.copy(tree)
+        tree.decorator_list = []  # each one is a pass-through wrapper, put back by compile_method
     if not isinstance(tree, ast.FunctionDef) or tree.decorator_list:
         if not forward:
             raise NotRewritable(f"{label} is decorated or not a def")
@@ -172,7 +191,30 @@ def parse_method(cls: type, name: str = "forward") -> ParsedMethod:
         raise NotRewritable(f"{label} is decorated; decorators could change its meaning")
     tree = copy.deepcopy(tree)
     ast.increment_lineno(tree, source.first_line - 1)
-    return ParsedMethod(cls, function, tree, source.filename, source.first_line, name)
+    return ParsedMethod(cls, function, tree, source.filename, source.first_line, name, tuple(wrappers))
+
+
+def _is_pass_through(function: Any) -> bool:
+    """``function`` is the wrapper of a decorator in :data:`_PASS_THROUGH_WRAPPERS`, around a plain
+    function held in its closure."""
+    if not isinstance(function, types.FunctionType) or not isinstance(getattr(function, "__wrapped__", None), types.FunctionType):
+        return False
+    code = function.__code__
+    qualname = getattr(code, "co_qualname", function.__qualname__)
+    known = any(code.co_filename.endswith(file) and qualname.startswith(prefix) for file, prefix in _PASS_THROUGH_WRAPPERS)
+    return known and any(cell.cell_contents is function.__wrapped__ for cell in function.__closure__ or ())
+
+
+def _wrap_again(wrapper: Callable[..., Any], inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of a pass-through ``wrapper`` that calls ``inner`` where it called the function it wrapped."""
+    wrapped = wrapper.__wrapped__
+    cells = tuple(types.CellType(inner) if cell.cell_contents is wrapped else cell for cell in wrapper.__closure__ or ())
+    copied = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, cells)
+    copied.__kwdefaults__ = wrapper.__kwdefaults__
+    copied.__dict__.update(wrapper.__dict__)
+    copied.__wrapped__ = inner
+    copied.__qualname__ = inner.__qualname__
+    return copied
 
 
 def parse_instance_method(module: nn.Module, name: str = "forward") -> ParsedMethod:
@@ -238,11 +280,13 @@ def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Cal
     new.__qualname__ = f"{fn.__qualname__}[speedkit:{tag}]"
     new.__defaults__ = fn.__defaults__
     new.__kwdefaults__ = fn.__kwdefaults__
+    for wrapper in reversed(parsed.wrappers):  # the pass-through decorators, innermost first
+        new = _wrap_again(wrapper, new)
     new.__speedkit_rewrite__ = tag
     new.__speedkit_source__ = ast.unparse(tree)  # what runs instead of the user's method, for debugging
     # a later rung transforms this source, not the class's, so rewrites of one instance stack
     new.__speedkit_parsed__ = ParsedMethod(
-        parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line, parsed.name
+        parsed.cls, parsed.function, copy.deepcopy(tree), parsed.filename, parsed.first_line, parsed.name, parsed.wrappers
     )
     return new
 
@@ -250,7 +294,7 @@ def compile_method(parsed: ParsedMethod, tree: ast.FunctionDef, tag: str) -> Cal
 def _defining_class(parsed: ParsedMethod) -> type:
     """The class in whose body the method was written (for name mangling)."""
     for klass in parsed.cls.__mro__:
-        if klass.__dict__.get(parsed.name) is parsed.function:
+        if klass.__dict__.get(parsed.name) is (parsed.wrappers[0] if parsed.wrappers else parsed.function):
             return klass
     return parsed.cls
 
