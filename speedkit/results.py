@@ -237,7 +237,7 @@ class LadderResult:
     @property
     def final_measurement(self) -> Measurement | None:
         """The ladder's figure for the final configuration: the account's step time (the baseline's over
-        the chain's product), with the host's split of it (data wait, host time) and the peak memory from
+        the headline's: the final check's where one was made, else the chain's product), with the host's split of it (data wait, host time) and the peak memory from
         its measured windows (the final check's where there was one, else its last kept rung's)."""
         base = self.baseline.measurement
         if base is None:

@@ -119,3 +119,7 @@ def test_a_final_configuration_slower_in_the_fit_than_the_floor_goes_back_to_it_
     assert "kept: compile" in report and "reverted in the fit" in report
     figures = result.figures()
     assert [link["names"] for link in figures["links"]] == [["compile"]] and figures["switches_are_final"]
+    # the final check is the configuration left's: the floor's own comparison with the baseline, the headline
+    floor_comparison = next(r for r in result.rungs if r.name == "compile").comparison
+    assert result.final_check.speedup == floor_comparison.speedup == figures["headline"]["speedup"]
+    assert "went back" in result.final_check.measured_in

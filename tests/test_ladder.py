@@ -2459,6 +2459,7 @@ def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_exp
         cfg=SimpleNamespace(recompile_prior_s=30.0),
         floor={"tf32", "autocast", "compile"},
         trial_compile_s=0.0,
+        floor_compile_s=0.0,
         state=SimpleNamespace(model=nn.Linear(2, 2)),
     )
     anew, cheap = _Compiles("channels_last", True), _Compiles("gc_freeze", False)
@@ -2473,6 +2474,16 @@ def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_exp
     assert no_room_for(ladder, anew) is None and no_room_for(ladder, cheap) is None
     left["s"] = 12.0
     assert "as long as one has here (10 s)" in no_room_for(ladder, cheap)
+    # the floor compiled from scratch in 21.8 s, a remedy's CUDA graph then 1.2 s (nanogpt on an H100): a rung
+    # compiled anew is expected to take the floor's time, not the remedy's
+    from speedkit.engine.climb import fresh_compile_s
+
+    ladder.floor_compile_s = fresh_compile_s(21.8, {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 3})
+    assert fresh_compile_s(4.5, {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 0}) == 0.0  # from the caches: no guide
+    ladder.trial_compile_s, left["s"] = 1.2, 22.6
+    assert expected_compile_s(ladder, anew) == 21.8 and expected_compile_s(ladder, cheap) == 1.2
+    assert "as long as one has here (22 s)" in no_room_for(ladder, anew) and no_room_for(ladder, cheap) is None
     # no compile in effect: nothing is compiled anew
+    ladder.floor_compile_s = 0.0
     ladder.trial_compile_s, ladder.floor, left["s"] = 0.0, {"tf32"}, 5.0
     assert expected_compile_s(ladder, anew) == 0.0 and no_room_for(ladder, anew) is None

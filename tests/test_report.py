@@ -390,24 +390,29 @@ def test_the_headline_is_one_measurement_under_drift_and_noise(seed):
     assert s["baseline_step_ms"] == result.final_check.a.step_ms
     assert s["baseline_step_ms"] / s["final_step_ms"] == pytest.approx(s["speedup"], rel=1e-9)
     assert s["final_throughput"] / s["baseline_throughput"] == pytest.approx(s["speedup"], rel=1e-9)
-    assert s["speedup"] == pytest.approx(result.final_check.speedup, rel=0.05)  # the chain, checked
+    assert s["speedup"] == result.final_check.speedup  # the final configuration, measured directly
     assert s["baseline_step_ms"] > result.baseline.measurement.step_ms * 1.05  # the run drifted since the baseline
-    assert "note:" not in summary_line(d) and "checked against the baseline in one interleaved comparison" in summary_line(d)
+    assert "note:" not in summary_line(d) and "checked against" not in summary_line(d)  # the headline is the check
 
 
-def test_the_final_check_is_printed_as_the_chains_check_never_as_a_second_headline(result):
+def test_the_final_check_is_the_headline_and_the_chain_ends_on_what_the_rungs_do_together(result):
     from speedkit.report.markdown import summary_line
     from speedkit.results import PairedResult
 
     result.final_check = PairedResult(1.2, 1.1, 1.3, 0.95, 6, "faster", 0.01, a=_measurement(300.0), b=_measurement(200.0))
     d = result.to_dict()
     s = d["summary"]
-    # one baseline (the final check's, the latest), one figure (the chain's): the final check is its check
-    assert (s["baseline_step_ms"], s["speedup"]) == (300.0, 2.62) and s["final_step_ms"] == pytest.approx(300.0 / 2.62)
+    # one baseline (the final check's, the latest), one figure: the final check's, the final configuration
+    # measured directly; the rungs' gains (2.62x together) do not compose to it, and the chain says so
+    assert (s["baseline_step_ms"], s["speedup"]) == (300.0, 1.2) and s["final_step_ms"] == pytest.approx(300.0 / 1.2)
+    assert s["speedup_ci"] == [1.1, 1.3]
+    *rungs, together = d["figures"]["links"]
+    assert together["together"] and together["names"] == [] and together["speedup"] == pytest.approx(1.2 / 2.62)
+    assert math.prod(link["speedup"] for link in rungs) == pytest.approx(2.62)
     line = summary_line(d)
-    assert "(2.62× [2.55–2.69] the baseline;" in line
-    assert "checked against the baseline in one interleaved comparison: 1.20× [1.10–1.30], faster" in line
-    assert s["check"]["speedup"] == 1.2
+    assert "(1.20× [1.10–1.30] the baseline;" in line
+    assert "checked against" not in line  # the headline is the check: no second line for it
+    assert s["check"]["speedup"] == 1.2 and s["check"]["is_the_chain"]
     result.final_check = None  # no final check: the baseline timed alone, and no check printed
     d = result.to_dict()
     assert d["figures"]["baseline"]["source"] == "the baseline timed alone" and d["summary"]["check"] is None

@@ -72,11 +72,12 @@ def test_v3_page_is_one_file_with_every_section(v3_page):
     # every section has its content: nothing says "not measured" on a v3 report with every key
     assert NOT_MEASURED not in v3_page
     for text in (
-        "8.58× [6.08–12.11]",  # the headline: the chain's product
-        "10.11× [7.70–13.29]",  # the final check, its check
-        "205.8 ms",
-        "159.2k",
-        "37.5%",  # headline
+        "10.11× [7.70–13.29]",  # the headline: the final check, the final configuration measured directly
+        "together, as the final check measured them",  # the chain's last link: the check over the rungs' 8.58x
+        "174.7 ms",
+        "187.6k",
+        "44.2%",  # headline
+        "205.8 ms",  # the chain's step at its last rung
         "GEMM",
         "host-bound idle GPU",
         "1,290.0 ms",
@@ -209,7 +210,7 @@ def test_markdown_has_the_schema_3_sections():
     assert "| GEMM | 1,290.0 | 93.0 | -1,197.0 |" in md
     for r in figures_of(_v3())["attribution"]["rungs"]:  # the account's, derived from the record
         assert f"- {r['line']}" in md
-    assert "multiply to 8.58×, the headline" in md and "do not agree" in md
+    assert "multiply to 8.58×; the final check measured 10.11×, the headline" in md and "do not agree" in md
     assert "`self._result.loss.item()`" in md and "https://ui.perfetto.dev" in md
 
 
@@ -279,7 +280,11 @@ def test_the_waterfall_the_table_and_the_attribution_give_one_figure_per_rung(mo
     render_html(d, tmp_path)
     rows = seen["rows"]
     links = figures["links"]
-    assert [label for label, _ in rows] == ["baseline", *(" + ".join(link["names"]) for link in links), "final"]
+    assert [label for label, _ in rows] == [
+        "baseline",
+        *(link.get("label") or " + ".join(link["names"]) for link in links),
+        "final",
+    ]
     base, ms, expected = figures["baseline"]["step_ms"], figures["baseline"]["step_ms"], []
     for link in links:
         ms /= link["speedup"]

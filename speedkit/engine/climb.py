@@ -63,15 +63,27 @@ def compile_in_effect(ladder: Trials) -> bool:
     return "compile" in ladder.floor or compat.runs_compiled_code(ladder.state.model)
 
 
+def fresh_compile_s(seconds: float, caches: dict[str, int]) -> float:
+    """``seconds`` of compiling where most of the graphs compiled from scratch (Inductor's FX-graph cache
+    missed more than it hit): what compiling the model anew costs here; 0.0 where they came from the caches."""
+    hits, misses = caches.get("fxgraph_cache_hit", 0), caches.get("fxgraph_cache_miss", 0)
+    return seconds if seconds > 1.0 and misses >= max(1, hits) else 0.0
+
+
 def expected_compile_s(ladder: Trials, rung: Rung) -> float:
-    """The compiling ``rung``'s trial is expected to cost: as long as a trial has compiled here, or,
-    before any has, ``recompile_prior_s`` for a rung that compiles anew beneath compile (the floor's
-    own compile is no guide: it may have come from Inductor's caches, and a new configuration does not;
-    on an H100 ResNet-50's floor compiled in 4.5 s, its channels_last trial in 37 s, 15 s past the
-    budget's end, and the closing checks were skipped for it)."""
-    if ladder.trial_compile_s > 0:
+    """What the compiling ``rung``'s trial is expected to cost. For a rung that compiles the model anew
+    beneath compile: where the floor's compile compiled from scratch, the most of that and of what a trial
+    has compiled here (a trial that compiled a little, a remedy's CUDA graph, is no guide alone: on an
+    H100 nanogpt's fused_lm_head trial, begun on such a figure, compiled for 25 s as its floor had, 21.8 s
+    from scratch, and the final check found no time left); else what a trial has compiled, or, before any
+    has, ``recompile_prior_s`` (the floor's compile from Inductor's caches is no guide: on an H100
+    ResNet-50's floor compiled in 4.5 s from them, its channels_last trial in 37 s, 15 s past the budget's
+    end). Other rungs: what a trial has compiled here."""
+    if not (rung.recompiles and compile_in_effect(ladder)):
         return ladder.trial_compile_s
-    return ladder.cfg.recompile_prior_s if rung.recompiles and compile_in_effect(ladder) else 0.0
+    if ladder.floor_compile_s > 0:
+        return max(ladder.trial_compile_s, ladder.floor_compile_s)
+    return ladder.trial_compile_s if ladder.trial_compile_s > 0 else ladder.cfg.recompile_prior_s
 
 
 def no_room_for(ladder: Trials, rung: Rung) -> str | None:

@@ -37,7 +37,10 @@ def confirm(ladder: Trials, base_ms: float, pace_ms: float) -> None:
     if cfg.switches_floor and floor_row is not None and ladder.floor:
         ladder.phase = "the switches"
         on_top = any(s.rung.name not in ladder.floor for s in ladder.slots)
-        if not on_top or affordable(ladder, "the final configuration against the switches", pace_ms, pace_ms):
+        # the final check goes first where the budget left holds one of the two: it times the final
+        # configuration directly, against the bottom line, and its figure is the headline
+        after = ladder.budget.comparison_s(base_ms, pace_ms) if on_top and cfg.final_check else 0.0
+        if not on_top or affordable(ladder, "the final configuration against the switches", pace_ms, pace_ms, also_s=after):
             switches.confirm_floor(ladder, floor_row)
         else:  # not timed against the floor: the rungs on top stand on their own decided gains
             floor_row.reason = (
@@ -217,12 +220,12 @@ def _without_a_check(ladder: Trials) -> None:
         ladder.on_event(f"final check: not made; {why}: ending on the baseline")
 
 
-def affordable(ladder: Trials, what: str, a_ms: float, b_ms: float) -> bool:
+def affordable(ladder: Trials, what: str, a_ms: float, b_ms: float, also_s: float = 0.0) -> bool:
     """Whether the budget left holds a closing comparison between steps of ``a_ms`` and ``b_ms`` at its
-    fewest blocks; where not, it is skipped and the report says so (the trials end near their budget
-    rather than a comparison's length past it)."""
+    fewest blocks (and ``also_s`` for a later one that goes first); where not, it is skipped and the
+    report says so (the trials end near their budget rather than a comparison's length past it)."""
     budget = ladder.budget
-    if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or budget.affords(budget.comparison_s(a_ms, b_ms)):
+    if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or budget.affords(budget.comparison_s(a_ms, b_ms) + also_s):
         return True
     ladder.note_budget(what)
     return False

@@ -53,7 +53,7 @@ from speedkit.engine.baseline import (
 )
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.cache import DecisionCache
-from speedkit.engine.climb import climb, note_trial_compile
+from speedkit.engine.climb import climb, fresh_compile_s, note_trial_compile
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.confirm import confirm, scaling_and_profile
 from speedkit.engine.diagnose import Diagnosis
@@ -181,6 +181,8 @@ class Ladder:
         self.baseline_started = 0.0
         #: the most seconds one rung's trial has spent compiling (0.0: none has compiled)
         self.trial_compile_s = 0.0
+        #: seconds the floor's compile took where it compiled from scratch (0.0: none, or from Inductor's caches)
+        self.floor_compile_s = 0.0
         #: the remedy's rungs kept together, judged member by member once the rest of the order is tried
         self._remedy_kept: list[str] = []
         #: each rung's latest comparison alone (its climb's, or a second look's)
@@ -315,7 +317,11 @@ class Ladder:
         self.steps_ms = (base_m.step_ms, base_m.step_ms)
         if self.cfg.switches_floor:
             self.phase = "the floor"
+            compiled_before, caches_before = compat.compile_seconds(), compat.compile_cache_counts()
             self.floor_row, reference, floor_m = switches.apply_floor(self, reference, base_m)
+            self.floor_compile_s = fresh_compile_s(
+                compat.compile_seconds() - compiled_before, compat.compile_cache_counts(since=caches_before)
+            )
             pace = floor_m or base_m
             self.steps_ms = (base_m.step_ms, pace.step_ms)
             if floor_m is not None:  # the closing phases time the final configuration: at most the floor's step

@@ -64,6 +64,7 @@ class Trials(Protocol):
     steps_ms: tuple[float, float]
     diagnosis: Diagnosis | None
     trial_compile_s: float
+    floor_compile_s: float
     cache: DecisionCache | None
     cache_key: str | None
     settings: dict[str, object]

@@ -15,7 +15,7 @@ baseline and of each prefix of that order (the last one the final configuration)
   the figure, it does not make it); ``peak_memory_delta_bytes`` from the same windows;
 * ``line`` — one sentence: ``sdpa: 1.41×, −17.4 ms per step, attention 19.1 → 1.9 ms, peak memory −13.6 GB``.
 
-The chain's product is ``product`` (the headline); the final check's measured speedup over the
+The kept rungs' gains multiply to ``product`` (the chain's product, a link "together" left out); the final check's measured speedup over the
 baseline is ``measured``. Where they differ by more than :data:`AGREEMENT` the gains are not
 independent and ``interaction`` names the group whose decision differs most from what it gives in
 the final order's windows (the ratio of its windows).

@@ -27,6 +27,7 @@ The callback is a layer of hooks; the ladder, the rungs and the measurement know
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -586,6 +587,16 @@ class SpeedLadder(Callback):
                 row.status = "reverted"
                 row.reason = f"{row.reason}; reverted in the fit: {why}"
         result.final_order = [n for n in result.final_order if n not in on_top]
+        # the final check timed the configuration left: the floor's own comparison with the baseline is the
+        # final configuration's now (the headline is the final check's where there is one)
+        floor_row = next((r for r in result.rungs if r.name in result.floor and r.status == "kept" and r.comparison), None)
+        result.final_check = (
+            dataclasses.replace(
+                floor_row.comparison, measured_in="the floor's comparison with the baseline (the fit went back to it)"
+            )
+            if floor_row is not None and floor_row.comparison is not None and floor_row.comparison.b is not None
+            else None
+        )
         result.run["fit_check_vs_floor"].update(back_to_the_floor=True, undone=sorted(set(undone)), failed=failed)
         ladder = self._ladder  # the decision the trials cached did not hold in the fit: forgotten, a later fit climbs
         if ladder is not None and ladder.cache is not None and ladder.cache_key is not None and self._rank_zero:

@@ -102,7 +102,7 @@ Schema version 3, field by field:
   sensitivity)).
 * ``summary`` (object) — the headline, from ``figures``: ``baseline_step_ms`` and ``final_step_ms``,
   ``baseline_throughput`` and ``final_throughput`` (the one baseline, and it over the chain),
-  ``speedup`` (the chain's product), ``speedup_ci`` (its interval, or null), ``shown`` (false where the
+  ``speedup`` (the headline's: the final check's, else the chain's product), ``speedup_ci`` (its interval, or null), ``shown`` (false where the
   interval holds 1.0), ``figures_from``, ``kept`` (names, in the final configuration's order),
   ``vs_switches`` (``[speedup, low, high]`` of the links on top of the user's switches, or null),
   ``switches_are_final``, ``check`` (the final check, a check of the chain), ``throughput_unit``,
@@ -121,9 +121,10 @@ New in schema version 4, where every printed figure comes from (:func:`speedkit.
   windows where there was one, else the baseline timed alone; ``step_ms``, ``throughput``, ``mfu``,
   ``spread``, ``source``), ``links`` (the chain: each ``names``, ``floor``, ``speedup``, ``low``, ``high``,
   ``verdict``, ``comparisons``, ``text``, ``vs_baseline`` (the product so far), ``step_ms``, ``throughput``,
-  ``mfu``), ``rungs`` (per rung its one figure: ``kept``, ``link``, ``group``, ``speedup``, ``low``,
-  ``high``, ``verdict``, ``text``), ``headline`` (``speedup``, ``low``, ``high``, ``shown``, ``text``,
-  ``from``, ``step_ms``, ``throughput``, ``mfu``), ``vs_switches``, ``switches_are_final``, ``check``
+  ``mfu``; where the final check timed the final configuration and the rungs' gains multiply to something
+  else, a last link of no rung, ``together`` true and ``label``: the check over their product), ``rungs`` (per rung its one figure: ``kept``, ``link``, ``group``, ``speedup``, ``low``,
+  ``high``, ``verdict``, ``text``), ``headline`` (the final check's figure where one was made, else the chain's product: ``speedup``,
+  ``low``, ``high``, ``shown``, ``text``, ``from``, ``step_ms``, ``throughput``, ``mfu``), ``vs_switches``, ``switches_are_final``, ``check``
   (the final check: ``speedup``, ``low``, ``high``, ``verdict``, ``blocks``, ``text``, ``measured_in``,
   ``is_the_chain``), ``unit``, ``attribution`` (as below, at the chain's figures).
 

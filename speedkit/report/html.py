@@ -43,11 +43,11 @@ from speedkit.report.markdown import (
     MISSING,
     STATUS_LABELS,
     TABLE_COLUMNS,
+    attribution_check_text,
     check_text,
     diagnosis_line,
     figures_of,
     format_bytes,
-    format_gain,
     format_percent,
     format_throughput,
     headline_text,
@@ -158,13 +158,8 @@ def _attribution(d: dict[str, Any]) -> str:
             ["rung", "its figure", "ms per step", "share of the gain", "categories moved", "peak memory"], rows, numeric=(2, 3, 5)
         )
     ]
-    product, measured = a.get("product"), a.get("measured")
     agrees = a.get("agrees")
-    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else "no final check to compare")
-    out.append(
-        f'<p class="{"note" if agrees is not False else "warn"}"><b>Check:</b> the kept rungs\' figures multiply to '
-        f"{format_gain(product)}, the headline; the final check measured {format_gain(measured)}: {verdict}.</p>"
-    )
+    out.append(f'<p class="{"note" if agrees is not False else "warn"}"><b>Check:</b> {_e(attribution_check_text(a))}.</p>')
     if a.get("interaction"):
         out.append(f'<p class="warn"><b>Interaction:</b> {_e(a["interaction"])}</p>')
     return "\n".join(out)

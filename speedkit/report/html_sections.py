@@ -138,7 +138,7 @@ def configurations(d: dict[str, Any]) -> list[dict[str, Any]]:
         memory = ((rows.get(names[-1]) or {}).get("measurement") or {}).get("peak_memory_bytes") if names else None
         out.append(
             {
-                "label": " + ".join(names),
+                "label": link.get("label") or " + ".join(names),
                 "kind": "kept",
                 "measurement": {
                     "step_ms": link.get("step_ms"),

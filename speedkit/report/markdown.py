@@ -142,6 +142,23 @@ def table_rows(d: dict[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
     by_name = {r.get("name"): r for r in rows if r.get("status") in RUNG_STATUSES}
     links = figures.get("links") or []
     for link in links:
+        if link.get("together"):  # no rung's: what the kept rungs do together, as the final check measured it
+            out.append(
+                (
+                    {"name": link.get("label"), "status": "closing"},
+                    [
+                        str(link.get("label")),
+                        STATUS_LABELS["closing"],
+                        format_step(link.get("step_ms")),
+                        format_throughput(link.get("throughput"), unit),
+                        format_percent(link.get("mfu")),
+                        MISSING,
+                        str(link.get("text", MISSING)),
+                        format_gain(link.get("vs_baseline")),
+                        MISSING,
+                    ],
+                )
+            )
         for name in link.get("names") or []:
             row = by_name.get(name) or {"name": name, "status": "kept"}
             m = row.get("measurement") or {}
@@ -217,6 +234,16 @@ def check_text(figures: dict[str, Any]) -> str | None:
     where = f" (in {c['measured_in']})" if c.get("measured_in") else ""
     verdict = str(c.get("verdict") or MISSING).replace("_", " ")
     return f"checked against the baseline in one interleaved comparison{where}: {c.get('text')}, {verdict}"
+
+
+def attribution_check_text(a: dict[str, Any]) -> str:
+    """The attribution's check: what the kept rungs' figures multiply to against the final check's figure,
+    the headline where there was one."""
+    product, measured, agrees = format_gain(a.get("product")), a.get("measured"), a.get("agrees")
+    if measured is None:
+        return f"the kept rungs' figures multiply to {product}, the headline; no final check to compare"
+    verdict = "they agree" if agrees else "they do not agree"
+    return f"the kept rungs' figures multiply to {product}; the final check measured {format_gain(measured)}, the headline: {verdict}"
 
 
 def summary_line(d: dict[str, Any]) -> str:
@@ -395,13 +422,7 @@ def _attribution(a: dict[str, Any], p: dict[str, Any]) -> list[str]:
     for r in rows:
         line = r.get("line") or f"{r.get('name')}: {r.get('figure') or MISSING}"
         lines.append(f"- {_escape(line)}")
-    agrees = a.get("agrees")
-    verdict = "they agree" if agrees else ("they do not agree" if agrees is False else "no final check to compare")
-    lines += [
-        "",
-        f"Check: the kept rungs' figures multiply to {format_gain(a.get('product'))}, the headline; the final check "
-        f"measured {format_gain(a.get('measured'))}: {verdict}.",
-    ]
+    lines += ["", f"Check: {attribution_check_text(a)}."]
     if a.get("interaction"):
         lines += ["", f"Interaction: {_escape(a['interaction'])}"]
     return lines + [""]
