@@ -4,7 +4,8 @@ A background thread reads the watched thread's frame every ``interval_s`` (``sys
 and counts each stack it sees, under a label the caller gives (e.g. the ladder's phase). Unlike
 cProfile it costs the watched thread nothing but the GIL for a moment, and it counts time spent
 waiting in C (a CUDA synchronize, a compile's worker pool, a DataLoader's queue) where it is spent.
-Each sample stands for ``interval_s`` of wall time (the sampler's own lateness aside: the report says
+The garbage collector's pauses are timed too (``gc.callbacks``), by label and generation: a collection
+runs inside whatever allocation set it off, where a stack cannot name it. Each sample stands for ``interval_s`` of wall time (the sampler's own lateness aside: the report says
 how many samples were taken against how many the wall time would hold).
 
 ``write(path)`` writes, per label, the functions by inclusive seconds (a function counted once per
@@ -18,6 +19,7 @@ every stack with its count, as flame-graph tools read them.
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 import threading
 import time
@@ -33,6 +35,21 @@ class StackSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.began = self.ended = 0.0
+        #: (label, generation) -> [collections, seconds] of the garbage collector's pauses
+        self.gc_pauses: collections.defaultdict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        self._gc_from = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_from = time.perf_counter()
+            return
+        try:
+            label = self.label() if self.label is not None else ""
+        except Exception:
+            label = "?"
+        entry = self.gc_pauses[(str(label), int(info.get("generation", -1)))]
+        entry[0] += 1
+        entry[1] += time.perf_counter() - self._gc_from
 
     def _frame_names(self) -> tuple[str, ...] | None:
         frame = sys._current_frames().get(self.target)
@@ -58,9 +75,12 @@ class StackSampler:
         self.began = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self._thread.start()
+        gc.callbacks.append(self._on_gc)
         return self
 
     def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -80,6 +100,9 @@ class StackSampler:
             stacks = by_label[label]
             total = sum(stacks.values())
             lines += ["", f"== {label or '(no label)'}: {total * self.interval_s:.1f} s"]
+            pauses = sorted((g, n, t) for (lab, g), (n, t) in self.gc_pauses.items() if lab == label)
+            if pauses:
+                lines.append("  garbage collector: " + ", ".join(f"gen {g}: {int(n)} pauses, {t:.2f} s" for g, n, t in pauses))
             inclusive: collections.Counter[str] = collections.Counter()
             for names, n in stacks.items():
                 for fn in set(names):

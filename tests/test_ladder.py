@@ -2482,7 +2482,7 @@ def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_exp
     assert fresh_compile_s(4.5, {"fxgraph_cache_hit": 3, "fxgraph_cache_miss": 0}) == 0.0  # from the caches: no guide
     ladder.trial_compile_s, left["s"] = 1.2, 22.6
     assert expected_compile_s(ladder, anew) == 21.8 and expected_compile_s(ladder, cheap) == 1.2
-    assert "as long as one has here (22 s)" in no_room_for(ladder, anew) and no_room_for(ladder, cheap) is None
+    assert "as the floor's compile did (22 s, from scratch)" in no_room_for(ladder, anew) and no_room_for(ladder, cheap) is None
     # no compile in effect: nothing is compiled anew
     ladder.floor_compile_s = 0.0
     ladder.trial_compile_s, ladder.floor, left["s"] = 0.0, {"tf32"}, 5.0

@@ -103,7 +103,10 @@ def no_room_for(ladder: Trials, rung: Rung) -> str | None:
         return None
     if budget.spent():
         return f"the trials' time budget ({budget.budget_s:.0f} s) was spent"
-    measured = ladder.trial_compile_s > 0
-    return f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial that compiles " + (
-        f"as long as one has here ({compiles:.0f} s)" if measured else f"anew (expected {compiles:.0f} s: recompile_prior_s)"
-    )
+    if ladder.floor_compile_s > 0 and compiles == ladder.floor_compile_s:
+        like = f"anew as the floor's compile did ({compiles:.0f} s, from scratch)"
+    elif ladder.trial_compile_s > 0:
+        like = f"as long as one has here ({compiles:.0f} s)"
+    else:
+        like = f"anew (expected {compiles:.0f} s: recompile_prior_s)"
+    return f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial that compiles {like}"
