@@ -374,13 +374,9 @@ def _measured_together(
     rungs keep their own decided gains; what they do together is the check's."""
     if not links or check is None or cumulative is None or not _finite(check.get("speedup")) or check["speedup"] <= 0:
         return None
-    if len(links) == 1 and len(links[0]["comparisons"]) == 1:
-        only = links[0]["comparisons"][0]
-        if only.get("speedup") == check["speedup"]:
-            return None  # the chain is the check itself
     residual = check["speedup"] / cumulative
     if abs(math.log(residual)) < 1e-12:
-        return None
+        return None  # the chain multiplies to the check (or is it: the final configuration is the floor)
     measured = {k: check.get(k) for k in ("speedup", "low", "high", "verdict", "blocks", "min_gain")}
     comparisons = [{**measured, "power": 1, "label": "the final check"}] + [
         {**c, "power": -c.get("power", 1)} for link in links for c in link["comparisons"]

@@ -589,12 +589,13 @@ class SpeedLadder(Callback):
         result.final_order = [n for n in result.final_order if n not in on_top]
         # the final check timed the configuration left: the floor's own comparison with the baseline is the
         # final configuration's now (the headline is the final check's where there is one)
-        floor_row = next((r for r in result.rungs if r.name in result.floor and r.status == "kept" and r.comparison), None)
+        floor_check = next(
+            (r.comparison for r in result.rungs if r.name in result.floor and r.status == "kept" and r.comparison is not None),
+            None,
+        )
         result.final_check = (
-            dataclasses.replace(
-                floor_row.comparison, measured_in="the floor's comparison with the baseline (the fit went back to it)"
-            )
-            if floor_row is not None and floor_row.comparison is not None and floor_row.comparison.b is not None
+            dataclasses.replace(floor_check, measured_in="the floor's comparison with the baseline (the fit went back to it)")
+            if floor_check is not None and floor_check.b is not None
             else None
         )
         result.run["fit_check_vs_floor"].update(back_to_the_floor=True, undone=sorted(set(undone)), failed=failed)
