@@ -537,6 +537,46 @@ def shutdown_iterator(iterator: Any) -> None:
         shutdown()
 
 
+#: the environment variable kineto (torch.profiler's library) reads when a profile with CUDA activities
+#: stops: unless it is "1", NVIDIA's CUPTI stays attached to the process for good, and every later kernel
+#: launch pays its callbacks (pytorch/pytorch#144455: 10-20% on training; 20-60% measured on launch-bound
+#: steps by bench/cupti_residue.py). Read with ``getenv`` at the stop, so setting it for the window is enough.
+CUPTI_TEARDOWN_VARIABLE = "TEARDOWN_CUPTI"
+
+
+def cupti_teardown_safe() -> bool:
+    """Whether CUPTI may be detached after a profile in a process that captures CUDA graphs: torch's own
+    workaround keeps it attached on CUDA before 12.6 (a lazy re-attach after a teardown crashed there)."""
+    version = getattr(torch.version, "cuda", None)
+    if not version:
+        return True  # a CPU build: no CUPTI to detach
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (12, 6)
+
+
+@contextlib.contextmanager
+def cupti_detached_after() -> Iterator[str | None]:
+    """For a profile window with CUDA activities: CUPTI is detached when the window stops
+    (:data:`CUPTI_TEARDOWN_VARIABLE` set to "1" for the window, the user's environment as it was after
+    it). Yields why it is left attached, if it is: the user (or torch, for its own CUDA graphs) set the
+    variable already, or this CUDA is one where detaching is unsafe."""
+    if CUPTI_TEARDOWN_VARIABLE in os.environ:
+        value = os.environ[CUPTI_TEARDOWN_VARIABLE]
+        yield None if value == "1" else f"{CUPTI_TEARDOWN_VARIABLE}={value} in the environment"
+        return
+    if not cupti_teardown_safe():
+        yield f"CUDA {torch.version.cuda} (torch detaches CUPTI only from 12.6 on, beside CUDA graphs)"
+        return
+    os.environ[CUPTI_TEARDOWN_VARIABLE] = "1"
+    try:
+        yield None
+    finally:
+        os.environ.pop(CUPTI_TEARDOWN_VARIABLE, None)
+
+
 #: lines the profiler's C++ library (kineto) writes to the process's stderr on its own at each start and
 #: stop, on CPU builds of torch: "USDT:... SyncActivityProfilerHandler.cpp:39] profiler_start", "ERROR:...
 #: DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -288,3 +290,28 @@ def test_the_profilers_own_stderr_lines_are_dropped_and_the_rest_pass(capfd):
     err = capfd.readouterr().err
     assert "USDT" not in err and "gpuGetDeviceCount" not in err
     assert err == "the user's own line\nERROR: a line of the user's that only looks alike\nafter\n", err
+
+
+def test_cupti_is_detached_after_a_window_and_the_environment_restored(monkeypatch):
+    """kineto reads TEARDOWN_CUPTI when a CUDA profile stops: set for the window only, the user's own
+    value (or torch's, for its CUDA graphs) left alone, and never on a CUDA where detaching is unsafe."""
+    monkeypatch.delenv(compat.CUPTI_TEARDOWN_VARIABLE, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with compat.cupti_detached_after() as left_attached:
+        assert left_attached is None
+        assert os.environ[compat.CUPTI_TEARDOWN_VARIABLE] == "1"
+    assert compat.CUPTI_TEARDOWN_VARIABLE not in os.environ
+
+    monkeypatch.setenv(compat.CUPTI_TEARDOWN_VARIABLE, "0")
+    with compat.cupti_detached_after() as left_attached:
+        assert os.environ[compat.CUPTI_TEARDOWN_VARIABLE] == "0"
+        assert left_attached == "TEARDOWN_CUPTI=0 in the environment"
+    assert os.environ[compat.CUPTI_TEARDOWN_VARIABLE] == "0"
+
+    monkeypatch.delenv(compat.CUPTI_TEARDOWN_VARIABLE)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with compat.cupti_detached_after() as left_attached:
+        assert compat.CUPTI_TEARDOWN_VARIABLE not in os.environ
+        assert "12.4" in left_attached
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert compat.cupti_teardown_safe()

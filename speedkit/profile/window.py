@@ -160,7 +160,9 @@ def profile_window(
     cuda = device.type == "cuda"
     recorded = _Recorded()
     profiler = _new_profiler(cuda, steps, warmup, _trace_handler(recorded, trace_path, max_trace_bytes))
-    with compat.kineto_lines_dropped():  # what the profiler's library prints at its start and stop
+    # CUPTI detached at the stop: left attached, it slows every kernel launch after the window (the
+    # trials' later comparisons and the fit), launch-bound steps most
+    with compat.kineto_lines_dropped(), (compat.cupti_detached_after() if cuda else contextlib.nullcontext()):
         _start(profiler)
         try:
             started, ended = _run_steps(run_one, profiler, steps=steps, warmup=warmup, device=device)
