@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -541,6 +543,29 @@ def test_cuda_window_breaks_the_step_down(tmp_path):
     assert window.peak_memory_bytes and window.peak_memory_bytes > 0
     assert window.trace == str(trace)
     assert sum(window.breakdown_ms.values()) <= window.step_ms * 1.1
+
+
+@pytest.mark.gpu
+def test_a_cuda_window_leaves_the_launches_after_it_as_fast_as_before(monkeypatch):
+    """Left attached after a CUDA profile, CUPTI slowed every launch after it (a launch-bound step 20-60%):
+    the trials' comparisons after the diagnosis and the fit paid it. Checked in a fresh process, where
+    CUPTI has never been attached before the window."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "cupti_residue.py"), "--child", "profile_detached", "eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    got = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert got["after"] / got["before"] < 1.05, got
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ breakdown. Whatever ``run_one`` itself raises propagates unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import inspect
 import os
@@ -162,7 +163,9 @@ def profile_window(
     profiler = _new_profiler(cuda, steps, warmup, _trace_handler(recorded, trace_path, max_trace_bytes))
     # CUPTI detached at the stop: left attached, it slows every kernel launch after the window (the
     # trials' later comparisons and the fit), launch-bound steps most
-    with compat.kineto_lines_dropped(), (compat.cupti_detached_after() if cuda else contextlib.nullcontext()):
+    with compat.kineto_lines_dropped(), compat.cupti_detached_after() if cuda else contextlib.nullcontext() as attached:
+        if attached:
+            _warn_cupti_left_attached(attached)
         _start(profiler)
         try:
             started, ended = _run_steps(run_one, profiler, steps=steps, warmup=warmup, device=device)
@@ -193,6 +196,18 @@ def profile_window(
         trace=recorded.trace,
         trace_note=recorded.trace_note,
         peak_memory_bytes=peak,
+    )
+
+
+@functools.cache
+def _warn_cupti_left_attached(why: str) -> None:
+    """Once a process: CUPTI stays attached after this window, and launches after it run slower."""
+    warnings.warn(
+        f"speedkit's profile window leaves NVIDIA's CUPTI attached ({why}): every kernel launch after it pays "
+        "CUPTI's callbacks, so steps timed after it (and the fit) run slower than they would; unset it, or set "
+        f"{compat.CUPTI_TEARDOWN_VARIABLE}=1, for figures free of it",
+        RuntimeWarning,
+        stacklevel=3,
     )
 
 
