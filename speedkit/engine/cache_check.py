@@ -69,14 +69,18 @@ def _apply_entry(ladder: Trials, entry: CachedDecision, seconds: dict[str, float
     unknown = [n for n in entry.kept if n not in names]
     if unknown:
         raise RungProblem(f"the cached rungs {unknown} are not in this ladder")
+    by_rung: dict[str, float] = {}
     for rung in [r for r in ladder.rungs if r.name in entry.kept]:
+        t_rung = ladder.host_clock()
         if entry.chosen and isinstance(entry.chosen.get(rung.name), dict):  # what it measured then
             rung.reuse(entry.chosen[rung.name])
         ladder.stack.insert_at_place(rung)
+        by_rung[rung.name] = round(ladder.host_clock() - t_rung, 2)
     ladder.stack.all_on()
     n = len(ladder.slots)
     if seconds is not None:
         seconds["apply"] = round(ladder.host_clock() - t0, 2)
+        ladder.result.run["cache"]["apply_by_rung_s"] = by_rung  # where applying went, rung by rung
     if not n:
         return None
     t0 = ladder.host_clock()
