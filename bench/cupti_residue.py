@@ -17,7 +17,9 @@ in windows before and after speedkit's own ``profile_window``:
                      after a teardown beside a graph: torch's own code says it crashed before CUDA 12.6)
 
 Rows: ``bench: "cupti_residue"``, variant ``<mode>/<eager|compiled>``, metric ``after_over_before``
-(the ratio of median step times) and ``step_ms_before`` / ``step_ms_after``.
+(the ratio of median step times), ``step_ms_before`` / ``step_ms_after``, and ``launch_us_before`` /
+``launch_us_after``: host microseconds per launch of a one-element kernel, CUPTI's cost per launch
+without the step's own drift (a step measured twice in one process drifted by ±10% on an H100 host).
 
 Usage: PYTHONPATH=. python bench/cupti_residue.py [--results out.jsonl]
 """
@@ -30,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +79,23 @@ def _median_ms(run_one) -> float:
     return statistics.median(times)
 
 
+def _launch_us() -> float:
+    """Host microseconds per launch of a one-element kernel (the median of 7 runs of 2000 launches): what
+    CUPTI's callbacks add to every launch, without the step's own drift between two measurements."""
+    x = torch.zeros(1, device="cuda")
+    for _ in range(200):
+        x.add_(1)
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            x.add_(1)
+        runs.append((time.perf_counter() - t0) / 2000 * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
 def _profile(run_one) -> None:
     from speedkit.profile.window import profile_window
 
@@ -102,7 +122,7 @@ def child(mode: str, compiled: bool) -> dict:
     run_one = _step(compiled)
     if mode == "graph_twice":
         _graph()
-    before = _median_ms(run_one)
+    before, launch_before = _median_ms(run_one), _launch_us()
     if mode == "profile_attached":
         os.environ["TEARDOWN_CUPTI"] = "0"
     if mode != "control":
@@ -111,8 +131,8 @@ def child(mode: str, compiled: bool) -> dict:
         _profile(run_one)
         _graph.keep[0].replay()  # type: ignore[attr-defined]
         torch.cuda.synchronize()
-    after = _median_ms(run_one)
-    return {"before": before, "after": after}
+    after, launch_after = _median_ms(run_one), _launch_us()
+    return {"before": before, "after": after, "launch_us_before": launch_before, "launch_us_after": launch_after}
 
 
 def main() -> None:
@@ -126,7 +146,7 @@ def main() -> None:
     from bench.common import Results
 
     results = Results("cupti_residue", args.results)
-    print(f"{'mode':<18} {'form':<9} {'before ms':>10} {'after ms':>10} {'after/before':>13}")
+    print(f"{'mode':<18} {'form':<9} {'before ms':>10} {'after ms':>10} {'after/before':>13} {'launch us before/after':>23}")
     for form in ("eager", "compiled"):
         for mode in MODES:
             env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
@@ -140,10 +160,13 @@ def main() -> None:
                 continue
             got = json.loads(lines[-1][len("RESULT ") :])
             ratio = got["after"] / got["before"]
-            print(f"{mode:<18} {form:<9} {got['before']:>10.3f} {got['after']:>10.3f} {ratio:>12.3f}x")
+            launches = f"{got['launch_us_before']:.2f} / {got['launch_us_after']:.2f}"
+            print(f"{mode:<18} {form:<9} {got['before']:>10.3f} {got['after']:>10.3f} {ratio:>12.3f}x {launches:>23}")
             results.add(f"{mode}/{form}", "step_ms_before", got["before"], "ms")
             results.add(f"{mode}/{form}", "step_ms_after", got["after"], "ms")
             results.add(f"{mode}/{form}", "after_over_before", ratio, "x")
+            results.add(f"{mode}/{form}", "launch_us_before", got["launch_us_before"], "us")
+            results.add(f"{mode}/{form}", "launch_us_after", got["launch_us_after"], "us")
 
 
 if __name__ == "__main__":

@@ -565,7 +565,8 @@ def test_a_cuda_window_leaves_the_launches_after_it_as_fast_as_before(monkeypatc
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     got = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
-    assert got["after"] / got["before"] < 1.05, got
+    # the host's cost per launch, not the step's time: a step measured twice in one process drifts by ±10%
+    assert got["launch_us_after"] / got["launch_us_before"] < 1.1, got
 
 
 @pytest.mark.gpu
