@@ -63,20 +63,10 @@ def _step(compiled: bool):
 
 
 def _median_ms(run_one) -> float:
-    """The median of WINDOWS windows' mean step time, on CUDA events (warmed up first)."""
-    for _ in range(10):
-        run_one()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(WINDOWS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(STEPS):
-            run_one()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / STEPS)
-    return statistics.median(times)
+    """The median of WINDOWS windows' mean step time, on speedkit's step clock (CUDA events), warmed up first."""
+    from speedkit.measure.session import MeasureSession
+
+    return statistics.median(MeasureSession("cuda").window_times(run_one, warmup=10, steps=STEPS, repeats=WINDOWS))
 
 
 def _launch_us() -> float:

@@ -539,8 +539,8 @@ def shutdown_iterator(iterator: Any) -> None:
 
 #: the environment variable kineto (torch.profiler's library) reads when a profile with CUDA activities
 #: stops: unless it is "1", NVIDIA's CUPTI stays attached to the process for good, and every later kernel
-#: launch pays its callbacks (pytorch/pytorch#144455: 10-20% on training; 20-60% measured on launch-bound
-#: steps by bench/cupti_residue.py). Read with ``getenv`` at the stop, so setting it for the window is enough.
+#: launch pays its callbacks (pytorch/pytorch#144455: 10-20% on training; bench/cupti_residue.py measured +32% per
+#: launch and 1.26x on a launch-bound step, H100). Read with ``getenv`` at the stop, so setting it for the window is enough.
 CUPTI_TEARDOWN_VARIABLE = "TEARDOWN_CUPTI"
 
 
