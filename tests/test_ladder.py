@@ -1687,6 +1687,65 @@ def test_a_rung_beneath_one_that_draws_differently_is_judged_with_dropout_off():
     assert [s.rung.name for s in ladder.slots] == ["x", "compile"]
 
 
+@pytest.mark.parametrize("drawing", [True, False])
+def test_a_cached_decision_from_the_same_start_is_judged_against_its_own_trajectory_then(tmp_path, monkeypatch, drawing):
+    """GPT-2's cached re-check on an H100 took 16.4 s: parity 6.5 of them, compiling its graph with dropout
+    off (its masks come from Inductor's stream) and running the baseline with dropout off, and 1.5 more for
+    the baseline's reference with dropout on, never read. The fit that made a decision records the final
+    configuration's own trajectory (dropout on) and the digest of where it started; a re-check from the
+    same start (the same weights, optimizer state, random states and batches) runs that one trajectory,
+    on the graph the fit runs, and judges it against the recorded one. From another start it is judged
+    against the baseline as before: with dropout off both where its masks are drawn otherwise, and the
+    reference (dropout on) only where not."""
+    from speedkit.engine.cache import DecisionCache
+    from speedkit.engine.parity import ParityCheck
+    from speedkit.rungs.base import active_dropouts
+
+    cache = DecisionCache(tmp_path)
+    runs: list[list[bool]] = []
+    trajectory = ParityCheck.trajectory
+
+    def recording(self, noise=None):  # whether dropout was on in each trajectory of this run
+        runs[-1].append(bool(active_dropouts(self.state.model)))
+        return trajectory(self, noise)
+
+    monkeypatch.setattr(ParityCheck, "trajectory", recording)
+
+    def run(shifted=False):
+        runs.append([])
+        state, time, _ = _switch_state({_on(): 0.040, _on("compile"): 0.020}, names=("compile",))
+        state.model.net.insert(2, nn.Dropout(0.3))
+        if shifted:  # another start: the same model, other initial weights
+            with torch.no_grad():
+                next(state.model.parameters()).add_(0.01)
+        compile_ = DrawingFlagRung("compile", recheck=False) if drawing else FlagRung("compile", recheck=False)
+        ladder = Ladder(state, [compile_], {**FAST, "switches_floor": False}, clock=time.clock(), host_clock=time, cache=cache)
+        result = ladder.run()
+        ladder.revert()
+        return result
+
+    first = run()
+    assert runs[0][0] is True and runs[0][-1] is True  # the climb's reference; the decision's own trajectory
+    assert len(cache.entries()[0].trajectory["losses"]) == FAST["parity_steps"]
+    second = run()
+    note = second.run["cache"]
+    assert note["held"] is True and [r.name for r in second.kept] == ["compile"]
+    assert runs[1] == [True]  # its own trajectory, dropout on: nothing else
+    assert note["parity_against"] == "its own trajectory in the fit that made the decision, from the same start"
+    assert second.kept[0].parity.passed and second.kept[0].parity.reference_losses == cache.entries()[0].trajectory["losses"]
+    third = run(shifted=True)
+    note = third.run["cache"]
+    assert note["held"] is True and note["parity_against"].startswith("the baseline (this run starts elsewhere")
+    # against the baseline: with dropout off both, or its own against the reference (dropout on)
+    assert runs[2] == ([False, False] if drawing else [True, True])
+    from speedkit.report.html import render_html
+    from speedkit.report.markdown import render_markdown
+
+    for result in (first, second, third):  # a baseline's row without a parity trajectory reads as any other
+        d = result.to_dict()
+        assert "| baseline |" in render_markdown(d) and "baseline" in render_html(d, tmp_path)
+
+
 def test_the_second_look_judges_partners_then_each_rung_alone_then_the_leaning_ones_together():
     """While the budget lasts, a rung is judged alone before it is judged in the group of those leaning
     faster: in a group first, fused AdamW (3% on a CPU's compiled step) was kept on compile's 19% in

@@ -41,9 +41,9 @@ class TrialsNotRun(SpeedkitError):
     was applied, the state is the user's, the message says why."""
 
 
-def baseline_reference(ladder: Trials) -> list[float]:
-    """The baseline's flops, the measuring session and timing, and its parity reference (the
-    trajectory every rung's numerics are judged against). Returns the reference."""
+def baseline_setup(ladder: Trials) -> None:
+    """The baseline's parity batches, flops, measuring session and timing; its time counts from here
+    (``ladder.baseline_started``). Its parity reference runs where first needed (:func:`baseline_reference`)."""
     state, cfg, result, snapshot = ladder.state, ladder.cfg, ladder.result, ladder.snapshot
     assert result is not None and snapshot is not None
     if state.data is None:
@@ -64,6 +64,10 @@ def baseline_reference(ladder: Trials) -> list[float]:
         flops = count_step_flops(state.step, first)
     state.notes[layer_shapes.NOTE] = fed
     snapshot.restore()
+    if ladder.cache is not None and distributed.world_size() == 1:
+        # where every parity trajectory starts: a cached decision's trajectory recorded from the same
+        # start stands for its own (one process: a sharded or per-rank state is not compared)
+        ladder.start_digest = snapshot.digest(ladder.parity.batches)
     peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
     items, unit = count_items(ladder.parity.batches[0], cfg.throughput_unit)
     result.flops = {
@@ -101,9 +105,16 @@ def baseline_reference(ladder: Trials) -> list[float]:
     if distributed.world_size() == 1:
         ladder.parity.poll = ladder.stop.check
 
-    ladder.on_event("baseline: parity reference")
     ladder.baseline_started = ladder.host_clock()
-    reference = ladder.parity.reference = ladder.parity.trajectory()
+
+
+def baseline_reference(ladder: Trials) -> list[float]:
+    """The baseline's parity reference (the trajectory every rung's numerics are judged against), run
+    now where it has not run yet (its pace: ``ladder.parity.reference_pace_s``). Raises :class:`TrialsNotRun`
+    where its loss is not finite."""
+    if not ladder.parity.has_reference:
+        ladder.on_event("baseline: parity reference")
+    reference = ladder.parity.reference
     broken = next((i for i, loss in enumerate(reference) if not math.isfinite(loss)), None)
     if broken is not None:
         raise TrialsNotRun(
@@ -113,13 +124,14 @@ def baseline_reference(ladder: Trials) -> list[float]:
     return reference
 
 
-def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecision | None = None) -> Measurement:
+def measure_baseline(ladder: Trials, cached: CachedDecision | None = None) -> Measurement:
     """The parity tolerances of every precision in play, the baseline's measurement, the window length
     and the trials' budget; returns the measurement.
 
     ``cached``: a decision cache's entry for this run's key. Its calibration stands for the precisions it
     holds, and, where it holds the baseline's figures, they stand for the measurement (marked as the
-    earlier fit's): a re-check times the final configuration, not the baseline again.
+    earlier fit's): a re-check times the final configuration, not the baseline again, and runs the
+    baseline's parity reference only where a judgement needs it.
 
     The baseline's windows are sized by time as the comparisons' are (at most ``steps`` steps, at least
     ``min_window_steps``), at the pace of the parity trajectories just run: a 450 ms fp32 step timed in
@@ -127,8 +139,10 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
     state, cfg, result = ladder.state, ladder.cfg, ladder.result
     assert result is not None and ladder.timing is not None
     t0 = ladder.baseline_started
-    # a slow step (at the parity reference's pace) gets the short forms of the baseline's phases
-    reference_s = (ladder.host_clock() - t0) / max(1, len(reference))
+    figures = (cached.baseline or {}) if cached is not None else {}
+    # a slow step (at the parity reference's pace, or the cached fit's baseline) gets the short forms of
+    # the baseline's phases
+    reference_s = baseline_pace_s(ladder, cached)
     slow = reference_s * 1e3 >= cfg.slow_step_ms
     if slow:
         ladder.parity.seeds = 1
@@ -146,17 +160,23 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
         ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(todo)})")
     if reused:
         ladder.on_event(f"baseline: parity tolerances of the cached decision's fit ({', '.join(reused)})")
+    if todo or not figures.get("measurement"):  # the tolerances and the baseline's own timing start from it
+        baseline_reference(ladder)
+    calibrating = ladder.host_clock()
     for precision in todo:
         ladder.parity.tolerance(precision)
-    # the parity steps run since the reference began: its own, and each calibrated precision's seeds' trajectories
-    steps_run = len(reference) * (1 + len(todo) * int(config.parity_calibration().get("seeds", 1)))
-    figures = (cached.baseline or {}) if cached is not None else {}
+    calibrated_s = ladder.host_clock() - calibrating
+    reference = ladder.parity.reference if ladder.parity.has_reference else None
     if figures.get("measurement"):
         base_m = Measurement.from_dict(figures["measurement"])
         noise = dict(figures.get("noise") or window_steps(base_m, cfg, ladder.clock.name))
         measured_in = "the fit that made the cached decision"
     else:
-        steps = 2 if slow else baseline_window_steps(ladder, t0, steps_run)
+        assert reference is not None
+        # the parity steps run for the baseline: the reference's, and each calibrated precision's seeds'
+        steps_run = len(reference) * (1 + len(todo) * int(config.parity_calibration().get("seeds", 1)))
+        elapsed = reference_s * len(reference) + calibrated_s
+        steps = 2 if slow else baseline_window_steps(ladder, elapsed, steps_run)
         ladder.on_event("baseline: measuring")
         with distributed.together():  # a slow step's parity trajectories warmed it up already
             base_m = ladder.timing.alone(steps, 3 if slow else None, warmup=1 if slow else None)
@@ -184,7 +204,7 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
             "baseline",
             precision=state.precision,
             measurement=base_m,
-            parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True),
+            parity=Parity(len(reference), 0.0, state.precision, reference, reference, 0.0, True) if reference else None,
             seconds=ladder.host_clock() - t0,
             reason=f"measured in {measured_in}" if measured_in else None,
         ),
@@ -192,12 +212,25 @@ def measure_baseline(ladder: Trials, reference: list[float], cached: CachedDecis
     return base_m
 
 
-def baseline_window_steps(ladder: Trials, started: float, steps_run: int) -> int:
-    """Steps per window of the baseline's measurement: ``window_s`` at the pace of the ``steps_run``
-    parity steps run since ``started`` (an upper bound on the step time: their first steps include
+def baseline_pace_s(ladder: Trials, cached: CachedDecision | None = None) -> float:
+    """Seconds a parity step of the baseline takes: its parity reference's pace (an upper bound: its
+    first steps include first calls), or, where the reference has not run and ``cached`` holds the
+    baseline's figures, that fit's step; else the reference runs now."""
+    parity = ladder.parity
+    if parity.reference_pace_s is None:
+        figures = (cached.baseline or {}) if cached is not None else {}
+        if figures.get("measurement"):
+            return Measurement.from_dict(figures["measurement"]).step_ms / 1e3
+        baseline_reference(ladder)
+    assert parity.reference_pace_s is not None
+    return parity.reference_pace_s
+
+
+def baseline_window_steps(ladder: Trials, elapsed: float, steps_run: int) -> int:
+    """Steps per window of the baseline's measurement: ``window_s`` at the pace of ``steps_run`` parity
+    steps that took ``elapsed`` seconds (an upper bound on the step time: their first steps include
     first calls), between ``min_window_steps`` and ``steps``."""
     cfg = ladder.cfg
-    elapsed = ladder.host_clock() - started
     if steps_run <= 0 or elapsed <= 0:
         return cfg.steps
     pace_s = elapsed / steps_run

@@ -109,6 +109,11 @@ class CachedDecision:
     #: what kept rungs chose by measuring (:meth:`speedkit.rungs.base.Rung.chosen`), per rung name: a
     #: re-check applies the same (:meth:`~speedkit.rungs.base.Rung.reuse`) without measuring again
     chosen: dict[str, Any] | None = None
+    #: the final configuration's own loss trajectory over the parity steps (``losses``, dropout on: the
+    #: graph the fit runs) and the digest of where it started (``digest``: the weights, optimizer state,
+    #: random states and parity batches, :meth:`~speedkit.training.snapshot.Snapshot.digest`): a re-check
+    #: from the same start judges its numerics against it, and compiles no graph with dropout off
+    trajectory: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CACHE_FORMAT, **dataclasses.asdict(self)}
@@ -132,6 +137,7 @@ class CachedDecision:
                 final_check=_mapping(data.get("final_check")),
                 final=_mapping(data.get("final")),
                 chosen=_mapping(data.get("chosen")),
+                trajectory=_mapping(data.get("trajectory")),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -61,8 +61,10 @@ def cached_entry(ladder: Trials) -> CachedDecision | None:
 
 
 def _apply_entry(ladder: Trials, entry: CachedDecision, seconds: dict[str, float] | None = None) -> Any:
-    """The cached decision's kept rungs applied together at their places, their parity judged against the
-    baseline's reference (within the envelopes the climb calibrated); returns the parity. Raises
+    """The cached decision's kept rungs applied together at their places, their parity judged (within the
+    envelopes the climb calibrated) against their own trajectory in the fit that made the decision where
+    this run starts where that one did (:func:`_same_start_parity`), else against the baseline; returns
+    the parity. Raises
     :class:`RungProblem` where a rung is not in this ladder, the numerics changed or a rung reports a problem."""
     t0 = ladder.host_clock()
     names = {r.name for r in ladder.rungs}
@@ -84,10 +86,13 @@ def _apply_entry(ladder: Trials, entry: CachedDecision, seconds: dict[str, float
     if not n:
         return None
     t0 = ladder.host_clock()
-    # its own trajectory is not needed: where dropout draws differently it is judged with dropout off
-    _, parity = ladder.parity.of([True] * n, [False] * n, ladder.parity.reference, own_trajectory=False)
-    if not parity.passed:
-        raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
+    parity = _same_start_parity(ladder, entry, ladder.result.run["cache"])
+    if parity is None:
+        # against the baseline; its own trajectory is not needed: where dropout draws differently it is
+        # judged with dropout off (and the baseline's reference, with dropout on, is not run at all)
+        _, parity = ladder.parity.of([True] * n, [False] * n, own_trajectory=False)
+        if not parity.passed:
+            raise RungProblem(f"numerics changed: loss differs by {parity.max_rel_diff:.2e} > {parity.tolerance:.0e}")
     if seconds is not None:
         seconds["parity"] = round(ladder.host_clock() - t0, 2)  # its first steps compile and capture
     problem = next((p for p in (agreed_problem(s.handle) for s in ladder.slots) if p), None)
@@ -110,6 +115,8 @@ def _record_held(ladder: Trials, entry: CachedDecision, parity: Any, check: Pair
     assert ladder.result is not None
     key = entry.key
     group = [s.rung.name for s in ladder.slots]
+    against = ladder.result.run["cache"].get("parity_against")
+    numerics = f"; numerics judged against {against}" if against else ""
     if check is not None:
         record(ladder, "the cache", group, True, check, how)
     elif entry.speedup is not None:  # that fit's figure, no interval: no comparison of its own
@@ -126,7 +133,7 @@ def _record_held(ladder: Trials, entry: CachedDecision, parity: Any, check: Pair
                 precision=ladder.state.precision,
                 changes=list(slot.handle.changes) + slot.handle.report(),
                 parity=parity,
-                reason=f"from the decision cache (key {key[:8]}), kept with {', '.join(group)} in an earlier fit; {how}",
+                reason=f"from the decision cache (key {key[:8]}), kept with {', '.join(group)} in an earlier fit; {how}{numerics}",
             )
         )
 
@@ -270,6 +277,7 @@ def store_decision(ladder: Trials) -> None:
     Its figures are the account's (:func:`speedkit.figures.account.account`)."""
     if ladder.cache is None or ladder.cache_key is None:
         return
+    trajectory = own_trajectory(ladder)
     trials_s = round(ladder.budget.elapsed(), 1)  # the budget's clock is a collective: read on every rank
     if distributed.rank() != 0:
         return
@@ -294,12 +302,68 @@ def store_decision(ladder: Trials) -> None:
         final_check=asdict(check) if checked else None,
         final=asdict(final) if final is not None else None,
         chosen={s.rung.name: c for s in ladder.slots if (c := s.rung.chosen()) is not None} or None,
+        trajectory=trajectory,
     )
     try:
         path = ladder.cache.store(entry)
         ladder.on_event(f"cache: decision kept in {path}")
     except OSError as exc:
         ladder.on_event(f"cache: could not keep the decision ({type(exc).__name__}: {first_line(exc)})")
+
+
+def own_trajectory(ladder: Trials) -> dict[str, Any] | None:
+    """The final configuration's own loss trajectory (dropout on, as the fit runs it) and the digest of
+    where it started, for the cache (:attr:`CachedDecision.trajectory`); None where no rung is kept, the
+    start was not digested (several processes) or the trajectory failed (the line says why)."""
+    if not ladder.slots or ladder.start_digest is None:
+        return None
+    try:
+        ladder.stack.all_on()
+        losses = ladder.parity.trajectory()
+    except Exception as exc:
+        ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
+        ladder.on_event(f"cache: the final configuration's trajectory not recorded ({type(exc).__name__}: {first_line(exc)})")
+        return None
+    if not all(math.isfinite(x) for x in losses):
+        return None
+    return {"digest": ladder.start_digest, "losses": losses}
+
+
+def _same_start_parity(ladder: Trials, entry: CachedDecision, note: dict[str, Any]) -> Any:
+    """The cached decision's numerics judged against its own trajectory in the fit that made it, where
+    this run starts where that one did (the same digest: weights, optimizer state, random states and
+    parity batches): the same configuration from the same start runs the same computation, dropout
+    masks included, so its trajectory now stands within the envelope of its precision's rounding. That
+    trajectory's configuration was judged against the baseline by the climb. Returns the parity where
+    it holds; None where it cannot be judged so or does not hold (the note says which): the baseline
+    judges it then."""
+    stored = entry.trajectory or {}
+    losses = stored.get("losses")
+    if ladder.start_digest is None or stored.get("digest") != ladder.start_digest or not isinstance(losses, list):
+        note["parity_against"] = "the baseline" + (
+            " (this run starts elsewhere than the fit that made the decision)" if losses else ""
+        )
+        return None
+    reference = [float(x) for x in losses]
+    if len(reference) != ladder.parity.steps:
+        note["parity_against"] = "the baseline (the decision's trajectory has other steps)"
+        return None
+    parity = ladder.parity.judge(ladder.parity.trajectory(), reference)
+    if not parity.passed:
+        note["parity_against"] = (
+            f"the baseline (its loss moved {parity.max_rel_diff:.2e} from its trajectory in the fit that made it, "
+            "from the same start)"
+        )
+        ladder.on_event(
+            f"cache: numerics moved from the decision's trajectory ({parity.max_rel_diff:.1e}): judged against the baseline"
+        )
+        return None
+    note["parity_against"] = "its own trajectory in the fit that made the decision, from the same start"
+    ladder.on_event(
+        f"cache: numerics as in the fit that made the decision (the same start): loss within {parity.max_rel_diff:.1e} "
+        "of its trajectory then"
+    )
+    return parity
 
 
 def _date(created: float) -> str:

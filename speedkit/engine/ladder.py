@@ -45,14 +45,16 @@ from speedkit import compat, distributed
 from speedkit.engine import cache_check, remedy, second_look, switches
 from speedkit.engine.baseline import (
     TrialsNotRun,
+    baseline_pace_s,
     baseline_reference,
+    baseline_setup,
     diagnose_baseline,
     measure_baseline,
     planned_bounds,
     trial_order,
 )
 from speedkit.engine.budget import TrialBudget
-from speedkit.engine.cache import DecisionCache
+from speedkit.engine.cache import CachedDecision, DecisionCache
 from speedkit.engine.climb import climb, fresh_compile_s, note_trial_compile
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.confirm import confirm, scaling_and_profile
@@ -132,6 +134,9 @@ class Ladder:
         )
         #: the key of this run's decision in the cache (set after the baseline where there is a cache)
         self.cache_key: str | None = None
+        #: a digest of where every parity trajectory starts (the snapshot's state and the parity batches:
+        #: :meth:`~speedkit.training.snapshot.Snapshot.digest`), for the decision cache; None: not taken
+        self.start_digest: str | None = None
         #: ``(done, total, label)``: rungs tried of the ladder's, then its closing phases (a progress bar)
         self.on_progress = on_progress or (lambda done, total, label: None)
         #: where the profile's Chrome/Perfetto traces of the baseline and the final configuration go
@@ -165,6 +170,7 @@ class Ladder:
         #: steps of every parity trajectory: the configured ones, or more where a rung needs more to be
         #: in effect (a CUDA graph's warm-up and capture), the reference included so the two line up
         self.parity = ParityCheck(state, self.stack, max([self.cfg.parity_steps, *(r.parity_steps_needed() for r in rungs)]))
+        self.parity.host_clock = host_clock
         self.budget = TrialBudget(self.cfg, self.decision_clock)
         self.result: LadderResult | None = None
         self.session: MeasureSession | None = None
@@ -177,7 +183,7 @@ class Ladder:
         self.planned_steps = planned_steps
         #: what sets the baseline step's pace (None before the trials diagnosed it)
         self.diagnosis: Diagnosis | None = None
-        #: host clock when the baseline's parity reference began (the baseline's time counts from it)
+        #: host clock when the baseline began (its parity batches, flops and timing: its time counts from it)
         self.baseline_started = 0.0
         #: the most seconds one rung's trial has spent compiling (0.0: none has compiled)
         self.trial_compile_s = 0.0
@@ -292,9 +298,9 @@ class Ladder:
         """diagnose → plan → decide → confirm (the module's docstring)."""
         result = self.result
         assert result is not None
-        reference = baseline_reference(self)
+        baseline_setup(self)
         entry = cache_check.cached_entry(self) if self.cache is not None else None
-        short = self.too_short() if self.short_fit else None
+        short = self.too_short(entry) if self.short_fit else None
         if short is not None:
             result.run["short_fit"] = short
             if entry is not None and cache_check.apply_cached(self, entry, short):
@@ -303,7 +309,7 @@ class Ladder:
                 f"{short}: no trials; to have them, run `speedkit optimize` on a recipe of this fit, plan a longer fit, "
                 'or pass SpeedLadder(trials="always")'
             )
-        base_m = measure_baseline(self, reference, entry)
+        base_m = measure_baseline(self, entry)
         if entry is not None:
             self.phase = "the cache"
             if cache_check.recheck(self, entry):
@@ -312,7 +318,8 @@ class Ladder:
             if entry.baseline or entry.calibration:  # the earlier fit's stood for the baseline's: the climb's own
                 self.parity.calibration.clear()
                 self.phase = "the baseline"
-                base_m = measure_baseline(self, reference)
+                base_m = measure_baseline(self)
+        reference = baseline_reference(self)
         pace = base_m  # the step the rungs are judged on: the baseline's, or the floor's
         self.steps_ms = (base_m.step_ms, base_m.step_ms)
         if self.cfg.switches_floor:
@@ -352,16 +359,17 @@ class Ladder:
         scaling_and_profile(self)
         cache_check.store_decision(self)
 
-    def too_short(self) -> str | None:
+    def too_short(self, cached: CachedDecision | None = None) -> str | None:
         """Why this fit is too short to pay back its trials (None: it is not, or its length is not known):
         its planned optimizer steps at the step time of the baseline's parity reference (an upper bound:
-        its first steps include first calls) under :data:`PAYBACK` times the trials' budget for that step."""
+        its first steps include first calls; ``cached``: the baseline's step in the fit that made the
+        cached decision, where it holds one) under :data:`PAYBACK` times the trials' budget for that step."""
         planned = self.planned_steps
-        steps = len(self.parity.reference)  # optimizer steps (each of ``accumulate`` micro-batches)
-        elapsed = self.host_clock() - self.baseline_started
-        if not planned or steps <= 0 or elapsed <= 0:
+        if not planned:
             return None
-        step_ms = elapsed / steps * 1e3
+        step_ms = baseline_pace_s(self, cached) * 1e3  # per optimizer step (each of ``accumulate`` micro-batches)
+        if step_ms <= 0:
+            return None
         budget_s = self.budget.size(step_ms, planned)
         planned_s = planned * step_ms / 1e3
         if planned_s >= PAYBACK * budget_s:

@@ -67,6 +67,7 @@ class Trials(Protocol):
     floor_compile_s: float
     cache: DecisionCache | None
     cache_key: str | None
+    start_digest: str | None
     settings: dict[str, object]
     on_progress: Callable[[int, int, str], None]
 

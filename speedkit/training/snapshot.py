@@ -307,3 +307,15 @@ class Snapshot:
 
     def restore_rng(self) -> None:
         self.rng.restore()
+
+    def digest(self, *extra: Any) -> str:
+        """A digest of the state a restore puts back and of ``extra`` (the batches trajectories from it run
+        on): the weights and buffers, the optimizers' state and hyper-parameters, the step's schedules and
+        the process RNGs (:func:`speedkit.training.digest.state_digest`). Reads the live tensors, on their
+        devices: call it right after :meth:`restore`, when they hold the saved values."""
+        from speedkit.training.digest import state_digest
+
+        optimizers = [(list(opt.state.values()), groups) for opt, (_, groups) in zip(self.optimizers, self.opt_saved)]
+        weights = [local_shard(live) for live, _ in self.tensors]
+        needs_grad = [g for _, g in self.requires_grad]
+        return state_digest([weights, needs_grad, optimizers, self.step_state, self.rng.process, list(extra)])
