@@ -2504,6 +2504,38 @@ class _Compiles(Rung):
         return None
 
 
+class _AppliesBeneath(Rung):
+    """A rung that does not apply on top of the kept ``compile`` (the model is compiled), only beneath it."""
+
+    name = "fused_head"
+
+    def check(self, state):
+        return "the model is compiled" if state.notes["flags"].compile else None
+
+
+def test_a_rung_that_applies_only_beneath_a_kept_rung_is_not_begun_with_the_budget_spent():
+    """On an H100 GPT-2's fused_lm_head, not applying on top of the floor's compile, was let through with
+    the budget spent "to say why it does not apply", then applied beneath compile in its trial and compiled
+    for 46 s: the trials ran 57 s past their 140-s budget. Whether it applies is asked where its trial
+    would ask it, at its place; there it applies, so with the budget spent it is not begun."""
+    from speedkit.engine.climb import no_room_for
+
+    state, time, flags = _switch_state({_on(): 0.040, _on("compile"): 0.020}, names=("compile",))
+    ladder = Ladder(state, [_AppliesBeneath(), FlagRung("compile", recheck=False)], FAST, clock=time.clock(), host_clock=time)
+    ladder.stack.insert_at_place(ladder.rungs[1])
+    ladder.stack.all_on()
+    assert flags.compile
+    rung = ladder.rungs[0]
+    assert rung.check(state) is not None  # on top of compile: it does not apply
+    ladder.budget = SimpleNamespace(spent=lambda: True, left_for_rungs=lambda: 0.0, min_trial_s=3.0, budget_s=140.0)
+    assert no_room_for(ladder, rung) == "the trials' time budget (140 s) was spent"
+    assert flags.compile  # the kept rungs are on again
+    # one that applies nowhere is let through, to say why
+    nowhere = _AppliesBeneath()
+    nowhere.check = lambda state: "no head to fuse"
+    assert no_room_for(ladder, nowhere) is None
+
+
 def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_expected_compile():
     """Before any trial compiled, a rung compiled anew beneath the floor's compile is expected to cost
     ``recompile_prior_s`` (the floor's own compile may have come from Inductor's caches): on an H100,
@@ -2520,6 +2552,8 @@ def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_exp
         trial_compile_s=0.0,
         floor_compile_s=0.0,
         state=SimpleNamespace(model=nn.Linear(2, 2)),
+        stack=SimpleNamespace(place=lambda rung: 0, configure=lambda mask: None, all_on=lambda: None),
+        slots=[],
     )
     anew, cheap = _Compiles("channels_last", True), _Compiles("gc_freeze", False)
     assert expected_compile_s(ladder, anew) == 30.0 and expected_compile_s(ladder, cheap) == 0.0
