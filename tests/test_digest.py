@@ -62,3 +62,35 @@ def test_the_digest_reads_library_batches_and_large_tensors_in_chunks(monkeypatc
     assert state_digest([x, encoding, Batch(x.float(), 4)]) != base
     swapped = torch.arange(29).flip(0)  # the same values elsewhere: the position weights tell them apart
     assert state_digest([swapped]) != state_digest([torch.arange(29)])
+
+
+def test_a_state_the_digest_cannot_read_leaves_the_run_to_the_baselines_judgement(tmp_path, monkeypatch):
+    """A digest that raises (a tensor it cannot read) is no failed run: no start is recorded, and a
+    cached decision is judged against the baseline as before."""
+    from fakes import SpeedRung, VirtualTime, timed_state
+
+    from speedkit.engine.cache import DecisionCache
+    from speedkit.engine.ladder import Ladder
+
+    def unreadable(self, *extra):
+        raise RuntimeError("view is not supported for sparse tensors")
+
+    monkeypatch.setattr(Snapshot, "digest", unreadable)
+    cache = DecisionCache(tmp_path)
+    results = []
+    for _ in range(2):
+        time = VirtualTime(noise=0.005, seed=0)
+        ladder = Ladder(
+            timed_state(time, 0.02),
+            [SpeedRung("x", time, 0.02, -0.3)],
+            {"warmup": 1, "steps": 3, "repeats": 3, "min_blocks": 4, "switches_floor": False, "profile": False},
+            clock=time.clock(),
+            host_clock=time,
+            cache=cache,
+        )
+        results.append(ladder.run())
+        assert ladder.start_digest is None
+        ladder.revert()
+    assert cache.entries()[0].trajectory is None
+    note = results[1].run["cache"]
+    assert note["held"] is True and note["parity_against"] == "the baseline"

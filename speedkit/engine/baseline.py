@@ -67,7 +67,11 @@ def baseline_setup(ladder: Trials) -> None:
     if ladder.cache is not None and distributed.world_size() == 1:
         # where every parity trajectory starts: a cached decision's trajectory recorded from the same
         # start stands for its own (one process: a sharded or per-rank state is not compared)
-        ladder.start_digest = snapshot.digest(ladder.parity.batches)
+        try:
+            ladder.start_digest = snapshot.digest(ladder.parity.batches)
+        except Exception as exc:  # a state it cannot read (a sparse or meta tensor): judged against the baseline
+            ladder.stop.reraise(exc)
+            ladder.start_digest = None
     peak, peak_source = peak_tflops(state.device, cfg.mfu_precision, cfg.peak_tflops)
     items, unit = count_items(ladder.parity.batches[0], cfg.throughput_unit)
     result.flops = {
