@@ -2552,7 +2552,8 @@ def test_a_rung_compiling_anew_is_begun_only_where_the_budget_left_holds_its_exp
         trial_compile_s=0.0,
         floor_compile_s=0.0,
         state=SimpleNamespace(model=nn.Linear(2, 2)),
-        stack=SimpleNamespace(place=lambda rung: 0, configure=lambda mask: None, all_on=lambda: None),
+        # a _Compiles rung applies anywhere, at its place too
+        stack=SimpleNamespace(check_at_place=lambda rung: rung.check(None), all_on=lambda: None),
         slots=[],
     )
     anew, cheap = _Compiles("channels_last", True), _Compiles("gc_freeze", False)

@@ -144,6 +144,7 @@ def measure_baseline(ladder: Trials, cached: CachedDecision | None = None) -> Me
     assert result is not None and ladder.timing is not None
     t0 = ladder.baseline_started
     figures = (cached.baseline or {}) if cached is not None else {}
+    cached_m = cached_baseline(cached)
     # a slow step (at the parity reference's pace, or the cached fit's baseline) gets the short forms of
     # the baseline's phases
     reference_s = baseline_pace_s(ladder, cached)
@@ -164,15 +165,15 @@ def measure_baseline(ladder: Trials, cached: CachedDecision | None = None) -> Me
         ladder.on_event(f"baseline: parity tolerances from the model's sensitivity ({', '.join(todo)})")
     if reused:
         ladder.on_event(f"baseline: parity tolerances of the cached decision's fit ({', '.join(reused)})")
-    if todo or not figures.get("measurement"):  # the tolerances and the baseline's own timing start from it
+    if todo or cached_m is None:  # the tolerances and the baseline's own timing start from it
         baseline_reference(ladder)
     calibrating = ladder.host_clock()
     for precision in todo:
         ladder.parity.tolerance(precision)
     calibrated_s = ladder.host_clock() - calibrating
     reference = ladder.parity.reference if ladder.parity.has_reference else None
-    if figures.get("measurement"):
-        base_m = Measurement.from_dict(figures["measurement"])
+    if cached_m is not None:
+        base_m = cached_m
         noise = dict(figures.get("noise") or window_steps(base_m, cfg, ladder.clock.name))
         measured_in = "the fit that made the cached decision"
     else:
@@ -216,15 +217,21 @@ def measure_baseline(ladder: Trials, cached: CachedDecision | None = None) -> Me
     return base_m
 
 
+def cached_baseline(cached: CachedDecision | None) -> Measurement | None:
+    """The baseline's measurement in the fit that made ``cached`` (None: no entry, or none held)."""
+    figures = (cached.baseline or {}) if cached is not None else {}
+    return Measurement.from_dict(figures["measurement"]) if figures.get("measurement") else None
+
+
 def baseline_pace_s(ladder: Trials, cached: CachedDecision | None = None) -> float:
     """Seconds a parity step of the baseline takes: its parity reference's pace (an upper bound: its
     first steps include first calls), or, where the reference has not run and ``cached`` holds the
     baseline's figures, that fit's step; else the reference runs now."""
     parity = ladder.parity
     if parity.reference_pace_s is None:
-        figures = (cached.baseline or {}) if cached is not None else {}
-        if figures.get("measurement"):
-            return Measurement.from_dict(figures["measurement"]).step_ms / 1e3
+        cached_m = cached_baseline(cached)
+        if cached_m is not None:
+            return cached_m.step_ms / 1e3
         baseline_reference(ladder)
     assert parity.reference_pace_s is not None
     return parity.reference_pace_s

@@ -121,13 +121,20 @@ class Stack:
         self.slots.insert(place, slot)
         return slot
 
+    def check_at_place(self, rung: Rung) -> str | None:
+        """Whether ``rung`` applies where it would go (:meth:`place`): the kept rungs after its place
+        switched off, as its trial and its insertion run it, and left so; why not, or None. A rung may
+        not apply on top of a kept rung and apply beneath it (a fused LM head beneath compile)."""
+        place = self.place(rung)
+        self.configure([i < place for i in range(len(self.slots))])
+        return agreed_check(rung, self.state)
+
     def insert_at_place(self, rung: Rung) -> int:
         """Put ``rung`` in at its place among the kept rungs, applied on those before it in the ladder's
         order (the rungs after it off), once it says again that it applies there; returns the place.
         Raises :class:`RungProblem` where it no longer applies. The slots after it stay off."""
         place = self.place(rung)
-        self.configure([i < place for i in range(len(self.slots))])
-        reason = agreed_check(rung, self.state)
+        reason = self.check_at_place(rung)
         if reason is not None:
             raise RungProblem(f"{rung.name} no longer applies: {reason}")
         self.insert(place, rung, (True,) * place)

@@ -15,7 +15,7 @@ from speedkit import distributed
 from speedkit.engine import comparison
 from speedkit.engine.comparison import compare, record
 from speedkit.engine.parity import dropout_off
-from speedkit.engine.stack import RungProblem, Slot, agreed_check, agreed_problem
+from speedkit.engine.stack import RungProblem, Slot, agreed_problem
 from speedkit.engine.timing import heartbeat
 from speedkit.errors import first_line
 from speedkit.results import RungResult
@@ -39,8 +39,7 @@ def try_rung(ladder: Trials, rung: Rung, reference: list[float]) -> tuple[RungRe
     place = stack.place(rung)
     above = [s.rung.name for s in ladder.slots[place:]]
     try:
-        stack.configure([i < place for i in range(len(ladder.slots))])
-        reason = agreed_check(rung, state)
+        reason = stack.check_at_place(rung)
     except Exception as exc:  # a check that crashes is a failed rung, not a failed ladder
         ladder.stop.reraise(exc)  # a signal or a dead loader stops the trials: no rung's failure
         reason = None

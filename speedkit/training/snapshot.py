@@ -31,6 +31,7 @@ from torch import nn
 from speedkit import compat
 from speedkit.data.rng import RngState
 from speedkit.distributed import local_shard
+from speedkit.training.digest import state_digest
 
 _IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -313,8 +314,6 @@ class Snapshot:
         on): the weights and buffers, the optimizers' state and hyper-parameters, the step's schedules and
         the process RNGs (:func:`speedkit.training.digest.state_digest`). Reads the live tensors, on their
         devices: call it right after :meth:`restore`, when they hold the saved values."""
-        from speedkit.training.digest import state_digest
-
         optimizers = [(list(opt.state.values()), groups) for opt, (_, groups) in zip(self.optimizers, self.opt_saved)]
         weights = [local_shard(live) for live, _ in self.tensors]
         needs_grad = [g for _, g in self.requires_grad]
