@@ -1481,10 +1481,11 @@ class SlowApplyRung(SpeedRung):
         return super().apply(state)
 
 
-def test_a_closing_comparison_the_budget_left_cannot_hold_is_not_measured_which_the_report_says():
-    """A rung's compile takes most of a 6 s budget after it was begun: the closing finds less left than
-    the final check's fewest blocks. The final check is not measured (said so, the headline then the
-    kept rungs' product) and the trials end near their budget, not a comparison's length past it."""
+def test_a_final_check_keeps_the_time_held_for_it_where_a_compile_overran_the_budget():
+    """A rung's compile takes most of a 6 s budget after it was begun: the closing finds less of the budget
+    left than the final check's fewest blocks, but what was held back for the closing phases is theirs:
+    the final check is measured (its figure the headline, not the kept rungs' product, which on an H100
+    stood 44% under what a fit ran), and the trials end within that held time past the overrun."""
     time = VirtualTime(noise=0.005, seed=1)
     state = timed_state(time, 0.02)
     rungs = [SlowApplyRung("a", time, 0.02, -0.3, compile_s=4.5)]
@@ -1494,11 +1495,13 @@ def test_a_closing_comparison_the_budget_left_cannot_hold_is_not_measured_which_
     result = ladder.run()
     budget = result.run["budget"]
     assert [r.name for r in result.kept] == ["a"]
-    assert result.final_check is None and "the final check" in budget["skipped"], budget
+    assert result.final_check is not None and "the final check" not in budget["skipped"], budget
+    assert result.figures()["headline"]["speedup"] == pytest.approx(result.final_check.speedup, rel=1e-12)
     # no floor here (no user's switch among the rungs): no comparison against it to skip, none said skipped
     assert "the final configuration against the switches" not in budget["skipped"], budget
-    assert any("the final check skipped" in e for e in events), events
-    assert result.run["trials_s"] <= budget["budget_s"] + ladder.budget.comparison_s(20.0, 20.0), budget
+    closing_from = ladder.budget.closing_from
+    assert closing_from is not None and closing_from > budget["budget_s"] - ladder.budget.reserve_s  # it overran
+    assert result.run["trials_s"] <= max(budget["budget_s"], closing_from + ladder.budget.reserve_s) + 0.5, budget
 
 
 def test_a_rung_is_not_begun_where_the_budget_left_holds_no_compile_as_long_as_a_trial_took(monkeypatch):

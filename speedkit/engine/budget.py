@@ -49,6 +49,8 @@ class TrialBudget:
         self.done: set[str] = set()
         self._phase: str | None = None
         self._phase_from = 0.0
+        #: seconds from the start at which the closing phases began (None: not yet, :meth:`begin_closing`)
+        self.closing_from: float | None = None
 
     def start(self) -> None:
         self.started = self._phase_from = self.host_clock()
@@ -170,13 +172,26 @@ class TrialBudget:
         slower = max(a_ms, b_ms) / 1e3
         return slower * (cfg.warmup + 2 * cfg.settle) + 2 * cfg.min_blocks * (window + cfg.settle) * (a_ms + b_ms) / 1e3
 
-    def affords(self, seconds: float) -> bool:
-        """Whether what is left of the whole budget holds ``seconds`` more."""
-        return self.remaining() >= seconds
-
     def remaining(self) -> float:
         """Seconds left of the whole budget."""
         return self.budget_s - self.elapsed()
+
+    def begin_closing(self) -> None:
+        """The closing phases begin: from now they own what is held back for them (``reserve_s``), whatever
+        the phases before took (a remedy tried past the rungs' share, a compile longer than expected: on
+        an H100 the demo Transformer's remedy compiled for 60 s, the final check found 3 s left and was
+        skipped, and the chain's figure, 44% under what the fit ran, stood for it)."""
+        if self.closing_from is None:
+            self.closing_from = self.elapsed()
+
+    def closing_left(self) -> float:
+        """Seconds left for the closing phases: what is left of the budget, or, once they began, of what
+        was held back for them, whichever is more (the trials then end at most ``reserve_s`` past the
+        rungs' overrun, never a closing comparison's length past the budget otherwise)."""
+        remaining = self.remaining()
+        if self.closing_from is None:
+            return remaining
+        return max(remaining, self.reserve_s - (self.elapsed() - self.closing_from))
 
     def left_for_rungs(self) -> float:
         """Seconds left for the rungs' trials and second looks: the budget less what is held back."""
@@ -233,7 +248,7 @@ class TrialBudget:
     def for_closing(self, phases_left: int) -> float:
         """Seconds a closing phase's comparison may take: its share of the whole budget left among the
         ``phases_left`` closing comparisons (itself included), never more than ``budget_s``."""
-        return min(self.cfg.budget_s, max(0.0, self.remaining()) / max(1, phases_left))
+        return min(self.cfg.budget_s, max(0.0, self.closing_left()) / max(1, phases_left))
 
 
 #: the bound at which a rung weighs as one (an unbounded rung's weight), and the range of weights

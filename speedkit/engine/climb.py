@@ -85,6 +85,27 @@ def expected_compile_s(ladder: Trials, rung: Rung) -> float:
     return ladder.trial_compile_s if ladder.trial_compile_s > 0 else ladder.cfg.recompile_prior_s
 
 
+def no_room_for_remedy(ladder: Trials, bundle: list[Rung]) -> str | None:
+    """Why the remedy's ``bundle`` is not begun together (None: it is): the rungs' share of the budget is
+    spent; or, where the diagnosis is device-bound (its "remedy" the kernel rungs on the step's top
+    categories, no bottleneck's own cure), what is left of it does not hold the fewest steps of a trial
+    with the compile the costliest member is expected to cost (:func:`expected_compile_s`: on an H100
+    GPT-2's fused_lm_head + triton_layers + aligned_linear compiled for 44 s together and lost). Its members
+    are then tried on their own, each as the budget allows (:func:`no_room_for`)."""
+    budget = ladder.budget
+    if budget.spent():
+        return f"the trials' time budget ({budget.budget_s:.0f} s) was spent"
+    if ladder.diagnosis is None or ladder.diagnosis.kind != "device-bound":
+        return None  # the bottleneck's own remedy: what pays on such a step
+    compiles = max(expected_compile_s(ladder, rung) for rung in bundle)
+    if compiles <= 0 or budget.left_for_rungs() >= budget.min_trial_s + compiles:
+        return None
+    return (
+        f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial of them "
+        f"together that compiles anew (expected {compiles:.0f} s)"
+    )
+
+
 def no_room_for(ladder: Trials, rung: Rung) -> str | None:
     """Why ``rung`` is not begun (None: it is): the rungs' share of the budget is spent, or what is left
     of it does not hold the fewest steps of a trial together with the compile the trial is expected to

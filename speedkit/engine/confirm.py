@@ -33,6 +33,7 @@ def confirm(ladder: Trials, base_ms: float, pace_ms: float) -> None:
     the baseline's and the floor's step (what the closing comparisons' cost is estimated from)."""
     cfg, result = ladder.cfg, ladder.result
     assert result is not None
+    ladder.budget.begin_closing()  # what was held back for the closing phases is theirs from here
     floor_row = ladder.floor_row
     if cfg.switches_floor and floor_row is not None and ladder.floor:
         ladder.phase = "the switches"
@@ -225,7 +226,8 @@ def affordable(ladder: Trials, what: str, a_ms: float, b_ms: float, also_s: floa
     fewest blocks (and ``also_s`` for a later one that goes first); where not, it is skipped and the
     report says so (the trials end near their budget rather than a comparison's length past it)."""
     budget = ladder.budget
-    if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or budget.affords(budget.comparison_s(a_ms, b_ms) + also_s):
+    needed = budget.comparison_s(a_ms, b_ms) + also_s
+    if not (math.isfinite(a_ms) and math.isfinite(b_ms)) or budget.closing_left() >= needed:
         return True
     ladder.note_budget(what)
     return False
@@ -252,7 +254,7 @@ def scaling_and_profile(ladder: Trials, cached: bool = False) -> None:
         }
         return
     ladder.phase = "the profile"
-    if ladder.budget.remaining() > 0:
+    if ladder.budget.closing_left() > 0:
         profile_configurations(ladder)
     else:
         ladder.note_budget("the profile")

@@ -55,7 +55,7 @@ from speedkit.engine.baseline import (
 )
 from speedkit.engine.budget import TrialBudget
 from speedkit.engine.cache import CachedDecision, DecisionCache
-from speedkit.engine.climb import climb, fresh_compile_s, note_trial_compile
+from speedkit.engine.climb import climb, fresh_compile_s, no_room_for_remedy, note_trial_compile
 from speedkit.engine.closing_check import closing_check
 from speedkit.engine.confirm import confirm, scaling_and_profile
 from speedkit.engine.diagnose import Diagnosis
@@ -340,7 +340,11 @@ class Ladder:
         order = self._plan(pace)
         bundle = [r for r in order if r.name in self.remedy]
         remedy_kept: list[str] = []
-        if len(bundle) > 1 and not self.budget.spent():  # the bottleneck's remedy together, then member by member
+        not_together = no_room_for_remedy(self, bundle) if len(bundle) > 1 else None
+        if not_together is not None:  # each member tried on its own in the climb, as the budget allows
+            result.run["budget"]["skipped"].append(f"the remedy together ({' + '.join(r.name for r in bundle)})")
+            self.on_event(f"remedy: {' + '.join(r.name for r in bundle)} not tried together: {not_together}")
+        elif len(bundle) > 1:  # the bottleneck's remedy together, then member by member
             self.phase = "the remedy"
             compiled_before = compat.compile_seconds()
             remedy_kept, reference = remedy.try_remedy(self, bundle, reference)

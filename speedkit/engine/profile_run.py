@@ -68,9 +68,9 @@ def profile_configurations(ladder: Trials, edges_only: str | None = None) -> Non
         for k in range(n + 1):
             if 0 < k < n and skipped is None:
                 per_window = ladder.host_clock() - first_from  # the baseline's window: settle, steps, start and stop
-                if ladder.budget.remaining() < per_window * (n - k + 1):
+                if ladder.budget.closing_left() < per_window * (n - k + 1):
                     skipped = (
-                        f"the budget's {max(0.0, ladder.budget.remaining()):.1f} s left holds no "
+                        f"the budget's {max(0.0, ladder.budget.closing_left()):.1f} s left holds no "
                         f"{n - k + 1} windows of ~{per_window:.1f} s"
                     )
             if 0 < k < n and skipped is not None:
