@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from typing import Any
 
 from speedkit.figures.account import account
@@ -526,11 +527,21 @@ def _run(d: dict[str, Any]) -> list[str]:
         if phases:
             lines += ["- Time per phase: " + ", ".join(f"{_escape(k)} {_num(v, '.1f')} s" for k, v in phases.items()) + "."]
     for pace in run.get("loader_pace") or []:
+        under = pace.get("under_steps") or {}
+        how = (
+            f"read alone {_num(pace.get('alone_ms_per_batch'), '.2f')} ms, with the steps "
+            f"{_num(statistics.fmean(under['rounds_ms']), '.2f')} ms, waiting {_num(under.get('wait_share'), '.0%')} of them"
+            if under.get("loader_bound") and under.get("rounds_ms")
+            else "read alone; the steps were slower than it"
+            if "alone_ms_per_batch" in pace
+            else "read alone"
+        )
         lines += [
             f"- Loader pace: {_escape(pace.get('source'))} with {pace.get('workers', MISSING)} workers sustains "
-            f"{_num(pace.get('ms_per_batch'), '.2f')} ms a batch (measured once, {pace.get('batches', MISSING)} batches, "
-            f"{_num(pace.get('seconds'), '.1f')} s); no window that reads it is timed faster than that per batch, "
-            "as the fit's steps cannot be (its workers buffer batches while the other configuration's windows run)."
+            f"{_num(pace.get('ms_per_batch'), '.2f')} ms a batch ({how}; measured once, {pace.get('batches', MISSING)} "
+            f"batches read alone, {_num(pace.get('seconds'), '.1f')} s); no window that reads it is timed faster than "
+            "that per batch, as the fit's steps cannot be (its workers buffer batches while the other configuration's "
+            "windows run)."
         ]
     if run.get("first_tried"):
         lines += [f"- Plan: {_escape(run['first_tried'])}."]
