@@ -310,3 +310,25 @@ def test_the_in_order_stand_in_sustains_its_workers_pace():
         next(batches)
         time.now += 0.02
     assert (time.now - start) / 1000 == pytest.approx(0.0401, rel=0.01)
+
+
+def test_across_several_processes_the_pace_is_read_alone_without_steps():
+    """Under DDP each rank would stop reading its queues at its own step, and the steps' all-reduces would
+    wait for each other: the pace under steps is not measured there (no step runs), the pace read alone
+    stands, and the report says why."""
+    from conftest import mlp_state
+
+    from speedkit.engine.timing import Timing
+
+    time = VirtualTime()
+    state = mlp_state()
+    state.step = CostStep(state.step, time, 0.02)
+    state.step.world_size = lambda: 2  # as a rank of two sees it
+    source = ContendedSource(state.data, time, period_s=0.04, busy_period_s=0.05, capacity=6)
+    state.data = source
+    before = time.steps
+    timing = Timing.__new__(Timing)  # only what the pace reads
+    timing.state, timing.host_clock, timing.poll = state, time, lambda: None
+    out = timing.pace_under_steps(source, source.iterator(), 40.0, 3)
+    assert out["loader_bound"] is False and "several processes" in out["note"]
+    assert time.steps == before  # no step ran
