@@ -204,11 +204,9 @@ def test_the_headline_is_the_final_check_where_the_rungs_gains_do_not_compose():
     assert result.final_measurement.step_ms == pytest.approx(head["step_ms"], rel=1e-12)
 
 
-def test_the_final_check_goes_first_where_the_budget_holds_one_closing_comparison():
-    """The rungs' trials ran into the time held for the closing phases: what is left holds the final check
-    (against the slow baseline) but not it and the final configuration against the switches as well. The
-    comparison against the switches is skipped and said so; the final check is made (nanogpt on an H100
-    had it the other way round, and its headline stood on gains that did not compose)."""
+def _x_on_the_switches(once_x_is_kept):
+    """x on top of the switches (autocast + compile): 40 ms a step, 20 on the switches, 10 with x on them;
+    ``once_x_is_kept(ladder, time)`` runs when the climb keeps x. Returns the ladder, its result and the clock."""
     costs = {_on(): 0.040, _on("autocast", "compile"): 0.020, _on("x", "autocast", "compile"): 0.010}
     costs |= {_on("x"): 0.036, _on("autocast"): 0.030, _on("compile"): 0.030}
     costs |= {_on("x", "autocast"): 0.026, _on("x", "compile"): 0.026}
@@ -218,15 +216,27 @@ def test_the_final_check_goes_first_where_the_budget_holds_one_closing_compariso
     def on_event(line):
         ladder = box.get("ladder")
         if ladder is not None and line.startswith("[") and "x: kept" in line:
-            budget = ladder.budget
-            final_s, switches_s = budget.comparison_s(40.0, 20.0), budget.comparison_s(20.0, 20.0)
-            budget.reserve_s = final_s + 0.5 * switches_s  # what is held holds one of the two
-            time.now = budget.started + budget.budget_s - budget.reserve_s  # and the rungs' share is spent
+            once_x_is_kept(ladder, time)
 
     ladder = box["ladder"] = Ladder(
         state, _rungs("x", *SWITCHES), {**FAST, "together_passes": 0}, clock=time.clock(), host_clock=time, on_event=on_event
     )
-    result = ladder.run()
+    return ladder, ladder.run(), time
+
+
+def test_the_final_check_goes_first_where_the_budget_holds_one_closing_comparison():
+    """The rungs' trials ran into the time held for the closing phases: what is left holds the final check
+    (against the slow baseline) but not it and the final configuration against the switches as well. The
+    comparison against the switches is skipped and said so; the final check is made (nanogpt on an H100
+    had it the other way round, and its headline stood on gains that did not compose)."""
+
+    def once_x_is_kept(ladder, time):
+        budget = ladder.budget
+        final_s, switches_s = budget.comparison_s(40.0, 20.0), budget.comparison_s(20.0, 20.0)
+        budget.reserve_s = final_s + 0.5 * switches_s  # what is held holds one of the two
+        time.now = budget.started + budget.budget_s - budget.reserve_s  # and the rungs' share is spent
+
+    ladder, result, _ = _x_on_the_switches(once_x_is_kept)
     assert "the final configuration against the switches" in result.run["budget"]["skipped"]
     assert result.final_check is not None and result.final_check.speedup == pytest.approx(4.0, rel=0.05)
     assert [s.rung.name for s in ladder.slots] == ["x", *SWITCHES]
@@ -239,21 +249,12 @@ def test_the_closing_phases_keep_their_time_where_a_trial_ran_past_the_budget():
     figure 44% under what the fit ran). The closing phases run on what was held back for them all the
     same: the final configuration is timed against the switches and the baseline, its figure the final
     check's, and the trials end within that time past the overrun."""
-    costs = {_on(): 0.040, _on("autocast", "compile"): 0.020, _on("x", "autocast", "compile"): 0.010}
-    costs |= {_on("x"): 0.036, _on("autocast"): 0.030, _on("compile"): 0.030}
-    costs |= {_on("x", "autocast"): 0.026, _on("x", "compile"): 0.026}
-    state, time, flags = _switch_state(costs)
     box = {}
 
-    def on_event(line):
-        ladder = box.get("ladder")
-        if ladder is not None and line.startswith("[") and "x: kept" in line:
-            box["overran_at"] = time.now = ladder.budget.started + ladder.budget.budget_s + 5.0  # 5 s past it all
+    def once_x_is_kept(ladder, time):
+        box["overran_at"] = time.now = ladder.budget.started + ladder.budget.budget_s + 5.0  # 5 s past it all
 
-    ladder = box["ladder"] = Ladder(
-        state, _rungs("x", *SWITCHES), {**FAST, "together_passes": 0}, clock=time.clock(), host_clock=time, on_event=on_event
-    )
-    result = ladder.run()
+    ladder, result, time = _x_on_the_switches(once_x_is_kept)
     skipped = result.run["budget"]["skipped"]
     assert "the final check" not in skipped and "the final configuration against the switches" not in skipped, skipped
     assert result.final_check is not None and result.final_check.speedup == pytest.approx(4.0, rel=0.05)

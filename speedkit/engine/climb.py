@@ -85,6 +85,13 @@ def expected_compile_s(ladder: Trials, rung: Rung) -> float:
     return ladder.trial_compile_s if ladder.trial_compile_s > 0 else ladder.cfg.recompile_prior_s
 
 
+def holds_a_trial(ladder: Trials, compiles_s: float) -> bool:
+    """Whether the rungs' share of the budget left holds a trial's fewest steps and ``compiles_s`` of
+    compiling on top (any trial, where it compiles nothing)."""
+    budget = ladder.budget
+    return compiles_s <= 0 or budget.left_for_rungs() >= budget.min_trial_s + compiles_s
+
+
 def no_room_for_remedy(ladder: Trials, bundle: list[Rung]) -> str | None:
     """Why the remedy's ``bundle`` is not begun together (None: it is): the rungs' share of the budget is
     spent; or, where the diagnosis is device-bound (its "remedy" the kernel rungs on the step's top
@@ -98,7 +105,7 @@ def no_room_for_remedy(ladder: Trials, bundle: list[Rung]) -> str | None:
     if ladder.diagnosis is None or ladder.diagnosis.kind != "device-bound":
         return None  # the bottleneck's own remedy: what pays on such a step
     compiles = max(expected_compile_s(ladder, rung) for rung in bundle)
-    if compiles <= 0 or budget.left_for_rungs() >= budget.min_trial_s + compiles:
+    if holds_a_trial(ladder, compiles):
         return None
     return (
         f"the {max(0.0, budget.left_for_rungs()):.0f} s left of the trials' time budget hold no trial of them "
@@ -117,7 +124,7 @@ def no_room_for(ladder: Trials, rung: Rung) -> str | None:
     applied beneath compile and compiled for 46 s: the trials ran 57 s past their 140-s budget)."""
     budget = ladder.budget
     compiles = expected_compile_s(ladder, rung)
-    if not budget.spent() and (compiles <= 0 or budget.left_for_rungs() >= budget.min_trial_s + compiles):
+    if not budget.spent() and holds_a_trial(ladder, compiles):
         return None
     try:
         if ladder.stack.check_at_place(rung) is not None:  # as its trial would check it

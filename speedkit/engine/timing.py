@@ -159,7 +159,6 @@ class Timing:
                     for _ in range(per_round):
                         next(batches)
                     rounds.append((clock() - start) / per_round * 1e3)
-                end = clock()
             finally:
                 data.reading_ahead = False
             alone_ms = sum(rounds) / len(rounds)
@@ -169,7 +168,6 @@ class Timing:
                 "alone_ms_per_batch": round(alone_ms, 3),
                 "alone_rounds_ms": [round(r, 3) for r in rounds],
                 "batches": settle + PACE_ROUNDS * per_round,
-                "seconds": round(end - began, 3),
             }
             under = self.pace_under_steps(data, batches, alone_ms, per_round)
             pace["under_steps"] = under
@@ -177,8 +175,11 @@ class Timing:
                 rounds = under["rounds_ms"]
             self._pace_ms[key] = max(alone_ms, sum(rounds) / len(rounds))
             self._pace_spread[key] = summarize(rounds)[1]
-            pace.update(ms_per_batch=round(self._pace_ms[key], 3), spread=round(self._pace_spread[key], 4))
-            pace["seconds"] = round(clock() - began, 3)
+            pace.update(
+                ms_per_batch=round(self._pace_ms[key], 3),
+                spread=round(self._pace_spread[key], 4),
+                seconds=round(clock() - began, 3),
+            )
             self.paces.append(pace)
         return self._pace_ms[key] * self.state.step.accumulate
 
@@ -199,15 +200,19 @@ class Timing:
         if step.world_size() > 1:  # each rank's steps would stop at its own count: their collectives would hang
             out["note"] = "not measured across several processes: the pace read alone stands"
             return out
-        began = clock()
-        for i in range(most):
+
+        def waited_s(i: int) -> float:  # one step on the next batches: the seconds it waited for them
             poll()
             t0 = clock()
             micro = [next(batches) for _ in range(accumulate)]
-            waited_ms = (clock() - t0) * 1e3 / accumulate
+            waited = clock() - t0
             step(micro, i)
+            return waited
+
+        began = clock()
+        for i in range(most):
             drained += 1
-            if waited_ms >= DRAIN_WAIT * alone_ms:
+            if waited_s(i) * 1e3 / accumulate >= DRAIN_WAIT * alone_ms:
                 break
         else:
             out.update(drain_steps=drained, note="its queues never emptied: the steps are slower than the loader")
@@ -215,12 +220,7 @@ class Timing:
         rounds, waits, steps_per_round = [], 0.0, max(1, math.ceil(per_round / accumulate))
         for _ in range(PACE_ROUNDS):
             start = clock()
-            for i in range(steps_per_round):
-                poll()
-                t0 = clock()
-                micro = [next(batches) for _ in range(accumulate)]
-                waits += clock() - t0
-                step(micro, i)
+            waits += sum(waited_s(i) for i in range(steps_per_round))
             rounds.append((clock() - start) / (steps_per_round * accumulate) * 1e3)
         total_s = sum(rounds) * steps_per_round * accumulate / 1e3
         out.update(
