@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
 import sys
 import threading
 import time
@@ -28,8 +29,17 @@ from pathlib import Path
 
 
 class StackSampler:
-    def __init__(self, interval_s: float = 0.01, label: Callable[[], str] | None = None, depth: int = 60) -> None:
-        self.interval_s, self.label, self.depth = interval_s, label, depth
+    def __init__(
+        self, interval_s: float = 0.01, label: Callable[[], str] | None = None, depth: int = 60, cpu_every: int = 50
+    ) -> None:
+        self.interval_s, self.label, self.depth, self.cpu_every = interval_s, label, depth, cpu_every
+        #: (label, who) -> CPU seconds; who is "thread <name>" (this process), "child <comm>" (its
+        #: descendants) or "other <comm>"
+        self.cpu: collections.Counter[tuple[str, str]] = collections.Counter()
+        #: label -> wall seconds between CPU readings
+        self.cpu_wall: collections.Counter[str] = collections.Counter()
+        self._last_cpu: dict[int, tuple[str, float]] | None = None
+        self._last_cpu_at = 0.0
         self.target = threading.get_ident()  # the thread that makes the sampler: the one watched
         self.stacks: collections.Counter[tuple[str, tuple[str, ...]]] = collections.Counter()
         self._stop = threading.Event()
@@ -60,8 +70,64 @@ class StackSampler:
             frame = frame.f_back
         return tuple(reversed(names)) if names else None
 
+    def _cpu_reading(self) -> dict[int, tuple[str, float]]:
+        """CPU seconds used so far by each thread of this process and each other process (by thread or
+        process id: who it is, seconds)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        used: dict[int, tuple[str, float]] = {}
+
+        def stat(path: str) -> tuple[str, int, float] | None:
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except OSError:
+                return None
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text[text.rindex(")") + 2 :].split()
+            return comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+        me = os.getpid()
+        for tid in os.listdir(f"/proc/{me}/task"):
+            got = stat(f"/proc/{me}/task/{tid}/stat")
+            if got is not None:
+                used[int(tid)] = (f"thread {names.get(int(tid), got[0])}", got[2])
+        parents, procs = {}, {}
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) != me:
+                got = stat(f"/proc/{pid}/stat")
+                if got is not None:
+                    parents[int(pid)], procs[int(pid)] = got[1], got
+        for pid, (comm, _, seconds) in procs.items():
+            up, hops = parents.get(pid), 0
+            while up not in (None, 0, 1, me) and hops < 20:
+                up, hops = parents.get(up), hops + 1
+            used[pid] = (f"{'child' if up == me else 'other'} {comm.split('-')[0]}", seconds)
+        return used
+
+    def _charge_cpu(self, label: str) -> None:
+        try:
+            reading, now = self._cpu_reading(), time.monotonic()
+        except Exception:  # not Linux: no CPU account
+            return
+        if self._last_cpu is not None:
+            self.cpu_wall[label] += now - self._last_cpu_at
+            for key, (who, seconds) in reading.items():
+                spent = seconds - self._last_cpu.get(key, ("", 0.0))[1]
+                if spent > 0:
+                    self.cpu[(label, who)] += spent
+        self._last_cpu, self._last_cpu_at = reading, now
+
     def _run(self) -> None:
+        samples = 0
         while not self._stop.wait(self.interval_s):
+            samples += 1
+            if samples % self.cpu_every == 0:
+                try:
+                    cpu_label = self.label() if self.label is not None else ""
+                except Exception:
+                    cpu_label = "?"
+                self._charge_cpu(str(cpu_label))
             names = self._frame_names()
             if names is None:
                 continue
@@ -101,6 +167,13 @@ class StackSampler:
             total = sum(stacks.values())
             lines += ["", f"== {label or '(no label)'}: {total * self.interval_s:.1f} s"]
             pauses = sorted((g, n, t) for (lab, g), (n, t) in self.gc_pauses.items() if lab == label)
+            wall_s = self.cpu_wall.get(label, 0.0)
+            if wall_s:
+                spent = sorted(((s, who) for (lab, who), s in self.cpu.items() if lab == label), reverse=True)[:14]
+                lines.append(
+                    f"  CPU over {wall_s:.1f} s of readings (cores busy on average): "
+                    + ", ".join(f"{who} {s / wall_s:.2f}" for s, who in spent)
+                )
             if pauses:
                 lines.append("  garbage collector: " + ", ".join(f"gen {g}: {int(n)} pauses, {t:.2f} s" for g, n, t in pauses))
             inclusive: collections.Counter[str] = collections.Counter()

@@ -272,10 +272,16 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
         from bench.stack_sampler import StackSampler
 
         def phase() -> str:
+            if timer.start is not None:
+                return "fit: the timed window" if timer.elapsed is None else "fit: after the timed window"
+            if ladder is None:
+                return "fit: before the timed window"
             engine = getattr(ladder, "_ladder", None)
-            return f"{engine.phase} (trials)" if engine is not None and ladder.result is None else "setup and fit"
+            if ladder.result is not None:
+                return "fit: after the trials, before the timed window"
+            return f"{engine.phase} (trials)" if engine is not None else "setup"
 
-        sampler = StackSampler(label=phase if ladder is not None else None).start()
+        sampler = StackSampler(label=phase).start()
     t0 = time.perf_counter()
     if variant == "switches":
         with tf32_matmuls():
