@@ -27,6 +27,10 @@ def left_out_at_most(holds_windows: int) -> int:
 NAMED_SHARE = 0.1
 
 
+#: the host is named slower throughout where the time between steps and the host time in them each rose
+#: by at least this share of the gap (and no action between the steps explains the former)
+HOST_WIDE = 0.25
+
 #: Lightning's actions between steps that the trials run too: the fetch of the next batch and its move to the device
 IN_TRIALS = {"fetch", "transfer"}
 
@@ -58,9 +62,11 @@ def between_steps(between_ms: dict[str, float], wait_ms: float, gap_ms: float) -
     return Between(hooks, validation, in_trials, f" (of it, ms/step: {', '.join(parts)})")
 
 
-def _what_ran_between(between: Between, wait: float, timed: bool) -> str:
+def _what_ran_between(between: Between, wait: float, timed: bool, trials_wait: float) -> str:
     """The cause of a gap in the time between steps (``wait``: the fit's above the trials'), from
-    Lightning's actions there where they were ``timed``."""
+    Lightning's actions there where they were ``timed``. The fetch and the move to the device run in
+    the trials too (``trials_wait``: all their time between steps there): only what they took above
+    that names the loader."""
     if between.validation_ms >= 0.5 * wait:
         return (
             "validation and checkpoints ran between the timed steps (the trials time training steps only): their "
@@ -76,9 +82,17 @@ def _what_ran_between(between: Between, wait: float, timed: bool) -> str:
             "the next batch (the loader does not keep up: workers, pinned memory, prefetch) or the loop's own "
             "per-batch work (callbacks, logging)"
         )
-    if between.in_trials_ms >= 0.5 * wait:
+    if between.in_trials_ms - trials_wait >= 0.5 * wait:
         return "the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
     return "the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)"
+
+
+def _host_wide(between: Between, wait: float, host: float, gap_ms: float, ladder: Measurement) -> bool:
+    """Both host times rose (between the steps and in them), and no action between the steps the fit
+    runs (hooks, validation, a slower fetch) explains the rise between them."""
+    if min(wait, host) < HOST_WIDE * gap_ms:
+        return False
+    return between.hooks_ms < 0.5 * wait and between.in_trials_ms - (ladder.data_wait_ms or 0.0) < 0.5 * wait
 
 
 def judge_holds(
@@ -117,8 +131,14 @@ def judge_holds(
             f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
             f"own per-batch work ({per_step})"
         )
+    elif gap_ms > 0 and _host_wide(between, wait, host, gap_ms, ladder):
+        cause = (
+            f"host time between and in the steps alike: {per_step}; the host runs all of the loop more slowly than in "
+            "the trials (another thread of this process holding the interpreter, or another process on its cores)"
+        )
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
-        cause = f"time between steps: {per_step}; {_what_ran_between(between, wait, timed=bool(between_ms))}"
+        trials_wait = ladder.data_wait_ms or 0.0
+        cause = f"time between steps: {per_step}; {_what_ran_between(between, wait, bool(between_ms), trials_wait)}"
     elif gap_ms > 0 and host >= 0.5 * gap_ms and shapes_vary:
         cause = (
             f"host time in the steps: {per_step}; the batches differ in shape, and the trials timed shapes their "
