@@ -40,6 +40,7 @@ class StackSampler:
         self.cpu_wall: collections.Counter[str] = collections.Counter()
         self._last_cpu: dict[int, tuple[str, float]] | None = None
         self._last_cpu_at = 0.0
+        self._commands: dict[int, str] = {}
         self.target = threading.get_ident()  # the thread that makes the sampler: the one watched
         self.stacks: collections.Counter[tuple[str, tuple[str, ...]]] = collections.Counter()
         self._stop = threading.Event()
@@ -102,8 +103,24 @@ class StackSampler:
             up, hops = parents.get(pid), 0
             while up not in (None, 0, 1, me) and hops < 20:
                 up, hops = parents.get(up), hops + 1
-            used[pid] = (f"{'child' if up == me else 'other'} {comm.split('-')[0]}", seconds)
+            if up == me:  # a forked worker runs this process's command; another program is named by its own
+                command = self._commands.get(pid) or self._command(pid)
+                used[pid] = (f"child {'(forked)' if command == self._command(me) else command}", seconds)
+            else:
+                used[pid] = (f"other {comm.split('-')[0]}", seconds)
         return used
+
+    def _command(self, pid: int) -> str:
+        """A process's command line, shortened (read once per process)."""
+        if pid not in self._commands:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    words = f.read().split(b"\0")
+                text = " ".join(w.decode(errors="replace").rsplit("/", 1)[-1] for w in words[:4] if w)
+            except OSError:
+                text = "?"
+            self._commands[pid] = text[:70]
+        return self._commands[pid]
 
     def _charge_cpu(self, label: str) -> None:
         try:
