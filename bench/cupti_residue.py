@@ -15,6 +15,8 @@ in windows before and after speedkit's own ``profile_window``:
   profile_detached   speedkit's window as it runs (CUPTI detached at its stop)
   graph_twice        a CUDA graph captured first, then two detached windows (CUPTI re-attached
                      after a teardown beside a graph: torch's own code says it crashed before CUDA 12.6)
+  profile_seven      seven detached windows back to back, as a fit's diagnosis and its profile phase
+                     (the baseline, each kept rung, the final configuration) run them
 
 Rows: ``bench: "cupti_residue"``, variant ``<mode>/<eager|compiled>``, metric ``after_over_before``
 (the ratio of median step times), ``step_ms_before`` / ``step_ms_after``, and ``launch_us_before`` /
@@ -40,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("control", "profile_attached", "profile_detached", "graph_twice")
+MODES = ("control", "profile_attached", "profile_detached", "graph_twice", "profile_seven")
 WINDOWS, STEPS = 9, 20
 
 
@@ -117,6 +119,9 @@ def child(mode: str, compiled: bool) -> dict:
         os.environ["TEARDOWN_CUPTI"] = "0"
     if mode != "control":
         _profile(run_one)
+    if mode == "profile_seven":
+        for _ in range(6):
+            _profile(run_one)
     if mode == "graph_twice":
         _profile(run_one)
         _graph.keep[0].replay()  # type: ignore[attr-defined]
@@ -128,6 +133,8 @@ def child(mode: str, compiled: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--forms", default="eager,compiled", help="comma-separated, of: eager, compiled")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -137,8 +144,8 @@ def main() -> None:
 
     results = Results("cupti_residue", args.results)
     print(f"{'mode':<18} {'form':<9} {'before ms':>10} {'after ms':>10} {'after/before':>13} {'launch us before/after':>23}")
-    for form in ("eager", "compiled"):
-        for mode in MODES:
+    for form in args.forms.split(","):
+        for mode in args.modes.split(","):
             env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
             done = subprocess.run(
                 [sys.executable, __file__, "--child", mode, form], capture_output=True, text=True, env=env, timeout=300

@@ -33,7 +33,8 @@ lane runs its model's runs one after the other. Rows are appended to ``--results
 reports; in the device's ``$OUT``, which brings back a few files only, in that file alone).
 
 With ``ZOO_RUNS_WITHOUT=a,b`` in the environment speedkit's variant runs the default ladder less those
-rungs (a diagnostic: which trial leaves something behind).
+rungs (a diagnostic: which trial leaves something behind); with ``ZOO_RUNS_NO_PROFILE=1`` its ladder
+profiles nothing after the decisions (``measure={"profile": False}``).
 
 With ``ZOO_RUNS_STACKS=1`` in the environment each fit's main thread is sampled (bench/stack_sampler.py):
 where its wall time went, by the ladder's phase, in ``logs/<model>_run<k>_<variant>_stacks.txt`` (and
@@ -254,12 +255,13 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
             ladder = SpeedLadder(
                 tiny_ladder(), trials=True, measure=TINY_MEASURE, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
             )
-        elif os.environ.get("ZOO_RUNS_WITHOUT"):  # a diagnostic: the default ladder less these rungs
-            without = set(os.environ["ZOO_RUNS_WITHOUT"].split(","))
-            rungs = [r for r in config.default_ladder() if r not in without]
-            ladder = SpeedLadder(rungs, trials=True, on_event=on_event, **cache_kwargs(args.cache, folder=folder))
-        else:
-            ladder = SpeedLadder(on_event=on_event, **cache_kwargs(args.cache, folder=folder))
+        else:  # diagnostics: the default ladder less some rungs; no profile phase
+            without = set(filter(None, os.environ.get("ZOO_RUNS_WITHOUT", "").split(",")))
+            rungs = [r for r in config.default_ladder() if r not in without] if without else None
+            measure = {"profile": False} if os.environ.get("ZOO_RUNS_NO_PROFILE") else None
+            ladder = SpeedLadder(
+                rungs, trials=True, measure=measure, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
+            )
     timer = WallClockWindow(args.steps, args.warmup, entry.unit, ladder)
     module, loader = entry.build(size, **(entry.switches if variant == "switches" else {}))
     trainer = pl.Trainer(
