@@ -17,6 +17,8 @@ in windows before and after speedkit's own ``profile_window``:
                      after a teardown beside a graph: torch's own code says it crashed before CUDA 12.6)
   profile_seven      seven detached windows back to back, as a fit's diagnosis and its profile phase
                      (the baseline, each kept rung, the final configuration) run them
+  profile_seven_kept the same with ``TEARDOWN_CUPTI=1`` kept set throughout (kineto's teardown thread reads
+                     it again after the teardown, to decide whether to re-enable CUPTI's callbacks)
 
 Rows: ``bench: "cupti_residue"``, variant ``<mode>/<eager|compiled>``, metric ``after_over_before``
 (the ratio of median step times), ``step_ms_before`` / ``step_ms_after``, and ``launch_us_before`` /
@@ -42,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("control", "profile_attached", "profile_detached", "graph_twice", "profile_seven")
+MODES = ("control", "profile_attached", "profile_detached", "graph_twice", "profile_seven", "profile_seven_kept")
 WINDOWS, STEPS = 9, 20
 
 
@@ -119,7 +121,9 @@ def child(mode: str, compiled: bool) -> dict:
         os.environ["TEARDOWN_CUPTI"] = "0"
     if mode != "control":
         _profile(run_one)
-    if mode == "profile_seven":
+    if mode == "profile_seven_kept":
+        os.environ["TEARDOWN_CUPTI"] = "1"
+    if mode in ("profile_seven", "profile_seven_kept"):
         for _ in range(6):
             _profile(run_one)
     if mode == "graph_twice":
