@@ -10,11 +10,13 @@ beside a strict xfail test that reproduces the bug.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import pickle
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,6 +262,9 @@ class Probe(pl.Callback):
         self.flags_before: list[tuple[Any, Any]] = []
         self.flags_training: list[tuple[Any, Any]] | None = None
         self.forwards_training: dict[str, Any] | None = None
+        #: tensors alive at the first real step that hold an autograd graph (a trial step's, kept past
+        #: the trials: its AccumulateGrad nodes stay the parameters' own, with the stream each was made on)
+        self.graphs_training: list[str] | None = None
         self.batches = 0  # training batches the fit ran
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -271,6 +276,28 @@ class Probe(pl.Callback):
         if self.flags_training is None:
             self.flags_training = _flags(trainer.optimizers[0])
             self.forwards_training = _forwards(pl_module)
+            self.graphs_training = _tensors_holding_a_graph()
+
+
+def _tensors_holding_a_graph() -> list[str]:
+    """Real tensors alive now with a ``grad_fn`` (the fake ones torch.compile keeps as example values aside)."""
+    gc.collect()
+    found = []
+    with warnings.catch_warnings():  # isinstance on a deprecated module attribute warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [o for o in objects if type(o).__name__ not in ("FakeTensor", "FunctionalTensor") and _is_tensor(o)]
+    for o in tensors:
+        if o.grad_fn is not None:
+            found.append(f"{tuple(o.shape)} {type(o.grad_fn).__name__}")
+    return found
+
+
+def _is_tensor(o: Any) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except Exception:  # an object that raises on isinstance (a dead weak proxy)
+        return False
 
 
 @pytest.fixture(autouse=True)
@@ -397,6 +424,7 @@ def test_trials_on_a_zoo_model_decide_every_rung_and_leave_nothing_behind(name):
     if back.get("back_to_the_floor"):
         assert not set(back["undone"]) & {r.name for r in result.kept} and not back["failed"]
     assert (probe.flags_training != probe.flags_before) == ("fused_optimizer" in kept)
+    assert probe.graphs_training == [], probe.graphs_training  # no trial step's graph lives into the fit
     had_forward = {k for k, attrs in before["instance"].items() if "forward" in attrs}
     new = {k: v for k, v in probe.forwards_training.items() if k not in had_forward}
     if not kept & FORWARD_RUNGS:
