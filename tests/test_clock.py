@@ -55,13 +55,23 @@ def test_no_synchronization_per_step(steps):
 
 
 def test_ladder_measurement_waits_once_per_window(monkeypatch):
-    """The ladder's whole measurement path (warm-up + windows) syncs once per timed window."""
+    """The ladder's whole measurement path (warm-up + windows) syncs once per timed window. The host
+    clock counts too (a microsecond a reading): on the wall clock, a busy machine made the parity
+    reference's pace look like a slow step's, and the baseline took its short form (3 windows of 2)."""
+    import itertools
+
     from conftest import mlp_state
 
     from speedkit.engine.ladder import Ladder
 
     state = mlp_state()
-    ladder = Ladder(state, [], {"warmup": 1, "steps": 7, "repeats": 3, "parity_steps": 1, "telemetry": False})
+    host = itertools.count(0.0, 1e-6)
+    ladder = Ladder(
+        state,
+        [],
+        {"warmup": 1, "steps": 7, "repeats": 3, "parity_steps": 1, "telemetry": False},
+        host_clock=lambda: next(host),
+    )
     backend = FakeDeviceBackend([1.0] * 1000)
     ladder.clock = StepClock(torch.device("cpu"), backend=backend)
     result = ladder.run()
