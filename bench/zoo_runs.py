@@ -34,7 +34,8 @@ reports; in the device's ``$OUT``, which brings back a few files only, in that f
 
 With ``ZOO_RUNS_WITHOUT=a,b`` in the environment speedkit's variant runs the default ladder less those
 rungs (a diagnostic: which trial leaves something behind); with ``ZOO_RUNS_NO_PROFILE=1`` its ladder
-profiles nothing after the decisions (``measure={"profile": False}``).
+profiles nothing after the decisions (``measure={"profile": False}``); with ``ZOO_RUNS_PROFILE_FIT=1``
+torch.profiler records each variant's timed window (:class:`WindowProfile`).
 
 With ``ZOO_RUNS_STACKS=1`` in the environment each fit's main thread is sampled (bench/stack_sampler.py):
 where its wall time went, by the ladder's phase, in ``logs/<model>_run<k>_<variant>_stacks.txt`` (and
@@ -95,6 +96,45 @@ TINY_MEASURE = {**ZOO_TINY_MEASURE, "profile": False}
 
 
 # -- the timer ---------------------------------------------------------------------------------------
+
+
+class WindowProfile(pl.Callback):
+    """A diagnostic (``ZOO_RUNS_PROFILE_FIT=1``): torch.profiler over the timer's window (its figures then
+    include the profiler's cost, alike for every variant), the host's and the device's op tables written to
+    ``path``: where the fit's own steps spend their time, to set beside another variant's."""
+
+    def __init__(self, timer: WallClockWindow, path: Path) -> None:
+        self.timer, self.path, self.profiler, self.done = timer, path, None, False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.done or self.timer.start is None:
+            return
+        if self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            os.environ.setdefault("TEARDOWN_CUPTI", "1")  # nothing of it left for a later variant
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            return
+        if self.timer.elapsed is None:
+            return
+        self.profiler.stop()
+        self.done = True
+        steps = self.timer.steps
+        table = self.profiler.key_averages()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w") as f:
+            f.write(f"torch.profiler over the window's {steps} steps (totals; divide by {steps} for a step)\n\n")
+            f.write(
+                "== by host time\n" + table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n"
+            )
+            if torch.cuda.is_available():
+                f.write(
+                    "== by device time\n"
+                    + table.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+                    + "\n"
+                )
 
 
 class WallClockWindow(pl.Callback):
@@ -263,6 +303,11 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
                 rungs, trials=True, measure=measure, on_event=on_event, **cache_kwargs(args.cache, folder=folder)
             )
     timer = WallClockWindow(args.steps, args.warmup, entry.unit, ladder)
+    window_profile = (
+        [WindowProfile(timer, Path(args.out) / "logs" / f"{name}_run{args.run}_{variant}_window_profile.txt")]
+        if os.environ.get("ZOO_RUNS_PROFILE_FIT") and args.out
+        else []
+    )
     module, loader = entry.build(size, **(entry.switches if variant == "switches" else {}))
     trainer = pl.Trainer(
         accelerator="cpu" if args.tiny else "gpu",
@@ -274,7 +319,7 @@ def fit_variant(name: str, variant: str, args: argparse.Namespace) -> Fit:
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
         # the ladder first: its on_train_batch_end (the fit's steps it times, its report) runs before the timer's
-        callbacks=[*([ladder] if ladder else []), timer, Deadline(args.time_guard_s)],
+        callbacks=[*([ladder] if ladder else []), timer, *window_profile, Deadline(args.time_guard_s)],
     )
     sampler = None
     if os.environ.get("ZOO_RUNS_STACKS"):  # where the wall time goes, by phase: <out>/logs/<model>_run<k>_<variant>_stacks.txt
