@@ -104,7 +104,7 @@ class StackSampler:
             while up not in (None, 0, 1, me) and hops < 20:
                 up, hops = parents.get(up), hops + 1
             if up == me:  # a forked worker runs this process's command; another program is named by its own
-                command = self._commands.get(pid) or self._command(pid)
+                command = self._command(pid)
                 used[pid] = (f"child {'(forked)' if command == self._command(me) else command}", seconds)
             else:
                 used[pid] = (f"other {comm.split('-')[0]}", seconds)

@@ -10,8 +10,10 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gc
 import random
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -125,3 +127,24 @@ def assert_rel_close(actual, expected, tol: float = 1e-5, msg: str = "") -> None
     denom = max(e.norm().item(), 1e-6)
     rel = (a - e).norm().item() / denom
     assert rel <= tol, f"{msg}: relative error {rel:.3e} > {tol:.0e}"
+
+
+def tensors_holding_a_graph() -> list[str]:
+    """Real tensors alive now with a ``grad_fn`` (the fake ones torch.compile keeps as example values aside)."""
+    gc.collect()
+    found = []
+    with warnings.catch_warnings():  # isinstance on a deprecated module attribute warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [o for o in objects if type(o).__name__ not in ("FakeTensor", "FunctionalTensor") and _is_tensor(o)]
+    for o in tensors:
+        if o.grad_fn is not None:
+            found.append(f"{tuple(o.shape)} {type(o.grad_fn).__name__}")
+    return found
+
+
+def _is_tensor(o: Any) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except Exception:  # an object that raises on isinstance (a dead weak proxy)
+        return False

@@ -629,8 +629,9 @@ def test_once_a_graph_is_undone_no_graph_of_its_steps_lives_on_and_eager_steps_r
     parameter's AccumulateGrad node is made once and reused while any graph holds it, with the stream
     it was made on (a capture's side stream). Suspended (a comparison's other arm) and after undo,
     eager steps run as fast as before the graph, and no tensor holding an autograd graph outlives it."""
-    import gc
     import statistics
+
+    from conftest import tensors_holding_a_graph
 
     from speedkit.measure.session import MeasureSession
 
@@ -670,9 +671,7 @@ def test_once_a_graph_is_undone_no_graph_of_its_steps_lives_on_and_eager_steps_r
     for _ in range(5):
         one()
     handle.undo()
-    gc.collect()
-    holding = [o for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None]
-    assert not holding, [(tuple(t.shape), type(t.grad_fn).__name__) for t in holding]
+    assert tensors_holding_a_graph() == []
     after = eager_ms()
     print(f"eager ms/step: before the graph {before:.3f}, suspended {suspended:.3f}, after undo {after:.3f}")
     assert after <= 1.1 * before and suspended <= 1.1 * before, (before, suspended, after)

@@ -10,13 +10,11 @@ beside a strict xfail test that reproduces the bug.
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import pickle
 import subprocess
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import tensors_holding_a_graph
 from test_lightning import _model_fingerprint
 
 from speedkit import compat
@@ -276,28 +275,7 @@ class Probe(pl.Callback):
         if self.flags_training is None:
             self.flags_training = _flags(trainer.optimizers[0])
             self.forwards_training = _forwards(pl_module)
-            self.graphs_training = _tensors_holding_a_graph()
-
-
-def _tensors_holding_a_graph() -> list[str]:
-    """Real tensors alive now with a ``grad_fn`` (the fake ones torch.compile keeps as example values aside)."""
-    gc.collect()
-    found = []
-    with warnings.catch_warnings():  # isinstance on a deprecated module attribute warns (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        objects = gc.get_objects()
-        tensors = [o for o in objects if type(o).__name__ not in ("FakeTensor", "FunctionalTensor") and _is_tensor(o)]
-    for o in tensors:
-        if o.grad_fn is not None:
-            found.append(f"{tuple(o.shape)} {type(o.grad_fn).__name__}")
-    return found
-
-
-def _is_tensor(o: Any) -> bool:
-    try:
-        return isinstance(o, torch.Tensor)
-    except Exception:  # an object that raises on isinstance (a dead weak proxy)
-        return False
+            self.graphs_training = tensors_holding_a_graph()
 
 
 @pytest.fixture(autouse=True)

@@ -82,17 +82,23 @@ def _what_ran_between(between: Between, wait: float, timed: bool, trials_wait: f
             "the next batch (the loader does not keep up: workers, pinned memory, prefetch) or the loop's own "
             "per-batch work (callbacks, logging)"
         )
-    if between.in_trials_ms - trials_wait >= 0.5 * wait:
+    if _loader_rose(between, wait, trials_wait):
         return "the next batch: the loader does not keep up (workers, pinned memory, prefetch)"
     return "the loop's own per-batch work outside its hooks (its logging and metrics bookkeeping, a progress bar)"
 
 
-def _host_wide(between: Between, wait: float, host: float, gap_ms: float, ladder: Measurement) -> bool:
+def _loader_rose(between: Between, wait: float, trials_wait: float) -> bool:
+    """The fetch and the move to the device took at least half the rise ``wait`` above ``trials_wait``,
+    all the time between steps in the trials (which run them too)."""
+    return between.in_trials_ms - trials_wait >= 0.5 * wait
+
+
+def _host_wide(between: Between, wait: float, host: float, gap_ms: float, trials_wait: float) -> bool:
     """Both host times rose (between the steps and in them), and no action between the steps the fit
     runs (hooks, validation, a slower fetch) explains the rise between them."""
     if min(wait, host) < HOST_WIDE * gap_ms:
         return False
-    return between.hooks_ms < 0.5 * wait and between.in_trials_ms - (ladder.data_wait_ms or 0.0) < 0.5 * wait
+    return between.hooks_ms < 0.5 * wait and not _loader_rose(between, wait, trials_wait)
 
 
 def judge_holds(
@@ -116,7 +122,8 @@ def judge_holds(
     if abs(gap) <= threshold:
         return Holds(ladder, fit, gap, False, threshold, None, "; ".join(n for n in (compiled, note) if n) or None, between_ms)
     gap_ms = fit.step_ms - ladder.step_ms
-    wait = (fit.data_wait_ms or 0.0) - (ladder.data_wait_ms or 0.0)
+    trials_wait = ladder.data_wait_ms or 0.0  # all the trials' time between steps
+    wait = (fit.data_wait_ms or 0.0) - trials_wait
     host = (fit.host_ms or 0.0) - (ladder.host_ms or 0.0)
     between = between_steps(between_ms, fit.data_wait_ms or 0.0, gap_ms)
     per_step = (
@@ -131,13 +138,12 @@ def judge_holds(
             f"and in the fit (windows vary by {ladder.spread:.1%} and {fit.spread:.1%} within each), and the loop's "
             f"own per-batch work ({per_step})"
         )
-    elif gap_ms > 0 and _host_wide(between, wait, host, gap_ms, ladder):
+    elif gap_ms > 0 and _host_wide(between, wait, host, gap_ms, trials_wait):
         cause = (
             f"host time between and in the steps alike: {per_step}; the host runs all of the loop more slowly than in "
             "the trials (another thread of this process holding the interpreter, or another process on its cores)"
         )
     elif gap_ms > 0 and wait >= 0.5 * gap_ms:
-        trials_wait = ladder.data_wait_ms or 0.0
         cause = f"time between steps: {per_step}; {_what_ran_between(between, wait, bool(between_ms), trials_wait)}"
     elif gap_ms > 0 and host >= 0.5 * gap_ms and shapes_vary:
         cause = (
